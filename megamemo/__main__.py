@@ -1,0 +1,5 @@
+import sys
+
+from megamemo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,51 @@
+"""The `megamemo` command: a thin dispatcher. Each subcommand lives in its own module as
+`main(argv: list[str]) -> int | None`, imported only when used (so `megamemo prepare` never imports DeepSpeed)."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "prepare": ("data_pipeline.cli:prepare_main", "build zstd webdataset shards from a raw corpus"),
+    "verify-shards": ("data_pipeline.cli:verify_main", "check every shard of a directory against its manifest"),
+    "reference-score": ("megamemo.interop.score:main", "score a reference-format .pt file with the megamemo model"),
+    "train": ("megamemo.train.cli:main", "train (one process per device; see launch/)"),
+    "eval": ("megamemo.evaluate:main", "evaluate a checkpoint: bpc / perplexity"),
+    "generate": ("megamemo.generate:main", "sample text with memory carried"),
+    "convert": ("megamemo.checkpoint.convert:main", "convert a sharded checkpoint to single-GPU form"),
+    "plan": ("megamemo.plan:main", "per-rank memory plan for a config and cluster"),
+    "analyze": ("megamemo.analyze:main", "memorizing coefficient and attention-by-distance plots"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: megamemo SUBCOMMAND [ARGS...]", "", "subcommands:"]
+    for name, (_, doc) in SUBCOMMANDS.items():
+        lines.append(f"  {name:<16} {doc}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    target = SUBCOMMANDS[name][0]
+    mod_name, func_name = target.split(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and mod_name.startswith(e.name):
+            print(f"megamemo: subcommand {name!r} is not available in this build ({e})", file=sys.stderr)
+            return 2
+        raise
+    rc = getattr(module, func_name)(rest)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
