@@ -1,0 +1,64 @@
+"""`megamemo reference-score FILE.pt --out OUT.pt`: score a reference-format file with the megamemo model.
+
+The file holds `state_dict`, `config`, `inputs`, `targets` (see ../shared/reference/README.md). The model is built
+through the importer and the segments run in order, in eval mode, with memory carried. Output:
+{"nll": [float32 tensor [L, B] per segment, in position order]}.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .reference import ReferenceFormatError, import_reference
+
+KNOWN_KEYS = {"name", "reference", "model_class", "config", "seed", "init", "state_dict", "param_names", "stream",
+              "data_matrix", "inputs", "targets", "nll", "nll_keep_order", "mems", "layer_outputs", "analysis",
+              "train", "torch_version"}
+REQUIRED = ("state_dict", "config", "inputs", "targets")
+
+
+def load_reference_file(path: str) -> dict:
+    try:
+        g = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - report what failed and where
+        raise ReferenceFormatError(f"{path}: not a readable reference file ({type(e).__name__}: {e})") from e
+    if not isinstance(g, dict):
+        raise ReferenceFormatError(f"{path}: expected a dict, got {type(g).__name__}")
+    unknown = sorted(set(g) - KNOWN_KEYS)
+    if unknown:
+        raise ReferenceFormatError(f"{path}: unknown keys {unknown}")
+    missing = [k for k in REQUIRED if k not in g]
+    if missing:
+        raise ReferenceFormatError(f"{path}: missing keys {missing}")
+    if len(g["inputs"]) != len(g["targets"]):
+        raise ReferenceFormatError(f"{path}: {len(g['inputs'])} input segments but {len(g['targets'])} target segments")
+    return g
+
+
+@torch.no_grad()
+def score(g: dict) -> list[torch.Tensor]:
+    model = import_reference(g["config"], g["state_dict"]).eval()
+    mem, out = None, []
+    for x, y in zip(g["inputs"], g["targets"]):
+        nll, mem = model(x, y, mem)
+        out.append(nll.float())
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="megamemo reference-score", description=__doc__.splitlines()[0])
+    ap.add_argument("file", help="reference-format .pt file")
+    ap.add_argument("--out", required=True, help="where to write {'nll': [...]}")
+    args = ap.parse_args(argv)
+    try:
+        g = load_reference_file(args.file)
+        nll = score(g)
+    except (ReferenceFormatError, ValueError) as e:
+        print(f"megamemo reference-score: {e}", file=sys.stderr)
+        return 2
+    torch.save({"nll": nll}, args.out)
+    total = sum(float(t.sum()) for t in nll) / sum(t.numel() for t in nll)
+    print(f"scored {len(nll)} segments, mean NLL {total:.6f} nats -> {args.out}")
+    return 0

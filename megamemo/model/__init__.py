@@ -1,0 +1,6 @@
+"""The single-device model: plain PyTorch, no parallel code. See lm.py for the entry point."""
+from .config import VARIANTS, ModelConfig
+from .lm import MemTransformerLM
+from .memory import Memory
+
+__all__ = ["ModelConfig", "MemTransformerLM", "Memory", "VARIANTS"]

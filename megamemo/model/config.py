@@ -1,0 +1,125 @@
+"""The model's typed configuration. One dataclass; `from_dict` rejects unknown or ill-typed fields by name."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# variant -> (memory kind, attention kind)
+VARIANTS = {
+    "lamemo": "LaMemo: disentangled RPE + look-ahead + memory interpolation (reference attn_type 3)",
+    "lamemo_xlrpe": "LaMemo with Transformer-XL's signed RPE for the look-ahead (reference attn_type 31)",
+    "lamemo_no_interp": "LaMemo ablation: no memory interpolation (alpha = 0: memory is its look-ahead context)",
+    "lamemo_no_lookahead": "LaMemo ablation: no look-ahead (alpha = 1: memory keeps its causal context)",
+    "xl": "Transformer-XL (relative positions, per-layer FIFO memory; reference attn_type 0)",
+    "rpe": "Transformer with XL relative positions and no memory",
+}
+
+
+@dataclass
+class ModelConfig:
+    variant: str = "lamemo"
+    n_token: int = 256
+    n_layer: int = 2
+    d_model: int = 64
+    n_head: int = 2
+    d_head: int = 32
+    d_inner: int = 128
+    dropout: float = 0.1
+    dropatt: float = 0.0
+    tgt_len: int = 64
+    mem_len: int = 64
+    clamp_len: int = -1
+    same_length: bool = False
+    pre_lnorm: bool = False
+    cutoffs: list[int] = field(default_factory=list)
+    div_val: int = 1
+    tie_weight: bool = True
+    tie_projs: list[bool] = field(default_factory=lambda: [False])
+    d_embed: int | None = None
+    init_std: float = 0.02
+    proj_init_std: float = 0.01
+    # The reference LaMemo training script never re-initialises r_r_bias_future, so it keeps xavier_uniform_
+    # (~15x the scale of r_r_bias). "xavier" reproduces that; "normal" uses N(0, init_std) like the other biases.
+    future_bias_init: str = "xavier"
+
+    # ---- derived -------------------------------------------------------------------------------------------
+    @property
+    def lamemo(self) -> bool:
+        return self.variant.startswith("lamemo")
+
+    @property
+    def has_memory(self) -> bool:
+        return self.variant != "rpe"
+
+    @property
+    def future_bias(self) -> bool:
+        """Whether the look-ahead has its own position bias v- (attn_type 3); type 31 reuses v+."""
+        return self.variant in ("lamemo", "lamemo_no_interp")
+
+    @property
+    def embed_dim(self) -> int:
+        return self.d_model if self.d_embed is None else self.d_embed
+
+    # ---- validation and (de)serialisation -----------------------------------------------------------------
+    def validate(self) -> "ModelConfig":
+        def bad(name, why):
+            raise ValueError(f"model.{name}: {why} (got {getattr(self, name)!r})")
+
+        if self.variant not in VARIANTS:
+            bad("variant", f"must be one of {sorted(VARIANTS)}")
+        for name in ("n_token", "n_layer", "d_model", "n_head", "d_head", "d_inner", "tgt_len", "div_val"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        if self.mem_len < 0:
+            bad("mem_len", "must be >= 0")
+        if self.lamemo and self.mem_len == 0:
+            bad("mem_len", "LaMemo needs a memory (mem_len >= 1)")
+        for name in ("dropout", "dropatt"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                bad(name, "must be in [0, 1)")
+        if self.d_model % 2:
+            bad("d_model", "must be even (sinusoidal positions)")
+        cut = list(self.cutoffs)
+        if cut != sorted(set(cut)) or (cut and (cut[0] < 1 or cut[-1] >= self.n_token)):
+            bad("cutoffs", f"must be strictly increasing and inside (0, n_token={self.n_token})")
+        n_clusters = len(cut) + 1
+        if len(self.tie_projs) not in (1, n_clusters) and self.tie_projs:
+            bad("tie_projs", f"needs 1 or {n_clusters} entries (one per cluster)")
+        if self.embed_dim % (self.div_val ** len(cut)):
+            bad("div_val", "d_embed must be divisible by div_val ** len(cutoffs)")
+        if self.future_bias_init not in ("xavier", "normal"):
+            bad("future_bias_init", "must be 'xavier' or 'normal'")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "model") -> "ModelConfig":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in d.items():
+            if key not in fields:
+                raise ValueError(f"{where}.{key}: unknown field (known: {', '.join(sorted(fields))})")
+            kwargs[key] = _check_type(f"{where}.{key}", fields[key].type, value)
+        return cls(**kwargs).validate()
+
+
+def _check_type(name: str, typ: str, value):
+    """Accept a value for a field annotated `typ` (a string, as `from __future__ import annotations` keeps them)."""
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+        "list[int]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+        "list[bool]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, bool) for x in v),
+    }[typ]
+    if not ok(value):
+        raise ValueError(f"{name}: expected {typ}, got {type(value).__name__} {value!r}")
+    if typ == "float":
+        return float(value)
+    if typ.startswith("list"):
+        return list(value)
+    return value

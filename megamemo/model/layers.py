@@ -1,0 +1,123 @@
+"""Decoder layers: relative multi-head attention (XL or LaMemo) + position-wise feed-forward."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .attention import causal_attention, interpolate, lookahead_attention
+from .positions import causal_rel_index, lookahead_index
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model, d_inner, dropout, pre_lnorm):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_inner)
+        self.fc2 = nn.Linear(d_inner, d_model)
+        self.layer_norm = nn.LayerNorm(d_model)
+        self.drop = nn.Dropout(dropout)
+        self.pre_lnorm = pre_lnorm
+
+    def forward(self, x):
+        if self.pre_lnorm:
+            return x + self.drop(self.fc2(self.drop(F.relu(self.fc1(self.layer_norm(x))))))
+        return self.layer_norm(x + self.drop(self.fc2(self.drop(F.relu(self.fc1(x))))))
+
+
+class RelAttention(nn.Module):
+    """Projections of one attention block. q, k, v come from one fused weight laid out [Q; K; V], each
+    head-major (feature h*d_head + e belongs to head h); `n_head` is the number of heads this module holds."""
+
+    def __init__(self, d_model, n_head, d_head, dropout, dropatt, pre_lnorm):
+        super().__init__()
+        self.n_head, self.d_head = n_head, d_head
+        self.qkv = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
+        self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
+        self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
+        self.layer_norm = nn.LayerNorm(d_model)
+        self.drop = nn.Dropout(dropout)
+        self.dropatt = dropatt
+        self.pre_lnorm = pre_lnorm
+        self.scale = 1.0 / math.sqrt(d_head)
+
+    def heads(self, x):
+        """[T, B, d] -> q, k, v each [B, n, T, dh]."""
+        T, B, _ = x.shape
+        qkv = self.qkv(self.layer_norm(x) if self.pre_lnorm else x)
+        return qkv.view(T, B, 3, self.n_head, self.d_head).permute(2, 1, 3, 0, 4).unbind(0)
+
+    def rel(self, pos_emb):
+        """[P, d] sinusoids -> [n, P, dh]."""
+        return self.r_net(pos_emb).view(-1, self.n_head, self.d_head).transpose(0, 1)
+
+    def output(self, x, ctx):
+        """Residual + o_net over context rows ctx [B, n, T, dh] aligned with x [T, B, d]."""
+        B, n, T, dh = ctx.shape
+        out = self.drop(self.o_net(ctx.permute(2, 0, 1, 3).reshape(T, B, n * dh)))
+        return x + out if self.pre_lnorm else self.layer_norm(x + out)
+
+
+class XLLayer(nn.Module):
+    """Transformer-XL layer: memory = this layer's input at previous segments."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = RelAttention(cfg.d_model, cfg.n_head, cfg.d_head, cfg.dropout, cfg.dropatt, cfg.pre_lnorm)
+        self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
+
+    def forward(self, h, mem, pos_emb, u, vb, mask):
+        L = h.size(0)
+        cat = h if mem is None or mem.size(0) == 0 else torch.cat([mem, h], 0)
+        klen = cat.size(0)
+        q, k, v = self.attn.heads(cat)
+        ctx, _ = causal_attention(q[:, :, -L:], k, v, self.attn.rel(pos_emb), u, vb, mask,
+                                  causal_rel_index(L, klen, h.device), self.attn.scale,
+                                  self.attn.dropatt, self.training)
+        return self.ff(self.attn.output(h, ctx))
+
+
+class LaMemoLayer(nn.Module):
+    """LaMemo layer: recomputes the memory rows' states from the layer below, refreshes their context with
+    look-ahead attention and merges it with the cached context (memory interpolation)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = RelAttention(cfg.d_model, cfg.n_head, cfg.d_head, cfg.dropout, cfg.dropatt, cfg.pre_lnorm)
+        self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
+        self.variant = cfg.variant
+
+    def forward(self, h_mem, h, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len):
+        """h_mem [M,B,d] memory rows' states at this layer, h [L,B,d]; ctx_old [M,B,n,dh] and lse_old [M,B,n]
+        (fp32) the caches; pos_emb [klen+M, d]. Returns (h_mem', h', ctx_new, lse_new); the caches are the last
+        mem_len rows of [memory; current] and are detached."""
+        M, L = h_mem.size(0), h.size(0)
+        klen = M + L
+        cat = torch.cat([h_mem, h], 0) if M else h
+        q, k, v = self.attn.heads(cat)
+        r = self.attn.rel(pos_emb)
+        ctx, lse = causal_attention(q[:, :, M:], k, v, r[:, :klen], u, vb, mask, causal_rel_index(L, klen, h.device),
+                                    self.attn.scale, self.attn.dropatt, self.training)
+        if M:
+            c_old = ctx_old.permute(1, 2, 0, 3)
+            s_old = lse_old.permute(1, 2, 0)
+            if self.variant == "lamemo_no_lookahead":
+                c_mem, s_mem = c_old.to(ctx.dtype), s_old.float()
+            else:
+                nk = min(M, L)
+                t_index, la_mask = lookahead_index(M, nk, h.device)
+                a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
+                                              r[:, klen:], u, vf, t_index, la_mask, self.attn.scale,
+                                              self.attn.dropatt, self.training)
+                if self.variant == "lamemo_no_interp":
+                    c_mem, s_mem = a, s_la
+                else:
+                    c_mem, s_mem = interpolate(c_old, s_old, a, s_la)
+            ctx = torch.cat([c_mem, ctx], 2)
+            lse = torch.cat([s_mem, lse], 2)
+        out = self.ff(self.attn.output(cat, ctx))
+        beg = max(0, klen - mem_len)
+        ctx_new = ctx[:, :, beg:].detach().permute(2, 0, 1, 3)
+        lse_new = lse[:, :, beg:].detach().permute(2, 0, 1)
+        return out[:M], out[M:], ctx_new, lse_new

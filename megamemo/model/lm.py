@@ -1,0 +1,159 @@
+"""The language model: embed -> layers -> adaptive softmax, with memory passed in and returned."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from .config import ModelConfig
+from .layers import LaMemoLayer, XLLayer
+from .memory import Memory
+from .positions import causal_mask, inv_freq, position_sequence, sinusoid
+
+
+class MemTransformerLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg.validate()
+        d, n, dh = cfg.d_model, cfg.n_head, cfg.d_head
+        self.word_emb = AdaptiveEmbedding(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.r_w_bias = nn.Parameter(torch.empty(n, dh))
+        self.r_r_bias = nn.Parameter(torch.empty(n, dh))
+        if cfg.future_bias:
+            self.r_r_bias_future = nn.Parameter(torch.empty(n, dh))
+        layer = LaMemoLayer if cfg.lamemo else XLLayer
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.n_layer))
+        self.crit = AdaptiveLogSoftmax(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val,
+                                       cfg.tie_weight, cfg.tie_projs)
+        self.register_buffer("inv_freq", inv_freq(d), persistent=False)
+        self.check_inputs = True  # token-range checks cost a host sync: a training loop on GPU may turn them off
+        self.reset_parameters()
+
+    # ---- initialisation (the reference training scripts' weights_init) ----------------------------------------
+    def reset_parameters(self):
+        std, pstd = self.cfg.init_std, self.cfg.proj_init_std
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.normal_(m.weight, 1.0, std)
+                nn.init.zeros_(m.bias)
+        for p in list(self.word_emb.emb_projs) + list(self.crit.out_projs.values()):
+            nn.init.normal_(p, 0.0, pstd)
+        for p in self.crit.out_weights:
+            nn.init.normal_(p, 0.0, std)
+        nn.init.zeros_(self.crit.out_bias)
+        if self.crit.n_clusters:
+            nn.init.normal_(self.crit.cluster_weight, 0.0, std)
+            nn.init.zeros_(self.crit.cluster_bias)
+        nn.init.normal_(self.r_w_bias, 0.0, std)
+        nn.init.normal_(self.r_r_bias, 0.0, std)
+        if self.cfg.future_bias:
+            if self.cfg.future_bias_init == "xavier":
+                nn.init.xavier_uniform_(self.r_r_bias_future)
+            else:
+                nn.init.normal_(self.r_r_bias_future, 0.0, std)
+
+    # ---- memory ---------------------------------------------------------------------------------------------
+    def memory_names(self) -> list[str]:
+        if not self.cfg.has_memory:
+            return []
+        if self.cfg.lamemo:
+            return ["emb"] + [f"{kind}.{l}" for l in range(self.cfg.n_layer) for kind in ("ctx", "lse")]
+        return [f"hid.{l}" for l in range(self.cfg.n_layer)]
+
+    def empty_memory(self, batch_size: int) -> Memory:
+        return Memory({}, batch_size=batch_size)
+
+    def _check(self, inp, tgt, mem):
+        cfg = self.cfg
+        if inp.dim() != 2 or inp.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input must be an integer tensor [tgt_len, batch], got {inp.dtype} {tuple(inp.shape)}")
+        if tgt is not None and tgt.shape != inp.shape:
+            raise ValueError(f"target shape {tuple(tgt.shape)} does not match input shape {tuple(inp.shape)}")
+        if self.check_inputs:
+            for name, t in (("input", inp), ("target", tgt)):
+                if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.n_token):
+                    raise ValueError(f"{name} token ids must be in [0, {cfg.n_token}); "
+                                     f"got range [{int(t.min())}, {int(t.max())}]")
+        B = inp.size(1)
+        if mem.batch_size is not None and mem.batch_size != B:
+            raise ValueError(f"memory holds {mem.batch_size} streams but the input has batch {B}")
+        if mem.length == 0 and not mem.tensors:
+            return
+        names = self.memory_names()
+        if sorted(mem.tensors) != sorted(names):
+            raise ValueError(f"memory tensors {sorted(mem.tensors)} do not match this model ({cfg.variant}, "
+                             f"{cfg.n_layer} layers) which expects {names}")
+        n_local = self.layers[0].attn.n_head
+        for k, t in mem.tensors.items():
+            tail = {"emb": (cfg.d_model,), "hid": (cfg.d_model,), "ctx": (n_local, cfg.d_head),
+                    "lse": (n_local,)}[k.split(".")[0]]
+            if tuple(t.shape[2:]) != tail:
+                raise ValueError(f"memory tensor {k!r} has shape {tuple(t.shape)}, expected [M, {B}, "
+                                 f"{', '.join(map(str, tail))}]")
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def forward(self, inp, tgt=None, mem: Memory | None = None, *, mem_len=None, same_length=None, clamp_len=None):
+        """inp, tgt [L, B] token ids -> (nll [L, B] fp32, new memory). Without tgt: (log-probs [L, B, V], memory).
+        mem_len / same_length / clamp_len override the config for this call (evaluation at other lengths)."""
+        mem = self.empty_memory(inp.size(1)) if mem is None else mem
+        self._check(inp, tgt, mem)
+        hidden, new_mem = self.encode(inp, mem, mem_len, same_length, clamp_len)
+        L, B = inp.shape
+        flat = hidden.reshape(L * B, -1)
+        if tgt is None:
+            return self.crit.log_probs(flat, self.word_emb).view(L, B, -1), new_mem
+        return self.crit.nll(flat, tgt.reshape(-1).long(), self.word_emb).view(L, B), new_mem
+
+    def encode(self, inp, mem: Memory, mem_len=None, same_length=None, clamp_len=None):
+        cfg = self.cfg
+        mem_len = cfg.mem_len if mem_len is None else mem_len
+        same_length = cfg.same_length if same_length is None else same_length
+        clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
+        if not cfg.has_memory:
+            mem_len = 0
+        h0 = self.drop(self.word_emb(inp))
+        L, B = inp.shape
+        M = mem.length
+        klen = M + L
+        future = None if not cfg.lamemo else ("signed" if cfg.variant == "lamemo_xlrpe" else "abs")
+        pos = position_sequence(klen, M, clamp_len, future, h0.device)
+        pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(h0.dtype))
+        mask = causal_mask(L, M, mem_len, same_length, h0.device)
+        if cfg.lamemo:
+            return self._encode_lamemo(h0, mem, pos_emb, mask, mem_len)
+        return self._encode_xl(h0, mem, pos_emb, mask, mem_len)
+
+    def _encode_xl(self, h0, mem, pos_emb, mask, mem_len):
+        h, hids = h0, []
+        for l, layer in enumerate(self.layers):
+            hids.append(h)
+            h = layer(h, mem.get(f"hid.{l}"), pos_emb, self.r_w_bias, self.r_r_bias, mask)
+        new = {}
+        if mem_len > 0:
+            with torch.no_grad():
+                for l, x in enumerate(hids):
+                    old = mem.get(f"hid.{l}")
+                    cat = x if old is None else torch.cat([old, x.to(old.dtype)], 0)
+                    new[f"hid.{l}"] = cat[max(0, cat.size(0) - mem_len):].detach()
+        return self.drop(h), Memory(new, batch_size=h0.size(1))
+
+    def _encode_lamemo(self, h0, mem, pos_emb, mask, mem_len):
+        vf = self.r_r_bias_future if self.cfg.future_bias else self.r_r_bias
+        emb = mem.get("emb")
+        h_mem = emb.to(h0.dtype) if emb is not None else h0[:0]
+        h, new = h0, {}
+        for l, layer in enumerate(self.layers):
+            ctx_old, lse_old = mem.get(f"ctx.{l}"), mem.get(f"lse.{l}")
+            h_mem, h, new[f"ctx.{l}"], new[f"lse.{l}"] = layer(
+                h_mem, h, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len)
+        with torch.no_grad():
+            cat = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
+            new["emb"] = cat[max(0, cat.size(0) - mem_len):].detach()
+        return self.drop(h), Memory(new, batch_size=h0.size(1))

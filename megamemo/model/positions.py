@@ -1,0 +1,55 @@
+"""Sinusoidal relative positions and the index arithmetic that aligns them with query/key pairs."""
+from __future__ import annotations
+
+import torch
+
+
+def inv_freq(d_model: int) -> torch.Tensor:
+    return 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model))
+
+
+def sinusoid(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[P] float positions -> [P, d_model]: all sines, then all cosines (concatenated, not interleaved)."""
+    angles = torch.outer(pos, inv_freq)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+def position_sequence(klen: int, mlen: int, clamp_len: int, future: str | None, device=None) -> torch.Tensor:
+    """Distances for the rows of R: klen-1 ... 0 (past), then for LaMemo the M future distances
+    1..M ("abs", the disentangled RPE) or -1..-M ("signed", XL's RPE). clamp_len clamps from above only."""
+    pos = torch.arange(klen - 1, -1, -1.0, device=device)
+    if future is not None and mlen > 0:
+        fut = torch.arange(1.0, mlen + 1, device=device)
+        pos = torch.cat([pos, fut if future == "abs" else -fut])
+    if clamp_len > 0:
+        pos = pos.clamp(max=clamp_len)
+    return pos
+
+
+def causal_mask(qlen: int, mlen: int, mem_len: int, same_length: bool, device=None) -> torch.Tensor:
+    """[qlen, klen] bool, True where key j is hidden from query i (at position mlen + i): j in its future, or,
+    with same_length, j so far back that the query would see more than mem_len keys."""
+    klen = mlen + qlen
+    i = torch.arange(qlen, device=device)[:, None] + mlen
+    j = torch.arange(klen, device=device)[None, :]
+    mask = j > i
+    if same_length and klen > mem_len:
+        mask = mask | (j <= i - mem_len)
+    return mask
+
+
+def causal_rel_index(qlen: int, klen: int, device=None) -> torch.Tensor:
+    """[qlen, klen] column of R (row c <-> distance klen-1-c) for query i (position klen-qlen+i) and key j.
+    Masked (future) pairs get a clamped, valid index; their scores are masked anyway."""
+    i = torch.arange(qlen, device=device)[:, None]
+    j = torch.arange(klen, device=device)[None, :]
+    return (j + qlen - 1 - i).clamp(max=klen - 1)
+
+
+def lookahead_index(mlen: int, nk: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For memory query i and look-ahead key k (position p = mlen-nk+1+k): the future-distance column
+    t = p-i-1 of R_fut (clamped valid) and the mask (True = hidden, where p <= i)."""
+    i = torch.arange(mlen, device=device)[:, None]
+    p = torch.arange(mlen - nk + 1, mlen + 1, device=device)[None, :]
+    t = p - i - 1
+    return t.clamp(min=0), t < 0
