@@ -1,0 +1,307 @@
+"""The run configuration: typed dataclasses, loaded from one YAML file plus `--set a.b=value` overrides.
+
+Every section is a dataclass; an unknown key or a value of the wrong type is a `ConfigError` naming the key
+(`optim.lr: expected float, got str 'fast'`). The model section is megamemo.model.ModelConfig itself. The
+resolved config (every default filled in) is written to `<run_dir>/config.yaml` by the trainer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names it."""
+
+
+@dataclass
+class DataConfig:
+    dir: str = ""                   # shard directory written by `megamemo prepare` (holds manifest.json)
+    split: str = "train"
+    batch_size: int = 22            # global batch B: contiguous streams (columns) over all data-parallel ranks
+    roll: bool = False              # LaMemo's per-epoch, per-column seeded rotation of the streams
+    seed: int = 1111                # seed of the roll offsets
+    prefetch: int = 0               # background prefetch depth of the reader (0: none)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adam"              # adam | adamw (torch optimizers handed to DeepSpeed)
+    lr: float = 2.5e-4              # the papers' setting
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip: float = 0.25              # global gradient-norm clip (0 disables); DeepSpeed's own default would be 1.0
+    schedule: str = "cosine"        # cosine (linear warmup, then cosine to min_lr) | constant (warmup, then flat)
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # length of the cosine, warmup included; None: train.max_steps
+    min_lr: float = 0.0
+    half_loss: bool = False         # LaMemo's train_ddp optimises mean(nll) / 2
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = "fp32"             # fp32 | bf16 | fp16 (fp16: dynamic loss scaling)
+    initial_scale_power: int = 16   # fp16: first loss scale 2**power
+    loss_scale_window: int = 1000   # fp16: raise the scale after this many steps without overflow
+    hysteresis: int = 2             # fp16: overflows tolerated before the scale is lowered
+    min_loss_scale: float = 1.0
+    # An overflowing step is skipped and retried on the same batch with the lowered scale; this many skips
+    # in a row means the run diverged (e.g. a NaN loss) and stops with an error.
+    max_consecutive_skips: int = 40
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1                     # tensor parallel size (only 1 supported so far)
+    pp: int = 1                     # pipeline parallel size (only 1 supported so far)
+    zero_stage: int = 1             # DeepSpeed ZeRO stage 0 | 1 | 2
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    grad_accum: int = 1             # micro-batches per step on each rank, each with its own memory
+    seed: int = 1111
+    run_dir: str = "runs/default"
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 1000          # steps between checkpoints (0: only at the end and on signals)
+    keep_last: int = 3              # committed checkpoints kept (older ones are deleted)
+    resume: str = "auto"            # auto: newest committed one in run_dir, if any | never | a step directory
+    save_at_end: bool = True
+
+
+@dataclass
+class LogConfig:
+    every: int = 10                 # a log line every N steps (metrics.jsonl gets every step)
+    tensorboard: bool = True
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0                  # validate every N steps (0: never)
+    split: str = "valid"
+    batch_size: int = 16
+    tgt_len: int | None = None      # None: the model's training lengths
+    mem_len: int | None = None
+    clamp_len: int | None = None
+    same_length: bool | None = None
+    max_segments: int = 0           # 0: the whole split
+
+
+SECTIONS = {
+    "data": DataConfig, "optim": OptimConfig, "precision": PrecisionConfig, "parallel": ParallelConfig,
+    "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig, "eval": EvalConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    model: Any                      # megamemo.model.ModelConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        out = {"model": self.model.to_dict()}
+        for name in SECTIONS:
+            out[name] = dataclasses.asdict(getattr(self, name))
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def model_fingerprint(self) -> str:
+        """Hash of the model config: checkpoints record it, resuming compares it."""
+        blob = json.dumps(self.model.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def validate(self) -> "RunConfig":
+        def bad(name, why):
+            raise ConfigError(f"{name}: {why} (got {_get(self, name)!r})")
+
+        if self.data.batch_size < 1:
+            bad("data.batch_size", "must be >= 1")
+        if self.optim.name not in ("adam", "adamw"):
+            bad("optim.name", "must be 'adam' or 'adamw'")
+        if self.optim.lr <= 0:
+            bad("optim.lr", "must be > 0")
+        if len(self.optim.betas) != 2 or not all(0 <= b < 1 for b in self.optim.betas):
+            bad("optim.betas", "must be two numbers in [0, 1)")
+        if self.optim.clip < 0:
+            bad("optim.clip", "must be >= 0 (0 disables clipping)")
+        if self.optim.schedule not in ("cosine", "constant"):
+            bad("optim.schedule", "must be 'cosine' or 'constant'")
+        if self.optim.warmup_steps < 0:
+            bad("optim.warmup_steps", "must be >= 0")
+        if self.optim.decay_steps is not None and self.optim.decay_steps <= self.optim.warmup_steps:
+            bad("optim.decay_steps", "must be larger than optim.warmup_steps")
+        if not 0 <= self.optim.min_lr <= self.optim.lr:
+            bad("optim.min_lr", "must be in [0, optim.lr]")
+        if self.precision.dtype not in ("fp32", "bf16", "fp16"):
+            bad("precision.dtype", "must be fp32, bf16 or fp16")
+        if self.precision.max_consecutive_skips < 1:
+            bad("precision.max_consecutive_skips", "must be >= 1")
+        if self.parallel.tp != 1:
+            bad("parallel.tp", "tensor parallelism is not supported yet; only tp=1")
+        if self.parallel.pp != 1:
+            bad("parallel.pp", "pipeline parallelism is not supported yet; only pp=1")
+        if self.parallel.zero_stage not in (0, 1, 2):
+            bad("parallel.zero_stage", "must be 0, 1 or 2")
+        if self.train.max_steps < 1:
+            bad("train.max_steps", "must be >= 1")
+        if self.train.grad_accum < 1:
+            bad("train.grad_accum", "must be >= 1")
+        if self.data.batch_size % self.train.grad_accum:
+            bad("data.batch_size", f"must be divisible by train.grad_accum={self.train.grad_accum}")
+        if self.checkpoint.save_every < 0:
+            bad("checkpoint.save_every", "must be >= 0")
+        if self.checkpoint.keep_last < 1:
+            bad("checkpoint.keep_last", "must be >= 1")
+        if self.log.every < 1:
+            bad("log.every", "must be >= 1")
+        if self.eval.every < 0:
+            bad("eval.every", "must be >= 0")
+        if self.eval.batch_size < 1:
+            bad("eval.batch_size", "must be >= 1")
+        for name in ("tgt_len", "mem_len"):
+            v = getattr(self.eval, name)
+            if v is not None and v < (1 if name == "tgt_len" else 0):
+                bad(f"eval.{name}", "out of range")
+        return self
+
+    # ---- derived -------------------------------------------------------------------------------------------
+    @property
+    def decay_steps(self) -> int:
+        return self.optim.decay_steps or self.train.max_steps
+
+    def layout(self, world_size: int) -> tuple[int, int]:
+        """(data-parallel size, columns per micro-batch) for `world_size` processes; a clear error if the
+        global batch does not split evenly."""
+        mp = self.parallel.tp * self.parallel.pp
+        if world_size % mp:
+            raise ConfigError(f"parallel: world size {world_size} is not divisible by tp*pp={mp}")
+        dp = world_size // mp
+        per = dp * self.train.grad_accum
+        if self.data.batch_size % per:
+            raise ConfigError(
+                f"data.batch_size: {self.data.batch_size} streams do not split over {dp} data-parallel ranks x "
+                f"train.grad_accum={self.train.grad_accum} micro-batches (needs a multiple of {per})")
+        return dp, self.data.batch_size // per
+
+
+def _get(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---- typed construction ------------------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _coerce(name: str, typ: str, value):
+    """Check `value` against a field annotation (a string under `from __future__ import annotations`)."""
+    if typ.endswith(" | None"):
+        if value is None:
+            return None
+        typ = typ[: -len(" | None")]
+    if typ == "int" and _is_int(value):
+        return value
+    if typ == "float":
+        if _is_int(value) or isinstance(value, float):
+            return float(value)
+        if isinstance(value, str):          # PyYAML reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    if typ == "bool" and isinstance(value, bool):
+        return value
+    if typ == "str" and isinstance(value, str):
+        return value
+    if typ.startswith("list[") and isinstance(value, (list, tuple)):
+        inner = typ[5:-1]
+        return [_coerce(f"{name}[{i}]", inner, v) for i, v in enumerate(value)]
+    raise ConfigError(f"{name}: expected {typ}, got {type(value).__name__} {value!r}")
+
+
+def _section(cls, data, where: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"{where}.{key}: unknown field (known: {', '.join(fields)})")
+        kwargs[key] = _coerce(f"{where}.{key}", fields[key].type, value)
+    return cls(**kwargs)
+
+
+def from_dict(d: dict, source: str = "config") -> RunConfig:
+    from megamemo.model import ModelConfig
+
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    known = ["model", *SECTIONS]
+    for key in d:
+        if key not in known:
+            raise ConfigError(f"{key}: unknown section in {source} (known: {', '.join(known)})")
+    try:
+        model = ModelConfig.from_dict(d.get("model") or {}, where="model")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    kwargs = {name: _section(cls, d.get(name), name) for name, cls in SECTIONS.items()}
+    return RunConfig(model=model, **kwargs).validate()
+
+
+def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    """`a.b=value` strings applied to a nested dict; the value is parsed as YAML (`1`, `true`, `[1, 2]`)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.lr=1e-4")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"--set {key}: expected SECTION.FIELD, e.g. optim.lr")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        sec = d.setdefault(parts[0], {})
+        if sec is None:
+            sec = d[parts[0]] = {}
+        if not isinstance(sec, dict):
+            raise ConfigError(f"--set {key}: {parts[0]} is not a section")
+        sec[parts[1]] = value
+    return d
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    d: dict = {}
+    source = "overrides"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            d = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p}: not valid YAML ({e})") from None
+        source = str(p)
+    return from_dict(apply_overrides(d, list(overrides)), source)

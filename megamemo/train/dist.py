@@ -1,0 +1,169 @@
+"""Rank discovery and process-group start-up.
+
+One process per device. The launcher is recognised from its environment:
+  - torchrun / the `deepspeed` launcher / launch/local.sh: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set;
+  - srun: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; MASTER_ADDR is the first host of the job's node list
+    (`scontrol show hostnames`), MASTER_PORT derived from the job id (DeepSpeed does not map SLURM_* itself);
+  - mpirun (Open MPI, MPICH, Intel MPI): ranks from mpi4py; rank 0 broadcasts its host and a free port. An
+    mpirun inside an sbatch script also inherits SLURM_*; the MPI ranks win there (see _mpirun_inside_slurm);
+  - nothing: one process.
+The mapping is written back into os.environ (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which is
+what torch.distributed's env:// initialisation and DeepSpeed read. gloo on CPU, NCCL on GPU.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str           # env | slurm | mpi | single
+
+    def export(self) -> None:
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+                          MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Hosts of a Slurm node list. Uses `scontrol show hostnames`; without scontrol, expands the common
+    forms itself (`a,b`, `node[01-03,7]`, `gpu-[1-2]-x`)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
+                             text=True, timeout=30).stdout.split()
+        if out:
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    hosts: list[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        m = re.match(r"^(.*?)\[([^\]]*)\](.*)$", item)
+        if not m:
+            hosts.append(item)
+            continue
+        pre, ranges, post = m.groups()
+        for r in ranges.split(","):
+            if "-" in r:
+                a, b = r.split("-", 1)
+                hosts += [f"{pre}{i:0{len(a)}d}{post}" for i in range(int(a), int(b) + 1)]
+            else:
+                hosts.append(f"{pre}{r}{post}")
+    return hosts
+
+
+def slurm_port(job_id: str) -> int:
+    """A port every task of one job agrees on, different between jobs sharing a node."""
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return 15000 + int(digits) % 20000
+
+
+def discover(environ: dict | None = None) -> DistEnv:
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(local),
+                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")), "env")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and not _mpirun_inside_slurm(env):
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        addr = env.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
+        port = int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0")))
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")),
+                       addr, port, "slurm")
+    if _mpi_rank(env) is not None:
+        return _discover_mpi(env)
+    return DistEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT") or free_port()),
+                   "single")
+
+
+def _mpi_rank(env) -> tuple[int, int | None] | None:
+    """(rank, size or None) as an MPI launcher (mpirun/mpiexec, or srun's PMI plugins) put them in the environment."""
+    for rank_key, size_key in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                               ("PMIX_RANK", None)):
+        if rank_key in env:
+            size = env.get(size_key) if size_key else None
+            return int(env[rank_key]), (int(size) if size else None)
+    return None
+
+
+def _mpirun_inside_slurm(env) -> bool:
+    """True when an MPI launcher started this process inside a Slurm allocation (mpirun in an sbatch script):
+    then SLURM_PROCID/SLURM_NTASKS describe the batch step or mpirun's proxies, not our ranks. Under srun with a
+    PMI plugin the two agree, and the Slurm mapping is used (no MPI initialisation needed)."""
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return True
+    mpi = _mpi_rank(env)
+    if mpi is None:
+        return False
+    rank, size = mpi
+    return rank != int(env["SLURM_PROCID"]) or (size is not None and size != int(env["SLURM_NTASKS"]))
+
+
+def _discover_mpi(env) -> DistEnv:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    if rank == 0:
+        addr = env.get("MASTER_ADDR") or socket.gethostname()
+        port = int(env.get("MASTER_PORT") or free_port())
+    else:
+        addr, port = None, None
+    addr, port = comm.bcast((addr, port), root=0)
+    return DistEnv(rank, world, local, addr, port, "mpi")
+
+
+def _skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (40-120 s with g++) at the first
+    init_distributed. Training never uses it (only inference_all_reduce does), so skip the build. The patch must
+    go on the module object deepspeed.comm.torch: `import deepspeed.comm.torch as m` binds a different name."""
+    mod = importlib.import_module("deepspeed.comm.torch")
+    mod.build_shm_op = lambda: None
+
+
+def init(timeout_s: int = 600) -> DistEnv:
+    """Discover the ranks, export them, and start torch.distributed through DeepSpeed (gloo or NCCL)."""
+    import torch
+    import deepspeed
+
+    de = discover()
+    de.export()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(de.local_rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+        _skip_shm_comm_build()
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=de.rank,
+                               world_size=de.world_size, timeout=timedelta(seconds=timeout_s))
+    return de
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,171 @@
+"""DeepSpeed set-up: ZeRO 0/1/2, fp32 / bf16 / fp16 (dynamic loss scaling), clipping, torch Adam, warmup +
+cosine schedule; safe (weights_only) checkpoint loading; the engine as a sharded saver for the checkpoint store.
+
+DeepSpeed facts this relies on (0.19.8, see shared/notes/stack-on-cpu.md):
+  - `gradient_clipping` defaults to 1.0, so it is always set explicitly (0 = off);
+  - a torch optimizer plus `zero_allow_untested_optimizer` avoids the fused-Adam JIT build;
+  - the LR scheduler is stepped by DeepSpeed only on applied (non-overflow) steps, and saved in its checkpoint;
+  - its checkpoint engine loads with `weights_only=False`; we replace it with one that never unpickles code.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from megamemo.config import RunConfig
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak LR for the update that follows `step` applied updates: linear warmup over
+    `warmup` updates, then cosine from 1 to min_ratio at `total` (the Transformer-XL / LaMemo schedule)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Schedule:
+    """Callable for LambdaLR; a class (not a lambda) so the scheduler's state stays plain data."""
+
+    def __init__(self, cfg: RunConfig):
+        self.warmup = cfg.optim.warmup_steps
+        self.total = cfg.decay_steps
+        self.schedule = cfg.optim.schedule
+        self.min_ratio = cfg.optim.min_lr / cfg.optim.lr
+
+    def __call__(self, step: int) -> float:
+        return lr_factor(step, self.warmup, self.total, self.schedule, self.min_ratio)
+
+
+def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
+    p = cfg.precision
+    out = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": cfg.train.grad_accum,
+        "train_batch_size": micro_batch * cfg.train.grad_accum * dp,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "gradient_clipping": cfg.optim.clip,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": p.dtype == "bf16"},
+        "fp16": {"enabled": p.dtype == "fp16", "loss_scale": 0, "initial_scale_power": p.initial_scale_power,
+                 "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis,
+                 "min_loss_scale": p.min_loss_scale},
+    }
+    return out
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optim
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def safe_globals() -> list:
+    """The non-tensor classes DeepSpeed pickles into its checkpoint files (plain data, rebuilt by attribute
+    assignment); everything else is refused by torch's weights-only unpickler."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [DynamicLossScaler, LossScaler, fragment_address]
+
+
+def _make_loads_safe(checkpoint_engine) -> None:
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed's torch checkpoint engine, loading with weights_only=True: never runs pickled code."""
+
+        def load(self, path: str, map_location=None):
+            with torch.serialization.safe_globals(safe_globals()):
+                try:
+                    return torch.load(path, map_location=map_location, weights_only=True)
+                except Exception as e:
+                    raise RuntimeError(f"{path}: cannot be loaded safely (weights_only): {e}") from None
+
+    if type(checkpoint_engine) is not TorchCheckpointEngine:
+        raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(checkpoint_engine).__name__}")
+    checkpoint_engine.__class__ = SafeTorchCheckpointEngine
+
+
+class Engine:
+    """The DeepSpeed engine plus what the loop asks of it. Also a ShardedSaver for the checkpoint store."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, micro_batch: int, dp: int):
+        import deepspeed
+
+        self.cfg = cfg
+        if cfg.precision.dtype == "fp16":
+            self._check_fp16()
+        opt = make_optimizer(cfg, model)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, Schedule(cfg))
+        self.ds_config = ds_config(cfg, micro_batch, dp)
+        self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                                config=self.ds_config)
+        _make_loads_safe(self.ds.checkpoint_engine)
+        self.device = self.ds.device
+        self._manual_norm = cfg.parallel.zero_stage == 0 and cfg.precision.dtype == "fp32"
+
+    @staticmethod
+    def _check_fp16():
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        if not acc.is_fp16_supported():
+            raise RuntimeError(f"precision.dtype: fp16 is not supported on this {acc.device_name()} device "
+                               f"(use bf16 or fp32)")
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def forward(self, *args, **kwargs):
+        return self.ds(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> dict:
+        """The optimizer step at the end of the accumulation: {applied, grad_norm, loss_scale, lr}."""
+        lr = self.lr()
+        grad_norm = None
+        if self._manual_norm:           # DeepSpeed does not report the norm without ZeRO / mixed precision
+            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        skipped_before = self.ds.skipped_steps
+        self.ds.step()
+        applied = self.ds.skipped_steps == skipped_before
+        if grad_norm is None:
+            n = self.ds.get_global_grad_norm()
+            grad_norm = float(n) if n is not None else float("nan")
+        return {"applied": applied, "grad_norm": grad_norm, "loss_scale": self.loss_scale(), "lr": lr}
+
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def loss_scale(self) -> float:
+        opt = self.ds.optimizer
+        for name in ("cur_scale", "loss_scale"):
+            v = getattr(opt, name, None)
+            if isinstance(v, (int, float, torch.Tensor)):
+                return float(v)
+        return 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.ds.skipped_steps)
+
+    # ---- ShardedSaver ------------------------------------------------------------------------------------
+    def save_sharded(self, root: Path, tag: str) -> None:
+        self.ds.save_checkpoint(str(root), tag=tag, save_latest=False)
+
+    def load_sharded(self, root: Path, tag: str) -> None:
+        path, _ = self.ds.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"{Path(root) / tag}: DeepSpeed could not load this checkpoint")
