@@ -1,0 +1,137 @@
+"""Properties of the model that the reference files cannot show: the interpolation identity of the paper's
+Appendix A, stream independence of memory, the adaptive softmax, precision, ablations and bad input."""
+import pytest
+import torch
+
+from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.model.attention import interpolate
+
+
+def tiny(variant="lamemo", **kw):
+    torch.manual_seed(0)
+    base = dict(variant=variant, n_token=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, dropout=0.0,
+                tgt_len=5, mem_len=10)
+    base.update(kw)
+    return MemTransformerLM(ModelConfig(**base)).eval()
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_interpolation_equals_attention_over_union_of_keys(scale):
+    """Appendix A: merging a cached partial attention (its normaliser stored as a log) with the look-ahead's
+    partial attention gives attention over the union of both key sets - also where exp() would overflow."""
+    g = torch.Generator().manual_seed(1)
+    B, n, M, dh, k1, k2 = 2, 3, 4, 5, 6, 3
+    s_old = torch.randn(B, n, M, k1, generator=g, dtype=torch.float64) * scale
+    s_new = torch.randn(B, n, M, k2, generator=g, dtype=torch.float64) * scale
+    v_old = torch.randn(B, n, k1, dh, generator=g, dtype=torch.float64)
+    v_new = torch.randn(B, n, k2, dh, generator=g, dtype=torch.float64)
+    c_old = torch.softmax(s_old, -1) @ v_old
+    a = torch.softmax(s_new, -1) @ v_new
+    merged, lse = interpolate(c_old, torch.logsumexp(s_old, -1), a, torch.logsumexp(s_new, -1))
+    union = torch.softmax(torch.cat([s_old, s_new], -1), -1) @ torch.cat([v_old, v_new], -2)
+    assert torch.isfinite(merged).all()
+    assert torch.allclose(merged, union, atol=1e-5 * union.abs().max().item() + 1e-9)
+    assert torch.allclose(lse, torch.logsumexp(torch.cat([s_old, s_new], -1), -1), atol=1e-9 * scale)
+
+
+def test_interpolation_in_bf16_does_not_overflow():
+    s = torch.full((1, 1, 2), 1e4)  # exp(1e4) overflows any float type
+    c = torch.randn(1, 1, 2, 4, dtype=torch.bfloat16)
+    merged, lse = interpolate(c, s, c, s + 1.0)
+    assert torch.isfinite(merged.float()).all() and lse.dtype == torch.float32 and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("variant", ["lamemo", "xl"])
+def test_streams_are_independent_and_memory_round_trips(variant):
+    """A batch of 4 streams equals two batches of 2 with their own memory (what data parallelism relies on),
+    and a memory saved through state_dict continues identically."""
+    model = tiny(variant)
+    data = torch.randint(0, 50, (16, 4))
+    mem = mem_a = mem_b = None
+    with torch.no_grad():
+        for s in range(3):
+            x, y = data[5 * s:5 * s + 5], data[5 * s + 1:5 * s + 6]
+            nll, mem = model(x, y, mem)
+            na, mem_a = model(x[:, :2], y[:, :2], mem_a)
+            nb, mem_b = model(x[:, 2:], y[:, 2:], mem_b)
+            assert torch.allclose(nll, torch.cat([na, nb], 1), atol=1e-6)
+        joined = Memory.cat_batch([mem_a, mem_b])
+        for k in mem.tensors:
+            assert torch.allclose(joined[k], mem[k], atol=1e-6)
+        assert mem.select_batch(slice(2, 4)).batch_size == 2
+        restored = Memory.from_state_dict(mem.state_dict())
+        assert restored.equal(mem)
+        x, y = data[10:15], data[11:16]
+        assert torch.equal(model(x, y, mem)[0], model(x, y, restored)[0])
+
+
+@pytest.mark.parametrize("div_val,tie_projs", [(1, [False]), (2, [False, True, True]), (2, [False, False, False])])
+def test_adaptive_softmax_is_a_distribution(div_val, tie_projs):
+    model = tiny("xl", cutoffs=[10, 30], div_val=div_val, tie_projs=tie_projs, d_embed=16 if div_val > 1 else 8)
+    x = torch.randint(0, 50, (5, 3))
+    y = torch.randint(0, 50, (5, 3))
+    with torch.no_grad():
+        logp, _ = model(x, None)
+        nll, _ = model(x, y)
+    assert logp.shape == (5, 3, 50)
+    assert torch.allclose(logp.logsumexp(-1), torch.zeros(5, 3), atol=1e-5)
+    assert torch.allclose(nll, -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1), atol=1e-5)
+
+
+def test_bf16_model_keeps_log_normalisers_in_fp32():
+    model = tiny("lamemo").to(torch.bfloat16)
+    mem = None
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randint(0, 50, (5, 2))
+            nll, mem = model(x, x, mem)
+    assert all(mem[f"lse.{l}"].dtype == torch.float32 for l in range(2))
+    assert mem["ctx.0"].dtype == torch.bfloat16 and torch.isfinite(nll).all()
+
+
+def test_no_lookahead_ablation_keeps_cached_context():
+    model = tiny("lamemo_no_lookahead")
+    x = torch.randint(0, 50, (5, 2))
+    with torch.no_grad():
+        _, m1 = model(x, x)
+        _, m2 = model(x, x, m1)
+    assert torch.equal(m2["ctx.0"][:5], m1["ctx.0"]) and torch.equal(m2["lse.1"][:5], m1["lse.1"])
+    assert not hasattr(model, "r_r_bias_future")
+
+
+def test_lookahead_refreshes_memory_and_trains_future_bias():
+    model = tiny("lamemo").train()
+    x = torch.randint(0, 50, (5, 2))
+    _, m1 = model(x, x)
+    nll, m2 = model(x, x, m1)
+    nll.mean().backward()
+    assert not torch.equal(m2["ctx.0"][:5], m1["ctx.0"])
+    assert (m2["lse.0"][:5] > m1["lse.0"]).all()  # logaddexp only grows the normaliser
+    assert model.r_r_bias_future.grad is not None and model.r_r_bias_future.grad.abs().sum() > 0
+
+
+def test_bad_input_names_the_problem():
+    model = tiny("lamemo")
+    x = torch.randint(0, 50, (5, 2))
+    with pytest.raises(ValueError, match=r"input token ids must be in \[0, 50\)"):
+        model(x + 100, x)
+    with pytest.raises(ValueError, match="target shape"):
+        model(x, x[:3])
+    with torch.no_grad():
+        _, mem = model(x, x)
+    with pytest.raises(ValueError, match="2 streams but the input has batch 3"):
+        model(torch.randint(0, 50, (5, 3)), None, mem)
+    broken = Memory({**mem.tensors, "ctx.0": mem["ctx.0"][..., :4]})
+    with pytest.raises(ValueError, match="'ctx.0' has shape"):
+        model(x, x, broken)
+    with pytest.raises(ValueError, match="do not match this model"):
+        tiny("xl")(x, x, mem)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="model.n_heads: unknown field"):
+        ModelConfig.from_dict({"n_heads": 4})
+    with pytest.raises(ValueError, match="model.d_model: expected int"):
+        ModelConfig.from_dict({"d_model": "512"})
+    with pytest.raises(ValueError, match="model.variant"):
+        ModelConfig.from_dict({"variant": "lstm"})

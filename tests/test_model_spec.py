@@ -1,0 +1,45 @@
+"""The model against a naive query-by-query statement of the spec (tests/spec_oracle.py), for the
+configurations the golden files do not cover: mem_len != tgt_len, same_length, clamp_len, attn_type 31,
+and evaluation at other lengths than the model was built with."""
+import pytest
+import torch
+
+from megamemo.model import MemTransformerLM, ModelConfig
+
+from spec_oracle import run_segment
+
+CASES = [
+    # variant, tgt_len, mem_len (model), eval mem_len override, same_length, clamp_len
+    ("lamemo", 6, 12, None, False, -1),
+    ("lamemo", 6, 3, None, False, -1),
+    ("lamemo", 6, 6, None, True, 4),
+    ("lamemo_xlrpe", 6, 9, None, False, 3),
+    ("lamemo", 6, 6, 18, False, -1),   # eval with 3x the memory, same model object
+    ("xl", 6, 12, None, True, 5),
+    ("xl", 6, 6, 24, False, -1),
+]
+
+
+@pytest.mark.parametrize("variant,L,mem_len,eval_mem,same_length,clamp", CASES)
+def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp):
+    torch.manual_seed(0)
+    cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=24,
+                      dropout=0.0, tgt_len=L, mem_len=mem_len, init_std=0.3, proj_init_std=0.3)
+    model = MemTransformerLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    sd = model.state_dict()
+    use_mem = eval_mem or mem_len
+    stream = torch.randint(0, 40, (5 * L + 1, 2))
+    mem, omem = None, {}
+    with torch.no_grad():
+        for s in range(5):
+            x, y = stream[s * L:(s + 1) * L], stream[s * L + 1:(s + 1) * L + 1]
+            nll, mem = model(x, y, mem, mem_len=eval_mem, same_length=same_length, clamp_len=clamp)
+            onll, omem = run_segment(sd, cfg, x, y, omem, use_mem, same_length, clamp)
+            assert torch.allclose(nll.double(), onll, atol=1e-5), f"segment {s}: {(nll.double() - onll).abs().max()}"
+            assert mem.length == min(use_mem, (s + 1) * L)
+            for k, t in omem.items():
+                assert torch.allclose(mem[k].double(), t, atol=1e-5), f"segment {s} memory {k}"
