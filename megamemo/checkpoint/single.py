@@ -1,0 +1,89 @@
+"""The single-device checkpoint: what `convert to-single` writes and `eval`/`generate`/`analyze` load.
+
+    DIR/config.json          {"format": "megamemo-single", "version": 1, "model": ModelConfig dict, "meta": {...}}
+    DIR/model.safetensors    the model's state_dict (tied weights stored once; no pickled code anywhere)
+    DIR/memory.safetensors   optional: the memory of chosen streams (Memory.state_dict() form)
+
+Loading it needs nothing but megamemo (or, by hand: build MemTransformerLM(ModelConfig(**config["model"]))
+and load_state_dict(safetensors.torch.load_file(...))).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from megamemo.model import Memory, MemTransformerLM, ModelConfig
+
+FORMAT, VERSION = "megamemo-single", 1
+
+
+class SingleCheckpointError(ValueError):
+    pass
+
+
+def save_single(out_dir, model_cfg: ModelConfig, state_dict: dict, memory: Memory | None = None,
+                meta: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write atomically: into DIR.tmp, then rename to DIR (an existing DIR is an error, nothing is overwritten)."""
+    out = Path(out_dir)
+    if out.exists():
+        raise SingleCheckpointError(f"{out}: already exists; refusing to overwrite")
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        for f in tmp.iterdir():
+            f.unlink()
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
+               for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    if memory is not None:
+        save_file({k: v.contiguous().cpu() for k, v in memory.state_dict().items()}, str(tmp / "memory.safetensors"))
+    cfg = {"format": FORMAT, "version": VERSION, "model": model_cfg.to_dict(), "meta": meta or {}}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    os.replace(tmp, out)
+    return out
+
+
+def read_config(path) -> tuple[ModelConfig, dict]:
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise SingleCheckpointError(f"{p}: missing (not a megamemo single-device checkpoint)")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise SingleCheckpointError(f"{p}: not valid JSON ({e})") from e
+    if cfg.get("format") != FORMAT or cfg.get("version") != VERSION:
+        raise SingleCheckpointError(f"{p}: format {cfg.get('format')!r} v{cfg.get('version')!r}, "
+                                    f"expected {FORMAT!r} v{VERSION}")
+    return ModelConfig.from_dict(cfg["model"], where=f"{p}:model"), cfg.get("meta", {})
+
+
+def load_single(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
+    """-> (model in eval mode, meta). Raises SingleCheckpointError naming the file on any mismatch."""
+    cfg, meta = read_config(path)
+    f = Path(path) / "model.safetensors"
+    if not f.is_file():
+        raise SingleCheckpointError(f"{f}: missing")
+    try:
+        sd = load_file(str(f), device=str(map_location))
+    except Exception as e:  # noqa: BLE001
+        raise SingleCheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from e
+    model = MemTransformerLM(cfg)
+    expected = model.state_dict()
+    missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+    bad = [k for k in set(sd) & set(expected) if sd[k].shape != expected[k].shape]
+    if missing or extra or bad:
+        raise SingleCheckpointError(f"{f}: does not match {Path(path) / 'config.json'}: missing {missing}, "
+                                    f"unexpected {extra}, wrong shapes {sorted(bad)}")
+    dtype = next(iter(sd.values())).dtype if sd else torch.float32
+    model = model.to(dtype)
+    model.load_state_dict(sd)
+    return model.eval(), meta
+
+
+def load_memory(path) -> Memory | None:
+    f = Path(path) / "memory.safetensors"
+    return Memory.from_state_dict(load_file(str(f))) if f.is_file() else None
