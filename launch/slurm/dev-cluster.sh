@@ -111,6 +111,7 @@ JobCompType=jobcomp/none
 SwitchType=switch/none
 MailProg=/bin/true
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
