@@ -7,7 +7,6 @@ turned into log-normalisers in fp32 whatever the input dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 EPS_INTERP = 1e-6  # the reference's epsilon in the interpolation weight's denominator
 
@@ -16,17 +15,18 @@ def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return index.expand(like.shape[0], like.shape[1], *index.shape)
 
 
-def _normalise(score, mask, v, dropatt, training):
-    """score [B,n,Q,K] (any dtype) -> (context [B,n,Q,dh] in v's dtype, log-normaliser [B,n,Q] fp32)."""
+def _normalise(score, mask, v, drop):
+    """score [B,n,Q,K] (any dtype) -> (context [B,n,Q,dh] in v's dtype, log-normaliser [B,n,Q] fp32).
+    `drop` (attention dropout, a module or None) is applied to the probabilities, not to the normaliser."""
     score = score.float().masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(score, dim=-1)
     prob = torch.exp(score - lse.unsqueeze(-1)).to(v.dtype)
-    if dropatt > 0 and training:
-        prob = F.dropout(prob, p=dropatt, training=True)
+    if drop is not None:
+        prob = drop(prob)
     return prob @ v, lse
 
 
-def causal_attention(q, k, v, r, u, vb, mask, rel_index, scale, dropatt=0.0, training=False):
+def causal_attention(q, k, v, r, u, vb, mask, rel_index, scale, drop=None):
     """Transformer-XL relative attention of L current queries over klen = M + L keys.
 
     q [B,n,L,dh]; k, v [B,n,klen,dh]; r [n,klen,dh]: R row c holds distance klen-1-c; u, vb [n,dh] content and
@@ -35,10 +35,10 @@ def causal_attention(q, k, v, r, u, vb, mask, rel_index, scale, dropatt=0.0, tra
     """
     ac = (q + u[:, None]) @ k.transpose(-1, -2)
     bd = ((q + vb[:, None]) @ r.transpose(-1, -2)).gather(-1, _expand(rel_index, q))
-    return _normalise((ac + bd) * scale, mask, v, dropatt, training)
+    return _normalise((ac + bd) * scale, mask, v, drop)
 
 
-def lookahead_attention(qm, k, v, r_fut, u, vf, t_index, mask, scale, dropatt=0.0, training=False):
+def lookahead_attention(qm, k, v, r_fut, u, vf, t_index, mask, scale, drop=None):
     """LaMemo's look-ahead: M memory queries attend to the Nk keys at positions [M-Nk+1, M] that lie after them.
 
     qm [B,n,M,dh]; k, v [B,n,Nk,dh]; r_fut [n,M,dh]: row t holds future distance t+1; vf [n,dh] the look-ahead
@@ -46,7 +46,7 @@ def lookahead_attention(qm, k, v, r_fut, u, vf, t_index, mask, scale, dropatt=0.
     """
     ac = (qm + u[:, None]) @ k.transpose(-1, -2)
     bd = ((qm + vf[:, None]) @ r_fut.transpose(-1, -2)).gather(-1, _expand(t_index, qm))
-    return _normalise((ac + bd) * scale, mask, v, dropatt, training)
+    return _normalise((ac + bd) * scale, mask, v, drop)
 
 
 def interpolate(c_old, s_old, a, s_new):

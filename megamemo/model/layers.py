@@ -17,13 +17,14 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, d_inner)
         self.fc2 = nn.Linear(d_inner, d_model)
         self.layer_norm = nn.LayerNorm(d_model)
+        self.drop_inner = nn.Dropout(dropout)  # on the d_inner activation (split across ranks under TP)
         self.drop = nn.Dropout(dropout)
         self.pre_lnorm = pre_lnorm
 
     def forward(self, x):
         if self.pre_lnorm:
-            return x + self.drop(self.fc2(self.drop(F.relu(self.fc1(self.layer_norm(x))))))
-        return self.layer_norm(x + self.drop(self.fc2(self.drop(F.relu(self.fc1(x))))))
+            return x + self.drop(self.fc2(self.drop_inner(F.relu(self.fc1(self.layer_norm(x))))))
+        return self.layer_norm(x + self.drop(self.fc2(self.drop_inner(F.relu(self.fc1(x))))))
 
 
 class RelAttention(nn.Module):
@@ -38,7 +39,7 @@ class RelAttention(nn.Module):
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
         self.layer_norm = nn.LayerNorm(d_model)
         self.drop = nn.Dropout(dropout)
-        self.dropatt = dropatt
+        self.dropatt = nn.Dropout(dropatt)  # on attention probabilities (per head: split across ranks under TP)
         self.pre_lnorm = pre_lnorm
         self.scale = 1.0 / math.sqrt(d_head)
 
@@ -73,8 +74,7 @@ class XLLayer(nn.Module):
         klen = cat.size(0)
         q, k, v = self.attn.heads(cat)
         ctx, _ = causal_attention(q[:, :, -L:], k, v, self.attn.rel(pos_emb), u, vb, mask,
-                                  causal_rel_index(L, klen, h.device), self.attn.scale,
-                                  self.attn.dropatt, self.training)
+                                  causal_rel_index(L, klen, h.device), self.attn.scale, self.attn.dropatt)
         return self.ff(self.attn.output(h, ctx))
 
 
@@ -98,7 +98,7 @@ class LaMemoLayer(nn.Module):
         q, k, v = self.attn.heads(cat)
         r = self.attn.rel(pos_emb)
         ctx, lse = causal_attention(q[:, :, M:], k, v, r[:, :klen], u, vb, mask, causal_rel_index(L, klen, h.device),
-                                    self.attn.scale, self.attn.dropatt, self.training)
+                                    self.attn.scale, self.attn.dropatt)
         if M:
             c_old = ctx_old.permute(1, 2, 0, 3)
             s_old = lse_old.permute(1, 2, 0)
@@ -109,7 +109,7 @@ class LaMemoLayer(nn.Module):
                 t_index, la_mask = lookahead_index(M, nk, h.device)
                 a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
                                               r[:, klen:], u, vf, t_index, la_mask, self.attn.scale,
-                                              self.attn.dropatt, self.training)
+                                              self.attn.dropatt)
                 if self.variant == "lamemo_no_interp":
                     c_mem, s_mem = a, s_la
                 else:
