@@ -1,0 +1,19 @@
+"""megamemo data pipeline: raw corpora -> zstd webdataset shards -> contiguous, rank-sharded, resumable batches.
+
+See data_pipeline/README.md. Main entry points:
+    StreamReader      batches laid out as Transformer-XL's LMOrderedIterator, sharded over ranks, exact resume
+    build, corpora    `megamemo prepare` in Python
+    verify_shards     `megamemo verify-shards` in Python
+"""
+from .shards import ManifestError, ShardError, build, load_manifest, load_vocab, read_split, verify_shards
+from .vocab import Vocab
+
+__all__ = ["StreamReader", "ShardError", "ManifestError", "build", "load_manifest", "load_vocab", "read_split",
+           "verify_shards", "Vocab"]
+
+
+def __getattr__(name):  # StreamReader imports torch; `megamemo prepare` should not pay for that
+    if name == "StreamReader":
+        from .stream import StreamReader
+        return StreamReader
+    raise AttributeError(f"module 'data_pipeline' has no attribute {name!r}")

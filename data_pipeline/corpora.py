@@ -1,0 +1,353 @@
+"""Raw corpora -> per-split streams of token ids, read in bounded blocks (never the whole corpus in memory).
+
+A `Corpus` names its vocabulary and, per split, a function returning an iterator of int64 id arrays.
+Supported corpora (see `megamemo prepare --help`):
+* ``enwik8``  one file; 90/5/5 split by byte position (90M/5M/5M for the full 10^8-byte file).
+  mode ``bytes`` (default): every byte is a token, id = byte value, 256 symbols.
+  mode ``reference``: Transformer-XL / awd-lstm ``prep_enwik8.py``: newline bytes are dropped (after the split),
+  symbols = byte values present in the whole file, ordered by frequency (204 for the full enwik8).
+* ``text8``   one file of a-z and spaces; same split rule.
+  mode ``chars`` (default): fixed 27-symbol alphabet ``_a..z`` ('_' = space), every byte kept.
+  mode ``reference``: ``prep_text8.py``: each split part is ``strip()``-ed, symbols ordered by frequency.
+* ``wikitext-103``  a directory with ``wiki.{train,valid,test}.tokens``: whitespace words, ``<eos>`` after
+  every line, case kept, vocabulary from train only (``<eos>`` first, then by frequency), ``<unk>`` kept as a word.
+  With ``vocab_file`` the vocabulary is read instead and train may be absent.
+* ``text``    plain-text or ``.jsonl`` files: byte-level (raw UTF-8 bytes), or words with a given vocabulary file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .vocab import Vocab, frequency_order
+
+SPLITS = ("train", "valid", "test")
+BLOCK_BYTES = 1 << 22
+WORD_BLOCK = 1 << 20
+
+
+@dataclass
+class Corpus:
+    name: str
+    mode: str
+    vocab: Vocab
+    tokenizer: dict                                       # what the manifest records about tokenisation
+    splits: dict[str, Callable[[dict], Iterator[np.ndarray]]]  # split -> f(stats) -> id blocks
+    input_bytes: dict[str, int] = field(default_factory=dict)  # per split, for progress
+    source: dict = field(default_factory=dict)
+
+
+def split_points(n: int, ratio: tuple[int, int, int] = (90, 5, 5)) -> dict[str, tuple[int, int]]:
+    """Byte ranges of train/valid/test: valid and test get floor(n·r/total), train the rest (90M/5M/5M of 10^8)."""
+    total = sum(ratio)
+    n_valid, n_test = n * ratio[1] // total, n * ratio[2] // total
+    a, b = n - n_valid - n_test, n - n_test
+    return {"train": (0, a), "valid": (a, b), "test": (b, n)}
+
+
+def read_range(path: Path, start: int, stop: int, block: int = BLOCK_BYTES) -> Iterator[tuple[int, np.ndarray]]:
+    """(offset, uint8 block) over bytes [start, stop) of a file."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos = start
+        while pos < stop:
+            data = f.read(min(block, stop - pos))
+            if not data:
+                raise ValueError(f"{path}: file ended at byte {pos}, expected {stop} bytes")
+            yield pos, np.frombuffer(data, dtype=np.uint8)
+            pos += len(data)
+
+
+def _check_file(path) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"raw corpus file not found: {p}")
+    return p
+
+
+def _count_bytes(ranges: list[tuple[Path, int, int]], drop: int | None = None) -> tuple[dict, dict]:
+    """Byte counts and first-occurrence positions over ranges read in order (the Counter of XL's vocab)."""
+    counts = np.zeros(256, dtype=np.int64)
+    first = {}
+    pos = 0
+    for path, a, b in ranges:
+        for _, raw in read_range(path, a, b):
+            if drop is not None:
+                raw = raw[raw != drop]
+            counts += np.bincount(raw, minlength=256)
+            vals, idx = np.unique(raw, return_index=True)
+            for v, i in zip(vals.tolist(), idx.tolist()):
+                first.setdefault(v, pos + i)
+            pos += raw.size
+    return {v: int(counts[v]) for v in first}, first
+
+
+def _byte_stream(vocab: Vocab, path: Path, a: int, b: int, drop: int | None = None):
+    def gen(stats: dict) -> Iterator[np.ndarray]:
+        for off, raw in read_range(path, a, b):
+            stats["input_bytes"] = stats.get("input_bytes", 0) + raw.size
+            if drop is not None:
+                raw = raw[raw != drop]
+            yield vocab.encode_bytes(raw, where=str(path), base=off)
+    return gen
+
+
+# ---------------------------------------------------------------------------------------------------- enwik8
+def enwik8(raw: str | Path, mode: str = "bytes") -> Corpus:
+    path = _check_file(raw)
+    n = path.stat().st_size
+    ranges = split_points(n)
+    if mode == "bytes":
+        vocab = Vocab.identity_bytes()
+        drop = None
+        tok = {"kind": "bytes", "newlines": "kept", "vocab": "identity (id = byte value)"}
+    elif mode == "reference":
+        drop = 10
+        counts, first = _count_bytes([(path, 0, n)], drop=drop)
+        vocab = Vocab("bytes", [str(v) for v in frequency_order(counts, first)])
+        tok = {"kind": "bytes", "newlines": "dropped (prep_enwik8.py)",
+               "vocab": "byte values present in train+valid+test, by decreasing frequency (Transformer-XL)"}
+    else:
+        raise ValueError(f"enwik8: unknown mode {mode!r} (bytes | reference)")
+    splits = {s: _byte_stream(vocab, path, a, b, drop) for s, (a, b) in ranges.items()}
+    return Corpus("enwik8", mode, vocab, tok, splits, {s: b - a for s, (a, b) in ranges.items()},
+                  {"files": [{"path": str(path), "bytes": n}], "split_bytes": ranges})
+
+
+# ----------------------------------------------------------------------------------------------------- text8
+def _strip_spaces(path: Path, a: int, b: int) -> tuple[int, int]:
+    """[a, b) without leading/trailing spaces (str.strip() on text8, which has no other whitespace)."""
+    lo = a
+    for off, raw in read_range(path, a, b, block=1 << 16):
+        nz = np.flatnonzero(raw != 32)
+        if nz.size:
+            lo = off + int(nz[0])
+            break
+    else:
+        return a, a
+    hi = b
+    while hi > lo:
+        start = max(lo, hi - (1 << 16))
+        _, raw = next(read_range(path, start, hi))
+        nz = np.flatnonzero(raw != 32)
+        if nz.size:
+            return lo, start + int(nz[-1]) + 1
+        hi = start
+    return lo, lo
+
+
+def text8(raw: str | Path, mode: str = "chars") -> Corpus:
+    path = _check_file(raw)
+    n = path.stat().st_size
+    ranges = split_points(n)
+    if mode == "chars":
+        vocab = Vocab.text8_alphabet()
+        tok = {"kind": "chars", "alphabet": "_abcdefghijklmnopqrstuvwxyz ('_' = space)", "strip": False}
+    elif mode == "reference":
+        ranges = {s: _strip_spaces(path, a, b) for s, (a, b) in ranges.items()}
+        counts, first = _count_bytes([(path, a, b) for a, b in ranges.values()])
+        bad = [v for v in counts if v != 32 and not 97 <= v <= 122]
+        if bad:
+            raise ValueError(f"{path}: text8 must hold only a-z and spaces; found byte 0x{bad[0]:02x}")
+        vocab = Vocab("chars", ["_" if v == 32 else chr(v) for v in frequency_order(counts, first)])
+        tok = {"kind": "chars", "strip": True,
+               "vocab": "characters of train+valid+test, by decreasing frequency (Transformer-XL)"}
+    else:
+        raise ValueError(f"text8: unknown mode {mode!r} (chars | reference)")
+    splits = {s: _byte_stream(vocab, path, a, b) for s, (a, b) in ranges.items()}
+    return Corpus("text8", mode, vocab, tok, splits, {s: b - a for s, (a, b) in ranges.items()},
+                  {"files": [{"path": str(path), "bytes": n}], "split_bytes": ranges})
+
+
+# ---------------------------------------------------------------------------------------------- wikitext-103
+def _xl_lines(path: Path) -> Iterator[tuple[int, list[str], int]]:
+    """Transformer-XL tokenisation: text-mode UTF-8 lines, strip + whitespace split, <eos> per line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            yield lineno, line.split() + ["<eos>"], len(line)
+
+
+def _word_stream(vocab: Vocab, lines: Callable[[], Iterator], where: str):
+    def gen(stats: dict) -> Iterator[np.ndarray]:
+        buf: list[int] = []
+        for loc, words, nbytes in lines():
+            ids, n_unk = vocab.encode_words(words, where=f"{where}:{loc}")
+            if n_unk:
+                stats["n_unk_mapped"] = stats.get("n_unk_mapped", 0) + n_unk
+            stats["input_bytes"] = stats.get("input_bytes", 0) + nbytes
+            buf.extend(ids)
+            if len(buf) >= WORD_BLOCK:
+                yield np.asarray(buf, dtype=np.int64)
+                buf = []
+        if buf:
+            yield np.asarray(buf, dtype=np.int64)
+    return gen
+
+
+def wikitext103(raw: str | Path, vocab_file: str | Path | None = None) -> Corpus:
+    d = Path(raw)
+    if not d.is_dir():
+        raise FileNotFoundError(f"wikitext-103: --raw must be the directory holding wiki.*.tokens, got {d}")
+    files = {s: d / f"wiki.{s}.tokens" for s in SPLITS}
+    present = {s: p for s, p in files.items() if p.is_file()}
+    if vocab_file is not None:
+        vocab = Vocab.load(vocab_file, "words")
+        vsrc = f"file {vocab_file}"
+    else:
+        if "train" not in present:
+            raise FileNotFoundError(f"wikitext-103: {files['train']} is missing (the vocabulary is built from "
+                                    f"train only; pass --vocab FILE to use a given vocabulary instead)")
+        counts: dict[str, int] = {}
+        for _, words, _ in _xl_lines(present["train"]):
+            for w in words[:-1]:
+                counts[w] = counts.get(w, 0) + 1
+        counts.pop("<eos>", None)
+        vocab = Vocab("words", ["<eos>"] + frequency_order(counts))
+        vsrc = "train only: <eos> first, then by decreasing frequency (Transformer-XL)"
+    if not present:
+        raise FileNotFoundError(f"wikitext-103: no wiki.{{train,valid,test}}.tokens in {d}")
+    splits = {s: _word_stream(vocab, lambda p=p: _xl_lines(p), str(p)) for s, p in present.items()}
+    tok = {"kind": "words", "split": "whitespace", "eos": "<eos> after every line", "lower_case": False,
+           "unknown_words": "<unk>", "vocab": vsrc}
+    return Corpus("wikitext-103", "words", vocab, tok, splits, {s: p.stat().st_size for s, p in present.items()},
+                  {"files": [{"path": str(p), "bytes": p.stat().st_size} for p in present.values()]})
+
+
+# ------------------------------------------------------------------------------------------------------ text
+def _is_jsonl(p: Path) -> bool:
+    return p.suffix in (".jsonl", ".json")
+
+
+def _iter_lines(files: list[Path], a: int, b: int) -> Iterator[tuple[Path, int, bytes]]:
+    """Lines of the concatenated files that *start* in [a, b) of the concatenation: (file, offset, line)."""
+    base = 0
+    for p in files:
+        size = p.stat().st_size
+        lo, hi = max(a - base, 0), min(b - base, size)
+        if lo < hi:
+            with open(p, "rb") as f:
+                pos = lo
+                if lo > 0:
+                    f.seek(lo - 1)
+                    if f.read(1) != b"\n":       # lo is inside a line: that line belongs to the previous range
+                        rest = f.readline()
+                        pos = lo + len(rest)
+                while pos < hi:
+                    line = f.readline()
+                    if not line:
+                        break
+                    yield p, pos, line
+                    pos += len(line)
+        base += size
+
+
+def text(files: list[str | Path], valid: list[str | Path] | None = None, test: list[str | Path] | None = None,
+         vocab_file: str | Path | None = None, jsonl_field: str = "text", doc_sep: str = "\n",
+         ratio: tuple[int, int, int] = (90, 5, 5)) -> Corpus:
+    """Plain-text / jsonl files. Byte-level unless vocab_file is given (then XL word tokenisation with <eos>).
+
+    With valid/test files each split reads its own files; otherwise the concatenated ``files`` are split by
+    byte position in the given ratio: exactly for byte-level plain text, by whole lines otherwise (a line
+    belongs to the split in which it starts)."""
+    groups = {"train": [_check_file(p) for p in files]}
+    if valid:
+        groups["valid"] = [_check_file(p) for p in valid]
+    if test:
+        groups["test"] = [_check_file(p) for p in test]
+    vocab = Vocab.load(vocab_file, "words") if vocab_file else Vocab.identity_bytes()
+    sep = doc_sep.encode("utf-8")
+
+    def lines_of(fs, a, b):
+        def it():
+            for p, off, line in _iter_lines(fs, a, b):
+                where = f"{p} (byte {off})"
+                try:
+                    s = line.decode("utf-8")
+                    if _is_jsonl(p):
+                        if not line.strip():
+                            continue
+                        obj = json.loads(s)
+                        s = obj[jsonl_field]
+                        if not isinstance(s, str):
+                            raise TypeError(f"field {jsonl_field!r} is not a string")
+                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
+                yield where, s, len(line), _is_jsonl(p)
+        return it
+
+    def byte_gen(fs, a, b, exact):
+        def gen(stats):
+            if exact:  # plain text, cut at exact byte positions of the concatenation
+                base = 0
+                for p in fs:
+                    size = p.stat().st_size
+                    lo, hi = max(a - base, 0), min(b - base, size)
+                    if lo < hi:
+                        for off, raw in read_range(p, lo, hi):
+                            stats["input_bytes"] = stats.get("input_bytes", 0) + raw.size
+                            yield raw.astype(np.int64)
+                    base += size
+                return
+            for where, s, nbytes, is_json in lines_of(fs, a, b)():
+                stats["input_bytes"] = stats.get("input_bytes", 0) + nbytes
+                data = s.encode("utf-8") + (sep if is_json else b"")
+                yield np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+        return gen
+
+    def word_lines(fs, a, b):
+        def it():
+            for where, s, nbytes, is_json in lines_of(fs, a, b)():
+                parts = s.split("\n") if is_json else [s]
+                for k, part in enumerate(parts):
+                    yield where, part.split() + ["<eos>"], nbytes if k == 0 else 0
+        return it
+
+    def make(fs, a, b, exact):
+        if vocab_file:
+            return _word_stream(vocab, word_lines(fs, a, b), "text")
+        return byte_gen(fs, a, b, exact)
+
+    sizes = {s: sum(p.stat().st_size for p in fs) for s, fs in groups.items()}
+    splits, input_bytes = {}, {}
+    all_plain = not any(_is_jsonl(p) for p in groups["train"])
+    if len(groups) == 1:
+        ranges = split_points(sizes["train"], ratio)
+        exact = all_plain and not vocab_file
+        for s, (a, b) in ranges.items():
+            splits[s] = make(groups["train"], a, b, exact)
+            input_bytes[s] = b - a
+        how = f"{ratio[0]}/{ratio[1]}/{ratio[2]} of the concatenated files by byte position" + \
+              ("" if exact else " (whole lines: a line belongs to the split it starts in)")
+    else:
+        for s, fs in groups.items():
+            splits[s] = make(fs, 0, sizes[s], not vocab_file and not any(_is_jsonl(p) for p in fs))
+            input_bytes[s] = sizes[s]
+        how = "one file group per split"
+    if vocab_file:
+        tok = {"kind": "words", "split": "whitespace", "eos": "<eos> after every line", "unknown_words": "<unk>",
+               "vocab": f"file {vocab_file}"}
+    else:
+        tok = {"kind": "bytes", "vocab": "identity (id = byte value)", "jsonl_doc_separator": doc_sep}
+    if any(_is_jsonl(p) for fs in groups.values() for p in fs):
+        tok["jsonl_field"] = jsonl_field
+    src = {"files": {s: [{"path": str(p), "bytes": p.stat().st_size} for p in fs] for s, fs in groups.items()},
+           "split": how}
+    return Corpus("text", "words" if vocab_file else "bytes", vocab, tok, splits, input_bytes, src)
+
+
+# ---------------------------------------------------------------------------------------------------- arrays
+def from_arrays(arrays: dict[str, np.ndarray], vocab: Vocab, name: str = "arrays") -> Corpus:
+    """Token id arrays already in memory (tests, conversions)."""
+    def gen_of(arr):
+        def gen(stats):
+            a = np.asarray(arr)
+            for i in range(0, a.size, WORD_BLOCK):
+                yield a[i:i + WORD_BLOCK].astype(np.int64)
+        return gen
+    return Corpus(name, "ids", vocab, {"kind": vocab.kind, "vocab": "given"},
+                  {s: gen_of(a) for s, a in arrays.items()}, {s: int(np.asarray(a).size) for s, a in arrays.items()})
