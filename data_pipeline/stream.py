@@ -1,0 +1,265 @@
+"""StreamReader: contiguous, rank-sharded, exactly resumable LM batches straight from token shards.
+
+Layout (Transformer-XL ``LMOrderedIterator``, spec §4.1): the split's N tokens are cut into B columns of
+n = N // B tokens (the N mod B tail is dropped); column b holds tokens b·n … (b+1)·n−1. Step k of an epoch
+covers rows i = k·tgt_len … with ``seq_len = min(tgt_len, n−1−i)``: input = rows [i, i+seq_len),
+target = rows [i+1, i+1+seq_len), so the last step of an epoch may be shorter. Rank r of W receives columns
+[r·B/W, (r+1)·B/W): B/W streams of its own, each continuing exactly where its previous batch ended.
+
+With ``roll=True`` every column is rotated at the start of each epoch by its own offset in [0, n), drawn from
+``numpy.random.default_rng([seed, epoch])`` for all B columns (so ranks agree and the union of ranks is the
+W=1 batch) — the LaMemo scripts' ``--roll``.
+
+The position is just (epoch, step): everything else is a function of it, which makes resume exact.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .shards import SplitSource, load_manifest
+
+_END = object()
+STATE_VERSION = 1
+
+
+class StreamReader:
+    """Iterate over ``(input, target)`` int64 tensors of shape [seq_len, batch_size // world_size].
+
+    Args:
+        data_dir: directory made by ``megamemo prepare`` (manifest.json + shards).
+        split: "train", "valid", "test", ...
+        batch_size: global batch B (columns over all ranks); must be divisible by world_size.
+        tgt_len: rows per step (bptt).
+        world_size, rank: data-parallel layout; this reader yields columns [rank·B/W, (rank+1)·B/W).
+        roll: rotate each column by a seeded per-epoch offset (LaMemo ``--roll``).
+        seed: seed of the roll offsets.
+        epochs: how many epochs iteration runs through (counting from epoch 0; a resumed reader stops at the
+            same place); None = forever (training).
+        prefetch: batches prepared ahead by a background thread (0 = none).
+        verify: "size" (default: size, tar structure, zstd checksum and token count of everything read) or
+            "sha256" (also hash each shard the first time it is opened).
+        block_tokens: tokens decoded ahead per refill of the column buffer (memory/throughput knob).
+    """
+
+    def __init__(self, data_dir: str | Path, split: str, batch_size: int, tgt_len: int, world_size: int = 1,
+                 rank: int = 0, *, roll: bool = False, seed: int = 0, epochs: int | None = 1, prefetch: int = 0,
+                 verify: str = "size", block_tokens: int = 1 << 20, max_open_shards: int | None = None):
+        if batch_size < 1 or tgt_len < 1:
+            raise ValueError(f"batch_size ({batch_size}) and tgt_len ({tgt_len}) must be positive")
+        if world_size < 1 or batch_size % world_size:
+            raise ValueError(f"batch_size {batch_size} is not divisible by world_size {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs must be positive or None, got {epochs}")
+        self.data_dir, self.split = Path(data_dir), split
+        self.batch_size, self.tgt_len, self.world_size, self.rank = batch_size, tgt_len, world_size, rank
+        self.roll, self.seed, self.epochs, self.prefetch = bool(roll), int(seed), epochs, int(prefetch)
+        self.manifest = load_manifest(self.data_dir)
+        self.local_batch = batch_size // world_size
+        self.col0 = rank * self.local_batch
+        self.source = SplitSource(self.data_dir, split, verify=verify, manifest=self.manifest,
+                                  max_open=max_open_shards or min(self.local_batch + 2, 256))
+        self.n_tokens = self.source.n_tokens
+        self.n_step = self.n_tokens // batch_size          # rows per column (LMOrderedIterator.n_step)
+        if self.n_step < 2:
+            raise ValueError(f"split {split!r} of {self.data_dir} has {self.n_tokens} tokens: too few for "
+                             f"{batch_size} columns of at least 2 tokens")
+        self.steps_per_epoch = (self.n_step - 1 + tgt_len - 1) // tgt_len
+        rows = max(1, block_tokens // self.local_batch) // tgt_len * tgt_len
+        self.block_rows = max(tgt_len, rows)
+        self.vocab_sha256 = self.manifest["vocab"].get("sha256", "")
+        self.epoch, self.step = 0, 0                       # position of the next batch to yield
+        self._buf = np.empty((self.local_batch, self.block_rows + 1), dtype=self.source.dtype)
+        self._block = None                                 # (epoch, first row, end row) held in _buf
+        self._shifts: tuple[int, np.ndarray] | None = None
+        self._gen = 0
+        self._producer: tuple[threading.Thread, threading.Event] | None = None
+
+    # ---- sizes ------------------------------------------------------------------------------------------
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Input tokens this rank yields per epoch."""
+        return (self.n_step - 1) * self.local_batch
+
+    def seq_len(self, step: int) -> int:
+        return min(self.tgt_len, self.n_step - 1 - step * self.tgt_len)
+
+    # ---- roll -------------------------------------------------------------------------------------------
+    def roll_shifts(self, epoch: int) -> np.ndarray:
+        """Offsets of all B columns in this epoch (zeros without roll)."""
+        if not self.roll:
+            return np.zeros(self.batch_size, dtype=np.int64)
+        if self._shifts is None or self._shifts[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._shifts = (epoch, rng.integers(0, self.n_step, size=self.batch_size, dtype=np.int64))
+        return self._shifts[1]
+
+    # ---- random access ----------------------------------------------------------------------------------
+    def _fill(self, epoch: int, r0: int) -> None:
+        r1 = min(r0 + self.block_rows + 1, self.n_step)
+        m, n = r1 - r0, self.n_step
+        shifts = self.roll_shifts(epoch)
+        for j in range(self.local_batch):
+            c = self.col0 + j
+            base = c * n
+            q0 = (r0 + int(shifts[c])) % n
+            first = min(m, n - q0)
+            row = self._buf[j]
+            self.source.read(base + q0, base + q0 + first, row[:first], slot=j)
+            if first < m:  # the rotated column wraps to its start
+                self.source.read(base, base + m - first, row[first:m], slot=j)
+        self._block = (epoch, r0, r1)
+
+    def get_batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch at (epoch, step) without moving the reader's position."""
+        if not 0 <= step < self.steps_per_epoch or epoch < 0:
+            raise IndexError(f"step {step} of epoch {epoch} is outside [0, {self.steps_per_epoch})")
+        i = step * self.tgt_len
+        m = self.seq_len(step) + 1
+        b = self._block
+        if b is None or b[0] != epoch or i < b[1] or i + m > b[2]:
+            self._fill(epoch, i)
+            b = self._block
+        rows = self._buf[:, i - b[1]:i - b[1] + m]
+        out = np.empty((m, self.local_batch), dtype=np.int64)
+        out[...] = rows.T
+        t = torch.from_numpy(out)
+        return t[:-1], t[1:]
+
+    # ---- iteration --------------------------------------------------------------------------------------
+    def _next_pos(self, epoch: int, step: int) -> tuple[int, int]:
+        return (epoch + 1, 0) if step + 1 >= self.steps_per_epoch else (epoch, step + 1)
+
+    def _positions(self, epoch: int, step: int):
+        while self.epochs is None or epoch < self.epochs:
+            yield epoch, step
+            epoch, step = self._next_pos(epoch, step)
+
+    def __iter__(self):
+        self._stop_producer()
+        self._gen += 1
+        return self._iter_prefetch(self._gen) if self.prefetch > 0 else self._iter_plain(self._gen)
+
+    def _stale(self, gen: int) -> None:
+        if gen != self._gen:
+            raise RuntimeError("StreamReader: the reader was re-iterated or its state reloaded while this "
+                               "iteration was running; start a new `for batch in reader` loop")
+
+    def _iter_plain(self, gen: int):
+        for e, k in self._positions(self.epoch, self.step):
+            self._stale(gen)
+            inp, tgt = self.get_batch(e, k)
+            self.epoch, self.step = self._next_pos(e, k)
+            yield inp, tgt
+
+    def _iter_prefetch(self, gen: int):
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        start = (self.epoch, self.step)
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        def produce():
+            try:
+                for e, k in self._positions(*start):
+                    if stop.is_set() or not put((e, k, *self.get_batch(e, k))):
+                        return
+                put(_END)
+            except BaseException as exc:  # handed to the consumer, raised there
+                put(exc)
+
+        t = threading.Thread(target=produce, name=f"StreamReader-{self.split}-r{self.rank}", daemon=True)
+        self._producer = (t, stop)
+        t.start()
+        try:
+            while True:
+                item = q.get()
+                self._stale(gen)
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                e, k, inp, tgt = item
+                self.epoch, self.step = self._next_pos(e, k)
+                yield inp, tgt
+        finally:
+            stop.set()
+            if threading.current_thread() is not t:
+                t.join()
+            if self._producer is not None and self._producer[0] is t:
+                self._producer = None
+
+    def _stop_producer(self) -> None:
+        if self._producer is not None:
+            t, stop = self._producer
+            stop.set()
+            t.join()
+            self._producer = None
+
+    # ---- state ------------------------------------------------------------------------------------------
+    _IDENTITY = ("split", "batch_size", "tgt_len", "roll", "n_tokens", "vocab_sha256")
+
+    def state_dict(self) -> dict:
+        """Position of the next batch plus what must match on resume. (epoch, step) is global: it may be loaded
+        into a reader with another world_size/rank (same batch_size), which then yields its own columns."""
+        return {"version": STATE_VERSION, "epoch": self.epoch, "step": self.step,
+                "split": self.split, "batch_size": self.batch_size, "tgt_len": self.tgt_len,
+                "roll": self.roll, "seed": self.seed, "n_tokens": self.n_tokens,
+                "vocab_sha256": self.vocab_sha256, "world_size": self.world_size, "rank": self.rank}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"StreamReader.load_state_dict: state version {state.get('version')!r} is not "
+                             f"{STATE_VERSION}")
+        keys = self._IDENTITY + (("seed",) if self.roll else ())
+        mine = self.state_dict()
+        for k in keys:
+            if k not in state:
+                raise ValueError(f"StreamReader.load_state_dict: field {k!r} is missing from the saved state")
+            if state[k] != mine[k]:
+                raise ValueError(f"StreamReader.load_state_dict: field {k!r} is {state[k]!r} in the saved state "
+                                 f"but {mine[k]!r} in this reader")
+        epoch, step = int(state["epoch"]), int(state["step"])
+        if epoch < 0 or not 0 <= step <= self.steps_per_epoch:
+            raise ValueError(f"StreamReader.load_state_dict: position (epoch {epoch}, step {step}) is outside "
+                             f"an epoch of {self.steps_per_epoch} steps")
+        if step == self.steps_per_epoch:
+            epoch, step = epoch + 1, 0
+        self._stop_producer()
+        self._gen += 1          # an iteration running from the old position must not continue
+        self.epoch, self.step = epoch, step
+
+    # ---- housekeeping -----------------------------------------------------------------------------------
+    def cache_info(self) -> dict:
+        info = self.source.cache_info()
+        info["block_bytes"] = self._buf.nbytes
+        return info
+
+    def close(self) -> None:
+        self._stop_producer()
+        self._gen += 1
+        self.source.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"StreamReader({str(self.data_dir)!r}, split={self.split!r}, batch_size={self.batch_size}, "
+                f"tgt_len={self.tgt_len}, world_size={self.world_size}, rank={self.rank}, roll={self.roll}, "
+                f"epoch={self.epoch}, step={self.step}/{self.steps_per_epoch})")
