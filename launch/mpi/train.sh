@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# `megamemo train ARGS...` as N MPI ranks under mpirun; each rank learns its rank/size from the MPI launcher
+# (PMI_RANK / OMPI_COMM_WORLD_RANK, then mpi4py: megamemo/train/dist.py), and torch.distributed runs over gloo
+# (CPU) or NCCL (GPU).
+#   launch/mpi/train.sh N --config configs/tiny-cpu.yaml [--run-dir DIR] [megamemo train args...]
+# Environment:
+#   MPIRUN                 the mpirun to use (default: mpirun on PATH after the repo's venv: the MPICH wheel)
+#   MEGAMEMO_MPI_HOSTFILE  hostfile for several machines (default: all ranks on this machine)
+#   MEGAMEMO_MPIRUN_ARGS   extra mpirun options, e.g. "-ppn 8" (MPICH) or "--map-by ppr:8:node" (Open MPI)
+#   MASTER_ADDR/PORT       rendezvous; default 127.0.0.1 on one machine, else rank 0's host, and a free port
+#   OMP_NUM_THREADS        default: CPU cores / N on one machine (at least 1)
+#   MEGAMEMO_TRAIN_CMD     the training command (default "megamemo train")
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+usage() { echo "usage: launch/mpi/train.sh N [megamemo train args...]   (N: number of MPI ranks)" >&2; exit 2; }
+[ "$#" -ge 1 ] || usage
+n="$1"; shift
+[[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "launch/mpi/train.sh: N must be a positive integer (got '$n')" >&2; usage; }
+
+if [ -z "${DS_ACCELERATOR:-}" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  export DS_ACCELERATOR=cuda
+fi
+# shellcheck source=../../scripts/env.sh
+source "$here/scripts/env.sh"
+
+train_cmd="${MEGAMEMO_TRAIN_CMD:-megamemo train}"
+read -r -a cmd <<<"$train_cmd"
+if [ "$train_cmd" = "megamemo train" ] && ! (cd / && python -c "import megamemo.train.cli, mpi4py") 2>/dev/null; then
+  echo "launch/mpi/train.sh: megamemo (with its train command) and mpi4py are not installed in $(command -v python || echo 'any python on PATH')." >&2
+  echo "  Set up the environment first: bash scripts/setup.sh   (or point MEGAMEMO_VENV at one that has them)" >&2
+  exit 1
+fi
+mpirun="${MPIRUN:-mpirun}"
+command -v "$mpirun" >/dev/null || { echo "launch/mpi/train.sh: $mpirun not found (pip install mpich, or set MPIRUN)" >&2; exit 1; }
+
+opts=(-np "$n")
+if [ -n "${MEGAMEMO_MPI_HOSTFILE:-}" ]; then
+  [ -f "$MEGAMEMO_MPI_HOSTFILE" ] || { echo "launch/mpi/train.sh: hostfile $MEGAMEMO_MPI_HOSTFILE does not exist" >&2; exit 1; }
+else
+  export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+  if [ -z "${OMP_NUM_THREADS:-}" ]; then
+    threads=$(( $(nproc) / n ))
+    export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
+  fi
+fi
+
+pass=(PATH LD_LIBRARY_PATH PYTHONUNBUFFERED DS_ACCELERATOR TORCH_EXTENSIONS_DIR OMP_NUM_THREADS MASTER_ADDR MASTER_PORT)
+if "$mpirun" --version 2>&1 | grep -q "Open MPI\|OpenRTE\|PRRTE"; then
+  # Open MPI: environment variables travel only when named; refuses root without the flag.
+  [ -n "${MEGAMEMO_MPI_HOSTFILE:-}" ] && opts+=(--hostfile "$MEGAMEMO_MPI_HOSTFILE")
+  [ "$(id -u)" = 0 ] && opts+=(--allow-run-as-root)
+  [ "$n" -gt "$(nproc)" ] && [ -z "${MEGAMEMO_MPI_HOSTFILE:-}" ] && opts+=(--oversubscribe)
+  for v in "${pass[@]}" $(compgen -e | grep '^MEGAMEMO_' || true); do
+    [ -n "${!v:-}" ] && opts+=(-x "$v")
+  done
+else
+  # MPICH / Intel MPI (Hydra): the whole environment travels by default.
+  [ -n "${MEGAMEMO_MPI_HOSTFILE:-}" ] && opts+=(-f "$MEGAMEMO_MPI_HOSTFILE")
+fi
+# shellcheck disable=SC2206
+extra=(${MEGAMEMO_MPIRUN_ARGS:-})
+echo "[launch/mpi] $mpirun ${opts[*]} ${extra[*]} $train_cmd $*" >&2
+exec "$mpirun" "${opts[@]}" "${extra[@]}" "${cmd[@]}" "$@"
