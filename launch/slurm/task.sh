@@ -22,7 +22,7 @@ case "$runtime" in
     exec "$runtime" exec "${gpu_flag[@]}" --bind "$mounts" --pwd "$PWD" "$image" "${cmd[@]}" "$@"
     ;;
   docker|podman)
-    opts=(--rm --init --network=host --ipc=host --workdir "$PWD")
+    opts=(--rm --init --network=host --ipc=host --user "$(id -u):$(id -g)" --workdir "$PWD")
     [ "${DS_ACCELERATOR:-}" = cpu ] || opts+=(--gpus all)
     IFS=, read -r -a ms <<<"$mounts"
     for m in "${ms[@]}"; do opts+=(--volume "$m"); done

@@ -1,0 +1,70 @@
+# megamemo training image: CUDA, PyTorch, DeepSpeed, megatron-core, MPI (Open MPI + mpi4py), the megamemo package.
+#   docker build -t megamemo:latest .
+#   docker build --build-arg DS_BUILD_OPS=1 --build-arg TORCH_CUDA_ARCH_LIST="7.0;8.0" -t megamemo:ops .
+#   apptainer build megamemo.sif docker-daemon://megamemo:latest
+# Slurm: MEGAMEMO_CONTAINER=megamemo.sif (apptainer), or an enroot image with MEGAMEMO_CONTAINER_RUNTIME=pyxis,
+# in the environment of `sbatch launch/slurm/train.sbatch ...` (see the settings at the top of that script).
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+FROM ${CUDA_IMAGE}
+
+# Pinned versions (the CPU development environment uses the same ones; torch's Linux wheel brings its CUDA
+# libraries, the base image brings nvcc for DeepSpeed's op build).
+ARG TORCH_VERSION=2.13.0
+ARG DEEPSPEED_VERSION=0.19.8
+ARG MEGATRON_CORE_VERSION=0.16.1
+ARG MPI4PY_VERSION=4.1.2
+ARG WEBDATASET_VERSION=1.0.2
+ARG ZSTANDARD_VERSION=0.25.0
+ARG NUMPY_VERSION=2.4.6
+# 1: compile DeepSpeed's CUDA/C++ ops into the image (slow build, no JIT at job start); 0: JIT on first use.
+ARG DS_BUILD_OPS=0
+# GPU architectures for the op build: V100 7.0, A100 8.0, H100 9.0.
+ARG TORCH_CUDA_ARCH_LIST="7.0;8.0;9.0"
+ARG USER_UID=1000
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# Distribution packages follow the base image's release; their versions are not pinned on purpose.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+       python3 python3-venv python3-dev build-essential ninja-build git ca-certificates \
+       openmpi-bin libopenmpi-dev libpmix2 openssh-client procps \
+    && rm -rf /var/lib/apt/lists/*
+
+RUN python3 -m venv /opt/venv \
+    && pip install "torch==${TORCH_VERSION}" \
+    && pip install "mpi4py==${MPI4PY_VERSION}" "webdataset==${WEBDATASET_VERSION}" \
+       "zstandard==${ZSTANDARD_VERSION}" "megatron-core==${MEGATRON_CORE_VERSION}" \
+       "numpy==${NUMPY_VERSION}" "pyyaml==6.0.3" "safetensors==0.8.0" "tensorboard==2.21.0" \
+       "matplotlib==3.11.2" "ninja==1.13.2" \
+    && if [ "${DS_BUILD_OPS}" = "1" ]; then \
+         DS_BUILD_OPS=1 DS_BUILD_SPARSE_ATTN=0 DS_BUILD_EVOFORMER_ATTN=0 DS_BUILD_GDS=0 \
+           pip install --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"; \
+       else \
+         pip install "deepspeed==${DEEPSPEED_VERSION}"; \
+       fi \
+    && python -c "import torch, deepspeed, megatron.core, mpi4py, webdataset, zstandard"
+
+COPY pyproject.toml /opt/megamemo/
+COPY megamemo /opt/megamemo/megamemo
+COPY data_pipeline /opt/megamemo/data_pipeline
+COPY configs /opt/megamemo/configs
+COPY launch /opt/megamemo/launch
+COPY scripts /opt/megamemo/scripts
+# Dependencies are already in place with the pinned versions: install only the package itself.
+RUN pip install --no-deps /opt/megamemo && megamemo --help
+
+RUN useradd --create-home --uid "${USER_UID}" --shell /bin/bash megamemo
+USER ${USER_UID}
+WORKDIR /home/megamemo
+ENV TORCH_EXTENSIONS_DIR=/home/megamemo/.cache/torch_extensions
+CMD ["megamemo", "--help"]
