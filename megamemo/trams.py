@@ -1,0 +1,260 @@
+"""TRAMS (training-free memory selection) at evaluation, and an inspectable forward pass, on the model's weights.
+
+TRAMS (lwaekfjlk/TRAMS, spec §6.2), per layer, head and stream:
+  * the memory cache is a FIFO *pool* of `pool` rows (TRAMS's mem_len);
+  * the newest `recent` memory rows (remain_mem_num) and the current segment are always attended;
+  * of the older pool rows (the candidates), the `attend - recent` (topk_num) with the highest score of their
+    reformulated key K'_j = W_Q^(h)^T k_j^(h) (a d_model vector, so q_i.k_j = x_i.K'_j) are attended too,
+    in chronological order;
+  * the score is the reference code's ||K'||_2 * |sum_k K'_k| (metric="code") or the paper's
+    cos<K', 1> * ||K'|| = sum_k K'_k / sqrt(d) (metric="paper"); only the content key enters it;
+  * the attended keys get compressed relative positions: the selected rows sit right before the recent ones,
+    as if the attended memory were contiguous (slot t of A attended rows is at distance A + i - t from query i).
+The cache keeps every pool row; selection is redone at every segment. With attend == pool nothing is dropped and
+the result is the plain model with mem_len = pool, bit for bit (tests/test_trams.py).
+
+TRAMS for LaMemo (an option no paper has tried; our definition). LaMemo's memory is the embedding FIFO E and per
+layer the context cache C and its log-normaliser S, and the memory rows' states are recomputed every segment.
+Selection here restricts only what the *current* tokens attend to: at each layer the current queries see the
+selected pool rows + the newest `recent` rows + the current segment (compressed positions as above). The
+look-ahead is untouched: every pool row is still refreshed by look-ahead attention to the newest tokens (true
+future distances), interpolated with its cached C/S and written back, so the caches of all `pool` rows are
+exactly those of plain LaMemo with mem_len = pool - including rows a query skipped. The extra cost over plain
+LaMemo with mem_len = attend is the look-ahead over the larger pool (linear in the pool size).
+
+`forward(model, inp, tgt, mem, select=..., observe=...)` runs the model's own modules and attention functions
+layer by layer (a re-implementation of MemTransformerLM.encode that the tests hold bit-equal to it) with two
+optional extras: key selection (`select`, a TramsConfig) and an observer called with the attention
+probabilities and LaMemo's memorizing coefficient of every layer (used by `megamemo analyze`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megamemo.model import Memory, MemTransformerLM
+from megamemo.model.attention import (causal_attention, interpolate, lookahead_attention,
+                                      memorizing_coefficient)
+from megamemo.model.positions import (causal_mask, causal_rel_index, lookahead_index, position_sequence,
+                                      sinusoid)
+
+METRICS = ("code", "paper")
+
+
+@dataclass
+class TramsConfig:
+    pool: int                # memory rows cached (TRAMS mem_len)
+    attend: int              # memory rows each query attends: recent + selected (remain_mem_num + topk_num)
+    recent: int              # newest memory rows always attended (remain_mem_num)
+    metric: str = "code"     # code: ||K'|| * |sum K'| (the reference code) | paper: sum K' / sqrt(d)
+
+    @property
+    def topk(self) -> int:
+        return self.attend - self.recent
+
+    def validate(self) -> "TramsConfig":
+        if not 0 <= self.recent <= self.attend <= self.pool:
+            raise ValueError(f"trams: need 0 <= recent ({self.recent}) <= attend ({self.attend}) <= pool "
+                             f"({self.pool})")
+        if self.metric not in METRICS:
+            raise ValueError(f"trams.metric: must be one of {METRICS}, got {self.metric!r}")
+        return self
+
+    @classmethod
+    def from_reference(cls, mem_len: int, topk_num: int, remain_mem_num: int, metric: str = "code"):
+        """The TRAMS scripts' arguments (mem_len 400, topk_num 50, remain_mem_num 150 by default)."""
+        return cls(pool=mem_len, attend=topk_num + remain_mem_num, recent=remain_mem_num, metric=metric).validate()
+
+
+# ---- the metric and the selection ------------------------------------------------------------------------------
+def reformulated_keys(k: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """k [B,n,T,dh] content keys, w_q [n*dh, d] the query weight -> K' [B,n,T,d] with K'_j = W_Q^(h)^T k_j^(h)."""
+    B, n, T, dh = k.shape
+    return torch.einsum("bnte,ned->bntd", k.float(), w_q.float().view(n, dh, -1))
+
+
+def key_scores(kp: torch.Tensor, metric: str = "code") -> torch.Tensor:
+    """K' [..., d] -> score [...]: the reference code's ||K'|| * |sum K'| or the paper's cos<K',1> * ||K'||."""
+    if metric == "code":
+        return kp.norm(dim=-1) * kp.sum(-1).abs()
+    if metric == "paper":
+        return kp.sum(-1) / math.sqrt(kp.size(-1))
+    raise ValueError(f"trams metric must be one of {METRICS}, got {metric!r}")
+
+
+def select_rows(k_mem: torch.Tensor, w_q: torch.Tensor, cfg: TramsConfig) -> torch.Tensor | None:
+    """Memory rows attended per (stream, head): k_mem [B,n,M,dh] the memory rows' keys -> index [B,n,A] in
+    chronological order (selected old rows, then the newest `recent`), or None when all M rows are attended."""
+    B, n, M, _ = k_mem.shape
+    if M <= cfg.attend:
+        return None
+    n_cand = M - cfg.recent
+    recent = torch.arange(n_cand, M, device=k_mem.device).expand(B, n, cfg.recent)
+    if cfg.topk == 0:
+        return recent
+    scores = key_scores(reformulated_keys(k_mem[:, :, :n_cand], w_q), cfg.metric)
+    chosen = scores.topk(cfg.topk, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([chosen, recent], -1)
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B,n,T,dh], index [B,n,K] -> [B,n,K,dh]."""
+    return x.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, x.size(-1)))
+
+
+def attention_probs(q, k, r, u, vb, mask, rel_index, scale) -> torch.Tensor:
+    """The causal attention's probabilities [B,n,L,klen] fp32 (what causal_attention weights v with)."""
+    ac = (q + u[:, None]) @ k.transpose(-1, -2)
+    idx = rel_index.expand(q.shape[0], q.shape[1], *rel_index.shape)
+    bd = ((q + vb[:, None]) @ r.transpose(-1, -2)).gather(-1, idx)
+    return torch.softmax(((ac + bd) * scale).float().masked_fill(mask, float("-inf")), dim=-1)
+
+
+# ---- the forward pass ------------------------------------------------------------------------------------------
+Observer = Callable[..., None]
+
+
+class _Causal:
+    """The current queries' attention of one layer, over all keys or over the selected memory rows."""
+
+    def __init__(self, model: MemTransformerLM, select: TramsConfig | None, clamp_len: int, same_length: bool,
+                 mem_len: int, observe: Observer | None):
+        self.model, self.select, self.observe = model, select, observe
+        self.clamp_len, self.same_length, self.mem_len = clamp_len, same_length, mem_len
+
+    def __call__(self, l, layer, q_cur, k, v, M, r_full, mask_full):
+        """q_cur [B,n,L,dh]; k, v [B,n,M+L,dh]; r_full [n, >=M+L, dh] (rows: distance M+L-1 ... 0 first).
+        -> (ctx, lse) of the current queries."""
+        m = self.model
+        L = q_cur.size(2)
+        attn = layer.attn
+        index = None
+        if self.select is not None and M:
+            w_q = attn.qkv.weight[: attn.n_head * attn.d_head]
+            index = select_rows(k[:, :, :M], w_q, self.select)
+        if index is None:
+            kk, vv, mlen, r, mask = k, v, M, r_full[:, :M + L], mask_full
+        else:
+            mlen = index.size(-1)
+            cur = torch.arange(M, M + L, device=k.device).expand(*index.shape[:2], L)
+            full = torch.cat([index, cur], -1)
+            kk, vv = _gather_rows(k, full), _gather_rows(v, full)
+            pos = position_sequence(mlen + L, mlen, self.clamp_len, None, k.device)
+            r = attn.rel(m.drop(sinusoid(pos, m.inv_freq).to(q_cur.dtype)))
+            mask = causal_mask(L, mlen, self.select.attend, self.same_length, k.device)
+        rel_index = causal_rel_index(L, mlen + L, k.device)
+        ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, rel_index, attn.scale,
+                                    attn.dropatt)
+        if self.observe is not None:
+            probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, rel_index, attn.scale)
+            self.observe(layer=l, kind="causal", probs=probs, mlen=mlen, index=index)
+        return ctx, lse
+
+
+def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *, select: TramsConfig | None = None,
+            mem_len: int | None = None, same_length: bool | None = None, clamp_len: int | None = None,
+            observe: Observer | None = None):
+    """Like `model(inp, tgt, mem, ...)`: (nll [L,B] or log-probs [L,B,V], new memory). With `select` the cache
+    holds select.pool rows and the current tokens attend to the TRAMS selection of them. `observe(layer=, kind=,
+    ...)` is called per layer with kind "causal" (probs [B,n,L,klen], mlen, index) and, for LaMemo, "alpha"
+    (the memorizing coefficient [B,n,M] of the memory rows)."""
+    cfg = model.cfg
+    if select is not None:
+        select.validate()
+        if mem_len is not None and mem_len != select.pool:
+            raise ValueError(f"mem_len {mem_len} conflicts with the TRAMS pool {select.pool}")
+        if not cfg.has_memory:
+            raise ValueError(f"TRAMS needs a model with memory; {cfg.variant!r} has none")
+        mem_len = select.pool
+    mem = model.empty_memory(inp.size(1)) if mem is None else mem
+    model._check(inp, tgt, mem)
+    mem_len = cfg.mem_len if mem_len is None else mem_len
+    same_length = cfg.same_length if same_length is None else same_length
+    clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
+    if not cfg.has_memory:
+        mem_len = 0
+    h0 = model.drop(model.word_emb(inp))
+    L, B = inp.shape
+    M = mem.length
+    future = None if not cfg.lamemo else ("signed" if cfg.variant == "lamemo_xlrpe" else "abs")
+    pos_emb = model.drop(sinusoid(position_sequence(M + L, M, clamp_len, future, h0.device), model.inv_freq)
+                         .to(h0.dtype))
+    mask = causal_mask(L, M, mem_len, same_length, h0.device)
+    causal = _Causal(model, select, clamp_len, same_length, mem_len, observe)
+    if cfg.lamemo:
+        hidden, new_mem = _lamemo(model, h0, mem, pos_emb, mask, mem_len, causal, observe)
+    else:
+        hidden, new_mem = _xl(model, h0, mem, pos_emb, mask, mem_len, causal)
+    flat = hidden.reshape(L * B, -1)
+    if tgt is None:
+        return model.crit.log_probs(flat, model.word_emb).view(L, B, -1), new_mem
+    return model.crit.nll(flat, tgt.reshape(-1).long(), model.word_emb).view(L, B), new_mem
+
+
+def _xl(model, h0, mem, pos_emb, mask, mem_len, causal):
+    h, hids = h0, []
+    for l, layer in enumerate(model.layers):
+        hids.append(h)
+        old = mem.get(f"hid.{l}")
+        L = h.size(0)
+        cat = h if old is None or old.size(0) == 0 else torch.cat([old, h], 0)
+        q, k, v = layer.attn.heads(cat)
+        r = layer.attn.rel(pos_emb)
+        ctx, _ = causal(l, layer, q[:, :, -L:], k, v, cat.size(0) - L, r, mask)
+        h = layer.ff(layer.attn.output(h, ctx))
+    new = {}
+    if mem_len > 0:
+        with torch.no_grad():
+            for l, x in enumerate(hids):
+                old = mem.get(f"hid.{l}")
+                cat = x if old is None else torch.cat([old, x.to(old.dtype)], 0)
+                new[f"hid.{l}"] = cat[max(0, cat.size(0) - mem_len):].detach()
+    return model.drop(h), Memory(new, batch_size=h0.size(1))
+
+
+def _lamemo(model, h0, mem, pos_emb, mask, mem_len, causal, observe):
+    cfg = model.cfg
+    vf = model.r_r_bias_future if cfg.future_bias else model.r_r_bias
+    u = model.r_w_bias
+    emb = mem.get("emb")
+    h_mem = emb.to(h0.dtype) if emb is not None else h0[:0]
+    h, new = h0, {}
+    for l, layer in enumerate(model.layers):
+        ctx_old, lse_old = mem.get(f"ctx.{l}"), mem.get(f"lse.{l}")
+        attn = layer.attn
+        M, L = h_mem.size(0), h.size(0)
+        klen = M + L
+        cat = torch.cat([h_mem, h], 0) if M else h
+        q, k, v = attn.heads(cat)
+        r = attn.rel(pos_emb)
+        ctx, lse = causal(l, layer, q[:, :, M:], k, v, M, r, mask)
+        if M:
+            c_old = ctx_old.permute(1, 2, 0, 3)
+            s_old = lse_old.permute(1, 2, 0)
+            if cfg.variant == "lamemo_no_lookahead":
+                c_mem, s_mem = c_old.to(ctx.dtype), s_old.float()
+            else:
+                nk = min(M, L)
+                t_index, la_mask = lookahead_index(M, nk, h.device)
+                a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
+                                              r[:, klen:], u, vf, t_index, la_mask, attn.scale, attn.dropatt)
+                if cfg.variant == "lamemo_no_interp":
+                    c_mem, s_mem = a, s_la
+                else:
+                    c_mem, s_mem = interpolate(c_old, s_old, a, s_la)
+                if observe is not None:
+                    observe(layer=l, kind="alpha", alpha=memorizing_coefficient(s_old, s_la))
+            ctx = torch.cat([c_mem, ctx], 2)
+            lse = torch.cat([s_mem, lse], 2)
+        out = layer.ff(attn.output(cat, ctx))
+        beg = max(0, klen - mem_len)
+        new[f"ctx.{l}"] = ctx[:, :, beg:].detach().permute(2, 0, 1, 3)
+        new[f"lse.{l}"] = lse[:, :, beg:].detach().permute(2, 0, 1)
+        h_mem, h = out[:M], out[M:]
+    with torch.no_grad():
+        cat = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
+        new["emb"] = cat[max(0, cat.size(0) - mem_len):].detach()
+    return model.drop(h), Memory(new, batch_size=h0.size(1))
