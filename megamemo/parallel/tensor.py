@@ -1,0 +1,204 @@
+"""Tensor parallelism: `parallelize_tensor(model)` swaps the single-device model's projections for
+megatron-core's column/row-parallel layers, its embedding and softmax for vocab-parallel ones, and slices every
+per-head parameter, so each rank holds n_head / tp heads. The model code itself is unchanged: attention runs on
+whatever number of heads a module holds, and LaMemo's per-head caches (ctx.*, lse.*) come out sharded with them.
+
+Layout of the shards (the same rules serve `shard_state_dict` / `merge_state_dicts` for conversion):
+  qkv.weight [3·n·dh, d]   rank r holds [Q; K; V] of its heads       (column parallel)
+  r_net.weight [n·dh, d]   rows of its heads                         (column parallel)
+  o_net.weight [d, n·dh]   columns of its heads                      (row parallel)
+  fc1 weight/bias          rows r·F/tp ...                           (column parallel)
+  fc2.weight [d, F]        columns r·F/tp ...                        (row parallel; fc2.bias replicated)
+  r_w_bias, r_r_bias(_future) [n, dh]  its heads
+  word_emb.emb_layers.0.weight, crit.out_weights.0 [V, d], crit.out_bias [V]: vocab rows r·V/tp ...
+  everything else (layer norms, fc2.bias): replicated.
+Memory: ctx.l [M,B,n,dh] and lse.l [M,B,n] are split on the head dim; emb and hid.l are replicated.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .groups import TP_RNG, rng_tracker, tp_rank_size
+
+_RULES = [  # (key pattern, split dim, per-head [Q;K;V] layout)
+    (r"layers\.\d+\.attn\.qkv\.weight", 0, True),
+    (r"layers\.\d+\.attn\.r_net\.weight", 0, False),
+    (r"layers\.\d+\.attn\.o_net\.weight", 1, False),
+    (r"layers\.\d+\.ff\.fc1\.(weight|bias)", 0, False),
+    (r"layers\.\d+\.ff\.fc2\.weight", 1, False),
+    (r"r_w_bias|r_r_bias|r_r_bias_future", 0, False),
+    (r"word_emb\.emb_layers\.0\.weight|crit\.out_weights\.0|crit\.out_bias", 0, False),
+]
+_MEMORY_RULES = [(r"ctx\.\d+|lse\.\d+", 2, False)]
+
+
+def _rule(key, rules=_RULES):
+    for pat, dim, qkv in rules:
+        if re.fullmatch(pat, key):
+            return dim, qkv
+    return None
+
+
+def check_supported(cfg, tp: int) -> None:
+    """Raise a ValueError naming the config field that tensor parallelism cannot split."""
+    if tp == 1:
+        return
+    problems = []
+    if cfg.n_head % tp:
+        problems.append(f"model.n_head={cfg.n_head} is not divisible by tp={tp}")
+    if cfg.d_inner % tp:
+        problems.append(f"model.d_inner={cfg.d_inner} is not divisible by tp={tp}")
+    if cfg.n_token % tp:
+        problems.append(f"model.n_token={cfg.n_token} is not divisible by tp={tp} (pad the vocabulary)")
+    if cfg.cutoffs or cfg.div_val != 1 or cfg.embed_dim != cfg.d_model:
+        problems.append("the adaptive input/softmax (model.cutoffs, model.div_val, model.d_embed) is not supported "
+                        "with tensor parallelism: use a full softmax (cutoffs: [], div_val: 1, d_embed: null) "
+                        "or tp=1")
+    if problems:
+        raise ValueError("tensor parallelism: " + "; ".join(problems))
+
+
+def shard_tensor(key, t, rank, tp, rules=_RULES):
+    rule = _rule(key, rules)
+    if rule is None or tp == 1:
+        return t
+    dim, qkv = rule
+    if qkv:
+        return torch.cat([part.chunk(tp, 0)[rank] for part in t.chunk(3, 0)], 0)
+    return t.chunk(tp, dim)[rank]
+
+
+def merge_tensors(key, parts, rules=_RULES):
+    rule = _rule(key, rules)
+    if rule is None or len(parts) == 1:
+        for i, p in enumerate(parts[1:], 1):
+            if p.shape != parts[0].shape or not torch.equal(p, parts[0]):
+                raise ValueError(f"{key}: replicated tensor differs between tensor-parallel rank 0 and rank {i}")
+        return parts[0]
+    dim, qkv = rule
+    if qkv:
+        return torch.cat([torch.cat([p.chunk(3, 0)[j] for p in parts], 0) for j in range(3)], 0)
+    return torch.cat(parts, dim)
+
+
+def shard_state_dict(sd, rank, tp):
+    return {k: shard_tensor(k, v, rank, tp) for k, v in sd.items()}
+
+
+def merge_state_dicts(sds):
+    keys = list(sds[0])
+    for i, sd in enumerate(sds[1:], 1):
+        if set(sd) != set(keys):
+            raise ValueError(f"tensor-parallel rank {i} holds keys {sorted(set(sd) ^ set(keys))} that rank 0 "
+                             f"does not (or the reverse)")
+    return {k: merge_tensors(k, [sd[k] for sd in sds]) for k in keys}
+
+
+def shard_memory_tensors(tensors, rank, tp):
+    return {k: shard_tensor(k, v, rank, tp, _MEMORY_RULES) for k, v in tensors.items()}
+
+
+def merge_memory_tensors(parts):
+    return {k: merge_tensors(k, [p[k] for p in parts], _MEMORY_RULES) for k in parts[0]}
+
+
+# ---- modules -----------------------------------------------------------------------------------------------
+class ForkedDropout(nn.Dropout):
+    """Dropout on activations split across TP ranks: drawn from the per-rank stream, so masks differ between
+    ranks yet replay exactly; the default stream (used for replicated activations) is left untouched."""
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with rng_tracker().fork(TP_RNG):
+            return F.dropout(x, self.p, True)
+
+
+def _mcore_layers(tp, dtype):
+    from megatron.core import ModelParallelConfig
+    from megatron.core import tensor_parallel as mtp
+    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=not torch.cuda.is_available(),
+                              perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)
+    init = nn.init.zeros_  # weights are loaded from the single-device model right after
+
+    class Column(mtp.ColumnParallelLinear):
+        def __init__(self, n_in, n_out, bias):
+            super().__init__(n_in, n_out, config=cfg, init_method=init, bias=bias, gather_output=False)
+
+        def forward(self, x):
+            return super().forward(x)[0]
+
+    class Row(mtp.RowParallelLinear):
+        def __init__(self, n_in, n_out, bias):
+            super().__init__(n_in, n_out, config=cfg, init_method=init, bias=bias, input_is_parallel=True,
+                             skip_bias_add=False)
+
+        def forward(self, x):
+            return super().forward(x)[0]
+
+    def embedding(n, d):
+        return mtp.VocabParallelEmbedding(n, d, init_method=init, config=cfg)
+
+    return Column, Row, embedding
+
+
+class VocabParallelSoftmax(nn.Module):
+    """Full softmax over a vocabulary split across TP ranks (megatron's vocab-parallel cross entropy)."""
+
+    def __init__(self, local_vocab, d_model, tie_weight, dtype):
+        super().__init__()
+        self.tie_weight = tie_weight
+        self.out_bias = nn.Parameter(torch.zeros(local_vocab, dtype=dtype))
+        self.out_weights = nn.ParameterList()
+        if not tie_weight:
+            self.out_weights.append(nn.Parameter(torch.zeros(local_vocab, d_model, dtype=dtype)))
+
+    def _logits(self, h, emb):
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+        table = emb.emb_layers[0].weight if self.tie_weight else self.out_weights[0]
+        return F.linear(copy_to_tensor_model_parallel_region(h), table, self.out_bias)
+
+    def nll(self, h, target, emb):
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        return vocab_parallel_cross_entropy(self._logits(h, emb).float().clone(), target)
+
+    def log_probs(self, h, emb):
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        return F.log_softmax(gather_from_tensor_model_parallel_region(self._logits(h, emb)).float(), dim=-1)
+
+
+def parallelize_tensor(model):
+    """In place: the single-device model becomes this rank's tensor-parallel shard, holding the same weights."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+    rank, tp = tp_rank_size()
+    cfg = model.cfg
+    check_supported(cfg, tp)
+    if tp == 1:
+        return model
+    full = model.state_dict()
+    dtype = next(model.parameters()).dtype
+    Column, Row, embedding = _mcore_layers(tp, dtype)
+    d, nd, n_local = cfg.d_model, cfg.n_head * cfg.d_head, cfg.n_head // tp
+    for layer in model.layers:
+        a, f = layer.attn, layer.ff
+        a.qkv, a.r_net, a.o_net = Column(d, 3 * nd, False), Column(d, nd, False), Row(nd, d, False)
+        a.n_head = n_local
+        a.dropatt = ForkedDropout(cfg.dropatt)
+        f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
+        f.drop_inner = ForkedDropout(cfg.dropout)
+    for name in ("r_w_bias", "r_r_bias", "r_r_bias_future"):
+        if hasattr(model, name):
+            setattr(model, name, nn.Parameter(torch.empty(n_local, cfg.d_head, dtype=dtype)))
+    model.word_emb.emb_layers[0] = embedding(cfg.n_token, d)
+    model.crit = VocabParallelSoftmax(cfg.n_token // tp, d, cfg.tie_weight, dtype)
+    model.load_state_dict(shard_state_dict(full, rank, tp), strict=True)
+    for name, p in model.named_parameters():
+        rule = _rule(name)
+        if rule is not None and not getattr(p, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(p, True, rule[0], 1)
+    model.tp_size = tp
+    return model
