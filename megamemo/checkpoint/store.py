@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -120,6 +121,10 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.meta = meta            # model config + fingerprint, layout, precision...: checked on resume
         self.barrier = barrier
+        # Fault injection for the crash tests: MEGAMEMO_FAULT_KILL_IN_SAVE="STEP:RANK" makes that rank SIGKILL
+        # itself after writing its files of that step, before the commit (a half-written checkpoint).
+        fault = os.environ.get("MEGAMEMO_FAULT_KILL_IN_SAVE", "")
+        self._kill_at = tuple(int(x) for x in fault.split(":")) if fault else None
 
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None) -> Path:
@@ -139,6 +144,9 @@ class CheckpointStore:
         for saver in registry.sharded.values():
             saver.save_sharded(self.root, tag)
         registry.save_rank(step_dir / RANK_DIR, self.rank, extra=rank_extra)
+        if self._kill_at == (step, self.rank):
+            print(f"[fault] rank {self.rank} kills itself while saving step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         self.barrier()
         if self.rank == 0:
             self._commit(step, step_dir)

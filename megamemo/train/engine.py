@@ -9,11 +9,13 @@ DeepSpeed facts this relies on (0.19.8, see shared/notes/stack-on-cpu.md):
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
 import torch
 
+from megamemo.checkpoint.store import CheckpointError
 from megamemo.config import RunConfig
 
 
@@ -28,17 +30,12 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class Schedule:
-    """Callable for LambdaLR; a class (not a lambda) so the scheduler's state stays plain data."""
-
-    def __init__(self, cfg: RunConfig):
-        self.warmup = cfg.optim.warmup_steps
-        self.total = cfg.decay_steps
-        self.schedule = cfg.optim.schedule
-        self.min_ratio = cfg.optim.min_lr / cfg.optim.lr
-
-    def __call__(self, step: int) -> float:
-        return lr_factor(step, self.warmup, self.total, self.schedule, self.min_ratio)
+def schedule(cfg: RunConfig):
+    """The LambdaLR multiplier for cfg. A functools.partial: LambdaLR saves the __dict__ of callable objects in
+    its state (so a resumed run would keep the old schedule); a partial's arguments stay out of it, and the
+    schedule always follows the config (e.g. a larger train.max_steps on resume)."""
+    return functools.partial(lr_factor, warmup=cfg.optim.warmup_steps, total=cfg.decay_steps,
+                             schedule=cfg.optim.schedule, min_ratio=cfg.optim.min_lr / cfg.optim.lr)
 
 
 def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
@@ -70,9 +67,10 @@ def safe_globals() -> list:
     """The non-tensor classes DeepSpeed pickles into its checkpoint files (plain data, rebuilt by attribute
     assignment); everything else is refused by torch's weights-only unpickler."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [DynamicLossScaler, LossScaler, fragment_address]
+    return [DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address]
 
 
 def _make_loads_safe(checkpoint_engine) -> None:
@@ -86,7 +84,8 @@ def _make_loads_safe(checkpoint_engine) -> None:
                 try:
                     return torch.load(path, map_location=map_location, weights_only=True)
                 except Exception as e:
-                    raise RuntimeError(f"{path}: cannot be loaded safely (weights_only): {e}") from None
+                    first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                    raise CheckpointError(f"{path}: cannot be loaded safely (weights_only): {first}") from None
 
     if type(checkpoint_engine) is not TorchCheckpointEngine:
         raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(checkpoint_engine).__name__}")
@@ -103,7 +102,7 @@ class Engine:
         if cfg.precision.dtype == "fp16":
             self._check_fp16()
         opt = make_optimizer(cfg, model)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, Schedule(cfg))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
         self.ds_config = ds_config(cfg, micro_batch, dp)
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                 config=self.ds_config)
@@ -168,4 +167,4 @@ class Engine:
         path, _ = self.ds.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
         if path is None:
-            raise RuntimeError(f"{Path(root) / tag}: DeepSpeed could not load this checkpoint")
+            raise CheckpointError(f"{Path(root) / tag}: DeepSpeed could not load this checkpoint")

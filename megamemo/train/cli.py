@@ -1,0 +1,154 @@
+"""`megamemo train`: one process per device (see launch/ for torchrun, srun, mpirun and local.sh).
+
+    megamemo train --config FILE [--data SHARD_DIR] [--run-dir DIR] [--max-steps N] [--save-every N]
+                   [--set key=value ...] [--tp N --pp M] [--resume auto|never|PATH]
+
+A start in a run directory that holds a committed checkpoint resumes from the newest one (checkpoint.resume).
+Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, data or checkpoint; 1 other errors.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+from megamemo.config import ConfigError, RunConfig, load
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megamemo train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="run config YAML (see configs/)")
+    p.add_argument("--data", help="shard directory (sets data.dir)")
+    p.add_argument("--run-dir", help="run directory: config, metrics, TensorBoard, checkpoints (train.run_dir)")
+    p.add_argument("--max-steps", type=int, help="train.max_steps")
+    p.add_argument("--save-every", type=int, help="checkpoint.save_every")
+    p.add_argument("--resume", help="checkpoint.resume: auto | never | a checkpoint or run directory")
+    p.add_argument("--tp", type=int, help="parallel.tp (tensor parallel size)")
+    p.add_argument("--pp", type=int, help="parallel.pp (pipeline parallel size)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set optim.lr=1e-4 (repeatable)")
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    sets = list(args.set)
+    for flag, key in (("data", "data.dir"), ("run_dir", "train.run_dir"), ("max_steps", "train.max_steps"),
+                      ("save_every", "checkpoint.save_every"), ("resume", "checkpoint.resume"),
+                      ("tp", "parallel.tp"), ("pp", "parallel.pp")):
+        v = getattr(args, flag)
+        if v is not None:
+            sets.append(f"{key}={v}" if not isinstance(v, str) else f"{key}={_yaml_str(v)}")
+    return load(args.config, sets)
+
+
+def _yaml_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def _seed_all(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build(cfg: RunConfig, log=print):
+    """Everything a run needs, on an initialised process group: (trainer, resume_dir or None, dist env)."""
+    import torch
+
+    from megamemo.checkpoint.store import CheckpointStore
+    from megamemo.model import MemTransformerLM
+    from megamemo.train import dist
+    from megamemo.train.data import open_reader, unit_for
+    from megamemo.train.engine import Engine
+    from megamemo.train.loop import Trainer
+    from megamemo.train.metrics import Metrics
+    from megamemo.train.signals import StopRequest
+    from megamemo.train.validate import Evaluator, eval_lengths
+
+    de = dist.init()
+    dp, micro = cfg.layout(de.world_size)
+    dp_rank = de.rank                       # tp = pp = 1: every rank is its own data-parallel rank
+    run_dir = Path(cfg.train.run_dir)
+    if de.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    dist.barrier()
+
+    _seed_all(cfg.train.seed)               # identical initial weights on every rank
+    model = MemTransformerLM(cfg.model)
+    engine = Engine(cfg, model, micro, dp)
+    _seed_all(cfg.train.seed + 1 + de.rank)  # then each rank its own dropout stream
+
+    per_rank = cfg.data.batch_size // dp
+    reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
+    first = dp_rank * per_rank
+    rank_extra = {"layout": {"rank": de.rank, "world_size": de.world_size, "dp_rank": dp_rank, "dp": dp,
+                             "tp_rank": 0, "tp": 1, "pp_rank": 0, "pp": 1,
+                             "columns": [first, first + per_rank],
+                             "micro_batches": [[first + k * micro, first + (k + 1) * micro]
+                                               for k in range(cfg.train.grad_accum)]}}
+    meta = {"model": cfg.model.to_dict(), "model_fingerprint": cfg.model_fingerprint(),
+            "layout": {"world_size": de.world_size, "dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+                       "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum,
+                       "zero_stage": cfg.parallel.zero_stage},
+            "precision": cfg.precision.dtype}
+    store = CheckpointStore(run_dir / "checkpoints", de.rank, de.world_size, cfg.checkpoint.keep_last, meta,
+                            barrier=dist.barrier)
+    resume_dir = store.resolve(cfg.checkpoint.resume)
+    start_step = 0
+    if resume_dir is not None:
+        start_step = store.check_compatible(resume_dir)["step"]
+    metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
+                      tensorboard=cfg.log.tensorboard, start_step=start_step)
+    evaluator = None
+    if cfg.eval.every:
+        L = eval_lengths(cfg)
+        evaluator = Evaluator(cfg, lambda: open_reader(cfg, cfg.eval.split, cfg.eval.batch_size, L["tgt_len"], dp,
+                                                       dp_rank, train=False),
+                              lambda: engine.module, engine.device, de.world_size, metrics)
+    trainer = Trainer(cfg, engine, reader, rank=de.rank, world_size=de.world_size, micro_batch=micro,
+                      metrics=metrics, store=store, evaluator=evaluator, stop=StopRequest(), rank_extra=rank_extra)
+    if resume_dir is not None:
+        trainer.resume(resume_dir)
+    if de.rank == 0:
+        n_param = sum(p.numel() for p in model.parameters())
+        log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
+            f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
+            f"ZeRO {cfg.parallel.zero_stage} | run dir {run_dir} | "
+            + (f"resuming at step {trainer.step}" if resume_dir else "fresh start"))
+    return trainer, de
+
+
+def main(argv: list[str]) -> int:
+    from megamemo.checkpoint.store import CheckpointError
+    from megamemo.train.data import DataError, check_data_dir
+
+    args = parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+        check_data_dir(cfg)
+    except (ConfigError, DataError) as e:
+        print(f"megamemo train: error: {e}", file=sys.stderr)
+        return 2
+    from megamemo.train import dist
+
+    try:
+        t0 = time.time()
+        trainer, de = build(cfg)
+        outcome = trainer.run()
+        trainer.metrics.close()
+        if de.rank == 0:
+            print(f"[train] {outcome} at step {trainer.step} ({time.time() - t0:.1f}s)", flush=True)
+        dist.barrier()
+        dist.shutdown()
+        return 0
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"megamemo train: error: {e}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,209 @@
+"""The training loop: per-micro-batch memory, steps that commit memory only when applied, checkpoints, stops.
+
+One step on one rank:
+    batch = this rank's B/W streams, [tgt_len, B/W] (the data reader), cut into grad_accum micro-batches of
+            contiguous columns; micro-batch k always holds the same streams, so it has its own memory mem[k]
+    for k: nll, new[k] = model(input_k, target_k, mem[k]); backward(mean nll)      (DeepSpeed averages over
+                                                                                   micro-batches and ranks)
+    engine step: clip, Adam, schedule (or skip on fp16 overflow)
+    applied  -> mem = new, the data cursor moves past the batch, step += 1
+    skipped  -> nothing moves: the same batch is retried with the lowered loss scale, from the same memory
+The loss reported for a step is the mean NLL over the global batch (all ranks, all micro-batches).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
+from megamemo.checkpoint.store import CheckpointStore
+from megamemo.config import RunConfig
+from megamemo.model import Memory
+from megamemo.train.metrics import Metrics
+from megamemo.train.signals import StopRequest
+
+
+class DivergedError(RuntimeError):
+    pass
+
+
+class MemoryBank:
+    """The committed memory of each micro-batch of this rank (a Stateful for the checkpoint registry)."""
+
+    def __init__(self, n_micro: int, micro_batch: int, device):
+        self.device = device
+        self.micro_batch = micro_batch
+        self.mems: list[Memory] = [Memory({}, batch_size=micro_batch) for _ in range(n_micro)]
+
+    def state_dict(self) -> dict:
+        return {f"mb{k}": m.state_dict() for k, m in enumerate(self.mems)}
+
+    def load_state_dict(self, d: dict) -> None:
+        if sorted(d) != sorted(f"mb{k}" for k in range(len(self.mems))):
+            raise ValueError(f"memory: checkpoint holds micro-batches {sorted(d)}, this run has {len(self.mems)}")
+        self.mems = [Memory.from_state_dict(d[f"mb{k}"]).to(self.device) for k in range(len(self.mems))]
+
+
+class DataCursor:
+    """The reader position that matches the committed memory (a Stateful). The reader itself may be ahead by
+    one batch while a skipped step is retried; the checkpoint must hold the position before that batch."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.state = reader.state_dict()
+        self._it = None
+
+    def next_batch(self):
+        if self._it is None:
+            self._it = iter(self.reader)
+        return next(self._it)
+
+    def advance(self) -> None:
+        """The batch just taken was trained on: the committed position moves past it."""
+        self.state = self.reader.state_dict()
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, d: dict) -> None:
+        self.reader.load_state_dict(d)
+        self.state = self.reader.state_dict()
+        self._it = None
+
+
+@dataclass
+class StepResult:
+    applied: bool
+    loss: float
+    stop: bool
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, engine, reader, *, rank: int, world_size: int, micro_batch: int,
+                 metrics: Metrics, store: CheckpointStore | None = None, evaluator=None,
+                 stop: StopRequest | None = None, rank_extra: dict | None = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.reader = reader
+        self.rank = rank
+        self.world_size = world_size
+        self.micro_batch = micro_batch
+        self.n_micro = cfg.train.grad_accum
+        self.metrics = metrics
+        self.store = store
+        self.evaluator = evaluator
+        self.stop = stop
+        self.rank_extra = rank_extra or {}
+        self.loss_factor = 0.5 if cfg.optim.half_loss else 1.0
+        self.memory = MemoryBank(self.n_micro, micro_batch, engine.device)
+        self.cursor = DataCursor(reader)
+        self.counters = Counters(step=0, skipped=0, tokens=0)
+        self.registry = StateRegistry()
+        self.registry.register_sharded("engine", engine)
+        self.registry.register("data", self.cursor)
+        self.registry.register("memory", self.memory)
+        self.registry.register("rng", RNGState())
+        self.registry.register("counters", self.counters)
+        self._held = None           # a batch whose step was skipped: retried next
+        self._consecutive_skips = 0
+
+    @property
+    def step(self) -> int:
+        return self.counters.step
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def _next_batch(self):
+        if self._held is not None:
+            return self._held
+        inp, tgt = self.cursor.next_batch()
+        return inp.to(self.engine.device, non_blocking=True), tgt.to(self.engine.device, non_blocking=True)
+
+    def train_step(self) -> StepResult:
+        inp, tgt = self._next_batch()
+        b = self.micro_batch
+        if inp.size(1) != b * self.n_micro:
+            raise RuntimeError(f"data reader gave {inp.size(1)} streams, expected {b * self.n_micro}")
+        # A new epoch starts every column afresh (and, with roll, elsewhere in the text): empty memory, as the
+        # reference's per-epoch train() does. The committed cursor is the position of this batch.
+        new_epoch = self.cursor.state.get("step") == 0
+        mems_in = [Memory({}, batch_size=b) for _ in range(self.n_micro)] if new_epoch else self.memory.mems
+        new_mems = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=inp.device)
+        for k in range(self.n_micro):
+            cols = slice(k * b, (k + 1) * b)
+            nll, mem = self.engine.forward(inp[:, cols], tgt[:, cols], mems_in[k])
+            nll = nll.float()
+            self.engine.backward(nll.mean() * self.loss_factor)
+            loss_sum += nll.detach().sum(dtype=torch.float64)
+            new_mems.append(mem)
+        res = self.engine.step()
+        stop_local = 1.0 if (self.stop is not None and self.stop.requested) else 0.0
+        stats = torch.stack([loss_sum, torch.tensor(float(tgt.numel()), dtype=torch.float64, device=inp.device),
+                             torch.tensor(stop_local, dtype=torch.float64, device=inp.device)])
+        if self.world_size > 1:
+            dist.all_reduce(stats)
+        stats = stats.tolist()
+        loss, tokens, stop = stats[0] / stats[1], int(stats[1]), stats[2] > 0
+        if res["applied"]:
+            self.memory.mems = new_mems                      # memory becomes current only now
+            self.cursor.advance()                            # and the data cursor moves past the batch
+            self._held = None
+            self._consecutive_skips = 0
+            self.counters.step += 1
+            self.counters.tokens += tokens
+            self.metrics.train_step({"step": self.counters.step, "loss": loss, "lr": res["lr"],
+                                     "grad_norm": res["grad_norm"], "loss_scale": res["loss_scale"],
+                                     "skipped": self.counters.skipped, "tokens": tokens})
+        else:
+            self._held = (inp, tgt)
+            self._consecutive_skips += 1
+            self.counters.skipped += 1
+            self.metrics.skipped({"step": self.counters.step + 1, "loss": loss, "old_scale": self._scale_before,
+                                  "loss_scale": res["loss_scale"], "skipped": self.counters.skipped})
+            if self._consecutive_skips >= self.cfg.precision.max_consecutive_skips:
+                raise DivergedError(
+                    f"step {self.counters.step + 1}: {self._consecutive_skips} consecutive overflowing attempts "
+                    f"(loss {loss:.4g}, loss scale {res['loss_scale']:g}); the run diverged "
+                    f"(precision.max_consecutive_skips={self.cfg.precision.max_consecutive_skips})")
+        self._scale_before = res["loss_scale"]
+        return StepResult(res["applied"], loss, stop)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def save(self) -> Path | None:
+        if self.store is None:
+            return None
+        return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra)
+
+    def resume(self, step_dir: Path) -> None:
+        info = self.store.load(step_dir, self.registry)
+        self._scale_before = self.engine.loss_scale()
+        if self.rank == 0:
+            print(f"[checkpoint] resumed from {step_dir} at step {self.counters.step}", flush=True)
+        return info
+
+    def run(self) -> str:
+        """Train to train.max_steps or a stop signal. Returns "done" or "stopped"."""
+        cfg = self.cfg
+        self._scale_before = self.engine.loss_scale()
+        self.engine.module.train()
+        self.metrics._window_t0 = time.perf_counter()
+        every = cfg.checkpoint.save_every
+        while self.counters.step < cfg.train.max_steps:
+            r = self.train_step()
+            if r.applied:
+                s = self.counters.step
+                if self.evaluator is not None and cfg.eval.every and s % cfg.eval.every == 0:
+                    self.evaluator.run(s)
+                    self.engine.module.train()
+                if every and s % every == 0 and not r.stop:
+                    self.save()
+            if r.stop:
+                self.save()
+                return "stopped"
+        if cfg.checkpoint.save_at_end:
+            self.save()
+        return "done"

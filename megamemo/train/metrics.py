@@ -1,0 +1,116 @@
+"""Training metrics: a log line every N steps, every step as one JSON object in <run_dir>/metrics.jsonl, and
+TensorBoard events in <run_dir>/tb. Only rank 0 writes.
+
+metrics.jsonl objects carry `kind`: "train" (one per applied step: step, loss, bpc, ppl, lr, grad_norm,
+loss_scale, skipped, tokens, tokens_per_s), "skip" (an overflowing attempt that was not applied), "eval".
+On resume from step S the file keeps only what happened up to S, so it reads like one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+LN2 = math.log(2.0)
+
+
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Drop records after `last_step` (written by a run that died after its last checkpoint)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue                                  # a line cut by a crash
+        if rec.get("step", 0) <= last_step:
+            keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    tmp.replace(path)
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, enabled: bool, every: int, unit: str, tensorboard: bool,
+                 start_step: int):
+        self.enabled = enabled
+        self.every = every
+        self.unit = unit                 # "bpc" or "ppl": what the log line shows
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        self._window_tokens = 0
+        self._window_t0 = time.perf_counter()
+        if not enabled:
+            return
+        if start_step > 0:
+            trim_jsonl(self.path, start_step)
+        elif self.path.exists():
+            self.path.unlink()
+        self._file = open(self.path, "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=start_step + 1)
+            except ImportError as e:  # tensorboard missing: keep training, say so once
+                print(f"[metrics] TensorBoard disabled: {e}", flush=True)
+
+    @staticmethod
+    def derived(loss: float) -> dict:
+        return {"bpc": loss / LN2, "ppl": math.exp(min(loss, 700.0))}
+
+    def _write(self, rec: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+
+    def train_step(self, rec: dict) -> None:
+        """rec: step, loss, lr, grad_norm, loss_scale, skipped, tokens (this step's, all ranks)."""
+        self._window_tokens += rec["tokens"]
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        rec = {"kind": "train", **rec, **self.derived(rec["loss"])}
+        if rec["step"] % self.every == 0:
+            dt = max(now - self._window_t0, 1e-9)
+            rec["tokens_per_s"] = self._window_tokens / dt
+            self._window_tokens, self._window_t0 = 0, now
+            scale = f" | scale {rec['loss_scale']:.0f}" if rec.get("loss_scale", 1.0) != 1.0 else ""
+            print(f"step {rec['step']:>7} | lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | "
+                  f"{self.unit} {rec[self.unit]:.4f} | tok/s {rec['tokens_per_s']:,.0f} | "
+                  f"grad norm {rec['grad_norm']:.3f}{scale} | skipped {rec['skipped']}", flush=True)
+        self._write(rec)
+        if self._tb is not None:
+            s = rec["step"]
+            for k in ("loss", "lr", "grad_norm", "loss_scale", self.unit, "tokens_per_s"):
+                if k in rec and rec[k] is not None and math.isfinite(rec[k]):
+                    self._tb.add_scalar(f"train/{k}", rec[k], s)
+
+    def skipped(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        print(f"step {rec['step']:>7} | overflow: step skipped and retried, loss scale "
+              f"{rec['old_scale']:.0f} -> {rec['loss_scale']:.0f} | skipped {rec['skipped']}", flush=True)
+        self._write({"kind": "skip", **rec})
+        if self._tb is not None:
+            self._tb.add_scalar("train/skipped", rec["skipped"], rec["step"])
+
+    def eval(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        rec = {"kind": "eval", **rec, **self.derived(rec["loss"])}
+        print(f"eval  {rec['step']:>7} | {rec['split']} loss {rec['loss']:.4f} | {self.unit} {rec[self.unit]:.4f} | "
+              f"{rec['tokens']:,} tokens in {rec['seconds']:.1f}s", flush=True)
+        self._write(rec)
+        if self._tb is not None:
+            self._tb.add_scalar(f"{rec['split']}/loss", rec["loss"], rec["step"])
+            self._tb.add_scalar(f"{rec['split']}/{self.unit}", rec[self.unit], rec["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
