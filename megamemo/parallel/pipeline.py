@@ -1,0 +1,266 @@
+"""Pipeline parallelism on DeepSpeed's PipelineModule, with recurrence memory kept where its layers live.
+
+Why DeepSpeed's pipeline engine and not megatron-core's schedules: megatron-core's schedules hard-code CUDA
+devices (they fail on CPU without patching torch.cuda), while DeepSpeed's PipelineEngine runs on gloo as is, brings
+ZeRO-1, loss scaling, clipping and sharded checkpoints with it, and is what `megamemo train` already drives.
+
+The sequence of pipe layers (stage boundaries always fall just before a RelBias occurrence):
+    Embed            token ids -> h0 (LaMemo: [E; h0], E = the embedding FIFO, kept by the first stage)
+    RelBias, Layer   x n_layer  (RelBias: the model-level u, v+, v- shared by every layer, a DeepSpeed tied
+                                  module: one copy per stage, its gradients summed across stages)
+    Embed (tied)     hidden -> logits with the tied embedding table;  OutBias: + output bias
+Activations between stages are (rows [T, B, d], meta long [3] = (micro-batch, M, L)); for LaMemo the rows are
+the memory rows and the current segment together, so the memory rows travel through the stages with them.
+
+Memory: each stage holds a MemoryBank with the memory of its own layers (XL: hid.l; LaMemo: ctx.l, lse.l, and emb
+on the first stage), one set per micro-batch (each micro-batch is a fixed group of streams). Forward passes write
+into `pending`; the loop calls `commit()` once the step is complete, so recomputation (activation checkpointing)
+or a replayed forward never advances memory twice.
+With dropout > 0, positional-encoding dropout is drawn per layer under pipelining (one draw per forward on a
+single device); everything else is the single-device model.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from megamemo.model.layers import LaMemoLayer, XLLayer
+from megamemo.model.positions import causal_mask, inv_freq, position_sequence, sinusoid
+
+
+class MemoryBank:
+    """Memory tensors of one stage: current[mb][name], written through pending until commit()."""
+
+    def __init__(self):
+        self.current: dict[int, dict[str, torch.Tensor]] = {}
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+
+    def get(self, mb: int, name: str):
+        return self.current.get(mb, {}).get(name)
+
+    def put(self, mb: int, name: str, t: torch.Tensor) -> None:
+        self.pending.setdefault(mb, {})[name] = t.detach()
+
+    def commit(self) -> None:
+        for mb, d in self.pending.items():
+            self.current.setdefault(mb, {}).update(d)
+        self.pending.clear()
+
+    def discard(self) -> None:
+        self.pending.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"mb{mb}/{name}": t.clone() for mb, d in self.current.items() for name, t in d.items()}
+
+    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
+        self.current, self.pending = {}, {}
+        for key, t in d.items():
+            mb, name = key.split("/", 1)
+            self.current.setdefault(int(mb[2:]), {})[name] = t.clone()
+
+
+class StageContext:
+    """Per-process objects the pipe layers of one stage share: its memory bank and the current RelBias module."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.bank = MemoryBank()
+        self.rel_bias = None
+        self.mem_len = cfg.mem_len
+
+
+def _meta(mb, M, L):
+    return torch.tensor([mb, M, L], dtype=torch.long)
+
+
+class EmbedPipe(nn.Module):
+    """First stage: embedding (and LaMemo's FIFO). Also, tied, the last stage's output projection."""
+
+    def __init__(self, cfg, ctx: StageContext):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_token, cfg.d_model))
+        self.scale = cfg.d_model ** 0.5
+        self.drop = nn.Dropout(cfg.dropout)
+        self.ctx = ctx
+
+    def forward(self, inputs):
+        tokens, meta = inputs
+        mb, L = int(meta[0]), tokens.size(0)
+        h0 = self.drop(F.embedding(tokens, self.weight) * self.scale)
+        if not self.ctx.cfg.lamemo:
+            return h0, _meta(mb, 0, L)
+        emb = self.ctx.bank.get(mb, "emb")
+        cat = h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)
+        self.ctx.bank.put(mb, "emb", cat[max(0, cat.size(0) - self.ctx.mem_len):])
+        return cat, _meta(mb, 0 if emb is None else emb.size(0), L)
+
+
+def output_logits(module: EmbedPipe, inputs):
+    """forward_fn of the tied embedding on the last stage: final dropout, then hidden @ table^T."""
+    rows, meta = inputs
+    L = int(meta[2])
+    h = module.drop(rows[rows.size(0) - L:])
+    return F.linear(h, module.weight)
+
+
+class RelBiasPipe(nn.Module):
+    def __init__(self, cfg, ctx: StageContext):
+        super().__init__()
+        self.r_w_bias = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
+        self.r_r_bias = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
+        if cfg.future_bias:
+            self.r_r_bias_future = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
+        self.ctx = ctx
+
+
+def stash_rel_bias(module: RelBiasPipe, inputs):
+    """forward_fn of RelBias: make this stage's copy of the shared biases visible to its layers."""
+    module.ctx.rel_bias = module
+    return inputs
+
+
+class LayerPipe(nn.Module):
+    def __init__(self, cfg, ctx: StageContext, index: int):
+        super().__init__()
+        self.layer = LaMemoLayer(cfg) if cfg.lamemo else XLLayer(cfg)
+        self.index, self.ctx, self.cfg = index, ctx, cfg
+        self.drop = nn.Dropout(cfg.dropout)
+        self.register_buffer("inv_freq", inv_freq(cfg.d_model), persistent=False)
+
+    def forward(self, inputs):
+        rows, meta = inputs
+        mb, M, L = (int(v) for v in meta)
+        cfg, bank, l, b = self.cfg, self.ctx.bank, self.index, self.ctx.rel_bias
+        mem_len = self.ctx.mem_len
+        if not cfg.lamemo:
+            mem = bank.get(mb, f"hid.{l}")
+            M = 0 if mem is None else mem.size(0)
+        future = None if not cfg.lamemo else ("signed" if cfg.variant == "lamemo_xlrpe" else "abs")
+        pos = position_sequence(M + L, M, cfg.clamp_len, future, rows.device)
+        pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(rows.dtype))
+        mask = causal_mask(L, M, mem_len, cfg.same_length, rows.device)
+        if cfg.lamemo:
+            vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias
+            h_mem, h, ctx_new, lse_new = self.layer(rows[:M], rows[M:], bank.get(mb, f"ctx.{l}"),
+                                                    bank.get(mb, f"lse.{l}"), pos_emb, b.r_w_bias, b.r_r_bias, vf,
+                                                    mask, mem_len)
+            bank.put(mb, f"ctx.{l}", ctx_new)
+            bank.put(mb, f"lse.{l}", lse_new)
+            return torch.cat([h_mem, h], 0), meta
+        out = self.layer(rows, mem, pos_emb, b.r_w_bias, b.r_r_bias, mask)
+        if mem_len > 0:
+            cat = rows if mem is None else torch.cat([mem, rows.detach().to(mem.dtype)], 0)
+            bank.put(mb, f"hid.{l}", cat[max(0, cat.size(0) - mem_len):])
+        return out, meta
+
+
+class OutBiasPipe(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.out_bias = nn.Parameter(torch.zeros(cfg.n_token))
+
+    def forward(self, logits):
+        return logits + self.out_bias
+
+
+def mean_nll(logits, labels):
+    """The pipeline's loss_fn: mean token NLL of a micro-batch (logits [L, B, V], labels [L, B])."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def check_supported(cfg, pp: int) -> None:
+    if pp == 1:
+        return
+    problems = []
+    if cfg.n_layer < pp:
+        problems.append(f"model.n_layer={cfg.n_layer} is smaller than pp={pp}")
+    if cfg.cutoffs or cfg.div_val != 1 or cfg.embed_dim != cfg.d_model or not cfg.tie_weight:
+        problems.append("pipeline parallelism supports the full tied softmax only (model.cutoffs: [], div_val: 1, "
+                        "d_embed: null, tie_weight: true)")
+    if cfg.pre_lnorm:
+        problems.append("model.pre_lnorm is not supported with pipeline parallelism")
+    if problems:
+        raise ValueError("pipeline parallelism: " + "; ".join(problems))
+
+
+def layer_specs(cfg, ctx: StageContext):
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    bias_names = ["r_w_bias", "r_r_bias"] + (["r_r_bias_future"] if cfg.future_bias else [])
+    specs = [TiedLayerSpec("embed", EmbedPipe, cfg, ctx, tied_weight_attr=["weight"])]
+    for l in range(cfg.n_layer):
+        specs.append(TiedLayerSpec("relbias", RelBiasPipe, cfg, ctx, forward_fn=stash_rel_bias,
+                                   tied_weight_attr=bias_names))
+        specs.append(LayerSpec(LayerPipe, cfg, ctx, l))
+    specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, ctx, forward_fn=output_logits, tied_weight_attr=["weight"]))
+    specs.append(LayerSpec(OutBiasPipe, cfg))
+    return specs
+
+
+def stage_bounds(n_layer: int, pp: int, n_specs: int) -> list[int]:
+    """Spec index where each stage starts (+ the end): transformer layers split as evenly as possible, every
+    boundary just before a RelBias, the embedding on the first stage and the output on the last."""
+    per = [n_layer // pp + (1 if s < n_layer % pp else 0) for s in range(pp)]
+    bounds, first_layer = [0], 0
+    for s in range(1, pp):
+        first_layer += per[s - 1]
+        bounds.append(1 + 2 * first_layer)
+    return bounds + [n_specs]
+
+
+def build_pipeline(cfg, pp: int, topology=None, activation_checkpoint_interval: int = 0):
+    """-> (PipelineModule for this rank's stage, its StageContext)."""
+    from deepspeed.pipe import PipelineModule
+
+    check_supported(cfg, pp)
+    ctx = StageContext(cfg)
+    specs = layer_specs(cfg, ctx)
+
+    class MemPipelineModule(PipelineModule):
+        def _partition_layers(self, method="uniform"):
+            self.parts = stage_bounds(cfg.n_layer, self.num_stages, len(self._layer_specs))
+            self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    kw = dict(topology=topology) if topology is not None else dict(num_stages=pp)
+    module = MemPipelineModule(layers=specs, loss_fn=mean_nll, partition_method="uniform", dynamic_shape=True,
+                               activation_checkpoint_interval=activation_checkpoint_interval, **kw)
+    return module, ctx
+
+
+# ---- names: single-device model <-> pipeline stage ------------------------------------------------------------
+def single_to_stage_names(cfg, module) -> dict[str, str]:
+    """single-device parameter name -> this stage's parameter name, for the parameters this stage holds."""
+    start, stop = module._local_start, module._local_stop
+    n_specs = 2 * cfg.n_layer + 3
+    names = {}
+    if start == 0 or stop == n_specs:
+        names["word_emb.emb_layers.0.weight"] = "tied_modules.embed.weight"
+    names["r_w_bias"] = "tied_modules.relbias.r_w_bias"
+    names["r_r_bias"] = "tied_modules.relbias.r_r_bias"
+    if cfg.future_bias:
+        names["r_r_bias_future"] = "tied_modules.relbias.r_r_bias_future"
+    for l in range(cfg.n_layer):
+        idx = 2 + 2 * l
+        if start <= idx < stop:
+            for key in ("attn.qkv.weight", "attn.r_net.weight", "attn.o_net.weight", "attn.layer_norm.weight",
+                        "attn.layer_norm.bias", "ff.fc1.weight", "ff.fc1.bias", "ff.fc2.weight", "ff.fc2.bias",
+                        "ff.layer_norm.weight", "ff.layer_norm.bias"):
+                names[f"layers.{l}.{key}"] = f"{idx}.layer.{key}"
+    if stop == n_specs:
+        names["crit.out_bias"] = f"{n_specs - 1}.out_bias"
+    return names
+
+
+def load_single_state(cfg, module, single_sd: dict) -> None:
+    """Give this stage the weights of a single-device model."""
+    names = single_to_stage_names(cfg, module)
+    local = {names[k]: v for k, v in single_sd.items() if k in names}
+    missing, unexpected = module.load_state_dict(local, strict=False)
+    if unexpected or missing:
+        raise ValueError(f"pipeline stage weights: missing {missing}, unexpected {unexpected}")
+
+
+def stage_to_single(cfg, module, stage_sd: dict) -> dict:
+    """This stage's state_dict -> single-device names (for conversion / comparison)."""
+    inv = {v: k for k, v in single_to_stage_names(cfg, module).items()}
+    return {inv[k]: v for k, v in stage_sd.items() if k in inv}

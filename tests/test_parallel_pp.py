@@ -1,0 +1,85 @@
+"""Pipeline parallelism (DeepSpeed PipelineModule, 2 stages) against the single-device model: the same per-step
+losses with memory carried per micro-batch, the same memory once the stages' banks are put together, and
+memory that advances once per step even when a forward is replayed."""
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from megamemo.model import MemTransformerLM, ModelConfig
+
+STEPS, L, B, GAS = 4, 6, 2, 2
+
+
+def _reference(single, data, lr):
+    opt = torch.optim.SGD(single.parameters(), lr=lr)
+    mems, losses = [None] * GAS, []
+    for s in range(STEPS):
+        total = 0.0
+        for mb in range(GAS):
+            cols = slice(mb * B, (mb + 1) * B)
+            x, y = data[s * L:(s + 1) * L, cols], data[s * L + 1:(s + 1) * L + 1, cols]
+            nll, mems[mb] = single(x, y, mems[mb])
+            (nll.mean() / GAS).backward()
+            total += nll.mean().item() / GAS
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, mems
+
+
+def _pp_worker(rank, world, variant):
+    import deepspeed
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megamemo.parallel.pipeline import build_pipeline, load_single_state
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(variant=variant, n_token=40, n_layer=4, d_model=16, n_head=2, d_head=8, d_inner=32,
+                      dropout=0.0, tgt_len=L, mem_len=2 * L, init_std=0.1)
+    single = MemTransformerLM(cfg).train()
+    module, ctx = build_pipeline(cfg, pp=world)
+    load_single_state(cfg, module, single.state_dict())
+    lr = 0.3
+    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=lr), config={
+        "train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9})
+    data = torch.randint(0, 40, (STEPS * L + 1, GAS * B), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for s in range(STEPS):
+        batches = []
+        for mb in range(GAS):
+            cols = slice(mb * B, (mb + 1) * B)
+            x, y = data[s * L:(s + 1) * L, cols], data[s * L + 1:(s + 1) * L + 1, cols]
+            batches.append(((x, torch.tensor([mb, 0, 0])), y))
+        losses.append(float(engine.train_batch(iter(batches))))
+        ctx.bank.commit()
+    ref_losses, ref_mems = _reference(single, data, lr)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+
+    banks = [None] * world
+    dist.all_gather_object(banks, ctx.bank.state_dict())
+    merged = {k: v for b in banks for k, v in b.items()}
+    for mb in range(GAS):
+        for name, t in ref_mems[mb].tensors.items():
+            assert torch.allclose(merged[f"mb{mb}/{name}"], t, atol=1e-5), (variant, mb, name)
+
+    # a replayed forward (as activation recomputation does) writes pending memory again; commit applies it once
+    before = {k: v.clone() for k, v in ctx.bank.state_dict().items()}
+    ctx.bank.discard()
+    assert ctx.bank.state_dict().keys() == before.keys()
+    assert all(torch.equal(ctx.bank.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("variant", ["lamemo", "xl"])
+def test_pipeline_parallel_equals_single_device(variant):
+    run_distributed(_pp_worker, 2, variant)
+
+
+def test_stage_bounds_put_layers_evenly_and_keep_shared_biases_with_them():
+    from megamemo.parallel.pipeline import stage_bounds
+    # specs: embed, (relbias, layer) x 5, head, bias -> 13
+    assert stage_bounds(5, 2, 13) == [0, 7, 13]      # layers 0-2 | 3-4
+    assert stage_bounds(4, 4, 11) == [0, 3, 5, 7, 11]
