@@ -116,6 +116,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
+# Job ids (and so train.sbatch's MASTER_PORT) differ between dev clusters on different ports of one machine.
+FirstJobId=$(( (PORT % 1000) * 2 + 1 ))
 StateSaveLocation=${DIR}/state
 SlurmdSpoolDir=${DIR}/spool/%n
 SlurmctldPidFile=${DIR}/run/slurmctld.pid
