@@ -17,7 +17,6 @@ Supported corpora (see `megamemo prepare --help`):
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator

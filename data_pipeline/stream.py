@@ -40,10 +40,10 @@ class StreamReader:
         seed: seed of the roll offsets.
         epochs: how many epochs iteration runs through (counting from epoch 0; a resumed reader stops at the
             same place); None = forever (training).
-        prefetch: batches prepared ahead by a background thread (0 = none).
+        prefetch: blocks (``block_tokens`` tokens each) decoded ahead by a background thread (0 = none).
         verify: "size" (default: size, tar structure, zstd checksum and token count of everything read) or
             "sha256" (also hash each shard the first time it is opened).
-        block_tokens: tokens decoded ahead per refill of the column buffer (memory/throughput knob).
+        block_tokens: tokens decoded per refill of the column buffer (memory/throughput knob).
     """
 
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, tgt_len: int, world_size: int = 1,
@@ -101,7 +101,8 @@ class StreamReader:
         return self._shifts[1]
 
     # ---- random access ----------------------------------------------------------------------------------
-    def _fill(self, epoch: int, r0: int) -> None:
+    def _fill(self, buf: np.ndarray, epoch: int, r0: int) -> tuple[int, int, int]:
+        """Decode rows [r0, r1) of every local column into buf[:, :r1-r0]; returns the block (epoch, r0, r1)."""
         r1 = min(r0 + self.block_rows + 1, self.n_step)
         m, n = r1 - r0, self.n_step
         shifts = self.roll_shifts(epoch)
@@ -110,27 +111,31 @@ class StreamReader:
             base = c * n
             q0 = (r0 + int(shifts[c])) % n
             first = min(m, n - q0)
-            row = self._buf[j]
+            row = buf[j]
             self.source.read(base + q0, base + q0 + first, row[:first], slot=j)
             if first < m:  # the rotated column wraps to its start
                 self.source.read(base, base + m - first, row[first:m], slot=j)
-        self._block = (epoch, r0, r1)
+        return epoch, r0, r1
+
+    def _slice(self, buf: np.ndarray, r0: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = step * self.tgt_len
+        m = self.seq_len(step) + 1
+        out = np.empty((m, self.local_batch), dtype=np.int64)
+        out[...] = buf[:, i - r0:i - r0 + m].T
+        t = torch.from_numpy(out)
+        return t[:-1], t[1:]
+
+    def _in_block(self, block, epoch: int, step: int) -> bool:
+        i = step * self.tgt_len
+        return block is not None and block[0] == epoch and block[1] <= i and i + self.seq_len(step) + 1 <= block[2]
 
     def get_batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch at (epoch, step) without moving the reader's position."""
         if not 0 <= step < self.steps_per_epoch or epoch < 0:
             raise IndexError(f"step {step} of epoch {epoch} is outside [0, {self.steps_per_epoch})")
-        i = step * self.tgt_len
-        m = self.seq_len(step) + 1
-        b = self._block
-        if b is None or b[0] != epoch or i < b[1] or i + m > b[2]:
-            self._fill(epoch, i)
-            b = self._block
-        rows = self._buf[:, i - b[1]:i - b[1] + m]
-        out = np.empty((m, self.local_batch), dtype=np.int64)
-        out[...] = rows.T
-        t = torch.from_numpy(out)
-        return t[:-1], t[1:]
+        if not self._in_block(self._block, epoch, step):
+            self._block = self._fill(self._buf, epoch, step * self.tgt_len)
+        return self._slice(self._buf, self._block[1], step)
 
     # ---- iteration --------------------------------------------------------------------------------------
     def _next_pos(self, epoch: int, step: int) -> tuple[int, int]:
@@ -140,6 +145,15 @@ class StreamReader:
         while self.epochs is None or epoch < self.epochs:
             yield epoch, step
             epoch, step = self._next_pos(epoch, step)
+
+    def _block_starts(self, epoch: int, step: int):
+        """(epoch, first row) of the blocks a sequential iteration from (epoch, step) decodes, in order."""
+        r0 = step * self.tgt_len
+        while self.epochs is None or epoch < self.epochs:
+            yield epoch, r0
+            r0 += self.block_rows      # a multiple of tgt_len: every step lies inside one block
+            if r0 >= self.n_step - 1:
+                epoch, r0 = epoch + 1, 0
 
     def __iter__(self):
         self._stop_producer()
@@ -159,6 +173,8 @@ class StreamReader:
             yield inp, tgt
 
     def _iter_prefetch(self, gen: int):
+        """A background thread decodes whole blocks (up to `prefetch` ahead) into buffers of their own; this
+        thread only slices them, so the two share nothing but the queue."""
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         start = (self.epoch, self.step)
@@ -174,8 +190,9 @@ class StreamReader:
 
         def produce():
             try:
-                for e, k in self._positions(*start):
-                    if stop.is_set() or not put((e, k, *self.get_batch(e, k))):
+                for e, r0 in self._block_starts(*start):
+                    buf = np.empty_like(self._buf)
+                    if stop.is_set() or not put((self._fill(buf, e, r0), buf)):
                         return
                 put(_END)
             except BaseException as exc:  # handed to the consumer, raised there
@@ -184,15 +201,19 @@ class StreamReader:
         t = threading.Thread(target=produce, name=f"StreamReader-{self.split}-r{self.rank}", daemon=True)
         self._producer = (t, stop)
         t.start()
+        block = buf = None
         try:
-            while True:
-                item = q.get()
+            for e, k in self._positions(*start):
+                while not self._in_block(block, e, k):
+                    item = q.get()
+                    self._stale(gen)
+                    if item is _END:
+                        raise RuntimeError("StreamReader: prefetch ended before the iteration did")
+                    if isinstance(item, BaseException):
+                        raise item
+                    block, buf = item
                 self._stale(gen)
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                e, k, inp, tgt = item
+                inp, tgt = self._slice(buf, block[1], k)
                 self.epoch, self.step = self._next_pos(e, k)
                 yield inp, tgt
         finally:

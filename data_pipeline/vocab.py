@@ -159,7 +159,14 @@ class Vocab:
     def decode(self, ids) -> str:
         """Text of a sequence of ids (bytes are decoded as UTF-8 with replacement)."""
         ids = [int(i) for i in ids]
-        if self.kind == "words":
-            return " ".join("\n" if self.symbols[i] == "<eos>" else self.symbols[i] for i in ids).replace(" \n ", "\n")
+        if self.kind == "words":  # <eos> ends a line
+            lines, words = [], []
+            for i in ids:
+                if self.symbols[i] == "<eos>":
+                    lines.append(" ".join(words) + "\n")
+                    words = []
+                else:
+                    words.append(self.symbols[i])
+            return "".join(lines) + " ".join(words)
         raw = bytes(self.symbol_byte(self.symbols[i]) for i in ids)
         return raw.decode("utf-8", errors="replace")

@@ -66,9 +66,11 @@ def test_reference_golden_batches(shared, tmp_path):
         assert_same(got, [(x[:, rank:rank + 1], y[:, rank:rank + 1]) for x, y in zip(g["inputs"], g["targets"])])
 
 
-@pytest.mark.parametrize("bsz,bptt,block_tokens", [(7, 333, 1 << 20), (5, 1000, 3000), (1, 4096, 1 << 16)])
-def test_layout_equals_lm_ordered_iterator(enwik8_dir, train_stream, bsz, bptt, block_tokens):
-    r = StreamReader(enwik8_dir, "train", batch_size=bsz, tgt_len=bptt, block_tokens=block_tokens)
+@pytest.mark.parametrize("bsz,bptt,block_tokens,prefetch",
+                         [(7, 333, 1 << 20, 0), (5, 1000, 3000, 0), (5, 1000, 3000, 2), (1, 4096, 1 << 16, 1)])
+def test_layout_equals_lm_ordered_iterator(enwik8_dir, train_stream, bsz, bptt, block_tokens, prefetch):
+    r = StreamReader(enwik8_dir, "train", batch_size=bsz, tgt_len=bptt, block_tokens=block_tokens,
+                     prefetch=prefetch)
     expect = xl_batches(train_stream, bsz, bptt)
     assert r.n_tokens == train_stream.numel() and r.steps_per_epoch == len(expect)
     assert r.tokens_per_epoch == sum(x.numel() for x, _ in expect)
