@@ -9,10 +9,10 @@ Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, dat
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from megamemo.config import ConfigError, RunConfig, load
@@ -59,9 +59,7 @@ def _seed_all(seed: int) -> None:
 
 
 def build(cfg: RunConfig, log=print):
-    """Everything a run needs, on an initialised process group: (trainer, resume_dir or None, dist env)."""
-    import torch
-
+    """Start the process group and build everything a run needs: (trainer, dist env)."""
     from megamemo.checkpoint.store import CheckpointStore
     from megamemo.model import MemTransformerLM
     from megamemo.train import dist
@@ -72,15 +70,27 @@ def build(cfg: RunConfig, log=print):
     from megamemo.train.signals import StopRequest
     from megamemo.train.validate import Evaluator, eval_lengths
 
+    stop = StopRequest()                    # from the start: a signal during start-up stops after step one
     de = dist.init()
     dp, micro = cfg.layout(de.world_size)
     dp_rank = de.rank                       # tp = pp = 1: every rank is its own data-parallel rank
     run_dir = Path(cfg.train.run_dir)
+
+    meta = {"model": cfg.model.to_dict(), "model_fingerprint": cfg.model_fingerprint(),
+            "layout": {"world_size": de.world_size, "dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+                       "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum,
+                       "zero_stage": cfg.parallel.zero_stage},
+            "precision": cfg.precision.dtype}
+    store = CheckpointStore(run_dir / "checkpoints", de.rank, de.world_size, cfg.checkpoint.keep_last, meta,
+                            barrier=dist.barrier)
+    resume_dir = store.resolve(cfg.checkpoint.resume)
+    start_step = 0
+    if resume_dir is not None:
+        start_step = store.check_compatible(resume_dir)["step"]
     if de.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     dist.barrier()
-
     _seed_all(cfg.train.seed)               # identical initial weights on every rank
     model = MemTransformerLM(cfg.model)
     engine = Engine(cfg, model, micro, dp)
@@ -94,17 +104,6 @@ def build(cfg: RunConfig, log=print):
                              "columns": [first, first + per_rank],
                              "micro_batches": [[first + k * micro, first + (k + 1) * micro]
                                                for k in range(cfg.train.grad_accum)]}}
-    meta = {"model": cfg.model.to_dict(), "model_fingerprint": cfg.model_fingerprint(),
-            "layout": {"world_size": de.world_size, "dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
-                       "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum,
-                       "zero_stage": cfg.parallel.zero_stage},
-            "precision": cfg.precision.dtype}
-    store = CheckpointStore(run_dir / "checkpoints", de.rank, de.world_size, cfg.checkpoint.keep_last, meta,
-                            barrier=dist.barrier)
-    resume_dir = store.resolve(cfg.checkpoint.resume)
-    start_step = 0
-    if resume_dir is not None:
-        start_step = store.check_compatible(resume_dir)["step"]
     metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
                       tensorboard=cfg.log.tensorboard, start_step=start_step)
     evaluator = None
@@ -114,7 +113,7 @@ def build(cfg: RunConfig, log=print):
                                                        dp_rank, train=False),
                               lambda: engine.module, engine.device, de.world_size, metrics)
     trainer = Trainer(cfg, engine, reader, rank=de.rank, world_size=de.world_size, micro_batch=micro,
-                      metrics=metrics, store=store, evaluator=evaluator, stop=StopRequest(), rank_extra=rank_extra)
+                      metrics=metrics, store=store, evaluator=evaluator, stop=stop, rank_extra=rank_extra)
     if resume_dir is not None:
         trainer.resume(resume_dir)
     if de.rank == 0:
@@ -131,6 +130,8 @@ def main(argv: list[str]) -> int:
     from megamemo.train.data import DataError, check_data_dir
 
     args = parse_args(argv)
+    # DeepSpeed's ZeRO calls a torch collective under its deprecated name on every step
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
     try:
         cfg = resolve_config(args)
         check_data_dir(cfg)
