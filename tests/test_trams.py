@@ -9,6 +9,8 @@ from megamemo import trams
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from megamemo.trams import TramsConfig, key_scores, select_rows
 
+from eval_fixtures import one_thread  # noqa: F401 (autouse fixture)
+
 
 def tiny(variant, **kw):
     torch.manual_seed(0)

@@ -1,0 +1,256 @@
+"""`megamemo eval`: bits per character or perplexity of a checkpoint on a split, at any lengths, with TRAMS.
+
+    megamemo eval --ckpt CKPT --data DIR --split valid|test [--json OUT]
+                  [--tgt-len N] [--mem-len N] [--clamp-len N] [--same-length | --no-same-length] [--batch-size B]
+                  [--max-segments K] [--trams-topk K --trams-recent R [--trams-metric code|paper]]
+                  [--mem-ratios 1,2,4,... [--ratio-base N] [--plot FILE.png] [--table FILE.tsv]]
+
+CKPT is a single-device checkpoint directory (megamemo/checkpoint/single.py) or a training run / checkpoint
+directory (converted in memory, see `megamemo convert`); --ckpt may be repeated to compare models.
+
+The loop is the reference `evaluate()` (spec §4.3): B contiguous columns (the training layout with one rank),
+memory carried down each column from empty, and the exact per-token mean NLL in nats over the split. bpc = nll /
+ln 2 for byte/character corpora, ppl = exp(nll) for word-level ones (from the shard manifest's tokenizer).
+Defaults are the checkpoint's training lengths and batch 10 (the Transformer-XL scripts' eval batch); the score
+depends on B because the first token of every column is never predicted.
+
+TRAMS: --mem-len is the pool (the cache), the current tokens attend to the newest --trams-recent rows plus the
+--trams-topk best older rows (see megamemo/trams.py). The TRAMS paper's setting is mem 400, topk 50, recent 150.
+
+--mem-ratios runs the memory extrapolation sweep (the LaMemo paper's Figure 5): at the fixed --tgt-len, mem_len =
+ratio x base (--ratio-base, default the checkpoint's training mem_len), one evaluation per ratio and checkpoint;
+the table (TSV) and the plot (PNG) are written, and --json gets every result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megamemo.trams import METRICS, TramsConfig
+from megamemo.trams import forward as trams_forward
+
+LN2 = math.log(2.0)
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------------
+def metric_name(manifest: dict) -> str:
+    """'bpc' for byte- and character-level corpora, 'ppl' for word-level ones (the manifest's tokenizer)."""
+    kind = (manifest.get("tokenizer") or {}).get("kind") or (manifest.get("vocab") or {}).get("kind")
+    if kind in ("bytes", "chars"):
+        return "bpc"
+    if kind == "words":
+        return "ppl"
+    raise ValueError(f"manifest.json: tokenizer.kind {kind!r} is not one of bytes | chars | words")
+
+
+def metric_value(nll: float, metric: str) -> float:
+    return nll / LN2 if metric == "bpc" else math.exp(nll)
+
+
+# ---- the loop --------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, trams: TramsConfig | None = None,
+             max_segments: int = 0, device=None, log=None, total_segments: int | None = None,
+             log_every: float = 10.0) -> dict:
+    """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried.
+    -> {"nll", "tokens", "segments", "seconds"}."""
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    total, count, seg = torch.zeros((), dtype=torch.float64, device=device), 0, 0
+    mem = None
+    t0 = last = time.perf_counter()
+    try:
+        for inp, tgt in batches:
+            if max_segments and seg >= max_segments:
+                break
+            inp, tgt = inp.to(device), tgt.to(device)
+            if trams is None:
+                nll, mem = model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
+            else:
+                nll, mem = trams_forward(model, inp, tgt, mem, select=trams, same_length=same_length,
+                                         clamp_len=clamp_len)
+            total += nll.float().sum(dtype=torch.float64)
+            count += nll.numel()
+            seg += 1
+            now = time.perf_counter()
+            if log is not None and now - last >= log_every:
+                last = now
+                of = f"/{min(total_segments, max_segments or total_segments)}" if total_segments else ""
+                log(f"[eval] segment {seg}{of}: {count:,} tokens, {count / (now - t0):,.0f} tokens/s, "
+                    f"running nll {float(total) / count:.4f}")
+    finally:
+        model.train(was_training)
+    nll = float(total) / count if count else float("nan")
+    return {"nll": nll, "tokens": count, "segments": seg, "seconds": time.perf_counter() - t0}
+
+
+def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
+    """The evaluation batches: the training reader's layout with one rank and no roll, one pass."""
+    from data_pipeline import StreamReader
+
+    return StreamReader(data_dir, split, batch_size, tgt_len, world_size=1, rank=0, epochs=1)
+
+
+def run_one(model, meta: dict, data_dir, split: str, *, tgt_len: int, mem_len: int, clamp_len: int,
+            same_length: bool, batch_size: int, trams: TramsConfig | None = None, max_segments: int = 0,
+            metric: str, device=None, log=print) -> dict:
+    reader = open_batches(data_dir, split, batch_size, tgt_len)
+    try:
+        out = evaluate(model, reader, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, trams=trams,
+                       max_segments=max_segments, device=device, log=log, total_segments=reader.steps_per_epoch)
+    finally:
+        reader.close()
+    out[metric] = metric_value(out["nll"], metric)
+    out.update({"metric": metric, "split": split, "tgt_len": tgt_len, "mem_len": mem_len, "clamp_len": clamp_len,
+                "same_length": same_length, "batch_size": batch_size, "variant": model.cfg.variant,
+                "tokens_per_s": out["tokens"] / max(out["seconds"], 1e-9)})
+    if trams is not None:
+        out["trams"] = {"pool": trams.pool, "attend": trams.attend, "recent": trams.recent, "topk": trams.topk,
+                        "metric": trams.metric}
+    return out
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="megamemo eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", action="append", required=True,
+                   help="single-device checkpoint dir, or a training run / checkpoint dir (repeatable)")
+    p.add_argument("--data", required=True, help="shard directory made by `megamemo prepare`")
+    p.add_argument("--split", default="valid", help="valid | test (or any split of the manifest)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--tgt-len", type=int, help="segment length (default: the checkpoint's tgt_len)")
+    p.add_argument("--mem-len", type=int, help="memory length (default: the checkpoint's mem_len); the TRAMS pool")
+    p.add_argument("--clamp-len", type=int, help="clamp relative distances (default: the checkpoint's)")
+    p.add_argument("--same-length", dest="same_length", action="store_true", default=None)
+    p.add_argument("--no-same-length", dest="same_length", action="store_false")
+    p.add_argument("--batch-size", type=int, default=10, help="columns (streams); default 10 as in the XL scripts")
+    p.add_argument("--max-segments", type=int, default=0, help="stop after K segments (0: the whole split)")
+    p.add_argument("--trams-topk", type=int, help="TRAMS: older memory rows selected per layer/head/stream")
+    p.add_argument("--trams-recent", type=int, default=0, help="TRAMS: newest memory rows always attended")
+    p.add_argument("--trams-metric", choices=METRICS, default="code",
+                   help="code: ||K'||*|sum K'| (reference code); paper: cos<K',1>*||K'||")
+    p.add_argument("--mem-ratios", help="extrapolation sweep: comma-separated mem_len / ratio-base ratios")
+    p.add_argument("--ratio-base", type=int, help="base of --mem-ratios (default: the checkpoint's mem_len)")
+    p.add_argument("--plot", default="mem_sweep.png", help="sweep plot (PNG)")
+    p.add_argument("--table", help="sweep table (TSV; default: the plot's name with .tsv)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "checkpoint"), default="checkpoint",
+                   help="run the model in this dtype (default: as stored)")
+    return p.parse_args(argv)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_for_eval(path, device, dtype: str = "checkpoint"):
+    from megamemo.checkpoint.convert import load_model
+
+    model, meta = load_model(path)
+    if dtype != "checkpoint":
+        model = model.to(DTYPES[dtype])
+    return model.to(device).eval(), meta
+
+
+def _lengths(model, a, mem_len=None) -> dict:
+    c = model.cfg
+    return {"tgt_len": a.tgt_len or c.tgt_len,
+            "mem_len": (a.mem_len if a.mem_len is not None else c.mem_len) if mem_len is None else mem_len,
+            "clamp_len": c.clamp_len if a.clamp_len is None else a.clamp_len,
+            "same_length": c.same_length if a.same_length is None else a.same_length}
+
+
+def _trams(a, mem_len: int) -> TramsConfig | None:
+    if a.trams_topk is None:
+        return None
+    return TramsConfig(pool=mem_len, attend=a.trams_topk + a.trams_recent, recent=a.trams_recent,
+                       metric=a.trams_metric).validate()
+
+
+def _fmt(r: dict) -> str:
+    m = r["metric"]
+    t = r.get("trams")
+    extra = f" | TRAMS attend {t['attend']} of pool {t['pool']} (recent {t['recent']}, {t['metric']})" if t else ""
+    return (f"{r['ckpt']}: {r['split']} {m} {r[m]:.4f} (nll {r['nll']:.5f} nats/token, {r['tokens']:,} tokens) | "
+            f"{r['variant']} tgt {r['tgt_len']} mem {r['mem_len']} clamp {r['clamp_len']} "
+            f"same_length {r['same_length']} B {r['batch_size']}{extra} | {r['tokens_per_s']:,.0f} tokens/s")
+
+
+def main(argv: list[str]) -> int:
+    from data_pipeline import ManifestError, ShardError, load_manifest
+    from megamemo.checkpoint.single import SingleCheckpointError
+
+    a = parse_args(argv)
+    try:
+        metric = metric_name(load_manifest(a.data))
+        if a.split not in load_manifest(a.data)["splits"]:
+            raise ValueError(f"{Path(a.data) / 'manifest.json'}: no split {a.split!r}")
+        ratios = [float(x) for x in a.mem_ratios.split(",")] if a.mem_ratios else None
+        results = []
+        for ckpt in a.ckpt:
+            model, meta = load_for_eval(ckpt, a.device, a.dtype)
+            runs = [None] if ratios is None else ratios
+            for ratio in runs:
+                mem_len = None
+                if ratio is not None:
+                    base = a.ratio_base or model.cfg.mem_len
+                    mem_len = max(0, round(ratio * base))
+                L = _lengths(model, a, mem_len)
+                r = run_one(model, meta, a.data, a.split, batch_size=a.batch_size, trams=_trams(a, L["mem_len"]),
+                            max_segments=a.max_segments, metric=metric, device=a.device, **L)
+                r["ckpt"] = str(ckpt)
+                if ratio is not None:
+                    r["mem_ratio"], r["ratio_base"] = ratio, base
+                print(_fmt(r), flush=True)
+                results.append(r)
+    except (ValueError, OSError, ManifestError, ShardError, SingleCheckpointError) as e:
+        print(f"megamemo eval: error: {e}", file=sys.stderr)
+        return 2
+    if ratios is not None:
+        table = Path(a.table) if a.table else Path(a.plot).with_suffix(".tsv")
+        write_table(results, table)
+        plot_sweep(results, Path(a.plot))
+        print(f"[eval] sweep table {table}, plot {a.plot}", flush=True)
+    if a.json:
+        doc = results[0] if len(results) == 1 else {"results": results}
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+# ---- sweep outputs ---------------------------------------------------------------------------------------------
+def write_table(results: list[dict], path: Path) -> None:
+    metric = results[0]["metric"]
+    lines = ["\t".join(["ckpt", "variant", "mem_ratio", "tgt_len", "mem_len", "nll", metric, "tokens"])]
+    for r in results:
+        lines.append("\t".join(str(x) for x in (r["ckpt"], r["variant"], r.get("mem_ratio", ""), r["tgt_len"],
+                                                 r["mem_len"], f"{r['nll']:.6f}", f"{r[metric]:.6f}", r["tokens"])))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot_sweep(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = results[0]["metric"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ckpt in dict.fromkeys(r["ckpt"] for r in results):
+        rs = [r for r in results if r["ckpt"] == ckpt]
+        ax.plot([r["mem_ratio"] for r in rs], [r[metric] for r in rs], marker="o",
+                label=f"{rs[0]['variant']} ({Path(ckpt).name})")
+    ax.set_xlabel(f"memory length / {results[0]['ratio_base']} (tgt_len "
+                  f"{results[0]['tgt_len']})")
+    ax.set_ylabel(f"{results[0]['split']} {metric}")
+    ax.set_title("memory length extrapolation")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,74 @@
+"""Small shard directories and checkpoints shared by the eval / generate / analyze tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline import build
+from data_pipeline.corpora import from_arrays
+from data_pipeline.vocab import Vocab
+from megamemo.checkpoint.single import save_single
+from megamemo.model import MemTransformerLM, ModelConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small models on a shared 2-core machine: one intra-op thread is many times faster than contended two."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def enwik8_slice_shards(shared: Path, out: Path, n_bytes: int = 60_000) -> Path:
+    """Byte-level shards of the first n_bytes of the enwik8 prefix, split 80/10/10, small chunks and shards."""
+    raw = np.frombuffer((shared / "data/enwik8/enwik8_prefix").read_bytes()[:n_bytes], dtype=np.uint8)
+    a, b = int(n_bytes * 0.8), int(n_bytes * 0.9)
+    corpus = from_arrays({"train": raw[:a], "valid": raw[a:b], "test": raw[b:]}, Vocab.identity_bytes(), "enwik8")
+    build(corpus, out, chunk_tokens=1000, shard_bytes=2000, log=lambda m: None)
+    return out
+
+
+def word_shards(out: Path, n_words: int = 50, n_tokens: int = 3000, seed: int = 0) -> Path:
+    """A word-level corpus (random ids over a made-up vocabulary): eval must report perplexity."""
+    rng = np.random.default_rng(seed)
+    vocab = Vocab("words", ["<eos>", "<unk>"] + [f"w{i}" for i in range(n_words - 2)])
+    arrays = {s: rng.integers(0, n_words, n_tokens) for s in ("train", "valid", "test")}
+    build(from_arrays(arrays, vocab, "words"), out, chunk_tokens=500, shard_bytes=4000, log=lambda m: None)
+    return out
+
+
+def tiny_cfg(variant="lamemo", n_token=256, **kw) -> ModelConfig:
+    base = dict(variant=variant, n_token=n_token, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64,
+                dropout=0.1, tgt_len=12, mem_len=12)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_checkpoint(out: Path, variant="lamemo", seed=0, meta=None, **kw) -> tuple[Path, MemTransformerLM]:
+    torch.manual_seed(seed)
+    cfg = tiny_cfg(variant, **kw)
+    model = MemTransformerLM(cfg)
+    with torch.no_grad():      # sharper than the 0.02 init, so memory and selection matter to the scores
+        for p in model.parameters():
+            p.mul_(8.0) if p.dim() == 2 else None
+    save_single(out, cfg, model.state_dict(), meta=meta)
+    return out, model.eval()
+
+
+def reference_nll(model, stream: np.ndarray, batch_size: int, tgt_len: int, **overrides) -> tuple[float, int]:
+    """Spec §4.3 written out: columns of a [n_step, B] view, segments of tgt_len rows (last one shorter), memory
+    carried, total += seq_len * segment mean, result total / sum(seq_len)."""
+    n_step = stream.size // batch_size
+    data = torch.from_numpy(stream[:n_step * batch_size].astype(np.int64)).view(batch_size, n_step).t()
+    total, length, mem = 0.0, 0, None
+    with torch.no_grad():
+        for i in range(0, n_step - 1, tgt_len):
+            seq_len = min(tgt_len, n_step - 1 - i)
+            nll, mem = model(data[i:i + seq_len], data[i + 1:i + 1 + seq_len], mem, **overrides)
+            total += seq_len * nll.double().mean().item()
+            length += seq_len
+    return total / length, length * batch_size
