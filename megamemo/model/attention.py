@@ -15,38 +15,47 @@ def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return index.expand(like.shape[0], like.shape[1], *index.shape)
 
 
-def _normalise(score, mask, v, drop):
-    """score [B,n,Q,K] (any dtype) -> (context [B,n,Q,dh] in v's dtype, log-normaliser [B,n,Q] fp32).
-    `drop` (attention dropout, a module or None) is applied to the probabilities, not to the normaliser."""
-    score = score.float().masked_fill(mask, float("-inf"))
-    lse = torch.logsumexp(score, dim=-1)
-    prob = torch.exp(score - lse.unsqueeze(-1)).to(v.dtype)
+def _normalise(score, mask, v, drop, lse):
+    """score [B,n,Q,K] (a fresh tensor, any dtype) -> (context [B,n,Q,dh] in v's dtype, log-normaliser [B,n,Q]
+    fp32). `drop` (attention dropout, a module or None) is applied to the probabilities, not to the normaliser.
+    lse: "grad" (a differentiable normaliser), "value" (for detached caches: no autograd), "none" (not needed)."""
+    score = score.float().masked_fill_(mask, float("-inf"))
+    prob = torch.softmax(score, dim=-1).to(v.dtype)
+    if lse == "grad":
+        norm = torch.logsumexp(score, dim=-1)
+    elif lse == "value":
+        with torch.no_grad():
+            norm = torch.logsumexp(score, dim=-1)
+    else:
+        norm = None
     if drop is not None:
         prob = drop(prob)
-    return prob @ v, lse
+    return prob @ v, norm
 
 
-def causal_attention(q, k, v, r, u, vb, mask, rel_index, scale, drop=None):
+def causal_attention(q, k, v, r, u, vb, mask, rel_index, scale, drop=None, lse="grad"):
     """Transformer-XL relative attention of L current queries over klen = M + L keys.
 
     q [B,n,L,dh]; k, v [B,n,klen,dh]; r [n,klen,dh]: R row c holds distance klen-1-c; u, vb [n,dh] content and
     position biases; mask [L,klen] bool (True = hidden); rel_index [L,klen]: the R row for each (query, key).
-    score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale.
+    score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale  (the scale applied to the queries).
     """
-    ac = (q + u[:, None]) @ k.transpose(-1, -2)
-    bd = ((q + vb[:, None]) @ r.transpose(-1, -2)).gather(-1, _expand(rel_index, q))
-    return _normalise((ac + bd) * scale, mask, v, drop)
+    qs = q * scale
+    ac = (qs + u[:, None] * scale) @ k.transpose(-1, -2)
+    bd = ((qs + vb[:, None] * scale) @ r.transpose(-1, -2)).gather(-1, _expand(rel_index, q))
+    return _normalise(ac.add_(bd), mask, v, drop, lse)
 
 
-def lookahead_attention(qm, k, v, r_fut, u, vf, t_index, mask, scale, drop=None):
+def lookahead_attention(qm, k, v, r_fut, u, vf, t_index, mask, scale, drop=None, lse="grad"):
     """LaMemo's look-ahead: M memory queries attend to the Nk keys at positions [M-Nk+1, M] that lie after them.
 
     qm [B,n,M,dh]; k, v [B,n,Nk,dh]; r_fut [n,M,dh]: row t holds future distance t+1; vf [n,dh] the look-ahead
     position bias; t_index [M,Nk] the R_fut row per (query, key); mask [M,Nk] (True where key <= query).
     """
-    ac = (qm + u[:, None]) @ k.transpose(-1, -2)
-    bd = ((qm + vf[:, None]) @ r_fut.transpose(-1, -2)).gather(-1, _expand(t_index, qm))
-    return _normalise((ac + bd) * scale, mask, v, drop)
+    qs = qm * scale
+    ac = (qs + u[:, None] * scale) @ k.transpose(-1, -2)
+    bd = ((qs + vf[:, None] * scale) @ r_fut.transpose(-1, -2)).gather(-1, _expand(t_index, qm))
+    return _normalise(ac.add_(bd), mask, v, drop, lse)
 
 
 def interpolate(c_old, s_old, a, s_new):

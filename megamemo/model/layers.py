@@ -74,7 +74,8 @@ class XLLayer(nn.Module):
         klen = cat.size(0)
         q, k, v = self.attn.heads(cat)
         ctx, _ = causal_attention(q[:, :, -L:], k, v, self.attn.rel(pos_emb), u, vb, mask,
-                                  causal_rel_index(L, klen, h.device), self.attn.scale, self.attn.dropatt)
+                                  causal_rel_index(L, klen, h.device), self.attn.scale, self.attn.dropatt,
+                                  lse="none")
         return self.ff(self.attn.output(h, ctx))
 
 
@@ -98,7 +99,7 @@ class LaMemoLayer(nn.Module):
         q, k, v = self.attn.heads(cat)
         r = self.attn.rel(pos_emb)
         ctx, lse = causal_attention(q[:, :, M:], k, v, r[:, :klen], u, vb, mask, causal_rel_index(L, klen, h.device),
-                                    self.attn.scale, self.attn.dropatt)
+                                    self.attn.scale, self.attn.dropatt, lse="value")
         if M:
             c_old = ctx_old.permute(1, 2, 0, 3)
             s_old = lse_old.permute(1, 2, 0)
