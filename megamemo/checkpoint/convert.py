@@ -87,10 +87,44 @@ def _numel(shape) -> int:
     return int(math.prod(shape))
 
 
+def unpartitioned_fp32(model_states: dict, where: Path) -> dict[str, torch.Tensor] | None:
+    """ZeRO stage 0 with bf16/fp16: the optimizer state inside the model file holds the fp32 master of every
+    parameter, per group in the optimizer's (= the module's parameter) order: `fp32_groups` (one tensor per
+    parameter) or `fp32_groups_flat` (one flat tensor per group)."""
+    opt = model_states.get("optimizer")
+    if not isinstance(opt, dict):
+        return None
+    names = [k for k in model_states["module"] if k not in set(model_states.get("buffer_names") or [])]
+    shapes = [tuple(model_states["module"][k].shape) for k in names]
+    if "fp32_groups" in opt:
+        tensors = [t for group in opt["fp32_groups"] for t in group]
+    elif "fp32_groups_flat" in opt:
+        flat = torch.cat([g.reshape(-1) for g in opt["fp32_groups_flat"]])
+        sizes = [_numel(s) for s in shapes]
+        if flat.numel() < sum(sizes):
+            raise ConvertError(f"{where}: fp32_groups_flat holds {flat.numel()} values, the module needs {sum(sizes)}")
+        tensors = list(torch.split(flat[:sum(sizes)], sizes))
+    else:
+        return None
+    if len(tensors) != len(names):
+        raise ConvertError(f"{where}: the optimizer holds {len(tensors)} fp32 master tensors for {len(names)} "
+                           f"module parameters")
+    out = {}
+    for name, shape, t in zip(names, shapes, tensors):
+        if t.numel() != _numel(shape):
+            raise ConvertError(f"{where}: fp32 master of {name} has {t.numel()} values, expected shape {shape}")
+        out[name] = t.float().reshape(shape).clone()
+    return out
+
+
 def consolidate_fp32(step_dir: Path, model_states: dict) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of a ZeRO 0-2 mixed-precision run, gathered from every rank's optimizer file."""
+    """The fp32 master weights of a ZeRO 0-2 mixed-precision run: from the model file's optimizer state (stage 0)
+    or gathered from every rank's optimizer file (stages 1-2)."""
     files = sorted(step_dir.glob("*_optim_states.pt"), key=lambda f: _rank_of(f))
     if not files:
+        found = unpartitioned_fp32(model_states, step_dir / MODEL_FILE)
+        if found is not None:
+            return found
         raise ConvertError(f"{step_dir}: no *_optim_states.pt files (the fp32 master weights of a bf16/fp16 run)")
     parts, paddings = [], None
     for f in files:
