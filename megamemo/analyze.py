@@ -1,0 +1,205 @@
+"""`megamemo analyze`: what the memory does, as plots and numbers (the LaMemo paper's Figures 1 and 6).
+
+    megamemo analyze --ckpt CKPT [--ckpt CKPT ...] --data DIR [--split valid] [--out DIR] [--segments N]
+                     [--batch-size B] [--tgt-len N] [--mem-len N]
+
+Runs each checkpoint over the first N segments of the split (B contiguous streams, memory carried, as eval does)
+and records, once the memory is full (M = mem_len; the warm-up segments are skipped):
+  * attention weight by distance (Figure 1): for every layer, the attention probability of the current queries
+    averaged over all (stream, head, query, key) pairs at each distance d = query position - key position,
+    d = 0 .. mem_len + tgt_len - 1, plus the share of attention mass on memory keys. LaMemo vs XL: run both.
+  * the memorizing coefficient alpha (Figure 6, LaMemo only): the weight of the cached context against the
+    new look-ahead context in the memory interpolation, per layer and memory row (index 0 = the oldest row,
+    mem_len - 1 = the newest), averaged over streams, heads and segments.
+Writes DIR/attention_by_distance.png, DIR/alpha.png (when a LaMemo checkpoint is given) and DIR/analysis.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megamemo.trams import forward as inspect_forward
+
+
+class Recorder:
+    """Observer for megamemo.trams.forward: accumulates attention-by-distance and alpha for full-memory segments."""
+
+    def __init__(self, n_layer: int, tgt_len: int, mem_len: int):
+        self.n_layer, self.L, self.M = n_layer, tgt_len, mem_len
+        n_dist = mem_len + tgt_len
+        self.att_sum = torch.zeros(n_layer, n_dist, dtype=torch.float64)
+        self.att_cnt = torch.zeros(n_layer, n_dist, dtype=torch.float64)
+        self.mem_mass = torch.zeros(n_layer, dtype=torch.float64)
+        self.queries = torch.zeros(n_layer, dtype=torch.float64)
+        self.alpha_sum = torch.zeros(n_layer, mem_len, dtype=torch.float64)
+        self.alpha_cnt = torch.zeros(n_layer, dtype=torch.float64)
+        self.active = False
+
+    def __call__(self, layer: int, kind: str, **kw):
+        if not self.active:
+            return
+        if kind == "causal":
+            probs, mlen = kw["probs"].double(), kw["mlen"]
+            B, n, L, klen = probs.shape
+            i = torch.arange(L)[:, None]
+            j = torch.arange(klen)[None, :]
+            dist = (mlen + i - j).to(probs.device)
+            valid = dist >= 0
+            summed = probs.sum((0, 1))                                 # [L, klen]
+            d = dist.clamp(min=0)[valid].cpu()
+            self.att_sum[layer].index_add_(0, d, summed[valid].cpu())
+            self.att_cnt[layer].index_add_(0, d, torch.full((d.numel(),), float(B * n), dtype=torch.float64))
+            self.mem_mass[layer] += float(summed[:, :mlen].sum())
+            self.queries[layer] += B * n * L
+        elif kind == "alpha":
+            a = kw["alpha"].double()                                   # [B, n, M]
+            self.alpha_sum[layer] += a.sum((0, 1)).cpu()
+            self.alpha_cnt[layer] += a.shape[0] * a.shape[1]
+
+    def result(self) -> dict:
+        att = (self.att_sum / self.att_cnt.clamp(min=1)).tolist()
+        out = {"attention_by_distance": {f"layer_{l}": att[l] for l in range(self.n_layer)},
+               "memory_mass": {f"layer_{l}": float(self.mem_mass[l] / max(float(self.queries[l]), 1.0))
+                               for l in range(self.n_layer)}}
+        mean = (self.att_sum.sum(0) / self.att_cnt.sum(0).clamp(min=1)).tolist()
+        out["attention_by_distance"]["mean"] = mean
+        if float(self.alpha_cnt.sum()) > 0:
+            alpha = (self.alpha_sum / self.alpha_cnt.clamp(min=1)[:, None]).tolist()
+            out["alpha"] = {f"layer_{l}": alpha[l] for l in range(self.n_layer)}
+        return out
+
+
+@torch.no_grad()
+def analyze(model, batches, *, tgt_len: int, mem_len: int, segments: int, device=None) -> dict:
+    """Run `segments` segments; record the full-memory ones. -> the Recorder's result plus counts."""
+    model.eval()
+    device = device or next(model.parameters()).device
+    cfg = model.cfg
+    if not cfg.has_memory:
+        raise ValueError(f"{cfg.variant!r} has no memory to analyse")
+    rec = Recorder(cfg.n_layer, tgt_len, mem_len)
+    mem, used, seen = None, 0, 0
+    for inp, tgt in batches:
+        if seen >= segments:
+            break
+        seen += 1
+        inp, tgt = inp.to(device), tgt.to(device)
+        rec.active = mem is not None and mem.length == mem_len and inp.size(0) == tgt_len
+        used += rec.active
+        _, mem = inspect_forward(model, inp, tgt, mem, mem_len=mem_len, observe=rec)
+    if used == 0:
+        raise ValueError(f"no segment with a full memory of {mem_len} rows in {seen} segments: raise --segments")
+    out = rec.result()
+    out.update({"variant": cfg.variant, "tgt_len": tgt_len, "mem_len": mem_len, "segments_recorded": used,
+                "n_layer": cfg.n_layer})
+    return out
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_attention(results: list[dict], path: Path) -> None:
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        mean = r["attention_by_distance"]["mean"]
+        label = f"{r['variant']} ({r['name']})"
+        ax.plot(range(len(mean)), mean, label=label)
+        total = sum(mean) or 1.0
+        cum = torch.tensor(mean).cumsum(0) / total
+        ax2.plot(range(len(mean)), cum.tolist(), label=label)
+    L = results[0]["tgt_len"]
+    for a in (ax, ax2):
+        a.axvline(L - 0.5, color="grey", lw=0.8, ls=":")
+        a.set_xlabel("distance (query position - key position)")
+        a.grid(alpha=0.3)
+    ax.set_yscale("log")
+    ax.set_ylabel("mean attention weight (all layers)")
+    ax.set_title("attention weight by distance")
+    ax2.set_ylabel("cumulative share of the mean weight")
+    ax2.set_title(f"beyond the dotted line: keys only memory holds (tgt_len {L})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_alpha(results: list[dict], path: Path) -> None:
+    plt = _plt()
+    lam = [r for r in results if "alpha" in r]
+    fig, axes = plt.subplots(1, len(lam), figsize=(5.5 * len(lam), 4), squeeze=False)
+    for ax, r in zip(axes[0], lam):
+        for name, vals in r["alpha"].items():
+            ax.plot(range(len(vals)), vals, label=name.replace("_", " "))
+        ax.set_xlabel("memory index (0 = oldest row)")
+        ax.set_ylabel("memorizing coefficient alpha")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{r['variant']} ({r['name']})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megamemo analyze", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", action="append", required=True, help="checkpoint (repeatable: LaMemo and XL)")
+    p.add_argument("--data", required=True, help="shard directory")
+    p.add_argument("--split", default="valid")
+    p.add_argument("--out", default="analysis", help="output directory")
+    p.add_argument("--segments", type=int, default=50, help="segments to run (the first mem_len/tgt_len warm up)")
+    p.add_argument("--batch-size", type=int, default=10)
+    p.add_argument("--tgt-len", type=int, help="default: the checkpoint's")
+    p.add_argument("--mem-len", type=int, help="default: the checkpoint's")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args(argv)
+    from data_pipeline import ManifestError, ShardError
+    from megamemo.checkpoint.convert import load_model
+    from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.evaluate import open_batches
+
+    results = []
+    try:
+        for ckpt in a.ckpt:
+            model, _ = load_model(ckpt)
+            model = model.to(a.device)
+            L = a.tgt_len or model.cfg.tgt_len
+            M = model.cfg.mem_len if a.mem_len is None else a.mem_len
+            reader = open_batches(a.data, a.split, a.batch_size, L)
+            try:
+                r = analyze(model, reader, tgt_len=L, mem_len=M, segments=a.segments, device=a.device)
+            finally:
+                reader.close()
+            r["ckpt"], r["name"] = str(ckpt), Path(ckpt).name
+            results.append(r)
+            mass = ", ".join(f"{v:.3f}" for v in r["memory_mass"].values())
+            print(f"[analyze] {ckpt}: {r['variant']} tgt {L} mem {M}, {r['segments_recorded']} segments; attention "
+                  f"mass on memory per layer: {mass}", flush=True)
+            if "alpha" in r:
+                print("[analyze]   mean alpha per layer: "
+                      + ", ".join(f"{sum(v) / len(v):.3f}" for v in r["alpha"].values()), flush=True)
+    except (ValueError, OSError, ManifestError, ShardError, SingleCheckpointError) as e:
+        print(f"megamemo analyze: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_attention(results, out / "attention_by_distance.png")
+    if any("alpha" in r for r in results):
+        plot_alpha(results, out / "alpha.png")
+    (out / "analysis.json").write_text(json.dumps({"split": a.split, "batch_size": a.batch_size,
+                                                   "models": results}, indent=1) + "\n")
+    print(f"[analyze] wrote {out}/", flush=True)
+    return 0
