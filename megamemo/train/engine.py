@@ -129,8 +129,13 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss)
 
-    def step(self) -> dict:
-        """The optimizer step at the end of the accumulation: {applied, grad_norm, loss_scale, lr}."""
+    def step(self) -> dict | None:
+        """Called after every micro-batch's backward (DeepSpeed counts micro-steps in step()). Between
+        micro-batches it returns None; at the end of the accumulation it steps the optimizer and returns
+        {applied, grad_norm, loss_scale, lr}."""
+        if not self.ds.is_gradient_accumulation_boundary():
+            self.ds.step()
+            return None
         lr = self.lr()
         grad_norm = None
         if self._manual_norm:           # DeepSpeed does not report the norm without ZeRO / mixed precision

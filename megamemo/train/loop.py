@@ -138,9 +138,12 @@ class Trainer:
             nll, mem = self.engine.forward(inp[:, cols], tgt[:, cols], mems_in[k])
             nll = nll.float()
             self.engine.backward(nll.mean() * self.loss_factor)
+            res = self.engine.step()                # the optimizer steps after the last micro-batch only
             loss_sum += nll.detach().sum(dtype=torch.float64)
             new_mems.append(mem)
-        res = self.engine.step()
+        if res is None:
+            raise RuntimeError("DeepSpeed did not reach a gradient-accumulation boundary after "
+                               f"{self.n_micro} micro-batches")
         stop_local = 1.0 if (self.stop is not None and self.stop.requested) else 0.0
         stats = torch.stack([loss_sum, torch.tensor(float(tgt.numel()), dtype=torch.float64, device=inp.device),
                              torch.tensor(stop_local, dtype=torch.float64, device=inp.device)])

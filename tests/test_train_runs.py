@@ -1,0 +1,350 @@
+"""`megamemo train` end to end, with real processes on the enwik8 prefix (fp32/bf16 on CPU, gloo):
+DP=2 equals DP=1 with the same global batch; kill -9 of one rank then restart equals an uninterrupted run bit
+for bit; SIGUSR1 saves a complete checkpoint and exits 0; errors name the bad field / directory / checkpoint.
+
+Ranks are started directly (RANK/WORLD_SIZE/MASTER_* in the environment, as torchrun would set them)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = """
+model: {variant: lamemo, n_token: 256, n_layer: 2, d_model: 32, n_head: 2, d_head: 16, d_inner: 64,
+        dropout: 0.1, dropatt: 0.0, tgt_len: 16, mem_len: 16}
+data: {batch_size: 4, roll: true}
+optim: {lr: 2.0e-3, clip: 0.25, warmup_steps: 2}
+precision: {dtype: fp32}
+parallel: {zero_stage: 1}
+train: {max_steps: 8}
+checkpoint: {save_every: 3, keep_last: 10}
+log: {every: 1, tensorboard: false}
+"""
+
+
+@pytest.fixture(scope="module")
+def shards(shared, tmp_path_factory) -> Path:
+    from data_pipeline.cli import prepare_main
+
+    out = tmp_path_factory.mktemp("shards") / "enwik8"
+    assert prepare_main(["enwik8", "--raw", str(shared / "data/enwik8/enwik8_prefix"), "--out", str(out),
+                         "--quiet"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    p.write_text(TINY)
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None):
+    """Start n ranks of `megamemo train`; each rank logs to run_dir/../<name>.rank<r>.log."""
+    port = _free_port()
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
+                   **(env_extra or {}))
+        log = open(run_dir.parent / f"{run_dir.name}.rank{r}.log", "a")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megamemo", "train", "--config", str(cfg), "--data", str(shards),
+             "--run-dir", str(run_dir), *args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    return procs
+
+
+def wait(procs, timeout: float = 180) -> list[int]:
+    end = time.time() + timeout
+    rcs = []
+    for p in procs:
+        try:
+            rcs.append(p.wait(timeout=max(1, end - time.time())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return rcs
+
+
+def logs(run_dir: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(run_dir.parent.glob(f"{run_dir.name}.rank*.log")))
+
+
+def run(n, cfg, shards, run_dir, *args, timeout=180, env_extra=None) -> None:
+    rcs = wait(launch(n, cfg, shards, run_dir, *args, env_extra=env_extra), timeout)
+    assert rcs == [0] * n, logs(run_dir)[-4000:]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "train":
+            assert rec["step"] not in out, f"step {rec['step']} logged twice"
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    return [s for s, _, c in list_checkpoints(run_dir / "checkpoints") if c]
+
+
+def assert_no_corrupt_checkpoint(run_dir: Path) -> None:
+    for step, path, committed in list_checkpoints(run_dir / "checkpoints"):
+        if committed:
+            verify(path)            # every committed checkpoint has all its files, at their recorded sizes
+
+
+def rank_memory(step_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Memory of every global column range: {first column: {tensor name: tensor}} from all ranks' files."""
+    out = {}
+    for js in sorted((step_dir / "megamemo").glob("rank_*.json")):
+        doc = json.loads(js.read_text())
+        tensors = load_file(str(js.with_suffix(".safetensors")))
+        for k, (c0, c1) in enumerate(doc["layout"]["micro_batches"]):
+            prefix = f"memory/mb{k}/"
+            out[c0] = {n[len(prefix):]: t for n, t in tensors.items()
+                       if n.startswith(prefix) and not n.endswith("__batch_size__")}
+    return out
+
+
+# ---- DP=2 == DP=1 --------------------------------------------------------------------------------------------
+def eval_records(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+
+
+def direct_eval(tiny_cfg: Path, shards: Path, step_dir: Path, tgt_len: int, mem_len: int, batch: int, segments: int):
+    """Validation NLL of a checkpoint's weights computed here with the plain model and reader."""
+    from data_pipeline import StreamReader
+    from megamemo.config import load
+    from megamemo.model import MemTransformerLM
+    from megamemo.train.engine import safe_globals
+
+    cfg = load(tiny_cfg)
+    model = MemTransformerLM(cfg.model)
+    with torch.serialization.safe_globals(safe_globals()):
+        sd = torch.load(step_dir / "mp_rank_00_model_states.pt", weights_only=True, map_location="cpu")
+    model.load_state_dict(sd["module"])
+    model.eval()
+    total, count, mem = 0.0, 0, None
+    with torch.no_grad():
+        for i, (inp, tgt) in enumerate(StreamReader(shards, "valid", batch, tgt_len, epochs=1)):
+            if i == segments:
+                break
+            nll, mem = model(inp, tgt, mem, mem_len=mem_len)
+            total += nll.double().sum().item()
+            count += nll.numel()
+    return total / count
+
+
+def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, tmp_path):
+    common = ["--set", "model.dropout=0.0", "--max-steps", "6", "--save-every", "0",
+              # validation at the end with its own lengths: 8-token segments, 24 tokens of memory
+              "--set", "eval.every=6", "--set", "eval.tgt_len=8", "--set", "eval.mem_len=24",
+              "--set", "eval.batch_size=4", "--set", "eval.max_segments=6"]
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    run(1, tiny_cfg, shards, one, *common)
+    # 2 ranks x 2 micro-batches of 1 stream each: 4 separate memories, same global batch of 4 streams
+    run(2, tiny_cfg, shards, two, *common, "--set", "train.grad_accum=2")
+    l1, l2 = losses(one), losses(two)
+    assert sorted(l1) == sorted(l2) == list(range(1, 7))
+    for s in l1:
+        assert l2[s] == pytest.approx(l1[s], rel=1e-5, abs=1e-6), (s, l1[s], l2[s])
+    assert l1[6] < l1[1]
+    # the memory after the last step, reassembled from the 2 x 2 micro-batches, is the one-process memory
+    m1 = rank_memory(one / "checkpoints" / "step_00000006")
+    m2 = rank_memory(two / "checkpoints" / "step_00000006")
+    assert sorted(m1) == [0] and sorted(m2) == [0, 1, 2, 3]
+    for name, full in m1[0].items():
+        joined = torch.cat([m2[c][name] for c in range(4)], dim=1)
+        torch.testing.assert_close(joined, full, rtol=1e-5, atol=1e-5)
+    # periodic validation: the logged loss is the plain model's NLL on the first 6 segments of the valid split
+    (e1,), (e2,) = eval_records(one), eval_records(two)
+    assert (e1["step"], e1["tgt_len"], e1["mem_len"], e1["tokens"]) == (6, 8, 24, 6 * 8 * 4)
+    want = direct_eval(tiny_cfg, shards, one / "checkpoints" / "step_00000006", 8, 24, 4, 6)
+    assert e1["loss"] == pytest.approx(want, rel=1e-6)
+    assert e2["loss"] == pytest.approx(want, rel=1e-5) and e2["tokens"] == e1["tokens"]
+
+
+# ---- crash and exact resume ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp32_reference(tiny_cfg, shards, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ref") / "fp32"
+    run(2, tiny_cfg, shards, run_dir)
+    return run_dir
+
+
+def test_rank_killed_while_saving_resumes_bit_exact(tiny_cfg, shards, fp32_reference, tmp_path):
+    run_dir = tmp_path / "crash"
+    # rank 1 SIGKILLs itself after writing its part of the step-6 checkpoint, before the commit
+    rcs = wait(launch(2, tiny_cfg, shards, run_dir, env_extra={"MEGAMEMO_FAULT_KILL_IN_SAVE": "6:1"}))
+    assert rcs[1] == -signal.SIGKILL and rcs[0] != 0, logs(run_dir)[-3000:]
+    assert committed_steps(run_dir) == [3]
+    assert (run_dir / "checkpoints" / "step_00000006").is_dir()           # half-written, never committed
+    assert not (run_dir / "checkpoints" / "step_00000006" / MARKER).exists()
+    assert newest_complete(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000003"
+
+    run(2, tiny_cfg, shards, run_dir)                                       # the same command again
+    assert "resumed from" in logs(run_dir) and "step_00000003" in logs(run_dir)
+    ref, got = losses(fp32_reference), losses(run_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    assert got == ref                                                       # bit for bit, steps 4..8 included
+    assert committed_steps(run_dir) == [3, 6, 8]
+    assert_no_corrupt_checkpoint(run_dir)
+
+
+def test_kill9_mid_run_bf16_resumes_bit_exact(tiny_cfg, shards, tmp_path):
+    args = ["--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=2", "--max-steps", "30",
+            "--save-every", "2"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "crash"
+    run(2, tiny_cfg, shards, ref_dir, *args)
+
+    procs = launch(2, tiny_cfg, shards, run_dir, *args)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if metrics.exists() and any(json.loads(l).get("step", 0) >= 7 for l in metrics.read_text().splitlines()
+                                    if l.endswith("}")):
+            break
+        assert procs[0].poll() is None, logs(run_dir)[-3000:]
+        time.sleep(0.02)
+    procs[1].send_signal(signal.SIGKILL)                                    # kill -9 one rank, mid-run
+    rcs = wait(procs, 120)
+    assert rcs[1] == -signal.SIGKILL and rcs[0] != 0
+    assert_no_corrupt_checkpoint(run_dir)
+    resume_step = committed_steps(run_dir)[-1]
+    assert 2 <= resume_step < 30
+
+    run(2, tiny_cfg, shards, run_dir, *args)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{resume_step:08d}'}" in logs(run_dir)
+    ref, got = losses(ref_dir), losses(run_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, 31))
+    assert got == ref                                                       # bit for bit
+    assert_no_corrupt_checkpoint(run_dir)
+
+
+# ---- SIGUSR1 ---------------------------------------------------------------------------------------------------
+def test_sigusr1_saves_a_complete_checkpoint_and_exits_cleanly(tiny_cfg, shards, tmp_path):
+    run_dir = tmp_path / "sig"
+    procs = launch(2, tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0",
+                   "--set", "log.tensorboard=true")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= 3):
+        assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGUSR1)                # one rank only: the ranks agree through the step's all-reduce
+    assert wait(procs, 120) == [0, 0], logs(run_dir)[-3000:]
+    last = max(losses(run_dir))
+    assert committed_steps(run_dir) == [last]
+    verify(run_dir / "checkpoints" / f"step_{last:08d}")
+    assert f"stopped at step {last}" in logs(run_dir)
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert (run_dir / "config.yaml").read_text().count("max_steps: 100000") == 1
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------
+def test_bad_config_field_and_missing_data_are_named(tiny_cfg, shards, tmp_path, capsys):
+    from megamemo.train.cli import main
+
+    assert main(["--config", str(tiny_cfg), "--data", str(shards), "--set", "optim.lrate=1"]) == 2
+    assert "optim.lrate: unknown field" in capsys.readouterr().err
+    assert main(["--config", str(tiny_cfg), "--data", str(shards), "--set", "train.max_steps=ten"]) == 2
+    assert "train.max_steps: expected int" in capsys.readouterr().err
+    missing = tmp_path / "no-such-shards"
+    assert main(["--config", str(tiny_cfg), "--data", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "data.dir" in err and str(missing) in err
+
+
+def test_checkpoint_from_a_different_model_is_refused(tiny_cfg, shards, fp32_reference, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "other"
+    shutil.copytree(fp32_reference, run_dir)
+    procs = launch(2, tiny_cfg, shards, run_dir, "--set", "model.d_inner=48", "--max-steps", "12")
+    assert wait(procs) == [2, 2]
+    out = logs(run_dir)
+    assert "different model config" in out and "model.d_inner: checkpoint 64 vs config 48" in out
+    assert "step_00000008" in out
+    # a different data-parallel layout is refused by name too (non-universal ZeRO state cannot be re-split)
+    procs = launch(1, tiny_cfg, shards, run_dir, "--max-steps", "12")
+    assert wait(procs) == [2]
+    assert "layout differs" in logs(run_dir)
+
+
+# ---- fp16 overflow ---------------------------------------------------------------------------------------------
+FP16_SCRIPT = r"""
+import json, sys
+from deepspeed.accelerator import get_accelerator
+type(get_accelerator()).is_fp16_supported = lambda self: True     # this CPU has no fp16 support in DeepSpeed's eyes
+import torch
+from megamemo.config import load
+from megamemo.train.cli import build
+
+cfg_path, shards, run_dir = sys.argv[1:4]
+cfg = load(cfg_path, [f"data.dir={shards}", f"train.run_dir={run_dir}", "precision.dtype=fp16",
+                      "precision.hysteresis=1", "precision.initial_scale_power=10", "model.dropout=0.0",
+                      "train.max_steps=6", "checkpoint.save_every=0", "checkpoint.save_at_end=false"])
+trainer, _ = build(cfg)
+attempt = {"n": 0}
+def poison(grad):                      # the 3rd backward pass gets an inf gradient
+    return grad * float("inf") if attempt["n"] == 3 else grad
+next(trainer.engine.module.parameters()).register_hook(poison)
+snap = lambda: {f"{k}/{n}": t.clone() for k, m in enumerate(trainer.memory.mems) for n, t in m.tensors.items()}
+rows = []
+while trainer.step < cfg.train.max_steps:
+    attempt["n"] += 1
+    before, cursor = snap(), dict(trainer.cursor.state)
+    r = trainer.train_step()
+    after = snap()
+    same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    rows.append({"applied": r.applied, "loss": r.loss, "step": trainer.step, "scale": trainer.engine.loss_scale(),
+                 "memory_unchanged": same, "cursor_unchanged": cursor == trainer.cursor.state,
+                 "skipped": trainer.engine.skipped_steps})
+trainer.metrics.close()
+print("ROWS" + json.dumps(rows))
+"""
+
+
+def test_fp16_overflow_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_path):
+    script = tmp_path / "fp16.py"
+    script.write_text(FP16_SCRIPT)
+    run_dir = tmp_path / "fp16"
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    out = subprocess.run([sys.executable, str(script), str(tiny_cfg), str(shards), str(run_dir)], env=env,
+                         capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = json.loads(out.stdout.split("ROWS", 1)[1])
+    assert [r["applied"] for r in rows] == [True, True, False, True, True, True, True]
+    bad, retry = rows[2], rows[3]
+    assert bad["scale"] == rows[1]["scale"] / 2 and bad["skipped"] == 1 and bad["step"] == 2
+    assert bad["memory_unchanged"] and bad["cursor_unchanged"]          # nothing advanced on the skipped step
+    assert not rows[1]["memory_unchanged"] and not rows[1]["cursor_unchanged"]
+    assert retry["loss"] == bad["loss"]                   # the retry saw the same batch with the same memory
+    assert retry["step"] == 3 and rows[-1]["step"] == 6
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skips = [r for r in recs if r["kind"] == "skip"]
+    assert len(skips) == 1 and skips[0]["step"] == 3 and skips[0]["loss_scale"] == bad["scale"]
+    assert "overflow: step skipped" in out.stdout
