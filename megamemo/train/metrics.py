@@ -2,7 +2,7 @@
 TensorBoard events in <run_dir>/tb. Only rank 0 writes.
 
 metrics.jsonl objects carry `kind`: "train" (one per applied step: step, loss, bpc, ppl, lr, grad_norm,
-loss_scale, skipped, tokens, tokens_per_s), "skip" (an overflowing attempt that was not applied), "eval".
+loss_scale, skipped, tokens, time (wall clock, s); tokens_per_s on log lines), "skip" (an overflowing attempt that was not applied), "eval".
 On resume from step S the file keeps only what happened up to S, so it reads like one uninterrupted run.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Metrics:
         if not self.enabled:
             return
         now = time.perf_counter()
-        rec = {"kind": "train", **rec, **self.derived(rec["loss"])}
+        rec = {"kind": "train", **rec, **self.derived(rec["loss"]), "time": time.time()}
         if rec["step"] % self.every == 0:
             dt = max(now - self._window_t0, 1e-9)
             rec["tokens_per_s"] = self._window_tokens / dt
