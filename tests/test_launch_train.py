@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 DEV_CLUSTER = REPO / "launch" / "slurm" / "dev-cluster.sh"
 TRAIN_SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
-STEPS = 20
+STEPS = 60
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -171,18 +171,27 @@ def test_sbatch_two_nodes_matches_local(slurm, shards, local_losses, tmp_path):
     assert read_losses(run_dir) == local_losses
 
 
-def test_usr1_saves_requeues_resumes_with_same_losses(slurm, shards, local_losses, tmp_path):
+@pytest.mark.parametrize("when", ["mid-run", "start-up"])
+def test_usr1_saves_requeues_resumes_with_same_losses(slurm, shards, local_losses, tmp_path, when):
+    """What Slurm's --signal=B:USR1@<seconds> does before a time limit: USR1 to the batch shell only. Mid-run:
+    after a few steps. Start-up: before the ranks have even imported torch (Slurm may send the signal up to 60 s
+    early, so a short job can get it at once); the rank must neither die of it nor lose it."""
     run_dir = tmp_path / "run"
     job_id = _submit(slurm, tmp_path, train_args(shards, run_dir))
     metrics = run_dir / "metrics.jsonl"
     t0 = time.time()
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+    while True:
         state = slurm.job(job_id).get("JobState")
         assert state not in FINAL_STATES, f"job ended before it could be signalled\n{_job_logs(slurm, tmp_path, job_id)}"
-        assert time.time() - t0 < 300, f"no training steps after 300 s\n{_job_logs(slurm, tmp_path, job_id)}"
-        time.sleep(0.2)
-    # What Slurm's --signal=B:USR1@<seconds> does before a time limit: USR1 to the batch shell only.
+        assert time.time() - t0 < 300, f"job not running / no steps after 300 s\n{_job_logs(slurm, tmp_path, job_id)}"
+        if when == "start-up" and state == "RUNNING":
+            break
+        if when == "mid-run" and metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
     slurm.run("scancel", "--signal=USR1", "--batch", job_id)
+    if when == "start-up":
+        assert not metrics.exists(), "training had already started: the start-up case was not exercised"
 
     info = slurm.wait(job_id)
     logs = _job_logs(slurm, tmp_path, job_id)
@@ -194,7 +203,8 @@ def test_usr1_saves_requeues_resumes_with_same_losses(slurm, shards, local_losse
     assert starts == ["0", "1"] and ends == [("0", "0", "1"), ("1", "0", "0")], job_txt
     rank0 = next((tmp_path / "logs" / "slurm").glob(f"*-{job_id}/rank0.log")).read_text()
     resumed = re.findall(r"resum\w* (?:at|from) step (\d+)", rank0)
-    assert len(resumed) == 1 and 3 <= int(resumed[0]) < STEPS, f"the requeued start did not resume mid-run\n{rank0}"
+    first = 3 if when == "mid-run" else 1
+    assert len(resumed) == 1 and first <= int(resumed[0]) < STEPS, f"the requeued start did not resume mid-run\n{rank0}"
     assert read_losses(run_dir) == local_losses
 
 
