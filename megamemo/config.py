@@ -201,6 +201,9 @@ class RunConfig:
             raise ConfigError(
                 f"data.batch_size: {self.data.batch_size} streams do not split over {dp} data-parallel ranks x "
                 f"train.grad_accum={self.train.grad_accum} micro-batches (needs a multiple of {per})")
+        if self.eval.every and self.eval.batch_size % dp:
+            raise ConfigError(f"eval.batch_size: {self.eval.batch_size} streams do not split over {dp} "
+                              f"data-parallel ranks")
         return dp, self.data.batch_size // per
 
 

@@ -348,3 +348,40 @@ def test_fp16_overflow_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_pat
     skips = [r for r in recs if r["kind"] == "skip"]
     assert len(skips) == 1 and skips[0]["step"] == 3 and skips[0]["loss_scale"] == bad["scale"]
     assert "overflow: step skipped" in out.stdout
+
+
+# ---- epoch boundary --------------------------------------------------------------------------------------------
+def test_new_epoch_starts_from_empty_memory(shared, tiny_cfg, tmp_path):
+    """A 360-token train split: 6 steps per epoch (the last one 9 rows). Step 7 is epoch 1's first batch (rolled
+    elsewhere): it must be scored with empty memory, as the reference's per-epoch train() does."""
+    from data_pipeline import StreamReader
+    from data_pipeline.cli import prepare_main
+    from megamemo.config import load
+    from megamemo.model import Memory, MemTransformerLM
+    from megamemo.train.engine import safe_globals
+
+    raw = tmp_path / "small.txt"
+    raw.write_bytes((shared / "data/enwik8/enwik8_prefix").read_bytes()[:400])
+    small = tmp_path / "small"
+    assert prepare_main(["text", "--raw", str(raw), "--out", str(small), "--quiet"]) == 0
+    run_dir = tmp_path / "epochs"
+    run(1, tiny_cfg, small, run_dir, "--set", "model.dropout=0.0", "--max-steps", "8", "--save-every", "6")
+    got = losses(run_dir)
+
+    cfg = load(tiny_cfg)
+    reader = StreamReader(small, "train", 4, 16, roll=True, seed=cfg.data.seed, epochs=None)
+    assert reader.steps_per_epoch == 6
+    model = MemTransformerLM(cfg.model)
+    step6 = run_dir / "checkpoints" / "step_00000006"
+    with torch.serialization.safe_globals(safe_globals()):
+        model.load_state_dict(torch.load(step6 / "mp_rank_00_model_states.pt", weights_only=True)["module"])
+    model.eval()
+    inp, tgt = reader.get_batch(1, 0)
+    with torch.no_grad():
+        fresh = model(inp, tgt, None)[0].double().mean().item()
+        carried = load_file(str(step6 / "megamemo" / "rank_00000.safetensors"))
+        mem = Memory.from_state_dict({k[len("memory/mb0/"):]: v for k, v in carried.items()
+                                      if k.startswith("memory/mb0/")})
+        assert mem.length == 16
+        stale = model(inp, tgt, mem)[0].double().mean().item()
+    assert got[7] == pytest.approx(fresh, rel=1e-6) and abs(stale - fresh) > 1e-4

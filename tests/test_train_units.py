@@ -78,6 +78,9 @@ def test_layout_splits_the_global_batch():
     assert cfg.layout(1) == (1, 4) and cfg.layout(2) == (2, 2) and cfg.layout(4) == (4, 1)
     with pytest.raises(C.ConfigError, match="data.batch_size"):
         cfg.layout(3)
+    cfg = C.load(REPO / "configs" / "tiny-cpu.yaml", ["data.batch_size=8", "eval.every=10", "eval.batch_size=6"])
+    with pytest.raises(C.ConfigError, match="eval.batch_size"):
+        cfg.layout(4)
 
 
 # ---- rank discovery ----------------------------------------------------------------------------------------
