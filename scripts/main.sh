@@ -52,8 +52,8 @@ python - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
 r = json.load(open(f"{out}/eval.json"))
-steps = [json.loads(l) for l in open(f"{out}/run/metrics.jsonl")]
-print(f"[main] done: trained {steps[-1]['step']} steps (last loss {steps[-1]['loss']:.4f}); "
+steps = [m for m in map(json.loads, open(f"{out}/run/metrics.jsonl")) if m.get("kind", "train") == "train"]
+print(f"[main] done: trained {steps[-1]['step']} steps (last training loss {steps[-1]['loss']:.4f}); "
       f"test {r.get('tokens')} tokens, nll {r['nll']:.4f} nats/token"
       + (f", bpc {r['bpc']:.4f}" if 'bpc' in r else ""))
 print(f"[main] outputs in {out}: shards/, run/ (metrics.jsonl, checkpoints/), single/, eval.json")
