@@ -84,6 +84,12 @@ def train_one(variant: str, args, data: Path) -> dict:
                   flush=True)
     train_s = time.perf_counter() - t0
     reader.close()
+    if args.save:
+        from megamemo.checkpoint.convert import data_meta
+        from megamemo.checkpoint.single import save_single
+
+        save_single(Path(args.save) / variant, cfg, model.state_dict(),
+                    meta={"source": "bench/quality.py", "steps": args.steps, "seed": args.seed, **data_meta(data)})
     valid = open_batches(data, "valid", args.eval_batch_size, args.tgt_len)
     ev = evaluate(model, valid, max_segments=args.eval_segments)
     valid.close()
@@ -115,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--save", help="save each trained model as a single-device checkpoint DIR/<variant> "
+                                  "(for megamemo eval / analyze / generate)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = shard_dir(args)
