@@ -271,6 +271,10 @@ def test_bad_config_field_and_missing_data_are_named(tiny_cfg, shards, tmp_path,
     assert "optim.lrate: unknown field" in capsys.readouterr().err
     assert main(["--config", str(tiny_cfg), "--data", str(shards), "--set", "train.max_steps=ten"]) == 2
     assert "train.max_steps: expected int" in capsys.readouterr().err
+    from deepspeed.accelerator import get_accelerator
+    if not get_accelerator().is_fp16_supported():              # this CPU: fp16 refused up front, by name
+        assert main(["--config", str(tiny_cfg), "--data", str(shards), "--set", "precision.dtype=fp16"]) == 2
+        assert "precision.dtype: fp16 is not supported" in capsys.readouterr().err
     missing = tmp_path / "no-such-shards"
     assert main(["--config", str(tiny_cfg), "--data", str(missing)]) == 2
     err = capsys.readouterr().err

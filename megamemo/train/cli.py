@@ -135,6 +135,9 @@ def main(argv: list[str]) -> int:
     try:
         cfg = resolve_config(args)
         check_data_dir(cfg)
+        if cfg.precision.dtype != "fp32":
+            from megamemo.train.engine import check_precision
+            check_precision(cfg.precision.dtype)
     except (ConfigError, DataError) as e:
         print(f"megamemo train: error: {e}", file=sys.stderr)
         return 2

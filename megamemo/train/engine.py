@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megamemo.checkpoint.store import CheckpointError
-from megamemo.config import RunConfig
+from megamemo.config import ConfigError, RunConfig
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -92,6 +92,19 @@ def _make_loads_safe(checkpoint_engine) -> None:
     checkpoint_engine.__class__ = SafeTorchCheckpointEngine
 
 
+def check_precision(dtype: str) -> None:
+    """fp16 needs an accelerator DeepSpeed supports it on (not this kind of CPU); say so before starting."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if dtype == "fp16" and not acc.is_fp16_supported():
+        raise ConfigError(f"precision.dtype: fp16 is not supported by DeepSpeed on this {acc.device_name()} "
+                          f"device (use bf16 or fp32)")
+    if dtype == "bf16" and not acc.is_bf16_supported():
+        raise ConfigError(f"precision.dtype: bf16 is not supported by DeepSpeed on this {acc.device_name()} "
+                          f"device (use fp16 or fp32)")
+
+
 class Engine:
     """The DeepSpeed engine plus what the loop asks of it. Also a ShardedSaver for the checkpoint store."""
 
@@ -99,8 +112,7 @@ class Engine:
         import deepspeed
 
         self.cfg = cfg
-        if cfg.precision.dtype == "fp16":
-            self._check_fp16()
+        check_precision(cfg.precision.dtype)
         opt = make_optimizer(cfg, model)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
         self.ds_config = ds_config(cfg, micro_batch, dp)
@@ -109,15 +121,6 @@ class Engine:
         _make_loads_safe(self.ds.checkpoint_engine)
         self.device = self.ds.device
         self._manual_norm = cfg.parallel.zero_stage == 0 and cfg.precision.dtype == "fp32"
-
-    @staticmethod
-    def _check_fp16():
-        from deepspeed.accelerator import get_accelerator
-
-        acc = get_accelerator()
-        if not acc.is_fp16_supported():
-            raise RuntimeError(f"precision.dtype: fp16 is not supported on this {acc.device_name()} device "
-                               f"(use bf16 or fp32)")
 
     @property
     def module(self) -> torch.nn.Module:
