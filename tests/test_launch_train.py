@@ -184,11 +184,12 @@ def test_usr1_saves_requeues_resumes_with_same_losses(slurm, shards, local_losse
         state = slurm.job(job_id).get("JobState")
         assert state not in FINAL_STATES, f"job ended before it could be signalled\n{_job_logs(slurm, tmp_path, job_id)}"
         assert time.time() - t0 < 300, f"job not running / no steps after 300 s\n{_job_logs(slurm, tmp_path, job_id)}"
-        if when == "start-up" and state == "RUNNING":
+        # The batch script writes job.txt once its USR1 trap is set, before it starts the step.
+        if when == "start-up" and list((tmp_path / "logs" / "slurm").glob(f"*-{job_id}/job.txt")):
             break
         if when == "mid-run" and metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
             break
-        time.sleep(0.1)
+        time.sleep(0.05)
     slurm.run("scancel", "--signal=USR1", "--batch", job_id)
     if when == "start-up":
         assert not metrics.exists(), "training had already started: the start-up case was not exercised"

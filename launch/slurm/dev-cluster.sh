@@ -101,7 +101,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=${DIR}/munge/munge.socket,cred_expire=10
+AuthInfo=socket=${DIR}/munge/munge.socket,cred_expire=5
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -111,7 +111,7 @@ JobCompType=jobcomp/none
 SwitchType=switch/none
 MailProg=/bin/true
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
