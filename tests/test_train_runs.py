@@ -206,6 +206,7 @@ def test_rank_killed_while_saving_resumes_bit_exact(tiny_cfg, shards, fp32_refer
 
     run(2, tiny_cfg, shards, run_dir)                                       # the same command again
     assert "resumed from" in logs(run_dir) and "step_00000003" in logs(run_dir)
+    assert "removed " + str(run_dir / "checkpoints" / "step_00000006") in logs(run_dir)
     ref, got = losses(fp32_reference), losses(run_dir)
     assert sorted(got) == sorted(ref) == list(range(1, 9))
     assert got == ref                                                       # bit for bit, steps 4..8 included

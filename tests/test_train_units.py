@@ -285,6 +285,10 @@ def test_half_written_checkpoint_is_never_resumed(tmp_path):
     # the next save of step 4 replaces the incomplete directory and commits it; step 6 is newer but broken
     _store(root, world=1, keep=5).save(4, _registry(0, 4))
     assert newest_complete(root) == root / tag_for(4)
+    # start-up clean-up removes never-committed directories only
+    FakeSharded(0).save_sharded(root, tag_for(8))
+    assert _store(root).remove_incomplete() == [root / tag_for(8)]
+    assert [s for s, _, c in list_checkpoints(root)] == [2, 4, 6]
 
 
 def test_different_model_is_a_clear_error(tmp_path):

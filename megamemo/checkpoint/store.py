@@ -184,6 +184,16 @@ class CheckpointStore:
                 if not c and s < newest:          # an interrupted save that a newer commit superseded
                     shutil.rmtree(p, ignore_errors=True)
 
+    def remove_incomplete(self) -> list[Path]:
+        """Delete never-committed step directories (interrupted saves). Rank 0 calls this at start-up, when no
+        rank of this run is writing; a later save of the same step would replace them anyway."""
+        removed = []
+        for s, p, committed in list_checkpoints(self.root):
+            if not committed:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+        return removed
+
     # ---- load --------------------------------------------------------------------------------------------
     def resolve(self, resume: str) -> Path | None:
         """The checkpoint to resume from: `auto` = newest complete under root (or none), `never`, or a path."""

@@ -90,6 +90,8 @@ def build(cfg: RunConfig, log=print):
     if de.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        for p in store.remove_incomplete():
+            log(f"[checkpoint] removed {p}: an interrupted save, never committed")
     dist.barrier()
     _seed_all(cfg.train.seed)               # identical initial weights on every rank
     model = MemTransformerLM(cfg.model)
