@@ -15,7 +15,7 @@ import torch
 
 from megamemo import config as C
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
-from megamemo.checkpoint.store import (MARKER, CheckpointError, CheckpointStore, list_checkpoints, newest_complete,
+from megamemo.checkpoint.store import (CheckpointError, CheckpointStore, list_checkpoints, newest_complete,
                                        tag_for, verify)
 from megamemo.model import Memory
 from megamemo.train import dist
@@ -117,12 +117,13 @@ def test_discover_under_mpirun(tmp_path):
     if not mpirun.exists():
         pytest.skip("no mpirun in the environment")
     script = tmp_path / "d.py"
-    script.write_text("from megamemo.train import dist\nd = dist.discover()\n"
-                      "print(d.rank, d.world_size, d.local_rank, d.master_addr, d.master_port, d.launcher)\n")
-    out = subprocess.run([str(mpirun), "-np", "2", sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
+    script.write_text("import sys, pathlib\nfrom megamemo.train import dist\nd = dist.discover()\n"
+                      "pathlib.Path(sys.argv[1], f'rank{d.rank}').write_text("
+                      "f'{d.rank} {d.world_size} {d.local_rank} {d.master_addr} {d.master_port} {d.launcher}')\n")
+    out = subprocess.run([str(mpirun), "-np", "2", sys.executable, str(script), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    rows = sorted(line.split() for line in out.stdout.strip().splitlines())
+    rows = sorted(p.read_text().split() for p in tmp_path.glob("rank*"))
     assert [r[:3] for r in rows] == [["0", "2", "0"], ["1", "2", "1"]]
     assert rows[0][3:] == rows[1][3:] and rows[0][5] == "mpi"      # same master address and port everywhere
 

@@ -12,7 +12,6 @@ The loss reported for a step is the mean NLL over the global batch (all ranks, a
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +109,7 @@ class Trainer:
         self.registry.register("counters", self.counters)
         self._held = None           # a batch whose step was skipped: retried next
         self._consecutive_skips = 0
+        self._scale_before = engine.loss_scale()
 
     @property
     def step(self) -> int:
@@ -181,7 +181,7 @@ class Trainer:
             return None
         return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra)
 
-    def resume(self, step_dir: Path) -> None:
+    def resume(self, step_dir: Path) -> dict:
         info = self.store.load(step_dir, self.registry)
         self._scale_before = self.engine.loss_scale()
         if self.rank == 0:
@@ -191,9 +191,8 @@ class Trainer:
     def run(self) -> str:
         """Train to train.max_steps or a stop signal. Returns "done" or "stopped"."""
         cfg = self.cfg
-        self._scale_before = self.engine.loss_scale()
         self.engine.module.train()
-        self.metrics._window_t0 = time.perf_counter()
+        self.metrics.start_window()
         every = cfg.checkpoint.save_every
         while self.counters.step < cfg.train.max_steps:
             r = self.train_step()

@@ -57,6 +57,10 @@ class Metrics:
             except ImportError as e:  # tensorboard missing: keep training, say so once
                 print(f"[metrics] TensorBoard disabled: {e}", flush=True)
 
+    def start_window(self) -> None:
+        """Start the tokens/s clock (the loop calls this when training starts, after start-up)."""
+        self._window_tokens, self._window_t0 = 0, time.perf_counter()
+
     @staticmethod
     def derived(loss: float) -> dict:
         return {"bpc": loss / LN2, "ppl": math.exp(min(loss, 700.0))}
