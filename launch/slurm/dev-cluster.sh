@@ -73,10 +73,10 @@ stragglers() {
 }
 
 stop_pids() {   # TERM, wait up to 10 s, then KILL
-  local p t
+  local p
   [ "$#" = 0 ] && return 0
   kill -TERM "$@" 2>/dev/null || true
-  for t in $(seq 50); do
+  for _ in $(seq 50); do
     local left=0
     for p in "$@"; do alive "$p" && left=1; done
     [ "$left" = 0 ] && return 0
