@@ -10,7 +10,8 @@ TRAMS (lwaekfjlk/TRAMS, spec §6.2), per layer, head and stream:
     cos<K', 1> * ||K'|| = sum_k K'_k / sqrt(d) (metric="paper"); only the content key enters it;
   * the attended keys get compressed relative positions: the selected rows sit right before the recent ones,
     as if the attended memory were contiguous (slot t of A attended rows is at distance A + i - t from query i).
-The cache keeps every pool row; selection is redone at every segment. With attend == pool nothing is dropped and
+The cache keeps every pool row; selection is redone at every segment. clamp_len applies to the compressed
+distances; same_length limits each query to `attend` keys. With attend == pool nothing is dropped and
 the result is the plain model with mem_len = pool, bit for bit (tests/test_trams.py).
 
 TRAMS for LaMemo (an option no paper has tried; our definition). LaMemo's memory is the embedding FIFO E and per
@@ -121,9 +122,9 @@ class _Causal:
     """The current queries' attention of one layer, over all keys or over the selected memory rows."""
 
     def __init__(self, model: MemTransformerLM, select: TramsConfig | None, clamp_len: int, same_length: bool,
-                 mem_len: int, observe: Observer | None):
+                 observe: Observer | None):
         self.model, self.select, self.observe = model, select, observe
-        self.clamp_len, self.same_length, self.mem_len = clamp_len, same_length, mem_len
+        self.clamp_len, self.same_length = clamp_len, same_length
 
     def __call__(self, l, layer, q_cur, k, v, M, r_full, mask_full):
         """q_cur [B,n,L,dh]; k, v [B,n,M+L,dh]; r_full [n, >=M+L, dh] (rows: distance M+L-1 ... 0 first).
@@ -183,7 +184,7 @@ def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *
     pos_emb = model.drop(sinusoid(position_sequence(M + L, M, clamp_len, future, h0.device), model.inv_freq)
                          .to(h0.dtype))
     mask = causal_mask(L, M, mem_len, same_length, h0.device)
-    causal = _Causal(model, select, clamp_len, same_length, mem_len, observe)
+    causal = _Causal(model, select, clamp_len, same_length, observe)
     if cfg.lamemo:
         hidden, new_mem = _lamemo(model, h0, mem, pos_emb, mask, mem_len, causal, observe)
     else:
