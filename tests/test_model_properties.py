@@ -78,6 +78,15 @@ def test_adaptive_softmax_is_a_distribution(div_val, tie_projs):
     assert torch.allclose(nll, -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1), atol=1e-5)
 
 
+def test_same_length_without_memory_changes_nothing():
+    model = tiny("rpe")
+    x = torch.randint(0, 50, (5, 2))
+    with torch.no_grad():
+        plain, _ = model(x, x)
+        same, _ = model(x, x, same_length=True)
+    assert torch.isfinite(same).all() and torch.equal(plain, same)
+
+
 def test_bf16_model_keeps_log_normalisers_in_fp32():
     model = tiny("lamemo").to(torch.bfloat16)
     mem = None

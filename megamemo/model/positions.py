@@ -28,12 +28,13 @@ def position_sequence(klen: int, mlen: int, clamp_len: int, future: str | None, 
 
 def causal_mask(qlen: int, mlen: int, mem_len: int, same_length: bool, device=None) -> torch.Tensor:
     """[qlen, klen] bool, True where key j is hidden from query i (at position mlen + i): j in its future, or,
-    with same_length, j so far back that the query would see more than mem_len keys."""
+    with same_length, j so far back that the query would see more than mem_len keys. Without memory
+    (mem_len 0) same_length has nothing to equalise and changes nothing (the reference would mask every key)."""
     klen = mlen + qlen
     i = torch.arange(qlen, device=device)[:, None] + mlen
     j = torch.arange(klen, device=device)[None, :]
     mask = j > i
-    if same_length and klen > mem_len:
+    if same_length and 0 < mem_len < klen:
         mask = mask | (j <= i - mem_len)
     return mask
 
