@@ -59,8 +59,8 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1                     # tensor parallel size (only 1 supported so far)
-    pp: int = 1                     # pipeline parallel size (only 1 supported so far)
+    tp: int = 1                     # tensor parallel size: heads, FFN and vocabulary split (megatron-core)
+    pp: int = 1                     # pipeline parallel size: layers split into stages (DeepSpeed pipeline)
     zero_stage: int = 1             # DeepSpeed ZeRO stage 0 | 1 | 2
 
 
@@ -156,10 +156,19 @@ class RunConfig:
             bad("precision.dtype", "must be fp32, bf16 or fp16")
         if self.precision.max_consecutive_skips < 1:
             bad("precision.max_consecutive_skips", "must be >= 1")
-        if self.parallel.tp != 1:
-            bad("parallel.tp", "tensor parallelism is not supported yet; only tp=1")
-        if self.parallel.pp != 1:
-            bad("parallel.pp", "pipeline parallelism is not supported yet; only pp=1")
+        if self.parallel.tp < 1:
+            bad("parallel.tp", "must be >= 1")
+        if self.parallel.pp < 1:
+            bad("parallel.pp", "must be >= 1")
+        from megamemo.parallel.pipeline import check_supported as pp_supported
+        from megamemo.parallel.tensor import check_supported as tp_supported
+        try:
+            tp_supported(self.model, self.parallel.tp)
+            pp_supported(self.model, self.parallel.pp)
+        except ValueError as e:
+            raise ConfigError(f"parallel: {e}") from None
+        if self.parallel.pp > 1 and self.parallel.zero_stage > 1:
+            bad("parallel.zero_stage", "pipeline parallelism works with ZeRO stage 0 or 1 (DeepSpeed)")
         if self.parallel.zero_stage not in (0, 1, 2):
             bad("parallel.zero_stage", "must be 0, 1 or 2")
         if self.train.max_steps < 1:
