@@ -46,7 +46,8 @@ def test_paper_configs_have_paper_shapes():
     ("model.bogus=1", "model.bogus"),
     ("train.grad_accum=true", "train.grad_accum"),
     ("precision.dtype=fp8", "precision.dtype"),
-    ("parallel.tp=2", "parallel.tp"),
+    ("parallel.tp=3", "model.n_head=2 is not divisible by tp=3"),
+    ("parallel.pp=0", "parallel.pp"),
     ("parallel.zero_stage=3", "parallel.zero_stage"),
     ("nosection.x=1", "nosection"),
 ])

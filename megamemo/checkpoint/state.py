@@ -159,6 +159,9 @@ class RNGState:
              "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             d["cuda"] = torch.cuda.get_rng_state()
+        tracker = _tp_rng_tracker()
+        if tracker is not None:
+            d["tensor_parallel"] = tracker.get_states()
         return d
 
     def load_state_dict(self, d: dict) -> None:
@@ -170,6 +173,19 @@ class RNGState:
         torch.set_rng_state(d["torch"])
         if "cuda" in d and torch.cuda.is_available():
             torch.cuda.set_rng_state(d["cuda"])
+        tracker = _tp_rng_tracker()
+        if tracker is not None and "tensor_parallel" in d:
+            tracker.set_states(dict(d["tensor_parallel"]))
+
+
+def _tp_rng_tracker():
+    """megatron-core's RNG tracker (the per-TP-rank dropout streams), when this process set one up."""
+    import sys
+
+    rnd = sys.modules.get("megatron.core.tensor_parallel.random")
+    if rnd is None or not getattr(rnd, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+        return None
+    return rnd._CUDA_RNG_STATE_TRACKER
 
 
 class Counters:

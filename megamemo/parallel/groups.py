@@ -120,3 +120,23 @@ def install_rng_tracker(seed: int) -> None:
 def rng_tracker():
     _, tp = _mcore()
     return tp.get_cuda_rng_tracker()
+
+
+def grad_norm(params) -> float:
+    """Global L2 norm of the gradients, counting tensor-parallel shards once each and replicated parameters once
+    (not once per TP rank)."""
+    sq_split = torch.zeros((), dtype=torch.float64)
+    sq_repl = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if getattr(p, "tensor_model_parallel", False):
+            sq_split += sq
+        else:
+            sq_repl += sq
+    _, size = tp_rank_size()
+    if size > 1:
+        ps, _ = _mcore()
+        dist.all_reduce(sq_split, group=ps.get_tensor_model_parallel_group())
+    return float((sq_split + sq_repl).sqrt())

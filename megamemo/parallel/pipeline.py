@@ -9,6 +9,8 @@ The sequence of pipe layers (stage boundaries always fall just before a RelBias 
     RelBias, Layer   x n_layer  (RelBias: the model-level u, v+, v- shared by every layer, a DeepSpeed tied
                                   module: one copy per stage, its gradients summed across stages)
     Embed (tied)     hidden -> logits with the tied embedding table;  OutBias: + output bias
+Every pipe layer is a module called directly (no DeepSpeed forward_fn), so each stage saves all of its layers -
+tied copies included - in its layer files, and a resume restores every one of them.
 Activations between stages are (rows [T, B, d], meta long [3] = (micro-batch, M, L)); for LaMemo the rows are
 the memory rows and the current segment together, so the memory rows travel through the stages with them.
 
@@ -85,7 +87,12 @@ class EmbedPipe(nn.Module):
         self.ctx = ctx
 
     def forward(self, inputs):
+        """Token ids -> embedded rows (first stage); on the last stage, where the same (tied) module follows the
+        layers, hidden rows -> logits. No DeepSpeed forward_fn: a module used through one is not saved in the
+        stage's layer files."""
         tokens, meta = inputs
+        if tokens.is_floating_point():
+            return output_logits(self, inputs)
         mb, L = int(meta[0]), tokens.size(0)
         h0 = self.drop(F.embedding(tokens, self.weight) * self.scale)
         if not self.ctx.cfg.lamemo:
@@ -97,7 +104,7 @@ class EmbedPipe(nn.Module):
 
 
 def output_logits(module: EmbedPipe, inputs):
-    """forward_fn of the tied embedding on the last stage: final dropout, then hidden @ table^T."""
+    """The tied embedding on the last stage: final dropout, then hidden @ table^T."""
     rows, meta = inputs
     L = int(meta[2])
     h = module.drop(rows[rows.size(0) - L:])
@@ -113,11 +120,10 @@ class RelBiasPipe(nn.Module):
             self.r_r_bias_future = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
         self.ctx = ctx
 
-
-def stash_rel_bias(module: RelBiasPipe, inputs):
-    """forward_fn of RelBias: make this stage's copy of the shared biases visible to its layers."""
-    module.ctx.rel_bias = module
-    return inputs
+    def forward(self, inputs):
+        """Make this stage's copy of the shared biases visible to the layers that follow."""
+        self.ctx.rel_bias = self
+        return inputs
 
 
 class LayerPipe(nn.Module):
@@ -189,10 +195,9 @@ def layer_specs(cfg, ctx: StageContext):
     bias_names = ["r_w_bias", "r_r_bias"] + (["r_r_bias_future"] if cfg.future_bias else [])
     specs = [TiedLayerSpec("embed", EmbedPipe, cfg, ctx, tied_weight_attr=["weight"])]
     for l in range(cfg.n_layer):
-        specs.append(TiedLayerSpec("relbias", RelBiasPipe, cfg, ctx, forward_fn=stash_rel_bias,
-                                   tied_weight_attr=bias_names))
+        specs.append(TiedLayerSpec("relbias", RelBiasPipe, cfg, ctx, tied_weight_attr=bias_names))
         specs.append(LayerSpec(LayerPipe, cfg, ctx, l))
-    specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, ctx, forward_fn=output_logits, tied_weight_attr=["weight"]))
+    specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, ctx, tied_weight_attr=["weight"]))
     specs.append(LayerSpec(OutBiasPipe, cfg))
     return specs
 

@@ -58,6 +58,49 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def parallel_ranks(cfg: RunConfig, de) -> dict:
+    """Create the TP x PP x DP groups (megatron-core's order: TP fastest, then DP, then PP - the same order as
+    DeepSpeed's pipeline topology) and return this rank's coordinates."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if tp == 1 and pp == 1:
+        return {"dp_rank": de.rank, "tp_rank": 0, "pp_rank": 0}
+    from megatron.core import parallel_state as ps
+
+    from megamemo.parallel.groups import init_model_parallel, install_rng_tracker
+
+    init_model_parallel(tp, pp)
+    ranks = {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+             "pp_rank": ps.get_pipeline_model_parallel_rank()}
+    install_rng_tracker(cfg.train.seed + 1 + ranks["dp_rank"])
+    return ranks
+
+
+def build_model(cfg: RunConfig):
+    """The model in this run's parallel form -> (module for DeepSpeed, mpu or None, pipeline stage or None).
+    Every rank first builds the single-device model from the same seed, so any layout starts from the same
+    weights (at the sizes that need tp/pp, build on the meta device and load a converted checkpoint instead)."""
+    from megamemo.model import MemTransformerLM
+
+    model = MemTransformerLM(cfg.model)
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if pp > 1:
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+        import torch.distributed as tdist
+
+        from megamemo.parallel.pipeline import build_pipeline, load_single_state
+
+        topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=tdist.get_world_size() // (tp * pp))
+        module, stage = build_pipeline(cfg.model, pp, topology=topo)
+        load_single_state(cfg.model, module, model.state_dict())
+        return module, None, stage
+    if tp > 1:
+        from megamemo.parallel.groups import MCoreMPU
+        from megamemo.parallel.tensor import parallelize_tensor
+
+        return parallelize_tensor(model), MCoreMPU(), None
+    return model, None, None
+
+
 def build(cfg: RunConfig, log=print):
     """Start the process group and build everything a run needs: (trainer, dist env)."""
     from megamemo.checkpoint.store import CheckpointStore
@@ -73,7 +116,8 @@ def build(cfg: RunConfig, log=print):
     stop = StopRequest()                    # from the start: a signal during start-up stops after step one
     de = dist.init()
     dp, micro = cfg.layout(de.world_size)
-    dp_rank = de.rank                       # tp = pp = 1: every rank is its own data-parallel rank
+    ranks = parallel_ranks(cfg, de)         # dp/tp/pp ranks; TP and PP ranks of one DP group read the same streams
+    dp_rank = ranks["dp_rank"]
     run_dir = Path(cfg.train.run_dir)
 
     meta = {"model": cfg.model.to_dict(), "model_fingerprint": cfg.model_fingerprint(),
@@ -94,15 +138,16 @@ def build(cfg: RunConfig, log=print):
             log(f"[checkpoint] removed {p}: an interrupted save, never committed")
     dist.barrier()
     _seed_all(cfg.train.seed)               # identical initial weights on every rank
-    model = MemTransformerLM(cfg.model)
-    engine = Engine(cfg, model, micro, dp)
-    _seed_all(cfg.train.seed + 1 + de.rank)  # then each rank its own dropout stream
+    model, mpu, stage = build_model(cfg)
+    engine = Engine(cfg, model, micro, dp, mpu=mpu)
+    _seed_all(cfg.train.seed + 1 + dp_rank)  # then each DP rank its own dropout stream (shared by its TP ranks)
 
     per_rank = cfg.data.batch_size // dp
     reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
     first = dp_rank * per_rank
     rank_extra = {"layout": {"rank": de.rank, "world_size": de.world_size, "dp_rank": dp_rank, "dp": dp,
-                             "tp_rank": 0, "tp": 1, "pp_rank": 0, "pp": 1,
+                             "tp_rank": ranks["tp_rank"], "tp": cfg.parallel.tp, "pp_rank": ranks["pp_rank"],
+                             "pp": cfg.parallel.pp,
                              "columns": [first, first + per_rank],
                              "micro_batches": [[first + k * micro, first + (k + 1) * micro]
                                                for k in range(cfg.train.grad_accum)]}}
@@ -115,7 +160,8 @@ def build(cfg: RunConfig, log=print):
                                                        dp_rank, train=False),
                               lambda: engine.module, engine.device, de.world_size, metrics)
     trainer = Trainer(cfg, engine, reader, rank=de.rank, world_size=de.world_size, micro_batch=micro,
-                      metrics=metrics, store=store, evaluator=evaluator, stop=stop, rank_extra=rank_extra)
+                      metrics=metrics, store=store, evaluator=evaluator, stop=stop, rank_extra=rank_extra,
+                      stage=stage)
     if resume_dir is not None:
         trainer.resume(resume_dir)
     if de.rank == 0:

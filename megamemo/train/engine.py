@@ -108,7 +108,8 @@ def check_precision(dtype: str) -> None:
 class Engine:
     """The DeepSpeed engine plus what the loop asks of it. Also a ShardedSaver for the checkpoint store."""
 
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, micro_batch: int, dp: int):
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, micro_batch: int, dp: int, mpu=None):
+        """mpu: the model-parallel groups for DeepSpeed (tensor parallelism); a PipelineModule brings its own."""
         import deepspeed
 
         self.cfg = cfg
@@ -117,7 +118,7 @@ class Engine:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
         self.ds_config = ds_config(cfg, micro_batch, dp)
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                                config=self.ds_config)
+                                                config=self.ds_config, mpu=mpu)
         _make_loads_safe(self.ds.checkpoint_engine)
         self.device = self.ds.device
         self._manual_norm = cfg.parallel.zero_stage == 0 and cfg.precision.dtype == "fp32"
@@ -142,8 +143,8 @@ class Engine:
         lr = self.lr()
         grad_norm = None
         if self._manual_norm:           # DeepSpeed does not report the norm without ZeRO / mixed precision
-            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
-            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            from megamemo.parallel.groups import grad_norm as tp_grad_norm
+            grad_norm = tp_grad_norm(self.ds.module.parameters())
         skipped_before = self.ds.skipped_steps
         self.ds.step()
         applied = self.ds.skipped_steps == skipped_before
@@ -151,6 +152,16 @@ class Engine:
             n = self.ds.get_global_grad_norm()
             grad_norm = float(n) if n is not None else float("nan")
         return {"applied": applied, "grad_norm": grad_norm, "loss_scale": self.loss_scale(), "lr": lr}
+
+    def pipeline_step(self, data_iter) -> dict:
+        """One step of a PipelineEngine (all micro-batches, then the optimizer): {applied, loss, grad_norm, ...}."""
+        lr = self.lr()
+        skipped_before = self.ds.skipped_steps
+        loss = float(self.ds.train_batch(data_iter))
+        applied = self.ds.skipped_steps == skipped_before
+        n = self.ds.get_global_grad_norm()
+        return {"applied": applied, "loss": loss, "grad_norm": float(n) if n is not None else float("nan"),
+                "loss_scale": self.loss_scale(), "lr": lr}
 
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])

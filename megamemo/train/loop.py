@@ -84,7 +84,7 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, reader, *, rank: int, world_size: int, micro_batch: int,
                  metrics: Metrics, store: CheckpointStore | None = None, evaluator=None,
-                 stop: StopRequest | None = None, rank_extra: dict | None = None):
+                 stop: StopRequest | None = None, rank_extra: dict | None = None, stage=None):
         self.cfg = cfg
         self.engine = engine
         self.reader = reader
@@ -98,7 +98,9 @@ class Trainer:
         self.stop = stop
         self.rank_extra = rank_extra or {}
         self.loss_factor = 0.5 if cfg.optim.half_loss else 1.0
-        self.memory = MemoryBank(self.n_micro, micro_batch, engine.device)
+        self.stage = stage          # pipeline parallel: the memory lives in this stage's bank, per micro-batch
+        self.memory = MemoryBank(self.n_micro, micro_batch, engine.device) if stage is None else stage.bank
+        self.model_parallel = cfg.parallel.tp * cfg.parallel.pp   # ranks that hold the same streams
         self.cursor = DataCursor(reader)
         self.counters = Counters(step=0, skipped=0, tokens=0)
         self.registry = StateRegistry()
@@ -130,29 +132,22 @@ class Trainer:
         # A new epoch starts every column afresh (and, with roll, elsewhere in the text): empty memory, as the
         # reference's per-epoch train() does. The committed cursor is the position of this batch.
         new_epoch = self.cursor.state.get("step") == 0
-        mems_in = [Memory({}, batch_size=b) for _ in range(self.n_micro)] if new_epoch else self.memory.mems
-        new_mems = []
-        loss_sum = torch.zeros((), dtype=torch.float64, device=inp.device)
-        for k in range(self.n_micro):
-            cols = slice(k * b, (k + 1) * b)
-            nll, mem = self.engine.forward(inp[:, cols], tgt[:, cols], mems_in[k])
-            nll = nll.float()
-            self.engine.backward(nll.mean() * self.loss_factor)
-            res = self.engine.step()                # the optimizer steps after the last micro-batch only
-            loss_sum += nll.detach().sum(dtype=torch.float64)
-            new_mems.append(mem)
-        if res is None:
-            raise RuntimeError("DeepSpeed did not reach a gradient-accumulation boundary after "
-                               f"{self.n_micro} micro-batches")
+        if self.stage is not None:
+            loss_sum, res = self._pipeline_step(inp, tgt, new_epoch)
+        else:
+            loss_sum, res, new_mems = self._micro_steps(inp, tgt, new_epoch)
         stop_local = 1.0 if (self.stop is not None and self.stop.requested) else 0.0
         stats = torch.stack([loss_sum, torch.tensor(float(tgt.numel()), dtype=torch.float64, device=inp.device),
                              torch.tensor(stop_local, dtype=torch.float64, device=inp.device)])
         if self.world_size > 1:
-            dist.all_reduce(stats)
+            dist.all_reduce(stats)          # TP/PP ranks of one DP group count the same streams: ratio unchanged
         stats = stats.tolist()
-        loss, tokens, stop = stats[0] / stats[1], int(stats[1]), stats[2] > 0
+        loss, tokens, stop = stats[0] / stats[1], int(stats[1]) // self.model_parallel, stats[2] > 0
+        if self.stage is not None:
+            self.stage.bank.commit() if res["applied"] else self.stage.bank.discard()
         if res["applied"]:
-            self.memory.mems = new_mems                      # memory becomes current only now
+            if self.stage is None:
+                self.memory.mems = new_mems                  # memory becomes current only now
             self.cursor.advance()                            # and the data cursor moves past the batch
             self._held = None
             self._consecutive_skips = 0
@@ -174,6 +169,38 @@ class Trainer:
                     f"(precision.max_consecutive_skips={self.cfg.precision.max_consecutive_skips})")
         self._scale_before = res["loss_scale"]
         return StepResult(res["applied"], loss, stop)
+
+    def _micro_steps(self, inp, tgt, new_epoch):
+        b = self.micro_batch
+        mems_in = [Memory({}, batch_size=b) for _ in range(self.n_micro)] if new_epoch else self.memory.mems
+        new_mems = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=inp.device)
+        for k in range(self.n_micro):
+            cols = slice(k * b, (k + 1) * b)
+            nll, mem = self.engine.forward(inp[:, cols], tgt[:, cols], mems_in[k])
+            nll = nll.float()
+            self.engine.backward(nll.mean() * self.loss_factor)
+            res = self.engine.step()                # the optimizer steps after the last micro-batch only
+            loss_sum += nll.detach().sum(dtype=torch.float64)
+            new_mems.append(mem)
+        if res is None:
+            raise RuntimeError("DeepSpeed did not reach a gradient-accumulation boundary after "
+                               f"{self.n_micro} micro-batches")
+        return loss_sum, res, new_mems
+
+    def _pipeline_step(self, inp, tgt, new_epoch):
+        """DeepSpeed's pipeline engine runs all micro-batches and the optimizer step; each stage's layers write
+        their new memory to its bank's pending buffer (committed by the caller once the step is applied)."""
+        if self.loss_factor != 1.0:
+            raise RuntimeError("optim.half_loss is not supported with pipeline parallelism")
+        if new_epoch:
+            self.stage.bank.load_state_dict({})
+        b = self.micro_batch
+        batches = [((inp[:, k * b:(k + 1) * b], torch.tensor([k, 0, 0])), tgt[:, k * b:(k + 1) * b])
+                   for k in range(self.n_micro)]
+        res = self.engine.pipeline_step(iter(batches))
+        loss_sum = torch.tensor(res["loss"] * tgt.numel(), dtype=torch.float64, device=inp.device)
+        return loss_sum, res
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def save(self) -> Path | None:

@@ -56,6 +56,8 @@ class Evaluator:
             dist.all_reduce(total)
         model.train(was_training)
         loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
-        self.metrics.eval({"step": step, "split": self.cfg.eval.split, "loss": loss, "tokens": int(total[1]),
+        replicas = self.cfg.parallel.tp * self.cfg.parallel.pp    # ranks of one DP group score the same streams
+        self.metrics.eval({"step": step, "split": self.cfg.eval.split, "loss": loss,
+                           "tokens": int(total[1]) // replicas,
                            "seconds": time.perf_counter() - t0, **L})
         return loss
