@@ -167,8 +167,6 @@ class RunConfig:
             pp_supported(self.model, self.parallel.pp)
         except ValueError as e:
             raise ConfigError(f"parallel: {e}") from None
-        if self.parallel.pp > 1 and self.parallel.tp > 1:
-            bad("parallel.tp", "tensor and pipeline parallelism together are not supported yet (tp or pp must be 1)")
         if self.parallel.pp > 1 and self.eval.every:
             bad("eval.every", "periodic validation under pipeline parallelism is not supported yet: set it to 0 "
                 "and evaluate a converted checkpoint (megamemo convert / eval)")

@@ -63,13 +63,15 @@ class MemoryBank:
 
 
 class StageContext:
-    """Per-process objects the pipe layers of one stage share: its memory bank and the current RelBias module."""
+    """Per-process objects the pipe layers of one stage share: its memory bank, the current RelBias module, and
+    the tensor-parallel coordinates (tp > 1: every layer of the stage is split by heads as in tensor.py)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: int = 1, tp_rank: int = 0):
         self.cfg = cfg
         self.bank = MemoryBank()
         self.rel_bias = None
         self.mem_len = cfg.mem_len
+        self.tp, self.tp_rank = tp, tp_rank
 
 
 def _meta(mb, M, L):
@@ -81,7 +83,7 @@ class EmbedPipe(nn.Module):
 
     def __init__(self, cfg, ctx: StageContext):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.n_token, cfg.d_model))
+        self.weight = nn.Parameter(torch.empty(cfg.n_token // ctx.tp, cfg.d_model))   # vocab rows of this TP rank
         self.scale = cfg.d_model ** 0.5
         self.drop = nn.Dropout(cfg.dropout)
         self.ctx = ctx
@@ -94,7 +96,7 @@ class EmbedPipe(nn.Module):
         if tokens.is_floating_point():
             return output_logits(self, inputs)
         mb, L = int(meta[0]), tokens.size(0)
-        h0 = self.drop(F.embedding(tokens, self.weight) * self.scale)
+        h0 = self.drop(self._lookup(tokens) * self.scale)
         if not self.ctx.cfg.lamemo:
             return h0, _meta(mb, 0, L)
         emb = self.ctx.bank.get(mb, "emb")
@@ -102,22 +104,35 @@ class EmbedPipe(nn.Module):
         self.ctx.bank.put(mb, "emb", cat[max(0, cat.size(0) - self.ctx.mem_len):])
         return cat, _meta(mb, 0 if emb is None else emb.size(0), L)
 
+    def _lookup(self, tokens):
+        if self.ctx.tp == 1:
+            return F.embedding(tokens, self.weight)
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+        lo = self.ctx.tp_rank * self.weight.size(0)
+        outside = (tokens < lo) | (tokens >= lo + self.weight.size(0))
+        e = F.embedding((tokens - lo).masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(e)
+
 
 def output_logits(module: EmbedPipe, inputs):
     """The tied embedding on the last stage: final dropout, then hidden @ table^T."""
     rows, meta = inputs
     L = int(meta[2])
     h = module.drop(rows[rows.size(0) - L:])
-    return F.linear(h, module.weight)
+    if module.ctx.tp > 1:
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+        h = copy_to_tensor_model_parallel_region(h)
+    return F.linear(h, module.weight)        # under TP: the logits of this rank's vocabulary rows
 
 
 class RelBiasPipe(nn.Module):
     def __init__(self, cfg, ctx: StageContext):
         super().__init__()
-        self.r_w_bias = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
-        self.r_r_bias = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
+        n = cfg.n_head // ctx.tp
+        self.r_w_bias = nn.Parameter(torch.empty(n, cfg.d_head))
+        self.r_r_bias = nn.Parameter(torch.empty(n, cfg.d_head))
         if cfg.future_bias:
-            self.r_r_bias_future = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
+            self.r_r_bias_future = nn.Parameter(torch.empty(n, cfg.d_head))
         self.ctx = ctx
 
     def forward(self, inputs):
@@ -130,6 +145,9 @@ class LayerPipe(nn.Module):
     def __init__(self, cfg, ctx: StageContext, index: int):
         super().__init__()
         self.layer = LaMemoLayer(cfg) if cfg.lamemo else XLLayer(cfg)
+        if ctx.tp > 1:
+            from .tensor import parallelize_layer
+            parallelize_layer(self.layer, cfg, ctx.tp, torch.float32)
         self.index, self.ctx, self.cfg = index, ctx, cfg
         self.drop = nn.Dropout(cfg.dropout)
         self.register_buffer("inv_freq", inv_freq(cfg.d_model), persistent=False)
@@ -162,9 +180,9 @@ class LayerPipe(nn.Module):
 
 
 class OutBiasPipe(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, ctx: StageContext):
         super().__init__()
-        self.out_bias = nn.Parameter(torch.zeros(cfg.n_token))
+        self.out_bias = nn.Parameter(torch.zeros(cfg.n_token // ctx.tp))
 
     def forward(self, logits):
         return logits + self.out_bias
@@ -173,6 +191,12 @@ class OutBiasPipe(nn.Module):
 def mean_nll(logits, labels):
     """The pipeline's loss_fn: mean token NLL of a micro-batch (logits [L, B, V], labels [L, B])."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def mean_nll_vocab_parallel(logits, labels):
+    """The same over logits split by vocabulary across TP ranks (megatron's vocab-parallel cross entropy)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    return vocab_parallel_cross_entropy(logits.float().clone(), labels).mean()
 
 
 def check_supported(cfg, pp: int) -> None:
@@ -198,7 +222,7 @@ def layer_specs(cfg, ctx: StageContext):
         specs.append(TiedLayerSpec("relbias", RelBiasPipe, cfg, ctx, tied_weight_attr=bias_names))
         specs.append(LayerSpec(LayerPipe, cfg, ctx, l))
     specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, ctx, tied_weight_attr=["weight"]))
-    specs.append(LayerSpec(OutBiasPipe, cfg))
+    specs.append(LayerSpec(OutBiasPipe, cfg, ctx))
     return specs
 
 
@@ -214,11 +238,15 @@ def stage_bounds(n_layer: int, pp: int, n_specs: int) -> list[int]:
 
 
 def build_pipeline(cfg, pp: int, topology=None, activation_checkpoint_interval: int = 0):
-    """-> (PipelineModule for this rank's stage, its StageContext)."""
+    """-> (PipelineModule for this rank's stage, its StageContext). With megatron-core's groups initialised
+    for tp > 1, every stage is also split by heads/vocabulary across its TP ranks."""
     from deepspeed.pipe import PipelineModule
 
+    from .groups import tp_rank_size
+
     check_supported(cfg, pp)
-    ctx = StageContext(cfg)
+    tp_rank, tp = tp_rank_size()
+    ctx = StageContext(cfg, tp, tp_rank)
     specs = layer_specs(cfg, ctx)
 
     class MemPipelineModule(PipelineModule):
@@ -227,8 +255,13 @@ def build_pipeline(cfg, pp: int, topology=None, activation_checkpoint_interval: 
             self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
 
     kw = dict(topology=topology) if topology is not None else dict(num_stages=pp)
-    module = MemPipelineModule(layers=specs, loss_fn=mean_nll, partition_method="uniform", dynamic_shape=True,
+    module = MemPipelineModule(layers=specs, loss_fn=mean_nll if tp == 1 else mean_nll_vocab_parallel,
+                               partition_method="uniform", dynamic_shape=True,
                                activation_checkpoint_interval=activation_checkpoint_interval, **kw)
+    if tp > 1:
+        from .tensor import mark_tensor_parallel
+        inv = {v: k for k, v in single_to_stage_names(cfg, module).items()}
+        mark_tensor_parallel(module, lambda n: inv.get(n, n))
     return module, ctx
 
 
@@ -257,9 +290,13 @@ def single_to_stage_names(cfg, module) -> dict[str, str]:
 
 
 def load_single_state(cfg, module, single_sd: dict) -> None:
-    """Give this stage the weights of a single-device model."""
+    """Give this stage (this TP rank's shard of it) the weights of a single-device model."""
+    from .groups import tp_rank_size
+    from .tensor import shard_tensor
+
+    rank, tp = tp_rank_size()
     names = single_to_stage_names(cfg, module)
-    local = {names[k]: v for k, v in single_sd.items() if k in names}
+    local = {names[k]: shard_tensor(k, v, rank, tp) for k, v in single_sd.items() if k in names}
     missing, unexpected = module.load_state_dict(local, strict=False)
     if unexpected or missing:
         raise ValueError(f"pipeline stage weights: missing {missing}, unexpected {unexpected}")

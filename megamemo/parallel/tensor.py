@@ -171,9 +171,36 @@ class VocabParallelSoftmax(nn.Module):
         return F.log_softmax(gather_from_tensor_model_parallel_region(self._logits(h, emb)).float(), dim=-1)
 
 
+def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
+    """In place: one XL/LaMemo layer's projections become column/row-parallel, its heads this rank's share, and
+    the dropouts on split activations draw from the per-rank stream. Weights are loaded afterwards."""
+    Column, Row, _ = _mcore_layers(tp, dtype)
+    d, nd = cfg.d_model, cfg.n_head * cfg.d_head
+    a, f = layer.attn, layer.ff
+    a.qkv, a.r_net, a.o_net = Column(d, 3 * nd, False), Column(d, nd, False), Row(nd, d, False)
+    a.n_head = cfg.n_head // tp
+    a.dropatt = ForkedDropout(cfg.dropatt)
+    f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
+    f.drop_inner = ForkedDropout(cfg.dropout)
+
+
+def local_bias(cfg, tp: int, dtype) -> nn.Parameter:
+    """An empty [n_head / tp, d_head] relative-position bias (u, v+ or v-) for this rank's heads."""
+    return nn.Parameter(torch.empty(cfg.n_head // tp, cfg.d_head, dtype=dtype))
+
+
+def mark_tensor_parallel(module, name_of=lambda n: n) -> None:
+    """Tag the parameters split across TP ranks (by the single-device name `name_of(name)`) so gradient-norm
+    computations count them once per shard; megatron's own layers tag theirs."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+    for name, p in module.named_parameters():
+        rule = _rule(name_of(name))
+        if rule is not None and not getattr(p, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(p, True, rule[0], 1)
+
+
 def parallelize_tensor(model):
     """In place: the single-device model becomes this rank's tensor-parallel shard, holding the same weights."""
-    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
     rank, tp = tp_rank_size()
     cfg = model.cfg
     check_supported(cfg, tp)
@@ -181,24 +208,15 @@ def parallelize_tensor(model):
         return model
     full = model.state_dict()
     dtype = next(model.parameters()).dtype
-    Column, Row, embedding = _mcore_layers(tp, dtype)
-    d, nd, n_local = cfg.d_model, cfg.n_head * cfg.d_head, cfg.n_head // tp
+    _, _, embedding = _mcore_layers(tp, dtype)
     for layer in model.layers:
-        a, f = layer.attn, layer.ff
-        a.qkv, a.r_net, a.o_net = Column(d, 3 * nd, False), Column(d, nd, False), Row(nd, d, False)
-        a.n_head = n_local
-        a.dropatt = ForkedDropout(cfg.dropatt)
-        f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
-        f.drop_inner = ForkedDropout(cfg.dropout)
+        parallelize_layer(layer, cfg, tp, dtype)
     for name in ("r_w_bias", "r_r_bias", "r_r_bias_future"):
         if hasattr(model, name):
-            setattr(model, name, nn.Parameter(torch.empty(n_local, cfg.d_head, dtype=dtype)))
-    model.word_emb.emb_layers[0] = embedding(cfg.n_token, d)
-    model.crit = VocabParallelSoftmax(cfg.n_token // tp, d, cfg.tie_weight, dtype)
+            setattr(model, name, local_bias(cfg, tp, dtype))
+    model.word_emb.emb_layers[0] = embedding(cfg.n_token, cfg.d_model)
+    model.crit = VocabParallelSoftmax(cfg.n_token // tp, cfg.d_model, cfg.tie_weight, dtype)
     model.load_state_dict(shard_state_dict(full, rank, tp), strict=True)
-    for name, p in model.named_parameters():
-        rule = _rule(name)
-        if rule is not None and not getattr(p, "tensor_model_parallel", False):
-            set_tensor_model_parallel_attributes(p, True, rule[0], 1)
+    mark_tensor_parallel(model)
     model.tp_size = tp
     return model

@@ -45,6 +45,8 @@ def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
         "gradient_accumulation_steps": cfg.train.grad_accum,
         "train_batch_size": micro_batch * cfg.train.grad_accum * dp,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        # pipeline stages send whole activations (not split across TP ranks): simple, and exact
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
         "gradient_clipping": cfg.optim.clip,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
