@@ -1,4 +1,4 @@
-"""`megamemo train` under tensor (TP=2) and pipeline (PP=2) parallelism, with real processes: the same per-step
+"""`megamemo train` under tensor (TP=2), pipeline (PP=2) and both (TP=2 x PP=2) parallelism, with real processes: the same per-step
 losses as one process (with gradient accumulation: a memory per micro-batch), the same memory once the ranks'
 shards are put together, and bit-exact resume after a rank is killed while saving."""
 from __future__ import annotations
@@ -44,21 +44,31 @@ def single(tiny_cfg, shards, tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("layout", ["--tp", "--pp"])
-def test_parallel_layout_equals_one_process_then_resumes_bit_exact(layout, tiny_cfg, shards, single, tmp_path):
-    run_dir = tmp_path / "run"
-    run(2, tiny_cfg, shards, run_dir, layout, "2", *EXACT)
+def check_equals_single(run_dir, single, what):
     ref, got = losses(single), losses(run_dir)
     assert sorted(got) == sorted(ref) == list(range(1, 9))
-    assert max(abs(got[s] - ref[s]) for s in ref) < 1e-5, (got, ref)
-    last = newest_complete(run_dir / "checkpoints")
+    assert max(abs(got[s] - ref[s]) for s in ref) < 1e-5, (what, got, ref)
     want = memory_by_columns(newest_complete(single / "checkpoints"))
-    have = memory_by_columns(last)
+    have = memory_by_columns(newest_complete(run_dir / "checkpoints"))
     assert sorted(have) == sorted(want)
     for c0 in want:
         assert sorted(have[c0]) == sorted(want[c0])
         for name, t in want[c0].items():
-            assert torch.allclose(have[c0][name], t, atol=1e-5), (layout, c0, name)
+            assert torch.allclose(have[c0][name], t, atol=1e-5), (what, c0, name)
+    return got
+
+
+def test_tp2_x_pp2_on_four_ranks_equals_one_process(tiny_cfg, shards, single, tmp_path):
+    run_dir = tmp_path / "run"
+    run(4, tiny_cfg, shards, run_dir, "--tp", "2", "--pp", "2", *EXACT, timeout=300)
+    check_equals_single(run_dir, single, "tp2 x pp2")
+
+
+@pytest.mark.parametrize("layout", ["--tp", "--pp"])
+def test_parallel_layout_equals_one_process_then_resumes_bit_exact(layout, tiny_cfg, shards, single, tmp_path):
+    run_dir = tmp_path / "run"
+    run(2, tiny_cfg, shards, run_dir, layout, "2", *EXACT)
+    got = check_equals_single(run_dir, single, layout)
 
     # a rank killed while writing the step-6 checkpoint; the same command again resumes from step 3
     crash = tmp_path / "crash"
