@@ -43,7 +43,7 @@ def _corpus(a) -> corpora.Corpus:
     if a.corpus in MODES and a.mode is not None and a.mode not in MODES[a.corpus]:
         raise ValueError(f"--mode {a.mode!r} is not one of {MODES[a.corpus]} for {a.corpus}")
     if a.corpus not in MODES and a.mode is not None:
-        raise ValueError(f"--mode applies to enwik8 and text8 only")
+        raise ValueError("--mode applies to enwik8 and text8 only")
     if a.corpus in ("enwik8", "text8", "wikitext-103") and len(a.raw) != 1:
         raise ValueError(f"{a.corpus}: --raw takes exactly one path, got {len(a.raw)}")
     if a.corpus != "text" and (a.valid or a.test):

@@ -30,6 +30,7 @@ probabilities and LaMemo's memorizing coefficient of every layer (used by `megam
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -37,9 +38,8 @@ from typing import Callable
 import torch
 
 from megamemo.model import Memory, MemTransformerLM
-from megamemo.model.attention import (causal_attention, interpolate, lookahead_attention,
-                                      memorizing_coefficient)
-from megamemo.model.positions import (causal_mask, causal_rel_index, lookahead_index, position_sequence,
+from megamemo.model.attention import (causal_attention)
+from megamemo.model.positions import (causal_mask, causal_rel_index, position_sequence,
                                       sinusoid)
 
 METRICS = ("code", "paper")
@@ -170,92 +170,8 @@ def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *
         if not cfg.has_memory:
             raise ValueError(f"TRAMS needs a model with memory; {cfg.variant!r} has none")
         mem_len = select.pool
-    mem = model.empty_memory(inp.size(1)) if mem is None else mem
-    model._check(inp, tgt, mem)
-    mem_len = cfg.mem_len if mem_len is None else mem_len
     same_length = cfg.same_length if same_length is None else same_length
     clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
-    if not cfg.has_memory:
-        mem_len = 0
-    h0 = model.drop(model.word_emb(inp))
-    L, B = inp.shape
-    M = mem.length
-    future = None if not cfg.lamemo else ("signed" if cfg.variant == "lamemo_xlrpe" else "abs")
-    pos_emb = model.drop(sinusoid(position_sequence(M + L, M, clamp_len, future, h0.device), model.inv_freq)
-                         .to(h0.dtype))
-    mask = causal_mask(L, M, mem_len, same_length, h0.device)
     causal = _Causal(model, select, clamp_len, same_length, observe)
-    if cfg.lamemo:
-        hidden, new_mem = _lamemo(model, h0, mem, pos_emb, mask, mem_len, causal, observe)
-    else:
-        hidden, new_mem = _xl(model, h0, mem, pos_emb, mask, mem_len, causal)
-    flat = hidden.reshape(L * B, -1)
-    if tgt is None:
-        return model.crit.log_probs(flat, model.word_emb).view(L, B, -1), new_mem
-    return model.crit.nll(flat, tgt.reshape(-1).long(), model.word_emb).view(L, B), new_mem
-
-
-def _xl(model, h0, mem, pos_emb, mask, mem_len, causal):
-    h, hids = h0, []
-    for l, layer in enumerate(model.layers):
-        hids.append(h)
-        old = mem.get(f"hid.{l}")
-        L = h.size(0)
-        cat = h if old is None or old.size(0) == 0 else torch.cat([old, h], 0)
-        q, k, v = layer.attn.heads(cat)
-        r = layer.attn.rel(pos_emb)
-        ctx, _ = causal(l, layer, q[:, :, -L:], k, v, cat.size(0) - L, r, mask)
-        h = layer.ff(layer.attn.output(h, ctx))
-    new = {}
-    if mem_len > 0:
-        with torch.no_grad():
-            for l, x in enumerate(hids):
-                old = mem.get(f"hid.{l}")
-                cat = x if old is None else torch.cat([old, x.to(old.dtype)], 0)
-                new[f"hid.{l}"] = cat[max(0, cat.size(0) - mem_len):].detach()
-    return model.drop(h), Memory(new, batch_size=h0.size(1))
-
-
-def _lamemo(model, h0, mem, pos_emb, mask, mem_len, causal, observe):
-    cfg = model.cfg
-    vf = model.r_r_bias_future if cfg.future_bias else model.r_r_bias
-    u = model.r_w_bias
-    emb = mem.get("emb")
-    h_mem = emb.to(h0.dtype) if emb is not None else h0[:0]
-    h, new = h0, {}
-    for l, layer in enumerate(model.layers):
-        ctx_old, lse_old = mem.get(f"ctx.{l}"), mem.get(f"lse.{l}")
-        attn = layer.attn
-        M, L = h_mem.size(0), h.size(0)
-        klen = M + L
-        cat = torch.cat([h_mem, h], 0) if M else h
-        q, k, v = attn.heads(cat)
-        r = attn.rel(pos_emb)
-        ctx, lse = causal(l, layer, q[:, :, M:], k, v, M, r, mask)
-        if M:
-            c_old = ctx_old.permute(1, 2, 0, 3)
-            s_old = lse_old.permute(1, 2, 0)
-            if cfg.variant == "lamemo_no_lookahead":
-                c_mem, s_mem = c_old.to(ctx.dtype), s_old.float()
-            else:
-                nk = min(M, L)
-                t_index, la_mask = lookahead_index(M, nk, h.device)
-                a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
-                                              r[:, klen:], u, vf, t_index, la_mask, attn.scale, attn.dropatt)
-                if cfg.variant == "lamemo_no_interp":
-                    c_mem, s_mem = a, s_la
-                else:
-                    c_mem, s_mem = interpolate(c_old, s_old, a, s_la)
-                if observe is not None:
-                    observe(layer=l, kind="alpha", alpha=memorizing_coefficient(s_old, s_la))
-            ctx = torch.cat([c_mem, ctx], 2)
-            lse = torch.cat([s_mem, lse], 2)
-        out = layer.ff(attn.output(cat, ctx))
-        beg = max(0, klen - mem_len)
-        new[f"ctx.{l}"] = ctx[:, :, beg:].detach().permute(2, 0, 1, 3)
-        new[f"lse.{l}"] = lse[:, :, beg:].detach().permute(2, 0, 1)
-        h_mem, h = out[:M], out[M:]
-    with torch.no_grad():
-        cat = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
-        new["emb"] = cat[max(0, cat.size(0) - mem_len):].detach()
-    return model.drop(h), Memory(new, batch_size=h0.size(1))
+    return model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len,
+                 attend=lambda l, layer: functools.partial(causal, l, layer), observe=observe)

@@ -7,7 +7,6 @@ import torch
 
 from megamemo import generate as gen_mod
 from megamemo.generate import Decoder, encode_prompt, generate, nucleus_probs
-from megamemo.model import MemTransformerLM
 
 from eval_fixtures import one_thread, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 

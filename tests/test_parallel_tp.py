@@ -35,7 +35,7 @@ def _gather(t):
 
 def _tp_worker(rank, world):
     from megamemo.model import MemTransformerLM
-    from megamemo.parallel.groups import init_model_parallel, install_rng_tracker, rng_tracker, TP_RNG
+    from megamemo.parallel.groups import init_model_parallel, install_rng_tracker, rng_tracker
     from megamemo.parallel.tensor import merge_memory_tensors, merge_tensors, parallelize_tensor
 
     init_model_parallel(tp=world)

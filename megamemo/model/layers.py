@@ -7,7 +7,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .attention import causal_attention, interpolate, lookahead_attention
+from .attention import causal_attention, interpolate, lookahead_attention, memorizing_coefficient
 from .positions import causal_rel_index, lookahead_index
 
 
@@ -68,14 +68,18 @@ class XLLayer(nn.Module):
         self.attn = RelAttention(cfg.d_model, cfg.n_head, cfg.d_head, cfg.dropout, cfg.dropatt, cfg.pre_lnorm)
         self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
 
-    def forward(self, h, mem, pos_emb, u, vb, mask):
+    def forward(self, h, mem, pos_emb, u, vb, mask, attend=None):
+        """attend: optional replacement of the current queries' attention (see MemTransformerLM.forward)."""
         L = h.size(0)
         cat = h if mem is None or mem.size(0) == 0 else torch.cat([mem, h], 0)
         klen = cat.size(0)
         q, k, v = self.attn.heads(cat)
-        ctx, _ = causal_attention(q[:, :, -L:], k, v, self.attn.rel(pos_emb), u, vb, mask,
-                                  causal_rel_index(L, klen, h.device), self.attn.scale, self.attn.dropatt,
-                                  lse="none")
+        r = self.attn.rel(pos_emb)
+        if attend is None:
+            ctx, _ = causal_attention(q[:, :, -L:], k, v, r, u, vb, mask, causal_rel_index(L, klen, h.device),
+                                      self.attn.scale, self.attn.dropatt, lse="none")
+        else:
+            ctx, _ = attend(q[:, :, -L:], k, v, klen - L, r, mask)
         return self.ff(self.attn.output(h, ctx))
 
 
@@ -89,17 +93,21 @@ class LaMemoLayer(nn.Module):
         self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
         self.variant = cfg.variant
 
-    def forward(self, h_mem, h, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len):
+    def forward(self, h_mem, h, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len, attend=None, observe=None):
         """h_mem [M,B,d] memory rows' states at this layer, h [L,B,d]; ctx_old [M,B,n,dh] and lse_old [M,B,n]
         (fp32) the caches; pos_emb [klen+M, d]. Returns (h_mem', h', ctx_new, lse_new); the caches are the last
-        mem_len rows of [memory; current] and are detached."""
+        mem_len rows of [memory; current] and are detached. attend / observe: see MemTransformerLM.forward."""
         M, L = h_mem.size(0), h.size(0)
         klen = M + L
         cat = torch.cat([h_mem, h], 0) if M else h
         q, k, v = self.attn.heads(cat)
         r = self.attn.rel(pos_emb)
-        ctx, lse = causal_attention(q[:, :, M:], k, v, r[:, :klen], u, vb, mask, causal_rel_index(L, klen, h.device),
-                                    self.attn.scale, self.attn.dropatt, lse="value")
+        if attend is None:
+            ctx, lse = causal_attention(q[:, :, M:], k, v, r[:, :klen], u, vb, mask,
+                                        causal_rel_index(L, klen, h.device), self.attn.scale, self.attn.dropatt,
+                                        lse="value")
+        else:
+            ctx, lse = attend(q[:, :, M:], k, v, M, r, mask)
         if M:
             c_old = ctx_old.permute(1, 2, 0, 3)
             s_old = lse_old.permute(1, 2, 0)
@@ -115,6 +123,8 @@ class LaMemoLayer(nn.Module):
                     c_mem, s_mem = a, s_la
                 else:
                     c_mem, s_mem = interpolate(c_old, s_old, a, s_la)
+                if observe is not None:
+                    observe(kind="alpha", alpha=memorizing_coefficient(s_old, s_la))
             ctx = torch.cat([c_mem, ctx], 2)
             lse = torch.cat([s_mem, lse], 2)
         out = self.ff(self.attn.output(cat, ctx))

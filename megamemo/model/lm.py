@@ -1,6 +1,8 @@
 """The language model: embed -> layers -> adaptive softmax, with memory passed in and returned."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -99,19 +101,23 @@ class MemTransformerLM(nn.Module):
                                  f"{', '.join(map(str, tail))}]")
 
     # ---- forward --------------------------------------------------------------------------------------------
-    def forward(self, inp, tgt=None, mem: Memory | None = None, *, mem_len=None, same_length=None, clamp_len=None):
+    def forward(self, inp, tgt=None, mem: Memory | None = None, *, mem_len=None, same_length=None, clamp_len=None,
+                attend=None, observe=None):
         """inp, tgt [L, B] token ids -> (nll [L, B] fp32, new memory). Without tgt: (log-probs [L, B, V], memory).
-        mem_len / same_length / clamp_len override the config for this call (evaluation at other lengths)."""
+        mem_len / same_length / clamp_len override the config for this call (evaluation at other lengths).
+        Evaluation-time extras (megamemo/trams.py): attend(l, layer) may return a replacement for layer l's
+        current-query attention, called as fn(q_cur, k, v, M, r, mask) -> (ctx, lse); observe(layer=l, kind=...,
+        ...) is told LaMemo's memorizing coefficient ("alpha") of every layer."""
         mem = self.empty_memory(inp.size(1)) if mem is None else mem
         self._check(inp, tgt, mem)
-        hidden, new_mem = self.encode(inp, mem, mem_len, same_length, clamp_len)
+        hidden, new_mem = self.encode(inp, mem, mem_len, same_length, clamp_len, attend, observe)
         L, B = inp.shape
         flat = hidden.reshape(L * B, -1)
         if tgt is None:
             return self.crit.log_probs(flat, self.word_emb).view(L, B, -1), new_mem
         return self.crit.nll(flat, tgt.reshape(-1).long(), self.word_emb).view(L, B), new_mem
 
-    def encode(self, inp, mem: Memory, mem_len=None, same_length=None, clamp_len=None):
+    def encode(self, inp, mem: Memory, mem_len=None, same_length=None, clamp_len=None, attend=None, observe=None):
         cfg = self.cfg
         mem_len = cfg.mem_len if mem_len is None else mem_len
         same_length = cfg.same_length if same_length is None else same_length
@@ -126,15 +132,18 @@ class MemTransformerLM(nn.Module):
         pos = position_sequence(klen, M, clamp_len, future, h0.device)
         pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(h0.dtype))
         mask = causal_mask(L, M, mem_len, same_length, h0.device)
+        hooks = [((attend(l, layer) if attend is not None else None),
+                  (functools.partial(observe, layer=l) if observe is not None else None))
+                 for l, layer in enumerate(self.layers)]
         if cfg.lamemo:
-            return self._encode_lamemo(h0, mem, pos_emb, mask, mem_len)
-        return self._encode_xl(h0, mem, pos_emb, mask, mem_len)
+            return self._encode_lamemo(h0, mem, pos_emb, mask, mem_len, hooks)
+        return self._encode_xl(h0, mem, pos_emb, mask, mem_len, hooks)
 
-    def _encode_xl(self, h0, mem, pos_emb, mask, mem_len):
+    def _encode_xl(self, h0, mem, pos_emb, mask, mem_len, hooks):
         h, hids = h0, []
         for l, layer in enumerate(self.layers):
             hids.append(h)
-            h = layer(h, mem.get(f"hid.{l}"), pos_emb, self.r_w_bias, self.r_r_bias, mask)
+            h = layer(h, mem.get(f"hid.{l}"), pos_emb, self.r_w_bias, self.r_r_bias, mask, attend=hooks[l][0])
         new = {}
         if mem_len > 0:
             with torch.no_grad():
@@ -144,7 +153,7 @@ class MemTransformerLM(nn.Module):
                     new[f"hid.{l}"] = cat[max(0, cat.size(0) - mem_len):].detach()
         return self.drop(h), Memory(new, batch_size=h0.size(1))
 
-    def _encode_lamemo(self, h0, mem, pos_emb, mask, mem_len):
+    def _encode_lamemo(self, h0, mem, pos_emb, mask, mem_len, hooks):
         vf = self.r_r_bias_future if self.cfg.future_bias else self.r_r_bias
         emb = mem.get("emb")
         h_mem = emb.to(h0.dtype) if emb is not None else h0[:0]
@@ -152,7 +161,7 @@ class MemTransformerLM(nn.Module):
         for l, layer in enumerate(self.layers):
             ctx_old, lse_old = mem.get(f"ctx.{l}"), mem.get(f"lse.{l}")
             h_mem, h, new[f"ctx.{l}"], new[f"lse.{l}"] = layer(
-                h_mem, h, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len)
+                h_mem, h, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len, *hooks[l])
         with torch.no_grad():
             cat = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
             new["emb"] = cat[max(0, cat.size(0) - mem_len):].detach()

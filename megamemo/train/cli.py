@@ -104,7 +104,6 @@ def build_model(cfg: RunConfig):
 def build(cfg: RunConfig, log=print):
     """Start the process group and build everything a run needs: (trainer, dist env)."""
     from megamemo.checkpoint.store import CheckpointStore
-    from megamemo.model import MemTransformerLM
     from megamemo.train import dist
     from megamemo.train.data import open_reader, unit_for
     from megamemo.train.engine import Engine
