@@ -5,8 +5,8 @@ rows LaMemo recomputes and its look-ahead attention), achieved GFLOP/s, and the 
 run with a 1024^3 matmul, for each thread count and precision asked for; then the lamemo/xl time ratio beside
 the analytic FLOP ratio.
 
-    python bench/model_step.py                     # issue defaults: 4L, d 256, 4x64, d_inner 1024, B 8, L=M=128
-    python bench/model_step.py --threads 1 2 --precision fp32 bf16
+    python bench/model_step.py            # 4L, d 256, 4x64, d_inner 1024, B 8, L=M=128; 1 and 2 threads; fp32, bf16
+    python bench/model_step.py --threads 1 --precision fp32 --profile
 """
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ def matmul_peak(seconds=1.0) -> float:
     return 2 * 1024 ** 3 * n / (time.perf_counter() - t0)
 
 
+def profile_step(variant, args, top=12):
+    """The top ops of one fp32 step by self CPU time (torch.profiler), to see what bounds the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 2})
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step_speed(variant, args, "fp32")
+    print(f"\n-- profile of {variant} (3 steps incl. warm-up; self CPU time) --")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=32))
+
+
 def step_speed(variant, args, precision):
     torch.manual_seed(0)
     cfg = ModelConfig(variant=variant, n_token=args.vocab, n_layer=args.layers, d_model=args.d_model,
@@ -87,9 +98,10 @@ def main():
     ap.add_argument("--mem-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1])
-    ap.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--variants", nargs="+", default=["lamemo", "xl", "rpe"])
+    ap.add_argument("--profile", action="store_true", help="also print the top ops of lamemo and xl (1 thread)")
     args = ap.parse_args()
     print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
           f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len}")
@@ -110,6 +122,10 @@ def main():
                 f_ratio = res["lamemo"][1] / res["xl"][1]
                 print(f"lamemo/xl: time ratio {t_ratio:.3f}, analytic FLOP ratio {f_ratio:.3f} "
                       f"(time/FLOP ratio {t_ratio / f_ratio:.3f}; 1.0 = same efficiency)")
+    if args.profile:
+        torch.set_num_threads(1)
+        for v in ("lamemo", "xl"):
+            profile_step(v, args)
     print("\nreference code at the default config, one thread, fp32 (quoted from the speed issue, not measured "
           "here): lamemo ~560 tokens/s, xl ~850 tokens/s")
 
