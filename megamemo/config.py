@@ -78,6 +78,7 @@ class CheckpointConfig:
     keep_last: int = 3              # committed checkpoints kept (older ones are deleted)
     resume: str = "auto"            # auto: newest committed one in run_dir, if any | never | a step directory
     save_at_end: bool = True
+    probe: bool = True              # record a small NLL probe with each checkpoint (convert checks itself on it)
 
 
 @dataclass

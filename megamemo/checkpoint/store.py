@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megamemo.checkpoint.state import StateRegistry, write_json_atomic
+from megamemo.checkpoint.state import StateRegistry, _write_atomic, write_json_atomic
 
 MARKER = "COMMITTED"
 RANK_DIR = "megamemo"
@@ -127,7 +127,10 @@ class CheckpointStore:
         self._kill_at = tuple(int(x) for x in fault.split(":")) if fault else None
 
     # ---- save --------------------------------------------------------------------------------------------
-    def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None) -> Path:
+    def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
+             files: dict[str, Callable[[Path], None]] | None = None) -> Path:
+        """files: {path relative to the step directory: writer(path)} this rank adds (e.g. the conversion probe);
+        written atomically before the commit, so the marker lists them with their sizes."""
         tag = tag_for(step)
         step_dir = self.root / tag
         if self.rank == 0:
@@ -144,6 +147,9 @@ class CheckpointStore:
         for saver in registry.sharded.values():
             saver.save_sharded(self.root, tag)
         registry.save_rank(step_dir / RANK_DIR, self.rank, extra=rank_extra)
+        for rel, write in (files or {}).items():
+            (step_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(step_dir / rel, write)
         if self._kill_at == (step, self.rank):
             print(f"[fault] rank {self.rank} kills itself while saving step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -216,17 +222,19 @@ class CheckpointStore:
     def check_compatible(self, step_dir: Path) -> dict:
         """The marker of `step_dir`, after checking it was written by the same model and layout."""
         info = verify(step_dir)
+        portable = bool((info.get("layout") or {}).get("portable"))   # convert relayout: loads into any layout
         saved_model = info.get("model", {})
         want_model = self.meta.get("model", {})
         if saved_model != want_model:
             diffs = [f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {want_model.get(k)!r}"
                      for k in sorted(set(saved_model) | set(want_model)) if saved_model.get(k) != want_model.get(k)]
             raise CheckpointError(f"{step_dir} was saved from a different model config: " + "; ".join(diffs))
-        for key in ("layout", "precision"):
+        for key in () if portable else ("layout", "precision"):
             if key in self.meta and info.get(key) != self.meta[key]:
                 raise CheckpointError(
                     f"{step_dir}: {key} differs (checkpoint {info.get(key)} vs this run {self.meta[key]}); "
-                    f"resuming under another {key} needs a converted checkpoint (megamemo convert)")
+                    f"resuming under another {key} needs a layout-free checkpoint: megamemo convert relayout "
+                    f"--ckpt {step_dir} --out NEW_RUN_DIR, then train in NEW_RUN_DIR")
         return info
 
     def load(self, step_dir: Path, registry: StateRegistry) -> dict:

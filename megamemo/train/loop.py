@@ -206,7 +206,11 @@ class Trainer:
     def save(self) -> Path | None:
         if self.store is None:
             return None
-        return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra)
+        files = {}
+        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (probe.py)
+            from megamemo.checkpoint.probe import record_probe
+            files = record_probe(self)
+        return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
 
     def resume(self, step_dir: Path) -> dict:
         info = self.store.load(step_dir, self.registry)
