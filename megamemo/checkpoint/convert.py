@@ -1,42 +1,53 @@
-"""`megamemo convert to-single`: a committed training checkpoint -> a single-device checkpoint (single.py).
+"""`megamemo convert`: training checkpoints of any layout -> a single-device checkpoint, or -> a layout-free
+checkpoint that training resumes under another layout; reference checkpoints -> a single-device checkpoint.
 
     megamemo convert to-single --ckpt RUN_DIR | CHECKPOINTS_DIR | STEP_DIR --out DIR [--dtype fp32|bf16|fp16]
-                               [--data SHARD_DIR]
+                               [--memory all | COLUMNS] [--data SHARD_DIR] [--no-check]
+    megamemo convert relayout --ckpt RUN_DIR | STEP_DIR --out NEW_RUN_DIR [--no-check]
+    megamemo convert import-reference FILE.pt --out DIR [--config CONSTRUCTOR.json]
 
 A run directory or checkpoints root resolves to its newest committed checkpoint; a step directory must be
-committed (its COMMITTED marker present and every listed file at its recorded size) or it is refused, naming the
-missing marker or file. Only runs with tensor and pipeline parallel size 1 are handled here.
+committed (its COMMITTED marker present and every listed file at its recorded size) or it is refused. The
+checkpoint is read whole (gather.py): tensor-parallel shards joined by tensor.py's rules (column, row and vocab
+partitions, [Q;K;V] per head), pipeline stages by their layer files (tied copies checked equal), ZeRO partitions
+of every data-parallel rank; bf16/fp16 runs give their fp32 masters (checked to round to the module's copies).
+A missing or extra shard, a rank file with another layout, weights whose shapes do not fit the recorded model
+config: an error naming the file, and nothing is written at --out (outputs appear by an atomic rename).
 
-Where the weights come from (DeepSpeed 0.19 checkpoint files, loaded with torch's weights-only unpickler):
-  * fp32 runs: `mp_rank_00_model_states.pt["module"]` holds the full fp32 weights on every ZeRO stage 0-2 (the
-    ZeRO-1/2 optimiser writes its updated partitions back into the module after every step);
-  * bf16/fp16 runs: the module holds the low-precision copies; the fp32 master weights are consolidated from the
-    optimiser files of every data-parallel rank (`*_optim_states.pt`: each holds its partition of each flattened
-    parameter group, `single_partition_of_fp32_groups`), cut back into parameters with the model file's
-    `param_shapes` (in group order, skipping `param_alignment_paddings` where DeepSpeed recorded them).
-The config and meta (model config, step, layout, precision, and the data's tokenizer and vocabulary when the
-run's shard directory is readable) go to config.json.
+Self-check: a training run records a probe with every checkpoint (probe.py: its first streams' next 3 segments
+and the per-token NLL the sharded model computed from the checkpoint's memory, eval mode, memory carried).
+to-single and relayout run the merged single-device model on the same segments from the merged memory of the
+same columns and compare: fp32 max |diff| <= 1e-5 per token; bf16/fp16 runs compare the model cast to the
+run's dtype (the module's own rounded weights) with max |diff| <= 0.1 and mean |diff| <= 0.01 nats per token
+(bf16 keeps 8 bits of mantissa: TP's split sums round differently). --no-check skips it; a checkpoint without a
+probe (checkpoint.probe: false) is converted with shape and consistency checks only, which is said.
+
+--memory chooses streams (global columns: `all`, `0-3,7`) whose memory goes to memory.safetensors (Memory
+state_dict form, the chosen columns in order; their list in config.json's meta).
 
 `load_model(path)` is what eval / generate / analyze call: a single-device directory is loaded as is, a training
-checkpoint is converted in memory.
+checkpoint of any layout is converted in memory.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
 
 import torch
 
-from megamemo.checkpoint.single import (FORMAT, SingleCheckpointError, load_single, read_config, save_single)
-from megamemo.model import MemTransformerLM, ModelConfig
+from megamemo.checkpoint.gather import ConvertError, TrainingCheckpoint, load_pt
+from megamemo.checkpoint.single import FORMAT, SingleCheckpointError, load_single, read_config, save_single
+from megamemo.model import Memory, MemTransformerLM, ModelConfig
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+TOLERANCE = {"fp32": {"max": 1e-5, "mean": 1e-5}, "bf16": {"max": 0.1, "mean": 0.01},
+             "fp16": {"max": 0.1, "mean": 0.01}}
+_load_pt = load_pt          # the name tests and older callers use
 
-
-class ConvertError(SingleCheckpointError):
-    """A training checkpoint that cannot be converted; the message names the directory or file."""
+__all__ = ["ConvertError", "load_model", "to_single", "relayout", "import_reference_file", "resolve_committed"]
 
 
 # ---- locating a committed checkpoint ---------------------------------------------------------------------------
@@ -45,8 +56,6 @@ def is_single(path: Path) -> bool:
     if not cfg.is_file():
         return False
     try:
-        import json
-
         return json.loads(cfg.read_text()).get("format") == FORMAT
     except ValueError:
         return False
@@ -72,17 +81,17 @@ def resolve_committed(path) -> tuple[Path, dict]:
                        f"{p / 'checkpoints'} and {p})")
 
 
-# ---- reading DeepSpeed's files safely --------------------------------------------------------------------------
-def _load_pt(path: Path) -> dict:
-    from megamemo.train.engine import safe_globals
+def open_checkpoint(path):
+    """A TrainingCheckpoint (any DeepSpeed layout) or a PortableCheckpoint (written by relayout)."""
+    from megamemo.checkpoint.portable import PortableCheckpoint
 
-    with torch.serialization.safe_globals(safe_globals()):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unpickling problem is reported with the file name
-            raise ConvertError(f"{path}: cannot be loaded safely (weights_only): {type(e).__name__}: {e}") from None
+    step_dir, marker = resolve_committed(path)
+    if (marker.get("layout") or {}).get("portable"):
+        return PortableCheckpoint(step_dir, marker)
+    return TrainingCheckpoint(step_dir, marker)
 
 
+# ---- ZeRO-0 fp32 masters (also used by gather.py) ---------------------------------------------------------------
 def _numel(shape) -> int:
     return int(math.prod(shape))
 
@@ -94,7 +103,8 @@ def unpartitioned_fp32(model_states: dict, where: Path) -> dict[str, torch.Tenso
     opt = model_states.get("optimizer")
     if not isinstance(opt, dict):
         return None
-    names = [k for k in model_states["module"] if k not in set(model_states.get("buffer_names") or [])]
+    buffers = set(model_states.get("buffer_names") or [])
+    names = [k for k, v in model_states["module"].items() if isinstance(v, torch.Tensor) and k not in buffers]
     shapes = [tuple(model_states["module"][k].shape) for k in names]
     if "fp32_groups" in opt:
         tensors = [t for group in opt["fp32_groups"] for t in group]
@@ -117,105 +127,19 @@ def unpartitioned_fp32(model_states: dict, where: Path) -> dict[str, torch.Tenso
     return out
 
 
-def consolidate_fp32(step_dir: Path, model_states: dict) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of a ZeRO 0-2 mixed-precision run: from the model file's optimizer state (stage 0)
-    or gathered from every rank's optimizer file (stages 1-2)."""
-    files = sorted(step_dir.glob("*_optim_states.pt"), key=lambda f: _rank_of(f))
-    if not files:
-        found = unpartitioned_fp32(model_states, step_dir / MODEL_FILE)
-        if found is not None:
-            return found
-        raise ConvertError(f"{step_dir}: no *_optim_states.pt files (the fp32 master weights of a bf16/fp16 run)")
-    parts, paddings = [], None
-    for f in files:
-        osd = _load_pt(f).get("optimizer_state_dict", {})
-        groups = osd.get("single_partition_of_fp32_groups")
-        if groups is None:
-            raise ConvertError(f"{f}: no single_partition_of_fp32_groups (not a ZeRO 0-2 mixed-precision optimizer "
-                               f"state)")
-        count = osd.get("partition_count", len(files))
-        count = max(count) if isinstance(count, (list, tuple)) else count
-        if count != len(files):
-            raise ConvertError(f"{step_dir}: {len(files)} optimizer files but {f.name} says the state is split "
-                               f"over {count} ranks")
-        parts.append([g.float() for g in groups])
-        paddings = paddings or osd.get("param_alignment_paddings")
-    shapes = model_states.get("param_shapes")
-    if shapes is None:
-        raise ConvertError(f"{step_dir / MODEL_FILE}: no param_shapes")
-    out = {}
-    for gi, group_shapes in enumerate(shapes):
-        flat = torch.cat([p[gi] for p in parts])
-        off = 0
-        pads = paddings[gi] if paddings is not None else None
-        for pi, (name, shape) in enumerate(group_shapes.items()):
-            n = _numel(shape)
-            if off + n > flat.numel():
-                raise ConvertError(f"{step_dir}: parameter group {gi} holds {flat.numel()} values, too few for "
-                                   f"{name} at offset {off}")
-            out[name] = flat[off:off + n].view(tuple(shape)).clone()
-            off += n + (pads[pi] if pads is not None else 0)
-        align = 2 * len(files)          # DeepSpeed pads each flattened group to a multiple of 2 x ranks
-        if -(-off // align) * align != -(-flat.numel() // align) * align:
-            raise ConvertError(f"{step_dir}: parameter group {gi} holds {flat.numel()} values but its parameters "
-                               f"use {off}: the layout is not understood")
-    for name, source in (model_states.get("shared_params") or {}).items():
-        if source in out:
-            out[name] = out[source]
-    return out
-
-
-def _rank_of(f: Path) -> int:
-    import re
-
-    m = re.search(r"zero_pp_rank_(\d+)_", f.name)
-    return int(m.group(1)) if m else 0
-
-
 def training_state_dict(step_dir: Path, marker: dict) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """(model config, fp32 state dict, meta) of a committed checkpoint with tensor/pipeline parallel size 1."""
-    layout = marker.get("layout", {})
-    if layout.get("tp", 1) != 1 or layout.get("pp", 1) != 1:
-        raise ConvertError(f"{step_dir}: tensor parallel {layout.get('tp')} x pipeline parallel {layout.get('pp')}; "
-                           f"only tp = pp = 1 checkpoints can be converted here")
-    if "model" not in marker:
-        raise ConvertError(f"{step_dir / 'COMMITTED'}: no model config recorded")
-    cfg = ModelConfig.from_dict(marker["model"], where=f"{step_dir / 'COMMITTED'}:model")
-    mfile = step_dir / MODEL_FILE
-    if not mfile.is_file():
-        raise ConvertError(f"{mfile}: missing (DeepSpeed's model states)")
-    ms = _load_pt(mfile)
-    module = ms.get("module")
-    if not isinstance(module, dict):
-        raise ConvertError(f"{mfile}: no 'module' state dict")
-    precision = marker.get("precision", "fp32")
-    if precision == "fp32":
-        sd = {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
-    else:
-        sd = consolidate_fp32(step_dir, ms)
-        for k, v in module.items():                 # buffers and anything the optimizer does not own
-            sd.setdefault(k, v.float() if v.is_floating_point() else v)
-        for k, v in module.items():
-            if k in sd and v.is_floating_point() and not torch.equal(sd[k].to(v.dtype), v):
-                raise ConvertError(f"{step_dir}: consolidated fp32 weight {k} does not round to the module's "
-                                   f"{v.dtype} copy in {mfile.name}: the optimizer files do not match")
-    meta = {"source": str(step_dir), "step": marker.get("step"), "layout": layout, "precision": precision,
-            "model_fingerprint": marker.get("model_fingerprint")}
-    return cfg, sd, meta
+    """(model config, fp32 state dict, meta) of a committed checkpoint of any layout."""
+    c = TrainingCheckpoint(step_dir, marker)
+    return c.cfg, c.weights(), c.meta()
 
 
-def _check_state(cfg: ModelConfig, sd: dict, where: Path) -> MemTransformerLM:
+def _build(cfg: ModelConfig, sd: dict) -> MemTransformerLM:
     model = MemTransformerLM(cfg)
-    expected = model.state_dict()
-    missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
-    bad = sorted(k for k in set(sd) & set(expected) if tuple(sd[k].shape) != tuple(expected[k].shape))
-    if missing or extra or bad:
-        raise ConvertError(f"{where}: weights do not match the recorded model config: missing {missing}, "
-                           f"unexpected {extra}, wrong shapes {bad}")
     model.load_state_dict(sd)
-    return model
+    return model.eval()
 
 
+# ---- data meta -------------------------------------------------------------------------------------------------
 def data_meta(data_dir) -> dict:
     """What generation needs from the shard directory: the tokenizer and the vocabulary's symbols."""
     from data_pipeline import load_manifest, load_vocab
@@ -241,7 +165,65 @@ def _run_data_dir(step_dir: Path) -> Path | None:
     return Path(d) if d else None
 
 
-# ---- what eval / generate / analyze call -----------------------------------------------------------------------
+# ---- the self-check --------------------------------------------------------------------------------------------
+def check_probe(model: MemTransformerLM, memory: Memory | None, probe: dict, precision: str) -> dict:
+    """The single-device model on the probe's segments vs the sharded model's recorded NLL. Raises ConvertError
+    when it is off by more than the tolerance for the run's precision."""
+    from megamemo.checkpoint.probe import single_device_nll
+
+    c0, c1 = probe["columns"]
+    mem = None
+    if not probe["empty_start"] and memory is not None and memory.length > 0:
+        mem = memory.select_batch(slice(c0, c1))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    run = model if dtype == torch.float32 else MemTransformerLM(model.cfg).to(dtype).eval()
+    if run is not model:
+        run.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
+    got = single_device_nll(run, mem, probe)
+    diffs = torch.cat([(g - want.float()).abs().reshape(-1) for g, (_, _, want) in zip(got, probe["segments"])])
+    tol = TOLERANCE[precision]
+    res = {"segments": len(got), "streams": c1 - c0, "columns": [c0, c1], "max_abs_diff": float(diffs.max()),
+           "mean_abs_diff": float(diffs.mean()), "tolerance": tol, "precision": precision}
+    if not (res["max_abs_diff"] <= tol["max"] and res["mean_abs_diff"] <= tol["mean"]):
+        raise ConvertError(f"{probe['path']}: the converted model's per-token NLL differs from the sharded model's "
+                           f"on the recorded probe: max |diff| {res['max_abs_diff']:.3g}, mean "
+                           f"{res['mean_abs_diff']:.3g} (tolerance {tol} for {precision}); nothing written")
+    return res
+
+
+def _self_check(c, model, memory, log) -> dict | None:
+    probe = c.probe()
+    if probe is None:
+        log(f"[convert] {c.dir}: no probe recorded (checkpoint.probe was off): weights and memory were checked for "
+            f"completeness, shapes and consistency only")
+        return None
+    res = check_probe(model, memory, probe, probe.get("precision", c.precision))
+    log(f"[convert] check: single-device per-token NLL over {res['segments']} segments x {res['streams']} streams "
+        f"(columns {res['columns'][0]}-{res['columns'][1] - 1}, memory carried) vs the sharded model's: max |diff| "
+        f"{res['max_abs_diff']:.2e}, mean {res['mean_abs_diff']:.2e} ({res['precision']}, tolerance "
+        f"{res['tolerance']['max']:g})")
+    return res
+
+
+def parse_columns(spec: str, batch_size: int) -> list[int]:
+    """'all' | '0-3,7' -> column indices, each in [0, batch_size)."""
+    if spec == "all":
+        return list(range(batch_size))
+    cols = []
+    for part in spec.split(","):
+        a, _, b = part.strip().partition("-")
+        try:
+            lo, hi = int(a), int(b or a)
+        except ValueError:
+            raise ConvertError(f"--memory {spec!r}: expected 'all' or columns like 0-3,7") from None
+        cols += list(range(lo, hi + 1))
+    bad = [c for c in cols if not 0 <= c < batch_size]
+    if bad or not cols:
+        raise ConvertError(f"--memory {spec!r}: columns {bad or cols} outside the checkpoint's {batch_size} streams")
+    return cols
+
+
+# ---- commands ----------------------------------------------------------------------------------------------------
 def load_model(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
     """A single-device checkpoint, or a committed training checkpoint converted in memory -> (model, meta)."""
     p = Path(path)
@@ -249,45 +231,146 @@ def load_model(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
         return load_single(p, map_location)
     if (p / "config.json").is_file():
         read_config(p)      # raises with the file name: a config.json that is not ours
-    step_dir, marker = resolve_committed(p)
-    cfg, sd, meta = training_state_dict(step_dir, marker)
-    model = _check_state(cfg, sd, step_dir)
-    data_dir = _run_data_dir(step_dir)
+    c = open_checkpoint(p)
+    model = _build(c.cfg, c.weights())
+    meta = c.meta()
+    data_dir = _run_data_dir(c.dir)
     if data_dir is not None and (data_dir / "manifest.json").is_file():
         try:
             meta.update(data_meta(data_dir))
         except Exception:  # noqa: BLE001 - the vocabulary is a convenience for generate
             pass
-    return model.eval(), meta
+    return model, meta
 
 
-def to_single(ckpt, out, dtype: str = "fp32", data=None) -> Path:
-    p = Path(ckpt)
+def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = None, check: bool = True,
+              log=print) -> Path:
+    p, out = Path(ckpt), Path(out)
     if is_single(p):
         raise ConvertError(f"{p}: already a single-device checkpoint")
-    step_dir, marker = resolve_committed(p)
-    cfg, sd, meta = training_state_dict(step_dir, marker)
-    _check_state(cfg, sd, step_dir)
-    data_dir = Path(data) if data else _run_data_dir(step_dir)
+    if out.exists():
+        raise ConvertError(f"{out}: already exists; refusing to overwrite")
+    c = open_checkpoint(p)
+    sd = c.weights()
+    model = _build(c.cfg, sd)
+    mem = c.memory() if (memory or check) else None
+    meta = c.meta()
+    if check:
+        meta["check"] = _self_check(c, model, mem, log)
+    chosen = None
+    if memory:
+        cols = parse_columns(memory, mem.batch_size)
+        chosen = mem.select_batch(torch.tensor(cols))
+        meta["memory_columns"] = cols
+    data_dir = Path(data) if data else _run_data_dir(c.dir)
     if data_dir is not None and (data_dir / "manifest.json").is_file():
         meta.update(data_meta(data_dir))
     elif data:
         raise ConvertError(f"--data {data}: no manifest.json")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    return save_single(out, cfg, sd, meta=meta, dtype=torch_dtype)
+    return save_single(out, c.cfg, sd, memory=chosen, meta=meta, dtype=torch_dtype)
+
+
+def relayout(ckpt, out, check: bool = True, log=print) -> Path:
+    """A committed checkpoint of any layout -> NEW_RUN_DIR/checkpoints/step_N, layout-free (portable.py)."""
+    from megamemo.checkpoint.portable import write_portable
+
+    out = Path(out)
+    if out.exists():
+        raise ConvertError(f"{out}: already exists; refusing to overwrite")
+    c = open_checkpoint(ckpt)
+    if not isinstance(c, TrainingCheckpoint):
+        raise ConvertError(f"{c.dir}: already a layout-free checkpoint (train from it directly)")
+    if check:
+        _self_check(c, _build(c.cfg, c.weights()), c.memory(), log)
+    return write_portable(c, out)
+
+
+def import_reference_file(path, out, config_path=None, log=print) -> Path:
+    """A thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device checkpoint. FILE is either a
+    dict with `state_dict` and `config` (the constructor's keyword arguments; ../shared/reference's format, whose
+    `inputs`/`targets`/`nll` are then replayed as a check) or a bare state_dict with --config JSON."""
+    from megamemo.interop.reference import ReferenceFormatError, config_from_reference, import_reference
+
+    src, out = Path(path), Path(out)
+    if out.exists():
+        raise ConvertError(f"{out}: already exists; refusing to overwrite")
+    try:
+        g = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ConvertError(f"{src}: not a readable weights-only torch file ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})") from None
+    if not isinstance(g, dict):
+        raise ConvertError(f"{src}: expected a dict, got {type(g).__name__}")
+    if "state_dict" in g:
+        sd, ref_cfg = g["state_dict"], g.get("config")
+    else:
+        sd, ref_cfg = g, None
+    if config_path is not None:
+        try:
+            ref_cfg = json.loads(Path(config_path).read_text())
+        except (OSError, ValueError) as e:
+            raise ConvertError(f"--config {config_path}: unreadable JSON ({e})") from None
+    if not isinstance(ref_cfg, dict):
+        raise ConvertError(f"{src}: no constructor config (a 'config' entry, or --config JSON with the "
+                           f"MemTransformerLM keyword arguments)")
+    try:
+        model = import_reference(ref_cfg, sd).eval()
+    except (ReferenceFormatError, ValueError, KeyError) as e:
+        raise ConvertError(f"{src}: {e}") from None
+    meta = {"source": str(src), "imported_from": g.get("reference") or _reference_kind(sd),
+            "reference_config": {k: v for k, v in ref_cfg.items() if isinstance(v, (int, float, bool, str, list))
+                                 or v is None}}
+    if all(k in g for k in ("inputs", "targets", "nll")):
+        mem, worst = None, 0.0
+        with torch.no_grad():
+            for x, y, want in zip(g["inputs"], g["targets"], g["nll"]):
+                nll, mem = model(x, y, mem)
+                worst = max(worst, float((nll.float() - want.float()).abs().max()))
+        if worst > 1e-5:
+            raise ConvertError(f"{src}: the imported model's NLL differs from the file's reference NLL by {worst:.3g}"
+                               f" (> 1e-5); nothing written")
+        meta["check"] = {"segments": len(g["nll"]), "max_abs_diff": worst, "tolerance": 1e-5}
+        log(f"[convert] check: imported model reproduces the reference per-token NLL over {len(g['nll'])} segments "
+            f"(max |diff| {worst:.2e})")
+    config_from_reference(ref_cfg)
+    return save_single(out, model.cfg, model.state_dict(), meta=meta)
+
+
+def _reference_kind(sd: dict) -> str:
+    if any(k.endswith("dec_attn.q_net.weight") for k in sd):
+        return "thu-coai/LaMemo"
+    return "kimiyoung/transformer-xl (or LaMemo with a fused qkv_net)"
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megamemo convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("to-single", help="committed training checkpoint -> single-device checkpoint")
+    s = sub.add_parser("to-single", help="committed training checkpoint (any layout) -> single-device checkpoint")
     s.add_argument("--ckpt", required=True, help="run directory, its checkpoints/ directory, or a step_* directory")
     s.add_argument("--out", required=True, help="new directory for the single-device checkpoint")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     s.add_argument("--data", help="shard directory whose tokenizer/vocabulary to record (default: the run's)")
+    s.add_argument("--memory", help="streams whose memory to write: 'all' or global columns like 0-3,7")
+    s.add_argument("--no-check", action="store_true", help="skip the self-check on the recorded probe")
+    r = sub.add_parser("relayout", help="committed checkpoint -> layout-free checkpoint that `megamemo train` "
+                                        "resumes under any tp/pp/dp")
+    r.add_argument("--ckpt", required=True, help="run directory, its checkpoints/ directory, or a step_* directory")
+    r.add_argument("--out", required=True, help="new run directory (train there with the new layout)")
+    r.add_argument("--no-check", action="store_true", help="skip the self-check on the recorded probe")
+    i = sub.add_parser("import-reference", help="thu-coai/LaMemo or kimiyoung/transformer-xl weights -> "
+                                                "single-device checkpoint")
+    i.add_argument("file", help=".pt with {state_dict, config} (or a bare state_dict with --config)")
+    i.add_argument("--out", required=True, help="new directory for the single-device checkpoint")
+    i.add_argument("--config", help="JSON file with the reference MemTransformerLM constructor arguments")
     a = p.parse_args(argv)
     try:
-        out = to_single(a.ckpt, a.out, a.dtype, a.data)
+        if a.cmd == "to-single":
+            out = to_single(a.ckpt, a.out, a.dtype, a.data, a.memory, check=not a.no_check)
+        elif a.cmd == "relayout":
+            out = relayout(a.ckpt, a.out, check=not a.no_check)
+        else:
+            out = import_reference_file(a.file, a.out, a.config)
     except (SingleCheckpointError, ValueError, OSError) as e:
         print(f"megamemo convert: error: {e}", file=sys.stderr)
         return 2

@@ -213,7 +213,12 @@ class Trainer:
         return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
 
     def resume(self, step_dir: Path) -> dict:
-        info = self.store.load(step_dir, self.registry)
+        from megamemo.checkpoint.portable import is_portable, load_portable
+
+        if is_portable(step_dir):               # written by `megamemo convert relayout`: any layout
+            info = load_portable(self, step_dir)
+        else:
+            info = self.store.load(step_dir, self.registry)
         self._scale_before = self.engine.loss_scale()
         if self.rank == 0:
             print(f"[checkpoint] resumed from {step_dir} at step {self.counters.step}", flush=True)
