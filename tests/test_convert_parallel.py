@@ -1,7 +1,7 @@
 """`megamemo convert` on real multi-process checkpoints (fp32 on CPU, gloo):
-  * TP=2 and PP=2 runs convert to one single-device model whose per-token NLL over the 3 probe segments, from the
+  * TP=2, PP=2 and TP=2 x PP=2 runs convert to one single-device model whose per-token NLL over the 3 probe segments, from the
     converted memory of the same streams, equals what the sharded model computed during training (1e-5);
-  * a checkpoint saved under TP=2 / DP=2 / PP=2 and relaid out resumes in one process: the next steps' losses and
+  * a checkpoint saved under TP=2 / DP=2 / PP=2 / TP=2 x PP=2 and relaid out resumes in one process: the next steps' losses and
     the final weights equal those of the run that stayed in its layout (1e-5);
   * a different global batch resumes at the same fraction of the epoch with empty memory (checked by hand);
   * broken checkpoints (missing, extra or truncated shard, wrong config, rank files that disagree, memory of the
@@ -25,7 +25,7 @@ EXACT = ["--max-steps", "6", "--set", "model.dropout=0.0", "--set", "log.tensorb
 
 def _train(tmp_path_factory, tiny_cfg, shards, name, n, *args):
     run_dir = tmp_path_factory.mktemp(name) / "run"
-    run(n, tiny_cfg, shards, run_dir, *args, *EXACT)
+    run(n, tiny_cfg, shards, run_dir, *args, *EXACT, timeout=120 * n)
     return run_dir
 
 
@@ -37,6 +37,11 @@ def tp2(tmp_path_factory, tiny_cfg, shards):
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory, tiny_cfg, shards):
     return _train(tmp_path_factory, tiny_cfg, shards, "pp2", 2, "--pp", "2")
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory, tiny_cfg, shards):
+    return _train(tmp_path_factory, tiny_cfg, shards, "tp2pp2", 4, "--tp", "2", "--pp", "2")
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +61,13 @@ def recorded_probe(step):
     return meta, [(t[f"inputs.{i}"], t[f"targets.{i}"], t[f"nll.{i}"]) for i in range(meta["segments"])]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2pp2"])
 def test_sharded_checkpoint_converts_to_the_same_model(layout, request, tmp_path):
     run_dir = request.getfixturevalue(layout)
     out = tmp_path / "single"
     assert convert.main(["to-single", "--ckpt", str(run_dir), "--out", str(out), "--memory", "all"]) == 0
     meta, segments = recorded_probe(step_dir(run_dir, 6))
-    assert meta["layout"] == {"dp": 1, "tp": 2 if layout == "tp2" else 1, "pp": 2 if layout == "pp2" else 1}
+    assert meta["layout"] == {"dp": 1, "tp": 2 if "tp2" in layout else 1, "pp": 2 if "pp2" in layout else 1}
     assert len(segments) == 3 and not meta["empty_start"]
 
     # the converted directory, loaded by hand as the README shows
@@ -91,9 +96,10 @@ def test_sharded_checkpoint_converts_to_the_same_model(layout, request, tmp_path
     assert all(torch.equal(in_memory.state_dict()[k], v) for k, v in sd.items())
 
 
-@pytest.mark.parametrize("layout,extra", [("tp2", []), ("dp2", ["--set", "train.grad_accum=2"]), ("pp2", [])])
+@pytest.mark.parametrize("layout,extra", [("tp2", []), ("dp2", ["--set", "train.grad_accum=2"]), ("pp2", []),
+                                          ("tp2pp2", [])])
 def test_resume_under_another_layout_continues_the_run(layout, extra, request, tiny_cfg, shards, tmp_path):
-    """Saved at step 3 under TP=2 / DP=2 / PP=2, resumed in one process (DP=2 -> 1 x 2 micro-batches): steps 4-6
+    """Saved at step 3 under TP=2 / DP=2 / PP=2 / TP=2 x PP=2, resumed in one process (DP=2 -> 1 x 2 micro-batches): steps 4-6
     and the step-6 weights equal the original run's (the same global batch)."""
     src = request.getfixturevalue(layout)
     new = tmp_path / "relaid"

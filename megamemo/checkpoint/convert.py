@@ -252,16 +252,18 @@ def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = No
         raise ConvertError(f"{out}: already exists; refusing to overwrite")
     c = open_checkpoint(p)
     sd = c.weights()
+    if data and not (Path(data) / "manifest.json").is_file():
+        raise ConvertError(f"--data {data}: no manifest.json")
     model = _build(c.cfg, sd)
     mem = c.memory() if (memory or check) else None
     meta = c.meta()
-    if check:
-        meta["check"] = _self_check(c, model, mem, log)
     chosen = None
     if memory:
         cols = parse_columns(memory, mem.batch_size)
         chosen = mem.select_batch(torch.tensor(cols))
         meta["memory_columns"] = cols
+    if check:
+        meta["check"] = _self_check(c, model, mem, log)
     data_dir = Path(data) if data else _run_data_dir(c.dir)
     if data_dir is not None and (data_dir / "manifest.json").is_file():
         meta.update(data_meta(data_dir))
@@ -299,13 +301,18 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
         g = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise ConvertError(f"{src}: not a readable weights-only torch file ({type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})") from None
+                           f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}). A whole pickled "
+                           f"model (the reference train.py's torch.save(model)) is refused because loading it runs "
+                           f"code: save its state_dict with the reference code first "
+                           f"(torch.save(torch.load(FILE).state_dict(), 'sd.pt')) and pass --config") from None
     if not isinstance(g, dict):
         raise ConvertError(f"{src}: expected a dict, got {type(g).__name__}")
     if "state_dict" in g:
         sd, ref_cfg = g["state_dict"], g.get("config")
     else:
         sd, ref_cfg = g, None
+    if sd and all(k.startswith("module.") for k in sd):     # saved from a DistributedDataParallel wrapper
+        sd = {k[len("module."):]: v for k, v in sd.items()}
     if config_path is not None:
         try:
             ref_cfg = json.loads(Path(config_path).read_text())

@@ -5,7 +5,8 @@ has an odd number of streams) over the next 3 segments of their own text, starti
 checkpoint holds for them (empty at the start of an epoch), with memory carried from segment to segment:
   * no pipeline: every rank calls its (TP-sharded) module, so the TP ranks of a group run the forward together;
   * pipeline: DeepSpeed's eval schedule (one micro-batch of the P streams) on every stage, with the stage's
-    memory banks swapped for the probe's and restored afterwards; the last stage takes the NLL from the logits.
+    memory banks swapped for the probe's and restored afterwards; the last stage takes the NLL from the logits
+    (under TP x PP its TP ranks together, from their vocabulary shards).
 Rank (dp 0, tp 0, last stage) writes megamemo/probe.safetensors: the inputs, targets and per-token NLL [L, P] of
 each segment, with the global columns and data positions in the metadata. Nothing the training uses changes: no
 RNG is drawn (eval mode), the reader's position and the committed memory are untouched.
@@ -118,12 +119,20 @@ def _run_pipeline(trainer, batches, P, empty) -> list[torch.Tensor]:
             bank.commit()
             logits = res[1] if isinstance(res, tuple) else None
             if ds.is_last_stage():
-                out.append(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1),
-                                           reduction="none").view_as(y))
+                out.append(_token_nll(logits, y, int(trainer.rank_extra.get("layout", {}).get("tp", 1))))
     finally:
         bank.current, bank.pending = saved_current, saved_pending
         ds.module.train(was)
     return out
+
+
+def _token_nll(logits, y, tp: int) -> torch.Tensor:
+    """Per-token NLL [L, B] from the last stage's logits; under TP they hold this rank's vocabulary rows and the
+    TP ranks of the stage compute it together (megatron's vocab-parallel cross entropy)."""
+    if tp > 1:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        return vocab_parallel_cross_entropy(logits.float().clone(), y)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none").view_as(y)
 
 
 def single_device_nll(model, memory: Memory | None, probe: dict) -> list[torch.Tensor]:
