@@ -93,18 +93,19 @@ class LaMemoLayer(nn.Module):
         self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
         self.variant = cfg.variant
 
-    def forward(self, h_mem, h, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len, attend=None, observe=None):
-        """h_mem [M,B,d] memory rows' states at this layer, h [L,B,d]; ctx_old [M,B,n,dh] and lse_old [M,B,n]
-        (fp32) the caches; pos_emb [klen+M, d]. Returns (h_mem', h', ctx_new, lse_new); the caches are the last
-        mem_len rows of [memory; current] and are detached. attend / observe: see MemTransformerLM.forward."""
-        M, L = h_mem.size(0), h.size(0)
-        klen = M + L
-        cat = torch.cat([h_mem, h], 0) if M else h
+    def forward(self, cat, M, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len, attend=None, observe=None):
+        """cat [M+L,B,d]: the M memory rows' states at this layer, then the current rows; ctx_old [M,B,n,dh] and
+        lse_old [M,B,n] (fp32) the caches; pos_emb [klen+M, d]. Returns (cat', ctx_new, lse_new): the next
+        layer's rows in the same layout, and the caches (the last mem_len rows of [memory; current], detached).
+        attend / observe: see MemTransformerLM.forward."""
+        klen = cat.size(0)
+        L = klen - M
+        dev = cat.device
         q, k, v = self.attn.heads(cat)
         r = self.attn.rel(pos_emb)
         if attend is None:
             ctx, lse = causal_attention(q[:, :, M:], k, v, r[:, :klen], u, vb, mask,
-                                        causal_rel_index(L, klen, h.device), self.attn.scale, self.attn.dropatt,
+                                        causal_rel_index(L, klen, dev), self.attn.scale, self.attn.dropatt,
                                         lse="value")
         else:
             ctx, lse = attend(q[:, :, M:], k, v, M, r, mask)
@@ -115,7 +116,7 @@ class LaMemoLayer(nn.Module):
                 c_mem, s_mem = c_old.to(ctx.dtype), s_old.float()
             else:
                 nk = min(M, L)
-                t_index, la_mask = lookahead_index(M, nk, h.device)
+                t_index, la_mask = lookahead_index(M, nk, dev)
                 a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
                                               r[:, klen:], u, vf, t_index, la_mask, self.attn.scale,
                                               self.attn.dropatt)
@@ -131,4 +132,4 @@ class LaMemoLayer(nn.Module):
         beg = max(0, klen - mem_len)
         ctx_new = ctx[:, :, beg:].detach().permute(2, 0, 1, 3)
         lse_new = lse[:, :, beg:].detach().permute(2, 0, 1)
-        return out[:M], out[M:], ctx_new, lse_new
+        return out, ctx_new, lse_new

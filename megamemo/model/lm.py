@@ -156,13 +156,13 @@ class MemTransformerLM(nn.Module):
     def _encode_lamemo(self, h0, mem, pos_emb, mask, mem_len, hooks):
         vf = self.r_r_bias_future if self.cfg.future_bias else self.r_r_bias
         emb = mem.get("emb")
-        h_mem = emb.to(h0.dtype) if emb is not None else h0[:0]
-        h, new = h0, {}
+        M = 0 if emb is None else emb.size(0)
+        rows, new = (h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)), {}
         for l, layer in enumerate(self.layers):
             ctx_old, lse_old = mem.get(f"ctx.{l}"), mem.get(f"lse.{l}")
-            h_mem, h, new[f"ctx.{l}"], new[f"lse.{l}"] = layer(
-                h_mem, h, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len, *hooks[l])
+            rows, new[f"ctx.{l}"], new[f"lse.{l}"] = layer(
+                rows, M, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len, *hooks[l])
         with torch.no_grad():
             cat = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
             new["emb"] = cat[max(0, cat.size(0) - mem_len):].detach()
-        return self.drop(h), Memory(new, batch_size=h0.size(1))
+        return self.drop(rows[M:]), Memory(new, batch_size=h0.size(1))

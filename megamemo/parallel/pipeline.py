@@ -166,12 +166,11 @@ class LayerPipe(nn.Module):
         mask = causal_mask(L, M, mem_len, cfg.same_length, rows.device)
         if cfg.lamemo:
             vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias
-            h_mem, h, ctx_new, lse_new = self.layer(rows[:M], rows[M:], bank.get(mb, f"ctx.{l}"),
-                                                    bank.get(mb, f"lse.{l}"), pos_emb, b.r_w_bias, b.r_r_bias, vf,
-                                                    mask, mem_len)
+            rows, ctx_new, lse_new = self.layer(rows, M, bank.get(mb, f"ctx.{l}"), bank.get(mb, f"lse.{l}"),
+                                                pos_emb, b.r_w_bias, b.r_r_bias, vf, mask, mem_len)
             bank.put(mb, f"ctx.{l}", ctx_new)
             bank.put(mb, f"lse.{l}", lse_new)
-            return torch.cat([h_mem, h], 0), meta
+            return rows, meta
         out = self.layer(rows, mem, pos_emb, b.r_w_bias, b.r_r_bias, mask)
         if mem_len > 0:
             cat = rows if mem is None else torch.cat([mem, rows.detach().to(mem.dtype)], 0)
