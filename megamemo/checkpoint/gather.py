@@ -272,11 +272,13 @@ class TrainingCheckpoint:
             raise ConvertError(f"{self.dir / f'mp_rank_{m:02d}_model_states.pt'}: no param_shapes")
         return shapes
 
-    def _zero_part(self, m: int, key: str | None) -> dict[str, torch.Tensor]:
-        """ZeRO 1/2: {single name: fp32 tensor} of model-parallel rank m, gathered over the DP partitions:
-        key None = the fp32 master weights, else an Adam state ('exp_avg', 'exp_avg_sq')."""
+    def _zero_part(self, m: int, keys, steps: set | None = None) -> dict:
+        """ZeRO 1/2: {key: {single name: fp32 tensor}} of model-parallel rank m, gathered over the DP partitions,
+        each optimizer file read once; key None = the fp32 master weights, else an Adam state ('exp_avg',
+        'exp_avg_sq'). `steps` collects the Adam step counts found."""
         shapes = self._param_shapes(m)
-        parts, paddings, where = [[] for _ in shapes], None, None
+        parts = {key: [[] for _ in shapes] for key in keys}
+        paddings, where = None, None
         for d in range(self.dp):
             path, osd = self._optim(d, m)
             where = path
@@ -284,29 +286,38 @@ class TrainingCheckpoint:
             count = max(count) if isinstance(count, (list, tuple)) else count
             if count != self.dp:
                 raise ConvertError(f"{path}: the state is split over {count} ranks, the layout has dp={self.dp}")
-            if key is None:
-                groups = osd.get("single_partition_of_fp32_groups")
-                if groups is None:
-                    raise ConvertError(f"{path}: no single_partition_of_fp32_groups (not a ZeRO 1/2 optimizer "
-                                       f"state)")
-            else:
-                base = osd.get("base_optimizer_state") or {}
-                state, pg = base.get("state", {}), base.get("param_groups", [])
-                try:
-                    groups = [state[g["params"][0]][key] for g in pg]
-                except (KeyError, IndexError):
-                    raise ConvertError(f"{path}: no Adam state {key!r} for every parameter group (was a step "
-                                       f"taken?)") from None
-            if len(groups) != len(shapes):
-                raise ConvertError(f"{path}: {len(groups)} parameter groups, param_shapes has {len(shapes)}")
-            for gi, g in enumerate(groups):
-                parts[gi].append(g.float())
+            base = osd.get("base_optimizer_state") or {}
+            state, pg = base.get("state", {}), base.get("param_groups", [])
+            for key in keys:
+                if key is None:
+                    groups = osd.get("single_partition_of_fp32_groups")
+                    if groups is None:
+                        raise ConvertError(f"{path}: no single_partition_of_fp32_groups (not a ZeRO 1/2 optimizer "
+                                           f"state)")
+                else:
+                    try:
+                        groups = [state[g["params"][0]][key] for g in pg]
+                    except (KeyError, IndexError):
+                        raise ConvertError(f"{path}: no Adam state {key!r} for every parameter group (was a step "
+                                           f"taken?)") from None
+                if len(groups) != len(shapes):
+                    raise ConvertError(f"{path}: {len(groups)} parameter groups, param_shapes has {len(shapes)}")
+                for gi, g in enumerate(groups):
+                    parts[key][gi].append(g.float())
+            if steps is not None:
+                steps.update(int(st["step"]) for st in state.values())
+                self._param_groups = [{k: v for k, v in g.items() if k != "params"} for g in pg]
             paddings = paddings or osd.get("param_alignment_paddings")
+            del osd, base, state
         out = {}
-        for gi, group_shapes in enumerate(shapes):
-            pads = paddings[gi] if paddings is not None else None
-            for name, t in unflatten(parts[gi], group_shapes, pads, self.dp, f"{where} (group {gi})").items():
-                out[self._to_single(name, where)] = t
+        for key in keys:
+            out[key] = {}
+            for gi, group_shapes in enumerate(shapes):
+                pads = paddings[gi] if paddings is not None else None
+                for name, t in unflatten(parts[key][gi], group_shapes, pads, self.dp,
+                                         f"{where} (group {gi})").items():
+                    out[key][self._to_single(name, where)] = t
+            parts[key] = None
         return out
 
     def _zero0_part(self, m: int, key: str | None) -> dict[str, torch.Tensor]:
@@ -367,7 +378,7 @@ class TrainingCheckpoint:
             if self.precision == "fp32":
                 parts[m] = {k: v.float() for k, v in module.items()}
                 continue
-            masters = self._zero_part(m, None) if self.zero >= 1 else self._zero0_masters(m)
+            masters = self._zero_part(m, [None])[None] if self.zero >= 1 else self._zero0_masters(m)
             for k, v in module.items():
                 if k not in masters:
                     masters[k] = v.float()
@@ -383,6 +394,9 @@ class TrainingCheckpoint:
         from megamemo.checkpoint.convert import unpartitioned_fp32
 
         path = self.dir / f"mp_rank_{m:02d}_model_states.pt"
+        if self.pp > 1 or not isinstance(self.model_file(m).get("module"), dict):
+            raise ConvertError(f"{path}: fp32 masters of a ZeRO-0 {self.precision} pipeline run are not supported "
+                               f"(use ZeRO 1)")
         found = unpartitioned_fp32(self.model_file(m), path)
         if found is None:
             raise ConvertError(f"{path}: no fp32 master weights for this {self.precision} run")
@@ -390,27 +404,25 @@ class TrainingCheckpoint:
 
     def optimizer(self) -> dict:
         """{'exp_avg': {name: t}, 'exp_avg_sq': {...}, 'step': int, 'param_groups': [...]}: full fp32 moments."""
-        out = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            parts = {m: (self._zero_part(m, key) if self.zero >= 1 else self._zero0_part(m, key))
-                     for m in range(self.tp * self.pp)}
-            out[key] = self._merge(parts, f"Adam {key}")
-            check_shapes(self.cfg, out[key], self.where, {}, partial=True)
-        steps, groups = set(), None
+        keys = ("exp_avg", "exp_avg_sq")
+        parts, steps = {k: {} for k in keys}, set()
         for m in range(self.tp * self.pp):
-            for d in range(self.dp if self.zero >= 1 else 1):
-                if self.zero >= 1:
-                    path, osd = self._optim(d, m)
-                    base = osd.get("base_optimizer_state") or {}
-                else:
-                    path = self.dir / f"mp_rank_{m:02d}_model_states.pt"
-                    base = self.model_file(m)["optimizer"]
-                for st in base.get("state", {}).values():
-                    steps.add(int(st["step"]))
-                groups = groups or [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
+            if self.zero >= 1:
+                got = self._zero_part(m, keys, steps)
+            else:
+                got = {k: self._zero0_part(m, k) for k in keys}
+                opt = self.model_file(m)["optimizer"]
+                steps.update(int(st["step"]) for st in opt.get("state", {}).values())
+                self._param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
+            for k in keys:
+                parts[k][m] = got[k]
+        out = {}
+        for k in keys:
+            out[k] = self._merge(parts[k], f"Adam {k}")
+            check_shapes(self.cfg, out[k], self.where, {}, partial=True)
         if len(steps) != 1:
             raise ConvertError(f"{self.dir}: Adam step counts differ between parameters/ranks: {sorted(steps)}")
-        out["step"], out["param_groups"] = steps.pop(), groups
+        out["step"], out["param_groups"] = steps.pop(), self._param_groups
         return out
 
     def engine_state(self) -> dict:

@@ -153,6 +153,29 @@ class PortableCheckpoint:
 
 
 # ---- loading into a new layout -------------------------------------------------------------------------------
+class _Tensors:
+    """A safetensors file read on demand: a rank reads only the full tensors of its own parameters."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        self.file = safe_open(str(path), "pt")
+        self.names = set(self.file.keys())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise CheckpointError(f"{self.path}: no tensor {name}")
+        return self.file.get_tensor(name)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Shapes only (meta tensors), for the config check."""
+        return {k: torch.empty(self.file.get_slice(k).get_shape(), device="meta") for k in self.names}
+
+
 def _local_names(trainer) -> dict[str, str]:
     """This rank's parameter names -> single-device names."""
     cfg = trainer.cfg.model
@@ -298,8 +321,8 @@ def load_portable(trainer, step_dir: Path, log=print) -> dict:
     sub = step_dir / SUB
     try:
         state = json.loads((sub / "state.json").read_text())
-        weights = load_file(str(sub / "model.safetensors"))
-        moments = load_file(str(sub / "optim.safetensors"))
+        weights = _Tensors(sub / "model.safetensors")
+        moments = _Tensors(sub / "optim.safetensors")
         memory = load_file(str(sub / "memory.safetensors"))
     except Exception as e:  # noqa: BLE001 - name the directory
         raise CheckpointError(f"{sub}: unreadable layout-free checkpoint ({type(e).__name__}: {e})") from None
@@ -308,7 +331,7 @@ def load_portable(trainer, step_dir: Path, log=print) -> dict:
                               f"expected {FORMAT} v{VERSION}")
     cfg_model = ModelConfig.from_dict(info["model"], where=f"{step_dir / MARKER}:model")
     try:
-        check_shapes(cfg_model, weights, sub / "model.safetensors")
+        check_shapes(cfg_model, weights.meta(), sub / "model.safetensors")
     except ConvertError as e:
         raise CheckpointError(str(e)) from None
     _fill_parameters(trainer, weights, moments, int(state["adam"]["step"]), sub)
