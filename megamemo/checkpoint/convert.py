@@ -25,6 +25,10 @@ probe (checkpoint.probe: false) is converted with shape and consistency checks o
 --memory chooses streams (global columns: `all`, `0-3,7`) whose memory goes to memory.safetensors (Memory
 state_dict form, the chosen columns in order; their list in config.json's meta).
 
+relayout (portable.py) carries the Adam state of ZeRO 1/2 runs (fp32, bf16, fp16) and of ZeRO-0 fp32 runs; other
+optimizer layouts are refused by name. Conversion holds the full fp32 model (relayout: and its two Adam moments)
+in host memory, on one machine.
+
 `load_model(path)` is what eval / generate / analyze call: a single-device directory is loaded as is, a training
 checkpoint of any layout is converted in memory.
 """
