@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from megamemo.typed import build
+
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message names it."""
@@ -228,48 +230,8 @@ def _get(cfg, dotted: str):
 
 
 # ---- typed construction ------------------------------------------------------------------------------------
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _coerce(name: str, typ: str, value):
-    """Check `value` against a field annotation (a string under `from __future__ import annotations`)."""
-    if typ.endswith(" | None"):
-        if value is None:
-            return None
-        typ = typ[: -len(" | None")]
-    if typ == "int" and _is_int(value):
-        return value
-    if typ == "float":
-        if _is_int(value) or isinstance(value, float):
-            return float(value)
-        if isinstance(value, str):          # PyYAML reads "1e-4" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    if typ == "bool" and isinstance(value, bool):
-        return value
-    if typ == "str" and isinstance(value, str):
-        return value
-    if typ.startswith("list[") and isinstance(value, (list, tuple)):
-        inner = typ[5:-1]
-        return [_coerce(f"{name}[{i}]", inner, v) for i, v in enumerate(value)]
-    raise ConfigError(f"{name}: expected {typ}, got {type(value).__name__} {value!r}")
-
-
 def _section(cls, data, where: str):
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in fields:
-            raise ConfigError(f"{where}.{key}: unknown field (known: {', '.join(fields)})")
-        kwargs[key] = _coerce(f"{where}.{key}", fields[key].type, value)
-    return cls(**kwargs)
+    return build(cls, data, where, ConfigError)
 
 
 def from_dict(d: dict, source: str = "config") -> RunConfig:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megamemo.typed import build
+
 # variant -> (memory kind, attention kind)
 VARIANTS = {
     "lamemo": "LaMemo: disentangled RPE + look-ahead + memory interpolation (reference attn_type 3)",
@@ -96,30 +98,4 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "model") -> "ModelConfig":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in d.items():
-            if key not in fields:
-                raise ValueError(f"{where}.{key}: unknown field (known: {', '.join(sorted(fields))})")
-            kwargs[key] = _check_type(f"{where}.{key}", fields[key].type, value)
-        return cls(**kwargs).validate()
-
-
-def _check_type(name: str, typ: str, value):
-    """Accept a value for a field annotated `typ` (a string, as `from __future__ import annotations` keeps them)."""
-    ok = {
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "bool": lambda v: isinstance(v, bool),
-        "str": lambda v: isinstance(v, str),
-        "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
-        "list[int]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
-        "list[bool]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, bool) for x in v),
-    }[typ]
-    if not ok(value):
-        raise ValueError(f"{name}: expected {typ}, got {type(value).__name__} {value!r}")
-    if typ == "float":
-        return float(value)
-    if typ.startswith("list"):
-        return list(value)
-    return value
+        return build(cls, d, where).validate()
