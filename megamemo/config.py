@@ -64,6 +64,10 @@ class ParallelConfig:
     tp: int = 1                     # tensor parallel size: heads, FFN and vocabulary split (megatron-core)
     pp: int = 1                     # pipeline parallel size: layers split into stages (DeepSpeed pipeline)
     zero_stage: int = 1             # DeepSpeed ZeRO stage 0 | 1 | 2
+    # full: every rank builds the whole single-device model from train.seed and keeps its shard (any layout starts
+    # from the same weights; needs host memory for the whole model per process); shard: each rank initialises only
+    # its own shard (same distributions, weights depend on the layout); auto: full up to 5e8 parameters
+    init: str = "auto"
 
 
 @dataclass
@@ -175,6 +179,8 @@ class RunConfig:
                 "and evaluate a converted checkpoint (megamemo convert / eval)")
         if self.parallel.pp > 1 and self.parallel.zero_stage > 1:
             bad("parallel.zero_stage", "pipeline parallelism works with ZeRO stage 0 or 1 (DeepSpeed)")
+        if self.parallel.init not in ("auto", "full", "shard"):
+            bad("parallel.init", "must be auto, full or shard")
         if self.parallel.zero_stage not in (0, 1, 2):
             bad("parallel.zero_stage", "must be 0, 1 or 2")
         if self.train.max_steps < 1:

@@ -60,6 +60,23 @@ def _tp_worker(rank, world):
         for k, v in single.state_dict().items():
             assert torch.allclose(merge_tensors(k, _gather(sd[k])), v, atol=1e-5), (variant, k)
 
+    # a shard initialised directly (no full model): replicated parameters equal on both ranks, split ones not,
+    # with the reference distributions
+    from megamemo.parallel.init import shard_model
+    big = ModelConfig(variant="lamemo", n_token=40, n_layer=2, d_model=64, n_head=4, d_head=16, d_inner=128,
+                      tgt_len=L, mem_len=L, init_std=0.02)
+    shard = shard_model(big, seed=5)
+    sd = shard.state_dict()
+    assert all(not p.is_meta for p in shard.parameters()) and shard.layers[0].attn.n_head == 2
+    ln = _gather(sd["layers.1.ff.layer_norm.weight"])
+    assert torch.equal(ln[0], ln[1]) and abs(ln[0].mean().item() - 1.0) < 0.01
+    qkv = _gather(sd["layers.0.attn.qkv.weight"])
+    assert not torch.equal(qkv[0], qkv[1]) and abs(qkv[0].std().item() - 0.02) < 0.002
+    assert torch.equal(sd["layers.0.ff.fc1.bias"], torch.zeros_like(sd["layers.0.ff.fc1.bias"]))
+    x = torch.randint(0, 40, (L + 1, B), generator=torch.Generator().manual_seed(2))
+    nll, _ = shard(x[:-1], x[1:])          # untrained, small init: about ln(40) per token
+    assert torch.isfinite(nll).all() and abs(nll.mean().item() - torch.log(torch.tensor(40.0)).item()) < 0.5, nll
+
     # dropout inside TP regions: a different mask per rank, the same on replay, default stream untouched
     from megamemo.parallel.tensor import ForkedDropout
     drop = ForkedDropout(0.5).train()

@@ -199,14 +199,15 @@ def mark_tensor_parallel(module, name_of=lambda n: n) -> None:
             set_tensor_model_parallel_attributes(p, True, rule[0], 1)
 
 
-def parallelize_tensor(model):
-    """In place: the single-device model becomes this rank's tensor-parallel shard, holding the same weights."""
+def parallelize_tensor(model, load: bool = True):
+    """In place: the single-device model becomes this rank's tensor-parallel shard, holding the same weights
+    (load=False: the shard's parameters are left to be initialised - see parallel/init.py)."""
     rank, tp = tp_rank_size()
     cfg = model.cfg
     check_supported(cfg, tp)
     if tp == 1:
         return model
-    full = model.state_dict()
+    full = model.state_dict() if load else None
     dtype = next(model.parameters()).dtype
     _, _, embedding = _mcore_layers(tp, dtype)
     for layer in model.layers:
@@ -216,7 +217,8 @@ def parallelize_tensor(model):
             setattr(model, name, local_bias(cfg, tp, dtype))
     model.word_emb.emb_layers[0] = embedding(cfg.n_token, cfg.d_model)
     model.crit = VocabParallelSoftmax(cfg.n_token // tp, cfg.d_model, cfg.tie_weight, dtype)
-    model.load_state_dict(shard_state_dict(full, rank, tp), strict=True)
+    if load:
+        model.load_state_dict(shard_state_dict(full, rank, tp), strict=True)
     mark_tensor_parallel(model)
     model.tp_size = tp
     return model

@@ -77,28 +77,40 @@ def parallel_ranks(cfg: RunConfig, de) -> dict:
 
 def build_model(cfg: RunConfig):
     """The model in this run's parallel form -> (module for DeepSpeed, mpu or None, pipeline stage or None).
-    Every rank first builds the single-device model from the same seed, so any layout starts from the same
-    weights (at the sizes that need tp/pp, build on the meta device and load a converted checkpoint instead)."""
+    parallel.init "full": every rank first builds the single-device model from the same seed and keeps its shard,
+    so any layout starts from the same weights; "shard": each rank initialises only its own shard (for models too
+    large to hold whole in every process's host memory); "auto": full up to 5e8 parameters."""
     from megamemo.model import MemTransformerLM
+    from megamemo.plan import embed_params, layer_params
 
-    model = MemTransformerLM(cfg.model)
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    tp, pp, m = cfg.parallel.tp, cfg.parallel.pp, cfg.model
+    n_params = sum(layer_params(m)) * m.n_layer + embed_params(m)
+    shard = tp * pp > 1 and (cfg.parallel.init == "shard" or (cfg.parallel.init == "auto" and n_params > 5e8))
     if pp > 1:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         import torch.distributed as tdist
 
-        from megamemo.parallel.pipeline import build_pipeline, load_single_state
+        from megamemo.parallel.init import init_shard
+        from megamemo.parallel.pipeline import build_pipeline, load_single_state, single_to_stage_names
 
         topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=tdist.get_world_size() // (tp * pp))
-        module, stage = build_pipeline(cfg.model, pp, topology=topo)
-        load_single_state(cfg.model, module, model.state_dict())
+        full = None if shard else MemTransformerLM(m).state_dict()    # first: from the freshly seeded RNG
+        module, stage = build_pipeline(m, pp, topology=topo)
+        if shard:
+            inv = {v: k for k, v in single_to_stage_names(m, module).items()}
+            init_shard(module, m, cfg.train.seed, lambda n: inv.get(n, n))
+        else:
+            load_single_state(m, module, full)
         return module, None, stage
     if tp > 1:
         from megamemo.parallel.groups import MCoreMPU
+        from megamemo.parallel.init import shard_model
         from megamemo.parallel.tensor import parallelize_tensor
 
-        return parallelize_tensor(model), MCoreMPU(), None
-    return model, None, None
+        if not shard:
+            return parallelize_tensor(MemTransformerLM(m)), MCoreMPU(), None
+        return shard_model(m, cfg.train.seed), MCoreMPU(), None
+    return MemTransformerLM(m), None, None
 
 
 def build(cfg: RunConfig, log=print):
