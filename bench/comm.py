@@ -11,16 +11,13 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from distributed import free_port  # noqa: E402
+from megamemo.train.dist import free_port
 
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "_reduce_scatter_base", "_all_gather_base"]

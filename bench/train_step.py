@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from megamemo.train.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,17 +70,11 @@ def plain_loop(config: str, data: str, steps: int, warmup: int, sets: list[str])
     print("RESULT " + json.dumps({"tokens_per_s": tokens / (time.perf_counter() - t0)}), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_megamemo(n: int, threads: int, config: str, data: str, steps: int, warmup: int, sets: list[str],
                  work: Path) -> float:
     """tokens/s of `megamemo train` with n processes, from its metrics.jsonl (steps after the warm-up)."""
     run_dir = work / f"dp{n}"
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "megamemo", "train", "--config", config, "--data", data, "--run-dir",
             str(run_dir), "--max-steps", str(steps), "--save-every", "0", "--resume", "never",
             "--set", "checkpoint.save_at_end=false", "--set", "eval.every=0", "--set", "log.tensorboard=false",

@@ -1,16 +1,11 @@
 """Run a function on N local processes with gloo (for multi-process tests). Exceptions in any rank fail the test."""
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megamemo.train.dist import free_port
 
 
 def _entry(rank, world, port, fn, args):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megamemo.train.dist import free_port
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,15 +52,9 @@ def tiny_cfg(tmp_path_factory) -> Path:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None):
     """Start n ranks of `megamemo train`; each rank logs to run_dir/../<name>.rank<r>.log."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
@@ -337,7 +331,7 @@ def test_fp16_overflow_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_pat
     script.write_text(FP16_SCRIPT)
     run_dir = tmp_path / "fp16"
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     out = subprocess.run([sys.executable, str(script), str(tiny_cfg), str(shards), str(run_dir)], env=env,
                          capture_output=True, text=True, timeout=180, cwd=REPO)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
