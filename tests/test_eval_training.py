@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from megamemo import evaluate
 from megamemo.checkpoint import convert
+from megamemo.checkpoint.gather import load_pt
 
 from eval_fixtures import enwik8_slice_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
@@ -63,7 +64,7 @@ def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     assert meta["step"] == 6 and meta["vocab"]["kind"] == "bytes" and meta["tokenizer"]["kind"] == "bytes"
     # the weights are DeepSpeed's fp32 module weights
     step_dir = run / "checkpoints" / "step_00000006"
-    module = convert._load_pt(step_dir / "mp_rank_00_model_states.pt")["module"]
+    module = load_pt(step_dir / "mp_rank_00_model_states.pt")["module"]
     sd = load_file(str(single / "model.safetensors"))
     assert sd.keys() == module.keys() and all(torch.equal(sd[k], module[k]) for k in sd)
 
@@ -90,7 +91,7 @@ def test_bf16_zero2_data_parallel_run_is_consolidated(shards, tmp_path):
     model, meta = convert.load_model(run)
     assert meta["precision"] == "bf16"
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    module = convert._load_pt(step_dir / "mp_rank_00_model_states.pt")["module"]
+    module = load_pt(step_dir / "mp_rank_00_model_states.pt")["module"]
     sd = model.state_dict()
     assert all(torch.equal(sd[k].to(torch.bfloat16), v) for k, v in module.items())
     assert any(not torch.equal(sd[k], v.float()) for k, v in module.items())  # real fp32 masters, not upcasts

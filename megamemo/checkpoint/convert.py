@@ -42,14 +42,13 @@ from pathlib import Path
 
 import torch
 
-from megamemo.checkpoint.gather import ConvertError, TrainingCheckpoint, load_pt
+from megamemo.checkpoint.gather import ConvertError, TrainingCheckpoint
 from megamemo.checkpoint.single import FORMAT, SingleCheckpointError, load_single, read_config, save_single
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 TOLERANCE = {"fp32": {"max": 1e-5, "mean": 1e-5}, "bf16": {"max": 0.1, "mean": 0.01},
              "fp16": {"max": 0.1, "mean": 0.01}}
-_load_pt = load_pt          # the name tests and older callers use
 
 __all__ = ["ConvertError", "load_model", "to_single", "relayout", "import_reference_file", "resolve_committed"]
 

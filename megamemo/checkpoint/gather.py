@@ -40,17 +40,16 @@ class ConvertError(SingleCheckpointError):
 
 def load_pt(path: Path) -> dict:
     """A DeepSpeed file through torch's weights-only unpickler (never runs pickled code)."""
-    from megamemo.train.engine import safe_globals
+    from megamemo.train.engine import safe_load
 
     if not path.is_file():
         raise ConvertError(f"{path}: missing")
-    with torch.serialization.safe_globals(safe_globals()):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unpickling problem is reported with the file name
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ConvertError(f"{path}: cannot be loaded safely (truncated or not a DeepSpeed file?): "
-                               f"{type(e).__name__}: {first[:300]}") from None
+    try:
+        return safe_load(path)
+    except Exception as e:  # noqa: BLE001 - any unpickling problem is reported with the file name
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConvertError(f"{path}: cannot be loaded safely (truncated or not a DeepSpeed file?): "
+                           f"{type(e).__name__}: {first[:300]}") from None
 
 
 def _numel(shape) -> int:

@@ -75,6 +75,13 @@ def safe_globals() -> list:
     return [DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address]
 
 
+def safe_load(path, map_location="cpu"):
+    """torch.load through the weights-only unpickler, allowing only the plain-data classes above: a checkpoint
+    file can never run code. Errors propagate; callers name the file in their own terms."""
+    with torch.serialization.safe_globals(safe_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
 def _make_loads_safe(checkpoint_engine) -> None:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
@@ -82,12 +89,11 @@ def _make_loads_safe(checkpoint_engine) -> None:
         """DeepSpeed's torch checkpoint engine, loading with weights_only=True: never runs pickled code."""
 
         def load(self, path: str, map_location=None):
-            with torch.serialization.safe_globals(safe_globals()):
-                try:
-                    return torch.load(path, map_location=map_location, weights_only=True)
-                except Exception as e:
-                    first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                    raise CheckpointError(f"{path}: cannot be loaded safely (weights_only): {first}") from None
+            try:
+                return safe_load(path, map_location)
+            except Exception as e:
+                first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                raise CheckpointError(f"{path}: cannot be loaded safely (weights_only): {first}") from None
 
     if type(checkpoint_engine) is not TorchCheckpointEngine:
         raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(checkpoint_engine).__name__}")
