@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from megamemo.checkpoint.single import SingleCheckpointError
+from megamemo.checkpoint.state import read_json
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from megamemo.parallel.tensor import merge_memory_tensors, merge_tensors
 
@@ -169,10 +170,7 @@ class TrainingCheckpoint:
         out, seen = [], {}
         for r in range(self.world):
             js = rank_dir / f"rank_{r:05d}.json"
-            try:
-                doc = json.loads(js.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise ConvertError(f"{js}: unreadable ({e})") from None
+            doc = read_json(js, ConvertError)
             lay = doc.get("layout")
             if not isinstance(lay, dict):
                 raise ConvertError(f"{js}: no layout recorded")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from megamemo.checkpoint.state import read_json
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 
 FORMAT, VERSION = "megamemo-single", 1
@@ -51,10 +52,7 @@ def read_config(path) -> tuple[ModelConfig, dict]:
     p = Path(path) / "config.json"
     if not p.is_file():
         raise SingleCheckpointError(f"{p}: missing (not a megamemo single-device checkpoint)")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise SingleCheckpointError(f"{p}: not valid JSON ({e})") from e
+    cfg = read_json(p, SingleCheckpointError)
     if cfg.get("format") != FORMAT or cfg.get("version") != VERSION:
         raise SingleCheckpointError(f"{p}: format {cfg.get('format')!r} v{cfg.get('version')!r}, "
                                     f"expected {FORMAT!r} v{VERSION}")

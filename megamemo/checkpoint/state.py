@@ -94,6 +94,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     _write_atomic(path, lambda p: p.write_text(json.dumps(obj, indent=1, sort_keys=True)))
 
 
+def read_json(path: Path, error=ValueError) -> Any:
+    """The JSON document at `path`; an unreadable or malformed file raises `error` naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: unreadable or not valid JSON ({e})") from None
+
+
 # ---- the registry ------------------------------------------------------------------------------------------
 class StateRegistry:
     def __init__(self):
@@ -128,10 +136,7 @@ class StateRegistry:
         for p in (js_path, st_path):
             if not p.is_file():
                 raise CheckpointStateError(f"{p}: missing (this rank's state)")
-        try:
-            doc = json.loads(js_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointStateError(f"{js_path}: not valid JSON ({e})") from None
+        doc = read_json(js_path, CheckpointStateError)
         try:
             tensors = load_file(str(st_path), device="cpu")
         except Exception as e:  # safetensors raises its own error types

@@ -21,7 +21,6 @@ step replaces it.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megamemo.checkpoint.state import StateRegistry, _write_atomic, write_json_atomic
+from megamemo.checkpoint.state import StateRegistry, _write_atomic, read_json, write_json_atomic
 
 MARKER = "COMMITTED"
 RANK_DIR = "megamemo"
@@ -54,10 +53,7 @@ def read_marker(step_dir: Path) -> dict:
     marker = step_dir / MARKER
     if not marker.is_file():
         raise CheckpointError(f"{step_dir}: not committed (no {MARKER} marker): an interrupted save")
-    try:
-        return json.loads(marker.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{marker}: not valid JSON ({e})") from None
+    return read_json(marker, CheckpointError)
 
 
 def verify(step_dir: Path) -> dict:
