@@ -59,6 +59,13 @@ class ModelConfig:
         return self.variant in ("lamemo", "lamemo_no_interp")
 
     @property
+    def future_positions(self) -> str | None:
+        """How LaMemo encodes look-ahead distances: "abs" (disentangled RPE) or "signed" (XL's); None for XL/RPE."""
+        if not self.lamemo:
+            return None
+        return "signed" if self.variant == "lamemo_xlrpe" else "abs"
+
+    @property
     def embed_dim(self) -> int:
         return self.d_model if self.d_embed is None else self.d_embed
 

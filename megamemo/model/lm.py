@@ -128,8 +128,7 @@ class MemTransformerLM(nn.Module):
         L, B = inp.shape
         M = mem.length
         klen = M + L
-        future = None if not cfg.lamemo else ("signed" if cfg.variant == "lamemo_xlrpe" else "abs")
-        pos = position_sequence(klen, M, clamp_len, future, h0.device)
+        pos = position_sequence(klen, M, clamp_len, cfg.future_positions, h0.device)
         pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(h0.dtype))
         mask = causal_mask(L, M, mem_len, same_length, h0.device)
         hooks = [((attend(l, layer) if attend is not None else None),

@@ -160,8 +160,7 @@ class LayerPipe(nn.Module):
         if not cfg.lamemo:
             mem = bank.get(mb, f"hid.{l}")
             M = 0 if mem is None else mem.size(0)
-        future = None if not cfg.lamemo else ("signed" if cfg.variant == "lamemo_xlrpe" else "abs")
-        pos = position_sequence(M + L, M, cfg.clamp_len, future, rows.device)
+        pos = position_sequence(M + L, M, cfg.clamp_len, cfg.future_positions, rows.device)
         pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(rows.dtype))
         mask = causal_mask(L, M, mem_len, cfg.same_length, rows.device)
         if cfg.lamemo:
