@@ -151,6 +151,9 @@ def build(cfg: RunConfig, log=print):
     _seed_all(cfg.train.seed)               # identical initial weights on every rank
     model, mpu, stage = build_model(cfg)
     engine = Engine(cfg, model, micro, dp, mpu=mpu)
+    if getattr(engine.device, "type", str(engine.device)) == "cuda" and hasattr(model, "check_inputs"):
+        model.check_inputs = False          # ids were checked against the manifest's vocabulary at start-up; on a
+                                            # GPU the per-batch range check would cost a host sync every micro-batch
     _seed_all(cfg.train.seed + 1 + dp_rank)  # then each DP rank its own dropout stream (shared by its TP ranks)
 
     per_rank = cfg.data.batch_size // dp
