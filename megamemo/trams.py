@@ -38,9 +38,8 @@ from typing import Callable
 import torch
 
 from megamemo.model import Memory, MemTransformerLM
-from megamemo.model.attention import (causal_attention)
-from megamemo.model.positions import (causal_mask, causal_rel_index, position_sequence,
-                                      sinusoid)
+from megamemo.model.attention import causal_attention, causal_scores
+from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 
 METRICS = ("code", "paper")
 
@@ -106,12 +105,9 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, x.size(-1)))
 
 
-def attention_probs(q, k, r, u, vb, mask, rel_index, scale) -> torch.Tensor:
+def attention_probs(q, k, r, u, vb, mask, scale) -> torch.Tensor:
     """The causal attention's probabilities [B,n,L,klen] fp32 (what causal_attention weights v with)."""
-    ac = (q + u[:, None]) @ k.transpose(-1, -2)
-    idx = rel_index.expand(q.shape[0], q.shape[1], *rel_index.shape)
-    bd = ((q + vb[:, None]) @ r.transpose(-1, -2)).gather(-1, idx)
-    return torch.softmax(((ac + bd) * scale).float().masked_fill(mask, float("-inf")), dim=-1)
+    return torch.softmax(causal_scores(q, k, r, u, vb, scale).float().masked_fill(mask, float("-inf")), dim=-1)
 
 
 # ---- the forward pass ------------------------------------------------------------------------------------------
@@ -137,7 +133,7 @@ class _Causal:
             w_q = attn.qkv.weight[: attn.n_head * attn.d_head]
             index = select_rows(k[:, :, :M], w_q, self.select)
         if index is None:
-            kk, vv, mlen, r, mask = k, v, M, r_full[:, :M + L], mask_full
+            kk, vv, mlen, r, mask = k, v, M, r_full, mask_full
         else:
             mlen = index.size(-1)
             cur = torch.arange(M, M + L, device=k.device).expand(*index.shape[:2], L)
@@ -146,11 +142,10 @@ class _Causal:
             pos = position_sequence(mlen + L, mlen, self.clamp_len, None, k.device)
             r = attn.rel(m.drop(sinusoid(pos, m.inv_freq).to(q_cur.dtype)))
             mask = causal_mask(L, mlen, self.select.attend, self.same_length, k.device)
-        rel_index = causal_rel_index(L, mlen + L, k.device)
-        ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, rel_index, attn.scale,
+        ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, attn.scale,
                                     attn.dropatt)
         if self.observe is not None:
-            probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, rel_index, attn.scale)
+            probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, attn.scale)
             self.observe(layer=l, kind="causal", probs=probs, mlen=mlen, index=index)
         return ctx, lse
 

@@ -7,55 +7,89 @@ turned into log-normalisers in fp32 whatever the input dtype.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 EPS_INTERP = 1e-6  # the reference's epsilon in the interpolation weight's denominator
 
 
-def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return index.expand(like.shape[0], like.shape[1], *index.shape)
+def _rows(r: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n rows of r [heads, P, dh], zero-padded at the end when P < n (a copy only then)."""
+    return r[:, :n] if r.size(1) >= n else F.pad(r, (0, 0, 0, n - r.size(1)))
+
+
+def rel_shift(buf: torch.Tensor, s0: int, width: int) -> torch.Tensor:
+    """buf [..., Q, W] contiguous -> the view out[..., i, j] = buf[..., i, s0 - i + j], shape [..., Q, width].
+
+    The skewed diagonal of a relative-position score matrix, read through strides instead of a padded copy or
+    a gather: element (i, j) sits at flat offset i*(W-1) + s0 + j of its matrix, so rows step by W-1. Where
+    s0 - i + j falls outside [0, W) the view reads a neighbouring row's element: callers mask those pairs.
+    Needs width <= W-1 (rows do not overlap) and (Q-1)*(W-1) + s0 + width <= Q*W (stays inside the matrix)."""
+    Q, W = buf.shape[-2:]
+    if not buf.is_contiguous() or width > W - 1 or (Q - 1) * (W - 1) + s0 + width > Q * W or s0 < 0:
+        raise ValueError(f"rel_shift of {tuple(buf.shape)} (contiguous {buf.is_contiguous()}) "
+                         f"by {s0} to width {width} would leave the matrix")
+    stride = buf.stride()
+    return buf.as_strided((*buf.shape[:-2], Q, width), (*stride[:-2], W - 1, 1), buf.storage_offset() + s0)
 
 
 def _normalise(score, mask, v, drop, lse):
     """score [B,n,Q,K] (a fresh tensor, any dtype) -> (context [B,n,Q,dh] in v's dtype, log-normaliser [B,n,Q]
     fp32). `drop` (attention dropout, a module or None) is applied to the probabilities, not to the normaliser.
-    lse: "grad" (a differentiable normaliser), "value" (for detached caches: no autograd), "none" (not needed)."""
+    lse: "grad" (a differentiable normaliser), "value" (for detached caches: no autograd), "none" (not needed).
+
+    The normaliser is read off the softmax at each row's largest score a: lse = score_a - log(prob_a), exact
+    because prob_a = exp(score_a - lse) >= 1/K, and its gradient through softmax is the softmax itself. That
+    avoids a second exponential pass over the scores (logsumexp) in the forward and in the backward."""
     score = score.float().masked_fill_(mask, float("-inf"))
-    prob = torch.softmax(score, dim=-1).to(v.dtype)
-    if lse == "grad":
-        norm = torch.logsumexp(score, dim=-1)
-    elif lse == "value":
+    prob = torch.softmax(score, dim=-1)
+    norm = None
+    if lse != "none":
         with torch.no_grad():
-            norm = torch.logsumexp(score, dim=-1)
-    else:
-        norm = None
+            top = score.argmax(-1, keepdim=True)
+        if lse == "grad":
+            norm = (score.gather(-1, top) - prob.gather(-1, top).log()).squeeze(-1)
+        else:
+            with torch.no_grad():
+                norm = (score.gather(-1, top) - prob.gather(-1, top).log()).squeeze(-1)
+    prob = prob.to(v.dtype)
     if drop is not None:
         prob = drop(prob)
     return prob @ v, norm
 
 
-def causal_attention(q, k, v, r, u, vb, mask, rel_index, scale, drop=None, lse="grad"):
+def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad"):
     """Transformer-XL relative attention of L current queries over klen = M + L keys.
 
-    q [B,n,L,dh]; k, v [B,n,klen,dh]; r [n,klen,dh]: R row c holds distance klen-1-c; u, vb [n,dh] content and
-    position biases; mask [L,klen] bool (True = hidden); rel_index [L,klen]: the R row for each (query, key).
-    score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale  (the scale applied to the queries).
+    q [B,n,L,dh]; k, v [B,n,klen,dh]; r [n,>=klen,dh]: R row c holds distance klen-1-c (rows past klen are
+    ignored); u, vb [n,dh] content and position biases; mask [L,klen] bool (True = hidden, at least every
+    future key). score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale  (the scale applied to the queries).
+    Query i (position M+i) and key j are M+i-j apart: R row L-1-i+j, a skewed diagonal read with rel_shift from
+    the products with klen+1 rows of R (the one past klen only ever meets masked future keys).
     """
+    return _normalise(causal_scores(q, k, r, u, vb, scale), mask, v, drop, lse)
+
+
+def causal_scores(q, k, r, u, vb, scale):
+    """The unmasked scores [B,n,L,klen] of causal_attention (arguments as there)."""
+    L, klen = q.size(2), k.size(2)
     qs = q * scale
     ac = (qs + u[:, None] * scale) @ k.transpose(-1, -2)
-    bd = ((qs + vb[:, None] * scale) @ r.transpose(-1, -2)).gather(-1, _expand(rel_index, q))
-    return _normalise(ac.add_(bd), mask, v, drop, lse)
+    bd = (qs + vb[:, None] * scale) @ _rows(r, klen + 1).transpose(-1, -2)
+    return ac.add_(rel_shift(bd, L - 1, klen))
 
 
-def lookahead_attention(qm, k, v, r_fut, u, vf, t_index, mask, scale, drop=None, lse="grad"):
+def lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="grad"):
     """LaMemo's look-ahead: M memory queries attend to the Nk keys at positions [M-Nk+1, M] that lie after them.
 
-    qm [B,n,M,dh]; k, v [B,n,Nk,dh]; r_fut [n,M,dh]: row t holds future distance t+1; vf [n,dh] the look-ahead
-    position bias; t_index [M,Nk] the R_fut row per (query, key); mask [M,Nk] (True where key <= query).
+    qm [B,n,M,dh]; k, v [B,n,Nk,dh]; r_fut [n,>=M,dh]: row t holds future distance t+1; vf [n,dh] the look-ahead
+    position bias; mask [M,Nk] (True where key <= query). Memory query i and key k (position M-Nk+1+k) are
+    M-Nk+1+k-i apart: R_fut row M-Nk-i+k, read with rel_shift from the products with M+1 rows of R_fut.
     """
+    M, nk = qm.size(2), k.size(2)
     qs = qm * scale
     ac = (qs + u[:, None] * scale) @ k.transpose(-1, -2)
-    bd = ((qs + vf[:, None] * scale) @ r_fut.transpose(-1, -2)).gather(-1, _expand(t_index, qm))
-    return _normalise(ac.add_(bd), mask, v, drop, lse)
+    bd = (qs + vf[:, None] * scale) @ _rows(r_fut, M + 1).transpose(-1, -2)
+    return _normalise(ac.add_(rel_shift(bd, M - nk, nk)), mask, v, drop, lse)
 
 
 def interpolate(c_old, s_old, a, s_new):

@@ -8,7 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .attention import causal_attention, interpolate, lookahead_attention, memorizing_coefficient
-from .positions import causal_rel_index, lookahead_index
+from .positions import lookahead_mask
 
 
 class FeedForward(nn.Module):
@@ -76,8 +76,8 @@ class XLLayer(nn.Module):
         q, k, v = self.attn.heads(cat)
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, _ = causal_attention(q[:, :, -L:], k, v, r, u, vb, mask, causal_rel_index(L, klen, h.device),
-                                      self.attn.scale, self.attn.dropatt, lse="none")
+            ctx, _ = causal_attention(q[:, :, -L:], k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
+                                      lse="none")
         else:
             ctx, _ = attend(q[:, :, -L:], k, v, klen - L, r, mask)
         return self.ff(self.attn.output(h, ctx))
@@ -104,8 +104,7 @@ class LaMemoLayer(nn.Module):
         q, k, v = self.attn.heads(cat)
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, lse = causal_attention(q[:, :, M:], k, v, r[:, :klen], u, vb, mask,
-                                        causal_rel_index(L, klen, dev), self.attn.scale, self.attn.dropatt,
+            ctx, lse = causal_attention(q[:, :, M:], k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
                                         lse="value")
         else:
             ctx, lse = attend(q[:, :, M:], k, v, M, r, mask)
@@ -116,9 +115,8 @@ class LaMemoLayer(nn.Module):
                 c_mem, s_mem = c_old.to(ctx.dtype), s_old.float()
             else:
                 nk = min(M, L)
-                t_index, la_mask = lookahead_index(M, nk, dev)
                 a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
-                                              r[:, klen:], u, vf, t_index, la_mask, self.attn.scale,
+                                              r[:, klen:], u, vf, lookahead_mask(M, nk, dev), self.attn.scale,
                                               self.attn.dropatt)
                 if self.variant == "lamemo_no_interp":
                     c_mem, s_mem = a, s_la

@@ -39,18 +39,9 @@ def causal_mask(qlen: int, mlen: int, mem_len: int, same_length: bool, device=No
     return mask
 
 
-def causal_rel_index(qlen: int, klen: int, device=None) -> torch.Tensor:
-    """[qlen, klen] column of R (row c <-> distance klen-1-c) for query i (position klen-qlen+i) and key j.
-    Masked (future) pairs get a clamped, valid index; their scores are masked anyway."""
-    i = torch.arange(qlen, device=device)[:, None]
-    j = torch.arange(klen, device=device)[None, :]
-    return (j + qlen - 1 - i).clamp(max=klen - 1)
-
-
-def lookahead_index(mlen: int, nk: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """For memory query i and look-ahead key k (position p = mlen-nk+1+k): the future-distance column
-    t = p-i-1 of R_fut (clamped valid) and the mask (True = hidden, where p <= i)."""
+def lookahead_mask(mlen: int, nk: int, device=None) -> torch.Tensor:
+    """[mlen, nk] bool, True where look-ahead key k (position p = mlen-nk+1+k) is hidden from memory query i:
+    p <= i (not after it)."""
     i = torch.arange(mlen, device=device)[:, None]
     p = torch.arange(mlen - nk + 1, mlen + 1, device=device)[None, :]
-    t = p - i - 1
-    return t.clamp(min=0), t < 0
+    return p <= i
