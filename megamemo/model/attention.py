@@ -32,25 +32,48 @@ def rel_shift(buf: torch.Tensor, s0: int, width: int) -> torch.Tensor:
     return buf.as_strided((*buf.shape[:-2], Q, width), (*stride[:-2], W - 1, 1), buf.storage_offset() + s0)
 
 
+class _SoftmaxLSE(torch.autograd.Function):
+    """softmax over the last dim and its log-normaliser, both differentiable; d lse / d score = softmax."""
+
+    @staticmethod
+    def forward(ctx, score):
+        prob = torch.softmax(score, dim=-1)
+        ctx.save_for_backward(prob)
+        return prob, _lse_from(score, prob)
+
+    @staticmethod
+    def backward(ctx, g_prob, g_lse):
+        (prob,) = ctx.saved_tensors
+        if g_prob is None:
+            return prob * g_lse.unsqueeze(-1)
+        shift = (g_prob * prob).sum(-1, keepdim=True)
+        if g_lse is not None:
+            shift = shift - g_lse.unsqueeze(-1)
+        return (g_prob - shift).mul_(prob)
+
+
+def _lse_from(score, prob):
+    """log sum exp(score) over the last dim, read off its softmax at the top score a: score_a - log(prob_a),
+    exact because prob_a = exp(score_a - lse) >= 1/K. Two cheap max-reductions instead of an exponential pass."""
+    return score.amax(-1) - prob.amax(-1).log()
+
+
 def _normalise(score, mask, v, drop, lse):
     """score [B,n,Q,K] (a fresh tensor, any dtype) -> (context [B,n,Q,dh] in v's dtype, log-normaliser [B,n,Q]
-    fp32). `drop` (attention dropout, a module or None) is applied to the probabilities, not to the normaliser.
-    lse: "grad" (a differentiable normaliser), "value" (for detached caches: no autograd), "none" (not needed).
-
-    The normaliser is read off the softmax at each row's largest score a: lse = score_a - log(prob_a), exact
-    because prob_a = exp(score_a - lse) >= 1/K, and its gradient through softmax is the softmax itself. That
-    avoids a second exponential pass over the scores (logsumexp) in the forward and in the backward."""
-    score = score.float().masked_fill_(mask, float("-inf"))
-    prob = torch.softmax(score, dim=-1)
+    fp32). mask [Q,K] bool (True = hidden) is added as a 0/-inf bias (cheaper than masked_fill on CPU); every row
+    keeps at least one key. `drop` (attention dropout, a module or None) is applied to the probabilities, not to
+    the normaliser. lse: "grad" (a differentiable normaliser), "value" (for detached caches: no autograd),
+    "none" (not needed)."""
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(mask, float("-inf"))
+    score = score.float().add_(bias)
     norm = None
-    if lse != "none":
-        with torch.no_grad():
-            top = score.argmax(-1, keepdim=True)
-        if lse == "grad":
-            norm = (score.gather(-1, top) - prob.gather(-1, top).log()).squeeze(-1)
-        else:
+    if lse == "grad":
+        prob, norm = _SoftmaxLSE.apply(score)
+    else:
+        prob = torch.softmax(score, dim=-1)
+        if lse == "value":
             with torch.no_grad():
-                norm = (score.gather(-1, top) - prob.gather(-1, top).log()).squeeze(-1)
+                norm = _lse_from(score, prob)
     prob = prob.to(v.dtype)
     if drop is not None:
         prob = drop(prob)
