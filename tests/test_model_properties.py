@@ -144,3 +144,29 @@ def test_config_errors_name_the_field():
         ModelConfig.from_dict({"d_model": "512"})
     with pytest.raises(ValueError, match="model.variant"):
         ModelConfig.from_dict({"variant": "lstm"})
+
+
+def test_cpu_dropout_mask_has_the_right_law_and_replays():
+    """The model's CPU dropout (raw 32-bit draws against an integer threshold): kept values scaled by 1/(1-p),
+    the kept fraction 1-p within 5 sigma on both halves of each 64-bit draw and for pairs (independent halves),
+    the backward uses the forward's mask, the same seed replays the same mask, eval mode is the identity."""
+    from megamemo.model.dropout import Dropout
+
+    p, n = 0.3, 400_001  # odd: the last 64-bit draw is half used
+    x = torch.ones(n, requires_grad=True)
+    drop = Dropout(p).train()
+    torch.manual_seed(5)
+    y = drop(x)
+    keep = y != 0
+    assert torch.allclose(y[keep], torch.tensor(1 / (1 - p)))
+    tol = 5 * (p * (1 - p) / (n // 2)) ** 0.5
+    for half in (keep[0::2], keep[1::2]):
+        assert abs(half.float().mean().item() - (1 - p)) < tol
+    both = (keep[0:-1:2] & keep[1::2]).float().mean().item()
+    assert abs(both - (1 - p) ** 2) < tol
+    y.backward(torch.full((n,), 2.0))
+    assert torch.equal(x.grad, 2 * y.detach())
+    torch.manual_seed(5)
+    assert torch.equal(drop(x), y)
+    assert not torch.equal(drop(x), y)
+    assert drop.eval()(x) is x

@@ -8,6 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .attention import causal_attention, interpolate, lookahead_attention, memorizing_coefficient
+from .dropout import Dropout
 from .positions import lookahead_mask
 
 
@@ -17,8 +18,8 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, d_inner)
         self.fc2 = nn.Linear(d_inner, d_model)
         self.layer_norm = nn.LayerNorm(d_model)
-        self.drop_inner = nn.Dropout(dropout)  # on the d_inner activation (split across ranks under TP)
-        self.drop = nn.Dropout(dropout)
+        self.drop_inner = Dropout(dropout)  # on the d_inner activation (split across ranks under TP)
+        self.drop = Dropout(dropout)
         self.pre_lnorm = pre_lnorm
 
     def forward(self, x):
@@ -38,8 +39,8 @@ class RelAttention(nn.Module):
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
         self.layer_norm = nn.LayerNorm(d_model)
-        self.drop = nn.Dropout(dropout)
-        self.dropatt = nn.Dropout(dropatt)  # on attention probabilities (per head: split across ranks under TP)
+        self.drop = Dropout(dropout)
+        self.dropatt = Dropout(dropatt)  # on attention probabilities (per head: split across ranks under TP)
         self.pre_lnorm = pre_lnorm
         self.scale = 1.0 / math.sqrt(d_head)
 

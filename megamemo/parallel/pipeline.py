@@ -27,6 +27,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from megamemo.model.dropout import Dropout
 from megamemo.model.layers import LaMemoLayer, XLLayer
 from megamemo.model.positions import causal_mask, inv_freq, position_sequence, sinusoid
 
@@ -85,7 +86,7 @@ class EmbedPipe(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.n_token // ctx.tp, cfg.d_model))   # vocab rows of this TP rank
         self.scale = cfg.d_model ** 0.5
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.ctx = ctx
 
     def forward(self, inputs):
@@ -149,7 +150,7 @@ class LayerPipe(nn.Module):
             from .tensor import parallelize_layer
             parallelize_layer(self.layer, cfg, ctx.tp, torch.float32)
         self.index, self.ctx, self.cfg = index, ctx, cfg
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.register_buffer("inv_freq", inv_freq(cfg.d_model), persistent=False)
 
     def forward(self, inputs):

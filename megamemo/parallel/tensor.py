@@ -22,6 +22,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from megamemo.model.dropout import Dropout, dropout
+
 from .groups import TP_RNG, rng_tracker, tp_rank_size
 
 _RULES = [  # (key pattern, split dim, per-head [Q;K;V] layout)
@@ -107,7 +109,7 @@ def merge_memory_tensors(parts):
 
 
 # ---- modules -----------------------------------------------------------------------------------------------
-class ForkedDropout(nn.Dropout):
+class ForkedDropout(Dropout):
     """Dropout on activations split across TP ranks: drawn from the per-rank stream, so masks differ between
     ranks yet replay exactly; the default stream (used for replicated activations) is left untouched."""
 
@@ -115,7 +117,7 @@ class ForkedDropout(nn.Dropout):
         if not self.training or self.p == 0:
             return x
         with rng_tracker().fork(TP_RNG):
-            return F.dropout(x, self.p, True)
+            return dropout(x, self.p, True)
 
 
 def _mcore_layers(tp, dtype):

@@ -1,0 +1,55 @@
+"""Dropout with a cheaper mask on CPU.
+
+torch's CPU dropout draws its mask with `bernoulli_` (one generator call and a float compare per element, then
+two multiplications through a bool tensor), which made it 12-18% of a training step. Here the mask comes from
+raw 32-bit draws of the same default generator (`random_` on int64, two draws per call) compared with an
+integer threshold: keep with probability 1 - round(p * 2^32) / 2^32 (exact to 2^-32, finer than torch.rand's
+2^-24), kept values scaled by 1/(1-p) as in torch. Only the bool mask is saved for the backward. Same
+distribution as `F.dropout`, not the same masks. Off the CPU (CUDA's fused kernel) it is `F.dropout` itself.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def keep_mask(shape, p: float, device=None) -> torch.Tensor:
+    """bool tensor of `shape`, True with probability 1 - p, from the default generator's raw 32-bit draws."""
+    n = 1
+    for s in shape:
+        n *= s
+    bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(-2 ** 63, None)
+    return bits.view(torch.int32)[:n].view(shape) >= min(round(p * 2 ** 32) - 2 ** 31, 2 ** 31 - 1)
+
+
+def _scaled(keep: torch.Tensor, scale: float, dtype) -> torch.Tensor:
+    return keep.view(torch.uint8).to(dtype).mul_(scale)
+
+
+class _MaskScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return x * _scaled(keep, scale, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        return g * _scaled(keep, ctx.scale, g.dtype), None, None
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    if not training or p == 0:
+        return x
+    if x.device.type != "cpu" or p >= 1 or not x.is_floating_point():
+        return F.dropout(x, p, training)
+    return _MaskScale.apply(x, keep_mask(x.shape, p, x.device), 1.0 / (1.0 - p))
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout (same p, same state_dict, same repr) with the cheaper CPU mask of this module."""
+
+    def forward(self, x):
+        return dropout(x, self.p, self.training)
