@@ -11,10 +11,12 @@ the analytic FLOP ratio.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
 
+from megamemo.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
 
 
@@ -97,18 +99,19 @@ def step_speed(variant, args, precision):
     return min(r.step() for _ in range(args.steps)), r.flops
 
 
-def interleaved(variants, args, precision) -> dict:
-    """Per variant (best step time, FLOPs per step), the variants' steps interleaved round by round so a
-    neighbour's load on a shared machine hits them alike; the best (minimum) time is the least disturbed one."""
+def interleaved(variants, args, precision) -> tuple[dict, dict]:
+    """Per variant (best step time, FLOPs per step), and per variant its step times round by round. The variants'
+    steps are interleaved so a neighbour's load on a shared machine hits them alike; the best (minimum) time is
+    the least disturbed one."""
     runners = {v: Runner(v, args, precision) for v in variants}
     for r in runners.values():
         for _ in range(args.warmup):
             r.step()
-    best = {v: float("inf") for v in variants}
+    times = {v: [] for v in variants}
     for _ in range(args.steps):
         for v, r in runners.items():
-            best[v] = min(best[v], r.step())
-    return {v: (best[v], runners[v].flops) for v in variants}
+            times[v].append(r.step())
+    return {v: (min(times[v]), runners[v].flops) for v in variants}, times
 
 
 def main():
@@ -123,31 +126,37 @@ def main():
     ap.add_argument("--tgt-len", type=int, default=128)
     ap.add_argument("--mem-len", type=int, default=128)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--variants", nargs="+", default=["lamemo", "xl", "rpe"])
     ap.add_argument("--profile", action="store_true", help="also print the top ops of lamemo and xl (1 thread)")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's malloc as it is (megamemo's commands keep freed memory: megamemo/allocator.py)")
     args = ap.parse_args()
+    tuned = not args.default_malloc and tune_cpu_allocator()
     print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
           f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
-          f"dropout {args.dropout}; step = forward + backward + Adam, best of {args.steps} interleaved")
+          f"dropout {args.dropout}; step = forward + backward + Adam, best of {args.steps} interleaved; "
+          f"malloc {'tuned (megamemo.allocator)' if tuned else 'glibc default'}")
     for threads in args.threads:
         torch.set_num_threads(threads)
         peak = matmul_peak()
         print(f"\n== {threads} thread(s): fp32 1024^3 matmul peak {peak / 1e9:.1f} GFLOP/s")
         for precision in args.precision:
             print(f"{'variant':<10}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}{'of peak':>9}")
-            res = interleaved(args.variants, args, precision)
+            res, times = interleaved(args.variants, args, precision)
             for v, (dt, flops) in res.items():
                 print(f"{v:<10}{precision:<6}{args.batch * args.tgt_len / dt:>10.0f}{dt * 1e3:>10.1f}"
                       f"{flops / 1e9:>12.2f}{flops / dt / 1e9:>10.1f}{flops / dt / peak:>9.1%}")
             if "lamemo" in res and "xl" in res:
                 t_ratio = res["lamemo"][0] / res["xl"][0]
                 f_ratio = res["lamemo"][1] / res["xl"][1]
-                print(f"lamemo/xl: time ratio {t_ratio:.3f}, analytic FLOP ratio {f_ratio:.3f} "
-                      f"(time/FLOP ratio {t_ratio / f_ratio:.3f}; 1.0 = same efficiency)")
+                paired = statistics.median(a / b for a, b in zip(times["lamemo"], times["xl"]))
+                print(f"lamemo/xl: time ratio {t_ratio:.3f} (median of the rounds' ratios {paired:.3f}), analytic "
+                      f"FLOP ratio {f_ratio:.3f}; time/FLOP ratio {t_ratio / f_ratio:.3f} "
+                      f"(median {paired / f_ratio:.3f}; 1.0 = same efficiency)")
     if args.profile:
         torch.set_num_threads(1)
         for v in ("lamemo", "xl"):

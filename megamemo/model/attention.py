@@ -119,7 +119,8 @@ def interpolate(c_old, s_old, a, s_new):
     """Merge the cached context c_old (log-normaliser s_old) with the look-ahead context a (s_new), in log space.
 
     alpha = exp(s_old) / (exp(s_old) + exp(s_new) + eps), shifted by the max so nothing overflows; the merged
-    log-normaliser is the exact logaddexp. c_old, a [B,n,M,dh]; s_old, s_new [B,n,M] fp32.
+    log-normaliser is the exact logaddexp. c_old, a [..., dh] in one layout (the layer passes time-major
+    [M,B,n,dh]); s_old, s_new fp32 with that layout less dh.
     Returns (merged context in a's dtype, merged log-normaliser fp32).
     """
     alpha = memorizing_coefficient(s_old, s_new).unsqueeze(-1)
@@ -128,7 +129,7 @@ def interpolate(c_old, s_old, a, s_new):
 
 
 def memorizing_coefficient(s_old, s_new):
-    """alpha per memory row (the paper's Figure 6 quantity), [B,n,M] fp32."""
+    """alpha per memory row (the paper's Figure 6 quantity), fp32, in the layout of s_old and s_new."""
     s_old = s_old.float()
     c = torch.maximum(s_old, s_new)
     ea, eb = torch.exp(s_old - c), torch.exp(s_new - c)

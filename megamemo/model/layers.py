@@ -55,9 +55,9 @@ class RelAttention(nn.Module):
         return self.r_net(pos_emb).view(-1, self.n_head, self.d_head).transpose(0, 1)
 
     def output(self, x, ctx):
-        """Residual + o_net over context rows ctx [B, n, T, dh] aligned with x [T, B, d]."""
-        B, n, T, dh = ctx.shape
-        out = self.drop(self.o_net(ctx.permute(2, 0, 1, 3).reshape(T, B, n * dh)))
+        """Residual + o_net over context rows ctx [T, B, n, dh] (time-major, any strides) aligned with x [T, B, d]."""
+        T, B, n, dh = ctx.shape
+        out = self.drop(self.o_net(ctx.reshape(T, B, n * dh)))
         return x + out if self.pre_lnorm else self.layer_norm(x + out)
 
 
@@ -81,7 +81,7 @@ class XLLayer(nn.Module):
                                       lse="none")
         else:
             ctx, _ = attend(q[:, :, -L:], k, v, klen - L, r, mask)
-        return self.ff(self.attn.output(h, ctx))
+        return self.ff(self.attn.output(h, ctx.permute(2, 0, 1, 3)))
 
 
 class LaMemoLayer(nn.Module):
@@ -109,26 +109,26 @@ class LaMemoLayer(nn.Module):
                                         lse="value")
         else:
             ctx, lse = attend(q[:, :, M:], k, v, M, r, mask)
+        ctx, lse = ctx.permute(2, 0, 1, 3), lse.permute(2, 0, 1)  # time-major, like the caches: [L,B,n,dh], [L,B,n]
         if M:
-            c_old = ctx_old.permute(1, 2, 0, 3)
-            s_old = lse_old.permute(1, 2, 0)
             if self.variant == "lamemo_no_lookahead":
-                c_mem, s_mem = c_old.to(ctx.dtype), s_old.float()
+                c_mem, s_mem = ctx_old.to(ctx.dtype), lse_old.float()
             else:
                 nk = min(M, L)
                 a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
                                               r[:, klen:], u, vf, lookahead_mask(M, nk, dev), self.attn.scale,
                                               self.attn.dropatt)
+                a, s_la = a.permute(2, 0, 1, 3), s_la.permute(2, 0, 1)
                 if self.variant == "lamemo_no_interp":
                     c_mem, s_mem = a, s_la
                 else:
-                    c_mem, s_mem = interpolate(c_old, s_old, a, s_la)
+                    c_mem, s_mem = interpolate(ctx_old, lse_old, a, s_la)
                 if observe is not None:
-                    observe(kind="alpha", alpha=memorizing_coefficient(s_old, s_la))
-            ctx = torch.cat([c_mem, ctx], 2)
-            lse = torch.cat([s_mem, lse], 2)
+                    observe(kind="alpha", alpha=memorizing_coefficient(lse_old, s_la).permute(1, 2, 0))
+            ctx = torch.cat([c_mem, ctx], 0)  # one copy, already in o_net's row order
+            lse = torch.cat([s_mem, lse], 0)
         out = self.ff(self.attn.output(cat, ctx))
         beg = max(0, klen - mem_len)
-        ctx_new = ctx[:, :, beg:].detach().permute(2, 0, 1, 3)
-        lse_new = lse[:, :, beg:].detach().permute(2, 0, 1)
+        ctx_new = ctx[beg:].detach()
+        lse_new = lse[beg:].detach()
         return out, ctx_new, lse_new
