@@ -123,8 +123,8 @@ def interpolate(c_old, s_old, a, s_new):
     [M,B,n,dh]); s_old, s_new fp32 with that layout less dh.
     Returns (merged context in a's dtype, merged log-normaliser fp32).
     """
-    alpha = memorizing_coefficient(s_old, s_new).unsqueeze(-1)
-    merged = alpha * c_old.float() + (1.0 - alpha) * a.float()
+    alpha = memorizing_coefficient(s_old, s_new).unsqueeze(-1).float()
+    merged = torch.lerp(a.float(), c_old.float(), alpha)  # alpha*c_old + (1-alpha)*a, one fused op
     return torch.nan_to_num(merged).to(a.dtype), torch.logaddexp(s_old.float(), s_new)
 
 
