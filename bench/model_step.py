@@ -74,7 +74,7 @@ class Runner:
                                tgt_len=args.tgt_len, mem_len=args.mem_len)
         self.model = MemTransformerLM(self.cfg).train()
         self.model.check_inputs = False
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, fused=True)  # as training (optim.fused)
         self.args, self.precision, self.mem, self.s = args, precision, None, 0
         M = 0 if variant == "rpe" else args.mem_len
         self.flops = 3 * forward_flops(self.cfg, args.batch, args.tgt_len, M)

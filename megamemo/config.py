@@ -39,6 +39,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.0
+    fused: bool = True              # torch's fused Adam kernel (CPU and CUDA; ~3.5x faster than its per-tensor loop)
     clip: float = 0.25              # global gradient-norm clip (0 disables); DeepSpeed's own default would be 1.0
     schedule: str = "cosine"        # cosine (linear warmup, then cosine to min_lr) | constant (warmup, then flat)
     warmup_steps: int = 0
