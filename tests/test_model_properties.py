@@ -172,6 +172,25 @@ def test_cpu_dropout_mask_has_the_right_law_and_replays():
     assert drop.eval()(x) is x
 
 
+def test_relu_folded_into_the_dropout_mask_is_relu_then_dropout():
+    """Dropout(relu=True) (the feed-forward's inner dropout): the same values and gradient as ReLU followed by the
+    same dropout draw, with no pass of its own for the ReLU."""
+    from megamemo.model.dropout import Dropout
+
+    x = torch.randn(3001, 7, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    torch.manual_seed(9)
+    y = Dropout(0.2, relu=True).train()(x)
+    torch.manual_seed(9)
+    y_ref = Dropout(0.2).train()(torch.relu(x_ref))
+    assert torch.equal(y, y_ref) and (y != 0).any() and (y == 0).any()
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(Dropout(0.2, relu=True).eval()(x), torch.relu(x))
+
+
 _FAULTS = """
 import resource, sys, torch
 from megamemo.allocator import tune_cpu_allocator

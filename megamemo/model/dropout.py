@@ -40,16 +40,29 @@ class _MaskScale(torch.autograd.Function):
         return g * m, None, None
 
 
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, training: bool = True, relu: bool = False) -> torch.Tensor:
+    """F.dropout(F.relu(x) if relu else x, p, training). On the CPU the ReLU is folded into the mask (kept only
+    where x > 0), so it costs no pass of its own, forward or backward."""
     if not training or p == 0:
-        return x
+        return F.relu(x) if relu else x
     if x.device.type != "cpu" or p >= 1 or not x.is_floating_point():
-        return F.dropout(x, p, training)
-    return _MaskScale.apply(x, keep_mask(x.shape, p, x.device), 1.0 / (1.0 - p))
+        return F.dropout(F.relu(x) if relu else x, p, training)
+    keep = keep_mask(x.shape, p, x.device)
+    if relu:
+        keep &= x > 0
+    return _MaskScale.apply(x, keep, 1.0 / (1.0 - p))
 
 
 class Dropout(nn.Dropout):
-    """nn.Dropout (same p, same state_dict, same repr) with the cheaper CPU mask of this module."""
+    """nn.Dropout (same p, same state_dict) with the cheaper CPU mask of this module; relu=True applies a ReLU
+    first (folded into the mask)."""
+
+    def __init__(self, p: float = 0.5, relu: bool = False):
+        super().__init__(p)
+        self.relu = relu
 
     def forward(self, x):
-        return dropout(x, self.p, self.training)
+        return dropout(x, self.p, self.training, self.relu)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", relu=True" if self.relu else "")

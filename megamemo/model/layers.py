@@ -5,7 +5,6 @@ import math
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from .attention import causal_attention, interpolate, lookahead_attention, memorizing_coefficient
 from .dropout import Dropout
@@ -18,14 +17,14 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, d_inner)
         self.fc2 = nn.Linear(d_inner, d_model)
         self.layer_norm = nn.LayerNorm(d_model)
-        self.drop_inner = Dropout(dropout)  # on the d_inner activation (split across ranks under TP)
+        self.drop_inner = Dropout(dropout, relu=True)  # ReLU, then dropout on the d_inner activation (split under TP)
         self.drop = Dropout(dropout)
         self.pre_lnorm = pre_lnorm
 
     def forward(self, x):
         if self.pre_lnorm:
-            return x + self.drop(self.fc2(self.drop_inner(F.relu(self.fc1(self.layer_norm(x))))))
-        return self.layer_norm(x + self.drop(self.fc2(self.drop_inner(F.relu(self.fc1(x))))))
+            return x + self.drop(self.fc2(self.drop_inner(self.fc1(self.layer_norm(x)))))
+        return self.layer_norm(x + self.drop(self.fc2(self.drop_inner(self.fc1(x)))))
 
 
 class RelAttention(nn.Module):

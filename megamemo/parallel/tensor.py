@@ -22,7 +22,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from megamemo.model.dropout import Dropout, dropout
+from megamemo.model.dropout import Dropout
 
 from .groups import TP_RNG, rng_tracker, tp_rank_size
 
@@ -115,9 +115,9 @@ class ForkedDropout(Dropout):
 
     def forward(self, x):
         if not self.training or self.p == 0:
-            return x
+            return super().forward(x)
         with rng_tracker().fork(TP_RNG):
-            return dropout(x, self.p, True)
+            return super().forward(x)
 
 
 def _mcore_layers(tp, dtype):
@@ -183,7 +183,7 @@ def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
     a.n_head = cfg.n_head // tp
     a.dropatt = ForkedDropout(cfg.dropatt)
     f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
-    f.drop_inner = ForkedDropout(cfg.dropout)
+    f.drop_inner = ForkedDropout(cfg.dropout, relu=True)
 
 
 def local_bias(cfg, tp: int, dtype) -> nn.Parameter:
