@@ -106,8 +106,10 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def attention_probs(q, k, r, u, vb, mask, scale) -> torch.Tensor:
-    """The causal attention's probabilities [B,n,L,klen] fp32 (what causal_attention weights v with)."""
-    return torch.softmax(causal_scores(q, k, r, u, vb, scale).float().masked_fill(mask, float("-inf")), dim=-1)
+    """The causal attention's probabilities [B,n,L,klen] fp32 (what causal_attention weights v with), from
+    q [B,n,L,dh] and k [B,n,klen,dh] (the attention functions themselves are head-major)."""
+    score = causal_scores(q.transpose(0, 1), k.transpose(0, 1), r, u, vb, scale).transpose(0, 1)
+    return torch.softmax(score.float().masked_fill(mask, float("-inf")), dim=-1)
 
 
 # ---- the forward pass ------------------------------------------------------------------------------------------
@@ -142,8 +144,9 @@ class _Causal:
             pos = position_sequence(mlen + L, mlen, self.clamp_len, None, k.device)
             r = attn.rel(m.drop(sinusoid(pos, m.inv_freq).to(q_cur.dtype)))
             mask = causal_mask(L, mlen, self.select.attend, self.same_length, k.device)
-        ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, attn.scale,
-                                    attn.dropatt)
+        ctx, lse = causal_attention(q_cur.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), r, m.r_w_bias,
+                                    m.r_r_bias, mask, attn.scale, attn.dropatt)
+        ctx, lse = ctx.transpose(0, 1), lse.transpose(0, 1)
         if self.observe is not None:
             probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, attn.scale)
             self.observe(layer=l, kind="causal", probs=probs, mlen=mlen, index=index)

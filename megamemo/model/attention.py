@@ -1,7 +1,9 @@
 """Relative-position attention as functions of tensors.
 
-Layout inside these functions is [batch, heads, time, d_head]; `heads` is whatever number of heads the caller
-holds (all of them on one device, a slice of them under tensor parallelism). Scores are masked, normalised and
+Layout inside these functions is head-major, [heads, batch, time, d_head]; `heads` is whatever number of heads
+the caller holds (all of them on one device, a slice of them under tensor parallelism). Head-major lets the
+position term of all streams of a head be one [batch*time, d_head] @ [d_head, P] product with that head's R
+(batch-major would broadcast R over the batch: a copy of R per stream, and small products). Scores are masked, normalised and
 turned into log-normalisers in fp32 whatever the input dtype.
 """
 from __future__ import annotations
@@ -28,8 +30,7 @@ def rel_shift(buf: torch.Tensor, s0: int, width: int) -> torch.Tensor:
     if not buf.is_contiguous() or width > W - 1 or (Q - 1) * (W - 1) + s0 + width > Q * W or s0 < 0:
         raise ValueError(f"rel_shift of {tuple(buf.shape)} (contiguous {buf.is_contiguous()}) "
                          f"by {s0} to width {width} would leave the matrix")
-    stride = buf.stride()
-    return buf.as_strided((*buf.shape[:-2], Q, width), (*stride[:-2], W - 1, 1), buf.storage_offset() + s0)
+    return buf.as_strided((*buf.shape[:-2], Q, width), (*buf.stride()[:-2], W - 1, 1), buf.storage_offset() + s0)
 
 
 class _SoftmaxLSE(torch.autograd.Function):
@@ -58,8 +59,15 @@ def _lse_from(score, prob):
     return score.amax(-1) - prob.amax(-1).log()
 
 
+def _position_term(qs, bias_s, r_rows):
+    """(qs + bias_s) @ r_rows^T per head: qs [n,B,Q,dh], bias_s [n,dh], r_rows [n,W,dh] -> [n,B,Q,W] contiguous."""
+    n, B, Q, dh = qs.shape
+    x = (qs + bias_s[:, None, None]).reshape(n, B * Q, dh)
+    return torch.bmm(x, r_rows.transpose(1, 2)).view(n, B, Q, r_rows.size(1))
+
+
 def _normalise(score, mask, v, drop, lse):
-    """score [B,n,Q,K] (a fresh tensor, any dtype) -> (context [B,n,Q,dh] in v's dtype, log-normaliser [B,n,Q]
+    """score [n,B,Q,K] (a fresh tensor, any dtype) -> (context [n,B,Q,dh] in v's dtype, log-normaliser [n,B,Q]
     fp32). mask [Q,K] bool (True = hidden) is added as a 0/-inf bias (cheaper than masked_fill on CPU); every row
     keeps at least one key. `drop` (attention dropout, a module or None) is applied to the probabilities, not to
     the normaliser. lse: "grad" (a differentiable normaliser), "value" (for detached caches: no autograd),
@@ -83,7 +91,7 @@ def _normalise(score, mask, v, drop, lse):
 def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad"):
     """Transformer-XL relative attention of L current queries over klen = M + L keys.
 
-    q [B,n,L,dh]; k, v [B,n,klen,dh]; r [n,>=klen,dh]: R row c holds distance klen-1-c (rows past klen are
+    q [n,B,L,dh]; k, v [n,B,klen,dh]; r [n,>=klen,dh]: R row c holds distance klen-1-c (rows past klen are
     ignored); u, vb [n,dh] content and position biases; mask [L,klen] bool (True = hidden, at least every
     future key). score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale  (the scale applied to the queries).
     Query i (position M+i) and key j are M+i-j apart: R row L-1-i+j, a skewed diagonal read with rel_shift from
@@ -93,25 +101,25 @@ def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad"):
 
 
 def causal_scores(q, k, r, u, vb, scale):
-    """The unmasked scores [B,n,L,klen] of causal_attention (arguments as there)."""
+    """The unmasked scores [n,B,L,klen] of causal_attention (arguments as there)."""
     L, klen = q.size(2), k.size(2)
     qs = q * scale
-    ac = (qs + u[:, None] * scale) @ k.transpose(-1, -2)
-    bd = (qs + vb[:, None] * scale) @ _rows(r, klen + 1).transpose(-1, -2)
+    ac = (qs + (u * scale)[:, None, None]) @ k.transpose(-1, -2)
+    bd = _position_term(qs, vb * scale, _rows(r, klen + 1))
     return ac.add_(rel_shift(bd, L - 1, klen))
 
 
 def lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="grad"):
     """LaMemo's look-ahead: M memory queries attend to the Nk keys at positions [M-Nk+1, M] that lie after them.
 
-    qm [B,n,M,dh]; k, v [B,n,Nk,dh]; r_fut [n,>=M,dh]: row t holds future distance t+1; vf [n,dh] the look-ahead
+    qm [n,B,M,dh]; k, v [n,B,Nk,dh]; r_fut [n,>=M,dh]: row t holds future distance t+1; vf [n,dh] the look-ahead
     position bias; mask [M,Nk] (True where key <= query). Memory query i and key k (position M-Nk+1+k) are
     M-Nk+1+k-i apart: R_fut row M-Nk-i+k, read with rel_shift from the products with M+1 rows of R_fut.
     """
     M, nk = qm.size(2), k.size(2)
     qs = qm * scale
-    ac = (qs + u[:, None] * scale) @ k.transpose(-1, -2)
-    bd = (qs + vf[:, None] * scale) @ _rows(r_fut, M + 1).transpose(-1, -2)
+    ac = (qs + (u * scale)[:, None, None]) @ k.transpose(-1, -2)
+    bd = _position_term(qs, vf * scale, _rows(r_fut, M + 1))
     return _normalise(ac.add_(rel_shift(bd, M - nk, nk)), mask, v, drop, lse)
 
 

@@ -44,10 +44,11 @@ class RelAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(d_head)
 
     def heads(self, x):
-        """[T, B, d] -> q, k, v each [B, n, T, dh]."""
+        """[T, B, d] -> q, k, v each [n, B, T, dh], contiguous (one copy; time slices of them are then plain
+        strided batches for the products, never copied again)."""
         T, B, _ = x.shape
         qkv = self.qkv(self.layer_norm(x) if self.pre_lnorm else x)
-        return qkv.view(T, B, 3, self.n_head, self.d_head).permute(2, 1, 3, 0, 4).unbind(0)
+        return qkv.view(T, B, 3, self.n_head, self.d_head).permute(2, 3, 1, 0, 4).contiguous().unbind(0)
 
     def rel(self, pos_emb):
         """[P, d] sinusoids -> [n, P, dh]."""
@@ -58,6 +59,17 @@ class RelAttention(nn.Module):
         T, B, n, dh = ctx.shape
         out = self.drop(self.o_net(ctx.reshape(T, B, n * dh)))
         return x + out if self.pre_lnorm else self.layer_norm(x + out)
+
+
+def _time_major(ctx, lse):
+    """[n,B,T,dh], [n,B,T] (attention's layout) -> [T,B,n,dh], [T,B,n] views (the caches' and o_net's layout)."""
+    return ctx.permute(2, 1, 0, 3), (None if lse is None else lse.permute(2, 1, 0))
+
+
+def _hooked(attend, q, k, v, M, r, mask):
+    """Call an `attend` hook (see MemTransformerLM.forward), which speaks batch-major [B,n,...]: views both ways."""
+    ctx, lse = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), M, r, mask)
+    return ctx.transpose(0, 1), (None if lse is None else lse.transpose(0, 1))
 
 
 class XLLayer(nn.Module):
@@ -79,8 +91,8 @@ class XLLayer(nn.Module):
             ctx, _ = causal_attention(q[:, :, -L:], k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
                                       lse="none")
         else:
-            ctx, _ = attend(q[:, :, -L:], k, v, klen - L, r, mask)
-        return self.ff(self.attn.output(h, ctx.permute(2, 0, 1, 3)))
+            ctx, _ = _hooked(attend, q[:, :, -L:], k, v, klen - L, r, mask)
+        return self.ff(self.attn.output(h, ctx.permute(2, 1, 0, 3)))
 
 
 class LaMemoLayer(nn.Module):
@@ -107,8 +119,8 @@ class LaMemoLayer(nn.Module):
             ctx, lse = causal_attention(q[:, :, M:], k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
                                         lse="value")
         else:
-            ctx, lse = attend(q[:, :, M:], k, v, M, r, mask)
-        ctx, lse = ctx.permute(2, 0, 1, 3), lse.permute(2, 0, 1)  # time-major, like the caches: [L,B,n,dh], [L,B,n]
+            ctx, lse = _hooked(attend, q[:, :, M:], k, v, M, r, mask)
+        ctx, lse = _time_major(ctx, lse)
         if M:
             if self.variant == "lamemo_no_lookahead":
                 c_mem, s_mem = ctx_old.to(ctx.dtype), lse_old.float()
@@ -117,7 +129,7 @@ class LaMemoLayer(nn.Module):
                 a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
                                               r[:, klen:], u, vf, lookahead_mask(M, nk, dev), self.attn.scale,
                                               self.attn.dropatt)
-                a, s_la = a.permute(2, 0, 1, 3), s_la.permute(2, 0, 1)
+                a, s_la = _time_major(a, s_la)
                 if self.variant == "lamemo_no_interp":
                     c_mem, s_mem = a, s_la
                 else:
