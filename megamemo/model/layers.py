@@ -114,19 +114,20 @@ class LaMemoLayer(nn.Module):
         L = klen - M
         dev = cat.device
         q, k, v = self.attn.heads(cat)
+        q_mem, q_cur = q.split([M, L], 2)  # a split's backward is one cat; two slices would zero-fill q twice
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, lse = causal_attention(q[:, :, M:], k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
+            ctx, lse = causal_attention(q_cur, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
                                         lse="value")
         else:
-            ctx, lse = _hooked(attend, q[:, :, M:], k, v, M, r, mask)
+            ctx, lse = _hooked(attend, q_cur, k, v, M, r, mask)
         ctx, lse = _time_major(ctx, lse)
         if M:
             if self.variant == "lamemo_no_lookahead":
                 c_mem, s_mem = ctx_old.to(ctx.dtype), lse_old.float()
             else:
                 nk = min(M, L)
-                a, s_la = lookahead_attention(q[:, :, :M], k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
+                a, s_la = lookahead_attention(q_mem, k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
                                               r[:, klen:], u, vf, lookahead_mask(M, nk, dev), self.attn.scale,
                                               self.attn.dropatt)
                 a, s_la = _time_major(a, s_la)
