@@ -3,7 +3,9 @@
 Prints tokens/s, analytic model FLOPs per step (backward = 2x forward, counted per matmul, including the memory
 rows LaMemo recomputes and its look-ahead attention), achieved GFLOP/s, and the fp32 peak measured in the same
 run with a 1024^3 matmul, for each thread count and precision asked for; then the lamemo/xl time ratio beside
-the analytic FLOP ratio.
+the analytic FLOP ratio (from the best steps, and the median of the rounds' own ratios). The step is what
+training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/allocator.py; --default-malloc
+to compare).
 
     python bench/model_step.py            # 4L, d 256, 4x64, d_inner 1024, B 8, L=M=128; 1 and 2 threads; fp32, bf16
     python bench/model_step.py --threads 1 --precision fp32 --profile
@@ -53,14 +55,17 @@ def matmul_peak(seconds=1.0) -> float:
     return 2 * 1024 ** 3 / best
 
 
-def profile_step(variant, args, top=12):
-    """The top ops of one fp32 step by self CPU time (torch.profiler), to see what bounds the rest."""
+def profile_step(variant, args, top=14, steps=3):
+    """The top ops of `steps` fp32 steps after warm-up, by self CPU time (torch.profiler): what bounds the rest."""
     from torch.profiler import ProfilerActivity, profile
 
-    args = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 2})
+    r = Runner(variant, args, "fp32")
+    for _ in range(args.warmup):
+        r.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step_speed(variant, args, "fp32")
-    print(f"\n-- profile of {variant} (3 steps incl. warm-up; self CPU time) --")
+        for _ in range(steps):
+            r.step()
+    print(f"\n-- profile of {variant}: {steps} steps after {args.warmup} warm-up, self CPU time --")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=32))
 
 
@@ -90,13 +95,6 @@ class Runner:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
-
-
-def step_speed(variant, args, precision):
-    r = Runner(variant, args, precision)
-    for _ in range(args.warmup):
-        r.step()
-    return min(r.step() for _ in range(args.steps)), r.flops
 
 
 def interleaved(variants, args, precision) -> tuple[dict, dict]:
