@@ -143,10 +143,12 @@ def main():
         peak = matmul_peak()
         print(f"\n== {threads} thread(s): fp32 1024^3 matmul peak {peak / 1e9:.1f} GFLOP/s")
         for precision in args.precision:
-            print(f"{'variant':<10}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}{'of peak':>9}")
+            w = max(10, 2 + max(map(len, args.variants)))
+            print(f"{'variant':<{w}}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}"
+                  f"{'of peak':>9}")
             res, times = interleaved(args.variants, args, precision)
             for v, (dt, flops) in res.items():
-                print(f"{v:<10}{precision:<6}{args.batch * args.tgt_len / dt:>10.0f}{dt * 1e3:>10.1f}"
+                print(f"{v:<{w}}{precision:<6}{args.batch * args.tgt_len / dt:>10.0f}{dt * 1e3:>10.1f}"
                       f"{flops / 1e9:>12.2f}{flops / dt / 1e9:>10.1f}{flops / dt / peak:>9.1%}")
             if "lamemo" in res and "xl" in res:
                 t_ratio = res["lamemo"][0] / res["xl"][0]

@@ -3,8 +3,8 @@
 Layout inside these functions is head-major, [heads, batch, time, d_head]; `heads` is whatever number of heads
 the caller holds (all of them on one device, a slice of them under tensor parallelism). Head-major lets the
 position term of all streams of a head be one [batch*time, d_head] @ [d_head, P] product with that head's R
-(batch-major would broadcast R over the batch: a copy of R per stream, and small products). Scores are masked, normalised and
-turned into log-normalisers in fp32 whatever the input dtype.
+(batch-major would broadcast R over the batch: a copy of R per stream, and small products). Scores are masked,
+normalised and turned into log-normalisers in fp32 whatever the input dtype.
 """
 from __future__ import annotations
 

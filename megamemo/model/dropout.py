@@ -5,7 +5,9 @@ two multiplications through a bool tensor), which made it 12-18% of a training s
 raw 32-bit draws of the same default generator (`random_` on int64, two draws per call) compared with an
 integer threshold: keep with probability 1 - round(p * 2^32) / 2^32 (exact to 2^-32, finer than torch.rand's
 2^-24), kept values scaled by 1/(1-p) as in torch. The scaled mask is saved (4 bytes an element where torch
-keeps 1) so the backward is one multiplication. Same distribution as `F.dropout`, not the same masks. Off the CPU (CUDA's fused kernel) it is `F.dropout` itself.
+keeps 1) so the backward is one multiplication. Same distribution as `F.dropout`, not the same masks. With
+relu=True a preceding ReLU is folded into the mask (kept only where x > 0). Off the CPU (CUDA's fused kernel)
+it is `F.dropout` itself.
 """
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ class XLLayer(nn.Module):
                                       lse="none")
         else:
             ctx, _ = _hooked(attend, q[:, :, -L:], k, v, klen - L, r, mask)
-        return self.ff(self.attn.output(h, ctx.permute(2, 1, 0, 3)))
+        return self.ff(self.attn.output(h, _time_major(ctx, None)[0]))
 
 
 class LaMemoLayer(nn.Module):
