@@ -134,6 +134,7 @@ def main():
                     help="leave glibc's malloc as it is (megamemo's commands keep freed memory: megamemo/allocator.py)")
     args = ap.parse_args()
     tuned = not args.default_malloc and tune_cpu_allocator()
+    w = max(10, 2 + max(map(len, args.variants)))  # the variant column
     print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
           f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
           f"dropout {args.dropout}; step = forward + backward + Adam, best of {args.steps} interleaved; "
@@ -143,7 +144,6 @@ def main():
         peak = matmul_peak()
         print(f"\n== {threads} thread(s): fp32 1024^3 matmul peak {peak / 1e9:.1f} GFLOP/s")
         for precision in args.precision:
-            w = max(10, 2 + max(map(len, args.variants)))
             print(f"{'variant':<{w}}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}"
                   f"{'of peak':>9}")
             res, times = interleaved(args.variants, args, precision)

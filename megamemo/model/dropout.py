@@ -11,6 +11,8 @@ it is `F.dropout` itself.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -18,9 +20,7 @@ import torch.nn.functional as F
 
 def keep_mask(shape, p: float, device=None) -> torch.Tensor:
     """bool tensor of `shape`, True with probability 1 - p, from the default generator's raw 32-bit draws."""
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(-2 ** 63, None)
     return bits.view(torch.int32)[:n].view(shape) >= min(round(p * 2 ** 32) - 2 ** 31, 2 ** 31 - 1)
 
