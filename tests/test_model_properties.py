@@ -147,12 +147,13 @@ def test_config_errors_name_the_field():
 
 
 def test_cpu_dropout_mask_has_the_right_law_and_replays():
-    """The model's CPU dropout (raw 32-bit draws against an integer threshold): kept values scaled by 1/(1-p),
-    the kept fraction 1-p within 5 sigma on both halves of each 64-bit draw and for pairs (independent halves),
-    the backward uses the forward's mask, the same seed replays the same mask, eval mode is the identity."""
+    """The model's CPU dropout: kept values scaled by 1/(1-p); the kept fraction 1-p within 5 sigma, for
+    neighbours too (independent draws); a p whose first base-256 digit leaves a half-kept tie (25.5/256) lands
+    on it, not on 25/256 or 26/256 (13 sigma away); the backward uses the forward's mask; the same seed replays
+    the same mask; eval mode is the identity."""
     from megamemo.model.dropout import Dropout
 
-    p, n = 0.3, 400_001  # odd: the last 64-bit draw is half used
+    p, n = 0.3, 400_001
     x = torch.ones(n, requires_grad=True)
     drop = Dropout(p).train()
     torch.manual_seed(5)
@@ -170,6 +171,42 @@ def test_cpu_dropout_mask_has_the_right_law_and_replays():
     assert torch.equal(drop(x), y)
     assert not torch.equal(drop(x), y)
     assert drop.eval()(x) is x
+    p, n = 25.5 / 256, 4_000_000
+    dropped = (Dropout(p).train()(torch.ones(n)) == 0).float().mean().item()
+    assert abs(dropped - p) < 5 * (p * (1 - p) / n) ** 0.5, dropped
+
+
+@pytest.mark.parametrize("n", [3001, 40_003])  # direct tie search, and the search eight bytes at a time
+def test_dropout_mask_is_a_32_bit_comparison_drawn_digit_by_digit(monkeypatch, n):
+    """keep_mask keeps an element when its uniform 32-bit number U >= T = round(p * 2^32), drawing U's base-256
+    digits level by level, only for the elements that tied with T so far. Fed digits crowded with ties (each is
+    T's digit at that level, or one above or below it), its mask equals the lexicographic comparison of every
+    element's digits with T's, rebuilt here element by element from the same draws."""
+    from megamemo.model import dropout as D
+
+    T = round(0.1 * 2 ** 32)
+    t = [(T >> s) & 255 for s in (24, 16, 8, 0)]
+    gen = torch.Generator().manual_seed(n)
+    draws = []  # one call per level, in order
+
+    def crowded_bytes(k, device=None):
+        draws.append((t[len(draws)] + torch.randint(-1, 2, (k,), generator=gen)).to(torch.uint8))
+        return draws[-1].clone()
+
+    monkeypatch.setattr(D, "random_bytes", crowded_bytes)
+    keep = D.keep_mask((n,), 0.1)
+    assert len(draws) == 4 and len(draws[3]) > 20  # every level was reached, by many elements
+
+    digits = [[] for _ in range(n)]
+    tied = list(range(n))
+    for level, vals in enumerate(draws):
+        assert len(vals) == len(tied)
+        for i, v in zip(tied, vals.tolist()):
+            digits[i].append(v)
+        tied = [i for i in tied if digits[i][-1] == t[level]]
+    expected = torch.tensor([d >= t[:len(d)] for d in digits])
+    assert torch.equal(keep, expected)
+    assert 0 < keep.sum() < n
 
 
 def test_relu_folded_into_the_dropout_mask_is_relu_then_dropout():
