@@ -99,16 +99,16 @@ class Runner:
 
 def interleaved(variants, args, precision) -> tuple[dict, dict]:
     """Per variant (best step time, FLOPs per step), and per variant its step times round by round. The variants'
-    steps are interleaved so a neighbour's load on a shared machine hits them alike; the best (minimum) time is
-    the least disturbed one."""
+    steps are interleaved so a neighbour's load on a shared machine hits them alike, in an order reversed every
+    other round so that neither variant always runs first; the best (minimum) time is the least disturbed one."""
     runners = {v: Runner(v, args, precision) for v in variants}
     for r in runners.values():
         for _ in range(args.warmup):
             r.step()
     times = {v: [] for v in variants}
-    for _ in range(args.steps):
-        for v, r in runners.items():
-            times[v].append(r.step())
+    for i in range(args.steps):
+        for v in (variants if i % 2 == 0 else variants[::-1]):
+            times[v].append(runners[v].step())
     return {v: (min(times[v]), runners[v].flops) for v in variants}, times
 
 
@@ -124,7 +124,7 @@ def main():
     ap.add_argument("--tgt-len", type=int, default=128)
     ap.add_argument("--mem-len", type=int, default=128)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
