@@ -71,9 +71,10 @@ class TramsConfig:
 
 # ---- the metric and the selection ------------------------------------------------------------------------------
 def reformulated_keys(k: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
-    """k [B,n,T,dh] content keys, w_q [n*dh, d] the query weight -> K' [B,n,T,d] with K'_j = W_Q^(h)^T k_j^(h)."""
-    B, n, T, dh = k.shape
-    return torch.einsum("bnte,ned->bntd", k.float(), w_q.float().view(n, dh, -1))
+    """k [n,B,T,dh] content keys (head-major, as the attention functions), w_q [n*dh, d] the query weight
+    -> K' [n,B,T,d] with K'_j = W_Q^(h)^T k_j^(h)."""
+    n, B, T, dh = k.shape
+    return torch.einsum("nbte,ned->nbtd", k.float(), w_q.float().view(n, dh, -1))
 
 
 def key_scores(kp: torch.Tensor, metric: str = "code") -> torch.Tensor:
@@ -86,13 +87,13 @@ def key_scores(kp: torch.Tensor, metric: str = "code") -> torch.Tensor:
 
 
 def select_rows(k_mem: torch.Tensor, w_q: torch.Tensor, cfg: TramsConfig) -> torch.Tensor | None:
-    """Memory rows attended per (stream, head): k_mem [B,n,M,dh] the memory rows' keys -> index [B,n,A] in
+    """Memory rows attended per (head, stream): k_mem [n,B,M,dh] the memory rows' keys -> index [n,B,A] in
     chronological order (selected old rows, then the newest `recent`), or None when all M rows are attended."""
-    B, n, M, _ = k_mem.shape
+    n, B, M, _ = k_mem.shape
     if M <= cfg.attend:
         return None
     n_cand = M - cfg.recent
-    recent = torch.arange(n_cand, M, device=k_mem.device).expand(B, n, cfg.recent)
+    recent = torch.arange(n_cand, M, device=k_mem.device).expand(n, B, cfg.recent)
     if cfg.topk == 0:
         return recent
     scores = key_scores(reformulated_keys(k_mem[:, :, :n_cand], w_q), cfg.metric)
@@ -101,15 +102,14 @@ def select_rows(k_mem: torch.Tensor, w_q: torch.Tensor, cfg: TramsConfig) -> tor
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [B,n,T,dh], index [B,n,K] -> [B,n,K,dh]."""
+    """x [n,B,T,dh], index [n,B,K] -> [n,B,K,dh]."""
     return x.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, x.size(-1)))
 
 
 def attention_probs(q, k, r, u, vb, mask, scale) -> torch.Tensor:
-    """The causal attention's probabilities [B,n,L,klen] fp32 (what causal_attention weights v with), from
-    q [B,n,L,dh] and k [B,n,klen,dh] (the attention functions themselves are head-major)."""
-    score = causal_scores(q.transpose(0, 1), k.transpose(0, 1), r, u, vb, scale).transpose(0, 1)
-    return torch.softmax(score.float().masked_fill(mask, float("-inf")), dim=-1)
+    """The causal attention's probabilities [n,B,L,klen] fp32 (what causal_attention weights v with), from
+    q [n,B,L,dh] and k [n,B,klen,dh]."""
+    return torch.softmax(causal_scores(q, k, r, u, vb, scale).float().masked_fill(mask, float("-inf")), dim=-1)
 
 
 # ---- the forward pass ------------------------------------------------------------------------------------------
@@ -125,8 +125,8 @@ class _Causal:
         self.clamp_len, self.same_length = clamp_len, same_length
 
     def __call__(self, l, layer, q_cur, k, v, M, r_full, mask_full):
-        """q_cur [B,n,L,dh]; k, v [B,n,M+L,dh]; r_full [n, >=M+L, dh] (rows: distance M+L-1 ... 0 first).
-        -> (ctx, lse) of the current queries."""
+        """q_cur [n,B,L,dh]; k, v [n,B,M+L,dh]; r_full [n, >=M+L, dh] (rows: distance M+L-1 ... 0 first).
+        -> (ctx [n,B,L,dh], lse [n,B,L]) of the current queries."""
         m = self.model
         L = q_cur.size(2)
         attn = layer.attn
@@ -144,12 +144,11 @@ class _Causal:
             pos = position_sequence(mlen + L, mlen, self.clamp_len, None, k.device)
             r = attn.rel(m.drop(sinusoid(pos, m.inv_freq).to(q_cur.dtype)))
             mask = causal_mask(L, mlen, self.select.attend, self.same_length, k.device)
-        ctx, lse = causal_attention(q_cur.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), r, m.r_w_bias,
-                                    m.r_r_bias, mask, attn.scale, attn.dropatt)
-        ctx, lse = ctx.transpose(0, 1), lse.transpose(0, 1)
-        if self.observe is not None:
+        ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, attn.scale, attn.dropatt)
+        if self.observe is not None:  # observers see batch-major [B,n,...] (megamemo/analyze.py)
             probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, attn.scale)
-            self.observe(layer=l, kind="causal", probs=probs, mlen=mlen, index=index)
+            self.observe(layer=l, kind="causal", probs=probs.transpose(0, 1), mlen=mlen,
+                         index=None if index is None else index.transpose(0, 1))
         return ctx, lse
 
 

@@ -92,11 +92,11 @@ def test_reformulated_key_uses_each_heads_query_weight():
     w_k = torch.randn(n * dh, d, generator=g)
     q = (x_q @ w_q.T).view(5, n, dh).transpose(0, 1)     # [n, 5, dh]
     k = (x_k @ w_k.T).view(7, n, dh).transpose(0, 1)     # [n, 7, dh]
-    kp = trams.reformulated_keys(k[None], w_q)[0]          # [n, 7, d]
+    kp = trams.reformulated_keys(k[:, None], w_q)[:, 0]    # [n, 7, d] (head-major [n, B=1, 7, d])
     assert torch.allclose(q @ k.transpose(-1, -2), x_q @ kp.transpose(-1, -2), atol=1e-4)
     # different heads select differently: per-head selection
-    sel = select_rows(k[None], w_q, TramsConfig(pool=7, attend=3, recent=1))
-    assert sel.shape == (1, n, 3) and (sel[..., -1] == 6).all()
+    sel = select_rows(k[:, None], w_q, TramsConfig(pool=7, attend=3, recent=1))
+    assert sel.shape == (n, 1, 3) and (sel[..., -1] == 6).all()
 
 
 @pytest.mark.parametrize("metric", ["code", "paper"])

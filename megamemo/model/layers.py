@@ -66,12 +66,6 @@ def _time_major(ctx, lse):
     return ctx.permute(2, 1, 0, 3), (None if lse is None else lse.permute(2, 1, 0))
 
 
-def _hooked(attend, q, k, v, M, r, mask):
-    """Call an `attend` hook (see MemTransformerLM.forward), which speaks batch-major [B,n,...]: views both ways."""
-    ctx, lse = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), M, r, mask)
-    return ctx.transpose(0, 1), (None if lse is None else lse.transpose(0, 1))
-
-
 class XLLayer(nn.Module):
     """Transformer-XL layer: memory = this layer's input at previous segments."""
 
@@ -91,7 +85,7 @@ class XLLayer(nn.Module):
             ctx, _ = causal_attention(q[:, :, -L:], k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
                                       lse="none")
         else:
-            ctx, _ = _hooked(attend, q[:, :, -L:], k, v, klen - L, r, mask)
+            ctx, _ = attend(q[:, :, -L:], k, v, klen - L, r, mask)
         return self.ff(self.attn.output(h, _time_major(ctx, None)[0]))
 
 
@@ -120,7 +114,7 @@ class LaMemoLayer(nn.Module):
             ctx, lse = causal_attention(q_cur, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
                                         lse="value")
         else:
-            ctx, lse = _hooked(attend, q_cur, k, v, M, r, mask)
+            ctx, lse = attend(q_cur, k, v, M, r, mask)
         ctx, lse = _time_major(ctx, lse)
         if M:
             if self.variant == "lamemo_no_lookahead":
