@@ -209,6 +209,24 @@ def test_dropout_mask_is_a_32_bit_comparison_drawn_digit_by_digit(monkeypatch, n
     assert 0 < keep.sum() < n
 
 
+def test_interpolation_guard_has_nan_to_nums_values_and_gradient():
+    """The interpolation's overflow guard (attention._NanToNum) gives torch.nan_to_num's values and gradient, bit
+    for bit, at finite, NaN and infinite entries (signed zeros included)."""
+    from megamemo.model.attention import _NanToNum
+
+    x = torch.randn(6, 5, 4)
+    x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    x[1, 2, 1] = 0.0
+    g = torch.randn_like(x)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = _NanToNum.apply(a), torch.nan_to_num(b)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(ya, yb)
+    assert torch.equal(a.grad, b.grad) and torch.equal(a.grad.signbit(), b.grad.signbit())
+    assert (a.grad[0, 0, :3] == 0).all() and torch.equal(a.grad[1:], g[1:])
+
+
 def test_relu_folded_into_the_dropout_mask_is_relu_then_dropout():
     """Dropout(relu=True) (the feed-forward's inner dropout): the same values and gradient as ReLU followed by the
     same dropout draw, with no pass of its own for the ReLU."""

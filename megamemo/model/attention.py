@@ -133,7 +133,24 @@ def interpolate(c_old, s_old, a, s_new):
     """
     alpha = memorizing_coefficient(s_old, s_new).unsqueeze(-1).float()
     merged = torch.lerp(a.float(), c_old.float(), alpha)  # alpha*c_old + (1-alpha)*a, one fused op
-    return torch.nan_to_num(merged).to(a.dtype), torch.logaddexp(s_old.float(), s_new)
+    return _NanToNum.apply(merged).to(a.dtype), torch.logaddexp(s_old.float(), s_new)
+
+
+class _NanToNum(torch.autograd.Function):
+    """torch.nan_to_num (NaN -> 0, +-inf -> +-max) with the same gradient (passed where x is finite, else 0),
+    read off x == nan_to_num(x) in one comparison written as floats. torch's own backward builds isfinite(x)
+    in three passes and converts the bool mask to floats, twice the time of the whole forward+backward here."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.nan_to_num(x)
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return torch.eq(x, y, out=torch.empty_like(g)).mul_(g)
 
 
 def memorizing_coefficient(s_old, s_new):
