@@ -1,8 +1,9 @@
 """Forward+backward+Adam step speed of lamemo, xl and rpe at one config, side by side in one run.
 
 Prints tokens/s, analytic model FLOPs per step (backward = 2x forward, counted per matmul, including the memory
-rows LaMemo recomputes and its look-ahead attention), achieved GFLOP/s, and the fp32 peak measured in the same
-run with a 1024^3 matmul, for each thread count and precision asked for; then the lamemo/xl time ratio beside
+rows LaMemo recomputes and its look-ahead attention, less the top layer's memory-row work that nothing reads),
+achieved GFLOP/s, and the fp32 peak measured in the same run with a 1024^3 matmul, for each thread count and
+precision asked for; then the lamemo/xl time ratio beside
 the analytic FLOP ratio (from the best steps, and the median of the rounds' own ratios). The step is what
 training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/allocator.py; --default-malloc
 to compare).
@@ -29,13 +30,17 @@ def forward_flops(cfg: ModelConfig, B: int, L: int, M: int) -> float:
     klen = L + M
     if cfg.lamemo:
         nk = min(M, L)
+        lookahead = 2 * M * nk * H * B * 2 + 2 * M * M * H * B   # content and values, position scores
         per_layer = (2 * klen * d * 3 * H * B            # qkv for memory and current rows
                      + 2 * (klen + M) * d * H            # r_net over past and future distances
                      + 3 * 2 * L * klen * H * B          # causal: content, position, values
-                     + 2 * M * nk * H * B * 2            # look-ahead: content and values
-                     + 2 * M * M * H * B                 # look-ahead position scores
+                     + lookahead
                      + 2 * klen * H * d * B              # o_net for memory and current rows
                      + 2 * klen * 2 * d * F * B)         # FFN for memory and current rows
+        # the top layer's memory rows feed nothing: no o_net or FFN for them, and no look-ahead when the new
+        # caches keep none of them (mem_len <= tgt_len; LaMemoLayer's mem_rows_out)
+        top_saves = 2 * M * H * d * B + 2 * M * 2 * d * F * B + (lookahead if cfg.mem_len <= L else 0)
+        return cfg.n_layer * per_layer - top_saves + 2 * L * B * d * V
     else:
         per_layer = (2 * klen * d * 3 * H * B + 2 * klen * d * H + 3 * 2 * L * klen * H * B
                      + 2 * L * H * d * B + 2 * L * 2 * d * F * B)

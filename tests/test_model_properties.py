@@ -119,6 +119,38 @@ def test_lookahead_refreshes_memory_and_trains_future_bias():
     assert model.r_r_bias_future.grad is not None and model.r_r_bias_future.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("mem_len", [4, 10])  # caches keep no memory row (mem_len <= L) / keep some of them
+def test_top_layer_skips_only_work_nothing_reads(monkeypatch, mem_len):
+    """The top LaMemo layer drops its memory rows' o_net and feed-forward (their states are thrown away), and
+    their look-ahead when the caches keep none of them. Over segments with growing memory, the NLL, the new
+    memory and every parameter's gradient equal those of the model forced to compute all of it."""
+    from megamemo.model import layers
+
+    def run(force):
+        if force:
+            forward = layers.LaMemoLayer.forward
+            monkeypatch.setattr(layers.LaMemoLayer, "forward",
+                                lambda self, *a, **k: forward(self, *a, **{**k, "mem_rows_out": True}))
+        model = tiny("lamemo", n_layer=3, tgt_len=5, mem_len=mem_len).train()
+        x = torch.randint(0, 50, (16, 3), generator=torch.Generator().manual_seed(1))
+        mem, out = None, []
+        for s in range(3):
+            nll, mem = model(x[5 * s:5 * s + 5], x[5 * s + 1:5 * s + 6], mem)
+            nll.sum().backward()
+            out.append((nll.detach(), mem))
+        monkeypatch.undo()
+        return out, {n: p.grad for n, p in model.named_parameters()}
+
+    (skipped, g_skip), (full, g_full) = run(False), run(True)
+    for (n1, m1), (n2, m2) in zip(skipped, full):
+        assert torch.allclose(n1, n2, atol=1e-6) and m1.length == m2.length
+        for k in m2.tensors:
+            assert torch.allclose(m1[k], m2[k], atol=1e-6), k
+    assert g_skip.keys() == g_full.keys()
+    for n in g_full:
+        assert g_full[n] is not None and torch.allclose(g_skip[n], g_full[n], atol=1e-6), n
+
+
 def test_bad_input_names_the_problem():
     model = tiny("lamemo")
     x = torch.randint(0, 50, (5, 2))

@@ -99,13 +99,18 @@ class LaMemoLayer(nn.Module):
         self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
         self.variant = cfg.variant
 
-    def forward(self, cat, M, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len, attend=None, observe=None):
+    def forward(self, cat, M, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len, attend=None, observe=None,
+                mem_rows_out=True):
         """cat [M+L,B,d]: the M memory rows' states at this layer, then the current rows; ctx_old [M,B,n,dh] and
         lse_old [M,B,n] (fp32) the caches; pos_emb [klen+M, d]. Returns (cat', ctx_new, lse_new): the next
         layer's rows in the same layout, and the caches (the last mem_len rows of [memory; current], detached).
-        attend / observe: see MemTransformerLM.forward."""
+        mem_rows_out=False (the top layer, whose memory rows' states nothing reads) returns only the L current
+        rows: the memory rows skip o_net and the feed-forward, and also the look-ahead and interpolation when
+        the new caches keep none of them (mem_len <= L) and nothing observes them. Values and gradients of what
+        is returned are unchanged. attend / observe: see MemTransformerLM.forward."""
         klen = cat.size(0)
         L = klen - M
+        beg = max(0, klen - mem_len)  # the new caches' first row
         dev = cat.device
         q, k, v = self.attn.heads(cat)
         q_mem, q_cur = q.split([M, L], 2)  # a split's backward is one cat; two slices would zero-fill q twice
@@ -116,7 +121,8 @@ class LaMemoLayer(nn.Module):
         else:
             ctx, lse = attend(q_cur, k, v, M, r, mask)
         ctx, lse = _time_major(ctx, lse)
-        if M:
+        first = M  # ctx, lse hold rows [first, klen)
+        if M and (mem_rows_out or beg < M or observe is not None):
             if self.variant == "lamemo_no_lookahead":
                 c_mem, s_mem = ctx_old.to(ctx.dtype), lse_old.float()
             else:
@@ -133,8 +139,11 @@ class LaMemoLayer(nn.Module):
                     observe(kind="alpha", alpha=memorizing_coefficient(lse_old, s_la).permute(1, 2, 0))
             ctx = torch.cat([c_mem, ctx], 0)  # one copy, already in o_net's row order
             lse = torch.cat([s_mem, lse], 0)
-        out = self.ff(self.attn.output(cat, ctx))
-        beg = max(0, klen - mem_len)
-        ctx_new = ctx[beg:].detach()
-        lse_new = lse[beg:].detach()
+            first = 0
+        if mem_rows_out:
+            out = self.ff(self.attn.output(cat, ctx))
+        else:
+            out = self.ff(self.attn.output(cat[M:], ctx[M - first:]))
+        ctx_new = ctx[beg - first:].detach()
+        lse_new = lse[beg - first:].detach()
         return out, ctx_new, lse_new

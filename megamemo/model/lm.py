@@ -159,11 +159,13 @@ class MemTransformerLM(nn.Module):
         emb = mem.get("emb")
         M = 0 if emb is None else emb.size(0)
         rows, new = (h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)), {}
+        top = len(self.layers) - 1
         for l, layer in enumerate(self.layers):
             ctx_old, lse_old = mem.get(f"ctx.{l}"), mem.get(f"lse.{l}")
             rows, new[f"ctx.{l}"], new[f"lse.{l}"] = layer(
-                rows, M, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len, *hooks[l])
+                rows, M, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len, *hooks[l],
+                mem_rows_out=l < top)  # the top layer's memory rows would be thrown away
         with torch.no_grad():
             cat = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
             new["emb"] = cat[max(0, cat.size(0) - mem_len):].detach()
-        return self.drop(rows[M:]), Memory(new, batch_size=h0.size(1))
+        return self.drop(rows[rows.size(0) - h0.size(0):]), Memory(new, batch_size=h0.size(1))

@@ -166,8 +166,17 @@ class LayerPipe(nn.Module):
         mask = causal_mask(L, M, mem_len, cfg.same_length, rows.device)
         if cfg.lamemo:
             vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias
+            top = l == cfg.n_layer - 1
             rows, ctx_new, lse_new = self.layer(rows, M, bank.get(mb, f"ctx.{l}"), bank.get(mb, f"lse.{l}"),
-                                                pos_emb, b.r_w_bias, b.r_r_bias, vf, mask, mem_len)
+                                                pos_emb, b.r_w_bias, b.r_r_bias, vf, mask, mem_len,
+                                                mem_rows_out=not top)
+            if top and M and cfg.future_bias:
+                # The top layer may skip the look-ahead, the only user of v+. With memory (M > 0) the lower layers
+                # give v+ a gradient, but on a last stage holding no other layer this stage's copy would get
+                # none, and DeepSpeed all-reduces tied weights' gradients only where they exist (the other
+                # stages would wait in the collective). A zero gradient keeps this copy in it: the sum, and so
+                # the update, is the single-process one. Without memory no stage's copy has a gradient.
+                rows = rows + (vf.sum() * 0).to(rows.dtype)
             bank.put(mb, f"ctx.{l}", ctx_new)
             bank.put(mb, f"lse.{l}", lse_new)
             return rows, meta
