@@ -42,7 +42,8 @@ def forward_flops(cfg: ModelConfig, B: int, L: int, M: int) -> float:
         top_saves = 2 * M * H * d * B + 2 * M * 2 * d * F * B + (lookahead if cfg.mem_len <= L else 0)
         return cfg.n_layer * per_layer - top_saves + 2 * L * B * d * V
     else:
-        per_layer = (2 * klen * d * 3 * H * B + 2 * klen * d * H + 3 * 2 * L * klen * H * B
+        per_layer = (2 * L * d * H * B + 2 * klen * d * 2 * H * B   # q for current rows, k and v for all
+                     + 2 * klen * d * H + 3 * 2 * L * klen * H * B
                      + 2 * L * H * d * B + 2 * L * 2 * d * F * B)
     return cfg.n_layer * per_layer + 2 * L * B * d * V
 

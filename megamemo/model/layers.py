@@ -5,6 +5,7 @@ import math
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from .attention import causal_attention, interpolate, lookahead_attention, memorizing_coefficient
 from .dropout import Dropout
@@ -27,6 +28,16 @@ class FeedForward(nn.Module):
         return self.layer_norm(x + self.drop(self.fc2(self.drop_inner(self.fc1(x)))))
 
 
+class FusedQKV(nn.Linear):
+    """The [Q; K; V] projection, one weight. `split(x, q_rows)` projects queries for the last q_rows rows only
+    (Transformer-XL's memory rows are never queries) and keys/values for all; the tensor-parallel form keeps
+    this method (parallel/tensor.py)."""
+
+    def split(self, x, q_rows):
+        nd = self.out_features // 3
+        return F.linear(x[x.size(0) - q_rows:], self.weight[:nd]), F.linear(x, self.weight[nd:])
+
+
 class RelAttention(nn.Module):
     """Projections of one attention block. q, k, v come from one fused weight laid out [Q; K; V], each
     head-major (feature h*d_head + e belongs to head h); `n_head` is the number of heads this module holds."""
@@ -34,7 +45,7 @@ class RelAttention(nn.Module):
     def __init__(self, d_model, n_head, d_head, dropout, dropatt, pre_lnorm):
         super().__init__()
         self.n_head, self.d_head = n_head, d_head
-        self.qkv = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
+        self.qkv = FusedQKV(d_model, 3 * n_head * d_head, bias=False)
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
         self.layer_norm = nn.LayerNorm(d_model)
@@ -43,12 +54,18 @@ class RelAttention(nn.Module):
         self.pre_lnorm = pre_lnorm
         self.scale = 1.0 / math.sqrt(d_head)
 
-    def heads(self, x):
+    def heads(self, x, q_rows=None):
         """[T, B, d] -> q, k, v each [n, B, T, dh], contiguous (one copy; time slices of them are then plain
-        strided batches for the products, never copied again)."""
+        strided batches for the products, never copied again). q_rows: queries for the last q_rows rows only."""
         T, B, _ = x.shape
-        qkv = self.qkv(self.layer_norm(x) if self.pre_lnorm else x)
-        return qkv.view(T, B, 3, self.n_head, self.d_head).permute(2, 3, 1, 0, 4).contiguous().unbind(0)
+        x = self.layer_norm(x) if self.pre_lnorm else x
+        if q_rows is None or q_rows == T:
+            qkv = self.qkv(x)
+            return qkv.view(T, B, 3, self.n_head, self.d_head).permute(2, 3, 1, 0, 4).contiguous().unbind(0)
+        q, kv = self.qkv.split(x, q_rows)
+        q = q.view(q_rows, B, self.n_head, self.d_head).permute(2, 1, 0, 3).contiguous()
+        k, v = kv.view(T, B, 2, self.n_head, self.d_head).permute(2, 3, 1, 0, 4).contiguous().unbind(0)
+        return q, k, v
 
     def rel(self, pos_emb):
         """[P, d] sinusoids -> [n, P, dh]."""
@@ -79,13 +96,12 @@ class XLLayer(nn.Module):
         L = h.size(0)
         cat = h if mem is None or mem.size(0) == 0 else torch.cat([mem, h], 0)
         klen = cat.size(0)
-        q, k, v = self.attn.heads(cat)
+        q, k, v = self.attn.heads(cat, q_rows=L)  # memory rows are keys and values only
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, _ = causal_attention(q[:, :, -L:], k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
-                                      lse="none")
+            ctx, _ = causal_attention(q, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt, lse="none")
         else:
-            ctx, _ = attend(q[:, :, -L:], k, v, klen - L, r, mask)
+            ctx, _ = attend(q, k, v, klen - L, r, mask)
         return self.ff(self.attn.output(h, _time_major(ctx, None)[0]))
 
 

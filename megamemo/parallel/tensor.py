@@ -134,6 +134,14 @@ def _mcore_layers(tp, dtype):
         def forward(self, x):
             return super().forward(x)[0]
 
+    class QKVColumn(Column):
+        """This rank's [Q; K; V] of its heads, with FusedQKV's split (queries for the last rows only)."""
+
+        def split(self, x, q_rows):
+            x = mtp.copy_to_tensor_model_parallel_region(x)  # identity; the input's gradient is all-reduced
+            nd = self.weight.size(0) // 3
+            return F.linear(x[x.size(0) - q_rows:], self.weight[:nd]), F.linear(x, self.weight[nd:])
+
     class Row(mtp.RowParallelLinear):
         def __init__(self, n_in, n_out, bias):
             super().__init__(n_in, n_out, config=cfg, init_method=init, bias=bias, input_is_parallel=True,
@@ -145,7 +153,7 @@ def _mcore_layers(tp, dtype):
     def embedding(n, d):
         return mtp.VocabParallelEmbedding(n, d, init_method=init, config=cfg)
 
-    return Column, Row, embedding
+    return Column, QKVColumn, Row, embedding
 
 
 class VocabParallelSoftmax(nn.Module):
@@ -176,10 +184,10 @@ class VocabParallelSoftmax(nn.Module):
 def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
     """In place: one XL/LaMemo layer's projections become column/row-parallel, its heads this rank's share, and
     the dropouts on split activations draw from the per-rank stream. Weights are loaded afterwards."""
-    Column, Row, _ = _mcore_layers(tp, dtype)
+    Column, QKVColumn, Row, _ = _mcore_layers(tp, dtype)
     d, nd = cfg.d_model, cfg.n_head * cfg.d_head
     a, f = layer.attn, layer.ff
-    a.qkv, a.r_net, a.o_net = Column(d, 3 * nd, False), Column(d, nd, False), Row(nd, d, False)
+    a.qkv, a.r_net, a.o_net = QKVColumn(d, 3 * nd, False), Column(d, nd, False), Row(nd, d, False)
     a.n_head = cfg.n_head // tp
     a.dropatt = ForkedDropout(cfg.dropatt)
     f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
@@ -211,7 +219,7 @@ def parallelize_tensor(model, load: bool = True):
         return model
     full = model.state_dict() if load else None
     dtype = next(model.parameters()).dtype
-    _, _, embedding = _mcore_layers(tp, dtype)
+    _, _, _, embedding = _mcore_layers(tp, dtype)
     for layer in model.layers:
         parallelize_layer(layer, cfg, tp, dtype)
     for name in ("r_w_bias", "r_r_bias", "r_r_bias_future"):
