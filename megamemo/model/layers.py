@@ -28,14 +28,19 @@ class FeedForward(nn.Module):
         return self.layer_norm(x + self.drop(self.fc2(self.drop_inner(self.fc1(x)))))
 
 
+def project_split(x, weight, q_rows):
+    """x [T, B, d] and a [Q; K; V] weight -> (queries of the last q_rows rows, [K; V] of all rows)."""
+    nd = weight.size(0) // 3
+    return F.linear(x[x.size(0) - q_rows:], weight[:nd]), F.linear(x, weight[nd:])
+
+
 class FusedQKV(nn.Linear):
     """The [Q; K; V] projection, one weight. `split(x, q_rows)` projects queries for the last q_rows rows only
     (Transformer-XL's memory rows are never queries) and keys/values for all; the tensor-parallel form keeps
     this method (parallel/tensor.py)."""
 
     def split(self, x, q_rows):
-        nd = self.out_features // 3
-        return F.linear(x[x.size(0) - q_rows:], self.weight[:nd]), F.linear(x, self.weight[nd:])
+        return project_split(x, self.weight, q_rows)
 
 
 class RelAttention(nn.Module):

@@ -23,6 +23,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from megamemo.model.dropout import Dropout
+from megamemo.model.layers import project_split
 
 from .groups import TP_RNG, rng_tracker, tp_rank_size
 
@@ -138,9 +139,8 @@ def _mcore_layers(tp, dtype):
         """This rank's [Q; K; V] of its heads, with FusedQKV's split (queries for the last rows only)."""
 
         def split(self, x, q_rows):
-            x = mtp.copy_to_tensor_model_parallel_region(x)  # identity; the input's gradient is all-reduced
-            nd = self.weight.size(0) // 3
-            return F.linear(x[x.size(0) - q_rows:], self.weight[:nd]), F.linear(x, self.weight[nd:])
+            # the input enters as megatron's column layer takes it: identity, its gradient all-reduced
+            return project_split(mtp.copy_to_tensor_model_parallel_region(x), self.weight, q_rows)
 
     class Row(mtp.RowParallelLinear):
         def __init__(self, n_in, n_out, bias):
