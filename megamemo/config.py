@@ -175,9 +175,6 @@ class RunConfig:
             pp_supported(self.model, self.parallel.pp)
         except ValueError as e:
             raise ConfigError(f"parallel: {e}") from None
-        if self.parallel.pp > 1 and self.eval.every:
-            bad("eval.every", "periodic validation under pipeline parallelism is not supported yet: set it to 0 "
-                "and evaluate a converted checkpoint (megamemo convert / eval)")
         if self.parallel.pp > 1 and self.parallel.zero_stage > 1:
             bad("parallel.zero_stage", "pipeline parallelism works with ZeRO stage 0 or 1 (DeepSpeed)")
         if self.parallel.init not in ("auto", "full", "shard"):

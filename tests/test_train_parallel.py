@@ -15,7 +15,14 @@ from megamemo.parallel.tensor import merge_memory_tensors
 from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, launch, logs, losses, run,  # noqa: F401
                              shards, tiny_cfg, wait)
 
-EXACT = ["--set", "model.dropout=0.0", "--set", "train.grad_accum=2"]   # dropout differs per TP rank by design
+EXACT = ["--set", "model.dropout=0.0", "--set", "train.grad_accum=2",   # dropout differs per TP rank by design
+         # periodic validation at its own lengths (memory 16 + 16 - 8 = 24 rows), through the stages under PP
+         "--set", "eval.every=4", "--set", "eval.tgt_len=8", "--set", "eval.max_segments=5", "--set", "eval.batch_size=4"]
+
+
+def eval_losses(run_dir) -> dict[int, tuple[float, int]]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["tokens"]) for r in recs if r["kind"] == "eval"}
 
 
 def memory_by_columns(step_dir) -> dict[int, dict[str, torch.Tensor]]:
@@ -48,6 +55,11 @@ def check_equals_single(run_dir, single, what):
     ref, got = losses(single), losses(run_dir)
     assert sorted(got) == sorted(ref) == list(range(1, 9))
     assert max(abs(got[s] - ref[s]) for s in ref) < 1e-5, (what, got, ref)
+    ref_eval, got_eval = eval_losses(single), eval_losses(run_dir)
+    assert sorted(got_eval) == sorted(ref_eval) == [4, 8], (what, got_eval)
+    for s in ref_eval:
+        assert got_eval[s][1] == ref_eval[s][1] == 5 * 8 * 4, (what, s, got_eval, ref_eval)   # every token once
+        assert abs(got_eval[s][0] - ref_eval[s][0]) < 1e-5, (what, s, got_eval, ref_eval)
     want = memory_by_columns(newest_complete(single / "checkpoints"))
     have = memory_by_columns(newest_complete(run_dir / "checkpoints"))
     assert sorted(have) == sorted(want)

@@ -71,8 +71,8 @@ class StageContext:
         self.cfg = cfg
         self.bank = MemoryBank()
         self.rel_bias = None
-        self.mem_len = cfg.mem_len
-        self.tp, self.tp_rank = tp, tp_rank
+        self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length  # validation
+        self.tp, self.tp_rank = tp, tp_rank                                   # swaps these (train/validate.py)
 
 
 def _meta(mb, M, L):
@@ -161,9 +161,9 @@ class LayerPipe(nn.Module):
         if not cfg.lamemo:
             mem = bank.get(mb, f"hid.{l}")
             M = 0 if mem is None else mem.size(0)
-        pos = position_sequence(M + L, M, cfg.clamp_len, cfg.future_positions, rows.device)
+        pos = position_sequence(M + L, M, self.ctx.clamp_len, cfg.future_positions, rows.device)
         pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(rows.dtype))
-        mask = causal_mask(L, M, mem_len, cfg.same_length, rows.device)
+        mask = causal_mask(L, M, mem_len, self.ctx.same_length, rows.device)
         if cfg.lamemo:
             vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias
             top = l == cfg.n_layer - 1

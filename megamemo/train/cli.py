@@ -122,7 +122,7 @@ def build(cfg: RunConfig, log=print):
     from megamemo.train.loop import Trainer
     from megamemo.train.metrics import Metrics
     from megamemo.train.signals import StopRequest
-    from megamemo.train.validate import Evaluator, eval_lengths
+    from megamemo.train.validate import Evaluator, PipelineEvaluator, eval_lengths
 
     stop = StopRequest()                    # from the start: a signal during start-up stops after step one
     de = dist.init()
@@ -170,9 +170,13 @@ def build(cfg: RunConfig, log=print):
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)
-        evaluator = Evaluator(cfg, lambda: open_reader(cfg, cfg.eval.split, cfg.eval.batch_size, L["tgt_len"], dp,
-                                                       dp_rank, train=False),
-                              lambda: engine.module, engine.device, de.world_size, metrics)
+        make_reader = lambda: open_reader(cfg, cfg.eval.split, cfg.eval.batch_size, L["tgt_len"], dp,  # noqa: E731
+                                          dp_rank, train=False)
+        if stage is None:
+            evaluator = Evaluator(cfg, make_reader, lambda: engine.module, engine.device, de.world_size, metrics)
+        else:
+            evaluator = PipelineEvaluator(cfg, make_reader, lambda: engine.ds, stage, engine.device, de.world_size,
+                                          metrics)
     trainer = Trainer(cfg, engine, reader, rank=de.rank, world_size=de.world_size, micro_batch=micro,
                       metrics=metrics, store=store, evaluator=evaluator, stop=stop, rank_extra=rank_extra,
                       stage=stage)

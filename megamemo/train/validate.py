@@ -10,6 +10,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megamemo.config import RunConfig
 
@@ -34,30 +35,106 @@ class Evaluator:
         self.world_size = world_size
         self.metrics = metrics
         self.lengths = eval_lengths(cfg)
+        self.replicas = cfg.parallel.tp * cfg.parallel.pp    # ranks of one DP group that count the same tokens
+
+    def segments(self):
+        for i, (inp, tgt) in enumerate(self.make_reader()):
+            if self.cfg.eval.max_segments and i >= self.cfg.eval.max_segments:
+                break
+            yield inp.to(self.device), tgt.to(self.device)
 
     @torch.no_grad()
-    def run(self, step: int) -> float:
-        t0 = time.perf_counter()
+    def score(self) -> torch.Tensor:
+        """This rank's [sum of token NLLs, tokens] (float64) over its streams of the split."""
         model = self.module_fn()
         was_training = model.training
         model.eval()
         L = self.lengths
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         mem = None
-        for i, (inp, tgt) in enumerate(self.make_reader()):
-            if self.cfg.eval.max_segments and i >= self.cfg.eval.max_segments:
-                break
-            inp, tgt = inp.to(self.device), tgt.to(self.device)
+        for inp, tgt in self.segments():
             nll, mem = model(inp, tgt, mem, mem_len=L["mem_len"], same_length=L["same_length"],
                              clamp_len=L["clamp_len"])
             total[0] += nll.float().sum(dtype=torch.float64)
             total[1] += nll.numel()
+        model.train(was_training)
+        return total
+
+    def run(self, step: int) -> float:
+        t0 = time.perf_counter()
+        total = self.score()
         if self.world_size > 1:
             dist.all_reduce(total)
-        model.train(was_training)
         loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
-        replicas = self.cfg.parallel.tp * self.cfg.parallel.pp    # ranks of one DP group score the same streams
         self.metrics.eval({"step": step, "split": self.cfg.eval.split, "loss": loss,
-                           "tokens": int(total[1]) // replicas,
-                           "seconds": time.perf_counter() - t0, **L})
+                           "tokens": int(total[1]) // self.replicas,
+                           "seconds": time.perf_counter() - t0, **self.lengths})
         return loss
+
+
+class PipelineEvaluator(Evaluator):
+    """Validation through the pipeline stages, forward only, outside DeepSpeed's schedule: each stage runs its
+    layers on a segment and hands (rows, meta) to the next with DeepSpeed's stage-to-stage p2p (a shape header
+    first: memory rows make the rows' length vary); the last stage scores the tokens. Each stage keeps the
+    validation memory of its layers in a bank of its own, with the validation lengths, and gives the training
+    bank and lengths back afterwards. Only the last stage's first TP rank counts, so the all-reduced sums hold
+    every data-parallel replica's tokens once."""
+
+    def __init__(self, cfg, make_reader, engine_fn, stage, device, world_size: int, metrics):
+        super().__init__(cfg, make_reader, lambda: engine_fn().module, device, world_size, metrics)
+        self.engine_fn, self.stage = engine_fn, stage
+        self.replicas = 1
+
+    @torch.no_grad()
+    def score(self) -> torch.Tensor:
+        from deepspeed.runtime.pipe import p2p
+
+        from megamemo.parallel.pipeline import MemoryBank
+
+        ds, ctx = self.engine_fn(), self.stage
+        module = ds.module
+        dtype = next(module.parameters()).dtype
+        was_training = module.training
+        saved = ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length
+        L = self.lengths
+        ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = (MemoryBank(), L["mem_len"], L["clamp_len"],
+                                                                 L["same_length"])
+        module.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        try:
+            for inp, tgt in self.segments():
+                if ds.is_first_stage():
+                    x = (inp, torch.zeros(3, dtype=torch.long, device=self.device))    # micro-batch 0
+                else:
+                    shape = torch.empty(3, dtype=torch.long, device=self.device)
+                    p2p.recv(shape, ds.prev_stage)
+                    rows = torch.empty(*shape.tolist(), dtype=dtype, device=self.device)
+                    meta = torch.empty(3, dtype=torch.long, device=self.device)
+                    p2p.recv(rows, ds.prev_stage)
+                    p2p.recv(meta, ds.prev_stage)
+                    x = (rows, meta)
+                out = module(x)
+                if not ds.is_last_stage():
+                    rows, meta = out
+                    p2p.send(torch.tensor(rows.shape, dtype=torch.long, device=self.device), ds.next_stage)
+                    p2p.send(rows.contiguous(), ds.next_stage)
+                    p2p.send(meta, ds.next_stage)
+                else:
+                    nll = token_nll(out, tgt, ctx.tp)    # collective over the TP ranks when tp > 1
+                    if ctx.tp_rank == 0:
+                        total[0] += nll.sum(dtype=torch.float64)
+                        total[1] += nll.numel()
+                ctx.bank.commit()
+        finally:
+            ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = saved
+            module.train(was_training)
+        return total
+
+
+def token_nll(logits: torch.Tensor, tgt: torch.Tensor, tp: int) -> torch.Tensor:
+    """Per-token NLL [L, B] fp32 of the last stage's logits (split by vocabulary across TP ranks when tp > 1)."""
+    if tp > 1:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        return vocab_parallel_cross_entropy(logits.float().clone(), tgt)
+    V = logits.size(-1)
+    return F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1), reduction="none").view(tgt.shape)
