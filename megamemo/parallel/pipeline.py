@@ -196,15 +196,24 @@ class OutBiasPipe(nn.Module):
         return logits + self.out_bias
 
 
+def token_nll(logits, labels, vocab_parallel: bool = False):
+    """Per-token NLL [L, B] fp32 of the last stage's logits [L, B, V]; vocab_parallel: logits split by vocabulary
+    across the TP ranks (megatron's vocab-parallel cross entropy, a collective)."""
+    if vocab_parallel:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        return vocab_parallel_cross_entropy(logits.float().clone(), labels)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                           reduction="none").view(labels.shape)
+
+
 def mean_nll(logits, labels):
     """The pipeline's loss_fn: mean token NLL of a micro-batch (logits [L, B, V], labels [L, B])."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+    return token_nll(logits, labels).mean()
 
 
 def mean_nll_vocab_parallel(logits, labels):
-    """The same over logits split by vocabulary across TP ranks (megatron's vocab-parallel cross entropy)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    return vocab_parallel_cross_entropy(logits.float().clone(), labels).mean()
+    """The same over logits split by vocabulary across TP ranks."""
+    return token_nll(logits, labels, vocab_parallel=True).mean()
 
 
 def check_supported(cfg, pp: int) -> None:

@@ -10,7 +10,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megamemo.config import RunConfig
 
@@ -89,7 +88,7 @@ class PipelineEvaluator(Evaluator):
     def score(self) -> torch.Tensor:
         from deepspeed.runtime.pipe import p2p
 
-        from megamemo.parallel.pipeline import MemoryBank
+        from megamemo.parallel.pipeline import MemoryBank, token_nll
 
         ds, ctx = self.engine_fn(), self.stage
         module = ds.module
@@ -120,7 +119,7 @@ class PipelineEvaluator(Evaluator):
                     p2p.send(rows.contiguous(), ds.next_stage)
                     p2p.send(meta, ds.next_stage)
                 else:
-                    nll = token_nll(out, tgt, ctx.tp)    # collective over the TP ranks when tp > 1
+                    nll = token_nll(out, tgt, vocab_parallel=ctx.tp > 1)    # collective over TP ranks
                     if ctx.tp_rank == 0:
                         total[0] += nll.sum(dtype=torch.float64)
                         total[1] += nll.numel()
@@ -130,11 +129,3 @@ class PipelineEvaluator(Evaluator):
             module.train(was_training)
         return total
 
-
-def token_nll(logits: torch.Tensor, tgt: torch.Tensor, tp: int) -> torch.Tensor:
-    """Per-token NLL [L, B] fp32 of the last stage's logits (split by vocabulary across TP ranks when tp > 1)."""
-    if tp > 1:
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-        return vocab_parallel_cross_entropy(logits.float().clone(), tgt)
-    V = logits.size(-1)
-    return F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1), reduction="none").view(tgt.shape)
