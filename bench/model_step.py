@@ -3,10 +3,9 @@
 Prints tokens/s, analytic model FLOPs per step (backward = 2x forward, counted per matmul, including the memory
 rows LaMemo recomputes and its look-ahead attention, less the top layer's memory-row work that nothing reads),
 achieved GFLOP/s, and the fp32 peak measured in the same run with a 1024^3 matmul, for each thread count and
-precision asked for; then the lamemo/xl time ratio beside
-the analytic FLOP ratio (from the best steps, and the median of the rounds' own ratios). The step is what
-training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/allocator.py; --default-malloc
-to compare).
+precision asked for; then the lamemo/xl time ratio beside the analytic FLOP ratio (from the best steps, and the
+median of the rounds' own ratios). The step is what training runs: fused Adam (optim.fused) and megamemo's
+malloc settings (megamemo/allocator.py; --default-malloc to compare).
 
     python bench/model_step.py            # 4L, d 256, 4x64, d_inner 1024, B 8, L=M=128; 1 and 2 threads; fp32, bf16
     python bench/model_step.py --threads 1 --precision fp32 --profile

@@ -71,8 +71,9 @@ class StageContext:
         self.cfg = cfg
         self.bank = MemoryBank()
         self.rel_bias = None
-        self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length  # validation
-        self.tp, self.tp_rank = tp, tp_rank                                   # swaps these (train/validate.py)
+        # the lengths the layers run with; validation swaps in its own (train/validate.py)
+        self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
+        self.tp, self.tp_rank = tp, tp_rank
 
 
 def _meta(mb, M, L):

@@ -91,7 +91,7 @@ class PipelineEvaluator(Evaluator):
         from megamemo.parallel.pipeline import MemoryBank, token_nll
 
         ds, ctx = self.engine_fn(), self.stage
-        module = ds.module
+        module = self.module_fn()
         dtype = next(module.parameters()).dtype
         was_training = module.training
         saved = ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length
