@@ -10,6 +10,7 @@ import torch
 from data_pipeline import build
 from data_pipeline.corpora import from_arrays
 from data_pipeline.vocab import Vocab
+from fixture_data import ENWIK8
 from megamemo.checkpoint.single import save_single
 from megamemo.model import MemTransformerLM, ModelConfig
 
@@ -23,9 +24,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def enwik8_slice_shards(shared: Path, out: Path, n_bytes: int = 60_000) -> Path:
-    """Byte-level shards of the first n_bytes of the enwik8 prefix, split 80/10/10, small chunks and shards."""
-    raw = np.frombuffer((shared / "data/enwik8/enwik8_prefix").read_bytes()[:n_bytes], dtype=np.uint8)
+def enwik8_slice_shards(out: Path, n_bytes: int = 60_000) -> Path:
+    """Byte-level shards of the first n_bytes of the enwik8 fixture, split 80/10/10, small chunks and shards."""
+    raw = np.frombuffer(ENWIK8.read_bytes()[:n_bytes], dtype=np.uint8)
     a, b = int(n_bytes * 0.8), int(n_bytes * 0.9)
     corpus = from_arrays({"train": raw[:a], "valid": raw[a:b], "test": raw[b:]}, Vocab.identity_bytes(), "enwik8")
     build(corpus, out, chunk_tokens=1000, shard_bytes=2000, log=lambda m: None)

@@ -80,8 +80,8 @@ def test_alpha_is_the_weight_of_the_cached_context(tmp_path):
         assert all(0.0 <= x <= 1.0 for x in got["alpha"][f"layer_{l}"])
 
 
-def test_cli_writes_plots_and_json(shared, tmp_path):
-    data = enwik8_slice_shards(shared, tmp_path / "shards")
+def test_cli_writes_plots_and_json(tmp_path):
+    data = enwik8_slice_shards(tmp_path / "shards")
     a, _ = tiny_checkpoint(tmp_path / "lamemo", "lamemo")
     b, _ = tiny_checkpoint(tmp_path / "xl", "xl")
     out = tmp_path / "an"

@@ -1,6 +1,6 @@
 """`megamemo convert import-reference`: thu-coai/LaMemo and kimiyoung/transformer-xl weights become a megamemo
 single-device checkpoint whose per-token NLL over 4 segments with memory carried equals the reference code's own
-(../shared/reference, 1e-5); a bare state_dict needs --config; bad inputs write nothing."""
+(tests/fixtures/reference, 1e-5); a bare state_dict needs --config; bad inputs write nothing."""
 from __future__ import annotations
 
 import json
@@ -10,11 +10,12 @@ import torch
 
 from megamemo.checkpoint import convert
 from megamemo.checkpoint.single import load_single
+from fixture_data import reference_file
 
 
 @pytest.mark.parametrize("name", ["lamemo_at3_tgt8_mem8", "txl_tgt8_mem8"])
-def test_imported_reference_reproduces_the_reference_nll(name, shared, tmp_path):
-    src = shared / "reference" / f"{name}.pt"
+def test_imported_reference_reproduces_the_reference_nll(name, tmp_path):
+    src = reference_file(name)
     out = tmp_path / "single"
     assert convert.main(["import-reference", str(src), "--out", str(out)]) == 0
     g = torch.load(src, weights_only=True)
@@ -28,8 +29,8 @@ def test_imported_reference_reproduces_the_reference_nll(name, shared, tmp_path)
     assert mem.length == g["config"]["mem_len"]
 
 
-def test_bare_state_dict_needs_its_constructor_config(shared, tmp_path, capsys):
-    g = torch.load(shared / "reference" / "txl_tgt8_mem8.pt", weights_only=True)
+def test_bare_state_dict_needs_its_constructor_config(tmp_path, capsys):
+    g = torch.load(reference_file("txl_tgt8_mem8"), weights_only=True)
     torch.save(g["state_dict"], tmp_path / "sd.pt")
     (tmp_path / "cfg.json").write_text(json.dumps(g["config"]))
     out = tmp_path / "single"
@@ -43,8 +44,8 @@ def test_bare_state_dict_needs_its_constructor_config(shared, tmp_path, capsys):
     assert torch.allclose(nll, g["nll"][0], atol=1e-5, rtol=0)
 
 
-def test_wrong_reference_weights_are_refused(shared, tmp_path, capsys):
-    g = torch.load(shared / "reference" / "lamemo_at3_tgt8_mem8.pt", weights_only=True)
+def test_wrong_reference_weights_are_refused(tmp_path, capsys):
+    g = torch.load(reference_file("lamemo_at3_tgt8_mem8"), weights_only=True)
     bad = dict(g, state_dict=dict(g["state_dict"], **{"layers.0.dec_attn.extra.weight": torch.zeros(2)}))
     torch.save(bad, tmp_path / "extra.pt")
     out = tmp_path / "single"

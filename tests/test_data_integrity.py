@@ -10,14 +10,15 @@ import zstandard
 
 from data_pipeline import ManifestError, ShardError, StreamReader, build, corpora, load_manifest
 from data_pipeline.cli import verify_main
+from fixture_data import ENWIK8
 
 
 @pytest.fixture
-def shard_dir(shared, tmp_path):
-    raw = tmp_path / "enwik8_300k"
-    raw.write_bytes((shared / "data/enwik8/enwik8_prefix").read_bytes()[:300_000])
+def shard_dir(tmp_path):
+    raw = tmp_path / "enwik8_200k"
+    raw.write_bytes(ENWIK8.read_bytes())
     out = tmp_path / "shards"
-    build(corpora.enwik8(raw), out, chunk_tokens=2048, shard_bytes="32K", log=lambda m: None)
+    build(corpora.enwik8(raw), out, chunk_tokens=2048, shard_bytes="16K", log=lambda m: None)
     return out
 
 

@@ -1,5 +1,6 @@
 """`megamemo prepare`: split sizes, token streams and vocabularies against plain re-computations from the raw
-files (the Transformer-XL / awd-lstm preprocessing written out directly here), on ../shared/data."""
+files (the Transformer-XL / awd-lstm preprocessing written out directly here), on the repository's text
+fixtures (tests/fixtures/text)."""
 import collections
 import glob
 import json
@@ -14,6 +15,7 @@ import zstandard
 from data_pipeline import load_manifest, load_vocab, read_split
 from data_pipeline.cli import prepare_main
 from data_pipeline.corpora import split_points
+from fixture_data import ENWIK8, TEXT8, WIKITEXT
 
 
 def prepare(*argv):
@@ -37,12 +39,12 @@ def test_split_points_standard_enwik8():
     assert r["test"][1] - r["test"][0] == r["valid"][1] - r["valid"][0] == int(n * 0.05)
 
 
-def test_enwik8_bytes_keeps_every_byte(shared, tmp_path):
-    raw_path = shared / "data/enwik8/enwik8_prefix"
+def test_enwik8_bytes_keeps_every_byte(tmp_path):
+    raw_path = ENWIK8
     raw = raw_path.read_bytes()
     n = len(raw)
     h = n * 5 // 100
-    prepare("enwik8", "--raw", raw_path, "--out", tmp_path, "--chunk-tokens", 16384, "--shard-size", "1M")
+    prepare("enwik8", "--raw", raw_path, "--out", tmp_path, "--chunk-tokens", 4096, "--shard-size", "32K")
     m = load_manifest(tmp_path)
     assert m["format_version"] == 1 and m["corpus"] == "enwik8" and m["dtype"] == "<u1"
     assert m["vocab"]["size"] == 256 and len(load_vocab(tmp_path)) == 256
@@ -55,10 +57,9 @@ def test_enwik8_bytes_keeps_every_byte(shared, tmp_path):
             assert (tmp_path / s["name"]).stat().st_size == s["bytes"]
 
 
-def test_enwik8_reference_matches_prep_enwik8(shared, tmp_path):
-    raw = (shared / "data/enwik8/enwik8_prefix").read_bytes()[:1_000_000]
-    src = tmp_path / "enwik8_1m"
-    src.write_bytes(raw)
+def test_enwik8_reference_matches_prep_enwik8(tmp_path):
+    raw = ENWIK8.read_bytes()
+    src = ENWIK8
     prepare("enwik8", "--raw", src, "--out", tmp_path / "out", "--mode", "reference")
     # prep_enwik8.py: split the raw bytes 90/5/5, write each byte as a decimal token but byte 10 as a newline;
     # Transformer-XL then reads lines, whitespace-splits, adds no <eos>: newline bytes vanish.
@@ -75,10 +76,9 @@ def test_enwik8_reference_matches_prep_enwik8(shared, tmp_path):
     assert 10 not in {int(s) for s in symbols}
 
 
-def test_text8_chars_and_reference(shared, tmp_path):
-    raw = (shared / "data/text8/text8_prefix").read_bytes()[:1_000_000]
-    src = tmp_path / "text8_1m"
-    src.write_bytes(raw)
+def test_text8_chars_and_reference(tmp_path):
+    raw = TEXT8.read_bytes()
+    src = TEXT8
     n = len(raw)
     h = n * 5 // 100
     parts = [raw[:n - 2 * h].decode(), raw[n - 2 * h:n - h].decode(), raw[n - h:].decode()]
@@ -105,27 +105,27 @@ def xl_tokenize(path):
         return [line.strip().split() + ["<eos>"] for line in f]
 
 
-def test_wikitext103_token_counts_and_vocab(shared, tmp_path):
-    wt = shared / "data/wikitext-103"
+def test_wikitext103_token_counts_and_vocab(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     for s in ("valid", "test"):
-        (raw / f"wiki.{s}.tokens").write_bytes((wt / f"wiki.{s}.tokens").read_bytes())
-    # WikiText-103 train is not on these machines: stand in the valid file as train (vocab from train only)
-    (raw / "wiki.train.tokens").write_bytes((wt / "wiki.valid.tokens").read_bytes())
+        (raw / f"wiki.{s}.tokens").write_bytes(WIKITEXT[s].read_bytes())
+    # WikiText-103 train is not in the fixtures: stand in the valid file as train (vocab from train only)
+    (raw / "wiki.train.tokens").write_bytes(WIKITEXT["valid"].read_bytes())
     prepare("wikitext-103", "--raw", raw, "--out", tmp_path / "out", "--chunk-tokens", 8192)
     m = load_manifest(tmp_path / "out")
-    assert m["splits"]["valid"]["n_tokens"] == 217_646
-    assert m["splits"]["test"]["n_tokens"] == 245_569
+    for s in ("valid", "test"):      # Transformer-XL's count: whitespace-split words plus one <eos> per line
+        lines = WIKITEXT[s].read_text(encoding="utf-8").splitlines()
+        assert m["splits"][s]["n_tokens"] == sum(len(line.split()) + 1 for line in lines) > 20_000
 
-    valid_lines = xl_tokenize(wt / "wiki.valid.tokens")
+    valid_lines = xl_tokenize(WIKITEXT["valid"])
     count = collections.Counter(w for line in valid_lines for w in line[:-1])  # count_file: no <eos>
     symbols = ["<eos>"] + [w for w, _ in count.most_common()]
     vocab = load_vocab(tmp_path / "out")
     assert vocab.symbols == symbols and m["dtype"] == "<u2"
     idx = {s: i for i, s in enumerate(symbols)}
     assert read_split(tmp_path / "out", "valid").tolist() == [idx[w] for line in valid_lines for w in line]
-    test_words = [w for line in xl_tokenize(wt / "wiki.test.tokens") for w in line]
+    test_words = [w for line in xl_tokenize(WIKITEXT["test"]) for w in line]
     unk = idx["<unk>"]
     assert read_split(tmp_path / "out", "test").tolist() == [idx.get(w, unk) for w in test_words]
     assert m["splits"]["test"]["n_unk_mapped"] == sum(w not in idx for w in test_words) > 0
@@ -183,11 +183,10 @@ def test_text_proportional_split_by_lines(tmp_path):
     assert read_split(tmp_path / "b", "valid").tobytes() == raw[cut1:cut2]
 
 
-def test_shards_are_webdataset_readable_and_reproducible(shared, tmp_path):
-    raw = tmp_path / "e"
-    raw.write_bytes((shared / "data/enwik8/enwik8_prefix").read_bytes()[:300_000])
+def test_shards_are_webdataset_readable_and_reproducible(tmp_path):
+    raw = ENWIK8
     for out in ("one", "two"):
-        prepare("enwik8", "--raw", raw, "--out", tmp_path / out, "--chunk-tokens", 4096, "--shard-size", "64K")
+        prepare("enwik8", "--raw", raw, "--out", tmp_path / out, "--chunk-tokens", 4096, "--shard-size", "32K")
     m1, m2 = (load_manifest(tmp_path / o) for o in ("one", "two"))
     assert m1["splits"] == m2["splits"]  # same bytes, same sha256: shards are deterministic
 
@@ -205,9 +204,9 @@ def test_shards_are_webdataset_readable_and_reproducible(shared, tmp_path):
     assert np.concatenate(pieces).tobytes() == raw.read_bytes()[:m1["splits"]["train"]["n_tokens"]]
 
 
-def test_python_m_data_pipeline_and_errors(shared, tmp_path):
+def test_python_m_data_pipeline_and_errors(tmp_path):
     raw = tmp_path / "t8"
-    raw.write_bytes((shared / "data/text8/text8_prefix").read_bytes()[:50_000])
+    raw.write_bytes(TEXT8.read_bytes()[:50_000])
     r = subprocess.run([sys.executable, "-m", "data_pipeline", "prepare", "text8", "--raw", str(raw),
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -8,6 +8,7 @@ import torch
 
 from data_pipeline import StreamReader, Vocab, build, corpora
 from data_pipeline.shards import SplitSource
+from fixture_data import ENWIK8, reference_file
 
 
 def xl_batches(stream: torch.Tensor, bsz: int, bptt: int, shifts=None):
@@ -27,16 +28,16 @@ def xl_batches(stream: torch.Tensor, bsz: int, bptt: int, shifts=None):
 
 
 @pytest.fixture(scope="module")
-def enwik8_dir(shared, tmp_path_factory):
+def enwik8_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("enwik8_shards")
-    build(corpora.enwik8(shared / "data/enwik8/enwik8_prefix"), out, chunk_tokens=4096, shard_bytes="256K",
+    build(corpora.enwik8(ENWIK8), out, chunk_tokens=4096, shard_bytes="16K",
           log=lambda m: None)
     return out
 
 
 @pytest.fixture(scope="module")
-def train_stream(shared):
-    raw = (shared / "data/enwik8/enwik8_prefix").read_bytes()
+def train_stream():
+    raw = ENWIK8.read_bytes()
     n = len(raw)
     return torch.tensor(np.frombuffer(raw[:n - 2 * (n * 5 // 100)], dtype=np.uint8).astype(np.int64))
 
@@ -52,9 +53,9 @@ def assert_same(batches_a, batches_b):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
-def test_reference_golden_batches(shared, tmp_path):
-    """The reference LMOrderedIterator's own output (shipped in ../shared/reference)."""
-    g = torch.load(shared / "reference/txl_tgt8_mem8.pt", weights_only=True)
+def test_reference_golden_batches(tmp_path):
+    """The reference LMOrderedIterator's own output (tests/fixtures/reference)."""
+    g = torch.load(reference_file("txl_tgt8_mem8"), weights_only=True)
     vocab = Vocab("words", [f"w{i}" for i in range(64)])
     build(corpora.from_arrays({"train": g["stream"].numpy()}, vocab), tmp_path, chunk_tokens=5,
           shard_bytes=2048, log=lambda m: None)
@@ -110,7 +111,7 @@ def test_roll_is_a_seeded_per_epoch_column_rotation(enwik8_dir, train_stream):
 
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_resume_is_exact_mid_epoch_and_across_epochs(enwik8_dir, prefetch):
-    kw = dict(batch_size=4, tgt_len=4096, roll=True, seed=5, epochs=3)
+    kw = dict(batch_size=4, tgt_len=1024, roll=True, seed=5, epochs=3)
     full = collect(StreamReader(enwik8_dir, "train", **kw))
     steps = StreamReader(enwik8_dir, "train", **kw).steps_per_epoch
     for stop in (37, steps - 1, steps, steps + 5):       # mid-epoch, last batch of epoch 0, just after, epoch 1
@@ -125,7 +126,7 @@ def test_resume_is_exact_mid_epoch_and_across_epochs(enwik8_dir, prefetch):
 
 
 def test_resume_into_another_world_size(enwik8_dir):
-    kw = dict(batch_size=6, tgt_len=3000, roll=True, seed=1, epochs=2)
+    kw = dict(batch_size=6, tgt_len=300, roll=True, seed=1, epochs=2)
     full = collect(StreamReader(enwik8_dir, "train", **kw))
     a = StreamReader(enwik8_dir, "train", **kw)
     collect(a, 100)

@@ -16,8 +16,8 @@ from eval_fixtures import one_thread, enwik8_slice_shards, reference_nll, tiny_c
 
 
 @pytest.fixture(scope="module")
-def shards(shared, tmp_path_factory):
-    return enwik8_slice_shards(shared, tmp_path_factory.mktemp("shards") / "enwik8")
+def shards(tmp_path_factory):
+    return enwik8_slice_shards(tmp_path_factory.mktemp("shards") / "enwik8")
 
 
 @pytest.mark.parametrize("variant", ["lamemo", "xl", "rpe"])

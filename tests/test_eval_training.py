@@ -23,8 +23,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNB
 
 
 @pytest.fixture(scope="module")
-def shards(shared, tmp_path_factory):
-    return enwik8_slice_shards(shared, tmp_path_factory.mktemp("shards") / "enwik8")
+def shards(tmp_path_factory):
+    return enwik8_slice_shards(tmp_path_factory.mktemp("shards") / "enwik8")
 
 
 def train(run_dir: Path, data: Path, *extra: str, procs: int = 1) -> list[dict]:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from fixture_data import ENWIK8
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 DEV_CLUSTER = REPO / "launch" / "slurm" / "dev-cluster.sh"
@@ -56,10 +58,10 @@ def read_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def shards(shared, tmp_path_factory) -> Path:
+def shards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("launch-data") / "enwik8"
     r = subprocess.run([sys.executable, "-m", "megamemo", "prepare", "enwik8", "--raw",
-                        str(shared / "data" / "enwik8" / "enwik8_prefix"), "--out", str(out), "--quiet"],
+                        str(ENWIK8), "--out", str(out), "--quiet"],
                        env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return out

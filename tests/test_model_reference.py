@@ -1,4 +1,4 @@
-"""The model against the reference implementations' own outputs (../shared/reference): per-token NLL,
+"""The model against the reference implementations' own outputs (tests/fixtures/reference): per-token NLL,
 memories, and gradients of one training step, from the same weights."""
 import subprocess
 import sys
@@ -8,14 +8,15 @@ import torch
 
 from megamemo.interop.reference import convert_state_dict, import_reference
 from megamemo.interop.score import load_reference_file
+from fixture_data import reference_file
 
 FILES = ["lamemo_at3_tgt8_mem8", "txl_tgt8_mem8"]
 TOL = 1e-5
 
 
 @pytest.fixture(params=FILES)
-def golden(request, shared):
-    return load_reference_file(str(shared / "reference" / f"{request.param}.pt"))
+def golden(request):
+    return load_reference_file(str(reference_file(request.param)))
 
 
 def ref_memory_tensors(g, mems):
@@ -95,8 +96,8 @@ def test_training_step_gradients(golden):
     check_grads(model, golden, t["grads_seg1_with_mem"], "segment 1 with memory")
 
 
-def test_reference_score_cli(shared, tmp_path):
-    src = shared / "reference" / "lamemo_at3_tgt8_mem8.pt"
+def test_reference_score_cli(tmp_path):
+    src = reference_file("lamemo_at3_tgt8_mem8")
     out = tmp_path / "scores.pt"
     r = subprocess.run([sys.executable, "-m", "megamemo", "reference-score", str(src), "--out", str(out)],
                        capture_output=True, text=True)
@@ -108,8 +109,8 @@ def test_reference_score_cli(shared, tmp_path):
         close(a, b, "reference-score NLL")
 
 
-def test_reference_file_with_unknown_key_is_refused(shared, tmp_path):
-    g = torch.load(shared / "reference" / "txl_tgt8_mem8.pt", weights_only=True)
+def test_reference_file_with_unknown_key_is_refused(tmp_path):
+    g = torch.load(reference_file("txl_tgt8_mem8"), weights_only=True)
     g["surprise"] = torch.zeros(1)
     bad = tmp_path / "bad.pt"
     torch.save(g, bad)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from megamemo.train.dist import free_port
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
+from fixture_data import ENWIK8
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,11 +37,11 @@ log: {every: 1, tensorboard: false}
 
 
 @pytest.fixture(scope="module")
-def shards(shared, tmp_path_factory) -> Path:
+def shards(tmp_path_factory) -> Path:
     from data_pipeline.cli import prepare_main
 
     out = tmp_path_factory.mktemp("shards") / "enwik8"
-    assert prepare_main(["enwik8", "--raw", str(shared / "data/enwik8/enwik8_prefix"), "--out", str(out),
+    assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(out),
                          "--quiet"]) == 0
     return out
 
@@ -350,7 +351,7 @@ def test_fp16_overflow_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_pat
 
 
 # ---- epoch boundary --------------------------------------------------------------------------------------------
-def test_new_epoch_starts_from_empty_memory(shared, tiny_cfg, tmp_path):
+def test_new_epoch_starts_from_empty_memory(tiny_cfg, tmp_path):
     """A 360-token train split: 6 steps per epoch (the last one 9 rows). Step 7 is epoch 1's first batch (rolled
     elsewhere): it must be scored with empty memory, as the reference's per-epoch train() does."""
     from data_pipeline import StreamReader
@@ -360,7 +361,7 @@ def test_new_epoch_starts_from_empty_memory(shared, tiny_cfg, tmp_path):
     from megamemo.train.engine import safe_globals
 
     raw = tmp_path / "small.txt"
-    raw.write_bytes((shared / "data/enwik8/enwik8_prefix").read_bytes()[:400])
+    raw.write_bytes(ENWIK8.read_bytes()[:400])
     small = tmp_path / "small"
     assert prepare_main(["text", "--raw", str(raw), "--out", str(small), "--quiet"]) == 0
     run_dir = tmp_path / "epochs"
