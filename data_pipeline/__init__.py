@@ -5,7 +5,8 @@ See data_pipeline/README.md. Main entry points:
     build, corpora    `megamemo prepare` in Python
     verify_shards     `megamemo verify-shards` in Python
 """
-from .shards import ManifestError, ShardError, build, load_manifest, load_vocab, read_split, verify_shards
+from .shard_reader import load_vocab, read_split, verify_shards
+from .shards import ManifestError, ShardError, build, load_manifest
 from .vocab import Vocab
 
 __all__ = ["StreamReader", "ShardError", "ManifestError", "build", "load_manifest", "load_vocab", "read_split",

@@ -6,7 +6,8 @@ import sys
 import time
 
 from . import corpora
-from .shards import ManifestError, ShardError, build, verify_shards
+from .shard_reader import verify_shards
+from .shards import ManifestError, ShardError, build
 
 CORPORA = ("enwik8", "text8", "wikitext-103", "text")
 MODES = {"enwik8": ("bytes", "reference"), "text8": ("chars", "reference")}

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import SplitSource, load_manifest
+from .shard_reader import SplitSource
+from .shards import load_manifest
 
 _END = object()
 STATE_VERSION = 1

@@ -86,6 +86,9 @@ class CheckpointConfig:
     resume: str = "auto"            # auto: newest committed one in run_dir, if any | never | a step directory
     save_at_end: bool = True
     probe: bool = True              # record a small NLL probe with each checkpoint (convert checks itself on it)
+    # copy the state to host memory, then write and commit in a background thread while training goes on (the
+    # next save, a stop and the end of training wait for it); false: the step waits for the whole write
+    async_save: bool = True
 
 
 @dataclass

@@ -1,11 +1,13 @@
-"""`megamemo convert` on real multi-process checkpoints (fp32 on CPU, gloo):
-  * TP=2, PP=2 and TP=2 x PP=2 runs convert to one single-device model whose per-token NLL over the 3 probe segments, from the
-    converted memory of the same streams, equals what the sharded model computed during training (1e-5);
-  * a checkpoint saved under TP=2 / DP=2 / PP=2 / TP=2 x PP=2 and relaid out resumes in one process: the next steps' losses and
-    the final weights equal those of the run that stayed in its layout (1e-5);
+"""`megamemo convert` and resuming under another layout, on real multi-process checkpoints (fp32 on CPU, gloo):
+  * TP=2, PP=2 and TP=2 x PP=2 runs convert to one single-device model whose per-token NLL over the 3 probe segments,
+    from the converted memory of the same streams, equals what the sharded model computed during training (1e-5);
+  * `megamemo train` started in a run directory under another layout resumes in place, resharding on load:
+    N ranks -> 1 (TP=2, DP=2, PP=2, TP=2 x PP=2), 1 -> N (TP=2, DP=2) and TP=2 -> PP=2; the next steps' losses and
+    the final weights equal those of the run that stayed in its layout (1e-5); `convert relayout` copies a checkpoint
+    into a new run directory that resumes the same way;
   * a different global batch resumes at the same fraction of the epoch with empty memory (checked by hand);
-  * broken checkpoints (missing, extra or truncated shard, wrong config, rank files that disagree, memory of the
-    wrong heads) are refused with the file named and nothing written at --out."""
+  * broken checkpoints (missing, truncated or flipped file, wrong config, a piece written twice, memory of the wrong
+    heads) are refused with the file named and nothing written at --out."""
 from __future__ import annotations
 
 import json
@@ -17,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megamemo.checkpoint import convert
+from megamemo.checkpoint.state import file_digest
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from test_train_runs import logs, losses, run, shards, tiny_cfg  # noqa: F401 (fixtures)
 
@@ -55,7 +58,7 @@ def step_dir(run_dir, step):
 
 def recorded_probe(step):
     """The probe the training run wrote (independently of the conversion code)."""
-    with safe_open(str(step / "megamemo" / "probe.safetensors"), "pt") as f:
+    with safe_open(str(step / "probe.safetensors"), "pt") as f:
         meta = json.loads(f.metadata()["probe"])
         t = {k: f.get_tensor(k) for k in f.keys()}
     return meta, [(t[f"inputs.{i}"], t[f"targets.{i}"], t[f"nll.{i}"]) for i in range(meta["segments"])]
@@ -96,31 +99,55 @@ def test_sharded_checkpoint_converts_to_the_same_model(layout, request, tmp_path
     assert all(torch.equal(in_memory.state_dict()[k], v) for k, v in sd.items())
 
 
-@pytest.mark.parametrize("layout,extra", [("tp2", []), ("dp2", ["--set", "train.grad_accum=2"]), ("pp2", []),
-                                          ("tp2pp2", [])])
-def test_resume_under_another_layout_continues_the_run(layout, extra, request, tiny_cfg, shards, tmp_path):
-    """Saved at step 3 under TP=2 / DP=2 / PP=2 / TP=2 x PP=2, resumed in one process (DP=2 -> 1 x 2 micro-batches): steps 4-6
-    and the step-6 weights equal the original run's (the same global batch)."""
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, tiny_cfg, shards):
+    return _train(tmp_path_factory, tiny_cfg, shards, "one", 1)
+
+
+def _resume_in_place(src, tmp_path, tiny_cfg, shards, n, *args):
+    """A copy of run `src` cut back to its step-3 checkpoint (as if it had stopped there), then `megamemo train`
+    in that directory on n ranks with other layout arguments."""
+    new = tmp_path / "run"
+    shutil.copytree(src, new)
+    for s in (6,):
+        shutil.rmtree(step_dir(new, s))
+    run(n, tiny_cfg, shards, new, *EXACT, *args, timeout=120 * n)
+    return new
+
+
+@pytest.mark.parametrize("layout,n,extra", [
+    ("tp2", 1, []), ("dp2", 1, ["--set", "train.grad_accum=2"]), ("pp2", 1, []), ("tp2pp2", 1, []),   # N -> 1
+    ("one", 2, ["--tp", "2"]), ("one", 2, ["--set", "train.grad_accum=2"]),                            # 1 -> N
+    ("tp2", 2, ["--pp", "2"])])                                                                         # TP -> PP
+def test_resume_in_place_under_another_layout_continues_the_run(layout, n, extra, request, tiny_cfg, shards, tmp_path):
+    """Saved at step 3 under one layout, resumed in the same run directory under another: steps 4-6 and the
+    step-6 weights equal the original run's (the same global batch)."""
     src = request.getfixturevalue(layout)
-    new = tmp_path / "relaid"
-    assert convert.main(["relayout", "--ckpt", str(step_dir(src, 3)), "--out", str(new)]) == 0
-    run(1, tiny_cfg, shards, new, *EXACT, *extra)
-    assert "layout-free checkpoint" in logs(new)
+    new = _resume_in_place(src, tmp_path, tiny_cfg, shards, n, *extra)
+    assert "resharding on load" in logs(new) and "resumed from" in logs(new)
     want, got = losses(src), losses(new)
-    assert sorted(got) == [4, 5, 6]
-    assert max(abs(got[s] - want[s]) for s in got) < 1e-5, (got, want)
+    assert sorted(got) == list(range(1, 7))
+    assert max(abs(got[s] - want[s]) for s in (4, 5, 6)) < 1e-5, (got, want)
     a, _ = convert.load_model(step_dir(src, 6))
     b, _ = convert.load_model(step_dir(new, 6))
     sa, sb = a.state_dict(), b.state_dict()
     assert max(float((sa[k] - sb[k]).abs().max()) for k in sa) < 1e-5
 
 
+def test_relayout_copies_a_checkpoint_that_resumes_under_any_layout(tp2, tiny_cfg, shards, tmp_path):
+    new = tmp_path / "relaid"
+    assert convert.main(["relayout", "--ckpt", str(step_dir(tp2, 3)), "--out", str(new)]) == 0
+    assert sorted(p.name for p in (new / "checkpoints").iterdir()) == ["step_00000003"]
+    run(1, tiny_cfg, shards, new, *EXACT)
+    assert "resharding on load" in logs(new)
+    want, got = losses(tp2), losses(new)
+    assert sorted(got) == [4, 5, 6] and max(abs(got[s] - want[s]) for s in got) < 1e-5
+
+
 def test_another_global_batch_restarts_streams_with_empty_memory(tp2, tiny_cfg, shards, tmp_path):
     from data_pipeline import StreamReader
 
-    new = tmp_path / "relaid"
-    assert convert.main(["relayout", "--ckpt", str(step_dir(tp2, 3)), "--out", str(new)]) == 0
-    run(1, tiny_cfg, shards, new, *EXACT, "--set", "data.batch_size=2")
+    new = _resume_in_place(tp2, tmp_path, tiny_cfg, shards, 1, "--set", "data.batch_size=2")
     assert "global batch 4 -> 2 streams" in logs(new)
     # by hand: the step-3 weights, the same fraction of the epoch in the 2-column cut, empty memory
     old = StreamReader(shards, "train", 4, 16).steps_per_epoch
@@ -131,47 +158,38 @@ def test_another_global_batch_restarts_streams_with_empty_memory(tp2, tiny_cfg, 
     with torch.no_grad():
         nll, _ = model(x, y, None)
     assert abs(float(nll.mean()) - losses(new)[4]) < 1e-5
-    state = json.loads((step_dir(new, 6) / "megamemo" / "rank_00000.json").read_text())["state"]["data"]
+    state = json.loads((step_dir(new, 6) / "rank_00000.json").read_text())["state"]["data"]
     assert (state["epoch"], state["step"], state["batch_size"]) == (0, pos + 3, 2)
 
 
 # ---- broken inputs ------------------------------------------------------------------------------------------------
-def _commit_sizes(step):
-    """Update the marker's file sizes, so that our own checks (not the size check) meet the damage."""
+def _recommit(step):
+    """Record the damaged files' sizes and sha256 in the marker, so that our own checks (not the checksums) meet
+    the damage."""
     marker = json.loads((step / "COMMITTED").read_text())
-    marker["files"] = {str(p.relative_to(step)): p.stat().st_size for p in sorted(step.rglob("*"))
-                       if p.is_file() and p.name != "COMMITTED"}
+    for rel in marker["files"]:
+        p = step / rel
+        marker["files"][rel] = {"bytes": p.stat().st_size, "sha256": file_digest(p)}
     (step / "COMMITTED").write_text(json.dumps(marker))
 
 
-def _damage_missing_listed(s):
-    (s / "mp_rank_01_model_states.pt").unlink()
-    return "mp_rank_01_model_states.pt"
-
-
 def _damage_missing(s):
-    (s / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
-    _commit_sizes(s)
-    return "zero_pp_rank_0_mp_rank_01_optim_states.pt: missing"
-
-
-def _damage_extra(s):
-    shutil.copyfile(s / "mp_rank_01_model_states.pt", s / "mp_rank_02_model_states.pt")
-    _commit_sizes(s)
-    return "mp_rank_02_model_states.pt: unexpected shard"
-
-
-def _damage_truncated_listed(s):
-    f = s / "mp_rank_01_model_states.pt"
-    f.write_bytes(f.read_bytes()[:1000])
-    return "mp_rank_01_model_states.pt: size"
+    (s / "rank_00001.safetensors").unlink()
+    return "rank_00001.safetensors: listed in"
 
 
 def _damage_truncated(s):
-    f = s / "mp_rank_01_model_states.pt"
+    f = s / "rank_00001.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
-    _commit_sizes(s)
-    return "mp_rank_01_model_states.pt: cannot be loaded"
+    return "rank_00001.safetensors: size"
+
+
+def _damage_flipped(s):
+    f = s / "rank_00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 1
+    f.write_bytes(bytes(data))
+    return "rank_00000.safetensors: sha256 differs"
 
 
 def _damage_config(s):
@@ -181,32 +199,41 @@ def _damage_config(s):
     return "COMMITTED: the model config does not match the weights"
 
 
-def _damage_rank_layout(s):
-    doc = json.loads((s / "megamemo" / "rank_00001.json").read_text())
-    doc["layout"]["tp_rank"] = 0
-    (s / "megamemo" / "rank_00001.json").write_text(json.dumps(doc))
-    _commit_sizes(s)
-    return "rank_00001.json: (dp, tp, pp) rank (0, 0, 0) also held by rank 0"
+def _damage_twice(s):
+    shutil.copyfile(s / "rank_00000.safetensors", s / "rank_00001.safetensors")
+    _recommit(s)
+    return "written twice"
 
 
 def _damage_memory_heads(s):
-    """The two TP ranks' per-rank tensors swapped: every file is intact, but the memory's heads are in the wrong
-    order; only the NLL check can tell."""
-    a, b = s / "megamemo" / "rank_00000.safetensors", s / "megamemo" / "rank_00001.safetensors"
-    da, db = a.read_bytes(), b.read_bytes()
-    a.write_bytes(db), b.write_bytes(da)
-    _commit_sizes(s)
+    """The two TP ranks' LaMemo context caches swapped: every file is intact and every piece well formed, but the
+    memory's heads are in the wrong order; only the NLL check can tell."""
+    from safetensors.torch import save_file
+    files = [s / f"rank_{r:05d}.safetensors" for r in range(2)]
+    data, meta = [], []
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            meta.append(h.metadata())
+            data.append({k: h.get_tensor(k) for k in h.keys()})
+    keys = [k for k in data[0] if k.startswith("memory/ctx.")]
+    assert keys
+    for k in keys:
+        data[0][k], data[1][k] = data[1][k], data[0][k]
+    for f, d, m in zip(files, data, meta):
+        save_file(d, str(f), metadata=m)
+    _recommit(s)
     return "per-token NLL differs"
 
 
-@pytest.mark.parametrize("damage", [_damage_missing_listed, _damage_missing, _damage_extra, _damage_truncated_listed,
-                                    _damage_truncated, _damage_config, _damage_rank_layout, _damage_memory_heads],
-                         ids=lambda f: f.__name__[len("_damage_"):])
+@pytest.mark.parametrize("damage", [_damage_missing, _damage_truncated, _damage_flipped, _damage_config, _damage_twice,
+                                    _damage_memory_heads], ids=lambda f: f.__name__[len("_damage_"):])
 def test_broken_checkpoint_is_refused_by_name(damage, tp2, tmp_path, capsys):
     s = tmp_path / "checkpoints" / "step_00000006"
     shutil.copytree(step_dir(tp2, 6), s)
     expect = damage(s)
-    for cmd in ("to-single", "relayout"):
+    # relayout copies what verifies (sizes, sha256); to-single also reads and checks every piece and the probe
+    checksum_level = damage in (_damage_missing, _damage_truncated, _damage_flipped)
+    for cmd in ("to-single", "relayout") if checksum_level else ("to-single",):
         out = tmp_path / f"out-{cmd}"
         assert convert.main([cmd, "--ckpt", str(s), "--out", str(out)]) == 2
         err = capsys.readouterr().err

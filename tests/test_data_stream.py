@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data_pipeline import StreamReader, Vocab, build, corpora
-from data_pipeline.shards import SplitSource
+from data_pipeline.shard_reader import SplitSource
 from fixture_data import ENWIK8, reference_file
 
 

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 
 from megamemo import evaluate
 from megamemo.checkpoint import convert
-from megamemo.checkpoint.gather import load_pt
 
 from eval_fixtures import enwik8_slice_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
@@ -62,11 +61,12 @@ def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     assert run_eval(single, shards, "--batch-size", "8")["nll"] == got["nll"]
     meta = json.loads((single / "config.json").read_text())["meta"]
     assert meta["step"] == 6 and meta["vocab"]["kind"] == "bytes" and meta["tokenizer"]["kind"] == "bytes"
-    # the weights are DeepSpeed's fp32 module weights
+    # the weights are the run's fp32 module weights, as its one rank wrote them (read here with plain safetensors)
     step_dir = run / "checkpoints" / "step_00000006"
-    module = load_pt(step_dir / "mp_rank_00_model_states.pt")["module"]
+    module = {k[len("model/"):-2]: v for k, v in load_file(str(step_dir / "rank_00000.safetensors")).items()
+              if k.startswith("model/") and k.endswith("#0")}
     sd = load_file(str(single / "model.safetensors"))
-    assert sd.keys() == module.keys() and all(torch.equal(sd[k], module[k]) for k in sd)
+    assert sd.keys() == module.keys() and all(torch.equal(sd[k], module[k].reshape(sd[k].shape)) for k in sd)
 
     # an interrupted save (no COMMITTED marker) is refused, naming it
     broken = run / "checkpoints" / "step_00000009"
@@ -87,14 +87,16 @@ def test_bf16_zero2_data_parallel_run_is_consolidated(shards, tmp_path):
     run = tmp_path / "run"
     evals = train(run, shards, "--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=2", procs=2)
     step_dir = run / "checkpoints" / "step_00000006"
-    assert len(list(step_dir.glob("*optim_states.pt"))) == 2
+    ranks = [load_file(str(step_dir / f"rank_{r:05d}.safetensors")) for r in range(2)]
+    assert all(any(k.startswith("master/") for k in t) for t in ranks)      # each rank wrote its fp32 fragments
     model, meta = convert.load_model(run)
     assert meta["precision"] == "bf16"
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    module = load_pt(step_dir / "mp_rank_00_model_states.pt")["module"]
+    module = {k[len("model/"):-2]: v for k, v in ranks[0].items() if k.startswith("model/")}   # dp rank 0's copy
     sd = model.state_dict()
-    assert all(torch.equal(sd[k].to(torch.bfloat16), v) for k, v in module.items())
-    assert any(not torch.equal(sd[k], v.float()) for k, v in module.items())  # real fp32 masters, not upcasts
+    assert sd.keys() == module.keys()
+    assert all(torch.equal(sd[k].to(torch.bfloat16), v.reshape(sd[k].shape)) for k, v in module.items())
+    assert any(not torch.equal(sd[k], v.float().reshape(sd[k].shape)) for k, v in module.items())  # not upcasts
     val = evals[-1]
     got = run_eval(run, shards, "--batch-size", "8", "--max-segments", "20", "--dtype", "bf16")
     assert got["tokens"] == val["tokens"]

@@ -8,12 +8,10 @@ import signal
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megamemo.checkpoint.store import newest_complete
-from megamemo.parallel.tensor import merge_memory_tensors
-from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, launch, logs, losses, run,  # noqa: F401
-                             shards, tiny_cfg, wait)
+from test_train_runs import (assert_no_corrupt_checkpoint, checkpoint_memory, committed_steps, launch, logs,  # noqa
+                             losses, run, shards, tiny_cfg, wait)
 
 EXACT = ["--set", "model.dropout=0.0", "--set", "train.grad_accum=2",   # dropout differs per TP rank by design
          # periodic validation at its own lengths (memory 16 + 16 - 8 = 24 rows), through the stages under PP
@@ -23,25 +21,6 @@ EXACT = ["--set", "model.dropout=0.0", "--set", "train.grad_accum=2",   # dropou
 def eval_losses(run_dir) -> dict[int, tuple[float, int]]:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: (r["loss"], r["tokens"]) for r in recs if r["kind"] == "eval"}
-
-
-def memory_by_columns(step_dir) -> dict[int, dict[str, torch.Tensor]]:
-    """{first column of a micro-batch: {memory tensor: full tensor}}, joining TP head shards and PP stages."""
-    parts: dict[int, list[tuple[int, dict]]] = {}
-    for js in sorted((step_dir / "megamemo").glob("rank_*.json")):
-        lay = json.loads(js.read_text())["layout"]
-        tensors = load_file(str(js.with_suffix(".safetensors")))
-        for k, (c0, _) in enumerate(lay["micro_batches"]):
-            pre = f"memory/mb{k}/"
-            mine = {n[len(pre):]: t for n, t in tensors.items() if n.startswith(pre) and "__" not in n}
-            parts.setdefault(c0, []).append((lay["tp_rank"], lay["pp_rank"], mine))
-    out = {}
-    for c0, ranks in parts.items():
-        by_stage: dict[int, list] = {}
-        for tp_rank, pp_rank, mine in sorted(ranks, key=lambda r: (r[1], r[0])):
-            by_stage.setdefault(pp_rank, []).append(mine)
-        out[c0] = {k: v for shards_ in by_stage.values() for k, v in merge_memory_tensors(shards_).items()}
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +39,12 @@ def check_equals_single(run_dir, single, what):
     for s in ref_eval:
         assert got_eval[s][1] == ref_eval[s][1] == 5 * 8 * 4, (what, s, got_eval, ref_eval)   # every token once
         assert abs(got_eval[s][0] - ref_eval[s][0]) < 1e-5, (what, s, got_eval, ref_eval)
-    want = memory_by_columns(newest_complete(single / "checkpoints"))
-    have = memory_by_columns(newest_complete(run_dir / "checkpoints"))
-    assert sorted(have) == sorted(want)
-    for c0 in want:
-        assert sorted(have[c0]) == sorted(want[c0])
-        for name, t in want[c0].items():
-            assert torch.allclose(have[c0][name], t, atol=1e-5), (what, c0, name)
+    # the memory after the last step, from every rank's pieces (TP head shards, PP stages), is the one-process one
+    want = checkpoint_memory(newest_complete(single / "checkpoints"))
+    have = checkpoint_memory(newest_complete(run_dir / "checkpoints"))
+    assert sorted(have.tensors) == sorted(want.tensors) and have.batch_size == want.batch_size == 4
+    for name, t in want.tensors.items():
+        assert torch.allclose(have[name], t, atol=1e-5), (what, name)
     return got
 
 

@@ -1,23 +1,15 @@
-"""Unit tests of the training system's parts that need no process group: config, rank discovery, LR schedule,
-the checkpoint registry and the commit protocol of the store."""
+"""Unit tests of the training system's parts that need no process group: config, rank discovery, LR schedule
+(the checkpoint layer's own: tests/test_checkpoint_layer.py)."""
 from __future__ import annotations
 
-import json
-import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from megamemo import config as C
-from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
-from megamemo.checkpoint.store import (CheckpointError, CheckpointStore, list_checkpoints, newest_complete,
-                                       tag_for, verify)
-from megamemo.model import Memory
 from megamemo.train import dist
 from megamemo.train.engine import lr_factor
 
@@ -141,163 +133,3 @@ def test_lr_schedule_matches_torch_cosine_and_warms_up():
     assert [lr_factor(s, 4, 50, "cosine", 0.0) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_factor(50, 4, 50, "cosine", 0.0) == 0.0 and lr_factor(70, 4, 50, "cosine", 0.0) == 0.0
     assert lr_factor(30, 4, 50, "constant", 0.0) == 1.0
-
-
-# ---- registry ----------------------------------------------------------------------------------------------
-class Box:
-    def __init__(self, value):
-        self.value = value
-
-    def state_dict(self):
-        return self.value
-
-    def load_state_dict(self, d):
-        self.value = d
-
-
-def test_registry_round_trip_is_exact_and_pickle_free(tmp_path):
-    torch.manual_seed(0)
-    mem = Memory({"emb": torch.randn(3, 2, 4).bfloat16(), "lse.0": torch.randn(3, 2, 2)}, batch_size=2)
-    mem_view = Memory({"hid.0": torch.randn(6, 4, 4)[2:5, 1:3]}, batch_size=2)     # a non-contiguous view
-    reg = StateRegistry()
-    box = Box({"memory": {"mb0": mem.state_dict(), "mb1": mem_view.state_dict()},
-               "cursor": {"epoch": 1, "step": 7, "split": "train"}, "nested": [1, 2.5, None, "x"]})
-    reg.register("box", box)
-    rng = RNGState()
-    reg.register("rng", rng)
-    counters = Counters(step=12, skipped=1)
-    reg.register("counters", counters)
-    random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    files = reg.save_rank(tmp_path, rank=0, extra={"layout": {"columns": [0, 2]}})
-    expect = (random.random(), np.random.rand(), torch.rand(3))
-
-    # the files hold no pickle: JSON + safetensors only
-    assert {f.suffix for f in files} == {".json", ".safetensors"}
-    assert json.loads((tmp_path / "rank_00000.json").read_text())["layout"] == {"columns": [0, 2]}
-
-    fresh = Box(None)
-    reg2 = StateRegistry()
-    reg2.register("box", fresh)
-    reg2.register("rng", RNGState())
-    c2 = Counters(step=0, skipped=0)
-    reg2.register("counters", c2)
-    random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    reg2.load_rank(tmp_path, rank=0)
-    assert (random.random(), np.random.rand()) == expect[:2] and torch.equal(torch.rand(3), expect[2])
-    assert c2.state_dict() == {"step": 12, "skipped": 1}
-    assert fresh.value["cursor"] == box.value["cursor"] and fresh.value["nested"] == [1, 2.5, None, "x"]
-    back = Memory.from_state_dict(fresh.value["memory"]["mb0"])
-    assert back.equal(mem) and back["emb"].dtype == torch.bfloat16
-    assert Memory.from_state_dict(fresh.value["memory"]["mb1"]).equal(mem_view)
-
-
-def test_registry_refuses_missing_entries(tmp_path):
-    reg = StateRegistry()
-    reg.register("a", Box({"x": 1}))
-    reg.save_rank(tmp_path, 0)
-    other = StateRegistry()
-    other.register("b", Box(None))
-    with pytest.raises(Exception, match="missing"):
-        other.load_rank(tmp_path, 0)
-
-
-# ---- store: commit protocol, newest complete, retention ---------------------------------------------------
-class FakeSharded:
-    """Writes a file per rank the way DeepSpeed does (into root/tag), to exercise the store without it."""
-
-    def __init__(self, rank):
-        self.rank = rank
-        self.loaded = None
-
-    def save_sharded(self, root, tag):
-        d = Path(root) / tag
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"optim_{self.rank}.bin").write_bytes(bytes(100 + self.rank))
-
-    def load_sharded(self, root, tag):
-        self.loaded = tag
-
-
-def _store(root, rank=0, world=1, keep=2, model=None, barrier=lambda: None):
-    meta = {"model": model or {"n_layer": 2}, "layout": {"dp": world}, "precision": "fp32"}
-    return CheckpointStore(root, rank, world, keep, meta, barrier=barrier)
-
-
-def _registry(rank, step):
-    reg = StateRegistry()
-    reg.register_sharded("engine", FakeSharded(rank))
-    reg.register("counters", Counters(step=step))
-    return reg
-
-
-def _save_as_two_ranks(root, step, keep=2):
-    """Two ranks as two threads with a real barrier between them, as the processes of a run."""
-    bar = threading.Barrier(2, timeout=30)
-    errors = []
-
-    def rank(r):
-        try:
-            _store(root, rank=r, world=2, keep=keep, barrier=bar.wait).save(step, _registry(r, step))
-        except Exception as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-
-
-def test_commit_protocol_and_retention(tmp_path):
-    root = tmp_path / "ckpt"
-    for step in (2, 4, 6):
-        _save_as_two_ranks(root, step)
-        info = verify(root / tag_for(step))
-        assert info["step"] == step and info["world_size"] == 2
-        assert {"megamemo/rank_00000.json", "megamemo/rank_00001.safetensors", "optim_1.bin"} <= set(info["files"])
-    assert [s for s, _, c in list_checkpoints(root) if c] == [4, 6]          # keep_last=2
-    assert newest_complete(root) == root / tag_for(6)
-    assert not list(root.rglob("*.tmp"))
-
-
-def test_rank_zero_does_not_commit_without_the_other_ranks_files(tmp_path):
-    root = tmp_path / "ckpt"
-    with pytest.raises(CheckpointError, match="rank_00001"):
-        _store(root, rank=0, world=2).save(2, _registry(0, 2))   # rank 1 never wrote (a barrier that lied)
-    assert newest_complete(root) is None
-
-
-def test_half_written_checkpoint_is_never_resumed(tmp_path):
-    root = tmp_path / "ckpt"
-    _store(root, world=1, keep=5).save(2, _registry(0, 2))
-    # a crash during the save of step 4: files written, no marker
-    FakeSharded(0).save_sharded(root, tag_for(4))
-    _registry(0, 4).save_rank(root / tag_for(4) / "megamemo", 0)
-    assert newest_complete(root) == root / tag_for(2)
-    with pytest.raises(CheckpointError, match="not committed"):
-        verify(root / tag_for(4))
-    # a committed checkpoint whose file was truncated afterwards is refused too
-    _store(root, world=1, keep=5).save(6, _registry(0, 6))
-    victim = root / tag_for(6) / "optim_0.bin"
-    victim.write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="optim_0.bin"):
-        verify(root / tag_for(6))
-    assert newest_complete(root) == root / tag_for(2)
-    # the next save of step 4 replaces the incomplete directory and commits it; step 6 is newer but broken
-    _store(root, world=1, keep=5).save(4, _registry(0, 4))
-    assert newest_complete(root) == root / tag_for(4)
-    # start-up clean-up removes never-committed directories only
-    FakeSharded(0).save_sharded(root, tag_for(8))
-    assert _store(root).remove_incomplete() == [root / tag_for(8)]
-    assert [s for s, _, c in list_checkpoints(root)] == [2, 4, 6]
-
-
-def test_different_model_is_a_clear_error(tmp_path):
-    root = tmp_path / "ckpt"
-    _store(root, model={"n_layer": 2, "d_model": 64}).save(2, _registry(0, 2))
-    other = _store(root, model={"n_layer": 2, "d_model": 128})
-    with pytest.raises(CheckpointError, match=r"model\.d_model: checkpoint 64 vs config 128"):
-        other.load(root / tag_for(2), _registry(0, 0))
-    with pytest.raises(CheckpointError, match="layout"):
-        _store(root, world=2, model={"n_layer": 2, "d_model": 64}).check_compatible(root / tag_for(2))

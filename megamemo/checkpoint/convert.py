@@ -1,145 +1,158 @@
-"""`megamemo convert`: training checkpoints of any layout -> a single-device checkpoint, or -> a layout-free
-checkpoint that training resumes under another layout; reference checkpoints -> a single-device checkpoint.
+"""`megamemo convert`: a training checkpoint of any layout -> a single-device checkpoint; a copy of one that
+training resumes from under any layout; reference checkpoints -> a single-device checkpoint.
 
     megamemo convert to-single --ckpt RUN_DIR | CHECKPOINTS_DIR | STEP_DIR --out DIR [--dtype fp32|bf16|fp16]
                                [--memory all | COLUMNS] [--data SHARD_DIR] [--no-check]
-    megamemo convert relayout --ckpt RUN_DIR | STEP_DIR --out NEW_RUN_DIR [--no-check]
+    megamemo convert relayout --ckpt RUN_DIR | STEP_DIR --out NEW_RUN_DIR
     megamemo convert import-reference FILE.pt --out DIR [--config CONSTRUCTOR.json]
 
-A run directory or checkpoints root resolves to its newest committed checkpoint; a step directory must be
-committed (its COMMITTED marker present and every listed file at its recorded size) or it is refused. The
-checkpoint is read whole (gather.py): tensor-parallel shards joined by tensor.py's rules (column, row and vocab
-partitions, [Q;K;V] per head), pipeline stages by their layer files (tied copies checked equal), ZeRO partitions
-of every data-parallel rank; bf16/fp16 runs give their fp32 masters (checked to round to the module's copies).
-A missing or extra shard, a rank file with another layout, weights whose shapes do not fit the recorded model
-config: an error naming the file, and nothing is written at --out (outputs appear by an atomic rename).
+A run directory or checkpoints root resolves to its newest committed checkpoint whose files verify (sizes and
+sha256, as recorded in its COMMITTED marker; a failing one is named and skipped); a step directory must verify or
+it is refused. Checkpoints are layout-free (pieces.py): to-single reads each global tensor whole, one at a time,
+whatever TP x PP x DP layout and ZeRO stage wrote it, and writes it into model.safetensors before reading the next
+(peak memory: one tensor, then the model once for the self-check). bf16/fp16 runs give their fp32 masters, checked
+to round to the module's copies. A missing shard, a piece that does not fit, weights whose shapes do not fit the
+recorded model config: an error naming the file, and nothing at --out (outputs appear by an atomic rename).
 
-Self-check: a training run records a probe with every checkpoint (probe.py: its first streams' next 3 segments
-and the per-token NLL the sharded model computed from the checkpoint's memory, eval mode, memory carried).
-to-single and relayout run the merged single-device model on the same segments from the merged memory of the
-same columns and compare: fp32 max |diff| <= 1e-5 per token; bf16/fp16 runs compare the model cast to the
-run's dtype (the module's own rounded weights) with max |diff| <= 0.1 and mean |diff| <= 0.01 nats per token
-(bf16 keeps 8 bits of mantissa: TP's split sums round differently). --no-check skips it; a checkpoint without a
-probe (checkpoint.probe: false) is converted with shape and consistency checks only, which is said.
+Self-check: the converted model replays the checkpoint's probe (probe.py) from the memory of the probe's columns.
+--no-check skips it; a checkpoint without a probe (checkpoint.probe: false) is converted with shape and
+consistency checks only, which is said. --memory chooses streams (global columns: `all`, `0-3,7`) whose memory goes
+to memory.safetensors (Memory state_dict form, the chosen columns in order; their list in config.json's meta).
 
---memory chooses streams (global columns: `all`, `0-3,7`) whose memory goes to memory.safetensors (Memory
-state_dict form, the chosen columns in order; their list in config.json's meta).
-
-relayout (portable.py) carries the Adam state of ZeRO 1/2 runs (fp32, bf16, fp16) and of ZeRO-0 fp32 runs; other
-optimizer layouts are refused by name. Conversion holds the full fp32 model (relayout: and its two Adam moments)
-in host memory, on one machine.
-
-`load_model(path)` is what eval / generate / analyze call: a single-device directory is loaded as is, a training
-checkpoint of any layout is converted in memory.
+relayout copies a verified checkpoint into a new run directory (training resumes in place under any layout, so
+this is only for branching a run). `load_model(path)` is what eval / generate / analyze call: a single-device
+directory as is, or a training checkpoint of any layout read into a single-device model in memory.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from megamemo.checkpoint.gather import ConvertError, TrainingCheckpoint
-from megamemo.checkpoint.single import FORMAT, SingleCheckpointError, load_single, read_config, save_single
+from megamemo.checkpoint.pieces import PieceError, ShardedReader
+from megamemo.checkpoint.probe import ProbeError, check_probe, read_probe
+from megamemo.checkpoint.single import (FORMAT, SingleCheckpointError, load_single, model_from_state_dict,
+                                        read_config, write_streaming)
+from megamemo.checkpoint.state import rank_files
+from megamemo.checkpoint.store import MARKER, CheckpointError, newest_complete, step_of, tag_for, verify
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 
-MODEL_FILE = "mp_rank_00_model_states.pt"
-TOLERANCE = {"fp32": {"max": 1e-5, "mean": 1e-5}, "bf16": {"max": 0.1, "mean": 0.01},
-             "fp16": {"max": 0.1, "mean": 0.01}}
-
-__all__ = ["ConvertError", "load_model", "to_single", "relayout", "import_reference_file", "resolve_committed"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# ---- locating a committed checkpoint ---------------------------------------------------------------------------
+class ConvertError(SingleCheckpointError):
+    """A training checkpoint that cannot be converted; the message names the directory or file."""
+
+
+# ---- locating and opening a committed checkpoint -----------------------------------------------------------
 def is_single(path: Path) -> bool:
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        return False
+    cfg = Path(path) / "config.json"
     try:
-        return json.loads(cfg.read_text()).get("format") == FORMAT
+        return cfg.is_file() and json.loads(cfg.read_text()).get("format") == FORMAT
     except ValueError:
         return False
 
 
-def resolve_committed(path) -> tuple[Path, dict]:
-    """(step directory, its COMMITTED marker) for a run dir, a checkpoints root or a step dir."""
-    from megamemo.checkpoint.store import CheckpointError, newest_complete, step_of, verify
-
+def resolve_committed(path, log=print) -> tuple[Path, dict]:
+    """(step directory, its COMMITTED marker) for a run dir, a checkpoints root or a step dir, every file verified."""
     p = Path(path)
     if not p.is_dir():
         raise ConvertError(f"{p}: not a directory")
-    if step_of(p) is not None:
-        try:
+    try:
+        if step_of(p) is not None:
             return p, verify(p)
-        except CheckpointError as e:
-            raise ConvertError(f"refusing {p}: {e}") from None
-    for cand in (p / "checkpoints", p):
-        found = newest_complete(cand)
-        if found is not None:
-            return found, verify(found)
-    raise ConvertError(f"{p}: no committed checkpoint (looked for step_* directories with a COMMITTED marker in "
+        for cand in (p / "checkpoints", p):
+            found = newest_complete(cand, checksums=True, log=log)
+            if found is not None:
+                return found, verify(found, checksums=False)
+    except CheckpointError as e:
+        raise ConvertError(f"refusing {p}: {e}") from None
+    raise ConvertError(f"{p}: no committed checkpoint (looked for step_* directories with a {MARKER} marker in "
                        f"{p / 'checkpoints'} and {p})")
 
 
-def open_checkpoint(path):
-    """A TrainingCheckpoint (any DeepSpeed layout) or a PortableCheckpoint (written by relayout)."""
-    from megamemo.checkpoint.portable import PortableCheckpoint
+class Checkpoint:
+    """A committed training checkpoint read through its pieces."""
 
-    step_dir, marker = resolve_committed(path)
-    if (marker.get("layout") or {}).get("portable"):
-        return PortableCheckpoint(step_dir, marker)
-    return TrainingCheckpoint(step_dir, marker)
+    def __init__(self, path, log=print):
+        self.dir, self.marker = resolve_committed(path, log)
+        self.where = self.dir / MARKER
+        try:
+            self.cfg = ModelConfig.from_dict(self.marker["model"], where=f"{self.where}:model")
+            world = int(self.marker["world_size"])
+            self.reader = ShardedReader([self.dir / rank_files(r)[0] for r in range(world)])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConvertError(f"{self.where}: {e}") from None
+        self.precision = self.marker.get("precision", "fp32")
+        self.layout = self.marker.get("layout") or {}
+        with torch.device("meta"):
+            self.shapes = {k: tuple(v.shape) for k, v in MemTransformerLM(self.cfg).state_dict().items()}
+        have = {n[len("model/"):] for n in self.reader.names("model/")}
+        missing, extra = sorted(set(self.shapes) - have), sorted(have - set(self.shapes))
+        bad = sorted(k for k in set(self.shapes) & have
+                     if math.prod(self.reader.shape(f"model/{k}")) != math.prod(self.shapes[k]))
+        if missing or extra or bad:
+            raise ConvertError(f"{self.where}: the model config does not match the weights: missing {missing}, "
+                               f"unexpected {extra}, wrong sizes {bad}")
 
+    def weight(self, name: str) -> torch.Tensor:
+        """One fp32 tensor of the single-device model (the fp32 master of a bf16/fp16 run, checked against the
+        module's own copy)."""
+        try:
+            module = self.reader.read(f"model/{name}").reshape(self.shapes[name])
+            if f"master/{name}" not in self.reader:
+                return module.float()
+            master = self.reader.read(f"master/{name}").reshape(self.shapes[name])
+        except PieceError as e:
+            raise ConvertError(str(e)) from None
+        if not torch.equal(master.to(module.dtype), module):
+            raise ConvertError(f"{self.dir}: the fp32 master of {name} does not round to the module's {module.dtype} "
+                               f"copy: the files do not belong together")
+        return master.float()
 
-# ---- ZeRO-0 fp32 masters (also used by gather.py) ---------------------------------------------------------------
-def _numel(shape) -> int:
-    return int(math.prod(shape))
+    def memory(self, columns: slice | None = None) -> Memory | None:
+        """The memory of global streams `columns` (all when None), or None when the checkpoint holds none."""
+        names = [n[len("memory/"):] for n in self.reader.names("memory/")]
+        if not names:
+            return None
+        B = int(self.layout.get("batch_size", self.reader.shape(f"memory/{names[0]}")[1]))
+        c0, c1, _ = (columns or slice(0, B)).indices(B)
+        out = {}
+        for n in names:
+            shape = self.reader.shape(f"memory/{n}")
+            box = ((0, shape[0]), (c0, c1), *((0, d) for d in shape[2:]))
+            try:
+                out[n] = self.reader.read(f"memory/{n}", box)
+            except PieceError as e:
+                raise ConvertError(str(e)) from None
+        return Memory(out, batch_size=c1 - c0)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: self.weight(k) for k in self.shapes}
 
-def unpartitioned_fp32(model_states: dict, where: Path) -> dict[str, torch.Tensor] | None:
-    """ZeRO stage 0 with bf16/fp16: the optimizer state inside the model file holds the fp32 master of every
-    parameter, per group in the optimizer's (= the module's parameter) order: `fp32_groups` (one tensor per
-    parameter) or `fp32_groups_flat` (one flat tensor per group)."""
-    opt = model_states.get("optimizer")
-    if not isinstance(opt, dict):
-        return None
-    buffers = set(model_states.get("buffer_names") or [])
-    names = [k for k, v in model_states["module"].items() if isinstance(v, torch.Tensor) and k not in buffers]
-    shapes = [tuple(model_states["module"][k].shape) for k in names]
-    if "fp32_groups" in opt:
-        tensors = [t for group in opt["fp32_groups"] for t in group]
-    elif "fp32_groups_flat" in opt:
-        flat = torch.cat([g.reshape(-1) for g in opt["fp32_groups_flat"]])
-        sizes = [_numel(s) for s in shapes]
-        if flat.numel() < sum(sizes):
-            raise ConvertError(f"{where}: fp32_groups_flat holds {flat.numel()} values, the module needs {sum(sizes)}")
-        tensors = list(torch.split(flat[:sum(sizes)], sizes))
-    else:
-        return None
-    if len(tensors) != len(names):
-        raise ConvertError(f"{where}: the optimizer holds {len(tensors)} fp32 master tensors for {len(names)} "
-                           f"module parameters")
-    out = {}
-    for name, shape, t in zip(names, shapes, tensors):
-        if t.numel() != _numel(shape):
-            raise ConvertError(f"{where}: fp32 master of {name} has {t.numel()} values, expected shape {shape}")
-        out[name] = t.float().reshape(shape).clone()
-    return out
+    def meta(self) -> dict:
+        return {"source": str(self.dir), "step": self.marker.get("step"), "layout": self.layout,
+                "precision": self.precision, "model_fingerprint": self.marker.get("model_fingerprint")}
 
-
-def training_state_dict(step_dir: Path, marker: dict) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """(model config, fp32 state dict, meta) of a committed checkpoint of any layout."""
-    c = TrainingCheckpoint(step_dir, marker)
-    return c.cfg, c.weights(), c.meta()
-
-
-def _build(cfg: ModelConfig, sd: dict) -> MemTransformerLM:
-    model = MemTransformerLM(cfg)
-    model.load_state_dict(sd)
-    return model.eval()
+    def self_check(self, model: MemTransformerLM, log=print) -> dict | None:
+        probe = read_probe(self.dir)
+        if probe is None:
+            log(f"[convert] {self.dir}: no probe recorded (checkpoint.probe was off): weights and memory were "
+                f"checked for completeness, shapes and consistency only")
+            return None
+        c0, c1 = probe["columns"]
+        res = check_probe(model, None if probe["empty_start"] else self.memory(slice(c0, c1)), probe,
+                          probe.get("precision", self.precision))
+        log(f"[convert] check: single-device per-token NLL over {res['segments']} segments x {res['streams']} "
+            f"streams (columns {c0}-{c1 - 1}, memory carried) vs the sharded model's: max |diff| "
+            f"{res['max_abs_diff']:.2e}, mean {res['mean_abs_diff']:.2e} ({res['precision']}, tolerance "
+            f"{res['tolerance']['max']:g})")
+        return res
 
 
 # ---- data meta -------------------------------------------------------------------------------------------------
@@ -153,59 +166,16 @@ def data_meta(data_dir) -> dict:
             "vocab": {"kind": v.kind, "symbols": v.symbols}}
 
 
-def _run_data_dir(step_dir: Path) -> Path | None:
-    """The run's data.dir from <run_dir>/config.yaml, if it is there."""
-    run_dir = step_dir.parent.parent
-    cfg = run_dir / "config.yaml"
-    if not cfg.is_file():
-        return None
+def _run_data_meta(step_dir: Path) -> dict:
+    """data_meta of the run's data.dir (from <run_dir>/config.yaml), when it is there."""
+    cfg = step_dir.parent.parent / "config.yaml"
     try:
         import yaml
 
-        d = (yaml.safe_load(cfg.read_text()) or {}).get("data", {}).get("dir")
-    except Exception:  # noqa: BLE001 - the data dir is optional information
-        return None
-    return Path(d) if d else None
-
-
-# ---- the self-check --------------------------------------------------------------------------------------------
-def check_probe(model: MemTransformerLM, memory: Memory | None, probe: dict, precision: str) -> dict:
-    """The single-device model on the probe's segments vs the sharded model's recorded NLL. Raises ConvertError
-    when it is off by more than the tolerance for the run's precision."""
-    from megamemo.checkpoint.probe import single_device_nll
-
-    c0, c1 = probe["columns"]
-    mem = None
-    if not probe["empty_start"] and memory is not None and memory.length > 0:
-        mem = memory.select_batch(slice(c0, c1))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    run = model if dtype == torch.float32 else MemTransformerLM(model.cfg).to(dtype).eval()
-    if run is not model:
-        run.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
-    got = single_device_nll(run, mem, probe)
-    diffs = torch.cat([(g - want.float()).abs().reshape(-1) for g, (_, _, want) in zip(got, probe["segments"])])
-    tol = TOLERANCE[precision]
-    res = {"segments": len(got), "streams": c1 - c0, "columns": [c0, c1], "max_abs_diff": float(diffs.max()),
-           "mean_abs_diff": float(diffs.mean()), "tolerance": tol, "precision": precision}
-    if not (res["max_abs_diff"] <= tol["max"] and res["mean_abs_diff"] <= tol["mean"]):
-        raise ConvertError(f"{probe['path']}: the converted model's per-token NLL differs from the sharded model's "
-                           f"on the recorded probe: max |diff| {res['max_abs_diff']:.3g}, mean "
-                           f"{res['mean_abs_diff']:.3g} (tolerance {tol} for {precision}); nothing written")
-    return res
-
-
-def _self_check(c, model, memory, log) -> dict | None:
-    probe = c.probe()
-    if probe is None:
-        log(f"[convert] {c.dir}: no probe recorded (checkpoint.probe was off): weights and memory were checked for "
-            f"completeness, shapes and consistency only")
-        return None
-    res = check_probe(model, memory, probe, probe.get("precision", c.precision))
-    log(f"[convert] check: single-device per-token NLL over {res['segments']} segments x {res['streams']} streams "
-        f"(columns {res['columns'][0]}-{res['columns'][1] - 1}, memory carried) vs the sharded model's: max |diff| "
-        f"{res['max_abs_diff']:.2e}, mean {res['mean_abs_diff']:.2e} ({res['precision']}, tolerance "
-        f"{res['tolerance']['max']:g})")
-    return res
+        d = (yaml.safe_load(cfg.read_text()) or {}).get("data", {}).get("dir") if cfg.is_file() else None
+        return data_meta(d) if d and (Path(d) / "manifest.json").is_file() else {}
+    except Exception:  # noqa: BLE001 - the vocabulary is a convenience for generate
+        return {}
 
 
 def parse_columns(spec: str, batch_size: int) -> list[int]:
@@ -226,24 +196,17 @@ def parse_columns(spec: str, batch_size: int) -> list[int]:
     return cols
 
 
-# ---- commands ----------------------------------------------------------------------------------------------------
+# ---- commands --------------------------------------------------------------------------------------------------
 def load_model(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
-    """A single-device checkpoint, or a committed training checkpoint converted in memory -> (model, meta)."""
+    """A single-device checkpoint, or a committed training checkpoint read in memory -> (model, meta)."""
     p = Path(path)
     if is_single(p):
         return load_single(p, map_location)
     if (p / "config.json").is_file():
         read_config(p)      # raises with the file name: a config.json that is not ours
-    c = open_checkpoint(p)
-    model = _build(c.cfg, c.weights())
-    meta = c.meta()
-    data_dir = _run_data_dir(c.dir)
-    if data_dir is not None and (data_dir / "manifest.json").is_file():
-        try:
-            meta.update(data_meta(data_dir))
-        except Exception:  # noqa: BLE001 - the vocabulary is a convenience for generate
-            pass
-    return model, meta
+    c = Checkpoint(p)
+    model = model_from_state_dict(c.cfg, c.state_dict()).to(map_location)
+    return model, {**c.meta(), **_run_data_meta(c.dir)}
 
 
 def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = None, check: bool = True,
@@ -253,104 +216,61 @@ def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = No
         raise ConvertError(f"{p}: already a single-device checkpoint")
     if out.exists():
         raise ConvertError(f"{out}: already exists; refusing to overwrite")
-    c = open_checkpoint(p)
-    sd = c.weights()
     if data and not (Path(data) / "manifest.json").is_file():
         raise ConvertError(f"--data {data}: no manifest.json")
-    model = _build(c.cfg, sd)
-    mem = c.memory() if (memory or check) else None
+    c = Checkpoint(p, log)
     meta = c.meta()
-    chosen = None
-    if memory:
-        cols = parse_columns(memory, mem.batch_size)
-        chosen = mem.select_batch(torch.tensor(cols))
-        meta["memory_columns"] = cols
-    if check:
-        meta["check"] = _self_check(c, model, mem, log)
-    data_dir = Path(data) if data else _run_data_dir(c.dir)
-    if data_dir is not None and (data_dir / "manifest.json").is_file():
-        meta.update(data_meta(data_dir))
-    elif data:
-        raise ConvertError(f"--data {data}: no manifest.json")
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    return save_single(out, c.cfg, sd, memory=chosen, meta=meta, dtype=torch_dtype)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        specs = [(k, DTYPES[dtype], shape) for k, shape in c.shapes.items()]
+        write_streaming(tmp / "model.safetensors", specs, lambda k: c.weight(k).to(DTYPES[dtype]))
+        if memory:
+            mem = c.memory()
+            if mem is None:
+                raise ConvertError(f"--memory {memory}: {c.dir} holds no memory (saved at the start of an epoch)")
+            cols = parse_columns(memory, mem.batch_size)
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in mem.select_batch(torch.tensor(cols)).state_dict().items()},
+                      str(tmp / "memory.safetensors"))
+            meta["memory_columns"] = cols
+        if check:
+            from safetensors.torch import load_file
+            model = model_from_state_dict(c.cfg, {k: v.float() for k, v in
+                                                  load_file(str(tmp / "model.safetensors")).items()})
+            meta["check"] = c.self_check(model, log)
+            del model
+        meta.update(data_meta(data) if data else _run_data_meta(c.dir))
+        doc = {"format": FORMAT, "version": 1, "model": c.cfg.to_dict(), "meta": meta}
+        (tmp / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
+        tmp.replace(out)
+    except ProbeError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConvertError(str(e)) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
-def relayout(ckpt, out, check: bool = True, log=print) -> Path:
-    """A committed checkpoint of any layout -> NEW_RUN_DIR/checkpoints/step_N, layout-free (portable.py)."""
-    from megamemo.checkpoint.portable import write_portable
-
+def relayout(ckpt, out, log=print) -> Path:
+    """A verified checkpoint copied into NEW_RUN_DIR/checkpoints/step_N (train there under any layout)."""
     out = Path(out)
     if out.exists():
         raise ConvertError(f"{out}: already exists; refusing to overwrite")
-    c = open_checkpoint(ckpt)
-    if not isinstance(c, TrainingCheckpoint):
-        raise ConvertError(f"{c.dir}: already a layout-free checkpoint (train from it directly)")
-    if check:
-        _self_check(c, _build(c.cfg, c.weights()), c.memory(), log)
-    return write_portable(c, out)
-
-
-def import_reference_file(path, out, config_path=None, log=print) -> Path:
-    """A thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device checkpoint. FILE is either a
-    dict with `state_dict` and `config` (the constructor's keyword arguments; ../shared/reference's format, whose
-    `inputs`/`targets`/`nll` are then replayed as a check) or a bare state_dict with --config JSON."""
-    from megamemo.interop.reference import ReferenceFormatError, config_from_reference, import_reference
-
-    src, out = Path(path), Path(out)
-    if out.exists():
-        raise ConvertError(f"{out}: already exists; refusing to overwrite")
+    step_dir, marker = resolve_committed(ckpt, log)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dst = tmp / "checkpoints" / tag_for(int(marker["step"]))
     try:
-        g = torch.load(src, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise ConvertError(f"{src}: not a readable weights-only torch file ({type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}). A whole pickled "
-                           f"model (the reference train.py's torch.save(model)) is refused because loading it runs "
-                           f"code: save its state_dict with the reference code first "
-                           f"(torch.save(torch.load(FILE).state_dict(), 'sd.pt')) and pass --config") from None
-    if not isinstance(g, dict):
-        raise ConvertError(f"{src}: expected a dict, got {type(g).__name__}")
-    if "state_dict" in g:
-        sd, ref_cfg = g["state_dict"], g.get("config")
-    else:
-        sd, ref_cfg = g, None
-    if sd and all(k.startswith("module.") for k in sd):     # saved from a DistributedDataParallel wrapper
-        sd = {k[len("module."):]: v for k, v in sd.items()}
-    if config_path is not None:
-        try:
-            ref_cfg = json.loads(Path(config_path).read_text())
-        except (OSError, ValueError) as e:
-            raise ConvertError(f"--config {config_path}: unreadable JSON ({e})") from None
-    if not isinstance(ref_cfg, dict):
-        raise ConvertError(f"{src}: no constructor config (a 'config' entry, or --config JSON with the "
-                           f"MemTransformerLM keyword arguments)")
-    try:
-        model = import_reference(ref_cfg, sd).eval()
-    except (ReferenceFormatError, ValueError, KeyError) as e:
-        raise ConvertError(f"{src}: {e}") from None
-    meta = {"source": str(src), "imported_from": g.get("reference") or _reference_kind(sd),
-            "reference_config": {k: v for k, v in ref_cfg.items() if isinstance(v, (int, float, bool, str, list))
-                                 or v is None}}
-    if all(k in g for k in ("inputs", "targets", "nll")):
-        mem, worst = None, 0.0
-        with torch.no_grad():
-            for x, y, want in zip(g["inputs"], g["targets"], g["nll"]):
-                nll, mem = model(x, y, mem)
-                worst = max(worst, float((nll.float() - want.float()).abs().max()))
-        if worst > 1e-5:
-            raise ConvertError(f"{src}: the imported model's NLL differs from the file's reference NLL by {worst:.3g}"
-                               f" (> 1e-5); nothing written")
-        meta["check"] = {"segments": len(g["nll"]), "max_abs_diff": worst, "tolerance": 1e-5}
-        log(f"[convert] check: imported model reproduces the reference per-token NLL over {len(g['nll'])} segments "
-            f"(max |diff| {worst:.2e})")
-    config_from_reference(ref_cfg)
-    return save_single(out, model.cfg, model.state_dict(), meta=meta)
-
-
-def _reference_kind(sd: dict) -> str:
-    if any(k.endswith("dec_attn.q_net.weight") for k in sd):
-        return "thu-coai/LaMemo"
-    return "kimiyoung/transformer-xl (or LaMemo with a fused qkv_net)"
+        shutil.copytree(step_dir, dst, ignore=shutil.ignore_patterns(MARKER))
+        shutil.copyfile(step_dir / MARKER, dst / MARKER)          # the marker last
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / "checkpoints" / dst.name
 
 
 def main(argv: list[str]) -> int:
@@ -359,15 +279,14 @@ def main(argv: list[str]) -> int:
     s = sub.add_parser("to-single", help="committed training checkpoint (any layout) -> single-device checkpoint")
     s.add_argument("--ckpt", required=True, help="run directory, its checkpoints/ directory, or a step_* directory")
     s.add_argument("--out", required=True, help="new directory for the single-device checkpoint")
-    s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    s.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     s.add_argument("--data", help="shard directory whose tokenizer/vocabulary to record (default: the run's)")
     s.add_argument("--memory", help="streams whose memory to write: 'all' or global columns like 0-3,7")
     s.add_argument("--no-check", action="store_true", help="skip the self-check on the recorded probe")
-    r = sub.add_parser("relayout", help="committed checkpoint -> layout-free checkpoint that `megamemo train` "
-                                        "resumes under any tp/pp/dp")
+    r = sub.add_parser("relayout", help="copy a committed checkpoint into a new run directory (training resumes "
+                                        "from it under any tp/pp/dp)")
     r.add_argument("--ckpt", required=True, help="run directory, its checkpoints/ directory, or a step_* directory")
-    r.add_argument("--out", required=True, help="new run directory (train there with the new layout)")
-    r.add_argument("--no-check", action="store_true", help="skip the self-check on the recorded probe")
+    r.add_argument("--out", required=True, help="new run directory")
     i = sub.add_parser("import-reference", help="thu-coai/LaMemo or kimiyoung/transformer-xl weights -> "
                                                 "single-device checkpoint")
     i.add_argument("file", help=".pt with {state_dict, config} (or a bare state_dict with --config)")
@@ -378,11 +297,15 @@ def main(argv: list[str]) -> int:
         if a.cmd == "to-single":
             out = to_single(a.ckpt, a.out, a.dtype, a.data, a.memory, check=not a.no_check)
         elif a.cmd == "relayout":
-            out = relayout(a.ckpt, a.out, check=not a.no_check)
+            out = relayout(a.ckpt, a.out)
         else:
+            from megamemo.interop.importer import import_reference_file
             out = import_reference_file(a.file, a.out, a.config)
-    except (SingleCheckpointError, ValueError, OSError) as e:
+    except (SingleCheckpointError, CheckpointError, PieceError, ValueError, OSError) as e:
         print(f"megamemo convert: error: {e}", file=sys.stderr)
         return 2
     print(f"[convert] wrote {out}", flush=True)
     return 0
+
+
+__all__ = ["ConvertError", "Checkpoint", "load_model", "to_single", "relayout", "resolve_committed"]

@@ -1,138 +1,50 @@
-"""The probe a training run records with each checkpoint, so that a conversion can check itself.
+"""The conversion self-check: a checkpoint's probe (recorded by train/probe.py) read back and replayed on a
+single-device model.
 
-At a save every rank runs, in eval mode and without gradients, its first P streams (P = 2, or 1 when a micro-batch
-has an odd number of streams) over the next 3 segments of their own text, starting from the memory the
-checkpoint holds for them (empty at the start of an epoch), with memory carried from segment to segment:
-  * no pipeline: every rank calls its (TP-sharded) module, so the TP ranks of a group run the forward together;
-  * pipeline: DeepSpeed's eval schedule (one micro-batch of the P streams) on every stage, with the stage's
-    memory banks swapped for the probe's and restored afterwards; the last stage takes the NLL from the logits
-    (under TP x PP its TP ranks together, from their vocabulary shards).
-Rank (dp 0, tp 0, last stage) writes megamemo/probe.safetensors: the inputs, targets and per-token NLL [L, P] of
-each segment, with the global columns and data positions in the metadata. Nothing the training uses changes: no
-RNG is drawn (eval mode), the reader's position and the committed memory are untouched.
-
-`megamemo convert to-single` runs the converted single-device model on the same segments, starting from the
-converted memory of the same columns, and compares the NLL (fp32: 1e-5; bf16/fp16: see convert.py).
-Cost: 3 forward passes of P streams per checkpoint.
+A probe is the first P streams' next SEGMENTS segments and the per-token NLL the sharded model computed for them
+from the checkpoint's memory (eval mode, memory carried). A converted model must reproduce it from the memory of the
+same columns: fp32 within 1e-5 per token; bf16/fp16 runs compare the model cast to the run's dtype with max |diff|
+<= 0.1 and mean |diff| <= 0.01 nats (bf16 keeps 8 bits of mantissa: TP's split sums round differently).
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from safetensors import safe_open
 
-from megamemo.checkpoint.gather import PROBE_FILE
-from megamemo.model import Memory
+from megamemo.model import Memory, MemTransformerLM
 
+PROBE_FILE = "probe.safetensors"
 SEGMENTS = 3
+TOLERANCE = {"fp32": {"max": 1e-5, "mean": 1e-5}, "bf16": {"max": 0.1, "mean": 0.01},
+             "fp16": {"max": 0.1, "mean": 0.01}}
 
 
-def probe_streams(micro_batch: int) -> int:
-    return 2 if micro_batch % 2 == 0 else 1
+class ProbeError(ValueError):
+    """An unreadable probe, or a converted model that does not reproduce it; names the file."""
 
 
-def _positions(cursor: dict, steps_per_epoch: int) -> tuple[list[tuple[int, int]], bool]:
-    """The next SEGMENTS (epoch, step) positions and whether memory starts empty (a new epoch)."""
-    epoch, step = int(cursor["epoch"]), int(cursor["step"])
-    n = min(SEGMENTS, steps_per_epoch)
-    if step >= steps_per_epoch or step + n > steps_per_epoch:
-        epoch, step = epoch + 1, 0
-    return [(epoch, step + i) for i in range(n)], step == 0
-
-
-def _reader(cfg, first_column: int, P: int):
-    from data_pipeline import StreamReader
-
-    B = cfg.data.batch_size
-    return StreamReader(cfg.data.dir, cfg.data.split, B, cfg.model.tgt_len, B // P, first_column // P,
-                        roll=cfg.data.roll, seed=cfg.data.seed, epochs=None, prefetch=0,
-                        block_tokens=max(SEGMENTS + 1, 4) * cfg.model.tgt_len * P)
-
-
-@torch.no_grad()
-def record_probe(trainer) -> dict:
-    """Collective over all ranks (called from Trainer.save). -> {relative path: writer} for the writing rank."""
-    cfg, lay = trainer.cfg, trainer.rank_extra.get("layout", {})
-    c0 = int(lay.get("micro_batches", [[0, trainer.micro_batch]])[0][0])
-    P = probe_streams(trainer.micro_batch)
-    reader = _reader(cfg, c0, P)
+def read_probe(step_dir: Path) -> dict | None:
+    """The probe recorded at this checkpoint, or None when the run recorded none (checkpoint.probe: false)."""
+    path = Path(step_dir) / PROBE_FILE
+    if not path.is_file():
+        return None
     try:
-        positions, empty = _positions(trainer.cursor.state, reader.steps_per_epoch)
-        batches = [reader.get_batch(e, s) for e, s in positions]
-    finally:
-        reader.close()
-    device = trainer.engine.device
-    batches = [(x.to(device), y.to(device)) for x, y in batches]
-    if trainer.stage is None:
-        nlls = _run_module(trainer, batches, P, empty)
-    else:
-        nlls = _run_pipeline(trainer, batches, P, empty)
-    writer = (lay.get("dp_rank", 0) == 0 and lay.get("tp_rank", 0) == 0
-              and lay.get("pp_rank", 0) == lay.get("pp", 1) - 1)
-    if not writer:
-        return {}
-    tensors = {}
-    for i, ((x, y), nll) in enumerate(zip(batches, nlls)):
-        tensors[f"inputs.{i}"] = x.cpu().clone()          # views of one buffer: safetensors wants their own
-        tensors[f"targets.{i}"] = y.cpu().clone()
-        tensors[f"nll.{i}"] = nll.float().cpu().clone()
-    meta = {"format": "megamemo-probe", "version": 1, "step": trainer.counters.step, "columns": [c0, c0 + P],
-            "positions": positions, "empty_start": empty, "segments": len(batches),
-            "precision": cfg.precision.dtype, "layout": {k: lay.get(k) for k in ("dp", "tp", "pp")}}
-
-    def write(path):
-        from safetensors.torch import save_file
-        save_file(tensors, str(path), metadata={"probe": json.dumps(meta)})
-
-    return {PROBE_FILE: write}
-
-
-def _run_module(trainer, batches, P, empty) -> list[torch.Tensor]:
-    module = trainer.engine.module
-    mem = None if empty else trainer.memory.mems[0].select_batch(slice(0, P))
-    if mem is not None and mem.length == 0:
-        mem = None
-    was = module.training
-    module.eval()
-    out = []
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("probe", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001
+        raise ProbeError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    n = int(meta.get("segments", 0))
     try:
-        for x, y in batches:
-            nll, mem = module(x, y, mem)
-            out.append(nll)
-    finally:
-        module.train(was)
-    return out
-
-
-def _run_pipeline(trainer, batches, P, empty) -> list[torch.Tensor]:
-    bank, ds = trainer.stage.bank, trainer.engine.ds
-    saved_current, saved_pending = bank.current, bank.pending
-    start = {} if empty else {n: t[:, :P] for n, t in saved_current.get(0, {}).items()}
-    bank.current, bank.pending = ({0: start} if start else {}), {}
-    was = ds.module.training
-    out = []
-    try:
-        for x, y in batches:
-            res = ds.eval_batch(iter([((x, torch.tensor([0, 0, 0])), y)]), return_logits=True, compute_loss=True,
-                                bcast_loss=False, num_micro_batches=1)
-            bank.commit()
-            logits = res[1] if isinstance(res, tuple) else None
-            if ds.is_last_stage():
-                out.append(_token_nll(logits, y, int(trainer.rank_extra.get("layout", {}).get("tp", 1))))
-    finally:
-        bank.current, bank.pending = saved_current, saved_pending
-        ds.module.train(was)
-    return out
-
-
-def _token_nll(logits, y, tp: int) -> torch.Tensor:
-    """Per-token NLL [L, B] from the last stage's logits; under TP they hold this rank's vocabulary rows and the
-    TP ranks of the stage compute it together (megatron's vocab-parallel cross entropy)."""
-    if tp > 1:
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-        return vocab_parallel_cross_entropy(logits.float().clone(), y)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none").view_as(y)
+        segs = [(tensors[f"inputs.{i}"], tensors[f"targets.{i}"], tensors[f"nll.{i}"]) for i in range(n)]
+    except KeyError as e:
+        raise ProbeError(f"{path}: tensor {e} missing") from None
+    if n == 0:
+        raise ProbeError(f"{path}: no segments recorded")
+    return {**meta, "segments": segs, "path": path}
 
 
 def single_device_nll(model, memory: Memory | None, probe: dict) -> list[torch.Tensor]:
@@ -144,3 +56,23 @@ def single_device_nll(model, memory: Memory | None, probe: dict) -> list[torch.T
             nll, mem = model(x, y, mem)
             out.append(nll.float())
     return out
+
+
+def check_probe(model: MemTransformerLM, memory: Memory | None, probe: dict, precision: str) -> dict:
+    """The single-device model (fp32) on the probe's segments vs the sharded model's recorded NLL; `memory` holds
+    the probe's columns. Raises ProbeError when it is off by more than the tolerance for the run's precision."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    run = model if dtype == torch.float32 else MemTransformerLM(model.cfg).to(dtype).eval()
+    if run is not model:
+        run.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
+    got = single_device_nll(run, memory, probe)
+    diffs = torch.cat([(g - want.float()).abs().reshape(-1) for g, (_, _, want) in zip(got, probe["segments"])])
+    tol = TOLERANCE[precision]
+    c0, c1 = probe["columns"]
+    res = {"segments": len(got), "streams": c1 - c0, "columns": [c0, c1], "max_abs_diff": float(diffs.max()),
+           "mean_abs_diff": float(diffs.mean()), "tolerance": tol, "precision": precision}
+    if not (res["max_abs_diff"] <= tol["max"] and res["mean_abs_diff"] <= tol["mean"]):
+        raise ProbeError(f"{probe['path']}: the converted model's per-token NLL differs from the sharded model's on "
+                         f"the recorded probe: max |diff| {res['max_abs_diff']:.3g}, mean {res['mean_abs_diff']:.3g} "
+                         f"(tolerance {tol} for {precision}); nothing written")
+    return res

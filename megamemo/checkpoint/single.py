@@ -10,8 +10,11 @@ and load_state_dict(safetensors.torch.load_file(...))).
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -46,6 +49,48 @@ def save_single(out_dir, model_cfg: ModelConfig, state_dict: dict, memory: Memor
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     os.replace(tmp, out)
     return out
+
+
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                    produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file written one tensor at a time: the header (names, dtypes, shapes, offsets) first, then
+    each tensor as `produce(name)` returns it. Peak memory is one tensor, where safetensors' own save_file wants
+    every tensor at once (a whole 7B model in host memory). The format: 8 bytes of little-endian header length,
+    the JSON header padded with spaces to 8 bytes, then the data; safetensors' loaders read the result."""
+    header, offset = {}, 0
+    for name, dtype, shape in specs:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, dtype, shape in specs:
+            t = produce(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise SingleCheckpointError(f"{path}: {name} came as {t.dtype} {list(t.shape)}, the header says "
+                                            f"{dtype} {list(shape)}")
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> MemTransformerLM:
+    """The model holding the tensors of `sd` themselves (built on the meta device: no second copy in memory)."""
+    from megamemo.model.positions import inv_freq
+
+    with torch.device("meta"):
+        model = MemTransformerLM(cfg)
+    model.load_state_dict(sd, assign=True)
+    model.inv_freq = inv_freq(cfg.d_model).to(next(iter(sd.values())).device)
+    return model.eval()
 
 
 def read_config(path) -> tuple[ModelConfig, dict]:

@@ -1,23 +1,22 @@
-"""Checkpoint directories, the commit protocol, newest-complete lookup and retention.
+"""Checkpoint directories: the commit protocol, checksums, newest-verified lookup, retention, asynchronous saves.
 
 Layout (`root` is `<run_dir>/checkpoints`):
-    root/step_00000200/                       one checkpoint (the DeepSpeed tag is the directory name)
-        mp_rank_00_model_states.pt            DeepSpeed's sharded files (model, optimizer, LR scheduler, scaler)
-        zero_pp_rank_<r>_mp_rank_00_optim_states.pt  (ZeRO 1/2; bf16_... under bf16)
-        megamemo/rank_<r>.json                per-rank state: data cursor, counters, RNG, layout (JSON)
-        megamemo/rank_<r>.safetensors         per-rank tensors: memory of each micro-batch, torch RNG state
-        COMMITTED                             written last, by rank 0, atomically: the checkpoint's manifest
-A directory without COMMITTED is incomplete (a crash while saving) and is never loaded; the newest committed
-one is. DeepSpeed's own `latest` file is not written and never consulted.
+    root/step_00000200/
+        rank_<r>.safetensors   rank r's pieces of the global tensors (pieces.py) and its rank-local tensors
+        rank_<r>.json          rank r's JSON state, layout, and the size + sha256 of its other files (written last)
+        probe.safetensors      the conversion self-check (train/probe.py), from one rank
+        COMMITTED              written last, by rank 0, atomically: step, layout, model config, and every file
+                               with its size and sha256
+A directory without COMMITTED is an interrupted save: never loaded, removed at the next start. A committed one whose
+files do not match their recorded size or sha256 is moved aside (`step_N.corrupt`, never deleted) and the next
+newest is used, saying so.
 
-Save (collective):  1. every rank: sharded savers (DeepSpeed), then its per-rank files (tmp + fsync + rename)
-                    2. barrier
-                    3. rank 0 checks every rank's files are there, writes COMMITTED.tmp (step, world size,
-                       model fingerprint, every file with its size), fsyncs, renames it to COMMITTED, fsyncs the
-                       directory; then deletes committed checkpoints beyond the newest K and stale incomplete ones
-                    4. barrier
-A crash before 3's rename leaves a directory without COMMITTED; a resume skips it and a later save of the same
-step replaces it.
+Save (collective). Every rank copies its state to host memory (the only part the step waits for when
+`checkpoint.async_save` is on), then writes its files (tmp + fsync + rename; the rank JSON last). Rank 0 waits for
+every rank's JSON, writes COMMITTED.tmp, fsyncs and renames it, then applies retention (a removed checkpoint loses
+its COMMITTED marker first, so a half-removed one is never taken for committed). A crash anywhere before the
+rename leaves the previous checkpoint the newest. With async saves the writing and the commit run in a background
+thread; the next save, a stop and the end of training wait for it.
 """
 from __future__ import annotations
 
@@ -25,15 +24,17 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-from megamemo.checkpoint.state import StateRegistry, _write_atomic, read_json, write_json_atomic
+from megamemo.checkpoint.state import (LoadContext, Snapshot, StateRegistry, file_digest, rank_files, read_json,
+                                       save_snapshot, write_json_atomic)
 
 MARKER = "COMMITTED"
-RANK_DIR = "megamemo"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "batch_size", "grad_accum", "zero_stage")
 
 
 class CheckpointError(RuntimeError):
@@ -45,54 +46,84 @@ def tag_for(step: int) -> str:
 
 
 def step_of(path: Path) -> int | None:
-    m = _STEP_RE.match(path.name)
+    m = _STEP_RE.match(Path(path).name)
     return int(m.group(1)) if m else None
 
 
 def read_marker(step_dir: Path) -> dict:
-    marker = step_dir / MARKER
+    marker = Path(step_dir) / MARKER
     if not marker.is_file():
         raise CheckpointError(f"{step_dir}: not committed (no {MARKER} marker): an interrupted save")
     return read_json(marker, CheckpointError)
 
 
-def verify(step_dir: Path) -> dict:
-    """The marker of a committed checkpoint whose files are all present with their recorded sizes."""
+def check_file(step_dir: Path, rel: str, entry: dict, checksum: bool = True) -> None:
+    p = Path(step_dir) / rel
+    if not p.is_file():
+        raise CheckpointError(f"{p}: listed in {Path(step_dir) / MARKER} but missing")
+    if p.stat().st_size != entry["bytes"]:
+        raise CheckpointError(f"{p}: size {p.stat().st_size} differs from the committed {entry['bytes']} (truncated?)")
+    if checksum and file_digest(p) != entry["sha256"]:
+        raise CheckpointError(f"{p}: sha256 differs from the one committed in {Path(step_dir) / MARKER}: the file "
+                              f"changed after it was written (corrupt)")
+
+
+def verify(step_dir: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> dict:
+    """The marker of a committed checkpoint whose files are present at their recorded sizes and, with checksums,
+    sha256. share=(i, n): only every n-th file from the i-th (ranks verify a checkpoint together)."""
     info = read_marker(step_dir)
-    for rel, size in info.get("files", {}).items():
-        p = step_dir / rel
-        if not p.is_file():
-            raise CheckpointError(f"{p}: listed in {step_dir / MARKER} but missing")
-        if p.stat().st_size != size:
-            raise CheckpointError(f"{p}: size {p.stat().st_size} differs from the committed {size} (truncated?)")
+    if info.get("format") != 2 or not isinstance(info.get("files"), dict):
+        raise CheckpointError(f"{Path(step_dir) / MARKER}: not a megamemo checkpoint of format 2 (format "
+                              f"{info.get('format')!r})")
+    for rel in sorted(info["files"])[share[0]::share[1]]:
+        check_file(step_dir, rel, info["files"][rel], checksums)
     return info
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path, bool]]:
     """(step, directory, committed) for every step directory under root, oldest first."""
+    root = Path(root)
     if not root.is_dir():
         return []
-    out = []
-    for p in root.iterdir():
-        s = step_of(p)
-        if s is not None and p.is_dir():
-            out.append((s, p, (p / MARKER).is_file()))
+    out = [(step_of(p), p, (p / MARKER).is_file()) for p in root.iterdir() if step_of(p) is not None and p.is_dir()]
     return sorted(out)
 
 
-def newest_complete(root: Path) -> Path | None:
-    """The newest committed checkpoint whose files verify; incomplete ones are skipped (with a note)."""
+def newest_complete(root: Path, checksums: bool = False, log=print) -> Path | None:
+    """The newest committed checkpoint whose files verify (sizes; sha256 too with checksums), saying what it
+    skipped. Reads only: resuming moves bad ones aside (CheckpointStore.select)."""
     for step, path, committed in reversed(list_checkpoints(root)):
         if not committed:
-            print(f"[checkpoint] skipping {path}: never committed (interrupted save)", flush=True)
+            log(f"[checkpoint] skipping {path}: never committed (interrupted save)")
             continue
         try:
-            verify(path)
+            verify(path, checksums)
         except CheckpointError as e:
-            print(f"[checkpoint] skipping {path}: {e}", flush=True)
+            log(f"[checkpoint] skipping {path}: {e}")
             continue
         return path
     return None
+
+
+def move_aside(step_dir: Path) -> Path:
+    """Rename a checkpoint that failed verification so it is no longer a step directory (kept for inspection)."""
+    target = step_dir.with_name(step_dir.name + ".corrupt")
+    n = 1
+    while target.exists():
+        n += 1
+        target = step_dir.with_name(f"{step_dir.name}.corrupt{n}")
+    os.replace(step_dir, target)
+    _fsync_dir(step_dir.parent)
+    return target
+
+
+def remove_checkpoint(step_dir: Path) -> None:
+    """Delete a checkpoint: its COMMITTED marker first (durably), so a crash midway leaves an uncommitted dir."""
+    marker = step_dir / MARKER
+    if marker.exists():
+        marker.unlink()
+        _fsync_dir(step_dir)
+    shutil.rmtree(step_dir, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -108,134 +139,248 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def describe_layout(lay: dict) -> str:
+    return (f"tp={lay.get('tp', 1)} pp={lay.get('pp', 1)} dp={lay.get('dp')} ({lay.get('world_size')} ranks, "
+            f"grad_accum {lay.get('grad_accum', 1)}, batch {lay.get('batch_size')}, ZeRO {lay.get('zero_stage')})")
+
+
+class _Collectives:
+    """The few collectives the store needs, over torch.distributed when a process group is up."""
+
+    def __init__(self, barrier: Callable[[], None]):
+        self.barrier = barrier
+
+    @staticmethod
+    def _dist():
+        import torch.distributed as dist
+        return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+    def broadcast(self, obj):
+        dist = self._dist()
+        if dist is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj) -> list:
+        dist = self._dist()
+        if dist is None:
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+
 class CheckpointStore:
     def __init__(self, root: Path, rank: int, world_size: int, keep_last: int, meta: dict,
-                 barrier: Callable[[], None]):
+                 barrier: Callable[[], None], async_save: bool = False, commit_timeout_s: float = 3600.0,
+                 log: Callable[[str], None] = print):
         self.root = Path(root)
-        self.rank = rank
-        self.world_size = world_size
+        self.rank, self.world_size = rank, world_size
         self.keep_last = keep_last
-        self.meta = meta            # model config + fingerprint, layout, precision...: checked on resume
-        self.barrier = barrier
+        self.meta = meta            # model config + fingerprint, layout, precision: recorded, checked on resume
+        self.comm = _Collectives(barrier)
+        self.async_save = async_save
+        self.commit_timeout_s = commit_timeout_s
+        self.log = log if rank == 0 else (lambda *a, **k: None)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         # Fault injection for the crash tests: MEGAMEMO_FAULT_KILL_IN_SAVE="STEP:RANK" makes that rank SIGKILL
-        # itself after writing its files of that step, before the commit (a half-written checkpoint).
+        # itself while saving that step, its tensors written but not its rank JSON (a half-written checkpoint).
         fault = os.environ.get("MEGAMEMO_FAULT_KILL_IN_SAVE", "")
         self._kill_at = tuple(int(x) for x in fault.split(":")) if fault else None
 
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
              files: dict[str, Callable[[Path], None]] | None = None) -> Path:
-        """files: {path relative to the step directory: writer(path)} this rank adds (e.g. the conversion probe);
-        written atomically before the commit, so the marker lists them with their sizes."""
-        tag = tag_for(step)
-        step_dir = self.root / tag
+        """Collective. files: {name: writer(path)} this rank adds to the step directory (e.g. the probe)."""
+        self.wait()
+        step_dir = self.root / tag_for(step)
+        self.comm.barrier()             # every rank's previous save is written, and rank 0 has committed it
+        if (step_dir / MARKER).is_file():   # e.g. the final save right after a periodic one (all ranks see it)
+            return step_dir
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-        already = (step_dir / MARKER).is_file()
-        self.barrier()
-        if already:                     # e.g. the final save right after a periodic one
-            return step_dir
-        if self.rank == 0 and step_dir.exists():
-            print(f"[checkpoint] removing incomplete {step_dir} before saving it again", flush=True)
-            shutil.rmtree(step_dir)
-        self.barrier()
-        t0 = time.time()
-        for saver in registry.sharded.values():
-            saver.save_sharded(self.root, tag)
-        registry.save_rank(step_dir / RANK_DIR, self.rank, extra=rank_extra)
-        for rel, write in (files or {}).items():
-            (step_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(step_dir / rel, write)
-        if self._kill_at == (step, self.rank):
-            print(f"[fault] rank {self.rank} kills itself while saving step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.barrier()
-        if self.rank == 0:
-            self._commit(step, step_dir)
-            self._retain()
-        self.barrier()
-        if self.rank == 0:
-            print(f"[checkpoint] committed {step_dir} ({time.time() - t0:.1f}s)", flush=True)
+            if step_dir.exists():
+                self.log(f"[checkpoint] removing incomplete {step_dir} before saving it again")
+                shutil.rmtree(step_dir)
+        self.comm.barrier()
+        t0 = time.perf_counter()
+        snap = registry.snapshot(self.rank, {"step": step, **(rank_extra or {})})
+        snap.files = dict(files or {})
+        stall = time.perf_counter() - t0
+        if self.async_save:
+            self._thread = threading.Thread(target=self._write_and_commit, args=(snap, step, step_dir, t0, stall),
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(snap, step_dir, step)
+            self.comm.barrier()
+            if self.rank == 0:
+                self._commit(step, step_dir, wait_s=0.0)
+                self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s, synchronous)")
+            self.comm.barrier()
         return step_dir
 
-    def _commit(self, step: int, step_dir: Path) -> None:
-        rank_dir = step_dir / RANK_DIR
-        missing = [f"rank_{r:05d}.{ext}" for r in range(self.world_size) for ext in ("json", "safetensors")
-                   if not (rank_dir / f"rank_{r:05d}.{ext}").is_file()]
-        if missing:
-            raise CheckpointError(f"{rank_dir}: files of other ranks are missing after the barrier: {missing}")
+    def _write(self, snap: Snapshot, step_dir: Path, step: int) -> None:
+        def fault():
+            if self._kill_at == (step, self.rank):
+                print(f"[fault] rank {self.rank} kills itself while saving step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        save_snapshot(snap, step_dir, before_done=fault)
+
+    def _write_and_commit(self, snap: Snapshot, step: int, step_dir: Path, t0: float, stall: float) -> None:
+        try:
+            self._write(snap, step_dir, step)
+            if self.rank == 0:
+                self._commit(step, step_dir, wait_s=self.commit_timeout_s)
+                self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s in the background, "
+                         f"training stalled {stall:.2f}s)")
+        except BaseException as e:  # noqa: BLE001 - reported by wait() on the main thread
+            self._error = e
+
+    def wait(self) -> None:
+        """Finish this rank's background write (rank 0: and its commit); re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise CheckpointError(f"background checkpoint write failed: {e}") from e
+
+    def finish(self) -> None:
+        """Before exiting: every rank's pending save committed (collective)."""
+        self.wait()
+        self.comm.barrier()
+
+    def _commit(self, step: int, step_dir: Path, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
         files = {}
-        for p in sorted(step_dir.rglob("*")):
-            if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp"):
-                files[str(p.relative_to(step_dir))] = p.stat().st_size
-        info = {"format": 1, "step": step, "tag": step_dir.name, "world_size": self.world_size,
+        for r in range(self.world_size):
+            js = step_dir / rank_files(r)[1]
+            while not js.is_file():
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{js}: missing: rank {r} did not finish writing step {step} "
+                                          f"(not committed)")
+                time.sleep(0.05)
+            doc = read_json(js, CheckpointError)
+            files.update(doc["files"])
+            files[js.name] = {"bytes": js.stat().st_size, "sha256": file_digest(js)}
+        info = {"format": 2, "step": step, "tag": step_dir.name, "world_size": self.world_size,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files, **self.meta}
-        for sub in (rank_dir, step_dir):
-            _fsync_dir(sub)
+        _fsync_dir(step_dir)
         write_json_atomic(step_dir / MARKER, info)
         _fsync_dir(step_dir)
+        self._retain()
 
     def _retain(self) -> None:
         ckpts = list_checkpoints(self.root)
-        committed = [(s, p) for s, p, c in ckpts if c]
-        for s, p in committed[: max(0, len(committed) - self.keep_last)]:
-            shutil.rmtree(p, ignore_errors=True)
+        committed = [p for _, p, c in ckpts if c]
+        for p in committed[: max(0, len(committed) - self.keep_last)]:
+            remove_checkpoint(p)
         if committed:
-            newest = committed[-1][0]
+            newest = step_of(committed[-1])
             for s, p, c in ckpts:
                 if not c and s < newest:          # an interrupted save that a newer commit superseded
                     shutil.rmtree(p, ignore_errors=True)
 
     def remove_incomplete(self) -> list[Path]:
-        """Delete never-committed step directories (interrupted saves). Rank 0 calls this at start-up, when no
-        rank of this run is writing; a later save of the same step would replace them anyway."""
+        """Delete never-committed step directories (interrupted saves). Rank 0 calls this at start-up, holding
+        the run directory's lock, when no rank of this run is writing."""
         removed = []
-        for s, p, committed in list_checkpoints(self.root):
+        for _, p, committed in list_checkpoints(self.root):
             if not committed:
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
         return removed
 
-    # ---- load --------------------------------------------------------------------------------------------
-    def resolve(self, resume: str) -> Path | None:
-        """The checkpoint to resume from: `auto` = newest complete under root (or none), `never`, or a path."""
+    # ---- choosing what to resume from ---------------------------------------------------------------------
+    def select(self, resume: str) -> Path | None:
+        """Collective: the checkpoint to resume from. `auto`: the newest committed one under root whose files
+        all verify (every rank checks the sha256 of a share of the files); one that fails is moved aside, named,
+        and the next newest is tried. `never`: none. A path: that checkpoint (or a run / checkpoints directory's
+        newest), which must verify."""
         if resume == "never":
             return None
-        if resume == "auto":
-            return newest_complete(self.root)
-        p = Path(resume)
-        if not p.is_dir():
-            raise CheckpointError(f"checkpoint.resume: {p} is not a directory")
-        if step_of(p) is None:          # a checkpoints root or a run dir: take its newest complete one
-            for cand in (p / "checkpoints", p):
-                found = newest_complete(cand)
-                if found is not None:
-                    return found
-            raise CheckpointError(f"checkpoint.resume: no committed checkpoint under {p}")
-        verify(p)
-        return p
+        explicit = None if resume == "auto" else Path(resume)
+        if explicit is not None and not explicit.is_dir():
+            raise CheckpointError(f"checkpoint.resume: {explicit} is not a directory")
+        while True:
+            cand = None
+            if self.rank == 0:
+                if explicit is not None and step_of(explicit) is not None:
+                    cand = str(explicit)
+                else:
+                    roots = [self.root] if explicit is None else [explicit / "checkpoints", explicit]
+                    cand = self._newest_sized(roots, may_move=explicit is None)
+                    if cand is None and explicit is not None:
+                        cand = f"!no committed checkpoint under {explicit}"
+            cand = self.comm.broadcast(cand)
+            if cand is None:
+                return None
+            if cand.startswith("!"):
+                raise CheckpointError(f"checkpoint.resume: {cand[1:]}")
+            path = Path(cand)
+            try:
+                verify(path, checksums=True, share=(self.rank, self.world_size))
+                problem = ""
+            except CheckpointError as e:
+                problem = str(e)
+            problems = [p for p in self.comm.all_gather(problem) if p]
+            if not problems:
+                return path
+            if explicit is not None or path.parent != self.root:
+                raise CheckpointError(f"checkpoint.resume: {problems[0]}")
+            if self.rank == 0:
+                aside = move_aside(path)
+                self.log(f"[checkpoint] {problems[0]}; moved {path.name} aside to {aside.name} and trying the "
+                         f"next newest checkpoint")
+            self.comm.barrier()
 
-    def check_compatible(self, step_dir: Path) -> dict:
-        """The marker of `step_dir`, after checking it was written by the same model and layout."""
-        info = verify(step_dir)
-        portable = bool((info.get("layout") or {}).get("portable"))   # convert relayout: loads into any layout
-        saved_model = info.get("model", {})
-        want_model = self.meta.get("model", {})
+    def _newest_sized(self, roots: list[Path], may_move: bool) -> str | None:
+        """Rank 0: the newest committed checkpoint whose files are all there at their sizes (checksums come next,
+        shared by the ranks); in this run's own root a committed one that fails is moved aside."""
+        for root in roots:
+            for _, path, committed in reversed(list_checkpoints(root)):
+                if not committed:
+                    self.log(f"[checkpoint] skipping {path}: never committed (interrupted save)")
+                    continue
+                try:
+                    verify(path, checksums=False)
+                    return str(path)
+                except CheckpointError as e:
+                    if not may_move:
+                        self.log(f"[checkpoint] skipping {path}: {e}")
+                        continue
+                    aside = move_aside(path)
+                    self.log(f"[checkpoint] {e}; moved {path.name} aside to {aside.name}")
+        return None
+
+    def check_compatible(self, step_dir: Path) -> tuple[dict, bool, str]:
+        """(marker, same layout?, a line saying what changed) after checking the model config is the same."""
+        info = read_marker(step_dir)
+        saved_model, want_model = info.get("model", {}), self.meta.get("model", {})
         if saved_model != want_model:
             diffs = [f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {want_model.get(k)!r}"
                      for k in sorted(set(saved_model) | set(want_model)) if saved_model.get(k) != want_model.get(k)]
             raise CheckpointError(f"{step_dir} was saved from a different model config: " + "; ".join(diffs))
-        for key in () if portable else ("layout", "precision"):
-            if key in self.meta and info.get(key) != self.meta[key]:
-                raise CheckpointError(
-                    f"{step_dir}: {key} differs (checkpoint {info.get(key)} vs this run {self.meta[key]}); "
-                    f"resuming under another {key} needs a layout-free checkpoint: megamemo convert relayout "
-                    f"--ckpt {step_dir} --out NEW_RUN_DIR, then train in NEW_RUN_DIR")
-        return info
+        old, new = info.get("layout") or {}, self.meta.get("layout") or {}
+        same = all(old.get(k) == new.get(k) for k in LAYOUT_KEYS)
+        notes = []
+        if not same:
+            notes.append(f"saved under {describe_layout(old)}, resuming under {describe_layout(new)}: resharding on "
+                         f"load")
+            if old.get("batch_size") != new.get("batch_size"):
+                notes.append(f"global batch {old.get('batch_size')} -> {new.get('batch_size')} streams: every stream "
+                             f"restarts with empty memory")
+        if info.get("precision") != self.meta.get("precision"):
+            notes.append(f"precision {info.get('precision')} -> {self.meta.get('precision')} (from the fp32 masters)")
+        return info, same, "; ".join(notes)
 
-    def load(self, step_dir: Path, registry: StateRegistry) -> dict:
-        info = self.check_compatible(step_dir)
-        for saver in registry.sharded.values():
-            saver.load_sharded(step_dir.parent, step_dir.name)
-        doc = registry.load_rank(step_dir / RANK_DIR, self.rank)
-        return {"marker": info, "rank": doc}
+    def load(self, step_dir: Path, registry: StateRegistry, log=print) -> dict:
+        info, same, note = self.check_compatible(step_dir)
+        if note:
+            self.log(f"[checkpoint] {step_dir.name}: {note}")
+        return registry.load(step_dir, self.rank, lambda reader: LoadContext(reader, same, info, log))

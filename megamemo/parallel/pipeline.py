@@ -62,6 +62,10 @@ class MemoryBank:
             mb, name = key.split("/", 1)
             self.current.setdefault(int(mb[2:]), {})[name] = t.clone()
 
+    def replace(self, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+        """The committed memory becomes `tensors` ({micro-batch: {name: tensor}}); nothing pending."""
+        self.current, self.pending = {k: dict(v) for k, v in tensors.items()}, {}
+
 
 class StageContext:
     """Per-process objects the pipe layers of one stage share: its memory bank, the current RelBias module, and
@@ -324,3 +328,45 @@ def stage_to_single(cfg, module, stage_sd: dict) -> dict:
     """This stage's state_dict -> single-device names (for conversion / comparison)."""
     inv = {v: k for k, v in single_to_stage_names(cfg, module).items()}
     return {inv[k]: v for k, v in stage_sd.items() if k in inv}
+
+
+def pipe_to_single(cfg, key: str) -> str:
+    """A pipeline stage's parameter name ('tied_modules.embed.weight', '4.layer.attn.qkv.weight') -> the
+    single-device name."""
+    n = cfg.n_layer
+    if key.startswith("tied_modules.embed."):
+        idx, rest = 0, key[len("tied_modules.embed."):]
+    elif key.startswith("tied_modules.relbias."):
+        idx, rest = 1, key[len("tied_modules.relbias."):]
+    else:
+        head, _, rest = key.partition(".")
+        if not head.isdigit():
+            raise ValueError(f"{key}: not a pipeline parameter name")
+        idx = int(head)
+    if idx in (0, 2 * n + 1) and rest == "weight":
+        return "word_emb.emb_layers.0.weight"
+    if idx == 2 * n + 2 and rest == "out_bias":
+        return "crit.out_bias"
+    if 1 <= idx < 2 * n + 1 and idx % 2 == 1 and rest in ("r_w_bias", "r_r_bias", "r_r_bias_future"):
+        return rest
+    if 2 <= idx <= 2 * n and idx % 2 == 0 and rest.startswith("layer."):
+        return f"layers.{(idx - 2) // 2}.{rest[len('layer.'):]}"
+    raise ValueError(f"{key}: no single-device parameter for pipe layer {idx} (n_layer={n})")
+
+
+def stage_owns(pp_rank: int, single: str) -> bool:
+    """Whether this stage writes `single` to a checkpoint: every stage holds the tied relative biases, and the first
+    and last the tied embedding; their copies (and Adam states) are equal, so only the first stage writes them."""
+    shared = single in ("word_emb.emb_layers.0.weight", "r_w_bias", "r_r_bias", "r_r_bias_future")
+    return pp_rank == 0 or not shared
+
+
+def stage_memory_names(cfg, pp: int, stage: int) -> list[str]:
+    """The memory tensors a pipeline stage keeps: its layers' (ctx.l, lse.l | hid.l) and, first stage, LaMemo's emb."""
+    b = stage_bounds(cfg.n_layer, pp, 2 * cfg.n_layer + 3)
+    layers = [l for l in range(cfg.n_layer) if b[stage] <= 2 + 2 * l < b[stage + 1]]
+    if not cfg.has_memory:
+        return []
+    if cfg.lamemo:
+        return (["emb"] if stage == 0 else []) + [f"{k}.{l}" for l in layers for k in ("ctx", "lse")]
+    return [f"hid.{l}" for l in layers]

@@ -88,6 +88,51 @@ def merge_tensors(key, parts, rules=_RULES):
     return torch.cat(parts, dim)
 
 
+def global_box(key, local_shape, rank, tp):
+    """How this TP rank's tensor `key` (single-device name, local shape) sits in the layout-free global tensor:
+    (global shape, box, the view of the local tensor that fills the box). A per-head [Q;K;V] projection is
+    described as [3, n*dh, d] at any tp (rank r's heads of Q, K and V are then one box); every other split tensor
+    is its single-device shape, cut on its split dimension; replicated tensors are whole."""
+    shape = tuple(int(n) for n in local_shape)
+    rule = _rule(key)
+    if rule is None:
+        return shape, tuple((0, n) for n in shape), shape
+    dim, qkv = rule
+    if qkv:
+        per = shape[0] // 3
+        view = (3, per, *shape[1:])
+        return ((3, per * tp, *shape[1:]), ((0, 3), (rank * per, (rank + 1) * per), *((0, n) for n in shape[1:])),
+                view)
+    glob = list(shape)
+    glob[dim] *= tp
+    box = [(0, n) for n in shape]
+    box[dim] = (rank * shape[dim], (rank + 1) * shape[dim])
+    return tuple(glob), tuple(box), shape
+
+
+def memory_box(name, local_shape, first_column, batch_size, rank, tp):
+    """(global shape, box) of one micro-batch's memory tensor [M, b, ...] holding global streams
+    [first_column, first_column + b) and, for the per-head caches (ctx.*, lse.*), this TP rank's heads."""
+    M, b, *tail = (int(n) for n in local_shape)
+    glob, box = [M, batch_size, *tail], [(0, M), (first_column, first_column + b), *((0, n) for n in tail)]
+    rule = _rule(name, _MEMORY_RULES)
+    if rule is not None:
+        dim = rule[0]
+        glob[dim] *= tp
+        box[dim] = (rank * local_shape[dim], (rank + 1) * local_shape[dim])
+    return tuple(glob), tuple(box)
+
+
+def is_split(key) -> bool:
+    """Whether TP ranks hold different parts of parameter `key` (else each holds all of it, the same values)."""
+    return _rule(key) is not None
+
+
+def memory_is_split(name) -> bool:
+    """Whether TP ranks hold different parts of this memory tensor (else each holds all of it)."""
+    return _rule(name, _MEMORY_RULES) is not None
+
+
 def shard_state_dict(sd, rank, tp):
     return {k: shard_tensor(k, v, rank, tp) for k, v in sd.items()}
 

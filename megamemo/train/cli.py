@@ -137,11 +137,11 @@ def build(cfg: RunConfig, log=print):
                        "zero_stage": cfg.parallel.zero_stage},
             "precision": cfg.precision.dtype}
     store = CheckpointStore(run_dir / "checkpoints", de.rank, de.world_size, cfg.checkpoint.keep_last, meta,
-                            barrier=dist.barrier)
-    resume_dir = store.resolve(cfg.checkpoint.resume)
+                            barrier=dist.barrier, async_save=cfg.checkpoint.async_save, log=log)
+    resume_dir = store.select(cfg.checkpoint.resume)        # collective: the newest that verifies
     start_step = 0
     if resume_dir is not None:
-        start_step = store.check_compatible(resume_dir)["step"]
+        start_step = int(store.check_compatible(resume_dir)[0]["step"])
     if de.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())

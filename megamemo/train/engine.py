@@ -1,21 +1,19 @@
 """DeepSpeed set-up: ZeRO 0/1/2, fp32 / bf16 / fp16 (dynamic loss scaling), clipping, torch Adam, warmup +
-cosine schedule; safe (weights_only) checkpoint loading; the engine as a sharded saver for the checkpoint store.
+cosine schedule. Checkpoints never go through DeepSpeed's own (pickled) files: train/resumable.py reads and fills
+the engine's objects for the checkpoint layer.
 
 DeepSpeed facts this relies on (0.19.8, see shared/notes/stack-on-cpu.md):
   - `gradient_clipping` defaults to 1.0, so it is always set explicitly (0 = off);
   - a torch optimizer plus `zero_allow_untested_optimizer` avoids the fused-Adam JIT build;
-  - the LR scheduler is stepped by DeepSpeed only on applied (non-overflow) steps, and saved in its checkpoint;
-  - its checkpoint engine loads with `weights_only=False`; we replace it with one that never unpickles code.
+  - the LR scheduler is stepped by DeepSpeed only on applied (non-overflow) steps.
 """
 from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 
 import torch
 
-from megamemo.checkpoint.store import CheckpointError
 from megamemo.config import ConfigError, RunConfig
 
 
@@ -66,41 +64,6 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
                fused=o.fused or None)
 
 
-def safe_globals() -> list:
-    """The non-tensor classes DeepSpeed pickles into its checkpoint files (plain data, rebuilt by attribute
-    assignment); everything else is refused by torch's weights-only unpickler."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address]
-
-
-def safe_load(path, map_location="cpu"):
-    """torch.load through the weights-only unpickler, allowing only the plain-data classes above: a checkpoint
-    file can never run code. Errors propagate; callers name the file in their own terms."""
-    with torch.serialization.safe_globals(safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def _make_loads_safe(checkpoint_engine) -> None:
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
-        """DeepSpeed's torch checkpoint engine, loading with weights_only=True: never runs pickled code."""
-
-        def load(self, path: str, map_location=None):
-            try:
-                return safe_load(path, map_location)
-            except Exception as e:
-                first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                raise CheckpointError(f"{path}: cannot be loaded safely (weights_only): {first}") from None
-
-    if type(checkpoint_engine) is not TorchCheckpointEngine:
-        raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(checkpoint_engine).__name__}")
-    checkpoint_engine.__class__ = SafeTorchCheckpointEngine
-
-
 def check_precision(dtype: str) -> None:
     """fp16 needs an accelerator DeepSpeed supports it on (not this kind of CPU); say so before starting."""
     from deepspeed.accelerator import get_accelerator
@@ -115,7 +78,7 @@ def check_precision(dtype: str) -> None:
 
 
 class Engine:
-    """The DeepSpeed engine plus what the loop asks of it. Also a ShardedSaver for the checkpoint store."""
+    """The DeepSpeed engine plus what the loop asks of it."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, micro_batch: int, dp: int, mpu=None):
         """mpu: the model-parallel groups for DeepSpeed (tensor parallelism); a PipelineModule brings its own."""
@@ -128,7 +91,6 @@ class Engine:
         self.ds_config = ds_config(cfg, micro_batch, dp)
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                 config=self.ds_config, mpu=mpu)
-        _make_loads_safe(self.ds.checkpoint_engine)
         self.device = self.ds.device
         self._manual_norm = cfg.parallel.zero_stage == 0 and cfg.precision.dtype == "fp32"
 
@@ -186,13 +148,3 @@ class Engine:
     @property
     def skipped_steps(self) -> int:
         return int(self.ds.skipped_steps)
-
-    # ---- ShardedSaver ------------------------------------------------------------------------------------
-    def save_sharded(self, root: Path, tag: str) -> None:
-        self.ds.save_checkpoint(str(root), tag=tag, save_latest=False)
-
-    def load_sharded(self, root: Path, tag: str) -> None:
-        path, _ = self.ds.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-        if path is None:
-            raise CheckpointError(f"{Path(root) / tag}: DeepSpeed could not load this checkpoint")

@@ -23,6 +23,7 @@ from megamemo.checkpoint.store import CheckpointStore
 from megamemo.config import RunConfig
 from megamemo.model import Memory
 from megamemo.train.metrics import Metrics
+from megamemo.train.resumable import DataCursor, EngineState, MemoryState
 from megamemo.train.signals import StopRequest
 
 
@@ -31,47 +32,18 @@ class DivergedError(RuntimeError):
 
 
 class MemoryBank:
-    """The committed memory of each micro-batch of this rank (a Stateful for the checkpoint registry)."""
+    """The committed memory of each micro-batch of this rank (saved through resumable.MemoryState)."""
 
     def __init__(self, n_micro: int, micro_batch: int, device):
         self.device = device
         self.micro_batch = micro_batch
         self.mems: list[Memory] = [Memory({}, batch_size=micro_batch) for _ in range(n_micro)]
 
-    def state_dict(self) -> dict:
-        return {f"mb{k}": m.state_dict() for k, m in enumerate(self.mems)}
+    def tensors(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {k: m.tensors for k, m in enumerate(self.mems)}
 
-    def load_state_dict(self, d: dict) -> None:
-        if sorted(d) != sorted(f"mb{k}" for k in range(len(self.mems))):
-            raise ValueError(f"memory: checkpoint holds micro-batches {sorted(d)}, this run has {len(self.mems)}")
-        self.mems = [Memory.from_state_dict(d[f"mb{k}"]).to(self.device) for k in range(len(self.mems))]
-
-
-class DataCursor:
-    """The reader position that matches the committed memory (a Stateful). The reader itself may be ahead by
-    one batch while a skipped step is retried; the checkpoint must hold the position before that batch."""
-
-    def __init__(self, reader):
-        self.reader = reader
-        self.state = reader.state_dict()
-        self._it = None
-
-    def next_batch(self):
-        if self._it is None:
-            self._it = iter(self.reader)
-        return next(self._it)
-
-    def advance(self) -> None:
-        """The batch just taken was trained on: the committed position moves past it."""
-        self.state = self.reader.state_dict()
-
-    def state_dict(self) -> dict:
-        return self.state
-
-    def load_state_dict(self, d: dict) -> None:
-        self.reader.load_state_dict(d)
-        self.state = self.reader.state_dict()
-        self._it = None
+    def replace(self, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.mems = [Memory(tensors.get(k, {}), batch_size=self.micro_batch) for k in range(len(self.mems))]
 
 
 @dataclass
@@ -101,13 +73,15 @@ class Trainer:
         self.stage = stage          # pipeline parallel: the memory lives in this stage's bank, per micro-batch
         self.memory = MemoryBank(self.n_micro, micro_batch, engine.device) if stage is None else stage.bank
         self.model_parallel = cfg.parallel.tp * cfg.parallel.pp   # ranks that hold the same streams
-        self.cursor = DataCursor(reader)
+        self.cursor = DataCursor(reader, log=print if rank == 0 else (lambda *a, **k: None))
         self.counters = Counters(step=0, skipped=0, tokens=0)
         self.registry = StateRegistry()
-        self.registry.register_sharded("engine", engine)
+        engine_state = self._engine_state()
+        self.registry.register("engine", engine_state)
+        self.registry.register_sharded("engine-tensors", engine_state)
+        self.registry.register_sharded("memory", self._memory_state())
         self.registry.register("data", self.cursor)
-        self.registry.register("memory", self.memory)
-        self.registry.register("rng", RNGState())
+        self.registry.register("rng", RNGState(), scope="rank")
         self.registry.register("counters", self.counters)
         self._held = None           # a batch whose step was skipped: retried next
         self._consecutive_skips = 0
@@ -116,6 +90,36 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.counters.step
+
+    def _layout(self) -> dict:
+        return self.rank_extra.get("layout") or {"dp_rank": 0, "tp_rank": 0, "tp": 1, "pp_rank": 0, "pp": 1,
+                                                 "micro_batches": [[k * self.micro_batch, (k + 1) * self.micro_batch]
+                                                                   for k in range(self.n_micro)]}
+
+    def _engine_state(self) -> EngineState:
+        lay, model = self._layout(), self.cfg.model
+        if self.stage is None:
+            name_of, owns = (lambda n: n), (lambda n: True)
+        else:
+            from megamemo.parallel.pipeline import pipe_to_single, stage_owns
+            name_of, owns = (lambda n: pipe_to_single(model, n)), (lambda n: stage_owns(lay["pp_rank"], n))
+        return EngineState(self.engine, name_of, lay, owns, self.cfg.precision.dtype)
+
+    def _memory_state(self) -> MemoryState:
+        from megamemo.model import MemTransformerLM
+
+        lay, model = self._layout(), self.cfg.model
+        if self.stage is None:
+            with torch.device("meta"):
+                names = MemTransformerLM(model).memory_names()
+            get, set_ = self.memory.tensors, self.memory.replace
+        else:
+            from megamemo.parallel.pipeline import stage_memory_names
+            names = stage_memory_names(model, lay["pp"], lay["pp_rank"])
+            get, set_ = (lambda: self.stage.bank.current), self.stage.bank.replace
+        dtype = next(self.engine.module.parameters()).dtype
+        return MemoryState(get, set_, [tuple(c) for c in lay["micro_batches"]], self.cfg.data.batch_size,
+                           lay["tp_rank"], lay["tp"], names, self.engine.device, dtype)
 
     # ---- one step ------------------------------------------------------------------------------------------
     def _next_batch(self):
@@ -194,7 +198,7 @@ class Trainer:
         if self.loss_factor != 1.0:
             raise RuntimeError("optim.half_loss is not supported with pipeline parallelism")
         if new_epoch:
-            self.stage.bank.load_state_dict({})
+            self.stage.bank.replace({})
         b = self.micro_batch
         batches = [((inp[:, k * b:(k + 1) * b], torch.tensor([k, 0, 0])), tgt[:, k * b:(k + 1) * b])
                    for k in range(self.n_micro)]
@@ -207,22 +211,37 @@ class Trainer:
         if self.store is None:
             return None
         files = {}
-        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (probe.py)
-            from megamemo.checkpoint.probe import record_probe
+        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe.py)
+            from megamemo.train.probe import record_probe
             files = record_probe(self)
         return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
 
     def resume(self, step_dir: Path) -> dict:
-        from megamemo.checkpoint.portable import is_portable, load_portable
-
-        if is_portable(step_dir):               # written by `megamemo convert relayout`: any layout
-            info = load_portable(self, step_dir)
-        else:
-            info = self.store.load(step_dir, self.registry)
+        """Restore everything from a committed checkpoint of any layout (resharding on load). The RNG streams of
+        this process are restored when the layout is unchanged, else re-seeded from (seed, ranks, step)."""
+        info, same, _ = self.store.check_compatible(step_dir)
+        doc = self.store.load(step_dir, self.registry)
+        if not same:
+            self._reseed(int(info["step"]))
         self._scale_before = self.engine.loss_scale()
         if self.rank == 0:
             print(f"[checkpoint] resumed from {step_dir} at step {self.counters.step}", flush=True)
-        return info
+        return doc
+
+    def _reseed(self, step: int) -> None:
+        import random
+
+        import numpy as np
+
+        from megamemo.checkpoint.state import _tp_rng_tracker
+
+        seed = self.cfg.train.seed + 1 + int(self._layout().get("dp_rank", 0)) + 1_000_003 * step
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        if _tp_rng_tracker() is not None:
+            from megamemo.parallel.groups import install_rng_tracker
+            install_rng_tracker(seed)
 
     def run(self) -> str:
         """Train to train.max_steps or a stop signal. Returns "done" or "stopped"."""
@@ -241,7 +260,13 @@ class Trainer:
                     self.save()
             if r.stop:
                 self.save()
+                self._finish_saves()
                 return "stopped"
         if cfg.checkpoint.save_at_end:
             self.save()
+        self._finish_saves()
         return "done"
+
+    def _finish_saves(self) -> None:
+        if self.store is not None:
+            self.store.finish()         # an asynchronous save in flight is written and committed first

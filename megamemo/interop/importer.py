@@ -1,0 +1,77 @@
+"""`megamemo convert import-reference`: a thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device
+checkpoint (megamemo/checkpoint/single.py), replaying the file's reference NLL as a check when it carries one."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megamemo.checkpoint.single import SingleCheckpointError, save_single
+
+
+class ReferenceImportError(SingleCheckpointError):
+    """A reference file that cannot be imported; the message names it."""
+
+
+def import_reference_file(path, out, config_path=None, log=print) -> Path:
+    """A thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device checkpoint. FILE is either a
+    dict with `state_dict` and `config` (the constructor's keyword arguments; ../shared/reference's format, whose
+    `inputs`/`targets`/`nll` are then replayed as a check) or a bare state_dict with --config JSON."""
+    from megamemo.interop.reference import ReferenceFormatError, config_from_reference, import_reference
+
+    src, out = Path(path), Path(out)
+    if out.exists():
+        raise ReferenceImportError(f"{out}: already exists; refusing to overwrite")
+    try:
+        g = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ReferenceImportError(f"{src}: not a readable weights-only torch file ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}). A whole pickled "
+                           f"model (the reference train.py's torch.save(model)) is refused because loading it runs "
+                           f"code: save its state_dict with the reference code first "
+                           f"(torch.save(torch.load(FILE).state_dict(), 'sd.pt')) and pass --config") from None
+    if not isinstance(g, dict):
+        raise ReferenceImportError(f"{src}: expected a dict, got {type(g).__name__}")
+    if "state_dict" in g:
+        sd, ref_cfg = g["state_dict"], g.get("config")
+    else:
+        sd, ref_cfg = g, None
+    if sd and all(k.startswith("module.") for k in sd):     # saved from a DistributedDataParallel wrapper
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    if config_path is not None:
+        try:
+            ref_cfg = json.loads(Path(config_path).read_text())
+        except (OSError, ValueError) as e:
+            raise ReferenceImportError(f"--config {config_path}: unreadable JSON ({e})") from None
+    if not isinstance(ref_cfg, dict):
+        raise ReferenceImportError(f"{src}: no constructor config (a 'config' entry, or --config JSON with the "
+                           f"MemTransformerLM keyword arguments)")
+    try:
+        model = import_reference(ref_cfg, sd).eval()
+    except (ReferenceFormatError, ValueError, KeyError) as e:
+        raise ReferenceImportError(f"{src}: {e}") from None
+    meta = {"source": str(src), "imported_from": g.get("reference") or _reference_kind(sd),
+            "reference_config": {k: v for k, v in ref_cfg.items() if isinstance(v, (int, float, bool, str, list))
+                                 or v is None}}
+    if all(k in g for k in ("inputs", "targets", "nll")):
+        mem, worst = None, 0.0
+        with torch.no_grad():
+            for x, y, want in zip(g["inputs"], g["targets"], g["nll"]):
+                nll, mem = model(x, y, mem)
+                worst = max(worst, float((nll.float() - want.float()).abs().max()))
+        if worst > 1e-5:
+            raise ReferenceImportError(f"{src}: the imported model's NLL differs from the file's reference NLL by "
+                                       f"{worst:.3g} (> 1e-5); nothing written")
+        meta["check"] = {"segments": len(g["nll"]), "max_abs_diff": worst, "tolerance": 1e-5}
+        log(f"[convert] check: imported model reproduces the reference per-token NLL over {len(g['nll'])} segments "
+            f"(max |diff| {worst:.2e})")
+    config_from_reference(ref_cfg)
+    return save_single(out, model.cfg, model.state_dict(), meta=meta)
+
+
+def _reference_kind(sd: dict) -> str:
+    if any(k.endswith("dec_attn.q_net.weight") for k in sd):
+        return "thu-coai/LaMemo"
+    return "kimiyoung/transformer-xl (or LaMemo with a fused qkv_net)"
+

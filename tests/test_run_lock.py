@@ -1,0 +1,66 @@
+"""One trainer per run directory: the LOCK file names its holder; a live holder refuses a second trainer, a dead
+one (process gone on this host, or no heartbeat from another host for longer than the timeout) is taken over."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megamemo.checkpoint.lock import LOCK, RunLock, RunLockedError
+
+
+def test_a_live_holder_refuses_a_second_trainer_and_release_frees_it(tmp_path):
+    first = RunLock(tmp_path / "run", heartbeat_s=0.05)
+    first.acquire()
+    holder = json.loads((tmp_path / "run" / LOCK).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    with pytest.raises(RunLockedError, match=rf"another trainer is running .*pid {os.getpid()} on "
+                                             rf"{socket.gethostname()}"):
+        RunLock(tmp_path / "run").acquire()
+    beat = holder["heartbeat"]
+    time.sleep(0.3)
+    assert json.loads((tmp_path / "run" / LOCK).read_text())["heartbeat"] > beat     # the heartbeat runs
+    first.release()
+    assert not (tmp_path / "run" / LOCK).exists()
+    second = RunLock(tmp_path / "run")
+    second.acquire()
+    second.release()
+
+
+def test_a_dead_holder_on_this_host_is_taken_over(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone.stdout), "token": "t1",
+                                             "heartbeat": time.time(), "started": "then"}))
+    said = []
+    lock = RunLock(tmp_path, log=said.append)
+    lock.acquire()
+    assert "took over" in said[0] and "its process is gone" in said[0] and f"pid {int(gone.stdout)}" in said[0]
+    assert json.loads((tmp_path / LOCK).read_text())["token"] == lock.token
+    lock.release()
+
+
+def test_a_reused_pid_is_not_the_holder(tmp_path):
+    """The holder's pid now belongs to another process (this one): its recorded start time tells them apart."""
+    (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": "1",
+                                             "token": "t2", "heartbeat": time.time()}))
+    lock = RunLock(tmp_path, log=lambda m: None)
+    lock.acquire()
+    lock.release()
+
+
+def test_another_hosts_lock_is_stale_only_without_heartbeat(tmp_path):
+    record = {"host": "gpu-node-17", "pid": 4242, "slurm_job": "991", "token": "t3", "started": "yesterday"}
+    (tmp_path / LOCK).write_text(json.dumps({**record, "heartbeat": time.time() - 10}))
+    with pytest.raises(RunLockedError, match=r"pid 4242 on gpu-node-17, Slurm job 991"):
+        RunLock(tmp_path, stale_after_s=60).acquire()
+    (tmp_path / LOCK).write_text(json.dumps({**record, "heartbeat": time.time() - 120}))
+    said = []
+    lock = RunLock(tmp_path, stale_after_s=60, log=said.append)
+    lock.acquire()
+    assert "no heartbeat for 12" in said[0] and "gpu-node-17" in said[0]
+    lock.release()
