@@ -50,6 +50,18 @@ class ShardError(Exception):
         super().__init__(f"shard {shard}: {message}")
 
 
+class EmptyCorpusError(ValueError):
+    """A corpus with a split too short to train or evaluate on; the message names the corpus's files."""
+
+
+def _names(files) -> str:
+    if isinstance(files, dict):
+        files = [f for fs in files.values() for f in fs]
+    if isinstance(files, list):
+        return ", ".join(str(f.get("path", f)) if isinstance(f, dict) else str(f) for f in files)
+    return str(files)
+
+
 class ManifestError(ValueError):
     """manifest.json is missing, unreadable or inconsistent; names the file and the field."""
 
@@ -176,6 +188,7 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     """Write every split of ``corpus`` as shards under ``out_dir`` and return the manifest (also written)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     old = out / MANIFEST
     if old.exists():
@@ -189,31 +202,20 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     vocab_sha = vocab.save(out / VOCAB_FILE)
     log(f"[prepare] {corpus.name} ({corpus.mode}): vocabulary of {len(vocab)} symbols, tokens as {dtype}, "
         f"chunks of {chunk_tokens} tokens, shards of ~{shard_bytes / 2**20:.0f} MiB -> {out}")
-    splits = {}
+    splits, written = {}, [out / VOCAB_FILE]
     t_start = time.time()
-    for split, gen in corpus.splits.items():
-        w = SplitWriter(out, split, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level)
-        stats: dict = {}
-        t0 = last = time.time()
-        total_in = corpus.input_bytes.get(split, 0)
-        for ids in gen(stats):
-            w.write(ids)
-            now = time.time()
-            if now - last >= progress_every:
-                last = now
-                done = stats.get("input_bytes", 0)
-                pct = f" ({100 * done / total_in:.0f}%)" if total_in else ""
-                log(f"[prepare] {split}: {done / 2**20:.1f} MiB read{pct}, {w.tokens_written:,} tokens, "
-                    f"{len(w.shards)} shards, {done / 2**20 / (now - t0):.1f} MiB/s")
-        info = w.close()
-        if stats.get("n_unk_mapped"):
-            info["n_unk_mapped"] = stats["n_unk_mapped"]
-        splits[split] = info
-        dt = max(time.time() - t0, 1e-9)
-        size = sum(s["bytes"] for s in info["shards"])
-        log(f"[prepare] {split}: {info['n_tokens']:,} tokens in {len(info['shards'])} shards "
-            f"({size / 2**20:.1f} MiB), {info['n_tokens'] / dt / 1e6:.1f} M tokens/s"
-            + (f", {info['n_unk_mapped']:,} unknown words -> <unk>" if info.get("n_unk_mapped") else ""))
+    try:
+        _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, splits,
+                      written)
+    except BaseException:               # nothing half-written stays: what this build wrote goes
+        for f in written + [t for split in corpus.splits for t in out.glob(f"{split}-*.tar*")]:
+            f.unlink(missing_ok=True)
+        if created:
+            try:
+                out.rmdir()
+            except OSError:
+                pass
+        raise
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "corpus": corpus.name, "mode": corpus.mode, "tokenizer": corpus.tokenizer,
@@ -230,6 +232,40 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     os.replace(tmp, old)
     log(f"[prepare] done in {time.time() - t_start:.1f}s: {out / MANIFEST}")
     return manifest
+
+
+def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, splits,
+                  written) -> None:
+    """Every split's shards (their paths appended to `written` as they appear); a split of fewer than 2 tokens
+    (an empty or too short corpus) is an error naming the corpus's files."""
+    for split, gen in corpus.splits.items():
+        w = SplitWriter(out, split, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level)
+        stats: dict = {}
+        t0 = last = time.time()
+        total_in = corpus.input_bytes.get(split, 0)
+        for ids in gen(stats):
+            w.write(ids)
+            now = time.time()
+            if now - last >= progress_every:
+                last = now
+                done = stats.get("input_bytes", 0)
+                pct = f" ({100 * done / total_in:.0f}%)" if total_in else ""
+                log(f"[prepare] {split}: {done / 2**20:.1f} MiB read{pct}, {w.tokens_written:,} tokens, "
+                    f"{len(w.shards)} shards, {done / 2**20 / (now - t0):.1f} MiB/s")
+        info = w.close()
+        written += [out / sh["name"] for sh in info["shards"]]
+        if info["n_tokens"] < 2:
+            files = corpus.source.get("files", corpus.name)
+            raise EmptyCorpusError(f"{_names(files)}: the {split} split holds {info['n_tokens']} tokens (at least 2 "
+                                   f"needed): the corpus is empty or too short")
+        if stats.get("n_unk_mapped"):
+            info["n_unk_mapped"] = stats["n_unk_mapped"]
+        splits[split] = info
+        dt = max(time.time() - t0, 1e-9)
+        size = sum(s["bytes"] for s in info["shards"])
+        log(f"[prepare] {split}: {info['n_tokens']:,} tokens in {len(info['shards'])} shards "
+            f"({size / 2**20:.1f} MiB), {info['n_tokens'] / dt / 1e6:.1f} M tokens/s"
+            + (f", {info['n_unk_mapped']:,} unknown words -> <unk>" if info.get("n_unk_mapped") else ""))
 
 
 def _listed_files(out: Path) -> list[str]:

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# N local training processes on this machine: `megamemo train ARGS...` under torchrun (gloo on CPU, NCCL when
-# the machine has GPUs).
+# N local training processes on this machine: `megamemo train ARGS...` under megamemo's own launcher
+# (megamemo/launcher.py: gloo on CPU, NCCL when the machine has GPUs).
 #   launch/local.sh N --config configs/tiny-cpu.yaml [--data DIR] [--run-dir DIR] [megamemo train args...]
-# Environment: OMP_NUM_THREADS (default: CPU cores / N, at least 1); MEGAMEMO_VENV (default: the repo's .venv);
-# MEGAMEMO_TRAIN_CMD (default "megamemo train"). torchrun picks a free rendezvous port, so several runs can
-# share a machine.
+# Signals sent to this process (Ctrl-C, TERM, USR1, HUP) reach every worker, which finishes its step, saves and
+# stops (exit 0); a second Ctrl-C kills them. The exit code is megamemo's (2: bad usage, config, data or
+# checkpoint). Environment: OMP_NUM_THREADS (default: CPU cores / N, at least 1); MEGAMEMO_VENV (default: the repo's
+# .venv); MEGAMEMO_TRAIN_CMD (default "megamemo train"); MASTER_PORT (default: a free one, so several runs can share
+# a machine).
 set -euo pipefail
+# A signal that arrives before the launcher runs is remembered and handed to it (it passes it to the workers).
+export MEGAMEMO_PENDING_SIGNALS=""
+for sig in TERM INT HUP USR1; do trap "MEGAMEMO_PENDING_SIGNALS+=' $sig'" "$sig"; done
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 usage() { echo "usage: launch/local.sh N [megamemo train args...]   (N: number of processes)" >&2; exit 2; }
@@ -19,23 +24,14 @@ fi
 # shellcheck source=../scripts/env.sh
 source "$here/scripts/env.sh"      # the repo's venv on PATH, DeepSpeed's CPU accelerator unless set
 
-train_cmd="${MEGAMEMO_TRAIN_CMD:-megamemo train}"
-read -r -a cmd <<<"$train_cmd"
-if [ "$train_cmd" = "megamemo train" ]; then
-  if ! command -v torchrun >/dev/null || ! (cd / && python -c "import megamemo.train.cli") 2>/dev/null; then
-    echo "launch/local.sh: megamemo (with its train command) is not installed in $(command -v python || echo 'any python on PATH')." >&2
-    echo "  Set up the environment first: bash scripts/setup.sh   (or point MEGAMEMO_VENV at one that has it)" >&2
-    exit 1
-  fi
-  cmd=(-m megamemo train)
-else
-  command -v torchrun >/dev/null || { echo "launch/local.sh: torchrun not found (install torch: bash scripts/setup.sh)" >&2; exit 1; }
-  cmd=(--no-python "${cmd[@]}")
+if ! (cd / && python -c "import megamemo.launcher, megamemo.train.cli") 2>/dev/null; then
+  echo "launch/local.sh: megamemo (with its train command) is not installed in $(command -v python || echo 'any python on PATH')." >&2
+  echo "  Set up the environment first: bash scripts/setup.sh   (or point MEGAMEMO_VENV at one that has it)" >&2
+  exit 1
 fi
-
 if [ -z "${OMP_NUM_THREADS:-}" ]; then
   threads=$(( $(nproc) / n ))
   export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
-echo "[launch/local] $n process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS: $train_cmd $*" >&2
-exec torchrun --standalone --nnodes=1 --nproc-per-node="$n" "${cmd[@]}" "$@"
+echo "[launch/local] $n process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS: ${MEGAMEMO_TRAIN_CMD:-megamemo train} $*" >&2
+exec python -m megamemo.launcher "$n" "$@"

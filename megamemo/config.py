@@ -77,6 +77,9 @@ class TrainConfig:
     grad_accum: int = 1             # micro-batches per step on each rank, each with its own memory
     seed: int = 1111
     run_dir: str = "runs/default"
+    # <run_dir>/LOCK of a trainer on another host counts as dead after this long without a heartbeat (one every
+    # 30 s); on the same host a lock is dead when its process is gone
+    lock_stale_s: float = 600.0
 
 
 @dataclass
@@ -188,6 +191,8 @@ class RunConfig:
             bad("train.max_steps", "must be >= 1")
         if self.train.grad_accum < 1:
             bad("train.grad_accum", "must be >= 1")
+        if self.train.lock_stale_s < 60:
+            bad("train.lock_stale_s", "must be >= 60 (two heartbeats at least)")
         if self.data.batch_size % self.train.grad_accum:
             bad("data.batch_size", f"must be divisible by train.grad_accum={self.train.grad_accum}")
         if self.checkpoint.save_every < 0:

@@ -37,7 +37,7 @@ import torch
 from megamemo.checkpoint.pieces import PieceError, ShardedReader
 from megamemo.checkpoint.probe import ProbeError, check_probe, read_probe
 from megamemo.checkpoint.single import (FORMAT, SingleCheckpointError, load_single, model_from_state_dict,
-                                        read_config, write_streaming)
+                                        read_config, write_config, write_streaming)
 from megamemo.checkpoint.state import rank_files
 from megamemo.checkpoint.store import MARKER, CheckpointError, newest_complete, step_of, tag_for, verify
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
@@ -242,8 +242,7 @@ def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = No
             meta["check"] = c.self_check(model, log)
             del model
         meta.update(data_meta(data) if data else _run_data_meta(c.dir))
-        doc = {"format": FORMAT, "version": 1, "model": c.cfg.to_dict(), "meta": meta}
-        (tmp / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
+        write_config(tmp, c.cfg, meta)
         tmp.replace(out)
     except ProbeError as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,6 +1,7 @@
 """The single-device checkpoint: what `convert to-single` writes and `eval`/`generate`/`analyze` load.
 
-    DIR/config.json          {"format": "megamemo-single", "version": 1, "model": ModelConfig dict, "meta": {...}}
+    DIR/config.json          {"format": "megamemo-single", "version": 1, "model": ModelConfig dict, "meta": {...},
+                              "files": {name: {"bytes", "sha256"}}: checked before anything is loaded}
     DIR/model.safetensors    the model's state_dict (tied weights stored once; no pickled code anywhere)
     DIR/memory.safetensors   optional: the memory of chosen streams (Memory.state_dict() form)
 
@@ -19,7 +20,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from megamemo.checkpoint.state import read_json
+from megamemo.checkpoint.state import file_digest, read_json
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 
 FORMAT, VERSION = "megamemo-single", 1
@@ -45,10 +46,30 @@ def save_single(out_dir, model_cfg: ModelConfig, state_dict: dict, memory: Memor
     save_file(tensors, str(tmp / "model.safetensors"))
     if memory is not None:
         save_file({k: v.contiguous().cpu() for k, v in memory.state_dict().items()}, str(tmp / "memory.safetensors"))
-    cfg = {"format": FORMAT, "version": VERSION, "model": model_cfg.to_dict(), "meta": meta or {}}
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    write_config(tmp, model_cfg, meta or {})
     os.replace(tmp, out)
     return out
+
+
+def write_config(directory: Path, model_cfg: ModelConfig, meta: dict) -> None:
+    """config.json, recording the size and sha256 of the directory's tensor files (written before it)."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+             for p in sorted(Path(directory).glob("*.safetensors"))}
+    doc = {"format": FORMAT, "version": VERSION, "model": model_cfg.to_dict(), "meta": meta, "files": files}
+    (Path(directory) / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
+
+
+def verify_file(path: Path) -> Path:
+    """`path` (a file of a single-device checkpoint) after checking it against the size and sha256 its config.json
+    recorded; a checkpoint written before checksums were recorded is read as it is."""
+    doc = read_json(path.parent / "config.json", SingleCheckpointError)
+    entry = (doc.get("files") or {}).get(path.name)
+    if not path.is_file():
+        raise SingleCheckpointError(f"{path}: missing")
+    if entry is not None and (path.stat().st_size != entry["bytes"] or file_digest(path) != entry["sha256"]):
+        raise SingleCheckpointError(f"{path}: size or sha256 differs from what {path.parent / 'config.json'} "
+                                    f"recorded: the file changed after it was written (corrupt)")
+    return path
 
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -107,9 +128,7 @@ def read_config(path) -> tuple[ModelConfig, dict]:
 def load_single(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
     """-> (model in eval mode, meta). Raises SingleCheckpointError naming the file on any mismatch."""
     cfg, meta = read_config(path)
-    f = Path(path) / "model.safetensors"
-    if not f.is_file():
-        raise SingleCheckpointError(f"{f}: missing")
+    f = verify_file(Path(path) / "model.safetensors")
     try:
         sd = load_file(str(f), device=str(map_location))
     except Exception as e:  # noqa: BLE001
@@ -129,4 +148,4 @@ def load_single(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
 
 def load_memory(path) -> Memory | None:
     f = Path(path) / "memory.safetensors"
-    return Memory.from_state_dict(load_file(str(f))) if f.is_file() else None
+    return Memory.from_state_dict(load_file(str(verify_file(f)))) if f.is_file() else None

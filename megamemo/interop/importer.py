@@ -18,19 +18,16 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
     """A thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device checkpoint. FILE is either a
     dict with `state_dict` and `config` (the constructor's keyword arguments; ../shared/reference's format, whose
     `inputs`/`targets`/`nll` are then replayed as a check) or a bare state_dict with --config JSON."""
-    from megamemo.interop.reference import ReferenceFormatError, config_from_reference, import_reference
+    from megamemo.interop.reference import (ReferenceFormatError, config_from_reference, import_reference,
+                                            load_weights_only)
 
     src, out = Path(path), Path(out)
     if out.exists():
         raise ReferenceImportError(f"{out}: already exists; refusing to overwrite")
     try:
-        g = torch.load(src, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise ReferenceImportError(f"{src}: not a readable weights-only torch file ({type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}). A whole pickled "
-                           f"model (the reference train.py's torch.save(model)) is refused because loading it runs "
-                           f"code: save its state_dict with the reference code first "
-                           f"(torch.save(torch.load(FILE).state_dict(), 'sd.pt')) and pass --config") from None
+        g = load_weights_only(src)
+    except ReferenceFormatError as e:
+        raise ReferenceImportError(str(e)) from None
     if not isinstance(g, dict):
         raise ReferenceImportError(f"{src}: expected a dict, got {type(g).__name__}")
     if "state_dict" in g:

@@ -27,6 +27,26 @@ class ReferenceFormatError(ValueError):
     pass
 
 
+def load_weights_only(path) -> object:
+    """A .pt file through torch's weights-only unpickler: tensors and plain data only, never code. A file whose
+    unpickling would build anything else (a whole pickled model, or a payload) is refused, saying what it holds."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError...
+        text = str(e)
+        found = re.search(r"(unsupported GLOBAL [\w.]+|Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+)",
+                          text, re.I)
+        if found or "Weights only load failed" in text:
+            what = f" ({found.group(0)})" if found else ""
+            raise ReferenceFormatError(
+                f"{path}: refused: unpickling it would build objects other than tensors and plain data{what}, which "
+                f"could run code. megamemo reads .pt files with torch's weights-only loader only; a whole pickled "
+                f"model (the reference train.py's torch.save(model)) must be saved as its state_dict first, with the "
+                f"reference code: torch.save(torch.load(FILE).state_dict(), 'sd.pt')") from None
+        first = text.strip().splitlines()[0][:200] if text.strip() else ""
+        raise ReferenceFormatError(f"{path}: not a readable torch file ({type(e).__name__}: {first})") from None
+
+
 def config_from_reference(ref: dict) -> ModelConfig:
     unknown = sorted(set(ref) - CONFIG_KEYS)
     if unknown:

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from .reference import ReferenceFormatError, import_reference
+from .reference import ReferenceFormatError, import_reference, load_weights_only
 
 KNOWN_KEYS = {"name", "reference", "model_class", "config", "seed", "init", "state_dict", "param_names", "stream",
               "data_matrix", "inputs", "targets", "nll", "nll_keep_order", "mems", "layer_outputs", "analysis",
@@ -20,10 +20,7 @@ REQUIRED = ("state_dict", "config", "inputs", "targets")
 
 
 def load_reference_file(path: str) -> dict:
-    try:
-        g = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - report what failed and where
-        raise ReferenceFormatError(f"{path}: not a readable reference file ({type(e).__name__}: {e})") from e
+    g = load_weights_only(path)
     if not isinstance(g, dict):
         raise ReferenceFormatError(f"{path}: expected a dict, got {type(g).__name__}")
     unknown = sorted(set(g) - KNOWN_KEYS)

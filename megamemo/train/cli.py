@@ -114,22 +114,37 @@ def build_model(cfg: RunConfig):
 
 
 def build(cfg: RunConfig, log=print):
-    """Start the process group and build everything a run needs: (trainer, dist env)."""
+    """Start the process group, take the run directory and build everything a run needs: (trainer, dist env)."""
+    from megamemo.train import dist
+    from megamemo.train.rundir import RunDirectory
+    from megamemo.train.signals import StopRequest
+
+    stop = StopRequest()                    # from the start: a signal during start-up stops after step one
+    de = dist.init()
+    dp, micro = cfg.layout(de.world_size)
+    ranks = parallel_ranks(cfg, de)         # dp/tp/pp ranks; TP and PP ranks of one DP group read the same streams
+    run_dir = Path(cfg.train.run_dir)
+    rundir = RunDirectory(run_dir, de.rank, cfg.train.lock_stale_s, log=log)
+    rundir.open(dist.broadcast)             # one trainer per run directory
+    try:
+        trainer = _build(cfg, de, dp, micro, ranks, run_dir, stop, log)
+    except BaseException:
+        rundir.close()
+        raise
+    trainer.rundir = rundir
+    return trainer, de
+
+
+def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, stop, log):
     from megamemo.checkpoint.store import CheckpointStore
     from megamemo.train import dist
     from megamemo.train.data import open_reader, unit_for
     from megamemo.train.engine import Engine
     from megamemo.train.loop import Trainer
     from megamemo.train.metrics import Metrics
-    from megamemo.train.signals import StopRequest
     from megamemo.train.validate import Evaluator, PipelineEvaluator, eval_lengths
 
-    stop = StopRequest()                    # from the start: a signal during start-up stops after step one
-    de = dist.init()
-    dp, micro = cfg.layout(de.world_size)
-    ranks = parallel_ranks(cfg, de)         # dp/tp/pp ranks; TP and PP ranks of one DP group read the same streams
     dp_rank = ranks["dp_rank"]
-    run_dir = Path(cfg.train.run_dir)
 
     meta = {"model": cfg.model.to_dict(), "model_fingerprint": cfg.model_fingerprint(),
             "layout": {"world_size": de.world_size, "dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
@@ -143,8 +158,6 @@ def build(cfg: RunConfig, log=print):
     if resume_dir is not None:
         start_step = int(store.check_compatible(resume_dir)[0]["step"])
     if de.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
         for p in store.remove_incomplete():
             log(f"[checkpoint] removed {p}: an interrupted save, never committed")
     dist.barrier()
@@ -166,7 +179,7 @@ def build(cfg: RunConfig, log=print):
                              "micro_batches": [[first + k * micro, first + (k + 1) * micro]
                                                for k in range(cfg.train.grad_accum)]}}
     metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
-                      tensorboard=cfg.log.tensorboard, start_step=start_step)
+                      tensorboard=cfg.log.tensorboard, start_step=start_step, config_yaml=cfg.to_yaml())
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)
@@ -188,30 +201,30 @@ def build(cfg: RunConfig, log=print):
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
             f"ZeRO {cfg.parallel.zero_stage} | run dir {run_dir} | "
             + (f"resuming at step {trainer.step}" if resume_dir else "fresh start"))
-    return trainer, de
+    return trainer
 
 
 def main(argv: list[str]) -> int:
-    from megamemo.checkpoint.store import CheckpointError
-    from megamemo.train.data import DataError, check_data_dir
+    from megamemo.train.rundir import die_with_parent, env_rank, peer_lost, report
 
+    die_with_parent()                       # a worker never outlives its launcher
     args = parse_args(argv)
     # DeepSpeed's ZeRO calls a torch collective under its deprecated name on every step
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    rank, trainer, world, expected = env_rank(), None, 1, anticipated_errors()
+    starting = True                         # until training runs, every rank meets the same errors
     try:
         cfg = resolve_config(args)
+        from megamemo.train.data import check_data_dir
         check_data_dir(cfg)
         if cfg.precision.dtype != "fp32":
             from megamemo.train.engine import check_precision
             check_precision(cfg.precision.dtype)
-    except (ConfigError, DataError) as e:
-        print(f"megamemo train: error: {e}", file=sys.stderr)
-        return 2
-    from megamemo.train import dist
+        from megamemo.train import dist
 
-    try:
         t0 = time.time()
         trainer, de = build(cfg)
+        rank, world, starting = de.rank, de.world_size, False
         outcome = trainer.run()
         trainer.metrics.close()
         if de.rank == 0:
@@ -219,6 +232,28 @@ def main(argv: list[str]) -> int:
         dist.barrier()
         dist.shutdown()
         return 0
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"megamemo train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except expected as e:
+        # while starting every rank meets the same error: rank 0 says it; in training it is this rank's own
+        return report(e, rank, everyone=starting, world_size=world)
+    except RuntimeError as e:
+        code = peer_lost(e)
+        if code is None:
+            raise
+        return code
+    finally:
+        if trainer is not None:
+            trainer.rundir.close()
+
+
+def anticipated_errors() -> tuple[type[BaseException], ...]:
+    """Errors megamemo explains in one line (bad config, data, shard, checkpoint, a locked run directory, a
+    diverged run); anything else is a bug and shows its traceback."""
+    from data_pipeline import ManifestError, ShardError
+    from megamemo.checkpoint.lock import RunLockedError
+    from megamemo.checkpoint.pieces import PieceError
+    from megamemo.checkpoint.store import CheckpointError
+    from megamemo.train.data import DataError
+    from megamemo.train.loop import DivergedError
+
+    return (ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError, ManifestError,
+            DivergedError)

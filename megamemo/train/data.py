@@ -57,6 +57,9 @@ def open_reader(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, dp: i
     if batch_size % dp:
         where = "data.batch_size" if train else "eval.batch_size"
         raise DataError(f"{where}: {batch_size} streams do not split over {dp} data-parallel ranks")
-    return StreamReader(cfg.data.dir, split, batch_size, tgt_len, dp, dp_rank,
-                        roll=cfg.data.roll and train, seed=cfg.data.seed, epochs=None if train else 1,
-                        prefetch=cfg.data.prefetch if train else 0)
+    try:
+        return StreamReader(cfg.data.dir, split, batch_size, tgt_len, dp, dp_rank,
+                            roll=cfg.data.roll and train, seed=cfg.data.seed, epochs=None if train else 1,
+                            prefetch=cfg.data.prefetch if train else 0)
+    except ValueError as e:         # e.g. a split too short for the batch
+        raise DataError(f"{'data' if train else 'eval'}.batch_size: {e}") from None

@@ -162,6 +162,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast(obj):
+    """Rank 0's `obj` on every rank (any picklable value between this run's own processes)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def shutdown() -> None:
     import torch.distributed as dist
 

@@ -84,6 +84,8 @@ class Trainer:
         self.registry.register("rng", RNGState(), scope="rank")
         self.registry.register("counters", self.counters)
         self._held = None           # a batch whose step was skipped: retried next
+        self.started = False        # a step was applied in this process (errors are then this rank's own)
+        self.rundir = None          # the run directory's lock holder (train/rundir.py), set by build()
         self._consecutive_skips = 0
         self._scale_before = engine.loss_scale()
 
@@ -157,6 +159,7 @@ class Trainer:
             self._consecutive_skips = 0
             self.counters.step += 1
             self.counters.tokens += tokens
+            self.started = True
             self.metrics.train_step({"step": self.counters.step, "loss": loss, "lr": res["lr"],
                                      "grad_norm": res["grad_norm"], "loss_scale": res["loss_scale"],
                                      "skipped": self.counters.skipped, "tokens": tokens})

@@ -34,26 +34,38 @@ def trim_jsonl(path: Path, last_step: int) -> None:
 
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, every: int, unit: str, tensorboard: bool,
-                 start_step: int):
+                 start_step: int, config_yaml: str | None = None):
         self.enabled = enabled
         self.every = every
         self.unit = unit                 # "bpc" or "ppl": what the log line shows
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.start_step, self.tensorboard, self.config_yaml = start_step, tensorboard, config_yaml
         self._file = None
         self._tb = None
         self._window_tokens = 0
         self._window_t0 = time.perf_counter()
-        if not enabled:
+
+    def _open(self) -> None:
+        """The run directory's files appear with the first record (the first step): a start that fails before it
+        leaves nothing new there. config.yaml (the resolved config), metrics.jsonl (kept up to the resumed step),
+        TensorBoard events in tb/."""
+        if self._file is not None or not self.enabled:
             return
-        if start_step > 0:
-            trim_jsonl(self.path, start_step)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.config_yaml is not None:
+            tmp = self.run_dir / "config.yaml.tmp"
+            tmp.write_text(self.config_yaml)
+            tmp.replace(self.run_dir / "config.yaml")
+        if self.start_step > 0:
+            trim_jsonl(self.path, self.start_step)
         elif self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a", buffering=1)
-        if tensorboard:
+        if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=start_step + 1)
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=self.start_step + 1)
             except ImportError as e:  # tensorboard missing: keep training, say so once
                 print(f"[metrics] TensorBoard disabled: {e}", flush=True)
 
@@ -66,6 +78,7 @@ class Metrics:
         return {"bpc": loss / LN2, "ppl": math.exp(min(loss, 700.0))}
 
     def _write(self, rec: dict) -> None:
+        self._open()
         if self._file is not None:
             self._file.write(json.dumps(rec) + "\n")
 

@@ -1,0 +1,143 @@
+"""N local training processes: what `launch/local.sh N ARGS...` runs (`python -m megamemo.launcher N ARGS...`).
+
+Why not torchrun (which this replaced): its agent starts every worker in a session of its own, so a signal sent to
+the launcher's process group never reaches them and a `kill -9` of the launcher leaves them training; SIGTERM to it
+ends in its own traceback and exit 1; it dies on SIGUSR1 (no handler) and orphans the workers; and it turns any
+worker failure into a ChildFailedError traceback with exit 1, losing megamemo's own exit code. Its elastic
+restarts and rendezvous are not needed on one machine. This launcher:
+  * starts the workers with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (a free port), each in a
+    process group of its own, so that a terminal's Ctrl-C or a `kill -- -PGID` reaches only this process;
+  * forwards SIGTERM, SIGINT, SIGHUP and SIGUSR1 to every worker, holding a signal for a worker until it has
+    installed its handler (SigCgt in /proc/PID/status), so a signal during start-up is honoured once start-up
+    ends (the worker then saves and stops); a second SIGINT kills the workers at once;
+  * ties the workers to itself: `megamemo train` asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG),
+    so a `kill -9` of this launcher makes them save and stop instead of training on as orphans;
+  * when a worker fails, kills the others at once (they cannot go on without it: their collectives would fail with
+    messages of their own) and exits with the failed worker's exit code (2 for bad usage, config, data or checkpoint,
+    as megamemo prints it, in one line).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+
+def handles(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler installed for `sig` (bit sig-1 of SigCgt in /proc/PID/status)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool((int(line.split()[1], 16) >> (sig - 1)) & 1)
+    except (OSError, ValueError):
+        return False
+    return not Path("/proc").is_dir()       # no /proc (not Linux): deliver at once
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    def __init__(self, n: int, cmd: list[str], log=lambda m: print(m, file=sys.stderr, flush=True)):
+        self.n, self.cmd, self.log = n, cmd, log
+        self.procs: list[subprocess.Popen] = []
+        self.pending: list[set[int]] = []
+        self.interrupts = 0
+
+    def start(self) -> None:
+        port = os.environ.get("MASTER_PORT") or str(free_port())
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // self.n))
+        for r in range(self.n):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(self.n),
+                       MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=port,
+                       OMP_NUM_THREADS=threads)
+            self.procs.append(subprocess.Popen(self.cmd, env=env, process_group=0))
+            self.pending.append(set())
+
+    def on_signal(self, sig, _frame) -> None:
+        if sig == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                self.log("[launch] second interrupt: killing the workers")
+                self.kill()
+                return
+            sig = signal.SIGTERM                 # a first Ctrl-C: save and stop, like a scheduler's TERM
+        self.log(f"[launch] {signal.Signals(sig).name}: passing it to the {self.n} worker(s) (they finish the step, "
+                 f"save and stop)")
+        for pending in self.pending:
+            pending.add(sig)
+        self.deliver()
+
+    def deliver(self) -> None:
+        for p, pending in zip(self.procs, self.pending):
+            for sig in sorted(pending):
+                if p.poll() is not None:
+                    pending.clear()
+                elif handles(p.pid, sig):
+                    p.send_signal(sig)
+                    pending.discard(sig)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    def wait(self) -> int:
+        """Until every worker ended -> 0, or the exit code of the failure: 2 when a worker explained it (megamemo's
+        one line for bad usage, config, data or checkpoint), else the first failed worker's (128 + N for signal N)."""
+        failing = False
+        while any(p.poll() is None for p in self.procs):
+            self.deliver()
+            if not failing and any(p.poll() not in (None, 0) for p in self.procs):
+                failing = True              # the others cannot go on without it
+                self.kill()
+            time.sleep(0.05)
+        codes = [p.returncode for p in self.procs]
+        if 2 in codes:
+            return 2
+        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+        if not bad:
+            return 0
+        r, c = min(bad, key=lambda rc: rc[1] == -signal.SIGKILL and failing)   # not one we killed, if possible
+        self.log(f"[launch] worker {r} exited with {_describe(c)}" + (": the others were stopped" if failing else ""))
+        return c if c > 0 else 128 - c
+
+
+def _describe(rc: int) -> str:
+    return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
+        print("usage: python -m megamemo.launcher N [megamemo train args...]   (N: number of processes)",
+              file=sys.stderr)
+        return 2
+    n, args = int(argv[0]), argv[1:]
+    train = shlex.split(os.environ.get("MEGAMEMO_TRAIN_CMD", "")) or [sys.executable, "-m", "megamemo", "train"]
+    launcher = Launcher(n, train + args)
+    for sig in FORWARDED:
+        signal.signal(sig, launcher.on_signal)
+    early = os.environ.pop("MEGAMEMO_PENDING_SIGNALS", "").split()     # caught by launch/local.sh before us
+    launcher.start()
+    for name in early:
+        launcher.on_signal(signal.Signals[f"SIG{name}"], None)
+    try:
+        return launcher.wait()
+    finally:
+        launcher.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

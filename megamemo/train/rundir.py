@@ -1,0 +1,98 @@
+"""The run directory as one trainer holds it: locked for the run (megamemo/checkpoint/lock.py), and left as it was
+found when a start fails before its first step (its config.yaml, metrics.jsonl and tb/ appear with the first step:
+train/metrics.py); the process tied to its launcher; anticipated errors reported in one line.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from megamemo.checkpoint.lock import RunLock, RunLockedError
+
+
+def die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when the process that started this one dies (Linux PR_SET_PDEATHSIG), so a
+    worker never trains on as an orphan: a `kill -9` of its launcher makes it finish the step, save and stop."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        parent = os.getppid()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:       # 1: PR_SET_PDEATHSIG
+            return
+        if os.getppid() != parent:          # it died before we asked
+            os.kill(os.getpid(), signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def env_rank() -> int:
+    """This process's rank as its launcher says it, before any process group exists."""
+    for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
+                        r"remote worker crashing|Socket Timeout|timed out", re.I)
+
+
+def report(error: BaseException, rank: int, everyone: bool, world_size: int = 1) -> int:
+    """One line for an anticipated error (no traceback unless MEGAMEMO_DEBUG=1); `everyone`: every rank met the same
+    error (config, data, checkpoint choice), so rank 0 alone says it. -> the exit code."""
+    from megamemo.train.loop import DivergedError
+
+    if os.environ.get("MEGAMEMO_DEBUG") == "1":
+        traceback.print_exception(error)
+    if not everyone or rank == 0:
+        where = f"rank {rank}: " if not everyone and world_size > 1 else ""
+        print(f"megamemo train: error: {where}{error}", file=sys.stderr, flush=True)
+    return 1 if isinstance(error, DivergedError) else 2
+
+
+def peer_lost(error: BaseException) -> int | None:
+    """A collective that failed because another rank is gone: the rank that failed said why (and the launcher
+    names a rank that died without a word), so this one exits quietly with 1; None when `error` is something
+    else."""
+    if not isinstance(error, RuntimeError) or not _PEER_LOST.search(str(error)):
+        return None
+    if os.environ.get("MEGAMEMO_DEBUG") == "1":
+        traceback.print_exception(error)
+    return 1
+
+
+class RunDirectory:
+    """Rank 0 holds `<run_dir>/LOCK` for the whole run; every rank learns whether it got it (a collective)."""
+
+    def __init__(self, path: Path, rank: int, stale_after_s: float, log=print):
+        self.path, self.rank, self.log = Path(path), rank, log
+        self.existed = self.path.exists()
+        self.lock = RunLock(self.path, stale_after_s=stale_after_s, log=log) if rank == 0 else None
+
+    def open(self, broadcast) -> None:
+        problem = ""
+        if self.lock is not None:
+            try:
+                self.lock.acquire()
+            except RunLockedError as e:
+                problem = str(e)
+        problem = broadcast(problem)
+        if problem:
+            raise RunLockedError(problem)
+
+    def close(self) -> None:
+        if self.lock is None:
+            return
+        self.lock.release()
+        if not self.existed:                # a start that created the directory and wrote nothing into it
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass

@@ -1,0 +1,196 @@
+"""Reliability around the commit protocol, with real processes under launch/local.sh (megamemo/launcher.py):
+  * signals sent to the launcher or its process group (TERM, USR1, during start-up too) end in a save, exit 0 and
+    a bit-exact restart; a `kill -9` of the launcher leaves no worker behind; a second trainer in the same run
+    directory is refused, naming the first;
+  * errors megamemo anticipates (a corrupt shard met mid-run, a split too short, a bad config) end in one line
+    naming the file or field, from one rank, exit code 2 through the launcher, no traceback; a failed start leaves
+    nothing in the run directory;
+  * fault injection: kill -9 at seeded random moments, then byte flips and truncations of committed files: every
+    restart resumes from the newest checkpoint that verifies (moving the damaged ones aside), and the run ends
+    with the losses of an uninterrupted one, bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megamemo.checkpoint.store import MARKER, list_checkpoints
+from test_train_runs import losses, shards, tiny_cfg  # noqa: F401 (fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]
+
+
+def start(cfg, shards, run_dir, *args, n=2, env=None):
+    """launch/local.sh n ... in a session of its own (its pid is its process group); output to run_dir.log."""
+    log = open(f"{run_dir}.log", "a")
+    e = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.Popen(["bash", str(REPO / "launch/local.sh"), str(n), "--config", str(cfg), "--data",
+                             str(shards), "--run-dir", str(run_dir), *FAST, *args],
+                            env=e, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+
+def finish(p, timeout=240) -> int:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+
+
+def text(run_dir) -> str:
+    return Path(f"{run_dir}.log").read_text() if Path(f"{run_dir}.log").exists() else ""
+
+
+def wait_for_step(run_dir, step, p, timeout=180):
+    metrics = Path(run_dir) / "metrics.jsonl"
+    end = time.time() + timeout
+    while time.time() < end:
+        if metrics.exists() and any(json.loads(line).get("step", 0) >= step
+                                    for line in metrics.read_text().splitlines() if line.endswith("}")):
+            return
+        assert p.poll() is None, text(run_dir)[-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached: {text(run_dir)[-2000:]}")
+
+
+def workers_of(run_dir) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"megamemo train .*--run-dir {run_dir} "], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_cfg, shards, tmp_path_factory):
+    """Losses of the uninterrupted run (2 ranks, 12 steps)."""
+    run_dir = tmp_path_factory.mktemp("reliability") / "reference"
+    assert finish(start(tiny_cfg, shards, run_dir, "--max-steps", "12", "--save-every", "0")) == 0, text(run_dir)
+    return losses(run_dir)
+
+
+# ---- signals, orphans, one trainer per directory ------------------------------------------------------------
+def test_signals_to_the_launcher_save_and_restart_bit_exact(tiny_cfg, shards, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--max-steps", "12", "--save-every", "0"]
+    p = start(tiny_cfg, shards, run_dir, *args)
+    time.sleep(0.5)                                          # still starting: no worker has a handler yet
+    os.killpg(p.pid, signal.SIGUSR1)                         # to the launcher's whole process group
+    assert finish(p) == 0, text(run_dir)[-3000:]
+    first = [s for s, _, c in list_checkpoints(run_dir / "checkpoints") if c]
+    assert len(first) == 1 and 1 <= first[0] < 12, text(run_dir)[-3000:]   # honoured once start-up ended
+
+    p = start(tiny_cfg, shards, run_dir, *args)
+    wait_for_step(run_dir, first[0] + 3, p)
+    p.send_signal(signal.SIGTERM)                            # to the launcher alone
+    assert finish(p) == 0, text(run_dir)[-3000:]
+    assert "Traceback" not in text(run_dir)
+    assert finish(start(tiny_cfg, shards, run_dir, *args)) == 0
+    assert losses(run_dir) == reference                      # bit for bit across the two stops
+
+
+def test_a_killed_launcher_leaves_no_worker_and_one_trainer_per_directory(tiny_cfg, shards, tmp_path):
+    run_dir = tmp_path / "run"
+    p = start(tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0")
+    wait_for_step(run_dir, 2, p)
+    second = start(tiny_cfg, shards, run_dir, "--max-steps", "100000", n=1)    # a resubmitted job, say
+    assert finish(second) == 2
+    assert "another trainer is running in this run directory" in text(run_dir) and f"on {os.uname().nodename}" in \
+        text(run_dir)
+    assert workers_of(run_dir)
+    os.kill(p.pid, signal.SIGKILL)                           # kill -9 of the launcher
+    end = time.time() + 60
+    while workers_of(run_dir) and time.time() < end:
+        time.sleep(0.2)
+    assert not workers_of(run_dir), "workers outlived their launcher"
+    assert [c for _, _, c in list_checkpoints(run_dir / "checkpoints")] == [True]   # they saved on the way out
+    assert not (run_dir / "LOCK").exists()
+
+
+# ---- anticipated errors ---------------------------------------------------------------------------------------
+def _corrupt_last_train_chunk(shards, out):
+    """A copy of the shards whose last train chunk (the end of the last column: the second rank's) is zeroed in
+    the middle of its zstd frame."""
+    import shutil
+
+    from data_pipeline.shard_reader import scan_tar
+
+    shutil.copytree(shards, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    victim = out / manifest["splits"]["train"]["shards"][-1]["name"]
+    fd = os.open(victim, os.O_RDONLY)
+    try:
+        name, offset, size = [m for m in scan_tar(fd, victim.stat().st_size, victim) if m[0].endswith(".zst")][-1]
+    finally:
+        os.close(fd)
+    data = bytearray(victim.read_bytes())
+    data[offset + size // 2: offset + size // 2 + 32] = bytes(32)
+    victim.write_bytes(bytes(data))
+    return victim.name
+
+
+def test_anticipated_errors_are_one_line_from_one_rank(tiny_cfg, shards, tmp_path):
+    bad = tmp_path / "bad-shards"
+    victim = _corrupt_last_train_chunk(shards, bad)
+    run_dir = tmp_path / "corrupt"          # met by the second rank's reader alone
+    assert finish(start(tiny_cfg, bad, run_dir, "--max-steps", "100000", "--save-every", "0")) == 2
+    out = text(run_dir)
+    assert out.count("megamemo train: error:") == 1 and victim in out and "rank 1:" in out, out[-3000:]
+    assert "Traceback" not in out
+
+    run_dir = tmp_path / "short"
+    assert finish(start(tiny_cfg, shards, run_dir, "--set", "data.batch_size=100000")) == 2
+    out = text(run_dir)
+    assert out.count("megamemo train: error:") == 1 and "data.batch_size" in out and "too few" in out, out
+    assert "Traceback" not in out and not run_dir.exists()          # a failed start leaves nothing behind
+
+    run_dir = tmp_path / "config"
+    assert finish(start(tiny_cfg, shards, run_dir, "--set", "optim.lr=-1",
+                        env={"MEGAMEMO_DEBUG": "1"})) == 2           # the traceback only when asked for
+    out = text(run_dir)
+    assert out.count("megamemo train: error: optim.lr: must be > 0") == 1 and "Traceback" in out
+
+
+# ---- fault injection --------------------------------------------------------------------------------------------
+def _damage(path: Path, rng: random.Random, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+    else:
+        del data[rng.randrange(1, len(data)):]
+    path.write_bytes(bytes(data))
+
+
+def test_fault_injection_kills_flips_and_truncations(tiny_cfg, shards, reference, tmp_path):
+    seed = int(os.environ.get("MEGAMEMO_FAULT_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    run_dir = tmp_path / "run"
+    args = ["--max-steps", "12", "--save-every", "1", "--set", "checkpoint.keep_last=4"]
+    for _ in range(3):                                       # kill -9 at a random moment, then the same command
+        p = start(tiny_cfg, shards, run_dir, *args)
+        wait_for_step(run_dir, 1, p)
+        time.sleep(rng.uniform(0.0, 1.5))
+        victims = workers_of(run_dir)
+        os.kill(rng.choice(victims) if victims else p.pid, signal.SIGKILL)
+        finish(p)
+        for pid in workers_of(run_dir):                      # the surviving rank cannot finish alone
+            os.kill(pid, signal.SIGKILL)
+    committed = [d for _, d, c in list_checkpoints(run_dir / "checkpoints") if c]
+    assert len(committed) >= 2, (seed, text(run_dir)[-3000:])
+    damaged = []
+    for d, how in zip(reversed(committed), ("flip", "truncate")):   # the two newest, a random file of each
+        f = rng.choice(sorted(p for p in d.iterdir() if p.name != MARKER))
+        _damage(f, rng, how)
+        damaged.append(d.name)
+    assert finish(start(tiny_cfg, shards, run_dir, *args)) == 0, (seed, text(run_dir)[-3000:])
+    out = text(run_dir)
+    for name in damaged:
+        assert f"moved {name} aside" in out, (seed, out[-3000:])
+        assert (run_dir / "checkpoints" / f"{name}.corrupt").is_dir()
+    assert losses(run_dir) == reference, seed                # every step once, bit for bit
