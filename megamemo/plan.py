@@ -58,7 +58,7 @@ def _cluster_dims(m) -> tuple[list[int], list[int]]:
                                                             for i in range(len(bounds) - 1)]
 
 
-def embed_params(m) -> int:
+def input_params(m) -> int:
     """The input embedding: its tables and, where their width is not d_model, their projections."""
     rows, dims = _cluster_dims(m)
     return sum(r * w + (m.d_model * w if w != m.d_model or m.div_val > 1 else 0) for r, w in zip(rows, dims))
@@ -79,6 +79,11 @@ def output_params(m) -> int:
     return own + projs + m.n_token + len(m.cutoffs) * (m.embed_dim + 1)
 
 
+def embed_params(m) -> int:
+    """Everything outside the layers but the position biases: the input embedding and the softmax's own."""
+    return input_params(m) + output_params(m)
+
+
 def bias_params(m) -> int:
     """The position biases u, v+ (and LaMemo's v-) shared by all layers."""
     return (3 if m.future_bias else 2) * m.n_head * m.d_head
@@ -86,7 +91,7 @@ def bias_params(m) -> int:
 
 def total_params(m) -> int:
     split, repl = layer_params(m)
-    return m.n_layer * (split + repl) + embed_params(m) + output_params(m) + bias_params(m)
+    return m.n_layer * (split + repl) + embed_params(m) + bias_params(m)
 
 
 def plan(cfg, world: int, gpu_gib: float) -> Plan:
@@ -96,7 +101,7 @@ def plan(cfg, world: int, gpu_gib: float) -> Plan:
     layers = math.ceil(m.n_layer / pp)          # the first stage's
     # the first stage: its layers, the embedding, the shared biases; the output side only when it is also the
     # last stage. Under TP everything but layer norms and fc2's bias is split (the softmax is then full and tied).
-    params = layers * (split / tp + repl) + (embed_params(m) + (output_params(m) if pp == 1 else 0)
+    params = layers * (split / tp + repl) + (input_params(m) + (output_params(m) if pp == 1 else 0)
                                              + bias_params(m)) / tp
     mixed = cfg.precision.dtype in ("bf16", "fp16")
     p_bytes = 2 if mixed else 4
