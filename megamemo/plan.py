@@ -3,9 +3,13 @@
 
     megamemo plan --config configs/lamemo-7b.yaml --nodes 4 --gpus-per-node 8 --gpu a100-80g [--tp 4 --pp 2]
 
-Counts are analytic (from the model config, not from building the model). Activations count the tensors that
-autograd keeps per layer for one micro-batch (no recomputation); a pipeline stage holds up to `pp` micro-batches
-in flight (DeepSpeed's 1F1B schedule), the first stage the most.
+Counts are analytic (from the model config, not from building the model). The numbers are those of a rank of the
+first pipeline stage, the largest: it has the most layers (stages take n_layer / pp, the first ones one more
+when it does not divide), the most micro-batches in flight (up to `pp` in DeepSpeed's 1F1B schedule) and, for
+LaMemo, the embedding FIFO. Its parameters are counted exactly: its layers' shards, the shared position biases
+and the embedding table; the output bias sits on the last stage (which also holds a tied copy of the table and
+has one micro-batch in flight). Activations count the tensors that autograd keeps per layer for one micro-batch
+(no recomputation).
 """
 from __future__ import annotations
 
@@ -45,18 +49,60 @@ def layer_params(m) -> tuple[int, int]:
     return split, d + 4 * d  # fc2 bias, two layer norms
 
 
+def _cluster_dims(m) -> tuple[list[int], list[int]]:
+    """(vocabulary rows, embedding width) of each adaptive cluster; one cluster of all tokens for div_val 1."""
+    bounds = [0, *m.cutoffs, m.n_token]
+    if m.div_val == 1:
+        return [m.n_token], [m.embed_dim]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])], [m.embed_dim // m.div_val ** i
+                                                            for i in range(len(bounds) - 1)]
+
+
+def input_params(m) -> int:
+    """The input embedding: its tables and, where their width is not d_model, their projections."""
+    rows, dims = _cluster_dims(m)
+    return sum(r * w + (m.d_model * w if w != m.d_model or m.div_val > 1 else 0) for r, w in zip(rows, dims))
+
+
+def output_params(m) -> int:
+    """What the softmax holds beyond the (tied) embedding: untied tables and projections, the output bias and the
+    tail clusters' head weights and biases."""
+    rows, dims = _cluster_dims(m)
+    n_parts = len(m.cutoffs) + 1
+    tie = list(m.tie_projs) + [m.tie_projs[-1] if m.tie_projs else False] * n_parts
+    own = 0 if m.tie_weight else sum(r * w for r, w in zip(rows, dims))
+    projs = 0
+    for i in range(n_parts):
+        w = dims[i] if m.div_val > 1 else dims[0]
+        if not (m.div_val == 1 and m.d_model == m.embed_dim) and not tie[i]:
+            projs += m.d_model * w
+    return own + projs + m.n_token + len(m.cutoffs) * (m.embed_dim + 1)
+
+
 def embed_params(m) -> int:
-    return m.n_token * m.embed_dim + (0 if m.tie_weight else m.n_token * m.embed_dim) + m.n_token
+    """Everything outside the layers but the position biases: the input embedding and the softmax's own."""
+    return input_params(m) + output_params(m)
+
+
+def bias_params(m) -> int:
+    """The position biases u, v+ (and LaMemo's v-) shared by all layers."""
+    return (3 if m.future_bias else 2) * m.n_head * m.d_head
+
+
+def total_params(m) -> int:
+    split, repl = layer_params(m)
+    return m.n_layer * (split + repl) + embed_params(m) + bias_params(m)
 
 
 def plan(cfg, world: int, gpu_gib: float) -> Plan:
     m, tp, pp = cfg.model, cfg.parallel.tp, cfg.parallel.pp
     dp, micro = cfg.layout(world)
     split, repl = layer_params(m)
-    layers = math.ceil(m.n_layer / pp)
-    n_bias = (3 if m.future_bias else 2) * m.n_head * m.d_head
-    # the first stage holds the embedding; the last the (tied) output: the first stage is the largest when pp>1
-    params = layers * (split / tp + repl) + embed_params(m) / tp + n_bias / tp
+    layers = math.ceil(m.n_layer / pp)          # the first stage's
+    # the first stage: its layers, the embedding, the shared biases; the output side only when it is also the
+    # last stage. Under TP everything but layer norms and fc2's bias is split (the softmax is then full and tied).
+    params = layers * (split / tp + repl) + (input_params(m) + (output_params(m) if pp == 1 else 0)
+                                             + bias_params(m)) / tp
     mixed = cfg.precision.dtype in ("bf16", "fp16")
     p_bytes = 2 if mixed else 4
     opt_per_param = (4 + 8) if mixed else 8  # fp32 master (mixed) + Adam moments
@@ -70,7 +116,7 @@ def plan(cfg, world: int, gpu_gib: float) -> Plan:
     rows = klen if m.lamemo else L           # LaMemo recomputes its memory rows in every layer
     n_loc, nd_loc, f_loc = m.n_head / tp, m.n_head * m.d_head / tp, m.d_inner / tp
     per_layer = (rows * B * m.d_model * 4            # layer input, attention out, LN out, FFN out
-                 + 3 * klen * B * nd_loc + rows * B * nd_loc   # q, k, v, context
+                 + 2 * klen * B * nd_loc + 2 * rows * B * nd_loc   # k, v; q and context (XL: current rows only)
                  + 2 * rows * B * f_loc)                      # FFN hidden, activation
     per_layer_scores = 2 * B * n_loc * L * klen * 4 / p_bytes   # fp32 scores and probabilities
     if m.lamemo:
@@ -114,12 +160,12 @@ def main(argv: list[str]) -> int:
         print(f"megamemo plan: {e}", file=sys.stderr)
         return 2
     m = cfg.model
-    n_params = (layer_params(m)[0] + layer_params(m)[1]) * m.n_layer + embed_params(m)
+    n_params = total_params(m)
     print(f"model: {m.variant} {m.n_layer}L d_model {m.d_model} {m.n_head}x{m.d_head} d_inner {m.d_inner} "
           f"vocab {m.n_token}: {n_params / 1e9:.2f} B parameters; tgt_len {m.tgt_len} mem_len {m.mem_len}; "
           f"{cfg.precision.dtype}")
     print(f"cluster: {args.nodes} node(s) x {args.gpus_per_node} {args.gpu}; layout {p.layout}")
-    print("per-rank memory (largest stage):")
+    print("per-rank memory (first stage: the largest):" if cfg.parallel.pp > 1 else "per-rank memory:")
     for name in ("params", "grads", "optimizer", "activations", "memory_state"):
         print(f"  {name:<14}{getattr(p, name) / GiB:>9.2f} GiB")
     print(f"  {'total':<14}{p.total / GiB:>9.2f} GiB of {p.capacity / GiB:.0f} GiB "

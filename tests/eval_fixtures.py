@@ -60,14 +60,17 @@ def tiny_checkpoint(out: Path, variant="lamemo", seed=0, meta=None, **kw) -> tup
     return out, model.eval()
 
 
-def reference_nll(model, stream: np.ndarray, batch_size: int, tgt_len: int, **overrides) -> tuple[float, int]:
+def reference_nll(model, stream: np.ndarray, batch_size: int, tgt_len: int, max_segments: int = 0,
+                  **overrides) -> tuple[float, int]:
     """Spec §4.3 written out: columns of a [n_step, B] view, segments of tgt_len rows (last one shorter), memory
-    carried, total += seq_len * segment mean, result total / sum(seq_len)."""
+    carried, total += seq_len * segment mean, result total / sum(seq_len); max_segments > 0: the first ones only."""
     n_step = stream.size // batch_size
     data = torch.from_numpy(stream[:n_step * batch_size].astype(np.int64)).view(batch_size, n_step).t()
     total, length, mem = 0.0, 0, None
     with torch.no_grad():
-        for i in range(0, n_step - 1, tgt_len):
+        for k, i in enumerate(range(0, n_step - 1, tgt_len)):
+            if max_segments and k == max_segments:
+                break
             seq_len = min(tgt_len, n_step - 1 - i)
             nll, mem = model(data[i:i + seq_len], data[i + 1:i + 1 + seq_len], mem, **overrides)
             total += seq_len * nll.double().mean().item()

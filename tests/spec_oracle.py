@@ -1,7 +1,12 @@
 """A deliberately naive re-statement of ../shared/spec/LAMEMO_SPEC.md §1-§3, query by query, in float64.
 
 It shares nothing with megamemo.model but the weights: no shifts, no index tricks, positions computed from the
-distance of each (query, key) pair. Used to check configurations the golden files do not cover."""
+distance of each (query, key) pair. Used to check configurations the golden files do not cover.
+
+Transformer+RPE (variant "rpe", README "The model") is Transformer-XL's layer (§3.1, relative positions with the
+u / v biases, clamp_len) without memory: every segment starts from nothing, a query sees the keys of its own
+segment up to itself, and nothing is carried to the next segment. same_length then has nothing to equalise
+(positions.causal_mask: with no memory it changes nothing; the reference would hide every key)."""
 import math
 
 import torch
@@ -54,6 +59,8 @@ def run_segment(sd, cfg, x, y, mem, mem_len, same_length=False, clamp_len=-1):
     h0 = emb[x] * math.sqrt(d)
     u, vp = sd["r_w_bias"].double(), sd["r_r_bias"].double()
     lamemo = cfg.variant.startswith("lamemo")
+    if cfg.variant == "rpe":           # no memory: nothing comes in, nothing goes out, same_length is moot
+        mem, mem_len, same_length = {}, 0, False
     vf = sd["r_r_bias_future"].double() if cfg.variant == "lamemo" else vp
     M = mem["emb"].shape[0] if lamemo and mem else (mem["hid.0"].shape[0] if mem else 0)
     klen = M + L
@@ -71,7 +78,8 @@ def run_segment(sd, cfg, x, y, mem, mem_len, same_length=False, clamp_len=-1):
             cat = torch.cat([h_mem, h]) if M else h
         else:
             cat = torch.cat([mem[f"hid.{l}"], h]) if M else h
-            new[f"hid.{l}"] = cat[max(0, klen - mem_len):]
+            if mem_len:
+                new[f"hid.{l}"] = cat[max(0, klen - mem_len):]
         Q, K, V = cat @ w["q"].T, cat @ w["k"].T, cat @ w["v"].T
         rows, lses = [], []
         for i in range(L):

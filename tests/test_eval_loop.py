@@ -103,8 +103,10 @@ def test_trams_flags_score_with_selection(shards, tmp_path):
 
 
 def test_mem_ratio_sweep_writes_table_and_plot(shards, tmp_path):
-    a, _ = tiny_checkpoint(tmp_path / "lamemo", "lamemo")
-    b, _ = tiny_checkpoint(tmp_path / "xl", "xl")
+    """Every (checkpoint, ratio) row of the sweep - JSON and table - holds the score of the spec's loop run here
+    with that memory length (10 columns, the first 10 segments), and the scores do depend on the memory length."""
+    a, model_a = tiny_checkpoint(tmp_path / "lamemo", "lamemo")
+    b, model_b = tiny_checkpoint(tmp_path / "xl", "xl")
     plot = tmp_path / "sweep.png"
     out = tmp_path / "sweep.json"
     assert evaluate.main(["--ckpt", str(a), "--ckpt", str(b), "--data", str(shards), "--split", "valid",
@@ -116,6 +118,17 @@ def test_mem_ratio_sweep_writes_table_and_plot(shards, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in results] == ["lamemo"] * 3 + ["xl"] * 3
+    stream = read_split(shards, "valid")
+    for k, (model, mem_len) in enumerate((m, 12 * f) for m in (model_a, model_b) for f in (1, 2, 4)):
+        want, tokens = reference_nll(model, stream, 10, 12, max_segments=10, mem_len=mem_len)
+        r, row = results[k], rows[1 + k].split("\t")
+        assert (r["mem_len"], r["tokens"], tokens) == (mem_len, 10 * 12 * 10, 10 * 12 * 10)
+        assert r["nll"] == pytest.approx(want, rel=1e-9, abs=1e-9)
+        assert float(row[5]) == pytest.approx(want, abs=1e-6)
+        assert float(row[6]) == pytest.approx(want / math.log(2), abs=1e-6)
+        assert int(row[7]) == tokens
+    for model_rows in (results[:3], results[3:]):
+        assert len({round(r["nll"], 6) for r in model_rows}) == 3      # memory length changes every score
 
 
 def test_errors_name_the_bad_input(shards, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Properties of the model that the reference files cannot show: the interpolation identity of the paper's
-Appendix A, stream independence of memory, the adaptive softmax, precision, ablations and bad input."""
+Appendix A, stream independence of memory, ablations and bad input. (The adaptive softmax and bf16 against
+fp32: tests/test_model_numerics.py.)"""
 import pytest
 import torch
 
@@ -34,13 +35,6 @@ def test_interpolation_equals_attention_over_union_of_keys(scale):
     assert torch.allclose(lse, torch.logsumexp(torch.cat([s_old, s_new], -1), -1), atol=1e-9 * scale)
 
 
-def test_interpolation_in_bf16_does_not_overflow():
-    s = torch.full((1, 1, 2), 1e4)  # exp(1e4) overflows any float type
-    c = torch.randn(1, 1, 2, 4, dtype=torch.bfloat16)
-    merged, lse = interpolate(c, s, c, s + 1.0)
-    assert torch.isfinite(merged.float()).all() and lse.dtype == torch.float32 and torch.isfinite(lse).all()
-
-
 @pytest.mark.parametrize("variant", ["lamemo", "xl"])
 def test_streams_are_independent_and_memory_round_trips(variant):
     """A batch of 4 streams equals two batches of 2 with their own memory (what data parallelism relies on),
@@ -65,19 +59,6 @@ def test_streams_are_independent_and_memory_round_trips(variant):
         assert torch.equal(model(x, y, mem)[0], model(x, y, restored)[0])
 
 
-@pytest.mark.parametrize("div_val,tie_projs", [(1, [False]), (2, [False, True, True]), (2, [False, False, False])])
-def test_adaptive_softmax_is_a_distribution(div_val, tie_projs):
-    model = tiny("xl", cutoffs=[10, 30], div_val=div_val, tie_projs=tie_projs, d_embed=16 if div_val > 1 else 8)
-    x = torch.randint(0, 50, (5, 3))
-    y = torch.randint(0, 50, (5, 3))
-    with torch.no_grad():
-        logp, _ = model(x, None)
-        nll, _ = model(x, y)
-    assert logp.shape == (5, 3, 50)
-    assert torch.allclose(logp.logsumexp(-1), torch.zeros(5, 3), atol=1e-5)
-    assert torch.allclose(nll, -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1), atol=1e-5)
-
-
 def test_same_length_without_memory_changes_nothing():
     model = tiny("rpe")
     x = torch.randint(0, 50, (5, 2))
@@ -85,17 +66,6 @@ def test_same_length_without_memory_changes_nothing():
         plain, _ = model(x, x)
         same, _ = model(x, x, same_length=True)
     assert torch.isfinite(same).all() and torch.equal(plain, same)
-
-
-def test_bf16_model_keeps_log_normalisers_in_fp32():
-    model = tiny("lamemo").to(torch.bfloat16)
-    mem = None
-    with torch.no_grad():
-        for _ in range(3):
-            x = torch.randint(0, 50, (5, 2))
-            nll, mem = model(x, x, mem)
-    assert all(mem[f"lse.{l}"].dtype == torch.float32 for l in range(2))
-    assert mem["ctx.0"].dtype == torch.bfloat16 and torch.isfinite(nll).all()
 
 
 def test_no_lookahead_ablation_keeps_cached_context():
@@ -289,7 +259,7 @@ cfg = ModelConfig(variant="lamemo", n_token=256, n_layer=2, d_model=256, n_head=
 model = MemTransformerLM(cfg).train()
 opt = torch.optim.Adam(model.parameters())
 mem, faults = None, []
-for step in range(16):
+for step in range(int(sys.argv[2])):
     x = torch.randint(0, 256, (129, 8))
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     nll, mem = model(x[:-1], x[1:], mem)
@@ -297,28 +267,40 @@ for step in range(16):
     opt.step()
     opt.zero_grad(set_to_none=True)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-print(applied, *faults[4:])
+print(applied, *faults)
 """
+WARM_UP, STEADY = 8, 24
 
 
 def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
     """megamemo.allocator keeps freed blocks: past the first steps a LaMemo training step (the speed benchmark's
-    widths) touches no fresh page in most steps, where glibc's defaults keep faulting thousands of pages a step."""
+    widths) touches no fresh page in most steps, where glibc's defaults keep faulting thousands of pages a step.
+
+    Measured over 24 steps after 8 of warm-up (the heap reaches its peak in the first few). On this shared
+    machine glibc's defaults fault in 40-70% of those steps, 35k-75k pages in all, though sometimes hardly at
+    all for a dozen steps in a row (so a short window or a median of the default run says little); the tuned
+    run faults in at most a fifth of them (a block landing past the heap's peak), 2k-6k pages. So: the tuned
+    run's median step touches under 50 fresh pages, and its total is under a quarter of the default run's."""
     import os
+    import platform
     import statistics
     import subprocess
     import sys
 
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip(f"not glibc ({platform.libc_ver()}): mallopt unavailable")
+
     def faults(mode):
-        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode, str(WARM_UP + STEADY)], capture_output=True,
+                             text=True, check=True)
         applied, *counts = out.stdout.split()
-        return applied == "True", [int(c) for c in counts]
+        return applied == "True", [int(c) for c in counts][WARM_UP:]
 
     applied, tuned = faults("1")
-    if not applied:
-        pytest.skip("not glibc: mallopt unavailable")
     _, default = faults("0")
-    assert statistics.median(tuned) < 50 and 4 * sum(tuned) < sum(default), (tuned, default)
+    assert applied and len(tuned) == len(default) == STEADY
+    assert statistics.median(tuned) < 50, (tuned, default)
+    assert 4 * sum(tuned) < sum(default), (tuned, default)
     off = subprocess.run([sys.executable, "-c", "from megamemo.allocator import tune_cpu_allocator as t; print(t())"],
                          capture_output=True, text=True, check=True, env={**os.environ, "MEGAMEMO_TUNE_MALLOC": "0"})
     assert off.stdout.strip() == "False"

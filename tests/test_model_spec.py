@@ -1,6 +1,6 @@
 """The model against a naive query-by-query statement of the spec (tests/spec_oracle.py), for the
 configurations the golden files do not cover: mem_len != tgt_len, same_length, clamp_len, attn_type 31,
-and evaluation at other lengths than the model was built with."""
+evaluation at other lengths than the model was built with, and Transformer+RPE (no golden file at all)."""
 import pytest
 import torch
 
@@ -17,6 +17,9 @@ CASES = [
     ("lamemo", 6, 6, 18, False, -1),   # eval with 3x the memory, same model object
     ("xl", 6, 12, None, True, 5),
     ("xl", 6, 6, 24, False, -1),
+    ("rpe", 6, 6, None, False, -1),
+    ("rpe", 6, 6, None, True, 4),      # same_length without memory changes nothing; clamp at 4 of 5 distances
+    ("rpe", 6, 0, 12, False, 3),       # a memory length asked for at evaluation is ignored: rpe keeps none
 ]
 
 
@@ -31,7 +34,7 @@ def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp):
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     sd = model.state_dict()
-    use_mem = eval_mem or mem_len
+    use_mem = 0 if variant == "rpe" else (eval_mem or mem_len)
     stream = torch.randint(0, 40, (5 * L + 1, 2))
     mem, omem = None, {}
     with torch.no_grad():
@@ -41,5 +44,6 @@ def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp):
             onll, omem = run_segment(sd, cfg, x, y, omem, use_mem, same_length, clamp)
             assert torch.allclose(nll.double(), onll, atol=1e-5), f"segment {s}: {(nll.double() - onll).abs().max()}"
             assert mem.length == min(use_mem, (s + 1) * L)
+            assert sorted(mem.tensors) == sorted(omem)
             for k, t in omem.items():
                 assert torch.allclose(mem[k].double(), t, atol=1e-5), f"segment {s} memory {k}"

@@ -1,6 +1,6 @@
 """Pipeline parallelism (DeepSpeed PipelineModule, 2 stages) against the single-device model: the same per-step
 losses with memory carried per micro-batch, the same memory once the stages' banks are put together, and
-memory that advances once per step even when a forward is replayed."""
+memory that advances once per step even when a forward is replayed (a skipped step's retry, recomputation)."""
 import importlib
 
 import pytest
@@ -46,31 +46,54 @@ def _pp_worker(rank, world, variant):
     engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=lr), config={
         "train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
         "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9})
-    data = torch.randint(0, 40, (STEPS * L + 1, GAS * B), generator=torch.Generator().manual_seed(3))
+    data = torch.randint(0, 40, ((STEPS + 1) * L + 1, GAS * B), generator=torch.Generator().manual_seed(3))
+
+    def segment(s):
+        return [((data[s * L:(s + 1) * L, mb * B:(mb + 1) * B], torch.tensor([mb, 0, 0])),
+                 data[s * L + 1:(s + 1) * L + 1, mb * B:(mb + 1) * B]) for mb in range(GAS)]
+
+    def gathered():
+        banks = [None] * world
+        dist.all_gather_object(banks, ctx.bank.state_dict())
+        return {k: v for b in banks for k, v in b.items()}
+
     losses = []
     for s in range(STEPS):
-        batches = []
-        for mb in range(GAS):
-            cols = slice(mb * B, (mb + 1) * B)
-            x, y = data[s * L:(s + 1) * L, cols], data[s * L + 1:(s + 1) * L + 1, cols]
-            batches.append(((x, torch.tensor([mb, 0, 0])), y))
-        losses.append(float(engine.train_batch(iter(batches))))
+        losses.append(float(engine.train_batch(iter(segment(s)))))
         ctx.bank.commit()
     ref_losses, ref_mems = _reference(single, data, lr)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
 
-    banks = [None] * world
-    dist.all_gather_object(banks, ctx.bank.state_dict())
-    merged = {k: v for b in banks for k, v in b.items()}
+    merged = gathered()
     for mb in range(GAS):
         for name, t in ref_mems[mb].tensors.items():
             assert torch.allclose(merged[f"mb{mb}/{name}"], t, atol=1e-5), (variant, mb, name)
 
-    # a replayed forward (as activation recomputation does) writes pending memory again; commit applies it once
-    before = {k: v.clone() for k, v in ctx.bank.state_dict().items()}
+    # Replayed forwards. With the learning rate at 0 every forward of the next segment sees the same weights (the
+    # single model's), as the retry of a skipped fp16 step or a recomputed forward does; the memory one advance
+    # gives is the single model's next memory.
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    want = {}
+    with torch.no_grad():
+        for mb, ((x, _), y) in enumerate(segment(STEPS)):
+            want.update({f"mb{mb}/{k}": t for k, t in single(x, y, ref_mems[mb])[1].tensors.items()})
+    # a step that is not applied (discard) leaves the memory as it was, even after a later commit
+    before = gathered()
+    engine.train_batch(iter(segment(STEPS)))
     ctx.bank.discard()
-    assert ctx.bank.state_dict().keys() == before.keys()
-    assert all(torch.equal(ctx.bank.state_dict()[k], v) for k, v in before.items())
+    ctx.bank.commit()
+    after = gathered()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items()), variant
+    # the same segment's forward run twice before the commit (a replay): the memory advances once
+    engine.train_batch(iter(segment(STEPS)))
+    engine.train_batch(iter(segment(STEPS)))
+    ctx.bank.commit()
+    after = gathered()
+    assert after.keys() == want.keys()
+    for k, t in want.items():
+        assert not torch.equal(after[k], before[k]) or after[k].numel() == 0, (variant, k)
+        assert torch.allclose(after[k], t, atol=1e-5), (variant, k, (after[k] - t).abs().max())
 
 
 @pytest.mark.parametrize("variant", ["lamemo", "xl"])

@@ -1,13 +1,27 @@
-"""`megamemo plan` counts against the built model, and its ZeRO / layout arithmetic."""
+"""`megamemo plan` counts against the built model, the shipped large configs against arithmetic written out here,
+and its ZeRO / layout arithmetic."""
 import dataclasses
+import math
 
+import pytest
+import torch
+
+from fixture_data import REPO
 from megamemo.config import load
 from megamemo.model import MemTransformerLM
-from megamemo.plan import GiB, plan
+from megamemo.plan import GiB, main, plan
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
-def test_parameter_bytes_match_the_built_model(tmp_path):
-    cfg = load("configs/tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=0"])
+def built_params(model_cfg) -> int:
+    """Parameters of the model itself, built on the meta device (no memory, any size)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in MemTransformerLM(model_cfg).parameters())
+
+
+def test_parameter_bytes_match_the_built_model():
+    cfg = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=0"])
     for variant in ("lamemo", "xl"):
         cfg.model = dataclasses.replace(cfg.model, variant=variant)
         n = sum(p.numel() for p in MemTransformerLM(cfg.model).parameters())
@@ -15,8 +29,138 @@ def test_parameter_bytes_match_the_built_model(tmp_path):
         assert p.params == 4 * n and p.grads == 4 * n and p.optimizer == 8 * n
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("variant", ["lamemo", "xl", "rpe"])
+def test_every_config_counts_the_parameters_of_its_model(path, variant):
+    """On one device (tp = pp = 1) plan's parameters are the built model's, for every shipped config and variant:
+    the wt103 adaptive softmax's cluster weights and v- of LaMemo included."""
+    cfg = load(path, ["precision.dtype=fp32", "parallel.zero_stage=0", "parallel.tp=1", "parallel.pp=1",
+                      "train.grad_accum=1"])
+    cfg.model = dataclasses.replace(cfg.model, variant=variant)
+    assert plan(cfg, world=1, gpu_gib=80).params == 4 * built_params(cfg.model)
+
+
+@pytest.mark.parametrize("adaptive", [
+    dict(cutoffs=[100, 300], div_val=2, d_embed=64, tie_projs=[False, True, True]),
+    dict(cutoffs=[100, 300], div_val=2, d_embed=64, tie_weight=False, tie_projs=[False]),
+    dict(cutoffs=[100], div_val=1, d_embed=48, tie_projs=[True, False]),
+    dict(cutoffs=[], div_val=1, d_embed=48, tie_weight=False, tie_projs=[False]),
+])
+def test_adaptive_input_and_softmax_parameters_are_counted(adaptive):
+    cfg = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=0"])
+    cfg.model = dataclasses.replace(cfg.model, n_token=500, **adaptive)
+    assert plan(cfg, world=1, gpu_gib=80).params == 4 * built_params(cfg.model)
+
+
+# ---- the large configs, by hand --------------------------------------------------------------------------------
+def rank_layer(d, heads, d_head, ff):
+    """One layer's parameters on one tensor-parallel rank holding `heads` heads and `ff` of the FFN's width:
+    Q, K, V, R and output projections of its heads (no biases), two layer norms (weight and bias), fc1 (its rows
+    and their bias) and fc2 (its columns; the bias whole on every rank)."""
+    hd = heads * d_head
+    attention = 3 * hd * d + hd * d + d * hd + 2 * d
+    feed_forward = ff * d + ff + d * ff + d + 2 * d
+    return attention + feed_forward
+
+
+def by_hand_lamemo_1_3b():
+    # 24 layers, d 2048, 16 heads x 128, d_inner 8192, 256 bytes; tp 2: 8 heads, 4096 FFN rows, 128 vocab rows
+    return 24 * rank_layer(2048, 8, 128, 4096) + 128 * 2048 + 128 + 3 * 8 * 128   # + table, out bias, u v+ v-
+
+
+def by_hand_lamemo_7b_first_stage():
+    # 32 layers over pp 2 (16 on the first stage), d 4096, 32 heads x 128, d_inner 16384; tp 4: 8 heads,
+    # 4096 FFN rows, 64 vocab rows. The first stage has the embedding table and the shared biases; the output
+    # bias is on the last stage.
+    return 16 * rank_layer(4096, 8, 128, 4096) + 64 * 4096 + 3 * 8 * 128
+
+
+def test_lamemo_1_3b_on_its_v100_cluster():
+    """configs/lamemo-1.3b.yaml on the cluster its header names (4 nodes x 8 V100-32G): tp 2, dp 16, ZeRO-1, fp16,
+    micro-batch 64 / (16 x 4 accumulation steps) = 1 stream."""
+    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml")
+    n = by_hand_lamemo_1_3b()
+    assert 24 * (5 * 2048 * 2048 + 2 * 2048 * 8192 + 8192 + 5 * 2048) + 256 * 2048 + 256 + 3 * 2048 \
+        == built_params(cfg.model) == 1_309_595_904
+    p = plan(cfg, world=32, gpu_gib=32)
+    assert p.layout == "tp=2 pp=1 dp=16 zero=1 micro_batch=1 x grad_accum=4"
+    assert p.params == 2 * n                       # fp16 weights
+    assert p.grads == 2 * n                        # ZeRO-1 keeps the whole gradient
+    assert p.optimizer == pytest.approx(12 * n / 16, rel=1e-12)   # fp32 master + Adam m, v: split over 16 ranks
+    # activations of one micro-batch (B 1) in flight: every layer runs klen = 1024 rows (LaMemo recomputes the
+    # 512 memory rows), 8 heads x 128 and 4096 FFN rows on this rank; fp16 tensors, fp32 scores; fp32 logits
+    rows, L, M = 1024, 512, 512
+    per_layer = 2 * (4 * rows * 2048 + 4 * rows * 1024 + 2 * rows * 4096) + 4 * (2 * 8 * L * rows + 2 * 8 * M * L)
+    assert p.activations == pytest.approx(24 * per_layer + 4 * L * 128, rel=1e-12)
+    # memory: 4 streams (1 x 4 micro-batches) x 512 rows of the fp16 embedding FIFO and, per layer, the fp16
+    # context (8 heads x 128) and fp32 log-normaliser (8 heads)
+    assert p.memory_state == 4 * 512 * (2048 * 2 + 24 * 8 * (128 * 2 + 4))
+    assert p.capacity == 32 * GiB and p.fits
+
+
+def test_lamemo_7b_on_its_a100_cluster():
+    """configs/lamemo-7b.yaml on 8 nodes x 8 A100-80G: tp 4, pp 2, dp 8, ZeRO-1, bf16, micro-batch 128 / (8 x 8)
+    = 2 streams; the first stage holds 2 micro-batches in flight (1F1B over 2 stages) and no logits."""
+    cfg = load(REPO / "configs" / "lamemo-7b.yaml")
+    n = by_hand_lamemo_7b_first_stage()
+    p = plan(cfg, world=64, gpu_gib=80)
+    assert p.layout == "tp=4 pp=2 dp=8 zero=1 micro_batch=2 x grad_accum=8"
+    assert p.params == 2 * n and p.grads == 2 * n
+    assert p.optimizer == pytest.approx(12 * n / 8, rel=1e-12)
+    B, rows, L, M = 2, 1024, 512, 512
+    per_layer = 2 * B * (4 * rows * 4096 + 4 * rows * 1024 + 2 * rows * 4096) + 4 * B * (2 * 8 * L * rows
+                                                                                        + 2 * 8 * M * L)
+    assert p.activations == pytest.approx(2 * 16 * per_layer, rel=1e-12)
+    assert p.memory_state == 16 * 512 * (4096 * 2 + 16 * 8 * (128 * 2 + 4))
+    assert p.fits
+
+
+def test_transformer_xl_activations_count_queries_of_the_current_rows_only():
+    """configs/enwik8-xl.yaml on one device: bf16, 22 streams, L = M = 512. Transformer-XL projects queries for the
+    512 current rows only (memory rows are keys and values), and keeps nothing else of its memory rows."""
+    cfg = load(REPO / "configs" / "enwik8-xl.yaml")
+    p = plan(cfg, world=1, gpu_gib=80)
+    B, L, klen = 22, 512, 1024
+    per_layer = 2 * B * (4 * L * 512 + 2 * klen * 512 + 2 * L * 512 + 2 * L * 2048) + 4 * B * 2 * 8 * L * klen
+    assert p.activations == pytest.approx(12 * per_layer + 4 * L * B * 256, rel=1e-12)
+    assert p.memory_state == B * 512 * 12 * 512 * 2          # each layer's input, bf16
+
+
+def test_7b_first_stage_count_is_what_the_pipeline_and_tp_ranks_hold():
+    """The by-hand count of the 7B first stage against the production layout: the parameters the pipeline puts
+    on stage 0 (pipeline.single_to_stage_names over pipeline.stage_bounds) cut by the TP sharding rules."""
+    from megamemo.parallel.pipeline import single_to_stage_names, stage_bounds
+    from megamemo.parallel.tensor import shard_tensor
+
+    cfg = load(REPO / "configs" / "lamemo-7b.yaml")
+    m = cfg.model
+    n_specs = 2 * m.n_layer + 3
+    bounds = stage_bounds(m.n_layer, 2, n_specs)
+    with torch.device("meta"):
+        sd = MemTransformerLM(m).state_dict()
+    counts = []
+    for stage in range(2):
+        span = type("Stage", (), {"_local_start": bounds[stage], "_local_stop": bounds[stage + 1]})
+        names = single_to_stage_names(m, span)
+        counts.append(sum(shard_tensor(k, sd[k], 0, 4).numel() for k in names))
+    assert counts[0] == by_hand_lamemo_7b_first_stage()
+    assert counts[1] == counts[0] + 256 // 4        # the last stage: the same, plus its output-bias rows
+
+
+@pytest.mark.parametrize("name,cluster,printed", [
+    ("lamemo-1.3b", ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g"], "1.31 B parameters"),
+    ("lamemo-7b", ["--nodes", "8", "--gpus-per-node", "8", "--gpu", "a100-80g"], "6.98 B parameters"),
+])
+def test_plan_command_on_the_documented_clusters(name, cluster, printed, capsys):
+    path = REPO / "configs" / f"{name}.yaml"
+    assert f"megamemo plan --config configs/{name}.yaml {' '.join(cluster)}" in path.read_text()
+    assert main(["--config", str(path), *cluster]) == 0
+    out = capsys.readouterr().out
+    assert printed in out and "FITS" in out
+
+
 def test_zero_stages_divide_what_they_shard():
-    base = load("configs/tiny-cpu.yaml", ["precision.dtype=bf16", "parallel.zero_stage=0"])
+    base = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=bf16", "parallel.zero_stage=0"])
     p0 = plan(base, world=4, gpu_gib=32)
     base.parallel.zero_stage = 1
     p1 = plan(base, world=4, gpu_gib=32)
@@ -25,3 +169,4 @@ def test_zero_stages_divide_what_they_shard():
     assert p1.optimizer == p0.optimizer / 4 and p1.grads == p0.grads
     assert p2.grads == p0.grads / 4 and p2.params == p0.params
     assert p0.capacity == 32 * GiB
+    assert math.isclose(p0.optimizer, 12 * p0.params / 2)          # bf16 weights: 2 bytes; master + moments: 12

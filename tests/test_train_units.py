@@ -17,10 +17,48 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- config ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["tiny-cpu", "enwik8-base", "text8-base", "wt103-base", "enwik8-xl", "wt103-xl"])
-def test_shipped_configs_load(name):
-    cfg = C.load(REPO / "configs" / f"{name}.yaml")
-    assert cfg.optim.clip >= 0 and cfg.parallel.tp == 1
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_every_shipped_config_is_checked():
+    assert {p.stem for p in CONFIGS} >= {"tiny-cpu", "enwik8-base", "text8-base", "wt103-base", "enwik8-xl",
+                                         "wt103-xl", "lamemo-1.3b", "lamemo-7b"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_load(path):
+    """Every config in configs/ loads, and its parallel layout is one the code accepts: heads, FFN width and
+    vocabulary split over tp (the softmax full under tp > 1), layers over pp (the full tied softmax under pp > 1),
+    the global batch over one data-parallel replica's micro-batches - and its model builds (on the meta device)."""
+    from megamemo.model import MemTransformerLM
+    from megamemo.parallel import pipeline, tensor
+
+    cfg = C.load(path)
+    m, tp, pp = cfg.model, cfg.parallel.tp, cfg.parallel.pp
+    assert cfg.optim.clip >= 0 and cfg.optim.lr > 0 and cfg.train.max_steps > 0
+    assert tp >= 1 and pp >= 1 and cfg.parallel.zero_stage in (0, 1, 2)
+    tensor.check_supported(m, tp)
+    pipeline.check_supported(m, pp)
+    assert m.n_head % tp == 0 and m.d_inner % tp == 0 and m.n_token % tp == 0 and m.n_layer >= pp
+    assert cfg.layout(tp * pp) == (1, cfg.data.batch_size // cfg.train.grad_accum)
+    if cfg.eval.every:
+        assert cfg.eval.batch_size >= 1
+    with torch.device("meta"):
+        model = MemTransformerLM(m)
+    assert model.cfg.variant == m.variant and len(model.layers) == m.n_layer
+    if tp == 1 and pp == 1:
+        assert cfg.precision.dtype in ("fp32", "bf16", "fp16")
+    else:   # the large configs: a cluster layout, and a header naming the cluster `megamemo plan` checks
+        assert f"megamemo plan --config configs/{path.name}" in path.read_text()
+
+
+def test_large_configs_have_their_documented_shapes():
+    b = C.load(REPO / "configs" / "lamemo-1.3b.yaml")
+    assert (b.model.n_layer, b.model.d_model, b.model.n_head, b.model.d_inner) == (24, 2048, 16, 8192)
+    assert (b.parallel.tp, b.parallel.pp, b.precision.dtype) == (2, 1, "fp16")
+    s = C.load(REPO / "configs" / "lamemo-7b.yaml")
+    assert (s.model.n_layer, s.model.d_model, s.model.n_head, s.model.d_inner) == (32, 4096, 32, 16384)
+    assert (s.parallel.tp, s.parallel.pp, s.precision.dtype) == (4, 2, "bf16")
 
 
 def test_paper_configs_have_paper_shapes():

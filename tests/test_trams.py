@@ -57,6 +57,31 @@ def test_pool_equal_to_attended_memory_is_the_plain_model(variant):
             assert m1.equal(m2)
 
 
+def test_reference_arguments_with_topk_zero_attend_every_memory_row():
+    """The TRAMS code selects only when topk_num != 0 (spec §6.2); its baseline (mem_len 200, topk_num 0,
+    remain_mem_num left at its default 150) is the plain Transformer-XL over all mem_len rows. So
+    from_reference(pool, 0, remain) is the plain model with mem_len = pool bit for bit - not a window of the
+    `remain` newest rows, which scores differently here once the memory holds more than `remain` rows."""
+    assert (lambda c: (c.pool, c.attend, c.recent, c.topk))(TramsConfig.from_reference(400, 50, 150)) == \
+        (400, 200, 150, 50)
+    assert TramsConfig.from_reference(200, 0, 150).attend == 200
+    model = tiny("xl", init_std=0.3)
+    baseline, window = TramsConfig.from_reference(12, 0, 5), TramsConfig(pool=12, attend=5, recent=5)
+    assert (baseline.pool, baseline.attend, baseline.topk) == (12, 12, 0)
+    data = torch.randint(0, 40, (40, 2), generator=torch.Generator().manual_seed(6))
+    m1 = m2 = m3 = None
+    differs = 0
+    with torch.no_grad():
+        for s in range(8):   # the memory fills up to 12 rows and stays full
+            x, y = data[4 * s:4 * s + 4], data[4 * s + 1:4 * s + 5]
+            n1, m1 = model(x, y, m1, mem_len=12)
+            n2, m2 = trams.forward(model, x, y, m2, select=baseline)
+            n3, m3 = trams.forward(model, x, y, m3, select=window)
+            assert torch.equal(n1, n2) and m1.equal(m2)
+            differs += not torch.allclose(n1, n3, atol=1e-5)
+    assert differs >= 5
+
+
 def test_selection_follows_the_metric_on_constructed_keys():
     """W_Q = identity, so K' = k: the code metric ranks by ||k||*|sum k| (signs ignored), the paper's by
     sum k / sqrt(d) (signed). The newest `recent` rows are always kept, whatever their score."""

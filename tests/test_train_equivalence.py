@@ -1,0 +1,62 @@
+"""`megamemo train` runs that must compute the same thing: data parallelism under every ZeRO stage against one
+process, and bf16 against fp32. Real processes on the enwik8 prefix (the helpers and fixtures of
+tests/test_train_runs.py); short runs, no checkpoints (their format is not what is tested here)."""
+from __future__ import annotations
+
+import pytest
+
+from test_train_runs import losses, run, shards, tiny_cfg  # noqa: F401 (shards, tiny_cfg: fixtures)
+
+STEPS = 5
+# fp32, no dropout, no checkpoint written (probe and end-of-run save off); 4 streams of 16 tokens
+EXACT = ["--set", "model.dropout=0.0", "--max-steps", str(STEPS), "--save-every", "0",
+         "--set", "checkpoint.probe=false", "--set", "checkpoint.save_at_end=false"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_cfg, shards, tmp_path_factory) -> dict[int, float]:  # noqa: F811 (fixture arguments)
+    """The DP=1 fp32 run every comparison here is made against (ZeRO-1 on one rank partitions nothing)."""
+    run_dir = tmp_path_factory.mktemp("dp1") / "fp32"
+    run(1, tiny_cfg, shards, run_dir, *EXACT)
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_dp2_equals_one_process_under_every_zero_stage(zero, one_process, tiny_cfg, shards, tmp_path):  # noqa: F811
+    """Two ranks of 2 streams each, ZeRO-0 (plain all-reduce), ZeRO-1 (optimizer state split) or ZeRO-2 (gradients
+    split too): the per-step losses are the one-process run's within 1e-5 (fp32: only the order of the gradient
+    sums differs)."""
+    run_dir = tmp_path / f"zero{zero}"
+    run(2, tiny_cfg, shards, run_dir, *EXACT, "--set", f"parallel.zero_stage={zero}")
+    got = losses(run_dir)
+    assert sorted(got) == sorted(one_process)
+    for step, want in one_process.items():
+        assert abs(got[step] - want) <= 1e-5, (zero, step, got[step], want)
+    assert one_process[STEPS] < one_process[1] - 0.05        # it trained: a comparison of moving numbers
+
+
+def test_bf16_run_tracks_the_fp32_run(one_process, tiny_cfg, shards, tmp_path):  # noqa: F811
+    """One process, bf16 (DeepSpeed's: bf16 weights and activations, fp32 master weights and Adam state) against
+    the fp32 run, per step: within 0.005 nats.
+
+    The bound, derived. bf16 keeps 8 significant bits (U = 2^-8). A step's loss is the mean NLL of 64 tokens,
+    NLL = logsumexp(logits) - logit_target with the log-softmax in fp32, so a relative error d on the logits moves
+    a token's NLL by at most 2 d max|logit|, with d <= 4 U (tests/test_model_numerics.py: the logits' own rounding
+    and the last layer's, post-LN keeping earlier errors from compounding). At this model's init (0.02, d_model
+    32) a logit is h.w with |h| ~ sqrt(32) after the layer norm and w ~ N(0, 0.02^2) per entry: ~N(0, 0.11^2), so
+    max|logit| <= 0.5 over the 64 x 256 logits (4.5 sigma) and a token moves by at most 8 U x 0.5 = 0.016. Those are
+    independent roundings, each within +-0.016 (a spread of at most 0.016 / sqrt(3)), so the mean of 64 has a
+    spread of at most 0.0012: 4 of those is 0.005. The weights the runs reach differ by less than that matters
+    over 5 steps: Adam's updates are normalised (lr m / sqrt(v)), so a gradient's relative bf16 error of a few U
+    moves an update by a few U of lr = 2e-3 (< 1e-4 per weight in all). The fp32 losses fall by 0.17 over the run,
+    far more than the bound: the runs must agree more closely than training moves them."""
+    run_dir = tmp_path / "bf16"
+    run(1, tiny_cfg, shards, run_dir, *EXACT, "--set", "precision.dtype=bf16")
+    got = losses(run_dir)
+    assert sorted(got) == sorted(one_process)
+    diffs = {s: abs(got[s] - one_process[s]) for s in one_process}
+    assert max(diffs.values()) <= 0.005, (diffs, got, one_process)
+    assert one_process[1] - one_process[STEPS] > 0.1
+    assert any(d > 0 for d in diffs.values())               # bf16 did round: not two fp32 runs compared
