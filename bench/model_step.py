@@ -20,31 +20,7 @@ import torch
 
 from megamemo.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
-
-
-def forward_flops(cfg: ModelConfig, B: int, L: int, M: int) -> float:
-    d, H, F, V = cfg.d_model, cfg.n_head * cfg.d_head, cfg.d_inner, cfg.n_token
-    if cfg.variant == "rpe":
-        M = 0
-    klen = L + M
-    if cfg.lamemo:
-        nk = min(M, L)
-        lookahead = 2 * M * nk * H * B * 2 + 2 * M * M * H * B   # content and values, position scores
-        per_layer = (2 * klen * d * 3 * H * B            # qkv for memory and current rows
-                     + 2 * (klen + M) * d * H            # r_net over past and future distances
-                     + 3 * 2 * L * klen * H * B          # causal: content, position, values
-                     + lookahead
-                     + 2 * klen * H * d * B              # o_net for memory and current rows
-                     + 2 * klen * 2 * d * F * B)         # FFN for memory and current rows
-        # the top layer's memory rows feed nothing: no o_net or FFN for them, and no look-ahead when the new
-        # caches keep none of them (mem_len <= tgt_len; LaMemoLayer's mem_rows_out)
-        top_saves = 2 * M * H * d * B + 2 * M * 2 * d * F * B + (lookahead if cfg.mem_len <= L else 0)
-        return cfg.n_layer * per_layer - top_saves + 2 * L * B * d * V
-    else:
-        per_layer = (2 * L * d * H * B + 2 * klen * d * 2 * H * B   # q for current rows, k and v for all
-                     + 2 * klen * d * H + 3 * 2 * L * klen * H * B
-                     + 2 * L * H * d * B + 2 * L * 2 * d * F * B)
-    return cfg.n_layer * per_layer + 2 * L * B * d * V
+from megamemo.model.flops import step_flops
 
 
 def matmul_peak(seconds=1.0) -> float:
@@ -86,8 +62,7 @@ class Runner:
         self.model.check_inputs = False
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, fused=True)  # as training (optim.fused)
         self.args, self.precision, self.mem, self.s = args, precision, None, 0
-        M = 0 if variant == "rpe" else args.mem_len
-        self.flops = 3 * forward_flops(self.cfg, args.batch, args.tgt_len, M)
+        self.flops = step_flops(self.cfg, args.batch)    # megamemo/model/flops.py
 
     def step(self) -> float:
         a = self.args
