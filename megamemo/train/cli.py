@@ -116,6 +116,8 @@ def build_model(cfg: RunConfig):
 def build(cfg: RunConfig, log=print):
     """Start the process group and build everything a run needs: (trainer, dist env)."""
     from megamemo.checkpoint.store import CheckpointStore
+    from megamemo.model.flops import flops_per_token
+    from megamemo.peak import device_peak, format_flops
     from megamemo.train import dist
     from megamemo.train.data import open_reader, unit_for
     from megamemo.train.engine import Engine
@@ -165,8 +167,10 @@ def build(cfg: RunConfig, log=print):
                              "columns": [first, first + per_rank],
                              "micro_batches": [[first + k * micro, first + (k + 1) * micro]
                                                for k in range(cfg.train.grad_accum)]}}
+    peak, fpt = device_peak(engine.device, cfg.precision.dtype), flops_per_token(cfg.model, micro)  # for MFU
     metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
-                      tensorboard=cfg.log.tensorboard, start_step=start_step)
+                      tensorboard=cfg.log.tensorboard, start_step=start_step, flops_per_token=fpt,
+                      peak_flops=peak.flops, world_size=de.world_size)
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)
@@ -187,7 +191,8 @@ def build(cfg: RunConfig, log=print):
         log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
             f"ZeRO {cfg.parallel.zero_stage} | run dir {run_dir} | "
-            + (f"resuming at step {trainer.step}" if resume_dir else "fresh start"))
+            + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")
+            + f" | {format_flops(fpt)}/token, peak {peak.source}")
     return trainer, de
 
 
