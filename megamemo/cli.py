@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from megamemo import quiet
+    quiet.install()         # third-party start-up warnings off the terminal; other ranks quiet (megamemo/quiet.py)
     from megamemo.allocator import tune_cpu_allocator
     tune_cpu_allocator()  # before any tensor exists; see megamemo/allocator.py
     target = SUBCOMMANDS[name][0]

@@ -12,7 +12,6 @@ import argparse
 import random
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from megamemo.config import ConfigError, RunConfig, load
@@ -201,8 +200,7 @@ def main(argv: list[str]) -> int:
     from megamemo.train.data import DataError, check_data_dir
 
     args = parse_args(argv)
-    # DeepSpeed's ZeRO calls a torch collective under its deprecated name on every step
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/quiet.py)
     try:
         cfg = resolve_config(args)
         check_data_dir(cfg)
