@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "convert": ("megamemo.checkpoint.convert:main", "convert a sharded checkpoint to single-GPU form"),
     "plan": ("megamemo.plan:main", "per-rank memory plan for a config and cluster"),
     "analyze": ("megamemo.analyze:main", "memorizing coefficient and attention-by-distance plots"),
+    "plot": ("megamemo.plot:main", "training/validation bpc or perplexity of runs (PNG), resumes marked"),
 }
 
 
