@@ -9,7 +9,8 @@ Default config: 4L, d 256, 4x64 heads, d_inner 1024, vocab 256, B 8, L = M = 128
 fp32 and bf16 (autocast). Every model steps through its own random tokens with its memory carried; the step is
 what training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/allocator.py;
 --default-malloc to compare). Rounds step every model once, in an order reversed every other round so that none
-always runs first; a model's time is its best (least disturbed) step. Printed: tokens/s, ms/step, the analytic
+always runs first (each reference model steps next to its megamemo counterpart); a model's time is its best
+(least disturbed) step. Printed: tokens/s, ms/step, the analytic
 model FLOPs per step (megamemo/model/flops.py: the same figure for the reference, which does the same model's
 work), achieved model GFLOP/s and its fraction of the peak; then time ratios from the best steps and as the
 median of the rounds' own ratios (the steadier of the two on a shared machine): lamemo/xl against their FLOP
@@ -24,8 +25,9 @@ The peak. On CPU the "of peak" column is measured, not assumed: a 1024^3 fp32 ma
 peak (smaller, cache-friendly products ran ~1.5x faster here, which put model steps at 104-112% "of peak"). The
 probe takes the best FLOP/s over several product shapes - 1024^3, a batched 8x512^3, and the model's own largest
 ones (the feed-forward's forward, input-gradient and weight-gradient products at L*B and (L+M)*B rows) - at the
-same thread count and precision (bf16 operands for bf16), sampled once per round between the steps and kept at its
-best, as the steps are. On GPU the peak is the datasheet figure for the device (megamemo/peak.py), so the
+same thread count, in fp32 and, for bf16 runs, also in bf16 (autocast keeps some products in fp32, and on a CPU
+without bf16 matmul units fp32 products are the faster ones), sampled once per round between the steps and kept
+at its best, as the steps are. On GPU the peak is the datasheet figure for the device (megamemo/peak.py), so the
 column is MFU; there the bench also runs megamemo at configs/wt103-base.yaml and configs/enwik8-base.yaml
 model shapes (--configs; batch --gpu-batch or the config's data.batch_size, the config's precision).
 """
@@ -119,18 +121,21 @@ class PeakProbe:
         rows = sorted({cfg.tgt_len * batch, (cfg.tgt_len + cfg.mem_len) * batch})
         mnk = [(1024, 1024, 1024)] + [s for n in rows for s in ((n, d, f), (n, f, d), (d, n, f))]
         self.shapes = [(None, m, k, n) for m, k, n in mnk] + [(8, 512, 512, 512)]
-        self.dtype = AUTOCAST[precision] or torch.float32   # operands already in it: no casts timed
+        # operands already in the dtype (no casts timed); under autocast some products stay fp32, so bf16 runs
+        # are measured against the better of the two
+        self.dtypes = [torch.float32] + ([AUTOCAST[precision]] if AUTOCAST[precision] else [])
         self.best = 0.0
 
     def sample(self) -> None:
-        for b, m, k, n in self.shapes:
-            a = torch.randn(*((b,) if b else ()), m, k, dtype=self.dtype)
-            w = torch.randn(*((b,) if b else ()), k, n, dtype=self.dtype)
-            a @ w                                         # warm
-            t0 = time.perf_counter()
-            a @ w
-            dt = time.perf_counter() - t0
-            self.best = max(self.best, 2 * (b or 1) * m * k * n / dt)
+        for dtype in self.dtypes:
+            for b, m, k, n in self.shapes:
+                a = torch.randn(*((b,) if b else ()), m, k, dtype=dtype)
+                w = torch.randn(*((b,) if b else ()), k, n, dtype=dtype)
+                a @ w                                     # warm
+                t0 = time.perf_counter()
+                a @ w
+                dt = time.perf_counter() - t0
+                self.best = max(self.best, 2 * (b or 1) * m * k * n / dt)
 
 
 def interleaved(runners: dict, rounds: int, warmup: int, probe: PeakProbe | None = None) -> dict:
@@ -185,7 +190,10 @@ def model_config(args, variant) -> ModelConfig:
 
 
 def side_by_side(args, device, ref_module, w) -> None:
-    names = list(args.variants) + (list(REFERENCE) if ref_module is not None else [])
+    names = []                # each reference model next to its megamemo counterpart, lamemo next to xl
+    for v in args.variants:
+        pair = {"lamemo": ["ref-lamemo", "lamemo"], "xl": ["xl", "ref-xl"]}.get(v) if ref_module else None
+        names += pair or [v]
     for threads in (args.threads if device.type == "cpu" else [torch.get_num_threads()]):
         torch.set_num_threads(threads)
         print(f"\n== {device.type}" + (f", {threads} thread(s)" if device.type == "cpu" else
@@ -197,8 +205,9 @@ def side_by_side(args, device, ref_module, w) -> None:
             times = interleaved(runners, args.steps, args.warmup, probe)
             if probe is not None:
                 peak, label = probe.best, "of peak"
-                print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({precision}: best of {len(probe.shapes)} product "
-                      f"shapes, sampled every round)")
+                kinds = "/".join(str(d).split(".")[1] for d in probe.dtypes)
+                print(f"matmul peak {peak / 1e9:.1f} GFLOP/s (best of {len(probe.shapes)} product shapes in "
+                      f"{kinds}, sampled every round)")
             else:
                 p = device_peak(device, precision)
                 peak, label = p.flops, "MFU"
