@@ -1,70 +1,253 @@
-"""Forward+backward+Adam step speed of lamemo, xl and rpe at one config, side by side in one run.
+"""Forward+backward+Adam step speed of megamemo's lamemo, xl and rpe, and of the reference LaMemo code's LaMemo
+and Transformer-XL, at one config, side by side in one process.
 
-Prints tokens/s, analytic model FLOPs per step (backward = 2x forward, counted per matmul, including the memory
-rows LaMemo recomputes and its look-ahead attention, less the top layer's memory-row work that nothing reads),
-achieved GFLOP/s, and the fp32 peak measured in the same run with a 1024^3 matmul, for each thread count and
-precision asked for; then the lamemo/xl time ratio beside the analytic FLOP ratio (from the best steps, and the
-median of the rounds' own ratios). The step is what training runs: fused Adam (optim.fused) and megamemo's
-malloc settings (megamemo/allocator.py; --default-malloc to compare).
+    python bench/model_step.py --reference-code /work/shared/reference-code/thu-coai-LaMemo
+    python bench/model_step.py --threads 1 --precision fp32 --steps 6 --warmup 1 --profile
+    python bench/model_step.py --device cuda --gpu-batch 16      # on a GPU machine (also the configs' shapes)
 
-    python bench/model_step.py            # 4L, d 256, 4x64, d_inner 1024, B 8, L=M=128; 1 and 2 threads; fp32, bf16
-    python bench/model_step.py --threads 1 --precision fp32 --profile
+Default config: 4L, d 256, 4x64 heads, d_inner 1024, vocab 256, B 8, L = M = 128, dropout 0.1; 1 and 2 threads;
+fp32 and bf16 (autocast). Every model steps through its own random tokens with its memory carried; the step is
+what training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/allocator.py;
+--default-malloc to compare). Rounds step every model once, in an order reversed every other round so that none
+always runs first (each reference model steps next to its megamemo counterpart); a model's time is its best
+(least disturbed) step. Printed: tokens/s, ms/step, the analytic
+model FLOPs per step (megamemo/model/flops.py: the same figure for the reference, which does the same model's
+work), achieved model GFLOP/s and its fraction of the peak; then time ratios from the best steps and as the
+median of the rounds' own ratios (the steadier of the two on a shared machine): lamemo/xl against their FLOP
+ratio, and megamemo/reference tokens/s for lamemo and xl.
+
+Reference code (--reference-code DIR, a checkout of thu-coai/LaMemo; not part of megamemo): its pytorch/ and
+pytorch/utils go on sys.path and `mem_transformer.MemTransformerLM` is built with the same config (attn_type 3 =
+LaMemo, 0 = Transformer-XL), weights drawn from N(0, 0.02), called as `model(data, target, *mems)` (its training
+script also passes mem_target, which adds a softmax over the memory rows that it then discards: not timed here).
+
+The peak. On CPU the "of peak" column is measured, not assumed: a 1024^3 fp32 matmul alone is not this CPU's
+peak (smaller, cache-friendly products ran ~1.5x faster here, which put model steps at 104-112% "of peak"). The
+probe takes the best FLOP/s over several product shapes - 1024^3, a batched 8x512^3, and the model's own largest
+ones (the feed-forward's forward, input-gradient and weight-gradient products at L*B and (L+M)*B rows) - at the
+same thread count, in fp32 and, for bf16 runs, also in bf16 (autocast keeps some products in fp32, and on a CPU
+without bf16 matmul units fp32 products are the faster ones), sampled once per round between the steps and kept
+at its best, as the steps are. On GPU the peak is the datasheet figure for the device (megamemo/peak.py), so the
+column is MFU; there the bench also runs megamemo at configs/wt103-base.yaml and configs/enwik8-base.yaml
+model shapes (--configs; batch --gpu-batch or the config's data.batch_size, the config's precision).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from megamemo.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
+from megamemo.model.flops import step_flops
+from megamemo.peak import device_peak
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = {"ref-lamemo": ("lamemo", 3), "ref-xl": ("xl", 0)}   # name -> (megamemo variant, attn_type)
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def forward_flops(cfg: ModelConfig, B: int, L: int, M: int) -> float:
-    d, H, F, V = cfg.d_model, cfg.n_head * cfg.d_head, cfg.d_inner, cfg.n_token
-    if cfg.variant == "rpe":
-        M = 0
-    klen = L + M
-    if cfg.lamemo:
-        nk = min(M, L)
-        lookahead = 2 * M * nk * H * B * 2 + 2 * M * M * H * B   # content and values, position scores
-        per_layer = (2 * klen * d * 3 * H * B            # qkv for memory and current rows
-                     + 2 * (klen + M) * d * H            # r_net over past and future distances
-                     + 3 * 2 * L * klen * H * B          # causal: content, position, values
-                     + lookahead
-                     + 2 * klen * H * d * B              # o_net for memory and current rows
-                     + 2 * klen * 2 * d * F * B)         # FFN for memory and current rows
-        # the top layer's memory rows feed nothing: no o_net or FFN for them, and no look-ahead when the new
-        # caches keep none of them (mem_len <= tgt_len; LaMemoLayer's mem_rows_out)
-        top_saves = 2 * M * H * d * B + 2 * M * 2 * d * F * B + (lookahead if cfg.mem_len <= L else 0)
-        return cfg.n_layer * per_layer - top_saves + 2 * L * B * d * V
-    else:
-        per_layer = (2 * L * d * H * B + 2 * klen * d * 2 * H * B   # q for current rows, k and v for all
-                     + 2 * klen * d * H + 3 * 2 * L * klen * H * B
-                     + 2 * L * H * d * B + 2 * L * 2 * d * F * B)
-    return cfg.n_layer * per_layer + 2 * L * B * d * V
+def load_reference(path: str):
+    """The reference's mem_transformer module from a thu-coai/LaMemo checkout (its pytorch/ folder)."""
+    root = Path(path)
+    src = root / "pytorch" if (root / "pytorch").is_dir() else root
+    if not (src / "mem_transformer.py").is_file():
+        sys.exit(f"model_step: --reference-code {path}: no pytorch/mem_transformer.py there "
+                 f"(expected a checkout of thu-coai/LaMemo)")
+    sys.path[:0] = [str(src), str(src / "utils")]
+    import mem_transformer
+    return mem_transformer
 
 
-def matmul_peak(seconds=1.0) -> float:
-    """fp32 1024^3 matmul FLOP/s: the best of groups of 5 over `seconds` (the least disturbed, like the steps)."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    a @ b
-    best, t_end = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Runner:
+    """One model (megamemo's, or the reference's with `ref`), its optimizer and its memory."""
+
+    def __init__(self, name, cfg: ModelConfig, batch, device, precision, ref=None):
+        self.name, self.cfg, self.batch, self.device, self.precision = name, cfg, batch, device, precision
+        torch.manual_seed(0)
+        if ref is None:
+            self.model = MemTransformerLM(cfg)
+            self.model.check_inputs = False
+        else:
+            c = cfg
+            self.model = ref.MemTransformerLM(c.n_token, c.n_layer, c.n_head, c.d_model, c.d_head, c.d_inner,
+                                              c.dropout, c.dropatt, tie_weight=True, tgt_len=c.tgt_len, ext_len=0,
+                                              mem_len=c.mem_len, attn_type=REFERENCE[name][1])
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.normal_(0.0, 0.02)
+        self.ref = ref is not None
+        self.model.to(device).train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, fused=True)  # as training (optim.fused)
+        self.mem, self.s = (tuple() if self.ref else None), 0
+        self.flops = step_flops(cfg, batch)              # megamemo/model/flops.py
+        self.tokens = batch * cfg.tgt_len
+
+    def step(self) -> float:
+        c = self.cfg
+        x = torch.randint(0, c.n_token, (c.tgt_len + 1, self.batch), generator=torch.Generator().manual_seed(self.s))
+        x = x.to(self.device)
+        self.s += 1
+        sync(self.device)
         t0 = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        best = min(best, (time.perf_counter() - t0) / 5)
-    return 2 * 1024 ** 3 / best
+        dtype = AUTOCAST[self.precision]
+        with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            if self.ref:
+                ret = self.model(x[:-1], x[1:], *self.mem)
+                loss, self.mem = ret[0], ret[2:]
+            else:
+                loss, self.mem = self.model(x[:-1], x[1:], self.mem)
+        loss.float().mean().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sync(self.device)
+        return time.perf_counter() - t0
+
+
+class PeakProbe:
+    """The best matmul FLOP/s seen over several product shapes (see the module docstring); CPU only."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, precision: str):
+        d, f = cfg.d_model, cfg.d_inner
+        rows = sorted({cfg.tgt_len * batch, (cfg.tgt_len + cfg.mem_len) * batch})
+        mnk = [(1024, 1024, 1024)] + [s for n in rows for s in ((n, d, f), (n, f, d), (d, n, f))]
+        self.shapes = [(None, m, k, n) for m, k, n in mnk] + [(8, 512, 512, 512)]
+        # operands already in the dtype (no casts timed); under autocast some products stay fp32, so bf16 runs
+        # are measured against the better of the two
+        self.dtypes = [torch.float32] + ([AUTOCAST[precision]] if AUTOCAST[precision] else [])
+        self.best = 0.0
+
+    def sample(self) -> None:
+        for dtype in self.dtypes:
+            for b, m, k, n in self.shapes:
+                a = torch.randn(*((b,) if b else ()), m, k, dtype=dtype)
+                w = torch.randn(*((b,) if b else ()), k, n, dtype=dtype)
+                a @ w                                     # warm
+                t0 = time.perf_counter()
+                a @ w
+                dt = time.perf_counter() - t0
+                self.best = max(self.best, 2 * (b or 1) * m * k * n / dt)
+
+
+def interleaved(runners: dict, rounds: int, warmup: int, probe: PeakProbe | None = None) -> dict:
+    """{name: [step time per round]}: the rounds step every runner once, the order reversed every other round."""
+    for r in runners.values():
+        for _ in range(warmup):
+            r.step()
+    names = list(runners)
+    times = {v: [] for v in names}
+    for i in range(rounds):
+        for v in (names if i % 2 == 0 else names[::-1]):
+            times[v].append(runners[v].step())
+        if probe is not None:
+            probe.sample()
+    return times
+
+
+def ratio_line(label, num, den, times, best_of) -> str:
+    t_ratio = min(times[num]) / min(times[den])
+    paired = statistics.median(a / b for a, b in zip(times[num], times[den]))
+    return f"{label}: time ratio {t_ratio:.3f} (median of the rounds' ratios {paired:.3f})" + best_of(t_ratio, paired)
+
+
+def table(runners, times, precision, peak, peak_name, w) -> None:
+    print(f"{'model':<{w}}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}"
+          f"{peak_name:>9}")
+    for v, r in runners.items():
+        dt = min(times[v])
+        frac = f"{r.flops / dt / peak:>9.1%}" if peak else f"{'n/a':>9}"
+        print(f"{v:<{w}}{precision:<6}{r.tokens / dt:>10.0f}{dt * 1e3:>10.1f}{r.flops / 1e9:>12.2f}"
+              f"{r.flops / dt / 1e9:>10.1f}{frac}")
+
+
+def ratios(runners, times) -> None:
+    if "lamemo" in times and "xl" in times:
+        f_ratio = runners["lamemo"].flops / runners["xl"].flops
+        print(ratio_line("lamemo/xl", "lamemo", "xl", times, lambda t, p: (
+            f", analytic FLOP ratio {f_ratio:.3f}; time/FLOP ratio {t / f_ratio:.3f} (median {p / f_ratio:.3f}; "
+            f"1.0 = same efficiency)")))
+    for ref, (ours, _) in REFERENCE.items():
+        if ref in times and ours in times:   # tokens/s ratio = reference time / megamemo time
+            t = min(times[ref]) / min(times[ours])
+            p = statistics.median(a / b for a, b in zip(times[ref], times[ours]))
+            print(f"{ours} megamemo/reference tokens/s: {t:.2f}x from the best steps (median of the rounds' "
+                  f"ratios {p:.2f}x)")
+
+
+def model_config(args, variant) -> ModelConfig:
+    return ModelConfig(variant=variant, n_token=args.vocab, n_layer=args.layers, d_model=args.d_model,
+                       n_head=args.heads, d_head=args.d_head, d_inner=args.d_inner, dropout=args.dropout,
+                       tgt_len=args.tgt_len, mem_len=args.mem_len)
+
+
+def side_by_side(args, device, ref_module, w) -> None:
+    names = []                # each reference model next to its megamemo counterpart, lamemo next to xl
+    for v in args.variants:
+        pair = {"lamemo": ["ref-lamemo", "lamemo"], "xl": ["xl", "ref-xl"]}.get(v) if ref_module else None
+        names += pair or [v]
+    for threads in (args.threads if device.type == "cpu" else [torch.get_num_threads()]):
+        torch.set_num_threads(threads)
+        print(f"\n== {device.type}" + (f", {threads} thread(s)" if device.type == "cpu" else
+                                       f" ({torch.cuda.get_device_name(device)})"))
+        for precision in args.precision:
+            runners = {v: Runner(v, model_config(args, REFERENCE.get(v, (v,))[0]), args.batch, device, precision,
+                                 ref=ref_module if v in REFERENCE else None) for v in names}
+            probe = PeakProbe(runners[names[0]].cfg, args.batch, precision) if device.type == "cpu" else None
+            times = interleaved(runners, args.steps, args.warmup, probe)
+            if probe is not None:
+                peak, label = probe.best, "of peak"
+                kinds = "/".join(str(d).split(".")[1] for d in probe.dtypes)
+                print(f"matmul peak {peak / 1e9:.1f} GFLOP/s (best of {len(probe.shapes)} product shapes in "
+                      f"{kinds}, sampled every round)")
+            else:
+                p = device_peak(device, precision)
+                peak, label = p.flops, "MFU"
+                print(f"peak {p.source}")
+            table(runners, times, precision, peak, label, w)
+            ratios(runners, times)
+            del runners
+
+
+def config_shapes(args, device) -> None:
+    """megamemo's tokens/s and MFU at the configs' model shapes (GPU only)."""
+    from megamemo.config import load
+
+    print(f"\n== {device.type}: megamemo at the configs' model shapes ({torch.cuda.get_device_name(device)})")
+    print(f"{'config':<20}{'variant':<9}{'batch':>6}{'prec':>6}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}  peak")
+    for path in args.configs:
+        cfg = load(str(path), [])
+        batch = args.gpu_batch or cfg.data.batch_size
+        prec = cfg.precision.dtype
+        try:
+            r = Runner(cfg.model.variant, cfg.model, batch, device, prec)
+            times = interleaved({"m": r}, args.gpu_steps, args.warmup)["m"]
+        except torch.cuda.OutOfMemoryError:
+            print(f"{Path(path).name:<20}out of memory at batch {batch}: pass a smaller --gpu-batch")
+            torch.cuda.empty_cache()
+            continue
+        dt = min(times)
+        p = device_peak(device, prec)
+        mfu = f"{r.flops / dt / p.flops:>7.1%}" if p.flops else f"{'n/a':>7}"
+        print(f"{Path(path).name:<20}{cfg.model.variant:<9}{batch:>6}{prec:>6}{r.tokens / dt:>11.0f}"
+              f"{r.flops / dt / 1e12:>9.1f}{mfu}  {p.source}")
+        del r
+        torch.cuda.empty_cache()
 
 
 def profile_step(variant, args, top=14, steps=3):
-    """The top ops of `steps` fp32 steps after warm-up, by self CPU time (torch.profiler): what bounds the rest."""
+    """The top ops of `steps` fp32 CPU steps after warm-up, by self CPU time (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    r = Runner(variant, args, "fp32")
+    r = Runner(variant, model_config(args, variant), args.batch, torch.device("cpu"), "fp32")
     for _ in range(args.warmup):
         r.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -72,49 +255,6 @@ def profile_step(variant, args, top=14, steps=3):
             r.step()
     print(f"\n-- profile of {variant}: {steps} steps after {args.warmup} warm-up, self CPU time --")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=32))
-
-
-class Runner:
-    """One model, its optimizer and its memory, stepping through its own data."""
-
-    def __init__(self, variant, args, precision):
-        torch.manual_seed(0)
-        self.cfg = ModelConfig(variant=variant, n_token=args.vocab, n_layer=args.layers, d_model=args.d_model,
-                               n_head=args.heads, d_head=args.d_head, d_inner=args.d_inner, dropout=args.dropout,
-                               tgt_len=args.tgt_len, mem_len=args.mem_len)
-        self.model = MemTransformerLM(self.cfg).train()
-        self.model.check_inputs = False
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, fused=True)  # as training (optim.fused)
-        self.args, self.precision, self.mem, self.s = args, precision, None, 0
-        M = 0 if variant == "rpe" else args.mem_len
-        self.flops = 3 * forward_flops(self.cfg, args.batch, args.tgt_len, M)
-
-    def step(self) -> float:
-        a = self.args
-        x = torch.randint(0, a.vocab, (a.tgt_len + 1, a.batch), generator=torch.Generator().manual_seed(self.s))
-        self.s += 1
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            nll, self.mem = self.model(x[:-1], x[1:], self.mem)
-        nll.mean().backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-
-def interleaved(variants, args, precision) -> tuple[dict, dict]:
-    """Per variant (best step time, FLOPs per step), and per variant its step times round by round. The variants'
-    steps are interleaved so a neighbour's load on a shared machine hits them alike, in an order reversed every
-    other round so that neither variant always runs first; the best (minimum) time is the least disturbed one."""
-    runners = {v: Runner(v, args, precision) for v in variants}
-    for r in runners.values():
-        for _ in range(args.warmup):
-            r.step()
-    times = {v: [] for v in variants}
-    for i in range(args.steps):
-        for v in (variants if i % 2 == 0 else variants[::-1]):
-            times[v].append(runners[v].step())
-    return {v: (min(times[v]), runners[v].flops) for v in variants}, times
 
 
 def main():
@@ -129,45 +269,45 @@ def main():
     ap.add_argument("--tgt-len", type=int, default=128)
     ap.add_argument("--mem-len", type=int, default=128)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=16, help="rounds (each model steps once per round)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="CPU thread counts")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--variants", nargs="+", default=["lamemo", "xl", "rpe"])
+    ap.add_argument("--reference-code", metavar="DIR",
+                    help="a thu-coai/LaMemo checkout (its pytorch/ folder) to time beside megamemo")
+    ap.add_argument("--device", nargs="+", choices=["cpu", "cuda"],
+                    default=["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+    ap.add_argument("--configs", nargs="*", default=[REPO / "configs/wt103-base.yaml",
+                                                     REPO / "configs/enwik8-base.yaml"],
+                    help="on GPU: also time megamemo at these configs' model shapes")
+    ap.add_argument("--gpu-batch", type=int, help="batch for --configs (default: each config's data.batch_size)")
+    ap.add_argument("--gpu-steps", type=int, default=10, help="timed steps per --configs model")
     ap.add_argument("--profile", action="store_true", help="also print the top ops of lamemo and xl (1 thread)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave glibc's malloc as it is (megamemo's commands keep freed memory: megamemo/allocator.py)")
     args = ap.parse_args()
+    if "cuda" in args.device and not torch.cuda.is_available():
+        sys.exit("model_step: --device cuda: torch sees no CUDA device")
+    ref = load_reference(args.reference_code) if args.reference_code else None
     tuned = not args.default_malloc and tune_cpu_allocator()
-    w = max(10, 2 + max(map(len, args.variants)))  # the variant column
+    w = max(12, 2 + max(map(len, args.variants)))
     print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
           f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
-          f"dropout {args.dropout}; step = forward + backward + Adam, best of {args.steps} interleaved; "
+          f"dropout {args.dropout}; step = forward + backward + Adam, best of {args.steps} interleaved rounds; "
           f"malloc {'tuned (megamemo.allocator)' if tuned else 'glibc default'}")
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        peak = matmul_peak()
-        print(f"\n== {threads} thread(s): fp32 1024^3 matmul peak {peak / 1e9:.1f} GFLOP/s")
-        for precision in args.precision:
-            print(f"{'variant':<{w}}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}"
-                  f"{'of peak':>9}")
-            res, times = interleaved(args.variants, args, precision)
-            for v, (dt, flops) in res.items():
-                print(f"{v:<{w}}{precision:<6}{args.batch * args.tgt_len / dt:>10.0f}{dt * 1e3:>10.1f}"
-                      f"{flops / 1e9:>12.2f}{flops / dt / 1e9:>10.1f}{flops / dt / peak:>9.1%}")
-            if "lamemo" in res and "xl" in res:
-                t_ratio = res["lamemo"][0] / res["xl"][0]
-                f_ratio = res["lamemo"][1] / res["xl"][1]
-                paired = statistics.median(a / b for a, b in zip(times["lamemo"], times["xl"]))
-                print(f"lamemo/xl: time ratio {t_ratio:.3f} (median of the rounds' ratios {paired:.3f}), analytic "
-                      f"FLOP ratio {f_ratio:.3f}; time/FLOP ratio {t_ratio / f_ratio:.3f} "
-                      f"(median {paired / f_ratio:.3f}; 1.0 = same efficiency)")
+    print("reference code: " + (f"{args.reference_code} (ref-lamemo: attn_type 3, ref-xl: attn_type 0)" if ref
+                                else "not given (--reference-code DIR to time thu-coai/LaMemo beside megamemo)"))
+    for dev in args.device:
+        side_by_side(args, torch.device(dev), ref, w)
+        if dev == "cuda" and args.configs:
+            config_shapes(args, torch.device(dev))
+    if "cuda" not in args.device and args.configs and not torch.cuda.is_available():
+        print("\n(configs' model shapes: timed on GPU only; this machine has no CUDA device)")
     if args.profile:
         torch.set_num_threads(1)
         for v in ("lamemo", "xl"):
             profile_step(v, args)
-    print("\nreference code at the default config, one thread, fp32 (quoted from the speed issue, not measured "
-          "here): lamemo ~560 tokens/s, xl ~850 tokens/s")
 
 
 if __name__ == "__main__":

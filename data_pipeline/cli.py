@@ -70,7 +70,8 @@ def prepare_main(argv: list[str]) -> int:
     try:
         corpus = _corpus(a)
         build(corpus, a.out, chunk_tokens=a.chunk_tokens, shard_bytes=a.shard_size, zstd_level=a.zstd_level,
-              overwrite=a.overwrite, log=(lambda m: None) if a.quiet else None)
+              overwrite=a.overwrite, log=(lambda m: None) if a.quiet else None,
+              bar=False if a.quiet else None)           # a progress bar on a terminal, else periodic lines
     except (ValueError, OSError, ShardError) as e:
         print(f"megamemo prepare: error: {e}", file=sys.stderr)
         return 1

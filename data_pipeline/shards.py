@@ -31,6 +31,8 @@ import numpy as np
 import webdataset as wds
 import zstandard
 
+from megamemo.progress import Progress
+
 from .corpora import Corpus
 from .vocab import Vocab
 
@@ -184,8 +186,10 @@ def _parse_size(s: str | int) -> int:
 
 def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shard_bytes: int | str = 256 << 20,
           zstd_level: int = 3, overwrite: bool = False, log: Callable[[str], None] | None = None,
-          progress_every: float = 2.0) -> dict:
-    """Write every split of ``corpus`` as shards under ``out_dir`` and return the manifest (also written)."""
+          progress_every: float = 2.0, bar: bool | None = False) -> dict:
+    """Write every split of ``corpus`` as shards under ``out_dir`` and return the manifest (also written).
+    Progress: a line to `log` every `progress_every` seconds, or a tqdm bar on stderr (bar=True; None: when
+    stderr is a terminal)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(out_dir)
     created = not out.exists()
@@ -205,8 +209,8 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     splits, written = {}, [out / VOCAB_FILE]
     t_start = time.time()
     try:
-        _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, splits,
-                      written)
+        _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar,
+                      splits, written)
     except BaseException:               # nothing half-written stays: what this build wrote goes
         for f in written + [t for split in corpus.splits for t in out.glob(f"{split}-*.tar*")]:
             f.unlink(missing_ok=True)
@@ -234,24 +238,19 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     return manifest
 
 
-def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, splits,
+def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar, splits,
                   written) -> None:
     """Every split's shards (their paths appended to `written` as they appear); a split of fewer than 2 tokens
     (an empty or too short corpus) is an error naming the corpus's files."""
     for split, gen in corpus.splits.items():
         w = SplitWriter(out, split, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level)
         stats: dict = {}
-        t0 = last = time.time()
-        total_in = corpus.input_bytes.get(split, 0)
-        for ids in gen(stats):
-            w.write(ids)
-            now = time.time()
-            if now - last >= progress_every:
-                last = now
-                done = stats.get("input_bytes", 0)
-                pct = f" ({100 * done / total_in:.0f}%)" if total_in else ""
-                log(f"[prepare] {split}: {done / 2**20:.1f} MiB read{pct}, {w.tokens_written:,} tokens, "
-                    f"{len(w.shards)} shards, {done / 2**20 / (now - t0):.1f} MiB/s")
+        t0 = time.time()
+        with Progress(f"[prepare] {split}", total=corpus.input_bytes.get(split, 0), unit="B", scale=True,
+                      every=progress_every, bar=bar, log=log, line=_progress_line(split)) as progress:
+            for ids in gen(stats):
+                w.write(ids)
+                progress.update_to(stats.get("input_bytes", 0), tokens=w.tokens_written, shards=len(w.shards))
         info = w.close()
         written += [out / sh["name"] for sh in info["shards"]]
         if info["n_tokens"] < 2:
@@ -266,6 +265,14 @@ def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_lev
         log(f"[prepare] {split}: {info['n_tokens']:,} tokens in {len(info['shards'])} shards "
             f"({size / 2**20:.1f} MiB), {info['n_tokens'] / dt / 1e6:.1f} M tokens/s"
             + (f", {info['n_unk_mapped']:,} unknown words -> <unk>" if info.get("n_unk_mapped") else ""))
+
+
+def _progress_line(split: str):
+    def line(p: Progress) -> str:
+        pct = f" ({100 * p.n / p.total:.0f}%)" if p.total else ""
+        return (f"[prepare] {split}: {p.n / 2**20:.1f} MiB read{pct}, {p.info['tokens']:,} tokens, "
+                f"{p.info['shards']} shards, {p.rate / 2**20:.1f} MiB/s")
+    return line
 
 
 def _listed_files(out: Path) -> list[str]:

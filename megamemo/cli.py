@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "convert": ("megamemo.checkpoint.convert:main", "convert a sharded checkpoint to single-GPU form"),
     "plan": ("megamemo.plan:main", "per-rank memory plan for a config and cluster"),
     "analyze": ("megamemo.analyze:main", "memorizing coefficient and attention-by-distance plots"),
+    "plot": ("megamemo.plot:main", "training/validation bpc or perplexity of runs (PNG), resumes marked"),
 }
 
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from megamemo import quiet
+    quiet.install()         # third-party start-up warnings off the terminal; other ranks quiet (megamemo/quiet.py)
     from megamemo.allocator import tune_cpu_allocator
     tune_cpu_allocator()  # before any tensor exists; see megamemo/allocator.py
     target = SUBCOMMANDS[name][0]

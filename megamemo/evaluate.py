@@ -57,15 +57,22 @@ def metric_value(nll: float, metric: str) -> float:
 @torch.no_grad()
 def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, trams: TramsConfig | None = None,
              max_segments: int = 0, device=None, log=None, total_segments: int | None = None,
-             log_every: float = 10.0) -> dict:
+             log_every: float = 10.0, bar: bool | None = False) -> dict:
     """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried.
+    Progress: a line to `log` every `log_every` seconds, or a tqdm bar (bar=True; None: on a terminal).
     -> {"nll", "tokens", "segments", "seconds"}."""
+    from megamemo.progress import Progress
+
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
     total, count, seg = torch.zeros((), dtype=torch.float64, device=device), 0, 0
     mem = None
-    t0 = last = time.perf_counter()
+    t0 = time.perf_counter()
+    n_seg = min(total_segments, max_segments or total_segments) if total_segments else (max_segments or None)
+    show = log is not None or bool(bar)
+    progress = Progress("[eval]", total=n_seg, unit="seg", every=log_every if show else float("inf"),
+                        bar=bar if show else False, log=log, line=_progress_line)
     try:
         for inp, tgt in batches:
             if max_segments and seg >= max_segments:
@@ -79,16 +86,18 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
             total += nll.float().sum(dtype=torch.float64)
             count += nll.numel()
             seg += 1
-            now = time.perf_counter()
-            if log is not None and now - last >= log_every:
-                last = now
-                of = f"/{min(total_segments, max_segments or total_segments)}" if total_segments else ""
-                log(f"[eval] segment {seg}{of}: {count:,} tokens, {count / (now - t0):,.0f} tokens/s, "
-                    f"running nll {float(total) / count:.4f}")
+            progress.update(1, tokens=count, nll=lambda: float(total) / count)   # nll: a device sync, when shown
     finally:
+        progress.close()
         model.train(was_training)
     nll = float(total) / count if count else float("nan")
     return {"nll": nll, "tokens": count, "segments": seg, "seconds": time.perf_counter() - t0}
+
+
+def _progress_line(p) -> str:
+    of = f"/{p.total}" if p.total else ""
+    return (f"[eval] segment {p.n}{of}: {p.info['tokens']:,} tokens, {p.info['tokens'] / p.elapsed:,.0f} tokens/s, "
+            f"running nll {p.info['nll']:.4f}")
 
 
 def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
@@ -100,11 +109,12 @@ def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
 
 def run_one(model, meta: dict, data_dir, split: str, *, tgt_len: int, mem_len: int, clamp_len: int,
             same_length: bool, batch_size: int, trams: TramsConfig | None = None, max_segments: int = 0,
-            metric: str, device=None, log=print) -> dict:
+            metric: str, device=None, log=print, bar: bool | None = False) -> dict:
     reader = open_batches(data_dir, split, batch_size, tgt_len)
     try:
         out = evaluate(model, reader, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, trams=trams,
-                       max_segments=max_segments, device=device, log=log, total_segments=reader.steps_per_epoch)
+                       max_segments=max_segments, device=device, log=log, total_segments=reader.steps_per_epoch,
+                       bar=bar)
     finally:
         reader.close()
     out[metric] = metric_value(out["nll"], metric)
@@ -203,7 +213,8 @@ def main(argv: list[str]) -> int:
                     mem_len = max(0, round(ratio * base))
                 L = _lengths(model, a, mem_len)
                 r = run_one(model, meta, a.data, a.split, batch_size=a.batch_size, trams=_trams(a, L["mem_len"]),
-                            max_segments=a.max_segments, metric=metric, device=a.device, **L)
+                            max_segments=a.max_segments, metric=metric, device=a.device, bar=None,
+                            **L)
                 r["ckpt"] = str(ckpt)
                 if ratio is not None:
                     r["mem_ratio"], r["ratio_base"] = ratio, base

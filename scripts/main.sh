@@ -48,6 +48,7 @@ megamemo convert to-single --ckpt "$out/run" --out "$out/single"
 
 echo "[main] 5/5 evaluate on the test split"
 megamemo eval --ckpt "$out/single" --data "$out/shards" --split test --json "$out/eval.json"
+megamemo plot "$out/run" --out "$out/curves.png"     # training/validation bpc, the resume marked
 python - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -56,5 +57,5 @@ steps = [m for m in map(json.loads, open(f"{out}/run/metrics.jsonl")) if m.get("
 print(f"[main] done: trained {steps[-1]['step']} steps (last training loss {steps[-1]['loss']:.4f}); "
       f"test {r.get('tokens')} tokens, nll {r['nll']:.4f} nats/token"
       + (f", bpc {r['bpc']:.4f}" if 'bpc' in r else ""))
-print(f"[main] outputs in {out}: shards/, run/ (metrics.jsonl, checkpoints/), single/, eval.json")
+print(f"[main] outputs in {out}: shards/, run/ (metrics.jsonl, checkpoints/), single/, eval.json, curves.png")
 PY

@@ -12,7 +12,6 @@ import argparse
 import random
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from megamemo.config import ConfigError, RunConfig, load
@@ -137,6 +136,8 @@ def build(cfg: RunConfig, log=print):
 
 def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, stop, log):
     from megamemo.checkpoint.store import CheckpointStore
+    from megamemo.model.flops import flops_per_token
+    from megamemo.peak import device_peak, format_flops
     from megamemo.train import dist
     from megamemo.train.data import open_reader, unit_for
     from megamemo.train.engine import Engine
@@ -178,8 +179,10 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                              "columns": [first, first + per_rank],
                              "micro_batches": [[first + k * micro, first + (k + 1) * micro]
                                                for k in range(cfg.train.grad_accum)]}}
+    peak, fpt = device_peak(engine.device, cfg.precision.dtype), flops_per_token(cfg.model, micro)  # for MFU
     metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
-                      tensorboard=cfg.log.tensorboard, start_step=start_step, config_yaml=cfg.to_yaml())
+                      tensorboard=cfg.log.tensorboard, start_step=start_step, config_yaml=cfg.to_yaml(),
+                      flops_per_token=fpt, peak_flops=peak.flops, world_size=de.world_size)
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)
@@ -200,7 +203,8 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
         log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
             f"ZeRO {cfg.parallel.zero_stage} | run dir {run_dir} | "
-            + (f"resuming at step {trainer.step}" if resume_dir else "fresh start"))
+            + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")
+            + f" | {format_flops(fpt)}/token, peak {peak.source}")
     return trainer
 
 
@@ -209,8 +213,7 @@ def main(argv: list[str]) -> int:
 
     die_with_parent()                       # a worker never outlives its launcher
     args = parse_args(argv)
-    # DeepSpeed's ZeRO calls a torch collective under its deprecated name on every step
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/quiet.py)
     rank, trainer, world, expected = env_rank(), None, 1, anticipated_errors()
     starting = True                         # until training runs, every rank meets the same errors
     try:

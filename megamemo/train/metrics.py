@@ -2,8 +2,15 @@
 TensorBoard events in <run_dir>/tb. Only rank 0 writes.
 
 metrics.jsonl objects carry `kind`: "train" (one per applied step: step, loss, bpc, ppl, lr, grad_norm,
-loss_scale, skipped, tokens, time (wall clock, s); tokens_per_s on log lines), "skip" (an overflowing attempt that was not applied), "eval".
-On resume from step S the file keeps only what happened up to S, so it reads like one uninterrupted run.
+loss_scale, skipped, tokens, time (wall clock, s); on log lines also tokens_per_s, model_flops_per_s and mfu),
+"skip" (an overflowing attempt that was not applied), "eval", "resume" (step, time: a run resumed there).
+On resume from step S the file keeps only what happened up to S, so it reads like one uninterrupted run; the
+"resume" record marks where it restarted (`megamemo plot` draws it).
+
+Throughput: tokens_per_s counts every rank's tokens over the window since the last log line;
+model_flops_per_s = tokens_per_s x the model's analytic training FLOPs per token (megamemo/model/flops.py), the
+total over all ranks; mfu = model_flops_per_s / (world size x the device's peak, megamemo/peak.py), null where
+the peak is unknown (CPU).
 """
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ import json
 import math
 import time
 from pathlib import Path
+
+from megamemo.peak import format_flops
 
 LN2 = math.log(2.0)
 
@@ -25,8 +34,8 @@ def trim_jsonl(path: Path, last_step: int) -> None:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue                                  # a line cut by a crash
-        if rec.get("step", 0) <= last_step:
-            keep.append(line)
+        if rec.get("step", 0) <= last_step and not (rec.get("kind") == "resume" and rec["step"] == last_step):
+            keep.append(line)                         # (a resume at last_step is written again by the new run)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(k + "\n" for k in keep))
     tmp.replace(path)
@@ -34,10 +43,14 @@ def trim_jsonl(path: Path, last_step: int) -> None:
 
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, every: int, unit: str, tensorboard: bool,
-                 start_step: int, config_yaml: str | None = None):
+                 start_step: int, config_yaml: str | None = None, *, flops_per_token: float | None = None,
+                 peak_flops: float | None = None, world_size: int = 1):
         self.enabled = enabled
         self.every = every
         self.unit = unit                 # "bpc" or "ppl": what the log line shows
+        self.flops_per_token = flops_per_token  # analytic training FLOPs per token (None: no FLOP/s, no MFU)
+        self.peak_flops = peak_flops            # per device, FLOP/s (None: MFU n/a)
+        self.world_size = world_size
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.start_step, self.tensorboard, self.config_yaml = start_step, tensorboard, config_yaml
@@ -62,6 +75,8 @@ class Metrics:
         elif self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a", buffering=1)
+        if self.start_step > 0:
+            self._write({"kind": "resume", "step": self.start_step, "time": time.time()})
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -76,6 +91,14 @@ class Metrics:
     @staticmethod
     def derived(loss: float) -> dict:
         return {"bpc": loss / LN2, "ppl": math.exp(min(loss, 700.0))}
+
+    def throughput(self, tokens_per_s: float) -> dict:
+        """model_flops_per_s (all ranks) and mfu for a tokens/s figure (all ranks); {} without a FLOP count."""
+        if self.flops_per_token is None:
+            return {}
+        flops = tokens_per_s * self.flops_per_token
+        mfu = flops / (self.world_size * self.peak_flops) if self.peak_flops else None
+        return {"model_flops_per_s": flops, "mfu": mfu}
 
     def _write(self, rec: dict) -> None:
         self._open()
@@ -92,15 +115,20 @@ class Metrics:
         if rec["step"] % self.every == 0:
             dt = max(now - self._window_t0, 1e-9)
             rec["tokens_per_s"] = self._window_tokens / dt
+            rec.update(self.throughput(rec["tokens_per_s"]))
             self._window_tokens, self._window_t0 = 0, now
             scale = f" | scale {rec['loss_scale']:.0f}" if rec.get("loss_scale", 1.0) != 1.0 else ""
+            speed = ""
+            if "model_flops_per_s" in rec:
+                mfu = "n/a" if rec["mfu"] is None else f"{rec['mfu']:.1%}"
+                speed = f" | {format_flops(rec['model_flops_per_s'])}/s | MFU {mfu}"
             print(f"step {rec['step']:>7} | lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | "
-                  f"{self.unit} {rec[self.unit]:.4f} | tok/s {rec['tokens_per_s']:,.0f} | "
+                  f"{self.unit} {rec[self.unit]:.4f} | tok/s {rec['tokens_per_s']:,.0f}{speed} | "
                   f"grad norm {rec['grad_norm']:.3f}{scale} | skipped {rec['skipped']}", flush=True)
         self._write(rec)
         if self._tb is not None:
             s = rec["step"]
-            for k in ("loss", "lr", "grad_norm", "loss_scale", self.unit, "tokens_per_s"):
+            for k in ("loss", "lr", "grad_norm", "loss_scale", self.unit, "tokens_per_s", "model_flops_per_s", "mfu"):
                 if k in rec and rec[k] is not None and math.isfinite(rec[k]):
                     self._tb.add_scalar(f"train/{k}", rec[k], s)
 

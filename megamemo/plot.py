@@ -1,0 +1,218 @@
+"""`megamemo plot`: training and validation curves of one or more runs, from their metrics.jsonl, as a PNG.
+
+    megamemo plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--x steps|tokens] [--metric bpc|ppl]
+
+Per run (labelled by its directory name, one colour each): the training curve (every applied step), the
+validation points (kind "eval"), a dotted vertical line where the run resumed (kind "resume") and a mark at the
+foot of the axes for each skipped step (kind "skip": an fp16 overflow, not applied). --x tokens puts the tokens
+trained so far (summed over the applied steps) on the x axis instead of the step.
+
+The metric is bpc for byte/character corpora and perplexity for word-level ones (log scale), as training logs
+it: from the shard manifest of config.yaml's data.dir when that directory exists (relative paths are read from
+the current directory), else from config.yaml's vocabulary size (<= 256 symbols: bytes or characters), else
+from the records (a last loss above 2 nats per token is a word-level run). --metric overrides; runs that
+disagree need it. Output: --out, default RUN_DIR/metrics.png for one run, ./metrics.png for several.
+Exit codes: 0 written; 2 a missing, empty or malformed metrics.jsonl (the message names the file and line).
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORD_LEVEL_NATS = 2.0   # records-only guess: characters sit below this (bpc < 2.9), words above (ppl > 7.4)
+
+
+class PlotError(ValueError):
+    """A missing or unreadable run; the message names the file."""
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    train: list[dict] = field(default_factory=list)     # kind "train", in file order
+    evals: list[dict] = field(default_factory=list)
+    skips: list[dict] = field(default_factory=list)
+    resumes: list[dict] = field(default_factory=list)
+    metric: str = "bpc"
+    metric_from: str = ""
+    _cum: tuple | None = field(default=None, repr=False)
+
+    def tokens_at(self, step: float) -> int:
+        """Tokens trained by the end of `step` (applied steps up to and including it)."""
+        if self._cum is None:
+            order = sorted(self.train, key=lambda r: r["step"])
+            self._cum = ([r["step"] for r in order], list(itertools.accumulate(r["tokens"] for r in order)))
+        steps, cum = self._cum
+        k = bisect.bisect_right(steps, step)
+        return cum[k - 1] if k else 0
+
+
+def read_records(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) of every non-blank line."""
+    if not path.is_file():
+        raise PlotError(f"{path}: no such file (is this a megamemo run directory?)")
+    recs = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PlotError(f"{path}:{i}: not JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise PlotError(f"{path}:{i}: not a JSON object")
+        recs.append((i, rec))
+    if not recs:
+        raise PlotError(f"{path}: empty (no records yet)")
+    return recs
+
+
+NEEDS = {"train": ("step", "loss", "tokens"), "eval": ("step", "loss"), "skip": ("step",), "resume": ("step",)}
+
+
+def load_run(run_dir: str | Path) -> Run:
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    run = Run(name=run_dir.resolve().name, path=path)
+    lists = {"train": run.train, "eval": run.evals, "skip": run.skips, "resume": run.resumes}
+    for i, rec in read_records(path):
+        kind = rec.get("kind", "train")
+        if kind not in lists:
+            continue                                  # a kind this version does not draw
+        for key in NEEDS[kind]:
+            if not isinstance(rec.get(key), (int, float)) or isinstance(rec.get(key), bool):
+                raise PlotError(f"{path}:{i}: {kind!r} record without a numeric {key!r}")
+        lists[kind].append(rec)
+    if not run.train and not run.evals:
+        raise PlotError(f"{path}: no training or evaluation records")
+    run.metric, run.metric_from = infer_metric(run_dir, run)
+    return run
+
+
+def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
+    """("bpc" | "ppl", where that came from): manifest, then config, then records (module docstring)."""
+    cfg_path = run_dir / "config.yaml"
+    cfg = None
+    if cfg_path.is_file():
+        import yaml
+
+        try:
+            cfg = yaml.safe_load(cfg_path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise PlotError(f"{cfg_path}: not YAML ({e})") from None
+        data_dir = ((cfg.get("data") or {}).get("dir")) if isinstance(cfg, dict) else None
+        manifest = Path(data_dir) / "manifest.json" if data_dir else None
+        if manifest is not None and manifest.is_file():
+            try:
+                kind = (json.loads(manifest.read_text()).get("tokenizer") or {}).get("kind", "")
+            except (json.JSONDecodeError, AttributeError):
+                kind = None
+            if kind is not None:
+                return ("ppl" if kind in ("words", "word") else "bpc"), f"{manifest} (tokenizer {kind})"
+        n_token = ((cfg.get("model") or {}).get("n_token")) if isinstance(cfg, dict) else None
+        if isinstance(n_token, int):
+            return ("bpc" if n_token <= 256 else "ppl"), f"{cfg_path} (vocabulary of {n_token})"
+    last = (run.evals or run.train)[-1]["loss"]
+    return ("ppl" if last > WORD_LEVEL_NATS else "bpc"), f"the records (last loss {last:.3f} nats)"
+
+
+def value(loss: float, metric: str) -> float:
+    return loss / math.log(2.0) if metric == "bpc" else math.exp(min(loss, 700.0))
+
+
+def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
+    """The figure and its artists: {(run name, "train" | "eval" | "resume" | "skip"): Line2D or list of them}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
+
+    metric = metric or runs[0].metric
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    foot = blended_transform_factory(ax.transData, ax.transAxes)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn: dict = {}
+
+    def xs(run: Run, steps):
+        return list(steps) if x == "steps" else [run.tokens_at(s) for s in steps]
+
+    for i, run in enumerate(runs):
+        c = colours[i % len(colours)]
+        if run.train:
+            (drawn[run.name, "train"],) = ax.plot(xs(run, [r["step"] for r in run.train]),
+                                                  [value(r["loss"], metric) for r in run.train], color=c,
+                                                  lw=0.8, alpha=0.6, label=f"{run.name} train")
+        if run.evals:
+            split = run.evals[0].get("split", "valid")
+            (drawn[run.name, "eval"],) = ax.plot(xs(run, [r["step"] for r in run.evals]),
+                                                 [value(r["loss"], metric) for r in run.evals], color=c, lw=1.8,
+                                                 marker="o", ms=4, label=f"{run.name} {split}")
+        drawn[run.name, "resume"] = [ax.axvline(xv, color=c, ls=":", lw=1.2)
+                                     for xv in xs(run, [r["step"] for r in run.resumes])]
+        if run.skips:   # at the step attempted; by tokens, where that attempt began (it trained none)
+            at = [r["step"] for r in run.skips] if x == "steps" else [run.tokens_at(r["step"] - 1) for r in run.skips]
+            (drawn[run.name, "skip"],) = ax.plot(at, [0.02] * len(at), ls="none", marker="x", color=c,
+                                                 transform=foot, clip_on=False)
+    ax.set_xlabel("step" if x == "steps" else "tokens trained")
+    ax.set_ylabel("bits per character" if metric == "bpc" else "perplexity")
+    if metric == "ppl":
+        ax.set_yscale("log")
+    marks = []
+    if any(r.resumes for r in runs):
+        marks.append("dotted: resumed")
+    if any(r.skips for r in runs):
+        marks.append("x: skipped step")
+    ax.set_title(f"training and validation {metric}" + (f" ({'; '.join(marks)})" if marks else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig, drawn
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="megamemo plot", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="training run directories (with metrics.jsonl)")
+    p.add_argument("--out", help="PNG file (default RUN_DIR/metrics.png for one run, ./metrics.png for several)")
+    p.add_argument("--x", choices=("steps", "tokens"), default="steps", help="x axis (default steps)")
+    p.add_argument("--metric", choices=("bpc", "ppl"), help="override the metric read from the run")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    try:
+        runs = [load_run(r) for r in a.runs]
+        names = [r.name for r in runs]
+        if len(set(names)) != len(names):
+            raise PlotError(f"run directories share a name, the plot could not tell them apart: {a.runs}")
+        metrics = {r.metric for r in runs}
+        if a.metric is None and len(metrics) > 1:
+            raise PlotError("runs disagree on the metric (" + ", ".join(f"{r.name}: {r.metric} from "
+                            f"{r.metric_from}" for r in runs) + "); pass --metric bpc or --metric ppl")
+    except PlotError as e:
+        print(f"megamemo plot: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out) if a.out else (Path(a.runs[0]) / "metrics.png" if len(runs) == 1 else Path("metrics.png"))
+    fig, _ = figure(runs, a.x, a.metric)
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as e:
+        print(f"megamemo plot: error: {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    for r in runs:
+        print(f"[plot] {r.name}: {len(r.train)} steps, {len(r.evals)} evaluations, {len(r.resumes)} resumes, "
+              f"{len(r.skips)} skipped steps; {a.metric or r.metric} ({'--metric' if a.metric else r.metric_from})")
+    print(f"[plot] wrote {out}")
+    return 0

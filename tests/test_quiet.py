@@ -1,0 +1,161 @@
+"""Quiet logs (megamemo/quiet.py, installed by the `megamemo` entry point): third-party start-up warnings never
+reach the terminal, Python's -W / PYTHONWARNINGS still win, and only rank 0 prints unless MEGAMEMO_LOG_ALL_RANKS=1.
+The training runs use --tp 2: that imports megatron-core, whose Transformer Engine / Apex fallback warnings
+every process printed before."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from megamemo import quiet
+from megamemo.config import load
+from megamemo.model.flops import flops_per_token
+from megamemo.train.dist import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+NOISE = re.compile(r"Transformer Engine|Apex|CUDA_DEVICE_MAX_CONNECTIONS|Warning")
+TE_APEX = "Transformer Engine and Apex are not installed"
+
+TINY = """
+model: {variant: lamemo, n_token: 256, n_layer: 2, d_model: 32, n_head: 2, d_head: 16, d_inner: 64,
+        dropout: 0.1, dropatt: 0.0, tgt_len: 16, mem_len: 16}
+data: {batch_size: 4, roll: true}
+optim: {lr: 2.0e-3, clip: 0.25, warmup_steps: 2}
+precision: {dtype: fp32}
+parallel: {zero_stage: 1}
+train: {max_steps: 2}
+checkpoint: {save_every: 100, keep_last: 1}
+log: {every: 1, tensorboard: false}
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from data_pipeline.cli import prepare_main
+    from fixture_data import ENWIK8
+
+    root = tmp_path_factory.mktemp("quiet")
+    assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(root / "shards"), "--quiet"]) == 0
+    (root / "tiny.yaml").write_text(TINY)
+    return root
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", quiet.ALL_RANKS_ENV)}
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def train_tp2(root: Path, name: str, **env_extra) -> list[tuple[str, str]]:
+    """Two ranks of `python -m megamemo train --tp 2`; [(stdout, stderr)] per rank."""
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), **env_extra)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megamemo", "train", "--config", str(root / "tiny.yaml"), "--data",
+             str(root / "shards"), "--run-dir", str(root / name), "--tp", "2"],
+            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return outs
+
+
+def test_training_terminal_is_quiet_and_progress_carries_mfu(setup):
+    outs = train_tp2(setup, "quiet", MEGAMEMO_PEAK_TFLOPS="0.002")
+    for rank, (_, err) in enumerate(outs):
+        assert not NOISE.search(err), f"rank {rank} stderr:\n{err}"
+    assert outs[1][0] == "", "rank 1 printed to stdout"              # only rank 0 reports progress
+    out0 = outs[0][0]
+    # the numbers of each progress line are its own tokens/s x the flops module's FLOPs per token
+    cfg = load(str(setup / "tiny.yaml"), [])
+    fpt = flops_per_token(cfg.model, 4)                                # dp 1: one micro-batch of 4 streams
+    assert re.search(rf"\| {fpt / 1e3:.3g} kFLOP/token, peak 0.002 TFLOP/s", out0), out0
+    lines = re.findall(r"tok/s ([\d,]+) \| ([\d.]+) MFLOP/s \| MFU ([\d.]+)%", out0)
+    assert len(lines) == 2, out0
+    for tok_s, mflops, mfu in lines:
+        tok_s = float(tok_s.replace(",", ""))
+        assert float(mflops) * 1e6 == pytest.approx(tok_s * fpt, rel=0.01)      # 3 digits and tok/s rounding
+        assert float(mfu) / 100 == pytest.approx(tok_s * fpt / (2 * 0.002e12), abs=0.0005 + 0.005 * float(mfu) / 100)
+
+
+def test_pythonwarnings_brings_the_warnings_back(setup):
+    outs = train_tp2(setup, "loud", PYTHONWARNINGS="default")
+    for rank, (_, err) in enumerate(outs):
+        assert TE_APEX in err, f"rank {rank} stderr:\n{err}"
+
+
+# ---- the filters themselves ------------------------------------------------------------------------------------
+def emit(message: str, module: str = "megatron.core.optimizer", category=UserWarning) -> None:
+    warnings.warn_explicit(message, category, "x.py", 1, module=module)
+
+
+def test_filters_match_only_the_known_messages(monkeypatch):
+    monkeypatch.setattr(sys, "warnoptions", [])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert quiet.install({"DS_ACCELERATOR": "cpu"}) == {"warning_filters": True, "rank_quiet": False}
+        emit(TE_APEX + ". Falling back to Torch optimizers.")
+        emit("When using async grad allreduce it is recommended to set the environment variable "
+             "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+        emit("something else megatron says")
+        emit(TE_APEX, module="mycode")                     # the same words from elsewhere are not megatron's
+    assert [str(w.message) for w in seen] == ["something else megatron says", TE_APEX]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet.install({"DS_ACCELERATOR": "cuda"})          # on GPUs the CUDA advice is real advice
+        emit("When using async grad allreduce it is recommended to set the environment variable "
+             "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+    assert len(seen) == 1
+
+
+def test_user_choice_wins(monkeypatch):
+    monkeypatch.setattr(sys, "warnoptions", [])
+    assert quiet.user_set_warnings({"PYTHONWARNINGS": "default"})
+    assert not quiet.user_set_warnings({})
+    monkeypatch.setattr(sys, "warnoptions", ["default"])
+    assert quiet.user_set_warnings({})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert quiet.install({"RANK": "3"})["warning_filters"] is False
+        emit(TE_APEX)
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("env", [{"RANK": "1", "WORLD_SIZE": "2"}, {"SLURM_PROCID": "5", "SLURM_NTASKS": "8"},
+                                 {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}])
+def test_launcher_rank(env):
+    assert quiet.launcher_rank(env) == int(next(iter(env.values())))
+    assert quiet.launcher_rank({}) == 0
+
+
+SNIPPET = """
+import warnings
+from megamemo import quiet
+quiet.install()
+import deepspeed                      # sets its logger's level at import, after install()
+from deepspeed.utils import logger
+logger.warning("a DeepSpeed warning")
+logger.error("a DeepSpeed error")
+warnings.warn("a warning from megamemo code")
+print("done")
+"""
+
+
+@pytest.mark.parametrize("rank,all_ranks,shown", [("0", "", True), ("1", "", False), ("1", "1", True)])
+def test_other_ranks_print_errors_only(rank, all_ranks, shown):
+    env = clean_env(RANK=rank, WORLD_SIZE="2", **({quiet.ALL_RANKS_ENV: all_ranks} if all_ranks else {}))
+    r = subprocess.run([sys.executable, "-c", SNIPPET], env=env, cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    both = r.stdout + r.stderr
+    assert r.returncode == 0 and "done" in r.stdout, both
+    assert "a DeepSpeed error" in both                     # errors always
+    assert ("a DeepSpeed warning" in both) == shown, both
+    assert ("a warning from megamemo code" in both) == shown, both
