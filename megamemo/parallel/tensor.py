@@ -124,7 +124,10 @@ class ForkedDropout(Dropout):
 def _mcore_layers(tp, dtype):
     from megatron.core import ModelParallelConfig
     from megatron.core import tensor_parallel as mtp
-    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=not torch.cuda.is_available(),
+    # Parameters are made on the CPU like every other parameter of the model (DeepSpeed moves the module to its
+    # device): with use_cpu_initialization=False megatron would put them on torch.cuda.current_device(), a module
+    # of mixed devices that parallel/init.py's CPU generators cannot fill.
+    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
                               perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)
     init = nn.init.zeros_  # weights are loaded from the single-device model right after
 
