@@ -66,13 +66,11 @@ def parallel_ranks(cfg: RunConfig, de) -> dict:
         return {"dp_rank": de.rank, "tp_rank": 0, "pp_rank": 0}
     from megatron.core import parallel_state as ps
 
-    from megamemo.parallel.groups import init_model_parallel, install_rng_tracker
+    from megamemo.parallel.groups import init_model_parallel
 
     init_model_parallel(tp, pp)
-    ranks = {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-             "pp_rank": ps.get_pipeline_model_parallel_rank()}
-    install_rng_tracker(cfg.train.seed + 1 + ranks["dp_rank"])
-    return ranks
+    return {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank()}
 
 
 def build_model(cfg: RunConfig):
@@ -154,7 +152,11 @@ def build(cfg: RunConfig, log=print):
     if getattr(engine.device, "type", str(engine.device)) == "cuda" and hasattr(model, "check_inputs"):
         model.check_inputs = False          # ids were checked against the manifest's vocabulary at start-up; on a
                                             # GPU the per-batch range check would cost a host sync every micro-batch
-    _seed_all(cfg.train.seed + 1 + dp_rank)  # then each DP rank its own dropout stream (shared by its TP ranks)
+    # then each rank its dropout streams: the default one per (dp, pp), shared by the TP ranks of the group
+    # (replicated activations); under model parallelism a TP stream per rank (parallel.groups.dropout_seeds)
+    from megamemo.parallel.groups import seed_rng_streams
+    seed_rng_streams(cfg.train.seed, **ranks, tp_stream=cfg.parallel.tp * cfg.parallel.pp > 1,
+                     cuda=getattr(engine.device, "type", str(engine.device)) == "cuda")
 
     per_rank = cfg.data.batch_size // dp
     reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
