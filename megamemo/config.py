@@ -77,6 +77,9 @@ class TrainConfig:
     grad_accum: int = 1             # micro-batches per step on each rank, each with its own memory
     seed: int = 1111
     run_dir: str = "runs/default"
+    # Bit-exact runs on CUDA: torch's deterministic kernels, CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO=Ring and no NVLS
+    # (train/device.py). Slower; CPU runs are deterministic without it.
+    deterministic: bool = False
 
 
 @dataclass

@@ -200,13 +200,18 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     # DeepSpeed's ZeRO calls a torch collective under its deprecated name on every step
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    from megamemo.train import device
+
     try:
         cfg = resolve_config(args)
+        device.resolve()                    # cuda or cpu, before DeepSpeed picks its accelerator
         check_data_dir(cfg)
+        if cfg.train.deterministic:
+            device.make_deterministic()
         if cfg.precision.dtype != "fp32":
             from megamemo.train.engine import check_precision
             check_precision(cfg.precision.dtype)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, device.DeviceError) as e:
         print(f"megamemo train: error: {e}", file=sys.stderr)
         return 2
     from megamemo.train import dist
@@ -221,6 +226,6 @@ def main(argv: list[str]) -> int:
         dist.barrier()
         dist.shutdown()
         return 0
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, device.DeviceError) as e:
         print(f"megamemo train: error: {e}", file=sys.stderr, flush=True)
         return 2
