@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # N local training processes on this machine: `megamemo train ARGS...` under torchrun (gloo on CPU, NCCL when
-# the machine has GPUs).
+# the machine has GPUs; launch/device.sh decides, MEGAMEMO_DEVICE=auto|gpu|cpu overrides).
 #   launch/local.sh N --config configs/tiny-cpu.yaml [--data DIR] [--run-dir DIR] [megamemo train args...]
 # Environment: OMP_NUM_THREADS (default: CPU cores / N, at least 1); MEGAMEMO_VENV (default: the repo's .venv);
 # MEGAMEMO_TRAIN_CMD (default "megamemo train"). torchrun picks a free rendezvous port, so several runs can
@@ -13,11 +13,10 @@ usage() { echo "usage: launch/local.sh N [megamemo train args...]   (N: number o
 n="$1"; shift
 [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "launch/local.sh: N must be a positive integer (got '$n')" >&2; usage; }
 
-if [ -z "${DS_ACCELERATOR:-}" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
-  export DS_ACCELERATOR=cuda
-fi
 # shellcheck source=../scripts/env.sh
-source "$here/scripts/env.sh"      # the repo's venv on PATH, DeepSpeed's CPU accelerator unless set
+source "$here/scripts/env.sh"      # the repo's venv on PATH
+# the device: MEGAMEMO_DEVICE, else a DS_ACCELERATOR the caller set, else GPUs when nvidia-smi lists any
+megamemo_select_device "${MEGAMEMO_DEVICE:-${DS_ACCELERATOR:-auto}}" || usage
 
 train_cmd="${MEGAMEMO_TRAIN_CMD:-megamemo train}"
 read -r -a cmd <<<"$train_cmd"
@@ -37,5 +36,5 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
   threads=$(( $(nproc) / n ))
   export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
-echo "[launch/local] $n process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS: $train_cmd $*" >&2
+echo "[launch/local] $n process(es) on $MEGAMEMO_DEVICE, OMP_NUM_THREADS=$OMP_NUM_THREADS: $train_cmd $*" >&2
 exec torchrun --standalone --nnodes=1 --nproc-per-node="$n" "${cmd[@]}" "$@"
