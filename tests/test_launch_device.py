@@ -105,3 +105,64 @@ def test_task_sh_gives_the_container_the_gpus_of_a_gpu_job(fakes, runtime, flag,
     assert has == (device == "gpu"), args
     if runtime == "docker":
         assert "CUDA_DEVICE_MAX_CONNECTIONS" in args and "DS_ACCELERATOR" in args
+
+
+# ---- scripts/setup.sh -------------------------------------------------------------------------------------------
+FAKE_PYTHON = r'''#!/bin/bash
+# A venv python that records pip's arguments and plays torch's install: the build depends on the index asked for.
+state="$FAKE_OUT/torch"
+if [ "$1" = -m ] && [ "$2" = pip ]; then
+  echo "$*" >> "$FAKE_OUT/pip.log"
+  case "$*" in
+    *torch==2.13.0*cu126*) echo "2.13.0+cu126 12.6" > "$state" ;;
+    *torch==2.13.0*cu130*) echo "2.13.0+cu130 13.0" > "$state" ;;
+    *torch==2.13.0*) echo "${FAKE_PIP_TORCH:-2.13.0+cpu None}" > "$state" ;;
+    *" -e "*) [ -n "${FAKE_REPLACE_TORCH:-}" ] && echo "$FAKE_REPLACE_TORCH" > "$state" ;;
+  esac
+  exit 0
+fi
+[ "$1" = -c ] && [ -f "$state" ] && { cat "$state"; exit 0; }
+exit 1
+'''
+
+
+def _setup(tmp_path, **extra) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out), "MEGAMEMO_VENV": str(venv),
+           **{k: str(v) for k, v in extra.items()}}
+    r = subprocess.run(["bash", str(REPO / "scripts/setup.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    return r, out
+
+
+@pytest.mark.parametrize("target, index, build", [
+    (None, None, "2.13.0+cpu"), ("v100", "https://download.pytorch.org/whl/cu126", "2.13.0+cu126"),
+    ("a100", "https://download.pytorch.org/whl/cu126", "2.13.0+cu126"),
+    ("cu130", "https://download.pytorch.org/whl/cu130", "2.13.0+cu130")])
+def test_setup_installs_the_targets_torch_first_then_holds_it(tmp_path, target, index, build):
+    r, out = _setup(tmp_path, **({"MEGAMEMO_TARGET": target} if target else {}))
+    assert r.returncode == 0, r.stderr
+    first, second = (out / "pip.log").read_text().splitlines()
+    assert first.split()[4:] == ["torch==2.13.0"] + (["--index-url", index] if index else [])
+    constraints = tmp_path / "venv" / ".megamemo-constraints.txt"
+    assert f"-c {constraints} -e {REPO}[dev]" in second
+    assert constraints.read_text().strip() == f"torch=={build}"
+    again, _ = _setup(tmp_path, **({"MEGAMEMO_TARGET": target} if target else {}))
+    assert "up to date" in again.stdout and len((out / "pip.log").read_text().splitlines()) == 2
+
+
+def test_setup_fails_loudly_when_torch_is_replaced_or_the_wrong_build(tmp_path):
+    r, _ = _setup(tmp_path, FAKE_REPLACE_TORCH="2.14.1 13.0")
+    assert r.returncode == 2 and "changed torch from 2.13.0+cpu (CUDA None) to 2.14.1 (CUDA 13.0)" in r.stderr
+    r, _ = _setup(tmp_path, MEGAMEMO_TARGET="v100", MEGAMEMO_TORCH_INDEX="https://example.invalid/simple",
+                  FAKE_PIP_TORCH="2.13.0 13.0")
+    assert r.returncode == 2 and "wants a CUDA 12.6 build of torch" in r.stderr
+    r, _ = _setup(tmp_path, MEGAMEMO_TORCH_SPEC="torch==2.5.1")
+    assert r.returncode == 2 and "MEGAMEMO_TARGET" in r.stderr
+    r, _ = _setup(tmp_path, MEGAMEMO_TARGET="p100")
+    assert r.returncode == 2 and "MEGAMEMO_TARGET must be" in r.stderr
