@@ -212,13 +212,14 @@ def mark_tensor_parallel(module, name_of=lambda n: n) -> None:
             set_tensor_model_parallel_attributes(p, True, rule[0], 1)
 
 
-def parallelize_tensor(model, load: bool = True):
+def parallelize_tensor(model, load: bool = True, always: bool = False):
     """In place: the single-device model becomes this rank's tensor-parallel shard, holding the same weights
-    (load=False: the shard's parameters are left to be initialised - see parallel/init.py)."""
+    (load=False: the shard's parameters are left to be initialised - see parallel/init.py). A TP group of one
+    keeps the plain model unless `always` (the TP modules on one device, for tests)."""
     rank, tp = tp_rank_size()
     cfg = model.cfg
     check_supported(cfg, tp)
-    if tp == 1:
+    if tp == 1 and not always:
         return model
     full = model.state_dict() if load else None
     dtype = next(model.parameters()).dtype
