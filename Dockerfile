@@ -1,15 +1,24 @@
 # megamemo training image: CUDA, PyTorch, DeepSpeed, megatron-core, MPI (Open MPI + mpi4py), the megamemo package.
 #   docker build -t megamemo:latest .
 #   docker build --build-arg DS_BUILD_OPS=1 --build-arg TORCH_CUDA_ARCH_LIST="7.0;8.0" -t megamemo:ops .
+#     (DS_ACCELERATOR=cuda during the op build: a build host has no GPU, and DeepSpeed would pick its CPU ops)
 #   apptainer build megamemo.sif docker-daemon://megamemo:latest
 # Slurm: MEGAMEMO_CONTAINER=megamemo.sif (apptainer), or an enroot image with MEGAMEMO_CONTAINER_RUNTIME=pyxis,
 # in the environment of `sbatch launch/slurm/train.sbatch ...` (see the settings at the top of that script).
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+#
+# One CUDA everywhere: torch 2.13.0+cu126 from PyTorch's cu126 index (kernels for sm_50-sm_90: V100, A100, H100;
+# a driver that runs CUDA 12) on a CUDA 12.6 base image, whose nvcc is the CUDA torch was built with, as DeepSpeed's
+# op build requires (op_builder/builder.py, assert_no_cuda_mismatch). PyPI's torch 2.13.0 is a CUDA 13.0 build:
+# no sm_70 kernels, a driver >= 580. For A100/H100 nodes with such a driver:
+#   docker build --build-arg CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04 \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 --build-arg TORCH_CUDA_ARCH_LIST="8.0;9.0" .
+ARG CUDA_IMAGE=nvidia/cuda:12.6.3-devel-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 # Pinned versions (the CPU development environment uses the same ones; torch's Linux wheel brings its CUDA
 # libraries, the base image brings nvcc for DeepSpeed's op build).
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu126
 ARG DEEPSPEED_VERSION=0.19.8
 ARG MEGATRON_CORE_VERSION=0.16.1
 ARG MPI4PY_VERSION=4.1.2
@@ -40,19 +49,31 @@ RUN apt-get update \
        openmpi-bin libopenmpi-dev libpmix2 openssh-client procps \
     && rm -rf /var/lib/apt/lists/*
 
+# torch first, from its CUDA index; everything after it is installed with torch held at that build (constraints),
+# and the build's CUDA must be the base image's nvcc.
 RUN python3 -m venv /opt/venv \
-    && pip install "torch==${TORCH_VERSION}" \
-    && pip install "mpi4py==${MPI4PY_VERSION}" "webdataset==${WEBDATASET_VERSION}" \
+    && pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
+    && python -c "import torch; print('torch==' + torch.__version__)" > /opt/venv/torch-constraint.txt \
+    && torch_cuda="$(python -c 'import torch; print(torch.version.cuda)')" \
+    && nvcc_cuda="$(nvcc --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')" \
+    && if [ "${torch_cuda}" != "${nvcc_cuda}" ]; then \
+         echo "torch is built for CUDA ${torch_cuda}, the base image has nvcc ${nvcc_cuda}" >&2; exit 1; \
+       fi \
+    && pip install -c /opt/venv/torch-constraint.txt \
+       "mpi4py==${MPI4PY_VERSION}" "webdataset==${WEBDATASET_VERSION}" \
        "zstandard==${ZSTANDARD_VERSION}" "megatron-core==${MEGATRON_CORE_VERSION}" \
        "numpy==${NUMPY_VERSION}" "pyyaml==6.0.3" "safetensors==0.8.0" "tensorboard==2.21.0" \
        "matplotlib==3.11.2" "ninja==1.13.2" \
     && if [ "${DS_BUILD_OPS}" = "1" ]; then \
-         DS_BUILD_OPS=1 DS_BUILD_SPARSE_ATTN=0 DS_BUILD_EVOFORMER_ATTN=0 DS_BUILD_GDS=0 \
-           pip install --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"; \
+         DS_ACCELERATOR=cuda DS_BUILD_OPS=1 DS_BUILD_SPARSE_ATTN=0 DS_BUILD_EVOFORMER_ATTN=0 DS_BUILD_GDS=0 \
+           pip install -c /opt/venv/torch-constraint.txt --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"; \
        else \
-         pip install "deepspeed==${DEEPSPEED_VERSION}"; \
+         pip install -c /opt/venv/torch-constraint.txt "deepspeed==${DEEPSPEED_VERSION}"; \
        fi \
-    && python -c "import torch, deepspeed, megatron.core, mpi4py, webdataset, zstandard"
+    && pip check \
+    && python -c "import torch, deepspeed, megatron.core, mpi4py, webdataset, zstandard" \
+    && python -c "import torch, sys; held = open('/opt/venv/torch-constraint.txt').read().split('==')[1].strip(); \
+sys.exit(0 if torch.__version__ == held else f'torch changed from {held} to {torch.__version__}')"
 
 COPY pyproject.toml /opt/megamemo/
 COPY megamemo /opt/megamemo/megamemo

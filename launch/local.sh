@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # N local training processes on this machine: `megamemo train ARGS...` under megamemo's own launcher
-# (megamemo/launcher.py: gloo on CPU, NCCL when the machine has GPUs).
+# (megamemo/launcher.py: gloo on CPU, NCCL when the machine has GPUs; launch/device.sh decides,
+# MEGAMEMO_DEVICE=auto|gpu|cpu overrides).
 #   launch/local.sh N --config configs/tiny-cpu.yaml [--data DIR] [--run-dir DIR] [megamemo train args...]
 # Signals sent to this process (Ctrl-C, TERM, USR1, HUP) reach every worker, which finishes its step, saves and
 # stops (exit 0); a second Ctrl-C kills them. The exit code is megamemo's (2: bad usage, config, data or
@@ -18,11 +19,10 @@ usage() { echo "usage: launch/local.sh N [megamemo train args...]   (N: number o
 n="$1"; shift
 [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "launch/local.sh: N must be a positive integer (got '$n')" >&2; usage; }
 
-if [ -z "${DS_ACCELERATOR:-}" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
-  export DS_ACCELERATOR=cuda
-fi
 # shellcheck source=../scripts/env.sh
-source "$here/scripts/env.sh"      # the repo's venv on PATH, DeepSpeed's CPU accelerator unless set
+source "$here/scripts/env.sh"      # the repo's venv on PATH
+# the device: MEGAMEMO_DEVICE, else a DS_ACCELERATOR the caller set, else GPUs when nvidia-smi lists any
+megamemo_select_device "${MEGAMEMO_DEVICE:-${DS_ACCELERATOR:-auto}}" || usage
 
 if ! (cd / && python -c "import megamemo.launcher, megamemo.train.cli") 2>/dev/null; then
   echo "launch/local.sh: megamemo (with its train command) is not installed in $(command -v python || echo 'any python on PATH')." >&2
@@ -33,5 +33,5 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
   threads=$(( $(nproc) / n ))
   export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
-echo "[launch/local] $n process(es), OMP_NUM_THREADS=$OMP_NUM_THREADS: ${MEGAMEMO_TRAIN_CMD:-megamemo train} $*" >&2
+echo "[launch/local] $n process(es) on $MEGAMEMO_DEVICE, OMP_NUM_THREADS=$OMP_NUM_THREADS: ${MEGAMEMO_TRAIN_CMD:-megamemo train} $*" >&2
 exec python -m megamemo.launcher "$n" "$@"

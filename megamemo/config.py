@@ -55,6 +55,12 @@ class PrecisionConfig:
     loss_scale_window: int = 1000   # fp16: raise the scale after this many steps without overflow
     hysteresis: int = 2             # fp16: overflows tolerated before the scale is lowered
     min_loss_scale: float = 1.0
+    # Gradient accumulation over micro-batches (bf16/fp16): fp32 | model | auto. DeepSpeed 0.19.8 accumulates in
+    # fp32 with ZeRO 2 (both half types) and ZeRO 1 + fp16 in its ZeRO optimizer, with ZeRO 1 + bf16 only through
+    # its BF16_Optimizer, and not at all without ZeRO. auto: fp32 where the ZeRO optimizer does it without a
+    # pipeline, else the model dtype; fp32: everywhere DeepSpeed can (ZeRO 1 + bf16: BF16_Optimizer), a config
+    # error on ZeRO 0.
+    grad_accum_dtype: str = "auto"
     # An overflowing step is skipped and retried on the same batch with the lowered scale; this many skips
     # in a row means the run diverged (e.g. a NaN loss) and stops with an error.
     max_consecutive_skips: int = 40
@@ -80,6 +86,9 @@ class TrainConfig:
     # <run_dir>/LOCK of a trainer on another host counts as dead after this long without a heartbeat (one every
     # 30 s); on the same host a lock is dead when its process is gone
     lock_stale_s: float = 600.0
+    # Bit-exact runs on CUDA: torch's deterministic kernels, CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO=Ring and no NVLS
+    # (train/device.py). Slower; CPU runs are deterministic without it.
+    deterministic: bool = False
 
 
 @dataclass
@@ -168,6 +177,12 @@ class RunConfig:
             bad("optim.min_lr", "must be in [0, optim.lr]")
         if self.precision.dtype not in ("fp32", "bf16", "fp16"):
             bad("precision.dtype", "must be fp32, bf16 or fp16")
+        if self.precision.grad_accum_dtype not in ("auto", "fp32", "model"):
+            bad("precision.grad_accum_dtype", "must be auto, fp32 or model")
+        if (self.precision.grad_accum_dtype == "fp32" and self.precision.dtype != "fp32"
+                and self.parallel.zero_stage == 0):
+            bad("precision.grad_accum_dtype", "fp32 accumulation of bf16/fp16 gradients needs ZeRO 1 or 2 in "
+                "DeepSpeed 0.19.8 (parallel.zero_stage=0); use auto or model")
         if self.precision.max_consecutive_skips < 1:
             bad("precision.max_consecutive_skips", "must be >= 1")
         if self.parallel.tp < 1:

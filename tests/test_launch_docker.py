@@ -60,3 +60,19 @@ def test_dockerfile_pins_every_dependency_and_runs_as_non_root():
     users = re.findall(r"^USER (\S+)", text, flags=re.M)
     assert users and users[-1] not in ("root", "0"), users
     assert "DS_BUILD_OPS" in args, "the DeepSpeed op build is a build argument"
+
+
+def test_base_image_cuda_is_the_cuda_of_torchs_wheel_index():
+    """DeepSpeed's op build refuses an nvcc of another CUDA than torch's (op_builder/builder.py); the V100's sm_70
+    needs a CUDA 12 build of torch (PyTorch ships sm_70 kernels only in its cu126 wheels for 2.12-2.14)."""
+    text = DOCKERFILE.read_text()
+    args = _arg_values(text)
+    image = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-\S+", args["CUDA_IMAGE"])
+    index = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", args["TORCH_INDEX"])
+    assert image and index, (args["CUDA_IMAGE"], args["TORCH_INDEX"])
+    assert index.group(1) == image.group(1) + image.group(2) == "126"
+    assert "7.0" in args["TORCH_CUDA_ARCH_LIST"].strip('"').split(";")
+    assert re.search(r'pip install --index-url "\$\{TORCH_INDEX\}" "torch==\$\{TORCH_VERSION\}"', text)
+    assert "DS_ACCELERATOR=cuda DS_BUILD_OPS=1" in text           # no GPU on a build host: DeepSpeed would pick CPU
+    installs = re.findall(r"pip install (?!--index-url|--no-deps)(.*)", text)
+    assert installs and all(i.startswith("-c /opt/venv/torch-constraint.txt") for i in installs), installs

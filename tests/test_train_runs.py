@@ -58,8 +58,8 @@ def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-                   **(env_extra or {}))
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+        env.update(env_extra or {})             # e.g. DS_ACCELERATOR=cuda for the GPU tests
         log = open(run_dir.parent / f"{run_dir.name}.rank{r}.log", "a")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "megamemo", "train", "--config", str(cfg), "--data", str(shards),
@@ -308,18 +308,20 @@ while trainer.step < cfg.train.max_steps:
     same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     rows.append({"applied": r.applied, "loss": r.loss, "step": trainer.step, "scale": trainer.engine.loss_scale(),
                  "memory_unchanged": same, "cursor_unchanged": cursor == trainer.cursor.state,
-                 "skipped": trainer.engine.skipped_steps})
+                 "skipped": trainer.engine.skipped_steps, "device": str(trainer.engine.device)})
 trainer.metrics.close()
 print("ROWS" + json.dumps(rows))
 """
 
 
-def test_fp16_overflow_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_path):
-    script = tmp_path / "fp16.py"
+def fp16_overflow_run(tiny_cfg, shards, run_dir, **env_extra) -> list[dict]:
+    """FP16_SCRIPT in one process: a poisoned 3rd backward must skip its step and advance nothing (checked here);
+    returns the per-attempt rows."""
+    script = run_dir.parent / "fp16.py"
     script.write_text(FP16_SCRIPT)
-    run_dir = tmp_path / "fp16"
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env.update(env_extra)
     out = subprocess.run([sys.executable, str(script), str(tiny_cfg), str(shards), str(run_dir)], env=env,
                          capture_output=True, text=True, timeout=180, cwd=REPO)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -335,6 +337,12 @@ def test_fp16_overflow_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_pat
     skips = [r for r in recs if r["kind"] == "skip"]
     assert len(skips) == 1 and skips[0]["step"] == 3 and skips[0]["loss_scale"] == bad["scale"]
     assert "overflow: step skipped" in out.stdout
+    return rows
+
+
+def test_fp16_overflow_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_path):
+    rows = fp16_overflow_run(tiny_cfg, shards, tmp_path / "fp16")
+    assert rows[0]["device"] == "cpu"
 
 
 # ---- epoch boundary --------------------------------------------------------------------------------------------

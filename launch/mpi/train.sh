@@ -18,11 +18,10 @@ usage() { echo "usage: launch/mpi/train.sh N [megamemo train args...]   (N: numb
 n="$1"; shift
 [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "launch/mpi/train.sh: N must be a positive integer (got '$n')" >&2; usage; }
 
-if [ -z "${DS_ACCELERATOR:-}" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
-  export DS_ACCELERATOR=cuda
-fi
 # shellcheck source=../../scripts/env.sh
 source "$here/scripts/env.sh"
+# the device (launch/device.sh): MEGAMEMO_DEVICE, else a DS_ACCELERATOR the caller set, else GPUs if any here
+megamemo_select_device "${MEGAMEMO_DEVICE:-${DS_ACCELERATOR:-auto}}" || usage
 
 train_cmd="${MEGAMEMO_TRAIN_CMD:-megamemo train}"
 read -r -a cmd <<<"$train_cmd"
@@ -45,7 +44,8 @@ else
   fi
 fi
 
-pass=(PATH LD_LIBRARY_PATH PYTHONUNBUFFERED DS_ACCELERATOR TORCH_EXTENSIONS_DIR OMP_NUM_THREADS MASTER_ADDR MASTER_PORT)
+pass=(PATH LD_LIBRARY_PATH PYTHONUNBUFFERED DS_ACCELERATOR TORCH_EXTENSIONS_DIR OMP_NUM_THREADS MASTER_ADDR MASTER_PORT
+      CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING)
 if "$mpirun" --version 2>&1 | grep -q "Open MPI\|OpenRTE\|PRRTE"; then
   # Open MPI: environment variables travel only when named; refuses root without the flag.
   [ -n "${MEGAMEMO_MPI_HOSTFILE:-}" ] && opts+=(--hostfile "$MEGAMEMO_MPI_HOSTFILE")

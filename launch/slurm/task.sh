@@ -27,18 +27,18 @@ if [ -n "$image" ] && [ "$runtime" != pyxis ]; then
   case "$runtime" in
     apptainer|singularity)
       gpu_flag=()
-      [ "${DS_ACCELERATOR:-}" = cpu ] || gpu_flag=(--nv)
+      [ "${MEGAMEMO_DEVICE:-}" = gpu ] && gpu_flag=(--nv)        # decided by train.sbatch (launch/device.sh)
       exec "$runtime" exec "${gpu_flag[@]}" --bind "$mounts" --pwd "$PWD" "$image" "${cmd[@]}" "$@"
       ;;
     docker|podman)
       opts=(--rm --init --network=host --ipc=host --user "$(id -u):$(id -g)" --workdir "$PWD")
-      [ "${DS_ACCELERATOR:-}" = cpu ] || opts+=(--gpus all)
+      [ "${MEGAMEMO_DEVICE:-}" = gpu ] && opts+=(--gpus all)
       IFS=, read -r -a ms <<<"$mounts"
       for m in "${ms[@]}"; do opts+=(--volume "$m"); done
       # Pass the job's and the launcher's variables through by name.
       for name in $(compgen -e); do
         case "$name" in
-          SLURM_*|MASTER_*|MEGAMEMO_*|NCCL_*|TORCH_*|OMP_NUM_THREADS|DS_ACCELERATOR|CUDA_VISIBLE_DEVICES|PYTHONUNBUFFERED)
+          SLURM_*|MASTER_*|MEGAMEMO_*|NCCL_*|TORCH_*|CUDA_*|CUBLAS_*|OMP_NUM_THREADS|DS_ACCELERATOR|PYTHONUNBUFFERED)
             opts+=(--env "$name") ;;
         esac
       done

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 TP_RNG = "model-parallel-rng"  # megatron's name for the per-TP-rank stream
-TP_SEED_OFFSET = 2718          # megatron's offset: tp seed = seed + 2718 + tp_rank
+TP_SEED_OFFSET = 2718          # megatron's offset: tp seed = seed + 2718 + tp_rank (install_rng_tracker only)
 
 
 def _mcore():
@@ -104,17 +104,68 @@ class CPURNGTracker:
             torch.set_rng_state(outer)
 
 
-def install_rng_tracker(seed: int) -> None:
-    """Seed the per-TP-rank dropout stream: megatron's CUDA tracker on GPU, CPURNGTracker on CPU."""
-    ps, tp = _mcore()
-    rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    if torch.cuda.is_available():
-        tp.model_parallel_cuda_manual_seed(seed)
+def _pair(a: int, b: int) -> int:
+    """Cantor's pairing: a one-to-one map of two naturals to one natural."""
+    return (a + b) * (a + b + 1) // 2 + b
+
+
+def dropout_seeds(seed: int, dp_rank: int, tp_rank: int, pp_rank: int, step_salt: int = 0) -> tuple[int, int]:
+    """(default-stream seed, tensor-parallel-stream seed) of the rank at (dp, tp, pp), for run seed `seed`.
+
+    The default stream drops out replicated activations: every TP rank of a (dp, pp) group must draw the same
+    masks, so it does not depend on tp_rank. The TP stream (ForkedDropout, inside TP regions) is one per rank.
+    Seeds are seed + 1 + an index that is one-to-one in (dp, pp, step_salt) for the default stream and in
+    (dp, pp, tp, step_salt) for the TP stream, even for default and odd for TP: no two ranks, streams or salts
+    share a seed (megatron's seed + 2718 + tp_rank gives (dp 0, tp 1) the stream of (dp 1, tp 0), and the same
+    one to every pipeline stage). step_salt: a re-seed at a step (resume under another layout) uses the step."""
+    if min(dp_rank, tp_rank, pp_rank, step_salt) < 0:
+        raise ValueError(f"dropout_seeds: negative rank or salt (dp {dp_rank}, tp {tp_rank}, pp {pp_rank}, "
+                         f"salt {step_salt})")
+    group = _pair(dp_rank, pp_rank)
+    default = seed + 1 + 2 * _pair(group, step_salt)
+    tp = seed + 1 + 2 * _pair(_pair(group, tp_rank), step_salt) + 1
+    return default, tp
+
+
+def install_tp_stream(tp_seed: int, cuda: bool | None = None) -> None:
+    """Seed this rank's tensor-parallel dropout stream with exactly `tp_seed`: megatron's CUDA tracker when the
+    model runs on CUDA (cuda=None: whenever torch sees a GPU), CPURNGTracker on CPU. (megatron's
+    model_parallel_cuda_manual_seed would derive it as seed + 2718 + tp_rank and reseed the default stream.)"""
+    _, tp = _mcore()
+    if torch.cuda.is_available() if cuda is None else cuda:
+        tracker = tp.get_cuda_rng_tracker()
+        tracker.reset()
+        tracker.add(TP_RNG, tp_seed)
         return
     tracker = CPURNGTracker()
-    tracker.add(TP_RNG, seed + TP_SEED_OFFSET + rank)
+    tracker.add(TP_RNG, tp_seed)
     tp.random._CUDA_RNG_STATE_TRACKER = tracker
     tp.random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def seed_rng_streams(seed: int, dp_rank: int, tp_rank: int, pp_rank: int, step_salt: int = 0,
+                     tp_stream: bool = True, cuda: bool | None = None) -> tuple[int, int]:
+    """Seed this rank's default streams (python, numpy, torch CPU and CUDA) and, with tp_stream, its TP stream
+    (on CUDA or CPU, see install_tp_stream), from dropout_seeds(...). Returns the two seeds."""
+    import random
+
+    import numpy as np
+
+    default, tp_seed = dropout_seeds(seed, dp_rank, tp_rank, pp_rank, step_salt)
+    random.seed(default)
+    np.random.seed(default % 2**32)
+    torch.manual_seed(default)
+    if tp_stream:
+        install_tp_stream(tp_seed, cuda)
+    return default, tp_seed
+
+
+def install_rng_tracker(seed: int) -> None:
+    """Legacy: megatron's derivation, TP stream seed + 2718 + tp_rank (collides across DP ranks and is shared by
+    pipeline stages). Use seed_rng_streams / dropout_seeds."""
+    ps, _ = _mcore()
+    rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    install_tp_stream(seed + TP_SEED_OFFSET + rank)
 
 
 def rng_tracker():
@@ -124,19 +175,18 @@ def rng_tracker():
 
 def grad_norm(params) -> float:
     """Global L2 norm of the gradients, counting tensor-parallel shards once each and replicated parameters once
-    (not once per TP rank)."""
-    sq_split = torch.zeros((), dtype=torch.float64)
-    sq_repl = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if getattr(p, "tensor_model_parallel", False):
-            sq_split += sq
-        else:
-            sq_repl += sq
+    (not once per TP rank). The squares are summed in float64 on the gradients' device; the TP all-reduce runs
+    there too (NCCL takes no CPU tensors); one host sync at the end."""
+    grads = [(p.grad.detach(), bool(getattr(p, "tensor_model_parallel", False))) for p in params
+             if p.grad is not None]
+    device = grads[0][0].device if grads else torch.device("cpu")
+    sq = torch.zeros(2, dtype=torch.float64, device=device)        # [split across TP ranks, replicated]
+    for g, split in grads:
+        sq[0 if split else 1] += g.double().pow(2).sum()
     _, size = tp_rank_size()
     if size > 1:
         ps, _ = _mcore()
-        dist.all_reduce(sq_split, group=ps.get_tensor_model_parallel_group())
-    return float((sq_split + sq_repl).sqrt())
+        split = sq[:1].clone()
+        dist.all_reduce(split, group=ps.get_tensor_model_parallel_group())
+        sq = torch.cat([split, sq[1:]])
+    return float(sq.sum().sqrt())

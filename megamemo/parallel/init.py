@@ -7,7 +7,8 @@ Linear and embedding weights, r_w_bias, r_r_bias and the cluster weight ~N(0, in
 ~N(0, proj_init_std); LayerNorm weights ~N(1, init_std); biases 0; r_r_bias_future xavier-uniform over the full
 [n_head, d_head] shape (or N(0, init_std)). Each parameter draws from its own generator, seeded by the run seed and
 the parameter's name (and the TP rank where the parameter is split), so replicated parameters are identical on
-every TP rank and a shard does not depend on which other parameters its stage holds.
+every TP rank and a shard does not depend on which other parameters its stage holds. The draws are made on the
+CPU (a parameter elsewhere is filled from a host copy), so a shard is the same on any device.
 """
 from __future__ import annotations
 
@@ -43,7 +44,14 @@ def init_shard(module: torch.nn.Module, cfg, seed: int, single_name=lambda n: n)
         single = single_name(name)
         split = _rule(single) is not None
         key = zlib.crc32(single.encode()) ^ (seed * 1000003) ^ ((tp_rank + 1) * 7919 if split else 0)
-        init_value(p, single, cfg, torch.Generator().manual_seed(key & 0x7FFFFFFF))
+        gen = torch.Generator().manual_seed(key & 0x7FFFFFFF)
+        if p.device.type == "cpu":
+            init_value(p, single, cfg, gen)
+        else:                   # drawn on the CPU, as everywhere: the same values whatever the device
+            host = torch.empty(p.shape, dtype=p.dtype)
+            init_value(host, single, cfg, gen)
+            with torch.no_grad():
+                p.copy_(host)
 
 
 def shard_model(cfg, seed: int):

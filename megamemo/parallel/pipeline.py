@@ -12,7 +12,9 @@ The sequence of pipe layers (stage boundaries always fall just before a RelBias 
 Every pipe layer is a module called directly (no DeepSpeed forward_fn), so each stage saves all of its layers -
 tied copies included - in its layer files, and a resume restores every one of them.
 Activations between stages are (rows [T, B, d], meta long [3] = (micro-batch, M, L)); for LaMemo the rows are
-the memory rows and the current segment together, so the memory rows travel through the stages with them.
+the memory rows and the current segment together, so the memory rows travel through the stages with them. Both
+cross ranks through DeepSpeed's p2p, so both live on the communication device (NCCL takes no CPU tensor); inside a
+stage the layers read meta as Python ints (StageContext.meta_ints: one host sync per stage and micro-batch).
 
 Memory: each stage holds a MemoryBank with the memory of its own layers (XL: hid.l; LaMemo: ctx.l, lse.l, and emb
 on the first stage), one set per micro-batch (each micro-batch is a fixed group of streams). Forward passes write
@@ -78,10 +80,28 @@ class StageContext:
         # the lengths the layers run with; validation swaps in its own (train/validate.py)
         self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
         self.tp, self.tp_rank = tp, tp_rank
+        self._meta = None                   # (meta tensor, its values as ints): see meta_ints
+
+    def meta_ints(self, meta: torch.Tensor) -> tuple[int, int, int]:
+        """(micro-batch, M, L) of a meta tensor. The layers of a stage pass the same tensor object along, so its
+        values are read off the device once (the first layer, or whoever made it with remember_meta)."""
+        if self._meta is None or self._meta[0] is not meta:
+            self._meta = (meta, tuple(int(v) for v in meta.tolist()))
+        return self._meta[1]
+
+    def remember_meta(self, meta: torch.Tensor, values: tuple[int, int, int]) -> torch.Tensor:
+        self._meta = (meta, tuple(values))
+        return meta
 
 
-def _meta(mb, M, L):
-    return torch.tensor([mb, M, L], dtype=torch.long)
+def stage_meta(mb: int, M: int, L: int, device) -> torch.Tensor:
+    """The meta tensor (micro-batch, M, L) that crosses stages, on the communication device."""
+    return torch.tensor([mb, M, L], dtype=torch.long, device=device)
+
+
+def stage_input(tokens: torch.Tensor, mb: int = 0):
+    """The first stage's input for micro-batch `mb`: (token ids, meta), meta on the tokens' device."""
+    return tokens, stage_meta(mb, 0, 0, tokens.device)
 
 
 class EmbedPipe(nn.Module):
@@ -101,14 +121,15 @@ class EmbedPipe(nn.Module):
         tokens, meta = inputs
         if tokens.is_floating_point():
             return output_logits(self, inputs)
-        mb, L = int(meta[0]), tokens.size(0)
+        ctx = self.ctx
+        mb, L = ctx.meta_ints(meta)[0], tokens.size(0)
         h0 = self.drop(self._lookup(tokens) * self.scale)
-        if not self.ctx.cfg.lamemo:
-            return h0, _meta(mb, 0, L)
-        emb = self.ctx.bank.get(mb, "emb")
-        cat = h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)
-        self.ctx.bank.put(mb, "emb", cat[max(0, cat.size(0) - self.ctx.mem_len):])
-        return cat, _meta(mb, 0 if emb is None else emb.size(0), L)
+        emb = ctx.bank.get(mb, "emb") if ctx.cfg.lamemo else None
+        out = h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)
+        if ctx.cfg.lamemo:
+            ctx.bank.put(mb, "emb", out[max(0, out.size(0) - ctx.mem_len):])
+        values = (mb, 0 if emb is None else emb.size(0), L)
+        return out, ctx.remember_meta(stage_meta(*values, device=tokens.device), values)
 
     def _lookup(self, tokens):
         if self.ctx.tp == 1:
@@ -123,7 +144,7 @@ class EmbedPipe(nn.Module):
 def output_logits(module: EmbedPipe, inputs):
     """The tied embedding on the last stage: final dropout, then hidden @ table^T."""
     rows, meta = inputs
-    L = int(meta[2])
+    L = module.ctx.meta_ints(meta)[2]
     h = module.drop(rows[rows.size(0) - L:])
     if module.ctx.tp > 1:
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
@@ -160,7 +181,7 @@ class LayerPipe(nn.Module):
 
     def forward(self, inputs):
         rows, meta = inputs
-        mb, M, L = (int(v) for v in meta)
+        mb, M, L = self.ctx.meta_ints(meta)
         cfg, bank, l, b = self.cfg, self.ctx.bank, self.index, self.ctx.rel_bias
         mem_len = self.ctx.mem_len
         if not cfg.lamemo:

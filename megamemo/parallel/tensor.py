@@ -169,7 +169,10 @@ class ForkedDropout(Dropout):
 def _mcore_layers(tp, dtype):
     from megatron.core import ModelParallelConfig
     from megatron.core import tensor_parallel as mtp
-    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=not torch.cuda.is_available(),
+    # Parameters are made on the CPU like every other parameter of the model (DeepSpeed moves the module to its
+    # device): with use_cpu_initialization=False megatron would put them on torch.cuda.current_device(), a module
+    # of mixed devices that parallel/init.py's CPU generators cannot fill.
+    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
                               perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)
     init = nn.init.zeros_  # weights are loaded from the single-device model right after
 
@@ -254,13 +257,14 @@ def mark_tensor_parallel(module, name_of=lambda n: n) -> None:
             set_tensor_model_parallel_attributes(p, True, rule[0], 1)
 
 
-def parallelize_tensor(model, load: bool = True):
+def parallelize_tensor(model, load: bool = True, always: bool = False):
     """In place: the single-device model becomes this rank's tensor-parallel shard, holding the same weights
-    (load=False: the shard's parameters are left to be initialised - see parallel/init.py)."""
+    (load=False: the shard's parameters are left to be initialised - see parallel/init.py). A TP group of one
+    keeps the plain model unless `always` (the TP modules on one device, for tests)."""
     rank, tp = tp_rank_size()
     cfg = model.cfg
     check_supported(cfg, tp)
-    if tp == 1:
+    if tp == 1 and not always:
         return model
     full = model.state_dict() if load else None
     dtype = next(model.parameters()).dtype

@@ -1,4 +1,4 @@
-"""`megamemo train`: one process per device (see launch/ for torchrun, srun, mpirun and local.sh).
+"""`megamemo train`: one process per device (see launch/ for local.sh, srun and mpirun).
 
     megamemo train --config FILE [--data SHARD_DIR] [--run-dir DIR] [--max-steps N] [--save-every N]
                    [--set key=value ...] [--tp N --pp M] [--resume auto|never|PATH]
@@ -9,6 +9,7 @@ Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, dat
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -65,13 +66,11 @@ def parallel_ranks(cfg: RunConfig, de) -> dict:
         return {"dp_rank": de.rank, "tp_rank": 0, "pp_rank": 0}
     from megatron.core import parallel_state as ps
 
-    from megamemo.parallel.groups import init_model_parallel, install_rng_tracker
+    from megamemo.parallel.groups import init_model_parallel
 
     init_model_parallel(tp, pp)
-    ranks = {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-             "pp_rank": ps.get_pipeline_model_parallel_rank()}
-    install_rng_tracker(cfg.train.seed + 1 + ranks["dp_rank"])
-    return ranks
+    return {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank()}
 
 
 def build_model(cfg: RunConfig):
@@ -168,7 +167,11 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     if getattr(engine.device, "type", str(engine.device)) == "cuda" and hasattr(model, "check_inputs"):
         model.check_inputs = False          # ids were checked against the manifest's vocabulary at start-up; on a
                                             # GPU the per-batch range check would cost a host sync every micro-batch
-    _seed_all(cfg.train.seed + 1 + dp_rank)  # then each DP rank its own dropout stream (shared by its TP ranks)
+    # then each rank its dropout streams: the default one per (dp, pp), shared by the TP ranks of the group
+    # (replicated activations); under model parallelism a TP stream per rank (parallel.groups.dropout_seeds)
+    from megamemo.parallel.groups import seed_rng_streams
+    seed_rng_streams(cfg.train.seed, **ranks, tp_stream=cfg.parallel.tp * cfg.parallel.pp > 1,
+                     cuda=getattr(engine.device, "type", str(engine.device)) == "cuda")
 
     per_rank = cfg.data.batch_size // dp
     reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
@@ -214,12 +217,18 @@ def main(argv: list[str]) -> int:
     die_with_parent()                       # a worker never outlives its launcher
     args = parse_args(argv)
     # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/quiet.py)
-    rank, trainer, world, expected = env_rank(), None, 1, anticipated_errors()
+    from megamemo.train import device
+
+    rank, trainer, expected = env_rank(), None, anticipated_errors()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     starting = True                         # until training runs, every rank meets the same errors
     try:
         cfg = resolve_config(args)
+        device.resolve()                    # cuda or cpu, before DeepSpeed picks its accelerator
         from megamemo.train.data import check_data_dir
         check_data_dir(cfg)
+        if cfg.train.deterministic:
+            device.make_deterministic()
         if cfg.precision.dtype != "fp32":
             from megamemo.train.engine import check_precision
             check_precision(cfg.precision.dtype)
@@ -236,8 +245,9 @@ def main(argv: list[str]) -> int:
         dist.shutdown()
         return 0
     except expected as e:
-        # while starting every rank meets the same error: rank 0 says it; in training it is this rank's own
-        return report(e, rank, everyone=starting, world_size=world)
+        # while starting every rank meets the same error (but its node's devices): rank 0 says it; in training it
+        # is this rank's own
+        return report(e, rank, everyone=starting and not isinstance(e, device.DeviceError), world_size=world)
     except RuntimeError as e:
         code = peer_lost(e)
         if code is None:
@@ -256,7 +266,8 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     from megamemo.checkpoint.pieces import PieceError
     from megamemo.checkpoint.store import CheckpointError
     from megamemo.train.data import DataError
+    from megamemo.train.device import DeviceError
     from megamemo.train.loop import DivergedError
 
     return (ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError, ManifestError,
-            DivergedError)
+            DivergedError, DeviceError)

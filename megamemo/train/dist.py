@@ -8,7 +8,8 @@ One process per device. The launcher is recognised from its environment:
     mpirun inside an sbatch script also inherits SLURM_*; the MPI ranks win there (see _mpirun_inside_slurm);
   - nothing: one process.
 The mapping is written back into os.environ (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which is
-what torch.distributed's env:// initialisation and DeepSpeed read. gloo on CPU, NCCL on GPU.
+what torch.distributed's env:// initialisation and DeepSpeed read. gloo on CPU, NCCL on GPU; which one, and which
+GPU, is decided by megamemo/train/device.py (a GPU job without a usable GPU stops with a one-line error).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class DistEnv:
     master_addr: str
     master_port: int
     launcher: str           # env | slurm | mpi | single
+    local_world: int | None = None   # tasks on this node, when the launcher says
 
     def export(self) -> None:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
@@ -77,18 +79,36 @@ def discover(environ: dict | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        lw = env.get("LOCAL_WORLD_SIZE")
         return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(local),
-                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")), "env")
+                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")), "env",
+                       int(lw) if lw else None)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and not _mpirun_inside_slurm(env):
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         addr = env.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
         port = int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0")))
         return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")),
-                       addr, port, "slurm")
+                       addr, port, "slurm", slurm_tasks_on_node(env))
     if _mpi_rank(env) is not None:
         return _discover_mpi(env)
     return DistEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT") or free_port()),
                    "single")
+
+
+def slurm_tasks_on_node(env) -> int | None:
+    """Tasks of this step on this node, from SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE), e.g.
+    '8(x2),4' and SLURM_NODEID; None when Slurm does not say."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    return counts[node] if node < len(counts) else None
 
 
 def _mpi_rank(env) -> tuple[int, int | None] | None:
@@ -119,14 +139,15 @@ def _discover_mpi(env) -> DistEnv:
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local, local_world = node.Get_rank(), node.Get_size()
     if rank == 0:
         addr = env.get("MASTER_ADDR") or socket.gethostname()
         port = int(env.get("MASTER_PORT") or free_port())
     else:
         addr, port = None, None
     addr, port = comm.bcast((addr, port), root=0)
-    return DistEnv(rank, world, local, addr, port, "mpi")
+    return DistEnv(rank, world, local, addr, port, "mpi", local_world)
 
 
 def _skip_shm_comm_build() -> None:
@@ -138,18 +159,26 @@ def _skip_shm_comm_build() -> None:
 
 
 def init(timeout_s: int = 600) -> DistEnv:
-    """Discover the ranks, export them, and start torch.distributed through DeepSpeed (gloo or NCCL)."""
+    """Discover the ranks, export them, choose the device (device.py) and start torch.distributed through
+    DeepSpeed (gloo or NCCL)."""
     import torch
-    import deepspeed
+
+    from megamemo.train import device
 
     de = discover()
     de.export()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(de.local_rank)
+    if device.resolve() == "cuda":          # sets DS_ACCELERATOR before DeepSpeed picks its accelerator
+        index = device.pick_cuda_device(de.local_rank, de.local_world, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        # DeepSpeed takes LOCAL_RANK for the device index (init_process_group's device_id, the engine's device,
+        # PipelineModule.to): a task bound to one GPU is cuda:0 whatever its local rank
+        os.environ["LOCAL_RANK"] = str(index)
         backend = "nccl"
     else:
         backend = "gloo"
         _skip_shm_comm_build()
+    import deepspeed
+
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=de.rank,
                                world_size=de.world_size, timeout=timedelta(seconds=timeout_s))
     return de

@@ -36,6 +36,20 @@ def schedule(cfg: RunConfig):
                              schedule=cfg.optim.schedule, min_ratio=cfg.optim.min_lr / cfg.optim.lr)
 
 
+def grad_accum_dtype(cfg: RunConfig) -> str | None:
+    """DeepSpeed's data_types.grad_accum_dtype for cfg, or None for its default (the model dtype).
+    DeepSpeed 0.19.8 (runtime/engine.py, _do_optimizer_sanity_check): with ZeRO 1/2 an fp32 accumulation keeps
+    the ZeRO optimizer, which accumulates in fp32 (zero/stage_1_and_2.py, gradient_accumulation_dtype), except
+    bf16 + ZeRO 1, which switches to BF16_Optimizer; without ZeRO it is NotImplementedError. auto keeps to the
+    ZeRO optimizer paths checked here (no pipeline)."""
+    p, zero = cfg.precision, cfg.parallel.zero_stage
+    if p.dtype == "fp32" or p.grad_accum_dtype == "model" or zero == 0:
+        return None
+    if p.grad_accum_dtype == "auto" and ((p.dtype == "bf16" and zero == 1) or cfg.parallel.pp > 1):
+        return None
+    return "fp32"
+
+
 def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
     p = cfg.precision
     out = {
@@ -54,6 +68,9 @@ def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
                  "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis,
                  "min_loss_scale": p.min_loss_scale},
     }
+    accum = grad_accum_dtype(cfg)
+    if accum is not None:
+        out["data_types"] = {"grad_accum_dtype": accum}
     return out
 
 

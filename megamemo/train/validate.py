@@ -77,7 +77,8 @@ class PipelineEvaluator(Evaluator):
     first: memory rows make the rows' length vary); the last stage scores the tokens. Each stage keeps the
     validation memory of its layers in a bank of its own, with the validation lengths, and gives the training
     bank and lengths back afterwards. Only the last stage's first TP rank counts, so the all-reduced sums hold
-    every data-parallel replica's tokens once."""
+    every data-parallel replica's tokens once. Every tensor handed to p2p is made on the engine's device (NCCL
+    takes no CPU tensor): the header, the receive buffers, and the stage's (rows, meta) output."""
 
     def __init__(self, cfg, make_reader, engine_fn, stage, device, world_size: int, metrics):
         super().__init__(cfg, make_reader, lambda: engine_fn().module, device, world_size, metrics)
@@ -88,7 +89,7 @@ class PipelineEvaluator(Evaluator):
     def score(self) -> torch.Tensor:
         from deepspeed.runtime.pipe import p2p
 
-        from megamemo.parallel.pipeline import MemoryBank, token_nll
+        from megamemo.parallel.pipeline import MemoryBank, stage_input, token_nll
 
         ds, ctx = self.engine_fn(), self.stage
         module = self.module_fn()
@@ -103,7 +104,7 @@ class PipelineEvaluator(Evaluator):
         try:
             for inp, tgt in self.segments():
                 if ds.is_first_stage():
-                    x = (inp, torch.zeros(3, dtype=torch.long, device=self.device))    # micro-batch 0
+                    x = stage_input(inp, 0)                                         # micro-batch 0
                 else:
                     shape = torch.empty(3, dtype=torch.long, device=self.device)
                     p2p.recv(shape, ds.prev_stage)

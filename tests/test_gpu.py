@@ -1,0 +1,240 @@
+"""On one CUDA GPU (`pytest -m gpu tests/test_gpu.py`; deselected where torch sees no CUDA device, see conftest):
+  * the golden reference cases in fp32 with TF32 off, within 1e-5, forward, memory and gradients;
+  * training through DeepSpeed's real engines in bf16 and fp16 (loss scaling; an fp16 overflow skips its step and
+    leaves memory and data cursor alone), kill -9 -> resume bit for bit (train.deterministic), convert -> eval;
+  * the tensor-parallel modules (megatron-core layers, CUDA RNG tracker) and the pipeline engine at world size 1;
+  * `megamemo plan` beside the measured peak memory of the same run.
+Every run goes through `megamemo train` / `convert` / `eval` as on a cluster, with DS_ACCELERATOR=cuda."""
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fixture_data import REPO, reference_file
+from megamemo.interop.reference import import_reference
+from megamemo.interop.score import load_reference_file
+from test_model_reference import FILES, check_grads, close, ref_memory_tensors
+from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, fp16_overflow_run, launch, logs,  # noqa: F401
+                             losses, run, shards, tiny_cfg, wait)
+
+pytestmark = pytest.mark.gpu
+GPU = {"DS_ACCELERATOR": "cuda", "MEGAMEMO_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": os.environ.get(
+    "CUDA_VISIBLE_DEVICES", "0")}
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """fp32 products in fp32 (no TF32) for comparisons with the CPU references."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ---- the reference implementations' outputs, on CUDA ----------------------------------------------------------
+@pytest.mark.parametrize("name", FILES)
+def test_golden_reference_on_cuda(name):
+    g = load_reference_file(str(reference_file(name)))
+    cuda = [x.cuda() for x in g["inputs"]], [y.cuda() for y in g["targets"]]
+    model = import_reference(g["config"], g["state_dict"]).cuda().eval()
+    mem = None
+    with torch.no_grad():
+        for k, (x, y) in enumerate(zip(*cuda)):
+            nll, mem = model(x, y, mem)
+            assert nll.is_cuda
+            close(nll.cpu(), g["nll"][k], f"segment {k} NLL on CUDA")
+            for n, t in ref_memory_tensors(g, g["mems"][k]).items():
+                close(mem[n].cpu(), t, f"segment {k} memory {n} on CUDA")
+    t = g["train"]
+    model = import_reference(g["config"], g["state_dict"]).cuda().train()
+    _, mem = model(cuda[0][0], cuda[1][0])
+    nll, _ = model(cuda[0][1], cuda[1][1], mem)
+    close(nll.detach().cpu(), t["train_nll_seg1"], "train-mode segment 1 NLL with memory on CUDA")
+    nll.mean().backward()
+    check_grads(model.cpu(), g, t["grads_seg1_with_mem"], "segment 1 with memory on CUDA")   # .cpu() moves grads
+
+
+# ---- DeepSpeed engines on one GPU -----------------------------------------------------------------------------
+def test_bf16_run_converts_and_evaluates_on_cuda(tiny_cfg, shards, tmp_path):
+    run_dir = tmp_path / "bf16"
+    run(1, tiny_cfg, shards, run_dir, "--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=2",
+        "--set", "eval.every=8", "--set", "eval.batch_size=4", "--set", "eval.max_segments=10",
+        env_extra=GPU, timeout=300)
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, 9)) and got[8] < got[1], got
+    val = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+           if json.loads(line)["kind"] == "eval"][-1]
+    env = dict(os.environ, **GPU)
+    single = tmp_path / "single"
+    r = subprocess.run([sys.executable, "-m", "megamemo", "convert", "to-single", "--ckpt", str(run_dir), "--out",
+                        str(single)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check = json.loads((single / "config.json").read_text())["meta"]["check"]   # the probe, recorded on the GPU
+    assert check["precision"] == "bf16" and check["max_abs_diff"] <= 0.1, check
+    out = tmp_path / "eval.json"
+    r = subprocess.run([sys.executable, "-m", "megamemo", "eval", "--ckpt", str(single), "--data", str(shards),
+                        "--split", "valid", "--batch-size", "4", "--max-segments", "10", "--tgt-len",
+                        str(val["tgt_len"]), "--mem-len", str(val["mem_len"]), "--device", "cuda", "--dtype",
+                        "bf16", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = json.loads(out.read_text())
+    assert ev["tokens"] == val["tokens"] and ev["nll"] == pytest.approx(val["loss"], rel=1e-3), (ev, val)
+
+
+def test_fp16_overflow_on_cuda_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_path):
+    rows = fp16_overflow_run(tiny_cfg, shards, tmp_path / "fp16", **GPU)       # asserts the skip itself
+    assert all(r["device"].startswith("cuda") for r in rows), rows
+    assert rows[0]["scale"] == 2.0 ** 10                                       # dynamic loss scaling is on
+
+
+def test_kill9_then_resume_on_cuda_is_bit_exact(tiny_cfg, shards, tmp_path):
+    args = ["--set", "precision.dtype=bf16", "--set", "train.deterministic=true", "--max-steps", "20",
+            "--save-every", "2"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "crash"
+    run(1, tiny_cfg, shards, ref_dir, *args, env_extra=GPU, timeout=300)
+    procs = launch(1, tiny_cfg, shards, run_dir, *args, env_extra=GPU)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and any(json.loads(line).get("step", 0) >= 7
+                                        for line in metrics.read_text().splitlines() if line.endswith("}"))):
+        assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
+        time.sleep(0.02)
+    procs[0].send_signal(signal.SIGKILL)
+    assert wait(procs, 60) == [-signal.SIGKILL]
+    assert_no_corrupt_checkpoint(run_dir)
+    resume_step = committed_steps(run_dir)[-1]
+    assert 2 <= resume_step < 20
+    run(1, tiny_cfg, shards, run_dir, *args, env_extra=GPU, timeout=300)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{resume_step:08d}'}" in logs(run_dir)
+    assert losses(run_dir) == losses(ref_dir)                                  # bit for bit
+
+
+# ---- the tensor- and pipeline-parallel code at world size 1 ---------------------------------------------------
+TP_PP_SCRIPT = r"""
+import copy, importlib, json, sys
+import torch
+import deepspeed
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+from megamemo.train import dist as mdist
+mdist.init()                                               # NCCL, world 1, cuda:0
+from megamemo.model import MemTransformerLM, ModelConfig
+from megamemo.parallel.groups import TP_RNG, grad_norm, init_model_parallel, rng_tracker, seed_rng_streams
+from megamemo.parallel.init import init_shard
+from megamemo.parallel.pipeline import build_pipeline, load_single_state
+from megamemo.parallel.tensor import parallelize_tensor
+init_model_parallel(1, 1)
+seed_rng_streams(5, 0, 0, 0, cuda=True)
+cfg = ModelConfig(variant=sys.argv[1], n_token=40, n_layer=4, d_model=16, n_head=2, d_head=8, d_inner=32,
+                  dropout=0.0, tgt_len=6, mem_len=12, init_std=0.1)
+torch.manual_seed(0)
+single = MemTransformerLM(cfg)
+data = torch.randint(0, 40, (4 * 6 + 1, 4), generator=torch.Generator().manual_seed(3)).cuda()
+out = {}
+
+def sgd(model, steps=4):
+    opt, mem, got = torch.optim.SGD(model.parameters(), lr=0.3), None, []
+    for s in range(steps):
+        nll, mem = model(data[s * 6:(s + 1) * 6], data[s * 6 + 1:(s + 1) * 6 + 1], mem)
+        nll.mean().backward()
+        got.append(nll.mean().item())
+        if s == steps - 1:
+            out.setdefault("norms", []).append(grad_norm(model.parameters()))
+        opt.step(); opt.zero_grad(set_to_none=False)
+    return got
+
+out["single"] = sgd(copy.deepcopy(single).cuda())
+tp_model = parallelize_tensor(copy.deepcopy(single), always=True).cuda()
+out["megatron_layers"] = sorted({c.__name__ for m in tp_model.modules() for c in type(m).__mro__
+                                 if c.__module__.startswith("megatron.")})
+out["tp"] = sgd(tp_model)
+drop = importlib.import_module("megamemo.parallel.tensor").ForkedDropout(0.5).train()
+before = rng_tracker().get_states()[TP_RNG].clone()
+drop(torch.ones(64, device="cuda"))
+out["tp_stream_advanced"] = not torch.equal(before, rng_tracker().get_states()[TP_RNG])
+shard = parallelize_tensor(copy.deepcopy(single), always=True)       # megatron layers hold process groups:
+init_shard(shard, cfg, seed=9)                                      # build them anew, no deepcopy
+on_gpu = parallelize_tensor(copy.deepcopy(single), always=True).cuda()
+init_shard(on_gpu, cfg, seed=9)
+out["init_same_on_cuda"] = all(torch.equal(a, b.cpu()) for a, b in zip(shard.parameters(), on_gpu.parameters()))
+
+module, ctx = build_pipeline(cfg, pp=1)
+load_single_state(cfg, module, single.state_dict())
+engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.3), config={
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+    "zero_optimization": {"stage": 0}, "steps_per_print": 10**9})
+pp = []
+for s in range(4):
+    x, y = data[s * 6:(s + 1) * 6], data[s * 6 + 1:(s + 1) * 6 + 1]
+    batches = [((x[:, k * 2:(k + 1) * 2], torch.tensor([k, 0, 0])), y[:, k * 2:(k + 1) * 2]) for k in range(2)]
+    pp.append(float(engine.train_batch(iter(batches))))
+    ctx.bank.commit()
+out["pp"] = pp
+out["bank_device"] = sorted({t.device.type for d in ctx.bank.current.values() for t in d.values()})
+print("OUT" + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("variant", ["lamemo", "xl"])
+def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
+    script = tmp_path / "tp_pp.py"
+    script.write_text(TP_PP_SCRIPT)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29731",
+               **GPU)
+    r = subprocess.run([sys.executable, str(script), variant], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout.split("OUT", 1)[1])
+    assert out["megatron_layers"] == ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"], out
+    assert max(abs(a - b) for a, b in zip(out["tp"], out["single"])) < 1e-5, out
+    assert abs(out["norms"][0] - out["norms"][1]) < 1e-5 * out["norms"][0], out
+    assert out["tp_stream_advanced"] and out["init_same_on_cuda"], out
+    # the pipeline averages its 2 micro-batches (2 streams each); the single model saw all 4 streams at once
+    assert max(abs(a - b) for a, b in zip(out["pp"], out["single"])) < 1e-5, out
+    assert out["bank_device"] == ["cuda"], out
+
+
+# ---- plan vs measured ---------------------------------------------------------------------------------------------
+MEASURE_SCRIPT = r"""
+import sys, torch
+from megamemo.config import load
+from megamemo.train.cli import build
+cfg = load(sys.argv[1], sys.argv[2:])
+trainer, _ = build(cfg)
+torch.cuda.reset_peak_memory_stats()
+for _ in range(3):
+    trainer.train_step()
+torch.cuda.synchronize()
+print(f"PEAK {torch.cuda.max_memory_allocated()}")
+"""
+
+
+def test_plan_beside_the_measured_peak_memory(shards, tmp_path):
+    sets = ["model.n_layer=4", "model.d_model=512", "model.n_head=8", "model.d_head=64", "model.d_inner=2048",
+            "model.tgt_len=256", "model.mem_len=256", "data.batch_size=16", "precision.dtype=bf16",
+            "parallel.zero_stage=1", "eval.every=0", "checkpoint.save_every=0", "checkpoint.save_at_end=false",
+            "log.tensorboard=false", f"data.dir={shards}", f"train.run_dir={tmp_path / 'run'}"]
+    config = REPO / "configs/tiny-cpu.yaml"
+    plan_cmd = [sys.executable, "-m", "megamemo", "plan", "--config", str(config), "--nodes", "1",
+                "--gpus-per-node", "1", "--gpu", "a100-80g"] + [a for s in sets[:10] for a in ("--set", s)]
+    p = subprocess.run(plan_cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    planned = float(re.search(r"total\s+([0-9.]+) GiB", p.stdout).group(1))
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURE_SCRIPT)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29732",
+               **GPU)
+    r = subprocess.run([sys.executable, str(script), str(config), *sets], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    measured = int(r.stdout.split("PEAK", 1)[1]) / 1024 ** 3
+    print(f"\n{p.stdout}measured peak (torch.cuda.max_memory_allocated): {measured:.3f} GiB; plan {planned:.3f} GiB")
+    assert 1 / 3 <= measured / planned <= 3, (measured, planned)

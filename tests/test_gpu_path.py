@@ -1,0 +1,318 @@
+"""The GPU path's logic, checked on the CPU: the device decision (a GPU job without a usable GPU stops with one
+line), the GPU index from what a task sees, dropout streams unique over the TP x DP x PP grid, tensors that cross
+ranks made on the communication device, meta read once per stage, the TP grad norm on the gradients' device,
+TP layers built on the CPU even where torch sees CUDA, and DeepSpeed's fp32 gradient accumulation.
+
+"The communication device" cannot be told from the CPU on a CPU-only machine, so those tests run with torch's
+default device set to `meta`: a tensor made without naming its device lands on `meta` (and breaks the run or shows
+up in the recorded p2p traffic), exactly as it would land on the CPU beside a CUDA run."""
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from fixture_data import REPO
+from megamemo.config import ConfigError, load
+from megamemo.model import MemTransformerLM, ModelConfig
+from megamemo.train import device
+from megamemo.train.dist import discover, slurm_tasks_on_node
+
+TINY = ["model.variant=lamemo", "model.n_token=40", "model.n_layer=4", "model.d_model=16", "model.n_head=2",
+        "model.d_head=8", "model.d_inner=32", "model.dropout=0.0", "model.tgt_len=6", "model.mem_len=6",
+        "model.init_std=0.1"]
+
+
+# ---- which device --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("env, want", [
+    ({}, "auto"), ({"MEGAMEMO_DEVICE": "gpu"}, "gpu"), ({"MEGAMEMO_DEVICE": "cuda"}, "gpu"),
+    ({"MEGAMEMO_DEVICE": "cpu"}, "cpu"), ({"DS_ACCELERATOR": "cpu"}, "cpu"), ({"DS_ACCELERATOR": "cuda"}, "gpu"),
+    ({"MEGAMEMO_DEVICE": "gpu", "DS_ACCELERATOR": "cuda"}, "gpu"),
+])
+def test_requested_device_from_the_environment(env, want):
+    assert device.requested(env) == want
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"MEGAMEMO_DEVICE": "gpu", "DS_ACCELERATOR": "cpu"}, "MEGAMEMO_DEVICE=gpu contradicts DS_ACCELERATOR=cpu"),
+    ({"MEGAMEMO_DEVICE": "tpu"}, "MEGAMEMO_DEVICE must be auto, gpu or cpu"),
+    ({"DS_ACCELERATOR": "xpu"}, "DS_ACCELERATOR=xpu"),
+])
+def test_contradictory_or_unknown_device_wishes_are_named(env, match):
+    with pytest.raises(device.DeviceError, match=match):
+        device.requested(env)
+
+
+def test_device_choice():
+    why = "torch 2.x sees no CUDA device (driver too old)"
+    assert device.choose("auto", 2, 2, "") == "cuda"
+    assert device.choose("auto", 0, 0, why) == "cpu"           # a CPU machine
+    assert device.choose("cpu", 8, 8, "") == "cpu"             # asked for
+    with pytest.raises(device.DeviceError, match=r"this node has 8 NVIDIA GPU\(s\) but torch 2.x sees no CUDA"):
+        device.choose("auto", 0, 8, why)                        # a GPU node whose GPUs torch cannot use
+    with pytest.raises(device.DeviceError, match="a GPU was asked for .* MEGAMEMO_DEVICE=cpu"):
+        device.choose("gpu", 0, 0, why)
+
+
+def test_resolve_stops_on_a_gpu_node_that_torch_cannot_use(monkeypatch):
+    monkeypatch.setattr(device, "node_gpus", lambda: 4)        # /proc/driver/nvidia/gpus lists 4 GPUs
+    env = {}
+    with pytest.raises(device.DeviceError, match="4 NVIDIA GPU.*CPU-only build"):
+        device.resolve(env)
+    assert "DS_ACCELERATOR" not in env
+    env = {"MEGAMEMO_DEVICE": "cpu"}
+    assert device.resolve(env) == "cpu" and env["DS_ACCELERATOR"] == "cpu"
+
+
+@pytest.mark.parametrize("env", [{"MEGAMEMO_DEVICE": "gpu"}, {"DS_ACCELERATOR": "cuda"}])
+def test_train_with_a_gpu_asked_for_and_no_cuda_fails_in_one_line(env, tmp_path):
+    """The real command on this CPU-only torch: exit 2, one line saying why, before any process group."""
+    run_env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "MEGAMEMO_DEVICE")}
+    run_env.update(env, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "megamemo", "train", "--config", str(REPO / "configs/tiny-cpu.yaml"),
+                        "--data", str(tmp_path), "--set", "data.dir=" + str(tmp_path)], env=run_env,
+                       capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("megamemo train: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert "a GPU was asked for" in lines[0] and "CPU-only build" in lines[0]
+
+
+def test_cuda_device_index_from_what_the_task_sees():
+    assert device.pick_cuda_device(5, 8, 1) == 0               # --gpus-per-task=1: its own GPU is cuda:0
+    assert device.pick_cuda_device(5, 8, 8) == 5               # every task sees the node's 8 GPUs
+    assert device.pick_cuda_device(3, None, 8) == 3
+    assert device.pick_cuda_device(1, 2, 8) == 1               # 2 tasks on an 8-GPU node
+    with pytest.raises(device.DeviceError, match="8 tasks on this node but this task sees 4 CUDA devices"):
+        device.pick_cuda_device(0, 8, 4)
+    with pytest.raises(device.DeviceError, match="local rank 3 but this task sees 2"):
+        device.pick_cuda_device(3, None, 2)
+
+
+def test_tasks_per_node_from_the_launchers():
+    assert slurm_tasks_on_node({"SLURM_STEP_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}) == 4
+    assert slurm_tasks_on_node({"SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "1"}) == 8
+    assert slurm_tasks_on_node({}) is None
+    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "a[1-2]", "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1"}
+    assert discover(env).local_world == 8
+    assert discover({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}).local_world == 2
+
+
+def test_deterministic_switch_sets_torch_and_the_environment():
+    code = ("import os, torch\nfrom megamemo.train import device\nadded = device.make_deterministic()\n"
+            "print(sorted(added), torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,"
+            " torch.backends.cudnn.benchmark, os.environ['NCCL_ALGO'], os.environ['CUBLAS_WORKSPACE_CONFIG'])")
+    env = {k: v for k, v in os.environ.items() if k not in device.DETERMINISTIC_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, NCCL_ALGO="Tree"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["['CUBLAS_WORKSPACE_CONFIG',", "'NCCL_NVLS_ENABLE']", "True", "True", "False",
+                                  "Tree", ":4096:8"], out.stderr     # a user's own NCCL_ALGO is kept
+
+
+# ---- dropout streams -----------------------------------------------------------------------------------------
+def test_dropout_seeds_are_unique_over_the_tp_dp_pp_grid():
+    from megamemo.parallel.groups import dropout_seeds
+
+    grid = list(itertools.product(range(8), range(4), range(4), (0, 1, 5000)))       # dp, tp, pp, salt
+    seeds = {(d, t, p, s): dropout_seeds(1111, d, t, p, s) for d, t, p, s in grid}
+    tp_seeds = [v[1] for v in seeds.values()]
+    assert len(set(tp_seeds)) == len(tp_seeds)                          # one TP stream per rank and salt
+    default = {(d, p, s): {seeds[d, t, p, s][0] for t in range(4)} for d, t, p, s in grid}
+    assert all(len(v) == 1 for v in default.values())                   # the TP ranks of a group share it
+    default_seeds = [next(iter(v)) for v in default.values()]
+    assert len(set(default_seeds)) == len(default_seeds)                # one per (dp, pp) group and salt
+    assert not set(default_seeds) & set(tp_seeds)                       # no TP stream is anyone's default one
+    assert dropout_seeds(1111, 0, 0, 0) == (1112, 1113)
+
+
+# ---- two gloo ranks, tensor parallel --------------------------------------------------------------------------
+def _tp_worker(rank, world):
+    from megamemo.parallel import groups
+    from megamemo.parallel.groups import TP_RNG, dropout_seeds, grad_norm, init_model_parallel, seed_rng_streams
+    from megamemo.parallel.init import init_shard
+    from megamemo.parallel.pipeline import LayerPipe, StageContext
+    from megamemo.parallel.tensor import parallelize_tensor
+
+    init_model_parallel(tp=world)
+    cfg = load(None, TINY).model
+
+    # the trainer's seeding: default stream from (dp, pp), TP stream from (dp, pp, tp)
+    default, tp_seed = seed_rng_streams(7, 0, rank, 0, cuda=False)
+    assert (default, tp_seed) == dropout_seeds(7, 0, rank, 0)
+    assert torch.equal(torch.get_rng_state(), torch.Generator().manual_seed(default).get_state())
+    assert torch.equal(groups.rng_tracker().get_states()[TP_RNG], torch.Generator().manual_seed(tp_seed).get_state())
+    both = [None] * world
+    dist.all_gather_object(both, (default, tp_seed))
+    assert both[0][0] == both[1][0] and both[0][1] != both[1][1]
+
+    # megatron's layers are made on the CPU even where torch sees CUDA, so a shard can be initialised directly
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        layer = LayerPipe(cfg, StageContext(cfg, world, rank), 0)
+    finally:
+        torch.cuda.is_available = real
+    init_shard(layer, cfg, seed=3, single_name=lambda n: n.replace("layer.", "layers.0.", 1))
+    assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in layer.parameters())
+
+    # grad norm: squares summed where the gradients are, the TP all-reduce there too
+    torch.manual_seed(0)
+    model = parallelize_tensor(MemTransformerLM(cfg))
+    x = torch.randint(0, 40, (7, 2), generator=torch.Generator().manual_seed(1))
+    model(x[:-1], x[1:])[0].mean().backward()
+    grads = [(p.grad.double().pow(2).sum(), getattr(p, "tensor_model_parallel", False)) for p in model.parameters()
+             if p.grad is not None]
+    split, repl = sum(sq for sq, s in grads if s), sum(sq for sq, s in grads if not s)
+    parts = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(parts, split.reshape(()))
+    want = float((sum(parts) + repl).sqrt())
+    reduced = []
+    real_all_reduce = groups.dist.all_reduce
+    groups.dist.all_reduce = lambda t, **kw: (reduced.append(t.device), real_all_reduce(t, **kw))[1]
+    torch.set_default_device("meta")
+    try:
+        got = grad_norm(model.parameters())
+    finally:
+        torch.set_default_device(None)
+        groups.dist.all_reduce = real_all_reduce
+    assert reduced == [torch.device("cpu")] and abs(got - want) <= 1e-9 * want, (reduced, got, want)
+
+
+def test_tensor_parallel_streams_layers_and_grad_norm():
+    run_distributed(_tp_worker, 2)
+
+
+# ---- two gloo ranks, pipeline ---------------------------------------------------------------------------------
+def _pp_worker(rank, world):
+    import deepspeed
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    from deepspeed.runtime.pipe import p2p
+
+    from megamemo.parallel.pipeline import build_pipeline, load_single_state
+    from megamemo.train.validate import Evaluator, PipelineEvaluator
+
+    cfg = load(None, TINY + ["eval.every=1", "eval.batch_size=2", "eval.tgt_len=4", "eval.mem_len=8"])
+    torch.manual_seed(0)
+    single = MemTransformerLM(cfg.model).eval()
+    module, ctx = build_pipeline(cfg.model, pp=world)
+    load_single_state(cfg.model, module, single.state_dict())
+    data = torch.randint(0, 40, (4 * 4 + 1, 2), generator=torch.Generator().manual_seed(2))
+    segments = [(data[i * 4:(i + 1) * 4], data[i * 4 + 1:(i + 1) * 4 + 1]) for i in range(4)]
+    traffic = []
+
+    def send(t, stage):
+        traffic.append(t.device)
+        dist.send(t, stage)
+
+    def recv(t, stage):
+        traffic.append(t.device)
+        dist.recv(t, stage)
+
+    ds = SimpleNamespace(module=module, is_first_stage=lambda: rank == 0, is_last_stage=lambda: rank == world - 1,
+                         prev_stage=rank - 1, next_stage=rank + 1)
+    cpu = torch.device("cpu")
+    ev = PipelineEvaluator(cfg, lambda: iter(segments), lambda: ds, ctx, cpu, world, None)
+    real = p2p.send, p2p.recv
+    p2p.send, p2p.recv = send, recv
+    torch.set_default_device("meta")
+    try:
+        total = ev.score()
+    finally:
+        torch.set_default_device(None)
+        p2p.send, p2p.recv = real
+    assert traffic and set(traffic) == {cpu}, traffic        # header, rows and meta: all on the engine's device
+    if rank == world - 1:
+        want = Evaluator(cfg, lambda: iter(segments), lambda: single, cpu, 1, None).score()
+        assert torch.allclose(total, want, rtol=1e-6), (total, want)
+
+
+def test_pipeline_evaluator_sends_only_tensors_on_the_communication_device():
+    run_distributed(_pp_worker, 2)
+
+
+class CountingMeta(torch.Tensor):
+    """A meta tensor that counts the reads of its values to the host (.tolist / .item / int(...))."""
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__index__", "__float__", "__bool__"):
+            CountingMeta.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_stage_reads_meta_once_and_makes_it_on_the_tokens_device():
+    from megamemo.parallel.pipeline import EmbedPipe, LayerPipe, RelBiasPipe, StageContext, stage_meta
+
+    cfg = ModelConfig(variant="lamemo", n_token=40, n_layer=3, d_model=16, n_head=2, d_head=8, d_inner=32,
+                      dropout=0.0, tgt_len=4, mem_len=4)
+    ctx = StageContext(cfg)
+    stage = [EmbedPipe(cfg, ctx)] + [m for l in range(3) for m in (RelBiasPipe(cfg, ctx), LayerPipe(cfg, ctx, l))]
+    for p in (p for m in stage for p in m.parameters()):
+        torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(p.numel()))
+    tokens = torch.randint(0, 40, (4, 2), generator=torch.Generator().manual_seed(0))
+    for mb, first in ((0, True), (1, False)):                  # a first stage, then a middle one
+        x = (tokens, stage_meta(mb, 0, 0, "cpu")) if first else None
+        if not first:
+            rows = torch.randn(4, 2, 16)
+            x = (rows, stage_meta(mb, 0, 4, "cpu"))
+        x = (x[0], x[1].as_subclass(CountingMeta))
+        CountingMeta.reads = 0
+        torch.set_default_device("meta")
+        try:
+            for m in (stage if first else stage[1:]):
+                x = m(x)
+        finally:
+            torch.set_default_device(None)
+        assert CountingMeta.reads == 1, CountingMeta.reads     # per stage and micro-batch, not per layer
+        assert x[1].device.type == "cpu" and x[1].tolist() == [mb, 0, 4]
+
+
+# ---- DeepSpeed's gradient accumulation ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, zero, pp, setting, want", [
+    ("bf16", 2, 1, "auto", "fp32"), ("fp16", 2, 1, "auto", "fp32"), ("fp16", 1, 1, "auto", "fp32"),
+    ("bf16", 1, 1, "auto", None), ("bf16", 1, 1, "fp32", "fp32"), ("bf16", 0, 1, "auto", None),
+    ("fp16", 1, 2, "auto", None), ("bf16", 2, 1, "model", None), ("fp32", 2, 1, "auto", None),
+])
+def test_ds_config_accumulates_half_precision_gradients_in_fp32_where_deepspeed_can(dtype, zero, pp, setting, want):
+    from megamemo.train.engine import ds_config
+
+    cfg = load(REPO / "configs/tiny-cpu.yaml", [f"precision.dtype={dtype}", f"parallel.zero_stage={zero}",
+                                                f"parallel.pp={pp}", f"precision.grad_accum_dtype={setting}"])
+    assert ds_config(cfg, 4, 1).get("data_types", {}).get("grad_accum_dtype") == want
+
+
+def test_fp32_accumulation_without_zero_is_a_config_error():
+    with pytest.raises(ConfigError, match="precision.grad_accum_dtype: fp32 accumulation .* needs ZeRO 1 or 2"):
+        load(REPO / "configs/tiny-cpu.yaml", ["precision.dtype=bf16", "parallel.zero_stage=0",
+                                              "precision.grad_accum_dtype=fp32"])
+
+
+def _engine_worker(rank, world):
+    import deepspeed
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megamemo.train.engine import Engine
+
+    for sets, cls, accum in ((["parallel.zero_stage=2"], "DeepSpeedZeroOptimizer", torch.float32),
+                             (["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer", torch.bfloat16),
+                             (["parallel.zero_stage=1", "precision.grad_accum_dtype=fp32"], "BF16_Optimizer", None)):
+        cfg = load(REPO / "configs/tiny-cpu.yaml", ["precision.dtype=bf16", *sets])
+        eng = Engine(cfg, MemTransformerLM(cfg.model), 4, 1)
+        opt = eng.ds.optimizer
+        assert type(opt).__name__ == cls, (sets, type(opt).__name__)
+        got = getattr(opt, "gradient_accumulation_dtype", None) or getattr(opt, "grad_acc_dtype", None)
+        assert got == (accum or torch.float32), (sets, got)
+
+
+def test_deepspeed_builds_the_optimizer_that_accumulates_as_configured():
+    run_distributed(_engine_worker, 1)

@@ -1,0 +1,168 @@
+"""The launchers' device decision on a machine without GPUs: fake `nvidia-smi`, `scontrol`, `srun` and container
+runtimes on PATH stand for a GPU node, and record what the training step would have been started with.
+
+  * scripts/env.sh picks DeepSpeed's CPU accelerator only where nvidia-smi lists no GPU;
+  * launch/slurm/train.sbatch decides on the job's node and resets an inherited DS_ACCELERATOR=cpu (from env.sh on
+    a login node) for a GPU job; it passes --cpus-per-task to srun (SRUN_CPUS_PER_TASK), and the GPU settings;
+  * launch/slurm/task.sh asks the container runtime for the GPUs (--nv / --gpus all) exactly for a GPU job."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fake(bin_dir: Path, name: str, body: str) -> None:
+    p = bin_dir / name
+    p.write_text("#!/bin/bash\n" + body + "\n")
+    p.chmod(0o755)
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    """A bin directory with nvidia-smi listing $FAKE_GPUS GPUs, scontrol, and srun/apptainer/docker that record
+    their environment and arguments into $FAKE_OUT."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake(bin_dir, "nvidia-smi", 'for ((i = 0; i < ${FAKE_GPUS:-0}; i++)); do '
+                                 'echo "GPU $i: Tesla V100-SXM2-32GB (UUID: GPU-$i)"; done')
+    _fake(bin_dir, "scontrol", 'case "$1 $2" in "show hostnames") echo node1 ;; '
+                               '"show node") echo "NodeName=node1 NodeAddr=127.0.0.1" ;; esac')
+    for name in ("srun", "apptainer", "docker"):
+        _fake(bin_dir, name, f'env > "$FAKE_OUT/{name}.env"; printf "%s\\n" "$@" > "$FAKE_OUT/{name}.args"')
+    out = tmp_path / "out"
+    out.mkdir()
+    return bin_dir, out
+
+
+def _env(bin_dir: Path, out: Path, **extra) -> dict:
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out)}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _recorded_env(path: Path) -> dict:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+@pytest.mark.parametrize("gpus, preset, want", [(0, None, "cpu"), (8, None, "unset"), (0, "cuda", "cuda")])
+def test_env_sh_picks_the_cpu_accelerator_only_without_gpus(fakes, gpus, preset, want):
+    bin_dir, out = fakes
+    extra = {"FAKE_GPUS": gpus} | ({"DS_ACCELERATOR": preset} if preset else {})
+    r = subprocess.run(["bash", "-c", f'source "{REPO}/scripts/env.sh"; echo "${{DS_ACCELERATOR-unset}}"'],
+                       env=_env(bin_dir, out, **extra), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
+
+
+def _sbatch(bin_dir: Path, out: Path, gpus: int, **extra) -> subprocess.CompletedProcess:
+    """train.sbatch as Slurm would start it on an 8-task node; the fake srun records the step's environment."""
+    env = _env(bin_dir, out, FAKE_GPUS=gpus, SLURM_JOB_ID=4242, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out,
+               SLURM_JOB_NODELIST="node1", SLURM_NTASKS=8, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=8,
+               MEGAMEMO_ROOT=REPO, MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", **extra)
+    return subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), "--config", "x.yaml"], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_sbatch_resets_an_inherited_cpu_accelerator_for_a_gpu_job(fakes):
+    bin_dir, out = fakes
+    r = _sbatch(bin_dir, out, 8, DS_ACCELERATOR="cpu", SLURM_CPUS_PER_TASK=6)     # env.sh on a login node
+    assert r.returncode == 0, r.stdout + r.stderr
+    step = _recorded_env(out / "srun.env")
+    assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
+    assert step["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and step["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert step["SRUN_CPUS_PER_TASK"] == "6" and "CUDA_VISIBLE_DEVICES" not in step
+    assert "launch/slurm/task.sh" in (out / "srun.args").read_text()
+
+
+def test_sbatch_on_a_cpu_node_or_asked_for_cpu(fakes):
+    bin_dir, out = fakes
+    for gpus, extra in ((0, {}), (8, {"MEGAMEMO_DEVICE": "cpu"})):
+        r = _sbatch(bin_dir, out, gpus, **extra)
+        assert r.returncode == 0, r.stdout + r.stderr
+        step = _recorded_env(out / "srun.env")
+        assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"], step["CUDA_VISIBLE_DEVICES"]) == ("cpu", "cpu", "")
+        assert "SRUN_CPUS_PER_TASK" not in step and "CUDA_DEVICE_MAX_CONNECTIONS" not in step
+    r = _sbatch(bin_dir, out, 8, MEGAMEMO_DEVICE="tpu")
+    assert r.returncode == 1 and "MEGAMEMO_DEVICE must be auto, gpu or cpu" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("runtime, flag", [("apptainer", ["--nv"]), ("docker", ["--gpus", "all"])])
+@pytest.mark.parametrize("device", ["gpu", "cpu"])
+def test_task_sh_gives_the_container_the_gpus_of_a_gpu_job(fakes, runtime, flag, device):
+    bin_dir, out = fakes
+    env = _env(bin_dir, out, MEGAMEMO_CONTAINER="megamemo.sif", MEGAMEMO_CONTAINER_RUNTIME=runtime,
+               MEGAMEMO_DEVICE=device, MEGAMEMO_ROOT=REPO, SLURM_SUBMIT_DIR=out, SLURM_PROCID=0,
+               DS_ACCELERATOR="cuda" if device == "gpu" else "cpu", CUDA_DEVICE_MAX_CONNECTIONS=1)
+    r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=out)
+    assert r.returncode == 0, r.stderr
+    args = (out / f"{runtime}.args").read_text().splitlines()
+    has = any(args[i:i + len(flag)] == flag for i in range(len(args)))
+    assert has == (device == "gpu"), args
+    if runtime == "docker":
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" in args and "DS_ACCELERATOR" in args
+
+
+# ---- scripts/setup.sh -------------------------------------------------------------------------------------------
+FAKE_PYTHON = r'''#!/bin/bash
+# A venv python that records pip's arguments and plays torch's install: the build depends on the index asked for.
+state="$FAKE_OUT/torch"
+if [ "$1" = -m ] && [ "$2" = pip ]; then
+  echo "$*" >> "$FAKE_OUT/pip.log"
+  case "$*" in
+    *torch==2.13.0*cu126*) echo "2.13.0+cu126 12.6" > "$state" ;;
+    *torch==2.13.0*cu130*) echo "2.13.0+cu130 13.0" > "$state" ;;
+    *torch==2.13.0*) echo "${FAKE_PIP_TORCH:-2.13.0+cpu None}" > "$state" ;;
+    *" -e "*) [ -n "${FAKE_REPLACE_TORCH:-}" ] && echo "$FAKE_REPLACE_TORCH" > "$state" ;;
+  esac
+  exit 0
+fi
+[ "$1" = -c ] && [ -f "$state" ] && { cat "$state"; exit 0; }
+exit 1
+'''
+
+
+def _setup(tmp_path, **extra) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out), "MEGAMEMO_VENV": str(venv),
+           **{k: str(v) for k, v in extra.items()}}
+    r = subprocess.run(["bash", str(REPO / "scripts/setup.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    return r, out
+
+
+@pytest.mark.parametrize("target, index, build", [
+    (None, None, "2.13.0+cpu"), ("v100", "https://download.pytorch.org/whl/cu126", "2.13.0+cu126"),
+    ("a100", "https://download.pytorch.org/whl/cu126", "2.13.0+cu126"),
+    ("cu130", "https://download.pytorch.org/whl/cu130", "2.13.0+cu130")])
+def test_setup_installs_the_targets_torch_first_then_holds_it(tmp_path, target, index, build):
+    r, out = _setup(tmp_path, **({"MEGAMEMO_TARGET": target} if target else {}))
+    assert r.returncode == 0, r.stderr
+    first, second = (out / "pip.log").read_text().splitlines()
+    assert first.split()[4:] == ["torch==2.13.0"] + (["--index-url", index] if index else [])
+    constraints = tmp_path / "venv" / ".megamemo-constraints.txt"
+    assert f"-c {constraints} -e {REPO}[dev]" in second
+    assert constraints.read_text().strip() == f"torch=={build}"
+    again, _ = _setup(tmp_path, **({"MEGAMEMO_TARGET": target} if target else {}))
+    assert "up to date" in again.stdout and len((out / "pip.log").read_text().splitlines()) == 2
+
+
+def test_setup_fails_loudly_when_torch_is_replaced_or_the_wrong_build(tmp_path):
+    r, _ = _setup(tmp_path, FAKE_REPLACE_TORCH="2.14.1 13.0")
+    assert r.returncode == 2 and "changed torch from 2.13.0+cpu (CUDA None) to 2.14.1 (CUDA 13.0)" in r.stderr
+    r, _ = _setup(tmp_path, MEGAMEMO_TARGET="v100", MEGAMEMO_TORCH_INDEX="https://example.invalid/simple",
+                  FAKE_PIP_TORCH="2.13.0 13.0")
+    assert r.returncode == 2 and "wants a CUDA 12.6 build of torch" in r.stderr
+    r, _ = _setup(tmp_path, MEGAMEMO_TORCH_SPEC="torch==2.5.1")
+    assert r.returncode == 2 and "MEGAMEMO_TARGET" in r.stderr
+    r, _ = _setup(tmp_path, MEGAMEMO_TARGET="p100")
+    assert r.returncode == 2 and "MEGAMEMO_TARGET must be" in r.stderr
