@@ -63,15 +63,23 @@ def resolve_committed(path, log=print) -> tuple[Path, dict]:
     p = Path(path)
     if not p.is_dir():
         raise ConvertError(f"{p}: not a directory")
+    skipped: list[str] = []
+
+    def note(msg: str) -> None:             # what newest_complete skipped: said now, and in the error if none is left
+        skipped.append(msg.removeprefix("[checkpoint] skipping "))
+        log(msg)
+
     try:
         if step_of(p) is not None:
             return p, verify(p)
         for cand in (p / "checkpoints", p):
-            found = newest_complete(cand, checksums=True, log=log)
+            found = newest_complete(cand, checksums=True, log=note)
             if found is not None:
                 return found, verify(found, checksums=False)
     except CheckpointError as e:
         raise ConvertError(f"refusing {p}: {e}") from None
+    if skipped:
+        raise ConvertError(f"{p}: no committed checkpoint that verifies (skipped {'; '.join(skipped)})")
     raise ConvertError(f"{p}: no committed checkpoint (looked for step_* directories with a {MARKER} marker in "
                        f"{p / 'checkpoints'} and {p})")
 

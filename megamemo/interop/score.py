@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
         g = load_reference_file(args.file)
         nll = score(g)
     except (ReferenceFormatError, ValueError) as e:
-        print(f"megamemo reference-score: {e}", file=sys.stderr)
+        print(f"megamemo reference-score: error: {e}", file=sys.stderr)
         return 2
     torch.save({"nll": nll}, args.out)
     total = sum(float(t.sum()) for t in nll) / sum(t.numel() for t in nll)
