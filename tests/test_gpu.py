@@ -238,3 +238,16 @@ def test_plan_beside_the_measured_peak_memory(shards, tmp_path):
     measured = int(r.stdout.split("PEAK", 1)[1]) / 1024 ** 3
     print(f"\n{p.stdout}measured peak (torch.cuda.max_memory_allocated): {measured:.3f} GiB; plan {planned:.3f} GiB")
     assert 1 / 3 <= measured / planned <= 3, (measured, planned)
+
+
+@pytest.mark.parametrize("flags", [{}, {"fused": True}, {"capturable": True}])
+def test_resumed_adam_step_on_cuda_lies_where_torch_puts_it(flags):
+    from megamemo.train.resumable import adam_step_tensor
+
+    p = torch.nn.Parameter(torch.ones(3, device="cuda"))
+    opt = torch.optim.Adam([p], lr=0.1, **flags)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    made = opt.state[p]["step"]
+    ours = adam_step_tensor(1, p.device, any(g.get("fused") or g.get("capturable") for g in opt.param_groups))
+    assert (ours.device, ours.dtype) == (made.device, made.dtype)

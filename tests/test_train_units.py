@@ -171,3 +171,19 @@ def test_lr_schedule_matches_torch_cosine_and_warms_up():
     assert [lr_factor(s, 4, 50, "cosine", 0.0) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_factor(50, 4, 50, "cosine", 0.0) == 0.0 and lr_factor(70, 4, 50, "cosine", 0.0) == 0.0
     assert lr_factor(30, 4, 50, "constant", 0.0) == 1.0
+
+
+@pytest.mark.parametrize("flags", [{}, {"foreach": False}, {"fused": True}])   # capturable: CUDA only
+def test_resumed_adam_step_lies_where_torch_puts_it(flags):
+    """A resumed Adam step count has the device and dtype of the one torch's Adam makes itself (fused and capturable
+    groups keep it on the parameter's device: a CPU step there breaks a GPU resume; on this CPU the fused
+    case checks the flag is read and the dtype, tests/test_gpu.py the device)."""
+    from megamemo.train.resumable import adam_step_tensor
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p], lr=0.1, **flags)
+    p.grad = torch.ones(3)
+    opt.step()
+    made = opt.state[p]["step"]
+    ours = adam_step_tensor(1, p.device, any(g.get("fused") or g.get("capturable") for g in opt.param_groups))
+    assert (ours.device, ours.dtype, float(ours)) == (made.device, made.dtype, float(made))

@@ -138,7 +138,7 @@ class EngineState:
         fused = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
 
         def step_tensor(device):
-            return torch.tensor(float(self._adam_step), dtype=torch.float32, device=device if fused else "cpu")
+            return adam_step_tensor(self._adam_step, device, fused)
 
         filled = set()
         with torch.no_grad():
@@ -173,6 +173,12 @@ class EngineState:
                         inner.state[hp] = {"step": step_tensor(hp.device),
                                            **{k: reader.read(f"{k}/{single}", box).reshape(hp.shape).to(hp.dtype)
                                               .to(hp.device).clone() for k in MOMENTS}}
+
+
+def adam_step_tensor(step: int, device, fused: bool) -> torch.Tensor:
+    """Adam's step count where torch's Adam keeps it: on the parameter's device for fused / capturable groups
+    (on a GPU, a CPU step there fails), else a CPU scalar; float32 either way."""
+    return torch.tensor(float(step), dtype=torch.float32, device=device if fused else "cpu")
 
 
 class MemoryState:
