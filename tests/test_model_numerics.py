@@ -5,16 +5,9 @@ import math
 import pytest
 import torch
 
-from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.model import Memory
 from megamemo.model.attention import interpolate
-
-
-def tiny(variant="lamemo", **kw):
-    torch.manual_seed(0)
-    base = dict(variant=variant, n_token=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, dropout=0.0,
-                tgt_len=5, mem_len=10)
-    base.update(kw)
-    return MemTransformerLM(ModelConfig(**base)).eval()
+from test_model_properties import tiny
 
 
 # ---- adaptive input and softmax --------------------------------------------------------------------------------

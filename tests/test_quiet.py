@@ -17,22 +17,14 @@ from megamemo import quiet
 from megamemo.config import load
 from megamemo.model.flops import flops_per_token
 from megamemo.train.dist import free_port
+from test_train_runs import TINY as TRAIN_TINY
 
 REPO = Path(__file__).resolve().parents[1]
 NOISE = re.compile(r"Transformer Engine|Apex|CUDA_DEVICE_MAX_CONNECTIONS|Warning")
 TE_APEX = "Transformer Engine and Apex are not installed"
 
-TINY = """
-model: {variant: lamemo, n_token: 256, n_layer: 2, d_model: 32, n_head: 2, d_head: 16, d_inner: 64,
-        dropout: 0.1, dropatt: 0.0, tgt_len: 16, mem_len: 16}
-data: {batch_size: 4, roll: true}
-optim: {lr: 2.0e-3, clip: 0.25, warmup_steps: 2}
-precision: {dtype: fp32}
-parallel: {zero_stage: 1}
-train: {max_steps: 2}
-checkpoint: {save_every: 100, keep_last: 1}
-log: {every: 1, tensorboard: false}
-"""
+TINY = TRAIN_TINY.replace("max_steps: 8", "max_steps: 2").replace("save_every: 3, keep_last: 10",
+                                                                "save_every: 100, keep_last: 1")
 
 
 @pytest.fixture(scope="module")
