@@ -124,10 +124,19 @@ def test_resume_record_after_trimmed_history(tmp_path):
     path = tmp_path / "metrics.jsonl"
     rows = [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, 8)] + [{"kind": "eval", "step": 6}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "tra')   # a line cut by a crash
+    before = path.read_text()
+    Metrics(tmp_path, enabled=True, every=10, unit="bpc", tensorboard=False, start_step=5).close()
+    assert path.read_text() == before     # a resume that fails before its first step changes nothing
+    step6 = {"step": 6, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1.0, "skipped": 0, "tokens": 8}
     for _ in range(2):                    # resuming twice from the same checkpoint leaves one marker there
-        Metrics(tmp_path, enabled=True, every=10, unit="bpc", tensorboard=False, start_step=5).close()
+        m = Metrics(tmp_path, enabled=True, every=10, unit="bpc", tensorboard=False, start_step=5)
+        m.train_step(dict(step6))
+        m.close()
     recs = [json.loads(ln) for ln in path.read_text().splitlines()]
-    assert [(r["kind"], r["step"]) for r in recs] == [("train", s) for s in range(1, 6)] + [("resume", 5)]
-    assert isinstance(recs[-1]["time"], float)
-    Metrics(tmp_path, enabled=True, every=10, unit="bpc", tensorboard=False, start_step=0).close()
-    assert path.read_text() == ""         # a fresh start: no resume record, no old history
+    assert [(r["kind"], r["step"]) for r in recs] == [("train", s) for s in range(1, 6)] + [("resume", 5),
+                                                                                          ("train", 6)]
+    assert isinstance(recs[-2]["time"], float)
+    m = Metrics(tmp_path, enabled=True, every=10, unit="bpc", tensorboard=False, start_step=0)
+    m.train_step(dict(step6, step=1))
+    m.close()
+    assert [json.loads(ln)["kind"] for ln in path.read_text().splitlines()] == ["train"]   # a fresh start
