@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -252,3 +253,15 @@ def test_bf16_tensor_parallel_checkpoint_checks_within_the_bf16_tolerance(tiny_c
     sd = load_file(str(out / "model.safetensors"))
     assert all(v.dtype == torch.float32 for v in sd.values())
     assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in sd.values())
+
+
+def test_to_single_reports_progress_tensor_by_tensor(tp2, tmp_path):
+    lines = []
+    convert.to_single(tp2, tmp_path / "single", check=False, log=lines.append, progress_every=0)
+    pat = re.compile(r"\[convert\] ([\d.,]+)M of ([\d.,]+)M parameters written, (\S+)")
+    got = [pat.fullmatch(ln) for ln in lines if ln.startswith("[convert]")]
+    sd = load_file(str(tmp_path / "single" / "model.safetensors"))
+    total = sum(v.numel() for v in sd.values())
+    assert len(got) == len(sd) and all(got), lines
+    assert [m.group(3) for m in got] == list(sd)                    # in file order, one line per tensor
+    assert got[-1].group(1) == got[-1].group(2) == f"{total / 1e6:,.1f}"

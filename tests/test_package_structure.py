@@ -70,7 +70,8 @@ def test_lower_floors_import_nothing_from_higher_ones():
         "megamemo.progress": (),
         "megamemo.model": ("megamemo.model", "megamemo.typed"),
         "megamemo.parallel": ("megamemo.model", "megamemo.parallel", "megamemo.typed"),
-        "megamemo.checkpoint": ("megamemo.checkpoint", "megamemo.model", "megamemo.typed", "megamemo.interop",
+        "megamemo.checkpoint": ("megamemo.checkpoint", "megamemo.model", "megamemo.typed", "megamemo.progress",
+                                "megamemo.interop",
                                 "data_pipeline"),
         "data_pipeline": ("data_pipeline", "megamemo.progress"),
     }

@@ -41,6 +41,7 @@ from megamemo.checkpoint.single import (FORMAT, SingleCheckpointError, load_sing
 from megamemo.checkpoint.state import rank_files
 from megamemo.checkpoint.store import MARKER, CheckpointError, newest_complete, step_of, tag_for, verify
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -218,7 +219,7 @@ def load_model(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
 
 
 def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = None, check: bool = True,
-              log=print) -> Path:
+              log=print, progress_every: float = 10.0) -> Path:
     p, out = Path(ckpt), Path(out)
     if is_single(p):
         raise ConvertError(f"{p}: already a single-device checkpoint")
@@ -233,7 +234,16 @@ def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = No
     tmp.mkdir(parents=True)
     try:
         specs = [(k, DTYPES[dtype], shape) for k, shape in c.shapes.items()]
-        write_streaming(tmp / "model.safetensors", specs, lambda k: c.weight(k).to(DTYPES[dtype]))
+        total = sum(math.prod(shape) for _, _, shape in specs)
+        with Progress("[convert] to-single", total=total, unit="param", scale=True, every=progress_every,
+                      log=log,
+                      line=lambda q: f"[convert] {q.n / 1e6:,.1f}M of {q.total / 1e6:,.1f}M parameters written, "
+                                     f"{q.info.get('tensor', '')}") as progress:
+            def produce(k):
+                t = c.weight(k).to(DTYPES[dtype])
+                progress.update(t.numel(), tensor=k)
+                return t
+            write_streaming(tmp / "model.safetensors", specs, produce)
         if memory:
             mem = c.memory()
             if mem is None:
