@@ -24,7 +24,7 @@ HEADROOM = 0.9  # keep 10% for the allocator, communication buffers and the fram
 DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (elements)
 # resident memory of one training process before its model exists: python, torch, DeepSpeed, megatron-core, gloo
 # (measured by bench/plan_vs_rss.py on this stack: MEGAMEMO_RSS_REPORT's `started` mark)
-CPU_BASELINE = 0.5 * GiB
+CPU_BASELINE = 0.38 * GiB
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Plan:
     pending_memory: float = 0.0     # the new memory state, held until the step commits it
     baseline: float = 0.0           # the process itself (CPU: python + torch + DeepSpeed + megatron-core imported)
     snapshot: float = 0.0           # the checkpoint's host copy (device memory only on a CPU layout)
+    held: float = 0.0               # of grads + zero_buffers, what is still allocated between steps (when saving)
     on_host: bool = False           # a CPU layout: the snapshot is in the same memory
     stage: int = 0
 
@@ -48,8 +49,13 @@ class Plan:
 
     @property
     def total(self):
-        return (self.params + self.grads + self.optimizer + self.activations + self.memory_state
-                + self.pending_memory + self.zero_buffers + self.baseline + (self.snapshot if self.on_host else 0))
+        """The peak: what lives throughout, plus the larger of the step's transients (gradients, ZeRO's buffers,
+        activations) and, on a CPU layout, the checkpoint's copy, made between steps: DeepSpeed's pipeline engine
+        has released its gradients and bucket by then (tensors this large go back to the OS), its ZeRO engine
+        without a pipeline still holds them (`held`; both measured by bench/plan_vs_rss.py)."""
+        return (self.params + self.optimizer + self.memory_state + self.pending_memory + self.baseline
+                + max(self.grads + self.zero_buffers + self.activations,
+                      self.held + self.snapshot if self.on_host else 0))
 
     @property
     def fits(self):
@@ -113,8 +119,9 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> int:
     return n_layer // pp + (1 if stage < n_layer % pp else 0)
 
 
-def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -> Plan:
-    """Bytes one rank of pipeline stage `stage` holds (stage 0: the largest). device "cpu": a CPU layout, whose
+def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu", dp_rank: int = 0) -> Plan:
+    """Bytes one rank of pipeline stage `stage` holds (stage 0: the largest; dp_rank > 0 saves no weights).
+    device "cpu": a CPU layout, whose
     capacity `gpu_gib` is the host memory one rank may use; it adds the process baseline and the checkpoint's host
     copy, and DeepSpeed's bucket counts only the pages it touches."""
     m, tp, pp = cfg.model, cfg.parallel.tp, cfg.parallel.pp
@@ -164,12 +171,14 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
         state = streams * M * layers * m.d_model * p_bytes
     else:
         state = 0
-    # the checkpoint's copy: weights (data-parallel rank 0), the rank's masters and Adam fragments, its memory
-    snap = params_b + params * (opt_per_param / (dp if zero >= 1 else 1)) + state
+    # the checkpoint's copy: weights (data-parallel rank 0), the rank's Adam fragments (and masters, in bf16/fp16:
+    # an fp32 run saves none, its weights are them), its memory
+    snap = (params_b if dp_rank == 0 else 0) + params * ((12 if mixed else 8) / (dp if zero >= 1 else 1)) + state
     on_host = device == "cpu"
     return Plan(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={cfg.train.grad_accum}",
                 params_b, grads_b, opt_b, act, state, gpu_gib * GiB, zero_buffers=zero_b, pending_memory=state,
-                baseline=CPU_BASELINE if on_host else 0.0, snapshot=snap, on_host=on_host, stage=stage)
+                baseline=CPU_BASELINE if on_host else 0.0, snapshot=snap, on_host=on_host, stage=stage,
+                held=grads_b + zero_b if pp == 1 and zero >= 1 else 0.0)
 
 
 def stage_plans(cfg, world: int, gib: float, device: str = "gpu") -> list[Plan]:
