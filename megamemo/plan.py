@@ -2,14 +2,20 @@
 (by ZeRO stage), activations and recurrence-memory state for the chosen TP/PP/DP layout - and whether it fits.
 
     megamemo plan --config configs/lamemo-7b.yaml --nodes 4 --gpus-per-node 8 --gpu a100-80g [--tp 4 --pp 2]
+    megamemo plan --config configs/rehearsal-1.3b-width.yaml --nodes 1 --gpus-per-node 4 --device cpu \
+        --host-mem-gib 24 --tp 2 --pp 2          # CPU processes sharing the node's memory
+    megamemo plan --config configs/lamemo-7b.yaml --nodes 8 --gpus-per-node 8 --gpu a100-80g   # no --tp/--pp:
+                                                 # also the layouts that fit, best first (megamemo/recommend.py)
 
-Counts are analytic (from the model config, not from building the model). The numbers are those of a rank of the
-first pipeline stage, the largest: it has the most layers (stages take n_layer / pp, the first ones one more
-when it does not divide), the most micro-batches in flight (up to `pp` in DeepSpeed's 1F1B schedule) and, for
-LaMemo, the embedding FIFO. Its parameters are counted exactly: its layers' shards, the shared position biases
-and the embedding table; the output bias sits on the last stage (which also holds a tied copy of the table and
-has one micro-batch in flight). Activations count the tensors that autograd keeps per layer for one micro-batch
-(no recomputation).
+Counts are analytic (from the model config, not from building the model), one column per pipeline stage: a stage
+holds its layers (n_layer / pp, the first ones one more when it does not divide) and the shared position biases;
+the first the embedding and, for LaMemo, the embedding FIFO; the last the output bias, a tied copy of the table
+and the logits. A stage has up to pp - stage micro-batches in flight (DeepSpeed's 1F1B schedule). Activations
+count the tensors that autograd keeps per layer for one micro-batch (no recomputation). Beyond weights,
+gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp32 weights), its flat fp32
+gradient partition and reduction bucket, the new memory state held until the step commits, and on a CPU layout
+the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
+copy. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
 """
 from __future__ import annotations
 
@@ -243,8 +249,11 @@ def main(argv: list[str]) -> int:
     for name in terms:
         note = "" if name != "snapshot" or p.on_host else "  (host memory, not counted)"
         print(f"  {name:<16}" + "".join(f"{getattr(q, name) / GiB:>10.2f}" for q in plans) + note)
-    print(f"  {'total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans)
-          + f"  of {p.capacity / GiB:.1f} GiB")
+    top = max(plans, key=lambda q: q.total)
+    if len(plans) > 1:
+        print(f"  {'stage total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans))
+    print(f"  {'total':<16}{top.total / GiB:>10.2f} GiB of {p.capacity / GiB:.1f} GiB"
+          + (f" (stage {top.stage}, the largest)" if len(plans) > 1 else ""))
     fits = all(q.fits for q in plans)
     print(f"-> {'FITS' if fits else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
     return 0 if fits else 1
