@@ -67,7 +67,8 @@ def kill9(p: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    kill9(p)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
 
 
 def losses(run: Path) -> dict[int, float]:
