@@ -192,7 +192,14 @@ def test_cpu_layout_counts_the_process_and_the_checkpoint_copy(capsys):
     gpu, cpu = plan(cfg, world=4, gpu_gib=6), plan(cfg, world=4, gpu_gib=6, device="cpu")
     assert cpu.baseline == CPU_BASELINE and gpu.baseline == 0
     assert cpu.snapshot == gpu.snapshot > cpu.params
-    assert cpu.total == pytest.approx(gpu.total - gpu.zero_buffers + cpu.zero_buffers + cpu.baseline + cpu.snapshot)
+    lasting = cpu.params + cpu.optimizer + cpu.memory_state + cpu.pending_memory
+    assert gpu.total == pytest.approx(lasting + gpu.grads + gpu.zero_buffers + gpu.activations)
+    assert cpu.total == pytest.approx(lasting + CPU_BASELINE + max(cpu.grads + cpu.zero_buffers + cpu.activations,
+                                                                   cpu.snapshot))
+    tpdp = load(REPO / "configs" / "rehearsal-1.3b-width.yaml", ["parallel.pp=1"])
+    rank0, rank1 = (plan(tpdp, world=4, gpu_gib=6, device="cpu", dp_rank=r) for r in (0, 1))
+    assert rank0.held == rank0.grads + rank0.zero_buffers and cpu.held == 0   # the ZeRO engine without a pipeline
+    assert rank0.snapshot - rank1.snapshot == rank0.params                   # weights: DP rank 0 saves them
     path = str(REPO / "configs" / "rehearsal-1.3b-width.yaml")
     assert main(["--config", path, "--nodes", "1", "--gpus-per-node", "4", "--device", "cpu",
                  "--host-mem-gib", "24", "--tp", "2", "--pp", "2"]) == 0
