@@ -79,7 +79,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
+    max_steps: int = 1000           # 0: build the run, save its initial state (checkpoint at step 0) and stop
     grad_accum: int = 1             # micro-batches per step on each rank, each with its own memory
     seed: int = 1111
     run_dir: str = "runs/default"
@@ -202,8 +202,8 @@ class RunConfig:
             bad("parallel.init", "must be auto, full or shard")
         if self.parallel.zero_stage not in (0, 1, 2):
             bad("parallel.zero_stage", "must be 0, 1 or 2")
-        if self.train.max_steps < 1:
-            bad("train.max_steps", "must be >= 1")
+        if self.train.max_steps < 0:
+            bad("train.max_steps", "must be >= 0 (0: build, save the initial state and stop)")
         if self.train.grad_accum < 1:
             bad("train.grad_accum", "must be >= 1")
         if self.train.lock_stale_s < 60:

@@ -2,14 +2,20 @@
 (by ZeRO stage), activations and recurrence-memory state for the chosen TP/PP/DP layout - and whether it fits.
 
     megamemo plan --config configs/lamemo-7b.yaml --nodes 4 --gpus-per-node 8 --gpu a100-80g [--tp 4 --pp 2]
+    megamemo plan --config configs/rehearsal-1.3b-width.yaml --nodes 1 --gpus-per-node 4 --device cpu \
+        --host-mem-gib 24 --tp 2 --pp 2          # CPU processes sharing the node's memory
+    megamemo plan --config configs/lamemo-7b.yaml --nodes 8 --gpus-per-node 8 --gpu a100-80g   # no --tp/--pp:
+                                                 # also the layouts that fit, best first (megamemo/recommend.py)
 
-Counts are analytic (from the model config, not from building the model). The numbers are those of a rank of the
-first pipeline stage, the largest: it has the most layers (stages take n_layer / pp, the first ones one more
-when it does not divide), the most micro-batches in flight (up to `pp` in DeepSpeed's 1F1B schedule) and, for
-LaMemo, the embedding FIFO. Its parameters are counted exactly: its layers' shards, the shared position biases
-and the embedding table; the output bias sits on the last stage (which also holds a tied copy of the table and
-has one micro-batch in flight). Activations count the tensors that autograd keeps per layer for one micro-batch
-(no recomputation).
+Counts are analytic (from the model config, not from building the model), one column per pipeline stage: a stage
+holds its layers (n_layer / pp, the first ones one more when it does not divide) and the shared position biases;
+the first the embedding and, for LaMemo, the embedding FIFO; the last the output bias, a tied copy of the table
+and the logits. A stage has up to pp - stage micro-batches in flight (DeepSpeed's 1F1B schedule). Activations
+count the tensors that autograd keeps per layer for one micro-batch (no recomputation). Beyond weights,
+gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp32 weights), its flat fp32
+gradient partition and reduction bucket, the new memory state held until the step commits, and on a CPU layout
+the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
+copy. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
 """
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ from dataclasses import dataclass
 GPUS = {"v100-16g": 16, "v100-32g": 32, "a100-40g": 40, "a100-80g": 80, "h100-80g": 80}
 GiB = 1024 ** 3
 HEADROOM = 0.9  # keep 10% for the allocator, communication buffers and the framework
+DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (elements)
+# resident memory of one training process before its model exists: python, torch, DeepSpeed, megatron-core, gloo
+# (measured by bench/plan_vs_rss.py on this stack: MEGAMEMO_RSS_REPORT's `started` mark)
+CPU_BASELINE = 0.38 * GiB
 
 
 @dataclass
@@ -32,10 +42,26 @@ class Plan:
     activations: float
     memory_state: float
     capacity: float
+    zero_buffers: float = 0.0       # ZeRO's fp32 gradient partition + DeepSpeed's gradient bucket
+    pending_memory: float = 0.0     # the new memory state, held until the step commits it
+    baseline: float = 0.0           # the process itself (CPU: python + torch + DeepSpeed + megatron-core imported)
+    snapshot: float = 0.0           # the checkpoint's host copy (device memory only on a CPU layout)
+    held: float = 0.0               # of grads + zero_buffers, what is still allocated between steps (when saving)
+    on_host: bool = False           # a CPU layout: the snapshot is in the same memory
+    stage: int = 0
+
+    TERMS = ("params", "grads", "optimizer", "activations", "memory_state", "pending_memory", "zero_buffers",
+             "baseline", "snapshot")
 
     @property
     def total(self):
-        return self.params + self.grads + self.optimizer + self.activations + self.memory_state
+        """The peak: what lives throughout, plus the larger of the step's transients (gradients, ZeRO's buffers,
+        activations) and, on a CPU layout, the checkpoint's copy, made between steps: DeepSpeed's pipeline engine
+        has released its gradients and bucket by then (tensors this large go back to the OS), its ZeRO engine
+        without a pipeline still holds them (`held`; both measured by bench/plan_vs_rss.py)."""
+        return (self.params + self.optimizer + self.memory_state + self.pending_memory + self.baseline
+                + max(self.grads + self.zero_buffers + self.activations,
+                      self.held + self.snapshot if self.on_host else 0))
 
     @property
     def fits(self):
@@ -94,22 +120,41 @@ def total_params(m) -> int:
     return m.n_layer * (split + repl) + embed_params(m) + bias_params(m)
 
 
-def plan(cfg, world: int, gpu_gib: float) -> Plan:
+def stage_layers(n_layer: int, pp: int, stage: int) -> int:
+    """Layers of pipeline stage `stage`: n_layer / pp, the first stages one more when it does not divide."""
+    return n_layer // pp + (1 if stage < n_layer % pp else 0)
+
+
+def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu", dp_rank: int = 0) -> Plan:
+    """Bytes one rank of pipeline stage `stage` holds (stage 0: the largest; dp_rank > 0 saves no weights).
+    device "cpu": a CPU layout, whose
+    capacity `gpu_gib` is the host memory one rank may use; it adds the process baseline and the checkpoint's host
+    copy, and DeepSpeed's bucket counts only the pages it touches."""
     m, tp, pp = cfg.model, cfg.parallel.tp, cfg.parallel.pp
     dp, micro = cfg.layout(world)
     split, repl = layer_params(m)
-    layers = math.ceil(m.n_layer / pp)          # the first stage's
-    # the first stage: its layers, the embedding, the shared biases; the output side only when it is also the
-    # last stage. Under TP everything but layer norms and fc2's bias is split (the softmax is then full and tied).
-    params = layers * (split / tp + repl) + (input_params(m) + (output_params(m) if pp == 1 else 0)
-                                             + bias_params(m)) / tp
+    first, last = stage == 0, stage == pp - 1
+    layers = stage_layers(m.n_layer, pp, stage)
+    # every stage: its layers' shards and the shared position biases (a RelBias ahead of each layer's block);
+    # the first stage the input embedding; the last the output side (under pp > 1 a tied copy of the table too).
+    # Under TP everything but layer norms and fc2's bias is split (the softmax is then full and tied).
+    params = layers * (split / tp + repl) + (bias_params(m) + (input_params(m) if first or last else 0)
+                                             + (output_params(m) if last else 0)) / tp
     mixed = cfg.precision.dtype in ("bf16", "fp16")
     p_bytes = 2 if mixed else 4
-    opt_per_param = (4 + 8) if mixed else 8  # fp32 master (mixed) + Adam moments
     zero = cfg.parallel.zero_stage
+    # fp32 master (DeepSpeed's ZeRO optimizer keeps one, a copy, even when the weights are fp32) + Adam moments
+    opt_per_param = (4 + 8) if mixed or zero >= 1 else 8
     params_b = params * p_bytes
     grads_b = params * p_bytes / (dp if zero >= 2 else 1)
     opt_b = params * opt_per_param / (dp if zero >= 1 else 1)
+    zero_b = 0.0
+    if zero >= 1:
+        # the flat fp32 gradient of the rank's partition (the optimizer's .grad), and the reduction bucket:
+        # reduce_bucket_size elements, fp32 under ZeRO 1 (its accumulator), the model dtype under ZeRO 2; on the
+        # CPU only the pages gradients are copied into become resident
+        bucket = DS_REDUCE_BUCKET if device != "cpu" else min(DS_REDUCE_BUCKET, params)
+        zero_b = 4 * params / dp + bucket * (4 if zero == 1 else p_bytes)
 
     L, M, B = m.tgt_len, (m.mem_len if m.has_memory else 0), micro
     klen = L + M
@@ -122,18 +167,39 @@ def plan(cfg, world: int, gpu_gib: float) -> Plan:
     if m.lamemo:
         per_layer_scores += 2 * B * n_loc * M * min(M, L) * 4 / p_bytes
     act = layers * (per_layer + per_layer_scores) * p_bytes
-    act += L * B * m.n_token / tp * 4 * (1 if pp == 1 else 0)  # fp32 logits live on the last stage
-    act *= min(pp, cfg.train.grad_accum)                          # micro-batches in flight on a stage
+    act += L * B * m.n_token / tp * 4 * (1 if last else 0)     # fp32 logits live on the last stage
+    act *= min(pp - stage, cfg.train.grad_accum)                 # micro-batches in flight on a stage (1F1B)
 
     streams = B * cfg.train.grad_accum
     if m.lamemo:
-        state = streams * M * (m.d_model * p_bytes + layers * n_loc * (m.d_head * p_bytes + 4))
+        state = streams * M * ((m.d_model * p_bytes if first else 0) + layers * n_loc * (m.d_head * p_bytes + 4))
     elif m.has_memory:
         state = streams * M * layers * m.d_model * p_bytes
     else:
         state = 0
+    # the checkpoint's copy: weights (data-parallel rank 0), the rank's Adam fragments (and masters, in bf16/fp16:
+    # an fp32 run saves none, its weights are them), its memory
+    snap = (params_b if dp_rank == 0 else 0) + params * ((12 if mixed else 8) / (dp if zero >= 1 else 1)) + state
+    on_host = device == "cpu"
     return Plan(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={cfg.train.grad_accum}",
-                params_b, grads_b, opt_b, act, state, gpu_gib * GiB)
+                params_b, grads_b, opt_b, act, state, gpu_gib * GiB, zero_buffers=zero_b, pending_memory=state,
+                baseline=CPU_BASELINE if on_host else 0.0, snapshot=snap, on_host=on_host, stage=stage,
+                held=grads_b + zero_b if pp == 1 and zero >= 1 else 0.0)
+
+
+def stage_plans(cfg, world: int, gib: float, device: str = "gpu") -> list[Plan]:
+    """One plan per pipeline stage (every rank of a stage holds the same)."""
+    return [plan(cfg, world, gib, stage, device) for stage in range(cfg.parallel.pp)]
+
+
+def _capacity(args) -> tuple[float, str]:
+    """(GiB one rank may use, words for the cluster)."""
+    if args.device == "cpu":
+        if not args.host_mem_gib:
+            raise ValueError("--device cpu needs --host-mem-gib (the node's memory, shared by its ranks)")
+        return (args.host_mem_gib / args.gpus_per_node,
+                f"{args.nodes} node(s) x {args.gpus_per_node} CPU processes sharing {args.host_mem_gib:g} GiB")
+    return GPUS[args.gpu], f"{args.nodes} node(s) x {args.gpus_per_node} {args.gpu}"
 
 
 def main(argv: list[str]) -> int:
@@ -142,10 +208,15 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="megamemo plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--nodes", type=int, required=True)
-    ap.add_argument("--gpus-per-node", type=int, required=True)
+    ap.add_argument("--gpus-per-node", type=int, required=True, help="devices (or CPU processes) per node")
     ap.add_argument("--gpu", choices=sorted(GPUS), default="a100-80g")
+    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                    help="cpu: ranks are CPU processes sharing the node's --host-mem-gib")
+    ap.add_argument("--host-mem-gib", type=float)
     ap.add_argument("--tp", type=int)
     ap.add_argument("--pp", type=int)
+    ap.add_argument("--recommend", action="store_true",
+                    help="list the layouts that fit, best first (the default when neither --tp nor --pp is given)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     overrides = list(args.set)
@@ -153,9 +224,11 @@ def main(argv: list[str]) -> int:
         overrides.append(f"parallel.tp={args.tp}")
     if args.pp:
         overrides.append(f"parallel.pp={args.pp}")
+    world = args.nodes * args.gpus_per_node
     try:
         cfg = load(args.config, overrides)
-        p = plan(cfg, args.nodes * args.gpus_per_node, GPUS[args.gpu])
+        gib, cluster = _capacity(args)
+        plans = stage_plans(cfg, world, gib, args.device)
     except (ConfigError, ValueError) as e:
         print(f"megamemo plan: {e}", file=sys.stderr)
         return 2
@@ -164,10 +237,23 @@ def main(argv: list[str]) -> int:
     print(f"model: {m.variant} {m.n_layer}L d_model {m.d_model} {m.n_head}x{m.d_head} d_inner {m.d_inner} "
           f"vocab {m.n_token}: {n_params / 1e9:.2f} B parameters; tgt_len {m.tgt_len} mem_len {m.mem_len}; "
           f"{cfg.precision.dtype}")
-    print(f"cluster: {args.nodes} node(s) x {args.gpus_per_node} {args.gpu}; layout {p.layout}")
-    print("per-rank memory (first stage: the largest):" if cfg.parallel.pp > 1 else "per-rank memory:")
-    for name in ("params", "grads", "optimizer", "activations", "memory_state"):
-        print(f"  {name:<14}{getattr(p, name) / GiB:>9.2f} GiB")
-    print(f"  {'total':<14}{p.total / GiB:>9.2f} GiB of {p.capacity / GiB:.0f} GiB "
-          f"-> {'FITS' if p.fits else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
-    return 0 if p.fits else 1
+    if args.recommend or not (args.tp or args.pp):
+        from megamemo.recommend import print_recommendations
+        print_recommendations(cfg, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan)
+        print()
+    p = plans[0]
+    print(f"cluster: {cluster}; layout {p.layout}")
+    terms = [t for t in Plan.TERMS if any(getattr(q, t) for q in plans)]
+    print("per-rank memory (GiB), by pipeline stage:" if len(plans) > 1 else "per-rank memory:")
+    print(f"  {'':<16}" + "".join(f"{f'stage {q.stage}':>10}" for q in plans))
+    for name in terms:
+        note = "" if name != "snapshot" or p.on_host else "  (host memory, not counted)"
+        print(f"  {name:<16}" + "".join(f"{getattr(q, name) / GiB:>10.2f}" for q in plans) + note)
+    top = max(plans, key=lambda q: q.total)
+    if len(plans) > 1:
+        print(f"  {'stage total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans))
+    print(f"  {'total':<16}{top.total / GiB:>10.2f} GiB of {p.capacity / GiB:.1f} GiB"
+          + (f" (stage {top.stage}, the largest)" if len(plans) > 1 else ""))
+    fits = all(q.fits for q in plans)
+    print(f"-> {'FITS' if fits else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
+    return 0 if fits else 1

@@ -170,3 +170,80 @@ def test_zero_stages_divide_what_they_shard():
     assert p2.grads == p0.grads / 4 and p2.params == p0.params
     assert p0.capacity == 32 * GiB
     assert math.isclose(p0.optimizer, 12 * p0.params / 2)          # bf16 weights: 2 bytes; master + moments: 12
+
+
+# ---- the terms a run holds beyond weights and optimizer, CPU layouts, stages, recommendations -----------------
+def test_zero_keeps_an_fp32_master_gradient_partition_and_a_bucket():
+    """DeepSpeed's ZeRO optimizer clones an fp32 master even of fp32 weights, makes a flat fp32 gradient of its
+    partition, and a reduction bucket (reduce_bucket_size elements; on the CPU only the pages it fills)."""
+    from megamemo.plan import DS_REDUCE_BUCKET
+    cfg = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=1"])
+    n = sum(p.numel() for p in MemTransformerLM(cfg.model).parameters())
+    gpu, cpu = plan(cfg, world=2, gpu_gib=32), plan(cfg, world=2, gpu_gib=32, device="cpu")
+    assert gpu.optimizer == 12 * n / 2
+    assert gpu.zero_buffers == 4 * n / 2 + 4 * DS_REDUCE_BUCKET
+    assert cpu.zero_buffers == 4 * n / 2 + 4 * n
+    assert gpu.pending_memory == gpu.memory_state > 0
+
+
+def test_cpu_layout_counts_the_process_and_the_checkpoint_copy(capsys):
+    from megamemo.plan import CPU_BASELINE
+    cfg = load(REPO / "configs" / "rehearsal-1.3b-width.yaml")
+    gpu, cpu = plan(cfg, world=4, gpu_gib=6), plan(cfg, world=4, gpu_gib=6, device="cpu")
+    assert cpu.baseline == CPU_BASELINE and gpu.baseline == 0
+    assert cpu.snapshot == gpu.snapshot > cpu.params
+    lasting = cpu.params + cpu.optimizer + cpu.memory_state + cpu.pending_memory
+    assert gpu.total == pytest.approx(lasting + gpu.grads + gpu.zero_buffers + gpu.activations)
+    assert cpu.total == pytest.approx(lasting + CPU_BASELINE + max(cpu.grads + cpu.zero_buffers + cpu.activations,
+                                                                   cpu.snapshot))
+    tpdp = load(REPO / "configs" / "rehearsal-1.3b-width.yaml", ["parallel.pp=1"])
+    rank0, rank1 = (plan(tpdp, world=4, gpu_gib=6, device="cpu", dp_rank=r) for r in (0, 1))
+    assert rank0.held == rank0.grads + rank0.zero_buffers and cpu.held == 0   # the ZeRO engine without a pipeline
+    assert rank0.snapshot - rank1.snapshot == rank0.params                   # weights: DP rank 0 saves them
+    path = str(REPO / "configs" / "rehearsal-1.3b-width.yaml")
+    assert main(["--config", path, "--nodes", "1", "--gpus-per-node", "4", "--device", "cpu",
+                 "--host-mem-gib", "24", "--tp", "2", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "of 6.0 GiB" in out and "stage 1" in out and "baseline" in out
+    assert main(["--config", path, "--nodes", "1", "--gpus-per-node", "4", "--device", "cpu"]) == 2
+
+
+def test_stages_hold_their_own_layers_and_the_ends_the_table():
+    """Summed over the stages of a pipeline, the parameters are the model's plus the tied table's copy on the last
+    stage and the position biases once per extra stage."""
+    from megamemo.plan import bias_params, input_params
+    cfg = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=0",
+                                                    "parallel.pp=2", "train.grad_accum=2"])
+    stages = [plan(cfg, world=2, gpu_gib=32, stage=s) for s in range(2)]
+    n = built_params(cfg.model)
+    assert sum(p.params for p in stages) == 4 * (n + input_params(cfg.model) + bias_params(cfg.model))
+    assert stages[0].memory_state > stages[1].memory_state      # the embedding FIFO lives on the first stage
+
+
+def test_recommends_lamemo_7b_without_a_pipeline_on_8x8_a100():
+    """The issue's check: today's tp=4 pp=2 needs about 11 of 80 GiB, so the best layouts have pp=1; every layout
+    that cannot run is named with its reason."""
+    from megamemo.plan import plan as plan_fn
+    from megamemo.recommend import recommend
+    cfg = load(REPO / "configs" / "lamemo-7b.yaml")
+    fits, fails = recommend(cfg, 8, 8, 80, "gpu", "a100-80g", plan_fn)
+    assert fits and "pp=1 " in fits[0][3]
+    assert all(f[4].fits for f in fits)
+    reasons = dict(fails)
+    assert "tp=16 pp=1 dp=4 zero=0" in reasons and "node" in reasons["tp=16 pp=1 dp=4 zero=0"]
+    assert "ZeRO 0/1" in reasons["tp=4 pp=2 dp=8 zero=2"]
+    assert "pp=64 > 32 layers" == reasons["tp=1 pp=64 dp=1 zero=0"]
+
+
+def test_recommends_a_pipeline_only_when_nothing_else_fits():
+    """1.3 B in fp32 on 2 x 16 GiB devices: only a layout that splits the model fits; a single device fails on
+    memory, with the figure."""
+    from megamemo.plan import plan as plan_fn
+    from megamemo.recommend import recommend
+    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["precision.dtype=fp32", "eval.every=0"])
+    fits, fails = recommend(cfg, 1, 2, 16, "gpu", "v100-16g", plan_fn)
+    reasons = dict(fails)
+    assert "needs" in reasons["tp=1 pp=1 dp=2 zero=2"] and "GiB" in reasons["tp=1 pp=1 dp=2 zero=2"]
+    assert all("dp=2" not in f[3] or "zero=2" in f[3] for f in fits)
+    piped = [f[1] > 1 for f in fits]
+    assert piped == sorted(piped)                    # every layout without a pipeline first

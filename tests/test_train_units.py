@@ -78,6 +78,7 @@ def test_paper_configs_have_paper_shapes():
     ("precision.dtype=fp8", "precision.dtype"),
     ("parallel.tp=3", "model.n_head=2 is not divisible by tp=3"),
     ("parallel.pp=0", "parallel.pp"),
+    ("train.max_steps=-1", "train.max_steps"),     # 0 is allowed: build, save the initial state, stop
     ("parallel.zero_stage=3", "parallel.zero_stage"),
     ("nosection.x=1", "nosection"),
 ])

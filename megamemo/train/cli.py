@@ -141,6 +141,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     from megamemo.train.data import open_reader, unit_for
     from megamemo.train.engine import Engine
     from megamemo.train.loop import Trainer
+    from megamemo.train import rss
     from megamemo.train.metrics import Metrics
     from megamemo.train.validate import Evaluator, PipelineEvaluator, eval_lengths
 
@@ -161,9 +162,11 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
         for p in store.remove_incomplete():
             log(f"[checkpoint] removed {p}: an interrupted save, never committed")
     dist.barrier()
+    rss.mark("started")                     # imports and the process group: the baseline (MEGAMEMO_RSS_REPORT)
     _seed_all(cfg.train.seed)               # identical initial weights on every rank
     model, mpu, stage = build_model(cfg)
     engine = Engine(cfg, model, micro, dp, mpu=mpu)
+    rss.mark("built")
     if getattr(engine.device, "type", str(engine.device)) == "cuda" and hasattr(model, "check_inputs"):
         model.check_inputs = False          # ids were checked against the manifest's vocabulary at start-up; on a
                                             # GPU the per-batch range check would cost a host sync every micro-batch
@@ -239,6 +242,8 @@ def main(argv: list[str]) -> int:
         rank, world, starting = de.rank, de.world_size, False
         outcome = trainer.run()
         trainer.metrics.close()
+        from megamemo.train import rss
+        rss.write(de.rank)
         if de.rank == 0:
             print(f"[train] {outcome} at step {trainer.step} ({time.time() - t0:.1f}s)", flush=True)
         dist.barrier()

@@ -12,6 +12,7 @@ The loss reported for a step is the mean NLL over the global batch (all ranks, a
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,12 +224,15 @@ class Trainer:
         """Restore everything from a committed checkpoint of any layout (resharding on load). The RNG streams of
         this process are restored when the layout is unchanged, else re-seeded from (seed, ranks, step)."""
         info, same, _ = self.store.check_compatible(step_dir)
+        t0 = time.perf_counter()
         doc = self.store.load(step_dir, self.registry)
+        load_s = time.perf_counter() - t0
         if not same:
             self._reseed(int(info["step"]))
         self._scale_before = self.engine.loss_scale()
         if self.rank == 0:
-            print(f"[checkpoint] resumed from {step_dir} at step {self.counters.step}", flush=True)
+            print(f"[checkpoint] resumed from {step_dir} at step {self.counters.step} (loaded in {load_s:.2f}s)",
+                  flush=True)
         return doc
 
     def _reseed(self, step: int) -> None:
