@@ -19,7 +19,8 @@ source scripts/env.sh
 
 out="${MEGAMEMO_MAIN_DIR:-$here/runs/main}"
 config="${MEGAMEMO_MAIN_CONFIG:-configs/main-cpu.yaml}"
-steps="${MEGAMEMO_MAIN_STEPS:-$(python -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["train"]["max_steps"])' "$config")}"
+steps="${MEGAMEMO_MAIN_STEPS:-$(python -c 'import sys, yaml
+print(yaml.safe_load(open(sys.argv[1]))["train"]["max_steps"])' "$config")}"
 sample="${MEGAMEMO_MAIN_SAMPLE:-300}"
 procs="${MEGAMEMO_MAIN_PROCS:-2}"
 half=$(( steps / 2 ))
@@ -61,7 +62,8 @@ json.dump(unigram_baseline(sys.argv[1], "test"), open(sys.argv[2], "w"))' "$out/
 
 echo "[main] 6/6 sample a continuation of a test-split prompt from the converted checkpoint (top-p 0.9, seed 1)"
 python -c 'import sys; from data_pipeline.stats import excerpt
-open(sys.argv[2], "wb").write(excerpt(sys.argv[1], "test", start=100_000, n_tokens=200))' "$out/shards" "$out/prompt.txt"
+open(sys.argv[2], "wb").write(excerpt(sys.argv[1], "test", start=100_000, n_tokens=200))' \
+  "$out/shards" "$out/prompt.txt"
 if [ "$sample" -gt 0 ]; then
   megamemo generate --ckpt "$out/single" --prompt-file "$out/prompt.txt" --max-new-tokens "$sample" \
     --top-p 0.9 --seed 1 --out "$out/sample.txt"
