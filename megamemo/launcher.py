@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from megamemo.train.dist import free_port
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
@@ -38,14 +40,6 @@ def handles(pid: int, sig: int) -> bool:
     except (OSError, ValueError):
         return False
     return not Path("/proc").is_dir()       # no /proc (not Linux): deliver at once
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class Launcher:

@@ -144,6 +144,16 @@ def test_mpirun_inside_sbatch_is_not_taken_for_srun():
     assert dist._mpirun_inside_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "OMPI_COMM_WORLD_RANK": "0"})
 
 
+def test_launcher_rank_before_the_process_group_follows_discover():
+    """The rank a starting process reports errors as (rank 0 alone speaks for all): discover()'s precedence, so
+    mpirun inside a batch script is rank 1 of 2, not the batch step's SLURM_PROCID 0."""
+    for env, want in [({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "1", "PMI_SIZE": "2"}, (1, 2)),
+                      ({"RANK": "3", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (3, 4)),
+                      ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}, (2, 4)), ({"PMIX_RANK": "5"}, (5, None)),
+                      ({}, (0, 1))]:
+        assert dist.launcher_rank_size(env) == want, env
+
+
 def test_discover_under_mpirun(tmp_path):
     mpirun = Path(sys.executable).parent / "mpirun"
     if not mpirun.exists():

@@ -9,7 +9,6 @@ Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, dat
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -215,15 +214,16 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
 
 
 def main(argv: list[str]) -> int:
-    from megamemo.train.rundir import die_with_parent, env_rank, peer_lost, report
+    from megamemo.train.dist import launcher_rank_size
+    from megamemo.train.rundir import die_with_parent, peer_lost, report
 
     die_with_parent()                       # a worker never outlives its launcher
     args = parse_args(argv)
     # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/quiet.py)
     from megamemo.train import device
 
-    rank, trainer, expected = env_rank(), None, anticipated_errors()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    (rank, size), trainer, expected = launcher_rank_size(), None, anticipated_errors()
+    world = size or 1
     starting = True                         # until training runs, every rank meets the same errors
     try:
         cfg = resolve_config(args)

@@ -95,6 +95,17 @@ def discover(environ: dict | None = None) -> DistEnv:
                    "single")
 
 
+def launcher_rank_size(environ: dict | None = None) -> tuple[int, int | None]:
+    """(rank, world size or None) as the launcher put them in the environment, with discover()'s precedence but
+    nothing started or asked for (no MPI, no scontrol): for what a process says before its process group exists."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and not _mpirun_inside_slurm(env):
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    return _mpi_rank(env) or (0, 1)
+
+
 def slurm_tasks_on_node(env) -> int | None:
     """Tasks of this step on this node, from SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE), e.g.
     '8(x2),4' and SLURM_NODEID; None when Slurm does not say."""

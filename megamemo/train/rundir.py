@@ -32,14 +32,6 @@ def die_with_parent() -> None:
         pass
 
 
-def env_rank() -> int:
-    """This process's rank as its launcher says it, before any process group exists."""
-    for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
-
-
 _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
                         r"remote worker crashing|Socket Timeout|timed out", re.I)
 
