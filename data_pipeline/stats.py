@@ -18,6 +18,7 @@ import numpy as np
 
 from .shard_reader import load_vocab, read_split
 from .shards import load_manifest
+from .vocab import word_level
 
 
 def _counts(ids, n_symbols: int) -> np.ndarray:
@@ -50,10 +51,10 @@ def entropy_bits(ids, n_symbols: int) -> float:
 
 
 def unit(data_dir: str | Path) -> str:
-    """'bpc' where a token is a character (bytes/chars tokenizers), else 'bits/token'."""
+    """'bits/token' for word-level tokenizers, else 'bpc' (a token is a character)."""
     m = load_manifest(data_dir)
     kind = (m.get("tokenizer") or {}).get("kind") or (m.get("vocab") or {}).get("kind")
-    return "bpc" if kind in ("bytes", "chars") else "bits/token"
+    return "bits/token" if word_level(kind) else "bpc"
 
 
 def unigram_baseline(data_dir: str | Path, split: str = "test", fit: str = "train") -> dict:

@@ -19,6 +19,12 @@ from pathlib import Path
 import numpy as np
 
 KINDS = ("bytes", "chars", "words")
+
+
+def word_level(kind: str | None) -> bool:
+    """Whether a manifest's tokenizer kind is word-level: scored in perplexity (bits per token), where byte- and
+    character-level corpora are scored in bits per character."""
+    return kind in ("words", "word")
 TEXT8_ALPHABET = "_abcdefghijklmnopqrstuvwxyz"  # '_' is the space, as in prep_text8.py
 
 

@@ -115,7 +115,9 @@ def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
             except (json.JSONDecodeError, AttributeError):
                 kind = None
             if kind is not None:
-                return ("ppl" if kind in ("words", "word") else "bpc"), f"{manifest} (tokenizer {kind})"
+                from data_pipeline.vocab import word_level
+
+                return ("ppl" if word_level(kind) else "bpc"), f"{manifest} (tokenizer {kind})"
         n_token = ((cfg.get("model") or {}).get("n_token")) if isinstance(cfg, dict) else None
         if isinstance(n_token, int):
             return ("bpc" if n_token <= 256 else "ppl"), f"{cfg_path} (vocabulary of {n_token})"

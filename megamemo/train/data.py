@@ -48,7 +48,9 @@ def unit_for(cfg: RunConfig) -> str:
         kind = _manifest(cfg)["tokenizer"].get("kind", "")
     except DataError:
         return "bpc"
-    return "ppl" if kind in ("words", "word") else "bpc"
+    from data_pipeline.vocab import word_level
+
+    return "ppl" if word_level(kind) else "bpc"
 
 
 def open_reader(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, dp: int, dp_rank: int, *, train: bool):
