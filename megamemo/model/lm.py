@@ -11,7 +11,7 @@ from .config import ModelConfig
 from .dropout import Dropout
 from .layers import LaMemoLayer, XLLayer
 from .memory import Memory
-from .positions import causal_mask, inv_freq, position_sequence, sinusoid
+from .positions import causal_mask, position_sequence, sinusoid
 
 
 class MemTransformerLM(nn.Module):
@@ -29,7 +29,6 @@ class MemTransformerLM(nn.Module):
         self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.n_layer))
         self.crit = AdaptiveLogSoftmax(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val,
                                        cfg.tie_weight, cfg.tie_projs)
-        self.register_buffer("inv_freq", inv_freq(d), persistent=False)
         self.check_inputs = True  # token-range checks cost a host sync: a training loop on GPU may turn them off
         self.reset_parameters()
 
@@ -131,7 +130,7 @@ class MemTransformerLM(nn.Module):
         M = mem.length
         klen = M + L
         pos = position_sequence(klen, M, clamp_len, cfg.future_positions, h0.device)
-        pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(h0.dtype))
+        pos_emb = self.drop(sinusoid(pos, cfg.d_model, h0.dtype))
         mask = causal_mask(L, M, mem_len, same_length, h0.device)
         hooks = [((attend(l, layer) if attend is not None else None),
                   (functools.partial(observe, layer=l) if observe is not None else None))

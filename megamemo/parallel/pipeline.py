@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from megamemo.model.dropout import Dropout
 from megamemo.model.layers import LaMemoLayer, XLLayer
-from megamemo.model.positions import causal_mask, inv_freq, position_sequence, sinusoid
+from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 
 
 class MemoryBank:
@@ -177,7 +177,6 @@ class LayerPipe(nn.Module):
             parallelize_layer(self.layer, cfg, ctx.tp, torch.float32)
         self.index, self.ctx, self.cfg = index, ctx, cfg
         self.drop = Dropout(cfg.dropout)
-        self.register_buffer("inv_freq", inv_freq(cfg.d_model), persistent=False)
 
     def forward(self, inputs):
         rows, meta = inputs
@@ -188,7 +187,7 @@ class LayerPipe(nn.Module):
             mem = bank.get(mb, f"hid.{l}")
             M = 0 if mem is None else mem.size(0)
         pos = position_sequence(M + L, M, self.ctx.clamp_len, cfg.future_positions, rows.device)
-        pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(rows.dtype))
+        pos_emb = self.drop(sinusoid(pos, cfg.d_model, rows.dtype))
         mask = causal_mask(L, M, mem_len, self.ctx.same_length, rows.device)
         if cfg.lamemo:
             vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias
