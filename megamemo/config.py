@@ -56,10 +56,9 @@ class PrecisionConfig:
     hysteresis: int = 2             # fp16: overflows tolerated before the scale is lowered
     min_loss_scale: float = 1.0
     # Gradient accumulation over micro-batches (bf16/fp16): fp32 | model | auto. DeepSpeed 0.19.8 accumulates in
-    # fp32 with ZeRO 2 (both half types) and ZeRO 1 + fp16 in its ZeRO optimizer, with ZeRO 1 + bf16 only through
-    # its BF16_Optimizer, and not at all without ZeRO. auto: fp32 where the ZeRO optimizer does it without a
-    # pipeline, else the model dtype; fp32: everywhere DeepSpeed can (ZeRO 1 + bf16: BF16_Optimizer), a config
-    # error on ZeRO 0.
+    # fp32 with ZeRO 2 (both half types) and ZeRO 1 + fp16 in its ZeRO optimizer, with ZeRO 1 + bf16 through its
+    # BF16_Optimizer (pipelines included), and not at all without ZeRO. auto: fp32 wherever ZeRO is on, the model
+    # dtype on ZeRO 0; fp32: the same, and a config error on ZeRO 0 (train/engine.py grad_accum_dtype).
     grad_accum_dtype: str = "auto"
     # An overflowing step is skipped and retried on the same batch with the lowered scale; this many skips
     # in a row means the run diverged (e.g. a NaN loss) and stops with an error.

@@ -280,8 +280,9 @@ def test_a_stage_reads_meta_once_and_makes_it_on_the_tokens_device():
 # ---- DeepSpeed's gradient accumulation ------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, zero, pp, setting, want", [
     ("bf16", 2, 1, "auto", "fp32"), ("fp16", 2, 1, "auto", "fp32"), ("fp16", 1, 1, "auto", "fp32"),
-    ("bf16", 1, 1, "auto", None), ("bf16", 1, 1, "fp32", "fp32"), ("bf16", 0, 1, "auto", None),
-    ("fp16", 1, 2, "auto", None), ("bf16", 2, 1, "model", None), ("fp32", 2, 1, "auto", None),
+    ("bf16", 1, 1, "auto", "fp32"), ("bf16", 1, 1, "fp32", "fp32"), ("bf16", 0, 1, "auto", None),
+    ("fp16", 1, 2, "auto", "fp32"), ("bf16", 1, 2, "auto", "fp32"), ("bf16", 2, 1, "model", None),
+    ("fp32", 2, 1, "auto", None),
 ])
 def test_ds_config_accumulates_half_precision_gradients_in_fp32_where_deepspeed_can(dtype, zero, pp, setting, want):
     from megamemo.train.engine import ds_config
@@ -304,8 +305,9 @@ def _engine_worker(rank, world):
     from megamemo.train.engine import Engine
 
     for sets, cls, accum in ((["parallel.zero_stage=2"], "DeepSpeedZeroOptimizer", torch.float32),
-                             (["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer", torch.bfloat16),
-                             (["parallel.zero_stage=1", "precision.grad_accum_dtype=fp32"], "BF16_Optimizer", None)):
+                             (["parallel.zero_stage=1", "precision.grad_accum_dtype=model"], "DeepSpeedZeroOptimizer",
+                              torch.bfloat16),
+                             (["parallel.zero_stage=1"], "BF16_Optimizer", None)):
         cfg = load(REPO / "configs/tiny-cpu.yaml", ["precision.dtype=bf16", *sets])
         eng = Engine(cfg, MemTransformerLM(cfg.model), 4, 1)
         opt = eng.ds.optimizer

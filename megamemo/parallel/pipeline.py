@@ -195,12 +195,13 @@ class LayerPipe(nn.Module):
             rows, ctx_new, lse_new = self.layer(rows, M, bank.get(mb, f"ctx.{l}"), bank.get(mb, f"lse.{l}"),
                                                 pos_emb, b.r_w_bias, b.r_r_bias, vf, mask, mem_len,
                                                 mem_rows_out=not top)
-            if top and M and cfg.future_bias:
-                # The top layer may skip the look-ahead, the only user of v+. With memory (M > 0) the lower layers
-                # give v+ a gradient, but on a last stage holding no other layer this stage's copy would get
-                # none, and DeepSpeed all-reduces tied weights' gradients only where they exist (the other
-                # stages would wait in the collective). A zero gradient keeps this copy in it: the sum, and so
-                # the update, is the single-process one. Without memory no stage's copy has a gradient.
+            if cfg.future_bias and (top or not M):
+                # The top layer may skip the look-ahead, the only user of v+, and without memory (M = 0) no layer
+                # uses it. DeepSpeed all-reduces tied weights' gradients only where they exist (the other stages
+                # would wait in the collective), and its BF16_Optimizer (bf16 with fp32 accumulation) fails on a
+                # tied weight that has none (pipe/engine.py _exec_reduce_tied_grads reads weight._hp_grad, set by
+                # the first gradient). A zero gradient keeps every stage's copy in: the sum, and so the update, is
+                # the single-process one.
                 rows = rows + (vf.sum() * 0).to(rows.dtype)
             bank.put(mb, f"ctx.{l}", ctx_new)
             bank.put(mb, f"lse.{l}", lse_new)
