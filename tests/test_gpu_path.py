@@ -133,6 +133,37 @@ def test_dropout_seeds_are_unique_over_the_tp_dp_pp_grid():
     assert dropout_seeds(1111, 0, 0, 0) == (1112, 1113)
 
 
+def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatch):
+    """Both paths that seed dropout - a fresh start (train/cli.py) and a resume under another layout
+    (Trainer._reseed) - go through train.loop.seed_streams, on one process for every rank of a dp x tp x pp grid:
+    the default stream is shared by exactly the TP ranks of a (dp, pp) group, every TP stream is its rank's own,
+    and a resume's streams are none of the fresh start's (megatron's seed + 2718 + tp_rank, which _reseed used,
+    gave (dp 0, tp 1) and (dp 1, tp 0) one stream and every stage the same default one)."""
+    from megamemo.parallel import groups
+    from megamemo.train import loop
+
+    installed = []
+    monkeypatch.setattr(groups, "install_tp_stream", lambda seed, cuda=None: installed.append(seed))
+    cfg = load(REPO / "configs/tiny-cpu.yaml", ["parallel.tp=2", "parallel.pp=2"])
+    seeds = {}
+    for d, t, p in itertools.product(range(3), range(3), range(3)):
+        ranks = {"dp_rank": d, "tp_rank": t, "pp_rank": p}
+        stub = SimpleNamespace(cfg=cfg, _layout=lambda: ranks, engine=SimpleNamespace(device=torch.device("cpu")))
+        for path, step in (("fresh", None), ("resume", 40)):
+            installed.clear()
+            got = loop.seed_streams(cfg, ranks, "cpu") if step is None else loop.Trainer._reseed(stub, step)
+            assert torch.initial_seed() == got[0] and installed == [got[1]], (path, ranks)   # what was seeded
+            seeds[path, d, t, p] = got
+    for path in ("fresh", "resume"):
+        default = {(d, p): {seeds[path, d, t, p][0] for t in range(3)} for d, _, p in itertools.product(*[range(3)] * 3)}
+        assert all(len(v) == 1 for v in default.values())
+        assert len({next(iter(v)) for v in default.values()}) == 9            # one per (dp, pp) group
+    tp_seeds = [v[1] for v in seeds.values()]
+    assert len(set(tp_seeds)) == len(tp_seeds)                                # every rank, both paths
+    defaults = {v[0] for v in seeds.values()}
+    assert len(defaults) == 18 and not defaults & set(tp_seeds)
+
+
 # ---- two gloo ranks, tensor parallel --------------------------------------------------------------------------
 def _tp_worker(rank, world):
     from megamemo.parallel import groups

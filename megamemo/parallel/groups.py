@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 TP_RNG = "model-parallel-rng"  # megatron's name for the per-TP-rank stream
-TP_SEED_OFFSET = 2718          # megatron's offset: tp seed = seed + 2718 + tp_rank (install_rng_tracker only)
 
 
 def _mcore():
@@ -158,14 +157,6 @@ def seed_rng_streams(seed: int, dp_rank: int, tp_rank: int, pp_rank: int, step_s
     if tp_stream:
         install_tp_stream(tp_seed, cuda)
     return default, tp_seed
-
-
-def install_rng_tracker(seed: int) -> None:
-    """Legacy: megatron's derivation, TP stream seed + 2718 + tp_rank (collides across DP ranks and is shared by
-    pipeline stages). Use seed_rng_streams / dropout_seeds."""
-    ps, _ = _mcore()
-    rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    install_tp_stream(seed + TP_SEED_OFFSET + rank)
 
 
 def rng_tracker():

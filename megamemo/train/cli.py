@@ -171,9 +171,8 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                                             # GPU the per-batch range check would cost a host sync every micro-batch
     # then each rank its dropout streams: the default one per (dp, pp), shared by the TP ranks of the group
     # (replicated activations); under model parallelism a TP stream per rank (parallel.groups.dropout_seeds)
-    from megamemo.parallel.groups import seed_rng_streams
-    seed_rng_streams(cfg.train.seed, **ranks, tp_stream=cfg.parallel.tp * cfg.parallel.pp > 1,
-                     cuda=getattr(engine.device, "type", str(engine.device)) == "cuda")
+    from megamemo.train.loop import seed_streams
+    seed_streams(cfg, ranks, engine.device)
 
     per_rank = cfg.data.batch_size // dp
     reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
