@@ -96,6 +96,47 @@ def test_cuda_device_index_from_what_the_task_sees():
         device.pick_cuda_device(3, None, 2)
 
 
+def test_init_binds_the_gpu_the_task_sees_and_tells_deepspeed(monkeypatch):
+    """The call site of the visible-device choice (train/dist.py init), not only pick_cuda_device: a task bound to
+    one GPU (--gpus-per-task=1) with local rank 5 of 8 sets cuda:0, exports LOCAL_RANK=0 for DeepSpeed and starts
+    NCCL. torch.cuda and DeepSpeed's init are stand-ins recording what they are asked (no GPU here)."""
+    import deepspeed
+
+    from megamemo.train import dist as mdist
+
+    calls = {}
+    monkeypatch.setattr(device, "resolve", lambda env=None: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("set_device", i))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: calls.setdefault("init", kw))
+    for k, v in {"RANK": "13", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(k, v)
+    de = mdist.init()
+    assert (de.rank, de.local_rank) == (13, 5)
+    assert calls["set_device"] == 0 and os.environ["LOCAL_RANK"] == "0"
+    assert calls["init"]["dist_backend"] == "nccl" and calls["init"]["rank"] == 13
+
+
+def test_grad_norm_of_a_rank_without_gradients_joins_on_the_communication_device(monkeypatch):
+    """A rank holding no gradient still takes part in the TP all-reduce, with a tensor on the communication
+    device (its explicit torch.device("cpu") would break NCCL); the accelerator is made to say "meta" here so a
+    CPU tensor shows."""
+    from deepspeed.accelerator import get_accelerator
+
+    from megamemo.parallel import groups
+
+    seen = []
+    monkeypatch.setattr(type(get_accelerator()), "current_device_name", lambda self: "meta")
+    monkeypatch.setattr(groups, "tp_rank_size", lambda: (1, 2))
+    monkeypatch.setattr(groups, "_mcore", lambda: (SimpleNamespace(get_tensor_model_parallel_group=lambda: None),
+                                                   None))
+    monkeypatch.setattr(groups.dist, "all_reduce", lambda t, **kw: seen.append(t.device))
+    with pytest.raises(RuntimeError, match="meta"):
+        groups.grad_norm([torch.nn.Parameter(torch.ones(2))])   # the final host read of a meta tensor, after it
+    assert seen == [torch.device("meta")], seen
+
+
 def test_tasks_per_node_from_the_launchers():
     assert slurm_tasks_on_node({"SLURM_STEP_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}) == 4
     assert slurm_tasks_on_node({"SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "1"}) == 8

@@ -164,13 +164,20 @@ def rng_tracker():
     return tp.get_cuda_rng_tracker()
 
 
+def communication_device() -> torch.device:
+    """The device this process's collectives run on (DeepSpeed's accelerator: cuda:N under NCCL, cpu under gloo)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
 def grad_norm(params) -> float:
     """Global L2 norm of the gradients, counting tensor-parallel shards once each and replicated parameters once
     (not once per TP rank). The squares are summed in float64 on the gradients' device; the TP all-reduce runs
     there too (NCCL takes no CPU tensors); one host sync at the end."""
     grads = [(p.grad.detach(), bool(getattr(p, "tensor_model_parallel", False))) for p in params
              if p.grad is not None]
-    device = grads[0][0].device if grads else torch.device("cpu")
+    device = grads[0][0].device if grads else communication_device()   # a rank without gradients still joins
     sq = torch.zeros(2, dtype=torch.float64, device=device)        # [split across TP ranks, replicated]
     for g, split in grads:
         sq[0 if split else 1] += g.double().pow(2).sum()
