@@ -390,3 +390,32 @@ def _engine_worker(rank, world):
 
 def test_deepspeed_builds_the_optimizer_that_accumulates_as_configured():
     run_distributed(_engine_worker, 1)
+
+
+# ---- TF32 for fp32 runs (precision.allow_tf32) -----------------------------------------------------------------
+@pytest.mark.parametrize("sets, want", [([], False), (["precision.allow_tf32=true"], True),
+                                        (["precision.allow_tf32=true", "precision.dtype=bf16"], False)])
+def test_train_sets_tf32_as_the_config_allows(monkeypatch, tmp_path, sets, want):
+    """The call site (`megamemo train` start-up): TF32 products exactly for fp32 runs that allow them. The run is
+    stopped right after (build is replaced by one that raises), before anything needs a GPU."""
+    from megamemo.train import cli
+
+    class Stop(Exception):
+        pass
+
+    def stop(cfg, log=print):
+        raise Stop()
+    monkeypatch.setattr(cli, "build", stop)
+    monkeypatch.setattr(device, "resolve", lambda env=None: "cpu")
+    monkeypatch.setattr("megamemo.train.data.check_data_dir", lambda cfg: None)
+    monkeypatch.setattr("megamemo.train.engine.check_precision", lambda dtype: None)
+    monkeypatch.setattr("megamemo.train.rundir.die_with_parent", lambda: None)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want
+    try:
+        args = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--run-dir", str(tmp_path / "run")]
+        with pytest.raises(Stop):
+            cli.main(args + [a for s in sets for a in ("--set", s)])
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (want, want)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
