@@ -23,6 +23,7 @@ from distributed import run_distributed
 from fixture_data import REPO
 from megamemo.config import load
 from megamemo.model import MemTransformerLM
+from test_train_runs import losses, run, shards, tiny_cfg  # noqa: F401 (shards, tiny_cfg: fixtures)
 
 ACCUM, MICRO = 8, 2
 
@@ -116,3 +117,17 @@ def test_every_shipped_half_precision_config_accumulates_in_fp32(config):
     cfg = load(REPO / "configs" / config, [])
     got = ds_config(cfg, 1, 1).get("data_types", {}).get("grad_accum_dtype")
     assert got == (None if cfg.precision.dtype == "fp32" else "fp32"), (config, cfg.precision.dtype, got)
+
+
+def test_bf16_zero1_run_resumes_bit_exact(tiny_cfg, shards, tmp_path):  # noqa: F811
+    """bf16 + ZeRO 1 now runs DeepSpeed's BF16_Optimizer (fp32 accumulation): a run stopped at step 2 and resumed
+    repeats the uninterrupted one's steps 3-4 bit for bit (its fp32 masters, Adam state and accumulation buffers
+    restored through train/resumable.py)."""
+    args = ["--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=1", "--set", "train.grad_accum=2",
+            "--set", "checkpoint.probe=false", "--save-every", "2"]
+    run(1, tiny_cfg, shards, tmp_path / "whole", *args, "--max-steps", "4")
+    run(1, tiny_cfg, shards, tmp_path / "split", *args, "--max-steps", "2")
+    run(1, tiny_cfg, shards, tmp_path / "split", *args, "--max-steps", "4")
+    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
+    assert sorted(split) == sorted(whole) == [1, 2, 3, 4]
+    assert all(split[s] == whole[s] for s in whole), (split, whole)

@@ -9,7 +9,7 @@ positions an angle near 1,500 rad has bf16 steps of 8 rad, i.e. another position
 The logits bound (test_half_logits_track_fp32_at_width): in the standard model of floating-point error every
 operation that writes a half-precision tensor rounds it with relative error at most u (unit roundoff: 2^-8 for
 bf16, 2^-11 for fp16) and, to first order, the relative errors of a chain of well-conditioned operations add. A
-forward pass that writes N half-precision tensors (counted on the run itself, `rounding_ops`) is therefore off by
+forward pass that writes N half-precision tensors (counted on the run itself, `RoundingCounter`) is therefore off by
 at most N * u relative, measured as RMS over the vocabulary-centred log-probs (centring removes the log-normaliser,
 a constant per token). The weights are set so that the positional term dominates the attention scores: the same
 model with half-precision angles is then off by O(1) relative, far beyond N * u.
@@ -35,7 +35,7 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-class rounding_ops(TorchDispatchMode):
+class RoundingCounter(TorchDispatchMode):
     """Counts the operations of a forward that write a half-precision tensor by arithmetic (not data movement)."""
 
     def __init__(self, dtype):
@@ -109,7 +109,7 @@ def run_counted(model, x, dtype, replace_positions=None):
         seen.append(args[0].detach().clone())
         return None if replace_positions is None else (replace_positions,)
     handle = model.layers[0].attn.r_net.register_forward_pre_hook(hook)
-    counter = rounding_ops(dtype)
+    counter = RoundingCounter(dtype)
     try:
         with torch.no_grad(), counter:
             out = model(x)[0].float()
@@ -149,12 +149,12 @@ def test_half_angles_fail_the_bound(at_width):
 
 # ---- every path that casts a whole module: the positions its r_net sees are fp32's, rounded once ----------------
 # Narrow (d_model 64) and 600 positions: the old bug shows at any width once positions pass 256 (bf16 keeps 8 bits).
-# n_head * d_head (32) != d_model (64) makes r_net the only Linear of shape 64 -> 32 (see r_net_inputs).
+# n_head * d_head (32) != d_model (64) makes r_net the only Linear of shape 64 -> 32 (see RNetInputs).
 PATH_CFG = dict(variant="xl", n_token=32, n_layer=1, d_model=64, n_head=2, d_head=16, d_inner=64, dropout=0.0,
                 tgt_len=600, mem_len=0)
 
 
-class r_net_inputs:
+class RNetInputs:
     """Records what every r_net (Linear d_model -> n_head*d_head) of any model receives inside the block, also for
     models a path builds itself."""
 
@@ -199,7 +199,7 @@ def test_load_single_and_eval_half(tmp_path, name):
     loaded = [load_single(tmp_path / "half")[0], load_for_eval(tmp_path / "fp32", "cpu", name)[0]]
     for m in loaded:
         assert next(m.parameters()).dtype == dtype
-        with r_net_inputs(cfg) as rec, torch.no_grad():
+        with RNetInputs(cfg) as rec, torch.no_grad():
             m(x)
         assert_fp32_positions(rec.seen, cfg, x.size(0), dtype)
 
@@ -212,7 +212,7 @@ def test_conversion_probe_half():
     with torch.no_grad():
         nll = model(x, x)[0]
     probe = {"empty_start": True, "segments": [(x, x, nll)], "columns": [0, 1], "path": "probe"}
-    with r_net_inputs(cfg) as rec:
+    with RNetInputs(cfg) as rec:
         res = check_probe(model, None, probe, "bf16")
     assert_fp32_positions(rec.seen, cfg, x.size(0), torch.bfloat16)
     assert res["max_abs_diff"] <= res["tolerance"]["max"]
@@ -231,6 +231,6 @@ def test_pipeline_stage_half():
             torch.nn.init.normal_(p, 0.0, 0.05)
     bias, layer = bias.to(torch.bfloat16), layer.to(torch.bfloat16)
     rows = torch.randn(x.size(0), 1, cfg.d_model, dtype=torch.bfloat16)
-    with r_net_inputs(cfg) as rec, torch.no_grad():
+    with RNetInputs(cfg) as rec, torch.no_grad():
         layer(bias((rows, stage_meta(0, 0, x.size(0), "cpu"))))
     assert_fp32_positions(rec.seen, cfg, x.size(0), torch.bfloat16)
