@@ -47,11 +47,11 @@ def worker(rank, world, port, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megamemo.model import MemTransformerLM, ModelConfig
-    from megamemo.parallel.groups import init_model_parallel, install_rng_tracker
+    from megamemo.parallel.groups import dropout_seeds, init_model_parallel, install_tp_stream
     from megamemo.parallel.tensor import parallelize_tensor
 
     init_model_parallel(tp=world)
-    install_rng_tracker(1)
+    install_tp_stream(dropout_seeds(1, 0, rank, 0)[1])      # this rank's TP dropout stream
     rows = []
     for variant in args.variant:
         torch.manual_seed(0)

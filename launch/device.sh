@@ -1,15 +1,24 @@
-# Sourced by megamemo's launchers (launch/slurm/train.sbatch, launch/local.sh) and scripts/env.sh: the device
-# decision, made from what this machine has, written into the environment every training process inherits.
+# Sourced by megamemo's launchers (launch/slurm/train.sbatch, launch/local.sh, launch/mpi/train.sh) and
+# scripts/env.sh: the device decision, made from what this machine has, written into the environment every training
+# process inherits.
 #
-#   megamemo_gpu_count            NVIDIA GPUs that `nvidia-smi -L` lists here (0 without nvidia-smi)
-#   megamemo_select_device WANT   WANT = auto | gpu | cpu (cuda means gpu). auto: gpu when megamemo_gpu_count > 0.
+#   megamemo_gpu_count            NVIDIA GPUs that `nvidia-smi -L` lists here (0 without nvidia-smi); cheap, for
+#                                 scripts/env.sh on every shell
+#   megamemo_torch_gpu_count      CUDA devices torch sees here (`python -c ...torch.cuda.device_count()` with the
+#                                 python on PATH), falling back to megamemo_gpu_count where that python has no
+#                                 torch (e.g. a container job's bare host). MEGAMEMO_GPU_PROBE, if set, is the
+#                                 command run instead of that python one-liner (it prints the count): tests fake
+#                                 torch's view with it; a site may point it at its container's python.
+#   megamemo_select_device WANT   WANT = auto | gpu | cpu (cuda means gpu). auto: gpu when torch sees a GPU.
 #       Exports MEGAMEMO_DEVICE=gpu|cpu and DS_ACCELERATOR=cuda|cpu to match, replacing what was inherited (a
-#       login node's DS_ACCELERATOR=cpu from scripts/env.sh included), and MEGAMEMO_GPUS=<count>. For gpu also,
-#       unless already set: CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron-core's TP layers overlap their all-reduce
-#       with the weight-gradient GEMM by kernel order on one hardware queue) and TORCH_NCCL_ASYNC_ERROR_HANDLING=3
-#       (torch's default: a failed or timed-out collective ends the process; NCCL_ASYNC_ERROR_HANDLING is the old
-#       name). `megamemo train` reads MEGAMEMO_DEVICE: gpu without a usable CUDA device is an error, not a CPU run.
-#       Returns 2 (and says why) on an unknown WANT.
+#       login node's DS_ACCELERATOR=cpu from scripts/env.sh included: only MEGAMEMO_DEVICE chooses, and an
+#       inherited DS_ACCELERATOR=cpu where GPUs are seen is reported and ignored), and MEGAMEMO_GPUS=<count>.
+#       For gpu also, unless already set: CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron-core's TP layers overlap their
+#       all-reduce with the weight-gradient GEMM by kernel order on one hardware queue) and
+#       TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (torch's default: a failed or timed-out collective ends the process;
+#       NCCL_ASYNC_ERROR_HANDLING is the old name). gpu where torch sees none is an error (returns 3, one line
+#       saying so): a GPU job never trains on the CPU. `megamemo train` reads MEGAMEMO_DEVICE too. Returns 2
+#       (and says why) on an unknown WANT.
 
 megamemo_gpu_count() {
   local n
@@ -17,9 +26,15 @@ megamemo_gpu_count() {
   echo "${n:-0}"
 }
 
+megamemo_torch_gpu_count() {
+  local n probe="${MEGAMEMO_GPU_PROBE:-python -c 'import torch; print(torch.cuda.device_count())'}"
+  n="$(bash -c "$probe" 2>/dev/null | tail -n 1)" || true
+  if [[ "$n" =~ ^[0-9]+$ ]]; then echo "$n"; else megamemo_gpu_count; fi
+}
+
 megamemo_select_device() {
   local want="${1:-auto}"
-  MEGAMEMO_GPUS="$(megamemo_gpu_count)"
+  MEGAMEMO_GPUS="$(megamemo_torch_gpu_count)"
   export MEGAMEMO_GPUS
   case "$want" in
     auto) if [ "$MEGAMEMO_GPUS" -gt 0 ]; then want=gpu; else want=cpu; fi ;;
@@ -27,6 +42,15 @@ megamemo_select_device() {
     cpu) ;;
     *) echo "MEGAMEMO_DEVICE must be auto, gpu or cpu (got '$want')" >&2; return 2 ;;
   esac
+  if [ "$want" = gpu ] && [ "$MEGAMEMO_GPUS" -eq 0 ]; then
+    echo "MEGAMEMO_DEVICE=gpu but torch sees no CUDA device on $(hostname) (torch without CUDA, no driver, or a" \
+         "job without GPUs): not starting; MEGAMEMO_DEVICE=cpu trains on the CPU" >&2
+    return 3
+  fi
+  if [ "$want" = gpu ] && [ "${DS_ACCELERATOR:-}" = cpu ]; then
+    echo "note: ignoring the inherited DS_ACCELERATOR=cpu: $MEGAMEMO_GPUS GPU(s) here (MEGAMEMO_DEVICE=cpu forces" \
+         "the CPU)" >&2
+  fi
   if [ "$want" = gpu ]; then
     export MEGAMEMO_DEVICE=gpu DS_ACCELERATOR=cuda
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"

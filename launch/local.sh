@@ -21,8 +21,9 @@ n="$1"; shift
 
 # shellcheck source=../scripts/env.sh
 source "$here/scripts/env.sh"      # the repo's venv on PATH
-# the device: MEGAMEMO_DEVICE, else a DS_ACCELERATOR the caller set, else GPUs when nvidia-smi lists any
-megamemo_select_device "${MEGAMEMO_DEVICE:-${DS_ACCELERATOR:-auto}}" || usage
+# the device (launch/device.sh): MEGAMEMO_DEVICE, else GPUs when torch sees any here (an inherited
+# DS_ACCELERATOR=cpu, e.g. from scripts/env.sh on a machine whose nvidia-smi is not on PATH, does not choose)
+megamemo_select_device "${MEGAMEMO_DEVICE:-auto}" || { rc=$?; [ "$rc" = 2 ] && usage; exit "$rc"; }
 
 if ! (cd / && python -c "import megamemo.launcher, megamemo.train.cli") 2>/dev/null; then
   echo "launch/local.sh: megamemo (with its train command) is not installed in $(command -v python || echo 'any python on PATH')." >&2

@@ -56,11 +56,13 @@ class PrecisionConfig:
     hysteresis: int = 2             # fp16: overflows tolerated before the scale is lowered
     min_loss_scale: float = 1.0
     # Gradient accumulation over micro-batches (bf16/fp16): fp32 | model | auto. DeepSpeed 0.19.8 accumulates in
-    # fp32 with ZeRO 2 (both half types) and ZeRO 1 + fp16 in its ZeRO optimizer, with ZeRO 1 + bf16 only through
-    # its BF16_Optimizer, and not at all without ZeRO. auto: fp32 where the ZeRO optimizer does it without a
-    # pipeline, else the model dtype; fp32: everywhere DeepSpeed can (ZeRO 1 + bf16: BF16_Optimizer), a config
-    # error on ZeRO 0.
+    # fp32 with ZeRO 2 (both half types) and ZeRO 1 + fp16 in its ZeRO optimizer, with ZeRO 1 + bf16 through its
+    # BF16_Optimizer (pipelines included), and not at all without ZeRO. auto: fp32 wherever ZeRO is on, the model
+    # dtype on ZeRO 0; fp32: the same, and a config error on ZeRO 0 (train/engine.py grad_accum_dtype).
     grad_accum_dtype: str = "auto"
+    # fp32 runs on NVIDIA GPUs (Ampere and later): let matmuls and convolutions use TF32 tensor cores (10-bit
+    # mantissa products, fp32 accumulation; several times faster). Off by default: fp32 then means fp32.
+    allow_tf32: bool = False
     # An overflowing step is skipped and retried on the same batch with the lowered scale; this many skips
     # in a row means the run diverged (e.g. a NaN loss) and stops with an error.
     max_consecutive_skips: int = 40
@@ -89,6 +91,10 @@ class TrainConfig:
     # Bit-exact runs on CUDA: torch's deterministic kernels, CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO=Ring and no NVLS
     # (train/device.py). Slower; CPU runs are deterministic without it.
     deterministic: bool = False
+    # Recompute each layer's activations in the backward pass instead of keeping them (less memory, about one
+    # more forward of compute). Without a pipeline torch.utils.checkpoint wraps every layer; with one, DeepSpeed's
+    # PipelineModule recomputes every layer (activation_checkpoint_interval 1). `megamemo plan` counts it.
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -183,6 +189,9 @@ class RunConfig:
                 and self.parallel.zero_stage == 0):
             bad("precision.grad_accum_dtype", "fp32 accumulation of bf16/fp16 gradients needs ZeRO 1 or 2 in "
                 "DeepSpeed 0.19.8 (parallel.zero_stage=0); use auto or model")
+        if self.train.activation_checkpointing and self.parallel.tp > 1 and self.model.dropout > 0:
+            bad("train.activation_checkpointing", "with parallel.tp > 1 and model.dropout > 0 is not supported: the "
+                "recomputed forward would draw other tensor-parallel dropout masks (set model.dropout: 0 or tp 1)")
         if self.precision.max_consecutive_skips < 1:
             bad("precision.max_consecutive_skips", "must be >= 1")
         if self.parallel.tp < 1:

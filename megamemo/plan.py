@@ -11,7 +11,9 @@ Counts are analytic (from the model config, not from building the model), one co
 holds its layers (n_layer / pp, the first ones one more when it does not divide) and the shared position biases;
 the first the embedding and, for LaMemo, the embedding FIFO; the last the output bias, a tied copy of the table
 and the logits. A stage has up to pp - stage micro-batches in flight (DeepSpeed's 1F1B schedule). Activations
-count the tensors that autograd keeps per layer for one micro-batch (no recomputation). Beyond weights,
+count the tensors that autograd keeps per layer for one micro-batch; with train.activation_checkpointing, each
+layer's input plus one layer's activations (recomputed in the backward, one layer at a time). bf16 + ZeRO 1 runs
+DeepSpeed's BF16_Optimizer, which adds a full fp32 gradient buffer per rank. Beyond weights,
 gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp32 weights), its flat fp32
 gradient partition and reduction bucket, the new memory state held until the step commits, and on a CPU layout
 the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
@@ -149,7 +151,12 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu", d
     grads_b = params * p_bytes / (dp if zero >= 2 else 1)
     opt_b = params * opt_per_param / (dp if zero >= 1 else 1)
     zero_b = 0.0
-    if zero >= 1:
+    if cfg.precision.dtype == "bf16" and zero == 1 and cfg.precision.grad_accum_dtype != "model":
+        # DeepSpeed's BF16_Optimizer (bf16 + ZeRO 1 with fp32 accumulation, train/engine.py): a full fp32 gradient
+        # buffer on every rank (not partitioned) and its all-reduce buffer of up to reduce_bucket_size bf16 values
+        bucket = DS_REDUCE_BUCKET if device != "cpu" else min(DS_REDUCE_BUCKET, params)
+        zero_b = 4 * params + 2 * min(bucket, params)
+    elif zero >= 1:
         # the flat fp32 gradient of the rank's partition (the optimizer's .grad), and the reduction bucket:
         # reduce_bucket_size elements, fp32 under ZeRO 1 (its accumulator), the model dtype under ZeRO 2; on the
         # CPU only the pages gradients are copied into become resident
@@ -166,9 +173,13 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu", d
     per_layer_scores = 2 * B * n_loc * L * klen * 4 / p_bytes   # fp32 scores and probabilities
     if m.lamemo:
         per_layer_scores += 2 * B * n_loc * M * min(M, L) * 4 / p_bytes
-    act = layers * (per_layer + per_layer_scores) * p_bytes
-    act += L * B * m.n_token / tp * 4 * (1 if last else 0)     # fp32 logits live on the last stage
-    act *= min(pp - stage, cfg.train.grad_accum)                 # micro-batches in flight on a stage (1F1B)
+    in_flight = min(pp - stage, cfg.train.grad_accum)          # micro-batches in flight on a stage (1F1B)
+    logits = L * B * m.n_token / tp * 4 * (1 if last else 0)     # fp32 logits live on the last stage
+    if cfg.train.activation_checkpointing:
+        # each layer keeps only its input; the backward recomputes one layer at a time, holding its activations
+        act = (layers * rows * B * m.d_model * p_bytes + logits) * in_flight + (per_layer + per_layer_scores) * p_bytes
+    else:
+        act = (layers * (per_layer + per_layer_scores) * p_bytes + logits) * in_flight
 
     streams = B * cfg.train.grad_accum
     if m.lamemo:

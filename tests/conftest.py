@@ -3,36 +3,47 @@
 Skips. A test may skip only for a capability the machine lacks (root for the Slurm dev cluster, CUDA), with its
 reason. With MEGAMEMO_FORBID_SKIPS=1 (what .ci/run sets) any skip fails the session. GPU tests (`@pytest.mark.gpu`)
 are deselected, not skipped, where torch sees no CUDA device, unless asked for with `-m gpu` (then they skip with
-the reason). The session ends with one line: how many tests ran, passed, failed and skipped.
+the reason); so are multi-GPU tests (`@pytest.mark.multigpu`, `-m multigpu`) where torch sees fewer than 2. The session ends with one line: how many tests ran, passed, failed and skipped.
 """
 import os
 
 import pytest
 
 
-def cuda_available() -> bool:
+def cuda_count() -> int:
     try:
         import torch
     except ImportError:
-        return False
-    return torch.cuda.is_available()
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_available() -> bool:
+    return cuda_count() > 0
+
+
+# marker -> CUDA devices its tests need
+DEVICE_MARKERS = {"gpu": 1, "multigpu": 2}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run with `pytest -m gpu`)")
+    config.addinivalue_line("markers", "multigpu: needs 2 or more CUDA devices (run with `pytest -m multigpu`)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if cuda_available():
-        return
-    asked = "gpu" in (config.getoption("markexpr") or "")
+    have = cuda_count()
+    expr = config.getoption("markexpr") or ""
+    keep, dropped = [], []
     for item in items:
-        if item.get_closest_marker("gpu") is not None and asked:
-            item.add_marker(pytest.mark.skip(reason="no CUDA device visible to torch"))
-    if asked:
-        return
-    keep = [i for i in items if i.get_closest_marker("gpu") is None]
-    dropped = [i for i in items if i.get_closest_marker("gpu") is not None]
+        need = max((n for m, n in DEVICE_MARKERS.items() if item.get_closest_marker(m) is not None), default=0)
+        if need <= have:
+            keep.append(item)
+        elif any(m in expr for m, n in DEVICE_MARKERS.items() if item.get_closest_marker(m) is not None):
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), torch sees {have}"))
+            keep.append(item)
+        else:
+            dropped.append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
@@ -47,7 +58,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     gpu = getattr(config, "_megamemo_gpu_deselected", 0)
     terminalreporter.write_line(
         f"megamemo: {ran} tests ran ({count['passed']} passed, {count['failed']} failed, {count['error']} errors), "
-        f"{count['skipped']} skipped" + (f", {gpu} GPU tests deselected (no CUDA device)" if gpu else ""))
+        f"{count['skipped']} skipped" + (f", {gpu} GPU tests deselected (too few CUDA devices)" if gpu else ""))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -40,7 +40,7 @@ def test_attention_by_distance_is_the_models_attention(tmp_path):
                 for i in range(L):
                     for j in range(M + i + 1):
                         d = M + i - j
-                        r = (sinusoid(torch.tensor([float(d)]), model.inv_freq) @ layer.attn.r_net.weight.T).view(n, dh)
+                        r = (sinusoid(torch.tensor([float(d)]), model.cfg.d_model) @ layer.attn.r_net.weight.T).view(n, dh)
                         s = ((q[i] + model.r_w_bias) * k[j]).sum(-1) + ((q[i] + model.r_r_bias) * r).sum(-1)
                         if j == 0:
                             row = torch.empty(M + i + 1, *s.shape)

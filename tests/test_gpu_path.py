@@ -96,6 +96,47 @@ def test_cuda_device_index_from_what_the_task_sees():
         device.pick_cuda_device(3, None, 2)
 
 
+def test_init_binds_the_gpu_the_task_sees_and_tells_deepspeed(monkeypatch):
+    """The call site of the visible-device choice (train/dist.py init), not only pick_cuda_device: a task bound to
+    one GPU (--gpus-per-task=1) with local rank 5 of 8 sets cuda:0, exports LOCAL_RANK=0 for DeepSpeed and starts
+    NCCL. torch.cuda and DeepSpeed's init are stand-ins recording what they are asked (no GPU here)."""
+    import deepspeed
+
+    from megamemo.train import dist as mdist
+
+    calls = {}
+    monkeypatch.setattr(device, "resolve", lambda env=None: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("set_device", i))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: calls.setdefault("init", kw))
+    for k, v in {"RANK": "13", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(k, v)
+    de = mdist.init()
+    assert (de.rank, de.local_rank) == (13, 5)
+    assert calls["set_device"] == 0 and os.environ["LOCAL_RANK"] == "0"
+    assert calls["init"]["dist_backend"] == "nccl" and calls["init"]["rank"] == 13
+
+
+def test_grad_norm_of_a_rank_without_gradients_joins_on_the_communication_device(monkeypatch):
+    """A rank holding no gradient still takes part in the TP all-reduce, with a tensor on the communication
+    device (its explicit torch.device("cpu") would break NCCL); the accelerator is made to say "meta" here so a
+    CPU tensor shows."""
+    from deepspeed.accelerator import get_accelerator
+
+    from megamemo.parallel import groups
+
+    seen = []
+    monkeypatch.setattr(type(get_accelerator()), "current_device_name", lambda self: "meta")
+    monkeypatch.setattr(groups, "tp_rank_size", lambda: (1, 2))
+    monkeypatch.setattr(groups, "_mcore", lambda: (SimpleNamespace(get_tensor_model_parallel_group=lambda: None),
+                                                   None))
+    monkeypatch.setattr(groups.dist, "all_reduce", lambda t, **kw: seen.append(t.device))
+    with pytest.raises(RuntimeError, match="meta"):
+        groups.grad_norm([torch.nn.Parameter(torch.ones(2))])   # the final host read of a meta tensor, after it
+    assert seen == [torch.device("meta")], seen
+
+
 def test_tasks_per_node_from_the_launchers():
     assert slurm_tasks_on_node({"SLURM_STEP_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}) == 4
     assert slurm_tasks_on_node({"SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "1"}) == 8
@@ -131,6 +172,37 @@ def test_dropout_seeds_are_unique_over_the_tp_dp_pp_grid():
     assert len(set(default_seeds)) == len(default_seeds)                # one per (dp, pp) group and salt
     assert not set(default_seeds) & set(tp_seeds)                       # no TP stream is anyone's default one
     assert dropout_seeds(1111, 0, 0, 0) == (1112, 1113)
+
+
+def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatch):
+    """Both paths that seed dropout - a fresh start (train/cli.py) and a resume under another layout
+    (Trainer._reseed) - go through train.loop.seed_streams, on one process for every rank of a dp x tp x pp grid:
+    the default stream is shared by exactly the TP ranks of a (dp, pp) group, every TP stream is its rank's own,
+    and a resume's streams are none of the fresh start's (megatron's seed + 2718 + tp_rank, which _reseed used,
+    gave (dp 0, tp 1) and (dp 1, tp 0) one stream and every stage the same default one)."""
+    from megamemo.parallel import groups
+    from megamemo.train import loop
+
+    installed = []
+    monkeypatch.setattr(groups, "install_tp_stream", lambda seed, cuda=None: installed.append(seed))
+    cfg = load(REPO / "configs/tiny-cpu.yaml", ["parallel.tp=2", "parallel.pp=2"])
+    seeds = {}
+    for d, t, p in itertools.product(range(3), range(3), range(3)):
+        ranks = {"dp_rank": d, "tp_rank": t, "pp_rank": p}
+        stub = SimpleNamespace(cfg=cfg, _layout=lambda: ranks, engine=SimpleNamespace(device=torch.device("cpu")))
+        for path, step in (("fresh", None), ("resume", 40)):
+            installed.clear()
+            got = loop.seed_streams(cfg, ranks, "cpu") if step is None else loop.Trainer._reseed(stub, step)
+            assert torch.initial_seed() == got[0] and installed == [got[1]], (path, ranks)   # what was seeded
+            seeds[path, d, t, p] = got
+    for path in ("fresh", "resume"):
+        default = {(d, p): {seeds[path, d, t, p][0] for t in range(3)} for d, _, p in itertools.product(*[range(3)] * 3)}
+        assert all(len(v) == 1 for v in default.values())
+        assert len({next(iter(v)) for v in default.values()}) == 9            # one per (dp, pp) group
+    tp_seeds = [v[1] for v in seeds.values()]
+    assert len(set(tp_seeds)) == len(tp_seeds)                                # every rank, both paths
+    defaults = {v[0] for v in seeds.values()}
+    assert len(defaults) == 18 and not defaults & set(tp_seeds)
 
 
 # ---- two gloo ranks, tensor parallel --------------------------------------------------------------------------
@@ -280,8 +352,9 @@ def test_a_stage_reads_meta_once_and_makes_it_on_the_tokens_device():
 # ---- DeepSpeed's gradient accumulation ------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, zero, pp, setting, want", [
     ("bf16", 2, 1, "auto", "fp32"), ("fp16", 2, 1, "auto", "fp32"), ("fp16", 1, 1, "auto", "fp32"),
-    ("bf16", 1, 1, "auto", None), ("bf16", 1, 1, "fp32", "fp32"), ("bf16", 0, 1, "auto", None),
-    ("fp16", 1, 2, "auto", None), ("bf16", 2, 1, "model", None), ("fp32", 2, 1, "auto", None),
+    ("bf16", 1, 1, "auto", "fp32"), ("bf16", 1, 1, "fp32", "fp32"), ("bf16", 0, 1, "auto", None),
+    ("fp16", 1, 2, "auto", "fp32"), ("bf16", 1, 2, "auto", "fp32"), ("bf16", 2, 1, "model", None),
+    ("fp32", 2, 1, "auto", None),
 ])
 def test_ds_config_accumulates_half_precision_gradients_in_fp32_where_deepspeed_can(dtype, zero, pp, setting, want):
     from megamemo.train.engine import ds_config
@@ -304,8 +377,9 @@ def _engine_worker(rank, world):
     from megamemo.train.engine import Engine
 
     for sets, cls, accum in ((["parallel.zero_stage=2"], "DeepSpeedZeroOptimizer", torch.float32),
-                             (["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer", torch.bfloat16),
-                             (["parallel.zero_stage=1", "precision.grad_accum_dtype=fp32"], "BF16_Optimizer", None)):
+                             (["parallel.zero_stage=1", "precision.grad_accum_dtype=model"], "DeepSpeedZeroOptimizer",
+                              torch.bfloat16),
+                             (["parallel.zero_stage=1"], "BF16_Optimizer", None)):
         cfg = load(REPO / "configs/tiny-cpu.yaml", ["precision.dtype=bf16", *sets])
         eng = Engine(cfg, MemTransformerLM(cfg.model), 4, 1)
         opt = eng.ds.optimizer
@@ -316,3 +390,32 @@ def _engine_worker(rank, world):
 
 def test_deepspeed_builds_the_optimizer_that_accumulates_as_configured():
     run_distributed(_engine_worker, 1)
+
+
+# ---- TF32 for fp32 runs (precision.allow_tf32) -----------------------------------------------------------------
+@pytest.mark.parametrize("sets, want", [([], False), (["precision.allow_tf32=true"], True),
+                                        (["precision.allow_tf32=true", "precision.dtype=bf16"], False)])
+def test_train_sets_tf32_as_the_config_allows(monkeypatch, tmp_path, sets, want):
+    """The call site (`megamemo train` start-up): TF32 products exactly for fp32 runs that allow them. The run is
+    stopped right after (build is replaced by one that raises), before anything needs a GPU."""
+    from megamemo.train import cli
+
+    class Stop(Exception):
+        pass
+
+    def stop(cfg, log=print):
+        raise Stop()
+    monkeypatch.setattr(cli, "build", stop)
+    monkeypatch.setattr(device, "resolve", lambda env=None: "cpu")
+    monkeypatch.setattr("megamemo.train.data.check_data_dir", lambda cfg: None)
+    monkeypatch.setattr("megamemo.train.engine.check_precision", lambda dtype: None)
+    monkeypatch.setattr("megamemo.train.rundir.die_with_parent", lambda: None)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want
+    try:
+        args = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--run-dir", str(tmp_path / "run")]
+        with pytest.raises(Stop):
+            cli.main(args + [a for s in sets for a in ("--set", s)])
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (want, want)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

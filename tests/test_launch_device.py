@@ -4,11 +4,15 @@ runtimes on PATH stand for a GPU node, and record what the training step would h
   * scripts/env.sh picks DeepSpeed's CPU accelerator only where nvidia-smi lists no GPU;
   * launch/slurm/train.sbatch decides on the job's node and resets an inherited DS_ACCELERATOR=cpu (from env.sh on
     a login node) for a GPU job; it passes --cpus-per-task to srun (SRUN_CPUS_PER_TASK), and the GPU settings;
-  * launch/slurm/task.sh asks the container runtime for the GPUs (--nv / --gpus all) exactly for a GPU job."""
+  * launch/slurm/task.sh asks the container runtime for the GPUs (--nv / --gpus all) exactly for a GPU job;
+  * the launchers count the GPUs torch sees (launch/device.sh; MEGAMEMO_GPU_PROBE, a command printing the count,
+    stands for torch's view here), the GPU presets require one, and launch/local.sh / launch/mpi/train.sh do not
+    obey an inherited DS_ACCELERATOR=cpu."""
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,6 +92,77 @@ def test_sbatch_on_a_cpu_node_or_asked_for_cpu(fakes):
         assert "SRUN_CPUS_PER_TASK" not in step and "CUDA_DEVICE_MAX_CONNECTIONS" not in step
     r = _sbatch(bin_dir, out, 8, MEGAMEMO_DEVICE="tpu")
     assert r.returncode == 1 and "MEGAMEMO_DEVICE must be auto, gpu or cpu" in r.stdout + r.stderr
+
+
+# ---- the GPU count torch sees (issue 28): MEGAMEMO_GPU_PROBE stands for torch's view (launch/device.sh) ---------
+def test_sbatch_decides_from_what_torch_sees_without_nvidia_smi(fakes):
+    """A node whose nvidia-smi is not on PATH (the fake lists none) but whose torch sees 8 GPUs: a GPU job."""
+    bin_dir, out = fakes
+    r = _sbatch(bin_dir, out, 0, MEGAMEMO_GPU_PROBE="echo 8", DS_ACCELERATOR="cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    step = _recorded_env(out / "srun.env")
+    assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu") and "CUDA_VISIBLE_DEVICES" not in step
+
+
+@pytest.mark.parametrize("preset", ["a100-bf16.sbatch", "v100-fp16.sbatch"])
+def test_gpu_presets_require_a_gpu(fakes, preset):
+    """The GPU presets set MEGAMEMO_DEVICE=gpu: where torch sees no GPU (even with nvidia-smi listing 8) the job
+    stops with one error line and no training step; where it sees them, the step is a GPU one."""
+    bin_dir, out = fakes
+    env = dict(SLURM_JOB_ID=4242, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out, SLURM_JOB_NODELIST="node1",
+               SLURM_NTASKS=8, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=8, MEGAMEMO_ROOT=REPO,
+               MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", FAKE_GPUS=8)
+    for seen in (0, 8):
+        r = subprocess.run(["bash", str(REPO / "launch/slurm" / preset), "--config", "x.yaml"],
+                           env=_env(bin_dir, out, MEGAMEMO_GPU_PROBE=f"echo {seen}", **env), capture_output=True,
+                           text=True, timeout=120)
+        if seen == 0:
+            errors = [line for line in (r.stdout + r.stderr).splitlines() if "error" in line]
+            assert r.returncode == 1 and len(errors) == 1 and "torch sees no CUDA device" in errors[0], r.stderr
+            assert not (out / "srun.env").exists()
+        else:
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert _recorded_env(out / "srun.env")["MEGAMEMO_DEVICE"] == "gpu"
+
+
+def test_sbatch_fp16_on_the_cpu_is_an_error(fakes):
+    bin_dir, out = fakes
+    r = _sbatch(bin_dir, out, 0, MEGAMEMO_GPU_PROBE="echo 0", MEGAMEMO_PRECISION="fp16")
+    assert r.returncode == 1 and "MEGAMEMO_PRECISION=fp16 needs GPUs" in r.stdout + r.stderr
+    assert not (out / "srun.env").exists()
+
+
+def _venv_env(bin_dir, out, **extra):
+    """The real venv (local.sh checks that megamemo imports), this checkout first on the import path."""
+    return _env(bin_dir, out, MEGAMEMO_VENV=Path(sys.executable).parents[1], PYTHONPATH=REPO, **extra)
+
+
+def test_local_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus(fakes):
+    bin_dir, out = fakes
+    cmd = f"bash -c 'env > {out}/worker.env'"
+    r = subprocess.run(["bash", str(REPO / "launch/local.sh"), "1", "--config", "x.yaml"],
+                       env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 2", DS_ACCELERATOR="cpu",
+                                     MEGAMEMO_TRAIN_CMD=cmd),
+                       capture_output=True, text=True, timeout=120)
+    assert "1 process(es) on gpu" in r.stderr and "ignoring the inherited DS_ACCELERATOR=cpu" in r.stderr, r.stderr
+    worker = _recorded_env(out / "worker.env")
+    assert (worker["DS_ACCELERATOR"], worker["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
+    r = subprocess.run(["bash", str(REPO / "launch/local.sh"), "1", "--config", "x.yaml"],
+                       env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 0", MEGAMEMO_DEVICE="gpu",
+                                     MEGAMEMO_TRAIN_CMD=cmd), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and "torch sees no CUDA device" in r.stderr, r.stderr
+
+
+def test_mpi_train_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus(fakes):
+    bin_dir, out = fakes
+    _fake(bin_dir, "mpirun", f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env')
+    r = subprocess.run(["bash", str(REPO / "launch/mpi/train.sh"), "2", "--config", "x.yaml"],
+                       env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 2", DS_ACCELERATOR="cpu",
+                                     MEGAMEMO_TRAIN_CMD="true", MPIRUN=bin_dir / "mpirun"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    step = _recorded_env(out / "mpirun.env")
+    assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
 
 
 @pytest.mark.parametrize("runtime, flag", [("apptainer", ["--nv"]), ("docker", ["--gpus", "all"])])

@@ -35,11 +35,11 @@ def _gather(t):
 
 def _tp_worker(rank, world):
     from megamemo.model import MemTransformerLM
-    from megamemo.parallel.groups import init_model_parallel, install_rng_tracker, rng_tracker
+    from megamemo.parallel.groups import dropout_seeds, init_model_parallel, install_tp_stream, rng_tracker
     from megamemo.parallel.tensor import merge_memory_tensors, merge_tensors, parallelize_tensor
 
     init_model_parallel(tp=world)
-    install_rng_tracker(1234)
+    install_tp_stream(dropout_seeds(1234, 0, rank, 0)[1])      # this rank's TP dropout stream
     for variant in ("lamemo", "xl"):
         torch.manual_seed(0)
         cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=4, d_head=4, d_inner=32,

@@ -189,12 +189,31 @@ def test_resumed_adam_step_lies_where_torch_puts_it(flags):
     """A resumed Adam step count has the device and dtype of the one torch's Adam makes itself (fused and capturable
     groups keep it on the parameter's device: a CPU step there breaks a GPU resume; on this CPU the fused
     case checks the flag is read and the dtype, tests/test_gpu.py the device)."""
-    from megamemo.train.resumable import adam_step_tensor
+    from megamemo.train.resumable import adam_step_tensor, step_on_param_device
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.Adam([p], lr=0.1, **flags)
     p.grad = torch.ones(3)
     opt.step()
     made = opt.state[p]["step"]
-    ours = adam_step_tensor(1, p.device, any(g.get("fused") or g.get("capturable") for g in opt.param_groups))
+    ours = adam_step_tensor(1, p.device, step_on_param_device(opt.param_groups))
     assert (ours.device, ours.dtype, float(ours)) == (made.device, made.dtype, float(made))
+
+
+def test_resumed_adam_step_follows_the_parameter_off_the_cpu():
+    """The test above cannot tell the device apart on a CPU (a fused step on the CPU is a CPU step). Parameters on
+    the meta device can: torch's capturable Adam makes its step there (its _init_group, before the device check
+    its step() then fails on), and so must the resumed one (load_pieces: adam_step_tensor with
+    step_on_param_device); a step always made on the CPU fails here."""
+    from megamemo.train.resumable import adam_step_tensor, step_on_param_device
+
+    p = torch.nn.Parameter(torch.ones(3, device="meta"))
+    p.grad = torch.ones(3, device="meta")
+    opt = torch.optim.Adam([p], lr=0.1, capturable=True)
+    with pytest.raises(Exception, match="capturable"):
+        opt.step()
+    made = opt.state[p]["step"]
+    ours = adam_step_tensor(1, p.device, step_on_param_device(opt.param_groups))
+    assert made.device.type == "meta" and (ours.device, ours.dtype) == (made.device, made.dtype)
+    plain = torch.optim.Adam([p], lr=0.1)
+    assert adam_step_tensor(1, p.device, step_on_param_device(plain.param_groups)).device.type == "cpu"

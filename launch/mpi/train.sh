@@ -20,8 +20,9 @@ n="$1"; shift
 
 # shellcheck source=../../scripts/env.sh
 source "$here/scripts/env.sh"
-# the device (launch/device.sh): MEGAMEMO_DEVICE, else a DS_ACCELERATOR the caller set, else GPUs if any here
-megamemo_select_device "${MEGAMEMO_DEVICE:-${DS_ACCELERATOR:-auto}}" || usage
+# the device (launch/device.sh): MEGAMEMO_DEVICE, else GPUs when torch sees any here (an inherited
+# DS_ACCELERATOR=cpu, e.g. from scripts/env.sh on a machine whose nvidia-smi is not on PATH, does not choose)
+megamemo_select_device "${MEGAMEMO_DEVICE:-auto}" || { rc=$?; [ "$rc" = 2 ] && usage; exit "$rc"; }
 
 train_cmd="${MEGAMEMO_TRAIN_CMD:-megamemo train}"
 read -r -a cmd <<<"$train_cmd"

@@ -105,12 +105,9 @@ def write_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, .
 
 def model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> MemTransformerLM:
     """The model holding the tensors of `sd` themselves (built on the meta device: no second copy in memory)."""
-    from megamemo.model.positions import inv_freq
-
     with torch.device("meta"):
         model = MemTransformerLM(cfg)
     model.load_state_dict(sd, assign=True)
-    model.inv_freq = inv_freq(cfg.d_model).to(next(iter(sd.values())).device)
     return model.eval()
 
 

@@ -11,7 +11,7 @@ from .config import ModelConfig
 from .dropout import Dropout
 from .layers import LaMemoLayer, XLLayer
 from .memory import Memory
-from .positions import causal_mask, inv_freq, position_sequence, sinusoid
+from .positions import causal_mask, position_sequence, sinusoid
 
 
 class MemTransformerLM(nn.Module):
@@ -29,8 +29,11 @@ class MemTransformerLM(nn.Module):
         self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.n_layer))
         self.crit = AdaptiveLogSoftmax(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val,
                                        cfg.tie_weight, cfg.tie_projs)
-        self.register_buffer("inv_freq", inv_freq(d), persistent=False)
         self.check_inputs = True  # token-range checks cost a host sync: a training loop on GPU may turn them off
+        # train.activation_checkpointing: in training, each layer's activations are recomputed in the backward
+        # (torch.utils.checkpoint; dropout masks are replayed from the saved RNG state, memory is built from
+        # tensors outside the recomputed calls, so nothing advances twice)
+        self.recompute_layers = False
         self.reset_parameters()
 
     # ---- initialisation (the reference training scripts' weights_init) ----------------------------------------
@@ -131,7 +134,7 @@ class MemTransformerLM(nn.Module):
         M = mem.length
         klen = M + L
         pos = position_sequence(klen, M, clamp_len, cfg.future_positions, h0.device)
-        pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(h0.dtype))
+        pos_emb = self.drop(sinusoid(pos, cfg.d_model, h0.dtype))
         mask = causal_mask(L, M, mem_len, same_length, h0.device)
         hooks = [((attend(l, layer) if attend is not None else None),
                   (functools.partial(observe, layer=l) if observe is not None else None))
@@ -140,11 +143,19 @@ class MemTransformerLM(nn.Module):
             return self._encode_lamemo(h0, mem, pos_emb, mask, mem_len, hooks)
         return self._encode_xl(h0, mem, pos_emb, mask, mem_len, hooks)
 
+    def _call(self, layer, *args, **kwargs):
+        """layer(*args, **kwargs), its activations recomputed in the backward when recompute_layers is on."""
+        if self.recompute_layers and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+            return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+        return layer(*args, **kwargs)
+
     def _encode_xl(self, h0, mem, pos_emb, mask, mem_len, hooks):
         h, hids = h0, []
         for l, layer in enumerate(self.layers):
             hids.append(h)
-            h = layer(h, mem.get(f"hid.{l}"), pos_emb, self.r_w_bias, self.r_r_bias, mask, attend=hooks[l][0])
+            h = self._call(layer, h, mem.get(f"hid.{l}"), pos_emb, self.r_w_bias, self.r_r_bias, mask,
+                           attend=hooks[l][0])
         new = {}
         if mem_len > 0:
             with torch.no_grad():
@@ -162,9 +173,9 @@ class MemTransformerLM(nn.Module):
         top = len(self.layers) - 1
         for l, layer in enumerate(self.layers):
             ctx_old, lse_old = mem.get(f"ctx.{l}"), mem.get(f"lse.{l}")
-            rows, new[f"ctx.{l}"], new[f"lse.{l}"] = layer(
-                rows, M, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len, *hooks[l],
-                mem_rows_out=l < top)  # the top layer's memory rows would be thrown away
+            rows, new[f"ctx.{l}"], new[f"lse.{l}"] = self._call(
+                layer, rows, M, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len,
+                *hooks[l], mem_rows_out=l < top)  # the top layer's memory rows would be thrown away
         with torch.no_grad():
             cat = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
             new["emb"] = cat[max(0, cat.size(0) - mem_len):].detach()

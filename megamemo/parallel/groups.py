@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 TP_RNG = "model-parallel-rng"  # megatron's name for the per-TP-rank stream
-TP_SEED_OFFSET = 2718          # megatron's offset: tp seed = seed + 2718 + tp_rank (install_rng_tracker only)
 
 
 def _mcore():
@@ -160,17 +159,16 @@ def seed_rng_streams(seed: int, dp_rank: int, tp_rank: int, pp_rank: int, step_s
     return default, tp_seed
 
 
-def install_rng_tracker(seed: int) -> None:
-    """Legacy: megatron's derivation, TP stream seed + 2718 + tp_rank (collides across DP ranks and is shared by
-    pipeline stages). Use seed_rng_streams / dropout_seeds."""
-    ps, _ = _mcore()
-    rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    install_tp_stream(seed + TP_SEED_OFFSET + rank)
-
-
 def rng_tracker():
     _, tp = _mcore()
     return tp.get_cuda_rng_tracker()
+
+
+def communication_device() -> torch.device:
+    """The device this process's collectives run on (DeepSpeed's accelerator: cuda:N under NCCL, cpu under gloo)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
 
 
 def grad_norm(params) -> float:
@@ -179,7 +177,7 @@ def grad_norm(params) -> float:
     there too (NCCL takes no CPU tensors); one host sync at the end."""
     grads = [(p.grad.detach(), bool(getattr(p, "tensor_model_parallel", False))) for p in params
              if p.grad is not None]
-    device = grads[0][0].device if grads else torch.device("cpu")
+    device = grads[0][0].device if grads else communication_device()   # a rank without gradients still joins
     sq = torch.zeros(2, dtype=torch.float64, device=device)        # [split across TP ranks, replicated]
     for g, split in grads:
         sq[0 if split else 1] += g.double().pow(2).sum()

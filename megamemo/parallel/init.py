@@ -58,14 +58,12 @@ def shard_model(cfg, seed: int):
     """This rank's tensor-parallel shard of MemTransformerLM(cfg), initialised directly: the single-device model
     is built on the meta device (no memory), made tensor-parallel, and only then given storage."""
     from megamemo.model import MemTransformerLM
-    from megamemo.model.positions import inv_freq
 
     from .tensor import mark_tensor_parallel, parallelize_tensor
 
     with torch.device("meta"):
         model = MemTransformerLM(cfg)
     model = parallelize_tensor(model, load=False).to_empty(device="cpu")
-    model.inv_freq.copy_(inv_freq(cfg.d_model))
     mark_tensor_parallel(model)
     init_shard(model, cfg, seed)
     return model

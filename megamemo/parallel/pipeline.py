@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from megamemo.model.dropout import Dropout
 from megamemo.model.layers import LaMemoLayer, XLLayer
-from megamemo.model.positions import causal_mask, inv_freq, position_sequence, sinusoid
+from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 
 
 class MemoryBank:
@@ -177,7 +177,6 @@ class LayerPipe(nn.Module):
             parallelize_layer(self.layer, cfg, ctx.tp, torch.float32)
         self.index, self.ctx, self.cfg = index, ctx, cfg
         self.drop = Dropout(cfg.dropout)
-        self.register_buffer("inv_freq", inv_freq(cfg.d_model), persistent=False)
 
     def forward(self, inputs):
         rows, meta = inputs
@@ -188,7 +187,7 @@ class LayerPipe(nn.Module):
             mem = bank.get(mb, f"hid.{l}")
             M = 0 if mem is None else mem.size(0)
         pos = position_sequence(M + L, M, self.ctx.clamp_len, cfg.future_positions, rows.device)
-        pos_emb = self.drop(sinusoid(pos, self.inv_freq).to(rows.dtype))
+        pos_emb = self.drop(sinusoid(pos, cfg.d_model, rows.dtype))
         mask = causal_mask(L, M, mem_len, self.ctx.same_length, rows.device)
         if cfg.lamemo:
             vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias
@@ -196,12 +195,13 @@ class LayerPipe(nn.Module):
             rows, ctx_new, lse_new = self.layer(rows, M, bank.get(mb, f"ctx.{l}"), bank.get(mb, f"lse.{l}"),
                                                 pos_emb, b.r_w_bias, b.r_r_bias, vf, mask, mem_len,
                                                 mem_rows_out=not top)
-            if top and M and cfg.future_bias:
-                # The top layer may skip the look-ahead, the only user of v+. With memory (M > 0) the lower layers
-                # give v+ a gradient, but on a last stage holding no other layer this stage's copy would get
-                # none, and DeepSpeed all-reduces tied weights' gradients only where they exist (the other
-                # stages would wait in the collective). A zero gradient keeps this copy in it: the sum, and so
-                # the update, is the single-process one. Without memory no stage's copy has a gradient.
+            if cfg.future_bias and (top or not M):
+                # The top layer may skip the look-ahead, the only user of v+, and without memory (M = 0) no layer
+                # uses it. DeepSpeed all-reduces tied weights' gradients only where they exist (the other stages
+                # would wait in the collective), and its BF16_Optimizer (bf16 with fp32 accumulation) fails on a
+                # tied weight that has none (pipe/engine.py _exec_reduce_tied_grads reads weight._hp_grad, set by
+                # the first gradient). A zero gradient keeps every stage's copy in: the sum, and so the update, is
+                # the single-process one.
                 rows = rows + (vf.sum() * 0).to(rows.dtype)
             bank.put(mb, f"ctx.{l}", ctx_new)
             bank.put(mb, f"lse.{l}", lse_new)

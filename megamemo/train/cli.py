@@ -92,7 +92,8 @@ def build_model(cfg: RunConfig):
 
         topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=tdist.get_world_size() // (tp * pp))
         full = None if shard else MemTransformerLM(m).state_dict()    # first: from the freshly seeded RNG
-        module, stage = build_pipeline(m, pp, topology=topo)
+        module, stage = build_pipeline(m, pp, topology=topo,
+                                       activation_checkpoint_interval=int(cfg.train.activation_checkpointing))
         if shard:
             inv = {v: k for k, v in single_to_stage_names(m, module).items()}
             init_shard(module, m, cfg.train.seed, lambda n: inv.get(n, n))
@@ -104,10 +105,12 @@ def build_model(cfg: RunConfig):
         from megamemo.parallel.init import shard_model
         from megamemo.parallel.tensor import parallelize_tensor
 
-        if not shard:
-            return parallelize_tensor(MemTransformerLM(m)), MCoreMPU(), None
-        return shard_model(m, cfg.train.seed), MCoreMPU(), None
-    return MemTransformerLM(m), None, None
+        model = parallelize_tensor(MemTransformerLM(m)) if not shard else shard_model(m, cfg.train.seed)
+        model.recompute_layers = cfg.train.activation_checkpointing
+        return model, MCoreMPU(), None
+    model = MemTransformerLM(m)
+    model.recompute_layers = cfg.train.activation_checkpointing
+    return model, None, None
 
 
 def build(cfg: RunConfig, log=print):
@@ -171,9 +174,8 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                                             # GPU the per-batch range check would cost a host sync every micro-batch
     # then each rank its dropout streams: the default one per (dp, pp), shared by the TP ranks of the group
     # (replicated activations); under model parallelism a TP stream per rank (parallel.groups.dropout_seeds)
-    from megamemo.parallel.groups import seed_rng_streams
-    seed_rng_streams(cfg.train.seed, **ranks, tp_stream=cfg.parallel.tp * cfg.parallel.pp > 1,
-                     cuda=getattr(engine.device, "type", str(engine.device)) == "cuda")
+    from megamemo.train.loop import seed_streams
+    seed_streams(cfg, ranks, engine.device)
 
     per_rank = cfg.data.batch_size // dp
     reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
@@ -232,6 +234,7 @@ def main(argv: list[str]) -> int:
         check_data_dir(cfg)
         if cfg.train.deterministic:
             device.make_deterministic()
+        device.set_tf32(cfg.precision.allow_tf32 and cfg.precision.dtype == "fp32")
         if cfg.precision.dtype != "fp32":
             from megamemo.train.engine import check_precision
             check_precision(cfg.precision.dtype)

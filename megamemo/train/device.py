@@ -140,3 +140,13 @@ def make_deterministic(env=None) -> dict:
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     return added
+
+
+# ---- TF32 (precision.allow_tf32) ------------------------------------------------------------------------------
+def set_tf32(allow: bool) -> None:
+    """TF32 tensor-core products for fp32 matmuls and convolutions on CUDA, as the user allows (and off
+    otherwise: torch's matmul default is off, cuDNN's on). No effect on the CPU or on bf16/fp16 products."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    torch.backends.cudnn.allow_tf32 = allow

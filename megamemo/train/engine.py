@@ -38,14 +38,17 @@ def schedule(cfg: RunConfig):
 
 def grad_accum_dtype(cfg: RunConfig) -> str | None:
     """DeepSpeed's data_types.grad_accum_dtype for cfg, or None for its default (the model dtype).
-    DeepSpeed 0.19.8 (runtime/engine.py, _do_optimizer_sanity_check): with ZeRO 1/2 an fp32 accumulation keeps
-    the ZeRO optimizer, which accumulates in fp32 (zero/stage_1_and_2.py, gradient_accumulation_dtype), except
-    bf16 + ZeRO 1, which switches to BF16_Optimizer; without ZeRO it is NotImplementedError. auto keeps to the
-    ZeRO optimizer paths checked here (no pipeline)."""
+
+    DeepSpeed 0.19.8 (runtime/engine.py _do_optimizer_sanity_check, read for this): with ZeRO, bf16 + fp32
+    accumulation + ZeRO 1 is its BF16_Optimizer, which sums every micro-batch's bf16 gradient into fp32 buffers
+    (bf16_optimizer.py _update_hp_grad; the pipeline engine clears the bf16 gradients before each micro-batch's
+    backward and adds them to the fp32 ones after it, pipe/engine.py _exec_backward_pass, so PP works too); any
+    other half-precision ZeRO 1/2 case is its ZeRO optimizer, which accumulates in an fp32 `grad_accum`
+    (zero/stage_1_and_2.py, gradient_accumulation_dtype). Without ZeRO it has none (NotImplementedError), so
+    auto gives fp32 wherever ZeRO is on, with or without a pipeline, and the model dtype on ZeRO 0 (no shipped
+    config is half precision on ZeRO 0; tests/test_grad_accum.py checks them all)."""
     p, zero = cfg.precision, cfg.parallel.zero_stage
     if p.dtype == "fp32" or p.grad_accum_dtype == "model" or zero == 0:
-        return None
-    if p.grad_accum_dtype == "auto" and ((p.dtype == "bf16" and zero == 1) or cfg.parallel.pp > 1):
         return None
     return "fp32"
 

@@ -28,6 +28,19 @@ from megamemo.train.resumable import DataCursor, EngineState, MemoryState
 from megamemo.train.signals import StopRequest
 
 
+
+def seed_streams(cfg, ranks: dict, device, step_salt: int = 0) -> tuple[int, int]:
+    """Seed this rank's dropout streams, the one place that does it (a fresh start: step_salt 0; a resume under
+    another layout: the step): the default streams from (seed, dp, pp, salt), shared by the TP ranks of a group,
+    and under model parallelism a TP stream from (seed, dp, pp, tp, salt) (parallel.groups.dropout_seeds).
+    ranks: dp_rank, tp_rank, pp_rank (missing ones are 0). Returns the two seeds."""
+    from megamemo.parallel.groups import seed_rng_streams
+
+    return seed_rng_streams(cfg.train.seed, int(ranks.get("dp_rank", 0)), int(ranks.get("tp_rank", 0)),
+                            int(ranks.get("pp_rank", 0)), step_salt=step_salt,
+                            tp_stream=cfg.parallel.tp * cfg.parallel.pp > 1,
+                            cuda=getattr(device, "type", str(device)) == "cuda")
+
 class DivergedError(RuntimeError):
     pass
 
@@ -235,20 +248,9 @@ class Trainer:
                   flush=True)
         return doc
 
-    def _reseed(self, step: int) -> None:
-        import random
-
-        import numpy as np
-
-        from megamemo.checkpoint.state import _tp_rng_tracker
-
-        seed = self.cfg.train.seed + 1 + int(self._layout().get("dp_rank", 0)) + 1_000_003 * step
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-        if _tp_rng_tracker() is not None:
-            from megamemo.parallel.groups import install_rng_tracker
-            install_rng_tracker(seed)
+    def _reseed(self, step: int) -> tuple[int, int]:
+        """A resume under another layout: this rank's streams from (seed, its ranks, the step), as a fresh start."""
+        return seed_streams(self.cfg, self._layout(), self.engine.device, step_salt=step)
 
     def run(self) -> str:
         """Train to train.max_steps or a stop signal. Returns "done" or "stopped"."""

@@ -135,7 +135,7 @@ class EngineState:
         kind, inner, extra = self._optimizer()
         same_precision = ctx.marker.get("precision") == self.precision
         moments = self._adam_step > 0 and bool(reader.names("exp_avg/"))
-        fused = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
+        fused = step_on_param_device(inner.param_groups)
 
         def step_tensor(device):
             return adam_step_tensor(self._adam_step, device, fused)
@@ -173,6 +173,11 @@ class EngineState:
                         inner.state[hp] = {"step": step_tensor(hp.device),
                                            **{k: reader.read(f"{k}/{single}", box).reshape(hp.shape).to(hp.dtype)
                                               .to(hp.device).clone() for k in MOMENTS}}
+
+
+def step_on_param_device(param_groups) -> bool:
+    """Whether torch's Adam keeps `step` on the parameters' device for these groups (fused or capturable)."""
+    return any(g.get("fused") or g.get("capturable") for g in param_groups)
 
 
 def adam_step_tensor(step: int, device, fused: bool) -> torch.Tensor:
