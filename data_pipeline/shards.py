@@ -299,8 +299,11 @@ def _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zst
     except BaseException:
         for w in writers.values():       # the shard each writer had open goes too (build removes the rest)
             if w._file is not None:
-                w._file.close()
-                w._partial.unlink(missing_ok=True)
+                try:
+                    w._tar.close()
+                finally:
+                    w._file.close()
+                    w._partial.unlink(missing_ok=True)
         raise
     for split, w in writers.items():
         info = w.close()
