@@ -7,6 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +22,7 @@ from data_pipeline.cli import prepare_main
 from data_pipeline.tokenizer import SubwordTokenizer, train_bpe
 from fixture_data import TEXT
 
+REPO = Path(__file__).resolve().parents[1]
 DOCS = TEXT / "wiki_paragraphs.jsonl"
 EOD = "<|endoftext|>"
 # not only ASCII: accents, CJK, an emoji, tabs, blank lines, trailing spaces, \r\n
@@ -165,11 +172,10 @@ def _bad_inputs(tmp_path):
 @pytest.mark.parametrize("case", ["missing tokenizer", "malformed tokenizer.json", "malformed .model",
                                   "vocabulary over the dtype", "no documents", "jsonl line without the field",
                                   "parquet without the column"])
-@pytest.mark.parametrize("workers", [1])
-def test_bad_input_is_one_line_and_leaves_nothing(case, workers, tmp_path, capsys):
+def test_bad_input_is_one_line_and_leaves_nothing(case, tmp_path, capsys):
     args, message = _bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
-    assert prepare(*args, "--workers", workers, "--out", out) == 1
+    assert prepare(*args, "--out", out) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megamemo prepare: error:") and message in err[0], err
     assert not out.exists()
@@ -218,3 +224,86 @@ def test_bits_per_byte_by_hand():
     assert m.derived(2 * math.log(2.0))["bits_per_byte"] == pytest.approx(0.5)
     assert m.derived(2 * math.log(2.0), "valid")["bits_per_byte"] == pytest.approx(1.0)
     assert m.derived(2 * math.log(2.0))["ppl"] == pytest.approx(4.0)
+
+
+# ---- the subword path end to end, 2 processes -------------------------------------------------------------------------
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _megamemo(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "megamemo", *map(str, args)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _one_error_line(r, rc: int, message: str) -> None:
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == rc and len(err) == 1 and message in err[0], r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(bpe_dirs, tmp_path):
+    """configs/subword-cpu.yaml with launch/local.sh 2 on the bpe:2000 shards (shortened to 20 steps): train and
+    validation lines and records carry bits per byte; eval --json reports bits_per_byte; to-single carries
+    tokenizer.json and generate decodes with it without the data directory; data of another tokenizer is refused
+    at resume, eval and generate in one line."""
+    data = tmp_path / "data"
+    shutil.copytree(bpe_dirs[1], data)
+    other = tmp_path / "other"                       # the same documents, another tokenizer (fits n_token 2000)
+    assert prepare("--raw", DOCS, "--tokenizer", "bpe:1000", "--out", other) == 0
+    run = tmp_path / "run"
+    r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", "--config", str(REPO / "configs" /
+                        "subword-cpu.yaml"), "--data", str(data), "--run-dir", str(run), "--max-steps", "20",
+                        "--set", "checkpoint.save_every=10", "--set", "eval.every=10", "--set", "log.every=5",
+                        "--set", "log.tensorboard=false"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "world 2 (env)" in out, out[-4000:]
+    m = json.loads((data / "manifest.json").read_text())
+    per_byte = {s: m["splits"][s]["n_bytes"] / m["splits"][s]["n_tokens"] for s in ("train", "valid")}
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train, evals = [x for x in recs if x["kind"] == "train"], [x for x in recs if x["kind"] == "eval"]
+    assert len(train) == 20 and len(evals) == 2
+    for x in train:
+        assert x["bits_per_byte"] == pytest.approx(x["loss"] / math.log(2) / per_byte["train"], rel=1e-12)
+    for x in evals:
+        assert x["bits_per_byte"] == pytest.approx(x["loss"] / math.log(2) / per_byte["valid"], rel=1e-12)
+    step5 = next(x for x in train if x["step"] == 5)
+    assert re.search(rf"step +5 \| .* \| ppl {step5['ppl']:.4f} \| bpb {step5['bits_per_byte']:.4f} \|", out)
+    assert re.search(r"eval +10 \| valid loss [0-9.]+ \| ppl [0-9.]+ \| bpb [0-9.]+ \|", out), out[-3000:]
+
+    r = _megamemo("eval", "--ckpt", run, "--data", data, "--split", "test", "--json", tmp_path / "e.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    e = json.loads((tmp_path / "e.json").read_text())
+    assert e["metric"] == "ppl" and 0 < e["bytes"] <= m["splits"]["test"]["n_bytes"]
+    assert e["bits_per_byte"] == pytest.approx(e["nll"] * e["tokens"] / math.log(2) / e["bytes"], rel=1e-12)
+    assert f"bits_per_byte {e['bits_per_byte']:.4f}" in r.stdout
+
+    single = tmp_path / "single"
+    r = _megamemo("convert", "to-single", "--ckpt", run, "--out", single)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = json.loads((single / "config.json").read_text())
+    assert cfg["tokenizer"]["file"] == "tokenizer.json" and cfg["tokenizer"]["vocab_size"] == 2000
+    assert cfg["tokenizer"]["sha256"] == sha(single / "tokenizer.json") == m["tokenizer"]["sha256"]
+    assert cfg["files"]["tokenizer.json"]["sha256"] == cfg["tokenizer"]["sha256"]
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The island is ")
+    shutil.move(data, tmp_path / "moved")            # generate needs only the converted checkpoint
+    r = _megamemo("generate", "--ckpt", single, "--prompt-file", prompt, "--max-new-tokens", 6, "--json",
+                  tmp_path / "g.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    g = json.loads((tmp_path / "g.json").read_text())
+    tok = SubwordTokenizer.from_file(single / "tokenizer.json")
+    assert g["prompt_ids"] == tok.encode("The island is ") and g["text"] == tok.decode(g["new_ids"])
+
+    mismatch = "differs from the one"
+    _one_error_line(_megamemo("eval", "--ckpt", single, "--data", other, "--max-segments", 1), 2, mismatch)
+    _one_error_line(_megamemo("generate", "--ckpt", single, "--data", other, "--prompt-file", prompt), 2, mismatch)
+    r = _megamemo("train", "--config", REPO / "configs" / "subword-cpu.yaml", "--data", other, "--run-dir", run,
+                  "--max-steps", 25, "--set", "log.tensorboard=false")
+    _one_error_line(r, 2, "a different tokenizer")
