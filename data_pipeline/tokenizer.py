@@ -137,8 +137,9 @@ class SubwordTokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if self.library == "tokenizers":
-            return [e.ids for e in self.impl.encode_batch(texts, add_special_tokens=False)]
+        if self.library == "tokenizers":   # the _fast variant skips offsets (same ids, ~20% faster)
+            encode = getattr(self.impl, "encode_batch_fast", self.impl.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
         return self.impl.encode(texts)
 
     def decode(self, ids, skip_special: bool = False) -> str:
