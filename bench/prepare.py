@@ -11,14 +11,16 @@ compress, write shards and manifest) through `build(subword_text(...))`, in this
 The ceiling: `tokenizers`' batch encode (encode_batch_fast, as prepare calls it) of the same documents, already in memory, in one process with its thread
 pool off (TOKENIZERS_PARALLELISM=false, as prepare's workers run), in batches of the documents of one block - no
 I/O, no JSON, no compression. Reported: MB/s of raw text (UTF-8 bytes of the documents) for each, and
-prepare / (ceiling x N), the goal being >= 0.8. Run it under the machine's cpu lock; another job on the cores lowers
-the N > 1 figures first.
+prepare / (ceiling x N), the goal being >= 0.8. Also the CPU seconds prepare spent (this process, and its worker
+processes) against the ceiling's: that ratio is what the pipeline costs beyond tokenizing, whatever else runs on
+the machine, where the MB/s figures fall as soon as another job takes a core. Run it under the machine's cpu lock.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -51,6 +53,11 @@ def make_corpus(path: Path, mb: float) -> tuple[list[str], int]:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")
     return docs, size
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)     # worker processes, once they have exited
+    return r.ru_utime + r.ru_stime
 
 
 def ceiling(tok, docs: list[str], repeats: int) -> float:
@@ -98,18 +105,26 @@ def main(argv=None) -> int:
         print(f"ceiling (tokenizers batch encode, 1 process, in memory): {ceil_mbs:.2f} MB/s", flush=True)
         result = {"mb_text": mb, "documents": len(docs), "vocab": len(tok), "ceiling_mb_s": ceil_mbs, "runs": []}
         for n in (int(x) for x in a.workers.split(",")):
-            best = float("inf")
+            best, cpu = float("inf"), None
             for _ in range(a.repeats):
                 out = tmp / f"out-{n}"
                 shutil.rmtree(out, ignore_errors=True)
-                t0 = time.perf_counter()
+                t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu()
                 build(subword_text([raw], tokenizer=str(tok_file), workers=n), out, log=lambda m: None)
-                best = min(best, time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
+                if dt < best:
+                    best, cpu = dt, (time.process_time() - c0, _children_cpu() - k0)
             mbs = mb / best
             ratio = mbs / (ceil_mbs * n)
-            result["runs"].append({"workers": n, "seconds": best, "mb_s": mbs, "ratio_to_ceiling_x_workers": ratio})
+            cpu_ratio = t_ceil / (cpu[0] + cpu[1])
+            result["runs"].append({"workers": n, "seconds": best, "mb_s": mbs, "ratio_to_ceiling_x_workers": ratio,
+                                   "cpu_s_main": cpu[0], "cpu_s_workers": cpu[1], "cpu_ratio": cpu_ratio})
             print(f"prepare --workers {n}: {best:.2f} s, {mbs:.2f} MB/s = {ratio:.2f} x (ceiling x {n})"
-                  f"{'  (goal >= 0.8)' if ratio < 0.8 else ''}", flush=True)
+                  f"{'  (goal >= 0.8)' if ratio < 0.8 else ''} | CPU s: main {cpu[0]:.2f}, workers {cpu[1]:.2f}; "
+                  f"ceiling CPU / prepare CPU = {cpu_ratio:.2f}", flush=True)
+        result["load_average"] = os.getloadavg()
+        print(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())} on "
+              f"{os.cpu_count()} cores", flush=True)
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     finally:

@@ -60,6 +60,8 @@ def _corpus(a) -> corpora.Corpus:
         raise ValueError("--valid/--test apply to the text corpus only")
     if a.tokenizer and (a.corpus != "text" or a.vocab):
         raise ValueError("--tokenizer applies to the text corpus only, without --vocab")
+    if a.corpus != "text" and (a.workers != 1 or a.dtype):
+        raise ValueError("--dtype and --workers apply to the text corpus with --tokenizer only")
     if a.vocab and a.corpus in MODES:
         raise ValueError(f"--vocab does not apply to {a.corpus} (its vocabulary is fixed by --mode)")
     if a.corpus == "enwik8":
@@ -77,8 +79,9 @@ def _corpus(a) -> corpora.Corpus:
         from .subword import subword_text
         return subword_text(a.raw, a.valid, a.test, a.tokenizer, a.jsonl_field, ratio, a.split_seed, a.workers,
                             "<" + a.dtype if a.dtype else None, log=None if a.quiet else _stderr)
-    if a.dtype:
-        raise ValueError("--dtype applies to the text corpus with --tokenizer only")
+    if a.dtype or a.workers != 1:
+        raise ValueError("--dtype and --workers apply to the text corpus with --tokenizer only (byte, character and "
+                         "word corpora are prepared in one process)")
     return corpora.text(a.raw, a.valid, a.test, a.vocab, a.jsonl_field, a.doc_sep, ratio)
 
 
