@@ -307,3 +307,27 @@ def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(b
     r = _megamemo("train", "--config", REPO / "configs" / "subword-cpu.yaml", "--data", other, "--run-dir", run,
                   "--max-steps", 25, "--set", "log.tensorboard=false")
     _one_error_line(r, 2, "a different tokenizer")
+
+
+def test_plot_shows_bits_per_byte_beside_perplexity(bpe_dirs, tmp_path):
+    """A subword run (records with bits_per_byte, data.dir a subword corpus): a perplexity panel and a bits per byte
+    panel whose points are the records' values."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from megamemo import plot
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"kind": "train", "step": s, "loss": 6.0 - 0.1 * s, "bits_per_byte": 3.0 - 0.05 * s, "tokens": 64}
+            for s in range(1, 6)] + [{"kind": "eval", "step": 5, "split": "valid", "loss": 5.6, "bits_per_byte": 2.8}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "config.yaml").write_text(f"data: {{dir: {bpe_dirs[0]}}}\nmodel: {{n_token: 2000}}\n")
+    r = plot.load_run(run)
+    assert r.metric == "ppl"
+    fig, drawn = plot.figure([r])
+    ppl_ax, bpb_ax = fig.axes
+    assert ppl_ax.get_ylabel() == "perplexity (per token)" and bpb_ax.get_ylabel() == "bits per byte"
+    train_line = bpb_ax.get_lines()[0]
+    assert list(train_line.get_ydata()) == pytest.approx([3.0 - 0.05 * s for s in range(1, 6)])
+    assert list(drawn[run.name, "train"].get_ydata()) == pytest.approx([math.exp(6.0 - 0.1 * s) for s in range(1, 6)])
