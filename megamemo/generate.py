@@ -121,7 +121,7 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
     tok = meta.get("tokenizer") or {}
     if data_dir:
         theirs = load_manifest(data_dir).get("tokenizer") or {}
-        if not same_tokenizer(tok, theirs):
+        if tok and not same_tokenizer(tok, theirs):
             raise ValueError(f"--data {data_dir}: its tokenizer ({theirs.get('kind')}, sha256 "
                              f"{str(theirs.get('sha256'))[:12]}) differs from the one the checkpoint was trained "
                              f"with ({tok.get('kind')}, sha256 {str(tok.get('sha256'))[:12]})")
