@@ -331,3 +331,25 @@ def test_plot_shows_bits_per_byte_beside_perplexity(bpe_dirs, tmp_path):
     train_line = bpb_ax.get_lines()[0]
     assert list(train_line.get_ydata()) == pytest.approx([3.0 - 0.05 * s for s in range(1, 6)])
     assert list(drawn[run.name, "train"].get_ydata()) == pytest.approx([math.exp(6.0 - 0.1 * s) for s in range(1, 6)])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_read_at_most_a_bounded_number_of_blocks_ahead(workers):
+    """Memory does not grow with the corpus: when the k-th encoded block comes out, at most k + 2N + 1 blocks
+    (N workers; one with no workers) have been read from the input."""
+    from data_pipeline.subword import encoded_blocks
+
+    tok = train_bpe(iter(docs()[:100]), 300)
+    pulled = []
+
+    def blocks():
+        for i in range(40):
+            pulled.append(i)
+            yield 10, ("docs", "synthetic", i, [f"document {i} " * 50])
+
+    ahead = []
+    for k, (_, (lengths, ids, nbytes)) in enumerate(encoded_blocks(tok, blocks(), workers)):
+        ahead.append(len(pulled) - (k + 1))
+        assert tok.decode(ids) == f"document {k} " * 50 + EOD                  # in input order
+        assert lengths.tolist() == [ids.size] and nbytes.tolist() == [len(f"document {k} ") * 50]
+    assert len(ahead) == 40 and max(ahead) <= (2 * workers + 1 if workers > 1 else 0)
