@@ -13,7 +13,9 @@ pool off (TOKENIZERS_PARALLELISM=false, as prepare's workers run), in batches of
 I/O, no JSON, no compression. Reported: MB/s of raw text (UTF-8 bytes of the documents) for each, and
 prepare / (ceiling x N), the goal being >= 0.8. Also the CPU seconds prepare spent (this process, and its worker
 processes) against the ceiling's: that ratio is what the pipeline costs beyond tokenizing, whatever else runs on
-the machine, where the MB/s figures fall as soon as another job takes a core. Run it under the machine's cpu lock.
+the machine, where the MB/s figures fall as soon as another job takes a core; and the ceiling run in N processes at
+once, each on 1/N of the documents: what N cores give to tokenizing alone at that moment. Run it under the
+machine's cpu lock.
 """
 from __future__ import annotations
 
@@ -81,6 +83,29 @@ def ceiling(tok, docs: list[str], repeats: int) -> float:
     return best
 
 
+def _encode_share(args) -> float:
+    tok_data, share = args
+    from data_pipeline.tokenizer import SubwordTokenizer
+
+    tok = SubwordTokenizer.from_bytes(tok_data, "tokenizers", "bench")
+    return ceiling(tok, share, 1)
+
+
+def ceiling_in_processes(tok, docs: list[str], n: int, repeats: int) -> float:
+    """Wall seconds of the ceiling run in n processes at once, each on 1/n of the documents: what n cores of this
+    machine give to tokenizing alone right now (the ideal n-worker prepare)."""
+    import multiprocessing as mp
+
+    shares = [(tok.data, docs[i::n]) for i in range(n)]
+    best = float("inf")
+    with mp.get_context("fork").Pool(n) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            pool.map(_encode_share, shares)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=float, default=32.0, help="MB of document text")
@@ -122,6 +147,12 @@ def main(argv=None) -> int:
             print(f"prepare --workers {n}: {best:.2f} s, {mbs:.2f} MB/s = {ratio:.2f} x (ceiling x {n})"
                   f"{'  (goal >= 0.8)' if ratio < 0.8 else ''} | CPU s: main {cpu[0]:.2f}, workers {cpu[1]:.2f}; "
                   f"ceiling CPU / prepare CPU = {cpu_ratio:.2f}", flush=True)
+            if n > 1:
+                par = mb / ceiling_in_processes(tok, docs, n, a.repeats)
+                result["runs"][-1].update({"ceiling_in_n_processes_mb_s": par, "ratio_to_that": mbs / par})
+                print(f"  the ceiling itself in {n} processes at once (encode only, in memory): {par:.2f} MB/s = "
+                      f"{par / ceil_mbs:.2f} x the 1-process ceiling; prepare --workers {n} = {mbs / par:.2f} x that",
+                      flush=True)
         result["load_average"] = os.getloadavg()
         print(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())} on "
               f"{os.cpu_count()} cores", flush=True)
