@@ -63,7 +63,7 @@ RUN python3 -m venv /opt/venv \
        "mpi4py==${MPI4PY_VERSION}" "webdataset==${WEBDATASET_VERSION}" \
        "zstandard==${ZSTANDARD_VERSION}" "megatron-core==${MEGATRON_CORE_VERSION}" \
        "numpy==${NUMPY_VERSION}" "pyyaml==6.0.3" "safetensors==0.8.0" "tensorboard==2.21.0" \
-       "matplotlib==3.11.2" "ninja==1.13.2" \
+       "matplotlib==3.11.2" "ninja==1.13.2" "tokenizers==0.23.3" "sentencepiece==0.2.3" "pyarrow==26.0.1" \
     && if [ "${DS_BUILD_OPS}" = "1" ]; then \
          DS_ACCELERATOR=cuda DS_BUILD_OPS=1 DS_BUILD_SPARSE_ATTN=0 DS_BUILD_EVOFORMER_ATTN=0 DS_BUILD_GDS=0 \
            pip install -c /opt/venv/torch-constraint.txt --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"; \
@@ -71,7 +71,7 @@ RUN python3 -m venv /opt/venv \
          pip install -c /opt/venv/torch-constraint.txt "deepspeed==${DEEPSPEED_VERSION}"; \
        fi \
     && pip check \
-    && python -c "import torch, deepspeed, megatron.core, mpi4py, webdataset, zstandard" \
+    && python -c "import torch, deepspeed, megatron.core, mpi4py, webdataset, zstandard, tokenizers, pyarrow" \
     && python -c "import torch, sys; held = open('/opt/venv/torch-constraint.txt').read().split('==')[1].strip(); \
 sys.exit(0 if torch.__version__ == held else f'torch changed from {held} to {torch.__version__}')"
 

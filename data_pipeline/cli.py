@@ -19,7 +19,7 @@ def _prepare_parser() -> argparse.ArgumentParser:
         description="Build zstd webdataset token shards and manifest.json from a raw corpus.",
         epilog="enwik8/text8: --raw FILE, split 90/5/5 by byte position (90M/5M/5M for the full file). "
                "wikitext-103: --raw DIR with wiki.{train,valid,test}.tokens. "
-               "text: --raw FILE... (plain text or .jsonl), byte-level unless --vocab is given.")
+               "text: --raw FILE... (plain text or .jsonl), byte-level unless --vocab or --tokenizer is given.")
     p.add_argument("corpus", choices=CORPORA)
     p.add_argument("--raw", nargs="+", required=True, help="raw corpus file(s) or directory")
     p.add_argument("--out", required=True, help="output directory for shards + manifest.json")
@@ -32,6 +32,15 @@ def _prepare_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="90,5,5", help="text without --valid/--test: train,valid,test proportions")
     p.add_argument("--jsonl-field", default="text", help="text: field of each jsonl record holding the text")
     p.add_argument("--doc-sep", default="\n", help="text, byte-level jsonl: bytes appended after each document")
+    p.add_argument("--tokenizer", default=None,
+                   help="text: subword tokenizer: bpe:N (train a byte-level BPE of N symbols on the train split) "
+                        "or a tokenizer.json / SentencePiece .model file; documents from .jsonl, .parquet, "
+                        "directories and text files, an end-of-document token after each")
+    p.add_argument("--workers", type=int, default=1, help="text with --tokenizer: tokenizing processes")
+    p.add_argument("--split-seed", type=int, default=1234,
+                   help="text with --tokenizer: seed of the split of whole documents into train/valid/test")
+    p.add_argument("--dtype", choices=("u1", "u2", "u4"), default=None,
+                   help="token dtype (default: the smallest that holds the vocabulary)")
     p.add_argument("--chunk-tokens", type=int, default=1 << 16, help="tokens per zstd chunk (default 65536)")
     p.add_argument("--shard-size", default="256M", help="target shard size, e.g. 64M, 1G (default 256M)")
     p.add_argument("--zstd-level", type=int, default=3)
@@ -49,6 +58,10 @@ def _corpus(a) -> corpora.Corpus:
         raise ValueError(f"{a.corpus}: --raw takes exactly one path, got {len(a.raw)}")
     if a.corpus != "text" and (a.valid or a.test):
         raise ValueError("--valid/--test apply to the text corpus only")
+    if a.tokenizer and (a.corpus != "text" or a.vocab):
+        raise ValueError("--tokenizer applies to the text corpus only, without --vocab")
+    if a.corpus != "text" and (a.workers != 1 or a.dtype):
+        raise ValueError("--dtype and --workers apply to the text corpus with --tokenizer only")
     if a.vocab and a.corpus in MODES:
         raise ValueError(f"--vocab does not apply to {a.corpus} (its vocabulary is fixed by --mode)")
     if a.corpus == "enwik8":
@@ -62,7 +75,18 @@ def _corpus(a) -> corpora.Corpus:
         assert len(ratio) == 3 and min(ratio) >= 0 and ratio[0] > 0
     except (ValueError, AssertionError):
         raise ValueError(f"--split must be three non-negative integers like 90,5,5, got {a.split!r}") from None
+    if a.tokenizer:
+        from .subword import subword_text
+        return subword_text(a.raw, a.valid, a.test, a.tokenizer, a.jsonl_field, ratio, a.split_seed, a.workers,
+                            "<" + a.dtype if a.dtype else None, log=None if a.quiet else _stderr)
+    if a.dtype or a.workers != 1:
+        raise ValueError("--dtype and --workers apply to the text corpus with --tokenizer only (byte, character and "
+                         "word corpora are prepared in one process)")
     return corpora.text(a.raw, a.valid, a.test, a.vocab, a.jsonl_field, a.doc_sep, ratio)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def prepare_main(argv: list[str]) -> int:

@@ -37,8 +37,11 @@ class Corpus:
     vocab: Vocab
     tokenizer: dict                                       # what the manifest records about tokenisation
     splits: dict[str, Callable[[dict], Iterator[np.ndarray]]]  # split -> f(stats) -> id blocks
-    input_bytes: dict[str, int] = field(default_factory=dict)  # per split, for progress
+    input_bytes: dict[str, int] = field(default_factory=dict)  # per split, for progress ("all": interleaved)
     source: dict = field(default_factory=dict)
+    # all splits in one pass: f(stats) -> (split, ids) pairs; `splits` then only names the splits (subword.py)
+    interleaved: Callable[[dict], Iterator[tuple[str, np.ndarray]]] | None = None
+    dtype: str | None = None                               # token dtype (None: the smallest that holds the vocab)
 
 
 def split_points(n: int, ratio: tuple[int, int, int] = (90, 5, 5)) -> dict[str, tuple[int, int]]:

@@ -17,6 +17,8 @@ import numpy as np
 import zstandard
 
 from .shards import MANIFEST, _ZERO_BLOCK, ManifestError, ShardError, chunk_key, dtype_name, load_manifest
+from .tokenizer import KIND as SUBWORD
+from .tokenizer import SubwordTokenizer, TokenizerError, load_recorded
 from .vocab import Vocab
 def scan_tar(fd: int, size: int, shard: str | Path) -> list[tuple[str, int, int]]:
     """(name, data offset, data size) of every member, reading headers only. Unlike tarfile (which stops
@@ -240,8 +242,16 @@ def read_split(data_dir: str | Path, split: str, verify: str = "size") -> np.nda
         src.close()
 
 
-def load_vocab(data_dir: str | Path) -> Vocab:
+def load_vocab(data_dir: str | Path) -> Vocab | SubwordTokenizer:
+    """The directory's vocabulary (a `Vocab`), or its subword tokenizer (a `SubwordTokenizer`, kind "subword"),
+    checked against the manifest's sha256 and size."""
     m = load_manifest(data_dir)
+    if m["vocab"]["kind"] == SUBWORD:
+        where = str(Path(data_dir) / MANIFEST)
+        try:
+            return load_recorded(data_dir, m.get("tokenizer") or m["vocab"], where)
+        except TokenizerError as e:
+            raise ManifestError(str(e)) from None
     path = Path(data_dir) / m["vocab"]["file"]
     if "sha256" in m["vocab"] and file_sha256(path) != m["vocab"]["sha256"]:
         raise ManifestError(f"{path}: sha256 does not match manifest.json field vocab.sha256")

@@ -34,6 +34,7 @@ import zstandard
 from megamemo.progress import Progress
 
 from .corpora import Corpus
+from .tokenizer import KIND as SUBWORD
 from .vocab import Vocab
 
 FORMAT = "megamemo-shards"
@@ -202,11 +203,16 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
             (out / entry).unlink(missing_ok=True)
     shard_bytes = _parse_size(shard_bytes)
     vocab = corpus.vocab
-    dtype = dtype_name(vocab.dtype)
-    vocab_sha = vocab.save(out / VOCAB_FILE)
+    dtype = dtype_name(corpus.dtype or vocab.dtype)
+    if len(vocab) - 1 > np.iinfo(np.dtype(dtype)).max:
+        raise ValueError(f"a vocabulary of {len(vocab)} symbols does not fit the token dtype {dtype}")
+    if vocab.kind == SUBWORD:            # the tokenizer file itself (tokenizer.json / tokenizer.model)
+        vocab_file, vocab_sha = vocab.save(out).name, vocab.sha256
+    else:
+        vocab_file, vocab_sha = VOCAB_FILE, vocab.save(out / VOCAB_FILE)
     log(f"[prepare] {corpus.name} ({corpus.mode}): vocabulary of {len(vocab)} symbols, tokens as {dtype}, "
         f"chunks of {chunk_tokens} tokens, shards of ~{shard_bytes / 2**20:.0f} MiB -> {out}")
-    splits, written = {}, [out / VOCAB_FILE]
+    splits, written = {}, [out / vocab_file]
     t_start = time.time()
     try:
         _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar,
@@ -223,7 +229,7 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "corpus": corpus.name, "mode": corpus.mode, "tokenizer": corpus.tokenizer,
-        "vocab": {"file": VOCAB_FILE, "kind": vocab.kind, "size": len(vocab), "sha256": vocab_sha},
+        "vocab": {"file": vocab_file, "kind": vocab.kind, "size": len(vocab), "sha256": vocab_sha},
         "dtype": dtype, "chunk_tokens": chunk_tokens,
         "compression": {"codec": "zstd", "level": zstd_level, "checksum": True},
         "sample": {"key": "%012d token offset of the chunk in its split's stream",
@@ -242,6 +248,9 @@ def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_lev
                   written) -> None:
     """Every split's shards (their paths appended to `written` as they appear); a split of fewer than 2 tokens
     (an empty or too short corpus) is an error naming the corpus's files."""
+    if corpus.interleaved is not None:
+        return _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log,
+                                  progress_every, bar, splits, written)
     for split, gen in corpus.splits.items():
         w = SplitWriter(out, split, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level)
         stats: dict = {}
@@ -253,10 +262,7 @@ def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_lev
                 progress.update_to(stats.get("input_bytes", 0), tokens=w.tokens_written, shards=len(w.shards))
         info = w.close()
         written += [out / sh["name"] for sh in info["shards"]]
-        if info["n_tokens"] < 2:
-            files = corpus.source.get("files", corpus.name)
-            raise EmptyCorpusError(f"{_names(files)}: the {split} split holds {info['n_tokens']} tokens (at least 2 "
-                                   f"needed): the corpus is empty or too short")
+        _check_not_empty(corpus, split, info)
         if stats.get("n_unk_mapped"):
             info["n_unk_mapped"] = stats["n_unk_mapped"]
         splits[split] = info
@@ -267,12 +273,63 @@ def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_lev
             + (f", {info['n_unk_mapped']:,} unknown words -> <unk>" if info.get("n_unk_mapped") else ""))
 
 
+def _check_not_empty(corpus, split: str, info: dict) -> None:
+    if info["n_tokens"] < 2:
+        files = corpus.source.get("files", corpus.name)
+        raise EmptyCorpusError(f"{_names(files)}: the {split} split holds {info['n_tokens']} tokens (at least 2 "
+                               f"needed): the corpus is empty or too short")
+
+
+def _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar,
+                       splits, written) -> None:
+    """All splits of a document corpus in one pass: each (split, ids) the corpus yields goes to that split's
+    writer; the corpus counts each split's documents and UTF-8 bytes (recorded as n_documents, n_bytes)."""
+    writers = {s: SplitWriter(out, s, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level)
+               for s in corpus.splits}
+    stats: dict = {}
+    t0 = time.time()
+    try:
+        with Progress("[prepare] all splits", total=corpus.input_bytes.get("all", 0), unit="B", scale=True,
+                      every=progress_every, bar=bar, log=log, line=_progress_line("all splits")) as progress:
+            for split, ids in corpus.interleaved(stats):
+                writers[split].write(ids)
+                progress.update_to(stats.get("input_bytes", 0),
+                                   tokens=sum(w.tokens_written for w in writers.values()),
+                                   shards=sum(len(w.shards) for w in writers.values()))
+    except BaseException:
+        for w in writers.values():       # the shard each writer had open goes too (build removes the rest)
+            if w._file is not None:
+                try:
+                    w._tar.close()
+                finally:
+                    w._file.close()
+                    w._partial.unlink(missing_ok=True)
+        raise
+    for split, w in writers.items():
+        info = w.close()
+        written += [out / sh["name"] for sh in info["shards"]]
+        _check_not_empty(corpus, split, info)
+        info.update(stats.get("splits", {}).get(split, {}))
+        splits[split] = info
+    dt = max(time.time() - t0, 1e-9)
+    mib = stats.get("input_bytes", 0) / 2**20
+    log(f"[prepare] " + ", ".join(f"{s} {i['n_tokens']:,} tokens ({i.get('n_documents', 0):,} documents, "
+                                  f"{i.get('n_bytes', 0):,} bytes)" for s, i in splits.items())
+        + f"; {mib:.1f} MiB of input in {dt:.1f}s = {mib / dt:.2f} MiB/s")
+
+
 def _progress_line(split: str):
     def line(p: Progress) -> str:
         pct = f" ({100 * p.n / p.total:.0f}%)" if p.total else ""
+        eta = f", ETA {_duration((p.total - p.n) / p.rate)}" if p.total and p.rate > 0 and p.n < p.total else ""
         return (f"[prepare] {split}: {p.n / 2**20:.1f} MiB read{pct}, {p.info['tokens']:,} tokens, "
-                f"{p.info['shards']} shards, {p.rate / 2**20:.1f} MiB/s")
+                f"{p.info['shards']} shards, {p.rate / 2**20:.1f} MiB/s{eta}")
     return line
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def _listed_files(out: Path) -> list[str]:

@@ -12,13 +12,14 @@ For byte- and character-level corpora a token is a character, so bits per token 
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
 from .shard_reader import load_vocab, read_split
 from .shards import load_manifest
-from .vocab import word_level
+from .vocab import bits_per_byte, per_token
 
 
 def _counts(ids, n_symbols: int) -> np.ndarray:
@@ -51,10 +52,10 @@ def entropy_bits(ids, n_symbols: int) -> float:
 
 
 def unit(data_dir: str | Path) -> str:
-    """'bits/token' for word-level tokenizers, else 'bpc' (a token is a character)."""
+    """'bits/token' for word-level and subword tokenizers, else 'bpc' (a token is a character)."""
     m = load_manifest(data_dir)
     kind = (m.get("tokenizer") or {}).get("kind") or (m.get("vocab") or {}).get("kind")
-    return "bits/token" if word_level(kind) else "bpc"
+    return "bits/token" if per_token(kind) else "bpc"
 
 
 def unigram_baseline(data_dir: str | Path, split: str = "test", fit: str = "train") -> dict:
@@ -62,9 +63,13 @@ def unigram_baseline(data_dir: str | Path, split: str = "test", fit: str = "trai
     'unit'} for a shard directory made by `megamemo prepare`."""
     n = len(load_vocab(data_dir))
     ids, fit_ids = read_split(data_dir, split), read_split(data_dir, fit)
-    return {"split": split, "fit": fit, "smoothing": "add-one", "bits": unigram_bits(fit_ids, ids, n),
-            "self_entropy": entropy_bits(ids, n), "tokens": int(ids.size), "fit_tokens": int(fit_ids.size),
-            "unit": unit(data_dir)}
+    out = {"split": split, "fit": fit, "smoothing": "add-one", "bits": unigram_bits(fit_ids, ids, n),
+           "self_entropy": entropy_bits(ids, n), "tokens": int(ids.size), "fit_tokens": int(fit_ids.size),
+           "unit": unit(data_dir)}
+    n_bytes = load_manifest(data_dir)["splits"][split].get("n_bytes")
+    if n_bytes:                      # subword corpora: the whole split is scored, so its recorded UTF-8 bytes
+        out["bits_per_byte"] = bits_per_byte(out["bits"] * out["tokens"] * math.log(2.0), n_bytes)
+    return out
 
 
 def excerpt(data_dir: str | Path, split: str = "test", start: int = 0, n_tokens: int = 256) -> bytes:

@@ -248,6 +248,10 @@ class StreamReader:
                              f"{STATE_VERSION}")
         keys = self._IDENTITY + (("seed",) if self.roll else ())
         mine = self.state_dict()
+        if state.get("vocab_sha256") not in (None, mine["vocab_sha256"]):   # before n_tokens: say why they differ
+            raise ValueError(f"{self.data_dir}: its vocabulary/tokenizer file (sha256 {mine['vocab_sha256'][:12]})"
+                             f" differs from the one the checkpoint was trained with (sha256 "
+                             f"{str(state['vocab_sha256'])[:12]}): a different tokenizer")
         for k in keys:
             if k not in state:
                 raise ValueError(f"StreamReader.load_state_dict: field {k!r} is missing from the saved state")

@@ -13,6 +13,7 @@ decreasing count, ties in order of first occurrence (``Counter.most_common`` is 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,23 @@ def word_level(kind: str | None) -> bool:
     """Whether a manifest's tokenizer kind is word-level: scored in perplexity (bits per token), where byte- and
     character-level corpora are scored in bits per character."""
     return kind in ("words", "word")
+
+
+def per_token(kind: str | None) -> bool:
+    """Whether a tokenizer kind is scored in per-token perplexity: word-level and subword ("subword") corpora;
+    subword ones also in bits per byte (`bits_per_byte`). Byte and character corpora: bits per character."""
+    return word_level(kind) or kind == "subword"
+
+
+def unit_of(kind: str | None) -> str:
+    """The headline unit of a tokenizer kind: "ppl" (per-token perplexity) or "bpc" (bits per character)."""
+    return "ppl" if per_token(kind) else "bpc"
+
+
+def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
+    """Total NLL (nats, summed over the scored tokens) in bits over the UTF-8 bytes of the text those tokens
+    stand for: the unit lm-evaluation-harness reports, comparable across tokenizers."""
+    return nll_nats / math.log(2.0) / n_bytes if n_bytes > 0 else float("nan")
 TEXT8_ALPHABET = "_abcdefghijklmnopqrstuvwxyz"  # '_' is the space, as in prep_text8.py
 
 

@@ -10,7 +10,10 @@ directory (converted in memory, see `megamemo convert`); --ckpt may be repeated 
 
 The loop is the reference `evaluate()` (spec §4.3): B contiguous columns (the training layout with one rank),
 memory carried down each column from empty, and the exact per-token mean NLL in nats over the split. bpc = nll /
-ln 2 for byte/character corpora, ppl = exp(nll) for word-level ones (from the shard manifest's tokenizer).
+ln 2 for byte/character corpora, ppl = exp(nll) for word-level and subword ones (from the shard manifest's
+tokenizer); subword ones also bits_per_byte = the scored tokens' total NLL in bits / the UTF-8 bytes they stand for
+(the unit lm-evaluation-harness reports, comparable across tokenizers). A checkpoint that records a subword
+tokenizer is not scored on data made with another one.
 Defaults are the checkpoint's training lengths and batch 10 (the Transformer-XL scripts' eval batch); the score
 depends on B because the first token of every column is never predicted.
 
@@ -40,13 +43,34 @@ LN2 = math.log(2.0)
 
 # ---- metrics ---------------------------------------------------------------------------------------------------
 def metric_name(manifest: dict) -> str:
-    """'bpc' for byte- and character-level corpora, 'ppl' for word-level ones (the manifest's tokenizer)."""
+    """'bpc' for byte- and character-level corpora, 'ppl' for word-level and subword ones (the manifest's
+    tokenizer); subword results also carry bits_per_byte."""
+    from data_pipeline.vocab import unit_of
+
     kind = (manifest.get("tokenizer") or {}).get("kind") or (manifest.get("vocab") or {}).get("kind")
-    if kind in ("bytes", "chars"):
-        return "bpc"
-    if kind == "words":
-        return "ppl"
-    raise ValueError(f"manifest.json: tokenizer.kind {kind!r} is not one of bytes | chars | words")
+    if kind not in ("bytes", "chars", "words", "subword"):
+        raise ValueError(f"manifest.json: tokenizer.kind {kind!r} is not one of bytes | chars | words | subword")
+    return unit_of(kind)
+
+
+def check_tokenizer(meta: dict, manifest: dict, ckpt, data_dir) -> None:
+    """A checkpoint trained on one subword tokenizer is not scored or sampled with another: one line naming both."""
+    from data_pipeline.tokenizer import same_tokenizer
+
+    mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer")
+    if mine and not same_tokenizer(mine, theirs):
+        raise ValueError(f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
+                         f" differs from the one checkpoint {ckpt} was trained with ({mine.get('kind')}, sha256 "
+                         f"{str(mine.get('sha256'))[:12]})")
+
+
+def token_bytes_of(data_dir, manifest: dict):
+    """int64 tensor [V]: UTF-8 bytes each id stands for, for a subword corpus (bits per byte); None otherwise."""
+    if (manifest.get("tokenizer") or {}).get("kind") != "subword":
+        return None
+    from data_pipeline import load_vocab
+
+    return torch.from_numpy(load_vocab(data_dir).token_bytes())
 
 
 def metric_value(nll: float, metric: str) -> float:
@@ -57,16 +81,18 @@ def metric_value(nll: float, metric: str) -> float:
 @torch.no_grad()
 def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, trams: TramsConfig | None = None,
              max_segments: int = 0, device=None, log=None, total_segments: int | None = None,
-             log_every: float = 10.0, bar: bool | None = False) -> dict:
+             log_every: float = 10.0, bar: bool | None = False, token_bytes: torch.Tensor | None = None) -> dict:
     """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried.
     Progress: a line to `log` every `log_every` seconds, or a tqdm bar (bar=True; None: on a terminal).
-    -> {"nll", "tokens", "segments", "seconds"}."""
+    token_bytes (int64 [V], subword corpora): also the UTF-8 bytes of the scored target tokens ("bytes").
+    -> {"nll", "tokens", "segments", "seconds"[, "bytes", "bits_per_byte"]}."""
     from megamemo.progress import Progress
 
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
     total, count, seg = torch.zeros((), dtype=torch.float64, device=device), 0, 0
+    n_bytes = 0
     mem = None
     t0 = time.perf_counter()
     n_seg = min(total_segments, max_segments or total_segments) if total_segments else (max_segments or None)
@@ -85,13 +111,20 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
                                          clamp_len=clamp_len)
             total += nll.float().sum(dtype=torch.float64)
             count += nll.numel()
+            if token_bytes is not None:
+                n_bytes += int(token_bytes[tgt.cpu()].sum())
             seg += 1
             progress.update(1, tokens=count, nll=lambda: float(total) / count)   # nll: a device sync, when shown
     finally:
         progress.close()
         model.train(was_training)
     nll = float(total) / count if count else float("nan")
-    return {"nll": nll, "tokens": count, "segments": seg, "seconds": time.perf_counter() - t0}
+    out = {"nll": nll, "tokens": count, "segments": seg, "seconds": time.perf_counter() - t0}
+    if token_bytes is not None:
+        from data_pipeline.vocab import bits_per_byte
+
+        out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(total), n_bytes)
+    return out
 
 
 def _progress_line(p) -> str:
@@ -109,12 +142,13 @@ def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
 
 def run_one(model, meta: dict, data_dir, split: str, *, tgt_len: int, mem_len: int, clamp_len: int,
             same_length: bool, batch_size: int, trams: TramsConfig | None = None, max_segments: int = 0,
-            metric: str, device=None, log=print, bar: bool | None = False) -> dict:
+            metric: str, device=None, log=print, bar: bool | None = False,
+            token_bytes: torch.Tensor | None = None) -> dict:
     reader = open_batches(data_dir, split, batch_size, tgt_len)
     try:
         out = evaluate(model, reader, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, trams=trams,
                        max_segments=max_segments, device=device, log=log, total_segments=reader.steps_per_epoch,
-                       bar=bar)
+                       bar=bar, token_bytes=token_bytes)
     finally:
         reader.close()
     out[metric] = metric_value(out["nll"], metric)
@@ -187,7 +221,9 @@ def _fmt(r: dict) -> str:
     m = r["metric"]
     t = r.get("trams")
     extra = f" | TRAMS attend {t['attend']} of pool {t['pool']} (recent {t['recent']}, {t['metric']})" if t else ""
-    return (f"{r['ckpt']}: {r['split']} {m} {r[m]:.4f} (nll {r['nll']:.5f} nats/token, {r['tokens']:,} tokens) | "
+    bpb = f" | bits_per_byte {r['bits_per_byte']:.4f} ({r['bytes']:,} bytes)" if "bits_per_byte" in r else ""
+    return (f"{r['ckpt']}: {r['split']} {m} {r[m]:.4f} (nll {r['nll']:.5f} nats/token, {r['tokens']:,} tokens)"
+            f"{bpb} | "
             f"{r['variant']} tgt {r['tgt_len']} mem {r['mem_len']} clamp {r['clamp_len']} "
             f"same_length {r['same_length']} B {r['batch_size']}{extra} | {r['tokens_per_s']:,.0f} tokens/s")
 
@@ -198,13 +234,16 @@ def main(argv: list[str]) -> int:
 
     a = parse_args(argv)
     try:
-        metric = metric_name(load_manifest(a.data))
-        if a.split not in load_manifest(a.data)["splits"]:
+        manifest = load_manifest(a.data)
+        metric = metric_name(manifest)
+        if a.split not in manifest["splits"]:
             raise ValueError(f"{Path(a.data) / 'manifest.json'}: no split {a.split!r}")
+        token_bytes = token_bytes_of(a.data, manifest)
         ratios = [float(x) for x in a.mem_ratios.split(",")] if a.mem_ratios else None
         results = []
         for ckpt in a.ckpt:
             model, meta = load_for_eval(ckpt, a.device, a.dtype)
+            check_tokenizer(meta, manifest, ckpt, a.data)
             runs = [None] if ratios is None else ratios
             for ratio in runs:
                 mem_len = None
@@ -214,7 +253,7 @@ def main(argv: list[str]) -> int:
                 L = _lengths(model, a, mem_len)
                 r = run_one(model, meta, a.data, a.split, batch_size=a.batch_size, trams=_trams(a, L["mem_len"]),
                             max_segments=a.max_segments, metric=metric, device=a.device, bar=None,
-                            **L)
+                            token_bytes=token_bytes, **L)
                 r["ckpt"] = str(ckpt)
                 if ratio is not None:
                     r["mem_ratio"], r["ratio_base"] = ratio, base

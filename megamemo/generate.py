@@ -110,12 +110,31 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, top_p: float 
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------------------
-def vocab_for(meta: dict, data_dir=None):
-    from data_pipeline import load_vocab
+def vocab_for(meta: dict, data_dir=None, ckpt=None):
+    """The vocabulary or subword tokenizer to encode the prompt and decode with: --data's (which must hold the
+    tokenizer the checkpoint records), else the file the checkpoint carries (tokenizer.json beside config.json,
+    checked by sha256), else its symbols, else its training data directory's."""
+    from data_pipeline import load_manifest, load_vocab
+    from data_pipeline.tokenizer import load_recorded, same_tokenizer
     from data_pipeline.vocab import Vocab
 
+    tok = meta.get("tokenizer") or {}
     if data_dir:
+        theirs = load_manifest(data_dir).get("tokenizer") or {}
+        if tok and not same_tokenizer(tok, theirs):
+            raise ValueError(f"--data {data_dir}: its tokenizer ({theirs.get('kind')}, sha256 "
+                             f"{str(theirs.get('sha256'))[:12]}) differs from the one the checkpoint was trained "
+                             f"with ({tok.get('kind')}, sha256 {str(tok.get('sha256'))[:12]})")
         return load_vocab(data_dir)
+    if tok.get("kind") == "subword":
+        if ckpt and (Path(ckpt) / str(tok.get("file"))).is_file():
+            return load_recorded(ckpt, tok, f"{Path(ckpt) / 'config.json'}")
+        d = (meta.get("data") or {}).get("dir")
+        if d and (Path(d) / "manifest.json").is_file():
+            return vocab_for({"tokenizer": tok}, d)
+        raise ValueError(f"the checkpoint records the subword tokenizer {tok.get('file')} (sha256 "
+                         f"{str(tok.get('sha256'))[:12]}) but neither it nor its data directory is there: pass "
+                         f"--data SHARD_DIR")
     v = meta.get("vocab")
     if isinstance(v, dict) and "symbols" in v and "kind" in v:
         return Vocab(v["kind"], list(v["symbols"]))
@@ -129,6 +148,11 @@ def vocab_for(meta: dict, data_dir=None):
 def encode_prompt(vocab, raw: bytes, where: str) -> list[int]:
     import numpy as np
 
+    if vocab.kind == "subword":
+        try:
+            return vocab.encode(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (byte {e.start})") from None
     if vocab.kind in ("bytes", "chars"):
         return [int(i) for i in vocab.encode_bytes(np.frombuffer(raw, dtype=np.uint8), where=where)]
     text = raw.decode("utf-8")
@@ -165,7 +189,7 @@ def main(argv: list[str]) -> int:
     try:
         model, meta = load_model(a.ckpt)
         model = model.to(a.device)
-        vocab = vocab_for(meta, a.data)
+        vocab = vocab_for(meta, a.data, a.ckpt)
         if len(vocab) > model.cfg.n_token:
             raise ValueError(f"vocabulary of {len(vocab)} symbols does not fit the model's n_token "
                              f"{model.cfg.n_token}")

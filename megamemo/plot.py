@@ -7,8 +7,8 @@ validation points (kind "eval"), a dotted vertical line where the run resumed (k
 foot of the axes for each skipped step (kind "skip": an fp16 overflow, not applied). --x tokens puts the tokens
 trained so far (summed over the applied steps) on the x axis instead of the step.
 
-The metric is bpc for byte/character corpora and perplexity for word-level ones (log scale), as training logs
-it: from the shard manifest of config.yaml's data.dir when that directory exists (relative paths are read from
+The metric is bpc for byte/character corpora and perplexity for word-level and subword ones (log scale), as
+training logs it (subword runs, whose records carry bits_per_byte, get a second panel of bits per byte beside it): from the shard manifest of config.yaml's data.dir when that directory exists (relative paths are read from
 the current directory), else from config.yaml's vocabulary size (<= 256 symbols: bytes or characters), else
 from the records (a last loss above 2 nats per token is a word-level run). --metric overrides; runs that
 disagree need it. Output: --out, default RUN_DIR/metrics.png for one run, ./metrics.png for several.
@@ -115,9 +115,9 @@ def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
             except (json.JSONDecodeError, AttributeError):
                 kind = None
             if kind is not None:
-                from data_pipeline.vocab import word_level
+                from data_pipeline.vocab import unit_of
 
-                return ("ppl" if word_level(kind) else "bpc"), f"{manifest} (tokenizer {kind})"
+                return unit_of(kind), f"{manifest} (tokenizer {kind})"
         n_token = ((cfg.get("model") or {}).get("n_token")) if isinstance(cfg, dict) else None
         if isinstance(n_token, int):
             return ("bpc" if n_token <= 256 else "ppl"), f"{cfg_path} (vocabulary of {n_token})"
@@ -125,8 +125,20 @@ def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
     return ("ppl" if last > WORD_LEVEL_NATS else "bpc"), f"the records (last loss {last:.3f} nats)"
 
 
-def value(loss: float, metric: str) -> float:
+def value(rec: dict, metric: str) -> float:
+    if metric == "bits_per_byte":
+        return rec.get("bits_per_byte", float("nan"))
+    loss = rec["loss"]
     return loss / math.log(2.0) if metric == "bpc" else math.exp(min(loss, 700.0))
+
+
+LABELS = {"bpc": "bits per character", "ppl": "perplexity (per token)", "bits_per_byte": "bits per byte"}
+
+
+def has_bits_per_byte(runs: list[Run]) -> bool:
+    """Subword runs record bits_per_byte in every train/eval record: the plot shows it beside perplexity."""
+    recs = [r for run in runs for r in run.train + run.evals]
+    return bool(recs) and all("bits_per_byte" in r for r in recs)
 
 
 def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
@@ -138,10 +150,18 @@ def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
     from matplotlib.transforms import blended_transform_factory
 
     metric = metric or runs[0].metric
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    panels = [metric] + (["bits_per_byte"] if metric == "ppl" and has_bits_per_byte(runs) else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(9 * len(panels), 5.5), squeeze=False)
+    drawn: dict = {}
+    for k, (ax, m) in enumerate(zip(axes[0], panels)):
+        _draw(ax, runs, x, m, drawn if k == 0 else {}, plt, blended_transform_factory)
+    fig.tight_layout()
+    return fig, drawn
+
+
+def _draw(ax, runs: list[Run], x: str, metric: str, drawn: dict, plt, blended_transform_factory) -> None:
     foot = blended_transform_factory(ax.transData, ax.transAxes)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    drawn: dict = {}
 
     def xs(run: Run, steps):
         return list(steps) if x == "steps" else [run.tokens_at(s) for s in steps]
@@ -150,12 +170,12 @@ def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
         c = colours[i % len(colours)]
         if run.train:
             (drawn[run.name, "train"],) = ax.plot(xs(run, [r["step"] for r in run.train]),
-                                                  [value(r["loss"], metric) for r in run.train], color=c,
+                                                  [value(r, metric) for r in run.train], color=c,
                                                   lw=0.8, alpha=0.6, label=f"{run.name} train")
         if run.evals:
             split = run.evals[0].get("split", "valid")
             (drawn[run.name, "eval"],) = ax.plot(xs(run, [r["step"] for r in run.evals]),
-                                                 [value(r["loss"], metric) for r in run.evals], color=c, lw=1.8,
+                                                 [value(r, metric) for r in run.evals], color=c, lw=1.8,
                                                  marker="o", ms=4, label=f"{run.name} {split}")
         drawn[run.name, "resume"] = [ax.axvline(xv, color=c, ls=":", lw=1.2)
                                      for xv in xs(run, [r["step"] for r in run.resumes])]
@@ -164,7 +184,7 @@ def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
             (drawn[run.name, "skip"],) = ax.plot(at, [0.02] * len(at), ls="none", marker="x", color=c,
                                                  transform=foot, clip_on=False)
     ax.set_xlabel("step" if x == "steps" else "tokens trained")
-    ax.set_ylabel("bits per character" if metric == "bpc" else "perplexity")
+    ax.set_ylabel(LABELS[metric])
     if metric == "ppl":
         ax.set_yscale("log")
     marks = []
@@ -175,8 +195,6 @@ def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
     ax.set_title(f"training and validation {metric}" + (f" ({'; '.join(marks)})" if marks else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig, drawn
 
 
 def parse_args(argv):

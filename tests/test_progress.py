@@ -97,9 +97,11 @@ def test_prepare_progress_lines(tmp_path):
                             {"train": 5 * block})
     lines = []
     build(corpus, tmp_path / "out", chunk_tokens=4096, shard_bytes="64K", log=lines.append, progress_every=0)
-    pat = re.compile(r"\[prepare\] train: ([\d.]+) MiB read \((\d+)%\), ([\d,]+) tokens, (\d+) shards, [\d.]+ MiB/s")
+    pat = re.compile(r"\[prepare\] train: ([\d.]+) MiB read \((\d+)%\), ([\d,]+) tokens, (\d+) shards, [\d.]+ MiB/s"
+                     r"(, ETA \d+m\d\ds)?")
     got = [pat.fullmatch(ln) for ln in lines if "MiB read" in ln]
     assert len(got) == 5 and all(got), lines
+    assert all(m.group(5) for m in got[:-1]) and not got[-1].group(5)     # the remaining time, until the end
     assert [(m.group(1), m.group(2), m.group(3)) for m in got] == [
         (f"{k * 0.25:.1f}", f"{k * 20}", f"{k * block // 2:,}") for k in range(1, 6)]
     assert int(got[-1].group(4)) >= 1

@@ -166,13 +166,29 @@ class Checkpoint:
 
 # ---- data meta -------------------------------------------------------------------------------------------------
 def data_meta(data_dir) -> dict:
-    """What generation needs from the shard directory: the tokenizer and the vocabulary's symbols."""
+    """What generation needs from the shard directory: the tokenizer and the vocabulary's symbols. A subword
+    tokenizer is recorded as {"kind": "subword", "vocab_size", "file", "sha256", ...}: to_single copies that file
+    beside config.json (generate and exports read it from there, checked by its sha256)."""
     from data_pipeline import load_manifest, load_vocab
 
     m = load_manifest(data_dir)
     v = load_vocab(data_dir)
+    vocab = ({"kind": v.kind, "file": v.file_name, "size": len(v)} if v.kind == "subword"
+             else {"kind": v.kind, "symbols": v.symbols})
     return {"data": {"dir": str(data_dir), "corpus": m.get("corpus")}, "tokenizer": m.get("tokenizer", {}),
-            "vocab": {"kind": v.kind, "symbols": v.symbols}}
+            "vocab": vocab}
+
+
+def copy_tokenizer(meta: dict, out: Path) -> None:
+    """A subword tokenizer's file from the data directory into the converted checkpoint, checked by sha256."""
+    tok = meta.get("tokenizer") or {}
+    if tok.get("kind") != "subword":
+        return
+    from data_pipeline.tokenizer import load_recorded
+
+    src = Path((meta.get("data") or {}).get("dir", ""))
+    load_recorded(src, tok, f"{src / 'manifest.json'}")           # raises on a changed or missing file
+    shutil.copyfile(src / tok["file"], out / tok["file"])
 
 
 def _run_data_meta(step_dir: Path) -> dict:
@@ -260,6 +276,7 @@ def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = No
             meta["check"] = c.self_check(model, log)
             del model
         meta.update(data_meta(data) if data else _run_data_meta(c.dir))
+        copy_tokenizer(meta, tmp)
         write_config(tmp, c.cfg, meta)
         tmp.replace(out)
     except ProbeError as e:

@@ -52,10 +52,17 @@ def save_single(out_dir, model_cfg: ModelConfig, state_dict: dict, memory: Memor
 
 
 def write_config(directory: Path, model_cfg: ModelConfig, meta: dict) -> None:
-    """config.json, recording the size and sha256 of the directory's tensor files (written before it)."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
-             for p in sorted(Path(directory).glob("*.safetensors"))}
+    """config.json, recording the size and sha256 of the directory's tensor files (written before it) and of the
+    subword tokenizer's file when meta records one (also as a top-level "tokenizer": {kind, vocab_size, file,
+    sha256, ...}, the file beside config.json)."""
+    paths = sorted(Path(directory).glob("*.safetensors"))
+    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    if tok.get("kind") == "subword" and (Path(directory) / str(tok.get("file"))).is_file():
+        paths.append(Path(directory) / tok["file"])
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)} for p in paths}
     doc = {"format": FORMAT, "version": VERSION, "model": model_cfg.to_dict(), "meta": meta, "files": files}
+    if tok:
+        doc["tokenizer"] = tok
     (Path(directory) / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
 
 

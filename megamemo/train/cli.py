@@ -140,7 +140,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     from megamemo.model.flops import flops_per_token
     from megamemo.peak import device_peak, format_flops
     from megamemo.train import dist
-    from megamemo.train.data import open_reader, unit_for
+    from megamemo.train.data import bytes_per_token, open_reader, unit_for
     from megamemo.train.engine import Engine
     from megamemo.train.loop import Trainer
     from megamemo.train import rss
@@ -189,7 +189,8 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     peak, fpt = device_peak(engine.device, cfg.precision.dtype), flops_per_token(cfg.model, micro)  # for MFU
     metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
                       tensorboard=cfg.log.tensorboard, start_step=start_step, config_yaml=cfg.to_yaml(),
-                      flops_per_token=fpt, peak_flops=peak.flops, world_size=de.world_size)
+                      flops_per_token=fpt, peak_flops=peak.flops, world_size=de.world_size,
+                      bytes_per_token=bytes_per_token(cfg), splits=(cfg.data.split, cfg.eval.split))
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)

@@ -43,14 +43,25 @@ def check_data_dir(cfg: RunConfig) -> dict:
 
 
 def unit_for(cfg: RunConfig) -> str:
-    """bpc for character/byte-level corpora, perplexity for word-level ones."""
+    """bpc for character/byte-level corpora, perplexity for word-level and subword ones."""
     try:
         kind = _manifest(cfg)["tokenizer"].get("kind", "")
     except DataError:
         return "bpc"
-    from data_pipeline.vocab import word_level
+    from data_pipeline.vocab import unit_of
 
-    return "ppl" if word_level(kind) else "bpc"
+    return unit_of(kind)
+
+
+def bytes_per_token(cfg: RunConfig) -> dict[str, float]:
+    """Per split, the UTF-8 bytes of its text over its tokens (subword corpora record n_bytes): training and
+    validation lines report bits per byte = loss / ln 2 / this ratio. {} for other corpora."""
+    try:
+        m = _manifest(cfg)
+    except DataError:
+        return {}
+    return {s: sp["n_bytes"] / sp["n_tokens"] for s, sp in m["splits"].items()
+            if isinstance(sp.get("n_bytes"), int) and sp["n_bytes"] > 0 and sp["n_tokens"] > 0}
 
 
 def open_reader(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, dp: int, dp_rank: int, *, train: bool):

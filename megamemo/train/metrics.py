@@ -2,6 +2,7 @@
 TensorBoard events in <run_dir>/tb. Only rank 0 writes.
 
 metrics.jsonl objects carry `kind`: "train" (one per applied step: step, loss, bpc, ppl, lr, grad_norm,
+(on subword corpora bits_per_byte: the loss over the split's average UTF-8 bytes per token),
 loss_scale, skipped, tokens, time (wall clock, s); on log lines also tokens_per_s, model_flops_per_s and mfu),
 "skip" (an overflowing attempt that was not applied), "eval", "resume" (step, time: a run resumed there).
 On resume from step S the file keeps only what happened up to S, so it reads like one uninterrupted run; the
@@ -19,6 +20,7 @@ import math
 import time
 from pathlib import Path
 
+from data_pipeline.vocab import bits_per_byte
 from megamemo.peak import format_flops
 
 LN2 = math.log(2.0)
@@ -44,13 +46,17 @@ def trim_jsonl(path: Path, last_step: int) -> None:
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, every: int, unit: str, tensorboard: bool,
                  start_step: int, config_yaml: str | None = None, *, flops_per_token: float | None = None,
-                 peak_flops: float | None = None, world_size: int = 1):
+                 peak_flops: float | None = None, world_size: int = 1, bytes_per_token: dict | None = None,
+                 splits: tuple[str, str] = ("train", "valid")):
         self.enabled = enabled
         self.every = every
         self.unit = unit                 # "bpc" or "ppl": what the log line shows
         self.flops_per_token = flops_per_token  # analytic training FLOPs per token (None: no FLOP/s, no MFU)
         self.peak_flops = peak_flops            # per device, FLOP/s (None: MFU n/a)
         self.world_size = world_size
+        # subword corpora: per split UTF-8 bytes per token, for bits per byte (training split, then eval split)
+        self.bytes_per_token = bytes_per_token or {}
+        self.train_split, self.eval_split = splits
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.start_step, self.tensorboard, self.config_yaml = start_step, tensorboard, config_yaml
@@ -88,9 +94,17 @@ class Metrics:
         """Start the tokens/s clock (the loop calls this when training starts, after start-up)."""
         self._window_tokens, self._window_t0 = 0, time.perf_counter()
 
-    @staticmethod
-    def derived(loss: float) -> dict:
-        return {"bpc": loss / LN2, "ppl": math.exp(min(loss, 700.0))}
+    def derived(self, loss: float, split: str | None = None) -> dict:
+        """bpc and ppl of a mean per-token loss (nats); on a subword corpus also bits_per_byte, the loss over the
+        split's average UTF-8 bytes per token (data_pipeline.vocab.bits_per_byte)."""
+        out = {"bpc": loss / LN2, "ppl": math.exp(min(loss, 700.0))}
+        ratio = self.bytes_per_token.get(split or self.train_split)
+        if ratio:
+            out["bits_per_byte"] = bits_per_byte(loss, ratio)
+        return out
+
+    def _bpb_text(self, rec: dict) -> str:
+        return f" | bpb {rec['bits_per_byte']:.4f}" if "bits_per_byte" in rec else ""
 
     def throughput(self, tokens_per_s: float) -> dict:
         """model_flops_per_s (all ranks) and mfu for a tokens/s figure (all ranks); {} without a FLOP count."""
@@ -123,12 +137,13 @@ class Metrics:
                 mfu = "n/a" if rec["mfu"] is None else f"{rec['mfu']:.1%}"
                 speed = f" | {format_flops(rec['model_flops_per_s'])}/s | MFU {mfu}"
             print(f"step {rec['step']:>7} | lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | "
-                  f"{self.unit} {rec[self.unit]:.4f} | tok/s {rec['tokens_per_s']:,.0f}{speed} | "
+                  f"{self.unit} {rec[self.unit]:.4f}{self._bpb_text(rec)} | tok/s {rec['tokens_per_s']:,.0f}{speed} | "
                   f"grad norm {rec['grad_norm']:.3f}{scale} | skipped {rec['skipped']}", flush=True)
         self._write(rec)
         if self._tb is not None:
             s = rec["step"]
-            for k in ("loss", "lr", "grad_norm", "loss_scale", self.unit, "tokens_per_s", "model_flops_per_s", "mfu"):
+            for k in ("loss", "lr", "grad_norm", "loss_scale", self.unit, "bits_per_byte", "tokens_per_s",
+                      "model_flops_per_s", "mfu"):
                 if k in rec and rec[k] is not None and math.isfinite(rec[k]):
                     self._tb.add_scalar(f"train/{k}", rec[k], s)
 
@@ -144,13 +159,16 @@ class Metrics:
     def eval(self, rec: dict) -> None:
         if not self.enabled:
             return
-        rec = {"kind": "eval", **rec, **self.derived(rec["loss"])}
-        print(f"eval  {rec['step']:>7} | {rec['split']} loss {rec['loss']:.4f} | {self.unit} {rec[self.unit]:.4f} | "
+        rec = {"kind": "eval", **rec, **self.derived(rec["loss"], rec.get("split", self.eval_split))}
+        print(f"eval  {rec['step']:>7} | {rec['split']} loss {rec['loss']:.4f} | {self.unit} {rec[self.unit]:.4f}"
+              f"{self._bpb_text(rec)} | "
               f"{rec['tokens']:,} tokens in {rec['seconds']:.1f}s", flush=True)
         self._write(rec)
         if self._tb is not None:
             self._tb.add_scalar(f"{rec['split']}/loss", rec["loss"], rec["step"])
             self._tb.add_scalar(f"{rec['split']}/{self.unit}", rec[self.unit], rec["step"])
+            if "bits_per_byte" in rec:
+                self._tb.add_scalar(f"{rec['split']}/bits_per_byte", rec["bits_per_byte"], rec["step"])
 
     def close(self) -> None:
         if self._file is not None:
