@@ -186,6 +186,7 @@ class CheckpointStore:
         self.log = log if rank == 0 else (lambda *a, **k: None)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._abandoned = threading.Event()
         # Fault injection for the crash tests: MEGAMEMO_FAULT_KILL_IN_SAVE="STEP:RANK" makes that rank SIGKILL
         # itself while saving that step, its tensors written but not its rank JSON (a half-written checkpoint).
         fault = os.environ.get("MEGAMEMO_FAULT_KILL_IN_SAVE", "")
@@ -250,6 +251,17 @@ class CheckpointStore:
             e, self._error = self._error, None
             raise CheckpointError(f"background checkpoint write failed: {e}") from e
 
+    def abandon(self, timeout_s: float = 60.0) -> None:
+        """On an error path, before the process exits: a background save still in flight stops waiting for the
+        other ranks (it is never committed; the next start removes it) and its thread ends, so that no thread is
+        in the middle of a write while the interpreter shuts down (a thread inside C++ code then is killed by
+        the interpreter's exit, and the process aborts). Not collective."""
+        self._abandoned.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._error = None
+
     def finish(self) -> None:
         """Before exiting: every rank's pending save committed (collective)."""
         self.wait()
@@ -261,6 +273,8 @@ class CheckpointStore:
         for r in range(self.world_size):
             js = step_dir / rank_files(r)[1]
             while not js.is_file():
+                if self._abandoned.is_set():
+                    raise CheckpointError(f"step {step}: abandoned (the run is ending with an error; not committed)")
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"{js}: missing: rank {r} did not finish writing step {step} "
                                           f"(not committed)")
