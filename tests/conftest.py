@@ -20,6 +20,8 @@ def cuda_available() -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run with `pytest -m gpu`)")
+    config.addinivalue_line("markers", "multiproc: starts training or distributed worker processes; the fast subset "
+                                       "is `pytest -m 'not multiproc'`")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,6 +24,8 @@ from megamemo.checkpoint.state import file_digest
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from test_train_runs import logs, losses, run, shards, tiny_cfg  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 EXACT = ["--max-steps", "6", "--set", "model.dropout=0.0", "--set", "log.tensorboard=false"]
 
 

@@ -24,6 +24,8 @@ import pytest
 from megamemo.checkpoint.store import MARKER, list_checkpoints
 from test_train_runs import losses, shards, tiny_cfg  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]
 
@@ -38,11 +40,15 @@ def start(cfg, shards, run_dir, *args, n=2, env=None):
 
 
 def finish(p, timeout=240) -> int:
+    """The launcher's exit code within `timeout` seconds; past it its whole process group is killed and the test
+    fails naming the command that hung."""
     try:
         return p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        raise
+        p.wait()
+        raise AssertionError(f"still running after {timeout}s (its process group killed): "
+                             f"{' '.join(map(str, p.args))}") from None
 
 
 def text(run_dir) -> str:

@@ -20,6 +20,8 @@ from megamemo.train.dist import free_port
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
 from fixture_data import ENWIK8
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 REPO = Path(__file__).resolve().parents[1]
 
 TINY = """
@@ -68,15 +70,20 @@ def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra
 
 
 def wait(procs, timeout: float = 180) -> list[int]:
+    """Every rank's exit code, within `timeout` seconds; past it the ranks still running are killed and the test
+    fails naming them and their command."""
     end = time.time() + timeout
     rcs = []
-    for p in procs:
+    for r, p in enumerate(procs):
         try:
             rcs.append(p.wait(timeout=max(1, end - time.time())))
         except subprocess.TimeoutExpired:
+            hung = [i for i, q in enumerate(procs) if q.poll() is None]
             for q in procs:
                 q.kill()
-            raise
+                q.wait()
+            raise AssertionError(f"ranks {hung} of {len(procs)} still running after {timeout:.0f}s (killed): "
+                                 f"{' '.join(map(str, p.args))}") from None
     return rcs
 
 

@@ -19,6 +19,8 @@ from megamemo.checkpoint.state import file_digest
 from megamemo.checkpoint.store import MARKER
 from test_train_runs import run, shards, tiny_cfg  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
