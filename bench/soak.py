@@ -14,8 +14,8 @@ Slurm's requeue does, must end as if it had never been interrupted.
                  (megamemo/checkpoint/faults.py; the windows are milliseconds long, a kill from outside would land
                  there only by luck); the launcher then kills the other ranks.
    The killed workers are orphans of this process (a child subreaper, as a container's init is) and are reaped
-   only after the restart has begun, so each restart meets its predecessor's zombies, as under a PID 1 that never
-   reaps. A restart must train again: resume from the newest committed checkpoint (or start afresh when none was
+   only after the restart has ended, so each restart meets its predecessor's zombies (rank 0 among them, named in
+   the LOCK), as under a PID 1 that never reaps. A restart must train again: resume from the newest committed checkpoint (or start afresh when none was
    committed yet); one that is refused counts as a failed restart.
 3. After the last kill (or when --minutes are used up) the job runs to the end; every step's loss must equal the
    uninterrupted run's bit for bit, each step logged once.
@@ -74,6 +74,12 @@ def train_records(run_dir: Path) -> list[dict]:
     return out
 
 
+def new_steps(run_dir: Path, since: float) -> int:
+    """Steps logged at or after wall-clock time `since` (a restart trims what it redoes, so counting lines would
+    not do)."""
+    return sum(r["time"] >= since for r in train_records(run_dir))
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """Every step's loss; a step logged twice is an error (a restart must trim what it redoes)."""
     out: dict[int, float] = {}
@@ -117,7 +123,7 @@ class Job:
         with open(log, "a") as f:
             self.p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
                                       start_new_session=True)
-        self.t0 = time.monotonic()
+        self.t0, self.t_wall = time.monotonic(), time.time()
         self.workers: list[int] = []
 
     def alive(self) -> bool:
@@ -211,22 +217,19 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
         nth = rng.randint(1, 2)
         if kind in ("save", "commit", "retention", "removal"):
             env["MEGAMEMO_FAULT_KILL_AT"] = f"{kind}:{nth}"
-        before = len(train_records(run_dir))
         had = committed(run_dir)
         log_at = log.stat().st_size
         job = Job(cmd, env, log)
-        if previous is not None:
-            previous.reap()         # the previous job's zombies lived until the restart had begun
         where = kind
         if kind == "start-up":
             time.sleep(rng.uniform(0.0, 0.9 * startup_s))
-            if len(train_records(run_dir)) > before:
+            if new_steps(run_dir, job.t_wall):
                 where = "step (meant start-up)"
             job.kill9()
         elif kind == "step":
             first = None
-            while len(train_records(run_dir)) < before + nth and job.alive():
-                if first is None and len(train_records(run_dir)) > before:
+            while new_steps(run_dir, job.t_wall) < nth and job.alive():
+                if first is None and new_steps(run_dir, job.t_wall):
                     first = time.monotonic()
                 time.sleep(0.01)
             now = time.monotonic()
@@ -236,6 +239,8 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
             time.sleep(rng.uniform(0.0, step_s))
             job.kill9()
         rc = job.end(600)
+        if previous is not None:
+            previous.reap()         # the previous job's zombies lived through this whole restart
         text = _text(log, log_at)
         started = "fresh start" in text or "resuming at step" in text
         if i > 0:                   # a restart: refused (the lock, a checkpoint), or not training, is a failure
@@ -262,12 +267,12 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
         summary["restarts_trained"] = resumed
         summary["refused"] = refused
         return summary
-    last = Job(cmd, job_env(), log)
-    if previous is not None:
-        previous.reap()
     log_at = log.stat().st_size
+    last = Job(cmd, job_env(), log)
     rc = last.end(900)
     last.reap()
+    if previous is not None:
+        previous.reap()
     text = _text(log, log_at)
     resumed += ("resuming at step" in text or "fresh start" in text) and "another trainer is running" not in text
     got = losses(run_dir)
