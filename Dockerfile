@@ -90,5 +90,6 @@ WORKDIR /home/megamemo
 ENV TORCH_EXTENSIONS_DIR=/home/megamemo/.cache/torch_extensions
 # PID 1 is tini: it reaps every orphan that ends (a worker killed with -9 would otherwise stay a zombie, and a
 # zombie still in /proc looked like a live holder of the run directory's lock) and passes signals on to the command.
-ENTRYPOINT ["/usr/bin/tini", "--"]
+# -s: the same as a subreaper where something else is PID 1 (`docker run --init`, as launch/slurm/task.sh runs it).
+ENTRYPOINT ["/usr/bin/tini", "-s", "--"]
 CMD ["megamemo", "--help"]

@@ -87,6 +87,6 @@ def test_pid_1_is_tini_from_the_distribution_which_reaps_zombies():
     installs = re.findall(r"apt-get install[^&]*", text)
     assert any(re.search(r"\btini\b", i) for i in installs), installs
     entry = re.findall(r"^ENTRYPOINT (.*)$", text, flags=re.M)
-    assert entry and json.loads(entry[-1])[:2] == ["/usr/bin/tini", "--"], entry
+    assert entry and json.loads(entry[-1]) == ["/usr/bin/tini", "-s", "--"], entry     # -s: a subreaper under --init
     cmd = re.findall(r"^CMD (.*)$", text, flags=re.M)
     assert cmd and json.loads(cmd[-1])[0] == "megamemo"           # the command runs under tini, not instead of it
