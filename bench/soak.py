@@ -253,8 +253,9 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
         rec = {"kill": i + 1, "kind": kind, "where": where, "rc": rc, "committed_before": had[-1] if had else None,
                "steps_logged": len(train_records(run_dir)), "restart_trained": started}
         records.append(rec)
-        say(f"[soak] kill {i + 1}: {where} (exit {rc}); restart {'trained' if started else 'DID NOT TRAIN'}; newest "
-            f"committed {committed(run_dir)[-1:] or 'none'}")
+        this = "trained" if started else ("was killed in start-up" if kind == "start-up" else "DID NOT TRAIN")
+        say(f"[soak] kill {i + 1}: {where} (exit {rc}); this start {this}; newest committed "
+            f"{committed(run_dir)[-1:] or 'none'}")
         previous = job
         if rc == 0:
             break                   # the run reached its end between kills: no more to kill
