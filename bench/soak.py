@@ -251,7 +251,8 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
         if rc == 0 and "[fault]" not in text and kind not in ("start-up", "step"):
             where = f"none ({kind} #{nth} never reached: the run ended)"
         rec = {"kill": i + 1, "kind": kind, "where": where, "rc": rc, "committed_before": had[-1] if had else None,
-               "steps_logged": len(train_records(run_dir)), "restart_trained": started}
+               "steps_logged": len(train_records(run_dir)), "restart_trained": started,
+               "log": "\n".join(x for x in text.splitlines() if "terminate called" in x or "[launch]" in x)}
         records.append(rec)
         this = "trained" if started else ("was killed in start-up" if kind == "start-up" else "DID NOT TRAIN")
         say(f"[soak] kill {i + 1}: {where} (exit {rc}); this start {this}; newest committed "
@@ -260,6 +261,7 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
         if rc == 0:
             break                   # the run reached its end between kills: no more to kill
     summary = {"seed": seed, "world": world, "steps": steps, "kills": len(records),
+               "aborts": sum("terminate called" in r.get("log", "") for r in records),
                "by_kind": {k: sum(r["where"] == k for r in records) for k in KINDS},
                "restarts": max(0, len(records) - 1) + (1 if finish else 0), "records": records}
     if not finish:
@@ -286,7 +288,8 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     say(f"[soak] {summary['kills']} kills ({', '.join(f'{k} {v}' for k, v in summary['by_kind'].items())}); "
         f"{resumed}/{summary['restarts']} restarts trained; {len(reference) - len(differ)}/{len(reference)} steps' "
-        f"losses bit-equal to the uninterrupted run; {summary['seconds']:.0f}s; seed {seed}")
+        f"losses bit-equal to the uninterrupted run; {summary['aborts']} surviving ranks aborted (SIGABRT) when a "
+        f"peer was killed; {summary['seconds']:.0f}s; seed {seed}")
     return summary
 
 
