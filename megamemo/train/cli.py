@@ -262,6 +262,7 @@ def main(argv: list[str]) -> int:
         return code
     finally:
         tear_down(trainer)                  # on every path: no thread mid-write, the lock freed, the group destroyed
+        stop.restore()                      # the caller's handlers back (main called in-process: tests, notebooks)
 
 
 def anticipated_errors() -> tuple[type[BaseException], ...]:
