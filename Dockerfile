@@ -46,7 +46,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
        python3 python3-venv python3-dev build-essential ninja-build git ca-certificates \
-       openmpi-bin libopenmpi-dev libpmix2 openssh-client procps \
+       openmpi-bin libopenmpi-dev libpmix2 openssh-client procps tini \
     && rm -rf /var/lib/apt/lists/*
 
 # torch first, from its CUDA index; everything after it is installed with torch held at that build (constraints),
@@ -88,4 +88,8 @@ RUN useradd --create-home --uid "${USER_UID}" --shell /bin/bash megamemo
 USER ${USER_UID}
 WORKDIR /home/megamemo
 ENV TORCH_EXTENSIONS_DIR=/home/megamemo/.cache/torch_extensions
+# PID 1 is tini: it reaps every orphan that ends (a worker killed with -9 would otherwise stay a zombie, and a
+# zombie still in /proc looked like a live holder of the run directory's lock) and passes signals on to the command.
+# -s: the same as a subreaper where something else is PID 1 (`docker run --init`, as launch/slurm/task.sh runs it).
+ENTRYPOINT ["/usr/bin/tini", "-s", "--"]
 CMD ["megamemo", "--help"]

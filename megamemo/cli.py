@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if name == "train":     # a stop signal during start-up waits for the trainer's handler (train/signals.py)
+        from megamemo.train.signals import hold
+        hold()
     from megamemo import quiet
     quiet.install()         # third-party start-up warnings off the terminal; other ranks quiet (megamemo/quiet.py)
     from megamemo.allocator import tune_cpu_allocator

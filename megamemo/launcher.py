@@ -90,12 +90,15 @@ class Launcher:
     def wait(self) -> int:
         """Until every worker ended -> 0, or the exit code of the failure: 2 when a worker explained it (megamemo's
         one line for bad usage, config, data or checkpoint), else the first failed worker's (128 + N for signal N)."""
-        failing = False
+        first: tuple[int, int] | None = None        # the first worker seen failing: the cause
         while any(p.poll() is None for p in self.procs):
             self.deliver()
-            if not failing and any(p.poll() not in (None, 0) for p in self.procs):
-                failing = True              # the others cannot go on without it
-                self.kill()
+            if first is None:
+                failed = [(r, p.returncode) for r, p in enumerate(self.procs) if p.returncode not in (None, 0)]
+                if failed:
+                    # several at once: a peer's abort in a collective is a consequence, not a cause
+                    first = min(failed, key=lambda rc: (rc[1] == -signal.SIGABRT, rc[0]))
+                    self.kill()             # the others cannot go on without it
             time.sleep(0.05)
         codes = [p.returncode for p in self.procs]
         if 2 in codes:
@@ -103,8 +106,8 @@ class Launcher:
         bad = [(r, c) for r, c in enumerate(codes) if c != 0]
         if not bad:
             return 0
-        r, c = min(bad, key=lambda rc: rc[1] == -signal.SIGKILL and failing)   # not one we killed, if possible
-        self.log(f"[launch] worker {r} exited with {_describe(c)}" + (": the others were stopped" if failing else ""))
+        r, c = first if first is not None else bad[0]
+        self.log(f"[launch] worker {r} exited with {_describe(c)}" + (": the others were stopped" if first else ""))
         return c if c > 0 else 128 - c
 
 

@@ -29,6 +29,8 @@ DEVICE_MARKERS = {"gpu": 1, "multigpu": 2}
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run with `pytest -m gpu`)")
     config.addinivalue_line("markers", "multigpu: needs 2 or more CUDA devices (run with `pytest -m multigpu`)")
+    config.addinivalue_line("markers", "multiproc: starts training or distributed worker processes; the fast subset "
+                                       "is `pytest -m 'not multiproc'`")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,6 +24,8 @@ from megamemo.checkpoint.state import file_digest
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from test_train_runs import logs, losses, run, shards, tiny_cfg  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 EXACT = ["--max-steps", "6", "--set", "model.dropout=0.0", "--set", "log.tensorboard=false"]
 
 
@@ -118,7 +120,7 @@ def _resume_in_place(src, tmp_path, tiny_cfg, shards, n, *args):
 
 @pytest.mark.parametrize("layout,n,extra", [
     ("dp2", 1, ["--set", "train.grad_accum=2"]), ("tp2pp2", 1, []),          # N -> 1 (TP and PP joined at once)
-    ("one", 2, ["--tp", "2"]), ("one", 2, ["--set", "train.grad_accum=2"]),                            # 1 -> N
+    ("one", 2, ["--tp", "2"]), ("one", 2, ["--set", "train.grad_accum=2"]), ("one", 2, ["--pp", "2"]),  # 1 -> N
     ("tp2", 2, ["--pp", "2"])])                                                                         # TP -> PP
 def test_resume_in_place_under_another_layout_continues_the_run(layout, n, extra, request, tiny_cfg, shards, tmp_path):
     """Saved at step 3 under one layout, resumed in the same run directory under another: steps 4-6 and the

@@ -53,6 +53,8 @@ def test_enwik8_bytes_keeps_every_byte(tmp_path):
     for split, data in expected.items():
         assert m["splits"][split]["n_tokens"] == len(data)
         assert read_split(tmp_path, split).tobytes() == data
+        # ids back to text (what generate prints): the split's own bytes, as UTF-8 with replacement
+        assert load_vocab(tmp_path).decode(read_split(tmp_path, split)) == data.decode("utf-8", errors="replace")
         for s in m["splits"][split]["shards"]:
             assert (tmp_path / s["name"]).stat().st_size == s["bytes"]
 
@@ -129,6 +131,15 @@ def test_wikitext103_token_counts_and_vocab(tmp_path):
     unk = idx["<unk>"]
     assert read_split(tmp_path / "out", "test").tolist() == [idx.get(w, unk) for w in test_words]
     assert m["splits"]["test"]["n_unk_mapped"] == sum(w not in idx for w in test_words) > 0
+
+    # the round trip to text (Vocab.decode, what generate prints): one line per <eos>, words joined by one space,
+    # as the Transformer-XL tokenisation normalised them; unknown test words come back as <unk>
+    def text(lines, known=lambda w: w):
+        return "".join(" ".join(known(w) for w in line[:-1]) + "\n" for line in lines)
+    assert vocab.decode(read_split(tmp_path / "out", "valid")) == text(valid_lines)
+    assert vocab.decode(read_split(tmp_path / "out", "test")) == \
+        text(xl_tokenize(WIKITEXT["test"]), lambda w: w if w in idx else "<unk>")
+    assert vocab.decode([idx["the"], idx["<eos>"], idx["of"]]) == "the\nof"      # an unfinished last line
 
     # a given vocabulary file replaces train; the same ids come out
     (raw / "wiki.train.tokens").unlink()

@@ -258,6 +258,7 @@ def _tp_worker(rank, world):
     assert reduced == [torch.device("cpu")] and abs(got - want) <= 1e-9 * want, (reduced, got, want)
 
 
+@pytest.mark.multiproc
 def test_tensor_parallel_streams_layers_and_grad_norm():
     run_distributed(_tp_worker, 2)
 
@@ -307,6 +308,7 @@ def _pp_worker(rank, world):
         assert torch.allclose(total, want, rtol=1e-6), (total, want)
 
 
+@pytest.mark.multiproc
 def test_pipeline_evaluator_sends_only_tensors_on_the_communication_device():
     run_distributed(_pp_worker, 2)
 

@@ -1,5 +1,6 @@
 """The Dockerfile cannot be built on these machines (no registry): lint it with hadolint, and check that it pins
 every runtime dependency of the package."""
+import json
 import re
 import shutil
 import subprocess
@@ -76,3 +77,16 @@ def test_base_image_cuda_is_the_cuda_of_torchs_wheel_index():
     assert "DS_ACCELERATOR=cuda DS_BUILD_OPS=1" in text           # no GPU on a build host: DeepSpeed would pick CPU
     installs = re.findall(r"pip install (?!--index-url|--no-deps)(.*)", text)
     assert installs and all(i.startswith("-c /opt/venv/torch-constraint.txt") for i in installs), installs
+
+
+def test_pid_1_is_tini_from_the_distribution_which_reaps_zombies():
+    """A container's PID 1 must reap: a killed worker's zombie otherwise lives as long as the container. tini comes
+    from the base image's own packages (no download at build time) and is the entrypoint, so any command (and what
+    apptainer/pyxis run through it) has it as PID 1; signals sent to the container reach the command through it."""
+    text = DOCKERFILE.read_text()
+    installs = re.findall(r"apt-get install[^&]*", text)
+    assert any(re.search(r"\btini\b", i) for i in installs), installs
+    entry = re.findall(r"^ENTRYPOINT (.*)$", text, flags=re.M)
+    assert entry and json.loads(entry[-1]) == ["/usr/bin/tini", "-s", "--"], entry     # -s: a subreaper under --init
+    cmd = re.findall(r"^CMD (.*)$", text, flags=re.M)
+    assert cmd and json.loads(cmd[-1])[0] == "megamemo"           # the command runs under tini, not instead of it

@@ -21,6 +21,8 @@ import pytest
 
 from fixture_data import ENWIK8
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 DEV_CLUSTER = REPO / "launch" / "slurm" / "dev-cluster.sh"

@@ -96,6 +96,7 @@ def _pp_worker(rank, world, variant):
         assert torch.allclose(after[k], t, atol=1e-5), (variant, k, (after[k] - t).abs().max())
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("variant", ["lamemo", "xl"])
 def test_pipeline_parallel_equals_single_device(variant):
     run_distributed(_pp_worker, 2, variant)

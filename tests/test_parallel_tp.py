@@ -90,6 +90,7 @@ def _tp_worker(rank, world):
     assert not torch.equal(masks[0], masks[1])
 
 
+@pytest.mark.multiproc
 def test_tensor_parallel_equals_single_device():
     pytest.importorskip("megatron.core")
     run_distributed(_tp_worker, 2)

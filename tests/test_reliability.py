@@ -24,6 +24,8 @@ import pytest
 from megamemo.checkpoint.store import MARKER, list_checkpoints
 from test_train_runs import losses, shards, tiny_cfg  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]
 
@@ -32,17 +34,23 @@ def start(cfg, shards, run_dir, *args, n=2, env=None):
     """launch/local.sh n ... in a session of its own (its pid is its process group); output to run_dir.log."""
     log = open(f"{run_dir}.log", "a")
     e = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.Popen(["bash", str(REPO / "launch/local.sh"), str(n), "--config", str(cfg), "--data",
-                             str(shards), "--run-dir", str(run_dir), *FAST, *args],
-                            env=e, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    p = subprocess.Popen(["bash", str(REPO / "launch/local.sh"), str(n), "--config", str(cfg), "--data",
+                          str(shards), "--run-dir", str(run_dir), *FAST, *args],
+                         env=e, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    p.started = time.time()         # wait_for_step counts only the steps this start logs
+    return p
 
 
 def finish(p, timeout=240) -> int:
+    """The launcher's exit code within `timeout` seconds; past it its whole process group is killed and the test
+    fails naming the command that hung."""
     try:
         return p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        raise
+        p.wait()
+        raise AssertionError(f"still running after {timeout}s (its process group killed): "
+                             f"{' '.join(map(str, p.args))}") from None
 
 
 def text(run_dir) -> str:
@@ -50,11 +58,14 @@ def text(run_dir) -> str:
 
 
 def wait_for_step(run_dir, step, p, timeout=180):
+    """Until the start `p` has logged step `step` or a later one (what earlier starts logged does not count: a
+    restart's kill must land in its own training, not in its start-up)."""
     metrics = Path(run_dir) / "metrics.jsonl"
     end = time.time() + timeout
     while time.time() < end:
-        if metrics.exists() and any(json.loads(line).get("step", 0) >= step
-                                    for line in metrics.read_text().splitlines() if line.endswith("}")):
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")] \
+            if metrics.exists() else []
+        if any(r.get("kind") == "train" and r["step"] >= step and r["time"] >= p.started for r in records):
             return
         assert p.poll() is None, text(run_dir)[-3000:]
         time.sleep(0.05)
@@ -167,30 +178,46 @@ def _damage(path: Path, rng: random.Random, how: str) -> None:
     path.write_bytes(bytes(data))
 
 
+def _soak():
+    """bench/soak.py, the kill-and-requeue supervisor (a script, not a package module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak", REPO / "bench" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_fault_injection_kills_flips_and_truncations(tiny_cfg, shards, reference, tmp_path):
+    """bench/soak.py's short version: five kill -9s, one at each kind of moment (start-up, mid-step, inside a rank's
+    save, at rank 0's commit, between the commit and retention), each followed by the same command at once (the
+    killed workers still zombies), asynchronous saves on; then a byte flip and a truncation in the two newest
+    committed checkpoints. Every restart trains again, the damaged ones are moved aside, and the run ends with the
+    uninterrupted run's losses, bit for bit. The seed is printed; MEGAMEMO_FAULT_SEED replays a failure."""
     seed = int(os.environ.get("MEGAMEMO_FAULT_SEED", time.time_ns() % 10_000))
-    rng = random.Random(seed)
-    run_dir = tmp_path / "run"
-    args = ["--max-steps", "12", "--save-every", "1", "--set", "checkpoint.keep_last=4"]
-    for _ in range(3):                                       # kill -9 at a random moment, then the same command
-        p = start(tiny_cfg, shards, run_dir, *args)
-        wait_for_step(run_dir, 1, p)
-        time.sleep(rng.uniform(0.0, 1.5))
-        victims = workers_of(run_dir)
-        os.kill(rng.choice(victims) if victims else p.pid, signal.SIGKILL)
-        finish(p)
-        for pid in workers_of(run_dir):                      # the surviving rank cannot finish alone
-            os.kill(pid, signal.SIGKILL)
+    print(f"fault injection seed {seed} (replay with MEGAMEMO_FAULT_SEED={seed})")
+    soak = _soak()
+    kinds = ("start-up", "step", "save", "commit", "retention")
+    summary = soak.soak(tiny_cfg, shards, tmp_path, kills=5, seed=seed, steps=12, kinds=kinds, reference=reference,
+                        keep_last=4, finish=False)
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    out = log.read_text()
+    assert [r["where"] for r in summary["records"]] == list(kinds), (seed, summary["records"], out[-3000:])
+    assert summary["restarts_trained"] == 4 and not summary["refused"], (seed, summary, out[-3000:])
+    assert out.count("[fault] rank") >= 3 and "another trainer is running" not in out, (seed, out[-3000:])
     committed = [d for _, d, c in list_checkpoints(run_dir / "checkpoints") if c]
-    assert len(committed) >= 2, (seed, text(run_dir)[-3000:])
+    assert len(committed) >= 3, (seed, out[-3000:])
+    rng = random.Random(seed)
     damaged = []
     for d, how in zip(reversed(committed), ("flip", "truncate")):   # the two newest, a random file of each
         f = rng.choice(sorted(p for p in d.iterdir() if p.name != MARKER))
         _damage(f, rng, how)
         damaged.append(d.name)
-    assert finish(start(tiny_cfg, shards, run_dir, *args)) == 0, (seed, text(run_dir)[-3000:])
-    out = text(run_dir)
+    job = soak.Job(soak.job_command(2, tiny_cfg, shards, run_dir, 12, keep_last=4), soak.job_env(), log)
+    assert job.end(240) == 0, (seed, log.read_text()[-3000:])
+    out = log.read_text()
     for name in damaged:
         assert f"moved {name} aside" in out, (seed, out[-3000:])
         assert (run_dir / "checkpoints" / f"{name}.corrupt").is_dir()
-    assert losses(run_dir) == reference, seed                # every step once, bit for bit
+    assert "Traceback" not in out and "terminate called" not in out, (seed, out[-3000:])
+    assert soak.losses(run_dir) == reference, seed               # every step once, bit for bit

@@ -64,3 +64,45 @@ def test_another_hosts_lock_is_stale_only_without_heartbeat(tmp_path):
     lock.acquire()
     assert "no heartbeat for 12" in said[0] and "gpu-node-17" in said[0]
     lock.release()
+
+
+def test_a_zombie_holder_is_dead_and_taken_over(tmp_path):
+    """A trainer killed with -9 whose parent has not reaped it yet (under a container's PID 1 that never reaps, for
+    ever) is a zombie: its /proc entry stays, in state Z. Its lock is taken over, and the take-over says why."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)                                 # the child ends at once; the test does not reap it yet
+    try:
+        end = time.time() + 10
+        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.time() < end, "the child did not become a zombie"
+            time.sleep(0.01)
+        from megamemo.checkpoint.lock import _proc_start
+        (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "token": "tz",
+                                                 "pid_start": _proc_start(pid), "heartbeat": time.time(),
+                                                 "started": "then"}))
+        said = []
+        lock = RunLock(tmp_path, log=said.append)
+        lock.acquire()
+        assert os.path.exists(f"/proc/{pid}"), "the holder must still be a zombie while the lock is taken"
+        assert len(said) == 1 and "took over" in said[0] and f"pid {pid}" in said[0] and "its process is gone" in \
+            said[0], said
+        assert json.loads((tmp_path / LOCK).read_text())["token"] == lock.token
+        lock.release()
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_a_live_child_holder_is_still_refused(tmp_path):
+    """The same set-up with a child that still runs (state S): refused, so the zombie test above is not passing
+    because every child is taken for dead."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        from megamemo.checkpoint.lock import _proc_start
+        (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid, "token": "tl",
+                                                 "pid_start": _proc_start(child.pid), "heartbeat": time.time()}))
+        with pytest.raises(RunLockedError, match=rf"pid {child.pid} on"):
+            RunLock(tmp_path).acquire()
+    finally:
+        child.kill()
+        child.wait()

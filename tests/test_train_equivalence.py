@@ -7,6 +7,8 @@ import pytest
 
 from test_train_runs import losses, run, shards, tiny_cfg  # noqa: F401 (shards, tiny_cfg: fixtures)
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 STEPS = 5
 # fp32, no dropout, no checkpoint written (probe and end-of-run save off); 4 streams of 16 tokens
 EXACT = ["--set", "model.dropout=0.0", "--max-steps", str(STEPS), "--save-every", "0",

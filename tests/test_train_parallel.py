@@ -13,6 +13,8 @@ from megamemo.checkpoint.store import newest_complete
 from test_train_runs import (assert_no_corrupt_checkpoint, checkpoint_memory, committed_steps, launch, logs,  # noqa
                              losses, run, shards, tiny_cfg, wait)
 
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+
 EXACT = ["--set", "model.dropout=0.0", "--set", "train.grad_accum=2",   # dropout differs per TP rank by design
          # periodic validation at its own lengths (memory 16 + 16 - 8 = 24 rows), through the stages under PP
          "--set", "eval.every=4", "--set", "eval.tgt_len=8", "--set", "eval.max_segments=5", "--set", "eval.batch_size=4"]

@@ -2,6 +2,7 @@
   * a pickle whose unpickling would run code (it would create a file), put where a checkpoint's tensors or a
     reference file belong, is refused by resume, convert, eval and reference-score / import-reference with one
     line, and the file it would create never appears, even with the commit marker's checksums made to match;
+    the same for a single-device checkpoint given to eval, generate and analyze;
   * a flipped byte in a single-device checkpoint is refused by eval and generate, naming the file;
   * `megamemo prepare` refuses an empty or too-short corpus, naming it, and leaves no output directory."""
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from megamemo.checkpoint.state import file_digest
 from megamemo.checkpoint.store import MARKER
 from test_train_runs import run, shards, tiny_cfg  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,6 +110,14 @@ def test_a_pickle_as_a_single_checkpoint_or_reference_file_runs_nothing(trained,
     doc["files"]["model.safetensors"].update(bytes=model.stat().st_size, sha256=file_digest(model))
     (single / "config.json").write_text(json.dumps(doc))
     one_line_error(megamemo("eval", "--ckpt", single, "--data", shards, "--split", "valid"), "model.safetensors")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the ")
+    one_line_error(megamemo("generate", "--ckpt", single, "--data", shards, "--prompt-file", prompt,
+                            "--max-new-tokens", "4", "--out", tmp_path / "generated.txt"), "model.safetensors")
+    one_line_error(megamemo("analyze", "--ckpt", single, "--data", shards, "--out", tmp_path / "analysis",
+                            "--segments", "4", "--batch-size", "2"), "model.safetensors")
+    assert not payload.exists() and not (tmp_path / "generated.txt").exists()
+    assert not (tmp_path / "analysis").exists() or not any((tmp_path / "analysis").iterdir())
 
     ref = tmp_path / "reference.pt"
     evil_pickle(ref, payload)

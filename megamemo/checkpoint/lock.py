@@ -4,7 +4,8 @@ The file (JSON) holds the holder's host, pid and that process's start time (so a
 holder), the Slurm job id when there is one, when it started, a heartbeat time that a background thread refreshes
 every `heartbeat_s`, and a random token. A second trainer started on the same run directory (a resubmitted job while
 the old one still runs, a requeue racing a straggler) is refused with the holder named. A dead holder's lock is
-taken over with one line saying so: on the same host when its process is gone; from another host when its
+taken over with one line saying so: on the same host when its process is gone (or a zombie: killed and not yet
+reaped, which under a PID 1 that never reaps lasts for ever); from another host when its
 heartbeat is older than `stale_after_s` (clocks of a cluster's nodes agree to well within that).
 
 Works on a shared file system across nodes: creation is O_CREAT|O_EXCL, the heartbeat is written to a temporary
@@ -28,20 +29,32 @@ class RunLockedError(RuntimeError):
     """Another live trainer holds the run directory; the message names it."""
 
 
-def _proc_start(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None if it is gone."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (field 3, the state, first), or None if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2:].split()[19]
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _proc_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None if it is gone."""
+    fields = _proc_stat(pid)
+    return fields[19] if fields else None
+
+
+DEAD_STATES = ("Z", "X", "x")   # zombie (exited, not yet reaped by its parent) and dead: neither runs again
 
 
 def _alive_here(holder: dict) -> bool:
     pid = holder.get("pid")
     if not isinstance(pid, int):
         return False
-    start = _proc_start(pid)
+    fields = _proc_stat(pid)
+    if fields is not None and fields[0] in DEAD_STATES:
+        return False                            # killed, waiting for a parent (or a PID 1) that may never reap it
+    start = fields[19] if fields else None
     if start is None:
         try:                                    # no /proc (not Linux): existence only
             os.kill(pid, 0)

@@ -23,11 +23,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import threading
 import time
 from pathlib import Path
 from typing import Callable
+
+from megamemo.checkpoint.faults import FaultPoints
 
 from megamemo.checkpoint.state import (LoadContext, Snapshot, StateRegistry, file_digest, rank_files, read_json,
                                        save_snapshot, write_json_atomic)
@@ -117,12 +118,13 @@ def move_aside(step_dir: Path) -> Path:
     return target
 
 
-def remove_checkpoint(step_dir: Path) -> None:
+def remove_checkpoint(step_dir: Path, between: Callable[[], None] = lambda: None) -> None:
     """Delete a checkpoint: its COMMITTED marker first (durably), so a crash midway leaves an uncommitted dir."""
     marker = step_dir / MARKER
     if marker.exists():
         marker.unlink()
         _fsync_dir(step_dir)
+    between()
     shutil.rmtree(step_dir, ignore_errors=True)
 
 
@@ -186,10 +188,8 @@ class CheckpointStore:
         self.log = log if rank == 0 else (lambda *a, **k: None)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        # Fault injection for the crash tests: MEGAMEMO_FAULT_KILL_IN_SAVE="STEP:RANK" makes that rank SIGKILL
-        # itself while saving that step, its tensors written but not its rank JSON (a half-written checkpoint).
-        fault = os.environ.get("MEGAMEMO_FAULT_KILL_IN_SAVE", "")
-        self._kill_at = tuple(int(x) for x in fault.split(":")) if fault else None
+        self._abandoned = threading.Event()
+        self.faults = FaultPoints(rank)     # crash tests and bench/soak.py only (checkpoint/faults.py)
 
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
@@ -224,12 +224,7 @@ class CheckpointStore:
         return step_dir
 
     def _write(self, snap: Snapshot, step_dir: Path, step: int) -> None:
-        def fault():
-            if self._kill_at == (step, self.rank):
-                print(f"[fault] rank {self.rank} kills itself while saving step {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        save_snapshot(snap, step_dir, before_done=fault)
+        save_snapshot(snap, step_dir, before_done=lambda: self.faults.at("save", step))
 
     def _write_and_commit(self, snap: Snapshot, step: int, step_dir: Path, t0: float, stall: float) -> None:
         try:
@@ -250,6 +245,17 @@ class CheckpointStore:
             e, self._error = self._error, None
             raise CheckpointError(f"background checkpoint write failed: {e}") from e
 
+    def abandon(self, timeout_s: float = 60.0) -> None:
+        """On an error path, before the process exits: a background save still in flight stops waiting for the
+        other ranks (it is never committed; the next start removes it) and its thread ends, so that no thread is
+        in the middle of a write while the interpreter shuts down (a thread inside C++ code then is killed by
+        the interpreter's exit, and the process aborts). Not collective."""
+        self._abandoned.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._error = None
+
     def finish(self) -> None:
         """Before exiting: every rank's pending save committed (collective)."""
         self.wait()
@@ -261,6 +267,8 @@ class CheckpointStore:
         for r in range(self.world_size):
             js = step_dir / rank_files(r)[1]
             while not js.is_file():
+                if self._abandoned.is_set():
+                    raise CheckpointError(f"step {step}: abandoned (the run is ending with an error; not committed)")
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"{js}: missing: rank {r} did not finish writing step {step} "
                                           f"(not committed)")
@@ -271,15 +279,17 @@ class CheckpointStore:
         info = {"format": 2, "step": step, "tag": step_dir.name, "world_size": self.world_size,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files, **self.meta}
         _fsync_dir(step_dir)
+        self.faults.at("commit")
         write_json_atomic(step_dir / MARKER, info)
         _fsync_dir(step_dir)
+        self.faults.at("retention")
         self._retain()
 
     def _retain(self) -> None:
         ckpts = list_checkpoints(self.root)
         committed = [p for _, p, c in ckpts if c]
         for p in committed[: max(0, len(committed) - self.keep_last)]:
-            remove_checkpoint(p)
+            remove_checkpoint(p, between=lambda: self.faults.at("removal"))
         if committed:
             newest = step_of(committed[-1])
             for s, p, c in ckpts:

@@ -113,13 +113,13 @@ def build_model(cfg: RunConfig):
     return model, None, None
 
 
-def build(cfg: RunConfig, log=print):
+def build(cfg: RunConfig, log=print, stop=None):
     """Start the process group, take the run directory and build everything a run needs: (trainer, dist env)."""
     from megamemo.train import dist
     from megamemo.train.rundir import RunDirectory
     from megamemo.train.signals import StopRequest
 
-    stop = StopRequest()                    # from the start: a signal during start-up stops after step one
+    stop = stop or StopRequest()            # from the start: a signal during start-up stops after step one
     de = dist.init()
     dp, micro = cfg.layout(de.world_size)
     ranks = parallel_ranks(cfg, de)         # dp/tp/pp ranks; TP and PP ranks of one DP group read the same streams
@@ -218,8 +218,10 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
 
 def main(argv: list[str]) -> int:
     from megamemo.train.dist import launcher_rank_size
-    from megamemo.train.rundir import die_with_parent, peer_lost, report
+    from megamemo.train.rundir import die_with_parent, peer_lost, report, tear_down
+    from megamemo.train.signals import StopRequest
 
+    stop = StopRequest()                    # first: a stop signal held since the process started is handled now
     die_with_parent()                       # a worker never outlives its launcher
     args = parse_args(argv)
     # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/quiet.py)
@@ -242,7 +244,7 @@ def main(argv: list[str]) -> int:
         from megamemo.train import dist
 
         t0 = time.time()
-        trainer, de = build(cfg)
+        trainer, de = build(cfg, stop=stop)
         rank, world, starting = de.rank, de.world_size, False
         outcome = trainer.run()
         trainer.metrics.close()
@@ -263,8 +265,8 @@ def main(argv: list[str]) -> int:
             raise
         return code
     finally:
-        if trainer is not None:
-            trainer.rundir.close()
+        tear_down(trainer)                  # on every path: no thread mid-write, the lock freed, the group destroyed
+        stop.restore()                      # the caller's handlers back (main called in-process: tests, notebooks)
 
 
 def anticipated_errors() -> tuple[type[BaseException], ...]:

@@ -60,6 +60,36 @@ def peer_lost(error: BaseException) -> int | None:
     return 1
 
 
+def tear_down(trainer) -> None:
+    """What a trainer process does last, whichever way it ends (done, stopped, an error of its own or a peer's).
+
+    An interpreter that shuts down with the gloo process group still up, or with a thread inside C++ code, may abort
+    ("terminate called without an active exception", exit 134): gloo's worker threads still hold work whose
+    tensors need the interpreter that is going away, and a daemon thread that comes back from C++ code is killed
+    by the exit. So, in this order: a background checkpoint write in flight is abandoned and waited for (never
+    committed; the next start removes it), the metrics are closed, the run directory's lock is released (its
+    heartbeat thread joined), and every process group (DeepSpeed's and megatron-core's too) is destroyed."""
+    if trainer is not None:
+        store = getattr(trainer, "store", None)
+        if store is not None:
+            store.abandon()
+        metrics = getattr(trainer, "metrics", None)
+        if metrics is not None:
+            try:
+                metrics.close()
+            except OSError:
+                pass
+        rundir = getattr(trainer, "rundir", None)
+        if rundir is not None:
+            rundir.close()
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class RunDirectory:
     """Rank 0 holds `<run_dir>/LOCK` for the whole run; every rank learns whether it got it (a collective)."""
 

@@ -1,0 +1,43 @@
+"""Fault injection for the crash tests and bench/soak.py: a rank SIGKILLs itself at a named moment of the checkpoint
+protocol, where a kill from outside would land only by luck (the windows are milliseconds long).
+
+    MEGAMEMO_FAULT_KILL_IN_SAVE="STEP:RANK"   that rank, while saving that step: its tensors written, not its JSON
+    MEGAMEMO_FAULT_KILL_AT="POINT:N"          the rank that passes POINT for the N-th time (counted per process):
+        save       a rank's files written but its rank JSON not yet (a half-written checkpoint)
+        commit     rank 0: every rank's files are in, COMMITTED not yet written
+        retention  rank 0: the step is committed, older checkpoints not yet removed
+        removal    rank 0: an old checkpoint's COMMITTED removed, its files not yet
+Unset (always, outside tests and the soak), each check is one comparison.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = ("save", "commit", "retention", "removal")
+
+
+class FaultPoints:
+    def __init__(self, rank: int, environ=None):
+        env = os.environ if environ is None else environ
+        self.rank = rank
+        legacy = env.get("MEGAMEMO_FAULT_KILL_IN_SAVE", "")
+        self.kill_in_save = tuple(int(x) for x in legacy.split(":")) if legacy else None
+        point = env.get("MEGAMEMO_FAULT_KILL_AT", "")
+        self.kill_at = (point.split(":")[0], int(point.split(":")[1])) if point else None
+        if self.kill_at is not None and self.kill_at[0] not in POINTS:
+            raise ValueError(f"MEGAMEMO_FAULT_KILL_AT: unknown point {self.kill_at[0]!r} (one of {', '.join(POINTS)})")
+        self.passed: dict[str, int] = {}
+
+    def at(self, point: str, step: int | None = None) -> None:
+        if point == "save" and self.kill_in_save == (step, self.rank):
+            self._die(f"while saving step {step}")
+        if self.kill_at is None or self.kill_at[0] != point:
+            return
+        self.passed[point] = self.passed.get(point, 0) + 1
+        if self.passed[point] == self.kill_at[1]:
+            self._die(f"at {point} #{self.passed[point]}")
+
+    def _die(self, where: str) -> None:
+        print(f"[fault] rank {self.rank} kills itself {where}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
