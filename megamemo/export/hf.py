@@ -187,11 +187,14 @@ def main(argv: list[str]) -> int:
     from megamemo.checkpoint.store import CheckpointError
     from megamemo.checkpoint.pieces import PieceError
 
+    notes: list[str] = []             # what the conversion said: shown once it succeeded, so an error is one line
     try:
-        r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=lambda m: print(m, file=sys.stderr, flush=True))
+        r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=notes.append)
     except (ExportError, SingleCheckpointError, CheckpointError, PieceError, OSError) as e:
         print(f"megamemo export hf: error: {e}", file=sys.stderr)
         return 2
+    for m in notes:
+        print(m, file=sys.stderr, flush=True)
     print(f"[export] wrote {r['out']}: {r['variant']}, {r['parameters']:,} parameters ({r['dtype']}), "
           f"{r['tokenizer']}", flush=True)
     return 0
