@@ -41,7 +41,10 @@ class MegamemoLM(LM):
     def __init__(self, ckpt: str, device: str | None = None, dtype: str = "checkpoint", mem_len: int | None = None,
                  max_gen_toks: int = 256, data: str | None = None, **_ignored):
         super().__init__()
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            if device is not None:      # lm_eval passes --device (default cuda) to every model; HFLM falls back too
+                print(f"[lm-eval] megamemo: device {device!r} is not available here, using the CPU", file=sys.stderr)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, meta = load_for_eval(ckpt, device, dtype)
         self.vocab = vocab_for(meta, data)
         if len(self.vocab) > self.model.cfg.n_token:
