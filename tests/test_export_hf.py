@@ -237,3 +237,35 @@ def test_an_unknown_variant_is_refused(tmp_path):
     (ck / "config.json").write_text(json.dumps(doc))
     one_line_error(run_export("--ckpt", ck, "--out", tmp_path / "out"), "variant", "'mamba'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_recorded_subword_tokenizer_is_copied_and_checked(tmp_path):
+    """A checkpoint recording {kind, vocab_size, file, sha256} (the subword tokenizers' record) gets that file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megamemo.checkpoint.state import file_digest
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([PROMPT.decode() * 20], trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
+    src = tmp_path / "tokenizer.json"
+    tok.save(str(src))
+    rec = {"kind": "bpe", "vocab_size": tok.get_vocab_size(), "file": "tokenizer.json", "sha256": file_digest(src)}
+    ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=tok.get_vocab_size(), meta={"tokenizer": rec})
+    shutil.copyfile(src, ck / "tokenizer.json")
+    assert hf.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "out")]) == 0
+    got = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "out"))
+    assert got("<title>Anarchism</title>")["input_ids"] == tok.encode("<title>Anarchism</title>").ids
+    (ck / "tokenizer.json").write_text((ck / "tokenizer.json").read_text().replace("<unk>", "<UNK>"))
+    with pytest.raises(hf.ExportError, match="tokenizer.json: sha256 differs"):
+        hf.export_hf(ck, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".export-*"))
+
+
+def test_the_modeling_code_ships_as_package_data():
+    import tomllib
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p.name for g in globs["megamemo.export"] for p in (REPO / "megamemo/export").glob(g)}
+    assert set(hf.CODE_FILES) <= shipped

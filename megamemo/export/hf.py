@@ -78,8 +78,9 @@ def word_tokenizer(vocab):
     return tok
 
 
-def write_tokenizer(meta: dict, ckpt_dir: Path, out: Path, data=None) -> str:
-    """The tokenizer files for the checkpoint's vocabulary into `out`; -> what was written, in words."""
+def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
+    """The tokenizer files for the checkpoint's vocabulary into `out`; -> what was written, in words. A subword
+    tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
     from transformers import PreTrainedTokenizerFast
 
     from megamemo.checkpoint.state import file_digest
@@ -87,10 +88,12 @@ def write_tokenizer(meta: dict, ckpt_dir: Path, out: Path, data=None) -> str:
 
     rec = meta.get("tokenizer") or {}
     if isinstance(rec, dict) and rec.get("file") and not data:
-        where = [ckpt_dir / rec["file"], Path((meta.get("data") or {}).get("dir") or ".") / rec["file"]]
+        where = [d / rec["file"] for d in dirs]
+        if (meta.get("data") or {}).get("dir"):
+            where.append(Path(meta["data"]["dir"]) / rec["file"])
         src = next((p for p in where if p.is_file()), None)
         if src is None:
-            raise ExportError(f"{ckpt_dir / 'config.json'}: tokenizer file {rec['file']!r} not found in "
+            raise ExportError(f"{dirs[0] / 'config.json'}: tokenizer file {rec['file']!r} not found in "
                               f"{' or '.join(str(p.parent) for p in where)}")
         if rec.get("sha256") and file_digest(src) != rec["sha256"]:
             raise ExportError(f"{src}: sha256 differs from the one the checkpoint records (corrupt or replaced)")
@@ -100,7 +103,7 @@ def write_tokenizer(meta: dict, ckpt_dir: Path, out: Path, data=None) -> str:
     try:
         vocab = vocab_for(meta, data)
     except ValueError as e:
-        raise ExportError(f"{ckpt_dir}: {e}") from None
+        raise ExportError(f"{dirs[0]}: {e}") from None
     tok = byte_tokenizer(vocab) if vocab.kind in ("bytes", "chars") else word_tokenizer(vocab)
     specials = {"unk_token": "<unk>"} if vocab.kind == "words" and "<unk>" in vocab.sym2idx else {}
     PreTrainedTokenizerFast(tokenizer_object=tok, **specials).save_pretrained(str(out))
@@ -164,7 +167,7 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(
             json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n")
-        tok = write_tokenizer(meta, single if single != ckpt else ckpt, tmp, data)
+        tok = write_tokenizer(meta, list(dict.fromkeys([single, ckpt])), tmp, data)
         if out.exists():
             old = work / (out.name + ".old")
             out.rename(old)

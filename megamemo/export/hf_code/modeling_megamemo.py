@@ -174,9 +174,10 @@ class Attention(nn.Module):
         return F.linear(x, w).view(x.size(0), x.size(1), self.n, self.dh)
 
     def attend(self, q, k, v, r, u, vb, hidden):
-        """Relative attention: q [Q,B,n,dh]; k, v [K,B,n,dh]; r [Q,K,n,dh]-indexable as r_of(i, j) via the
-        precomputed relative-position rows r [P, n, dh] and an index [Q, K] into them (pairs hidden where `hidden`
-        [Q, K] is True). -> context [Q, B, n, dh] (v's dtype), log-normaliser [Q, B, n] fp32."""
+        """Relative attention of queries q [Q,B,n,dh] over keys/values k, v [K,B,n,dh]. r = (rows [P,n,dh], index
+        [Q,K]): the position embedding of pair (i, j) is rows[index[i, j]]; pairs where `hidden` [Q,K] is True are
+        masked. score = ((q+u).k + (q+vb).R) / sqrt(dh), normalised in fp32.
+        -> context [Q,B,n,dh] (v's dtype), log-normaliser [Q,B,n] (fp32)."""
         rows, index = r
         scale = 1.0 / math.sqrt(self.dh)
         content = torch.einsum("ibnd,jbnd->bnij", q + u, k)
