@@ -4,7 +4,8 @@ transformers alone, in a Python where `import megamemo` fails, and writes what t
 JOB: a list of {"dir", "tokens": [ids], "segment": L, "prompt": [ids], "new": N, "text": str} ->
 OUT: per job {"nll": per-token NLL of tokens[1:] scored segment by segment with the cache, "greedy": N token ids
 greedily generated after prompt, "encoded": the exported tokenizer's ids of text, "loss": labels' loss of the
-first segment, "nll_first": that segment's mean NLL as read off the logits}."""
+first segment, "nll_first": that segment's mean NLL as read off the logits; with "bf16": whether the model loaded
+in bf16 computes its position sinusoids in fp32}."""
 import importlib.abc
 import json
 import sys
@@ -48,6 +49,12 @@ def run(job: dict) -> dict:
             g = model.generate(torch.tensor(job["prompt"])[None], max_new_tokens=job["new"], do_sample=False)
             out["greedy"] = g[0, len(job["prompt"]):].tolist()
     out["nll"] = nll
+    if job.get("bf16"):     # positions in fp32 whatever the dtype: the bf16 model's sinusoids are the fp32 ones, cast
+        low = AutoModelForCausalLM.from_pretrained(job["dir"], trust_remote_code=True, dtype=torch.bfloat16).eval()
+        klen = 5000
+        want = model._sinusoids(klen, 0, torch.float32, "cpu").to(torch.bfloat16)
+        out["bf16_positions_exact"] = bool(torch.equal(low._sinusoids(klen, 0, torch.bfloat16, "cpu"), want))
+        out["bf16_dtype"] = str(next(low.parameters()).dtype)
     if "text" in job:
         tok = AutoTokenizer.from_pretrained(job["dir"])
         out["encoded"] = tok(job["text"])["input_ids"]

@@ -103,7 +103,8 @@ def exported(run_dir, shards, tmp_path_factory):
     assert hf.main(["hf", "--ckpt", str(run_dir), "--out", str(out)]) == 0     # converted through to-single
     model, meta = load_model(run_dir)
     nll, stream = eval_per_token(model, open_batches(shards, "test", 1, model.cfg.tgt_len))
-    cases["run"] = (run_dir, model, Vocab.identity_bytes(), {"dir": str(out), "tokens": stream, "ref_nll": nll})
+    cases["run"] = (run_dir, model, Vocab.identity_bytes(), {"dir": str(out), "tokens": stream, "ref_nll": nll,
+                                                             "bf16": True})
     rng = np.random.default_rng(0)
     for name, (variant, kw, vocab) in RANDOM.items():
         vocab = vocab or Vocab.identity_bytes()
@@ -144,6 +145,11 @@ def test_the_run_scored_with_its_cache_equals_megamemo_eval_batch_1(exported, sh
     got = json.loads(out.read_text())
     assert got["tokens"] == len(res["nll"]) == 19_999
     assert np.mean(res["nll"]) == pytest.approx(got["nll"], abs=1e-6)
+
+
+def test_positions_are_computed_in_fp32_in_a_bf16_model(exported):
+    res = exported["run"][-1]
+    assert res["bf16_dtype"] == "torch.bfloat16" and res["bf16_positions_exact"]
 
 
 def test_greedy_generate_equals_megamemo_generate_greedy(exported, tmp_path):
