@@ -65,6 +65,8 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
     -> {"nll", "tokens", "segments", "seconds"}."""
     from megamemo.progress import Progress
 
+    if trams is not None and on_segment is not None:
+        raise ValueError("on_segment is not available with TRAMS")
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
