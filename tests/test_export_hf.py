@@ -194,6 +194,12 @@ def run_export(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def export_in_process(capsys, *args) -> subprocess.CompletedProcess:
+    rc = hf.main(["hf", *map(str, args)])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
+
+
 def one_line_error(r, *words):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
@@ -212,36 +218,36 @@ def test_an_uncommitted_checkpoint_is_refused(run_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpts"]
 
 
-def test_a_corrupt_checkpoint_is_refused(tmp_path):
+def test_a_corrupt_checkpoint_is_refused(tmp_path, capsys):
     ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", meta=BYTES)
     f = ck / "model.safetensors"
     data = bytearray(f.read_bytes())
     data[-5] ^= 0xFF
     f.write_bytes(bytes(data))
-    r = run_export("--ckpt", ck, "--out", tmp_path / "out")
+    r = export_in_process(capsys, "--ckpt", ck, "--out", tmp_path / "out")
     one_line_error(r, "model.safetensors", "corrupt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-def test_an_existing_output_needs_overwrite(tmp_path):
+def test_an_existing_output_needs_overwrite(tmp_path, capsys):
     ck, _ = tiny_checkpoint(tmp_path / "ck", "rpe", meta=BYTES)
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("keep")
-    one_line_error(run_export("--ckpt", ck, "--out", out), str(out), "--overwrite")
+    one_line_error(export_in_process(capsys, "--ckpt", ck, "--out", out), str(out), "--overwrite")
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
-    r = run_export("--ckpt", ck, "--out", out, "--overwrite")
+    r = export_in_process(capsys, "--ckpt", ck, "--out", out, "--overwrite")
     assert r.returncode == 0, r.stderr
     assert (out / "model.safetensors").is_file() and not (out / "mine.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out"]
 
 
-def test_an_unknown_variant_is_refused(tmp_path):
+def test_an_unknown_variant_is_refused(tmp_path, capsys):
     ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", meta=BYTES)
     doc = json.loads((ck / "config.json").read_text())
     doc["model"]["variant"] = "mamba"
     (ck / "config.json").write_text(json.dumps(doc))
-    one_line_error(run_export("--ckpt", ck, "--out", tmp_path / "out"), "variant", "'mamba'")
+    one_line_error(export_in_process(capsys, "--ckpt", ck, "--out", tmp_path / "out"), "variant", "'mamba'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
