@@ -168,10 +168,16 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
         (tmp / "generation_config.json").write_text(
             json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n")
         tok = write_tokenizer(meta, list(dict.fromkeys([single, ckpt])), tmp, data)
-        if out.exists():
+        if out.exists():                      # --overwrite: the old directory goes only once the new one is in
             old = work / (out.name + ".old")
             out.rename(old)
-        tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+        else:
+            tmp.rename(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     n = sum(t.numel() for t in sd.values())
@@ -193,7 +199,7 @@ def main(argv: list[str]) -> int:
     notes: list[str] = []             # what the conversion said: shown once it succeeded, so an error is one line
     try:
         r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=notes.append)
-    except (ExportError, SingleCheckpointError, CheckpointError, PieceError, OSError) as e:
+    except (ValueError, CheckpointError, PieceError, OSError) as e:    # ExportError, SingleCheckpointError too
         print(f"megamemo export hf: error: {e}", file=sys.stderr)
         return 2
     for m in notes:
