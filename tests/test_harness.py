@@ -7,6 +7,8 @@ import math
 import os
 import re
 import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -138,3 +140,26 @@ def test_the_export_runs_under_lm_eval_model_hf(ckpt, tmp_path):
     lm = harness.MegamemoLM(str(ckpt), device="cpu")
     nll, _ = lm.score([10] + lm.encode(text.decode()))
     assert bpb == pytest.approx(float(nll.sum()) / math.log(2) / len(text), rel=1e-5)
+
+
+def test_the_pth_hook_registers_megamemo_beside_lm_evals_own_models(tmp_path):
+    """The .pth line installed into a site directory: after lm_eval.models loads, `megamemo` resolves to the LM
+    class and lm-eval's own models are all still there; a Python that never imports lm_eval imports nothing."""
+    from megamemo.export import lm_eval_plugin
+
+    pth = lm_eval_plugin.install(str(tmp_path))
+    assert pth.read_text().count("\n") == 1
+    # -S: no site-packages .pth runs at start (the venv's own copy of the hook would hide this one); the packages
+    # are put on sys.path by hand, and only the given directory's .pth files are processed (argv[2], or none)
+    code = ("import site, sys; sys.path.append(sys.argv[1])\n"
+            "[site.addsitedir(d) for d in sys.argv[2:]]; assert 'megamemo' not in sys.modules\n"
+            "from lm_eval.api.registry import get_model, model_registry\n"
+            "cls = get_model('megamemo'); import lm_eval.models as m\n"
+            "print(cls.__module__, cls.__name__, all(k in model_registry for k in m.MODEL_MAPPING))")
+    env = {**ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    purelib = sysconfig.get_paths()["purelib"]
+    runs = [subprocess.run([sys.executable, "-S", "-c", code, purelib, *dirs], env=env, capture_output=True,
+                           text=True, timeout=120) for dirs in ([str(tmp_path)], [])]
+    assert runs[0].returncode == 0, runs[0].stderr[-2000:]
+    assert runs[0].stdout.split() == ["megamemo.export.harness", "MegamemoLM", "True"]
+    assert runs[1].returncode != 0 and "Attempted to load model 'megamemo'" in runs[1].stderr     # without the hook
