@@ -154,8 +154,11 @@ def run_harness(ckpt, files: list[str], device=None, mem_len=None) -> dict:
     import lm_eval
     from lm_eval.evaluator import evaluate as lm_eval_evaluate
 
+    import logging
+
     docs = read_texts(files)
     lm = MegamemoLM(ckpt, device=device, mem_len=mem_len)
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)     # its notes on custom datasets are not for this user
     # lm-eval's own evaluation of the task, without simple_evaluate's index of every installed task (20 s of YAML)
     res = lm_eval_evaluate(lm=lm, task_dict={"tasks": {TASK: text_task(docs)}, "groups": {}, "group_map": {}},
                            bootstrap_iters=0, log_samples=False)["results"][TASK]
