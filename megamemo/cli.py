@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "convert": ("megamemo.checkpoint.convert:main", "convert a sharded checkpoint to single-GPU form"),
     "plan": ("megamemo.plan:main", "per-rank memory plan for a config and cluster"),
     "analyze": ("megamemo.analyze:main", "memorizing coefficient and attention-by-distance plots"),
+    "export": ("megamemo.export.hf:main", "export a checkpoint: `export hf` writes a transformers directory"),
+    "harness": ("megamemo.export.harness:main", "lm-evaluation-harness rolling loglikelihood over text files"),
     "plot": ("megamemo.plot:main", "training/validation bpc or perplexity of runs (PNG), resumes marked"),
 }
 

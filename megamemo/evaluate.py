@@ -81,13 +81,18 @@ def metric_value(nll: float, metric: str) -> float:
 @torch.no_grad()
 def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, trams: TramsConfig | None = None,
              max_segments: int = 0, device=None, log=None, total_segments: int | None = None,
-             log_every: float = 10.0, bar: bool | None = False, token_bytes: torch.Tensor | None = None) -> dict:
+             log_every: float = 10.0, bar: bool | None = False, token_bytes: torch.Tensor | None = None,
+             on_segment=None) -> dict:
     """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried.
     Progress: a line to `log` every `log_every` seconds, or a tqdm bar (bar=True; None: on a terminal).
     token_bytes (int64 [V], subword corpora): also the UTF-8 bytes of the scored target tokens ("bytes").
+    on_segment(nll [L, B], hit [L, B] bool): told each segment's per-token NLL and whether each target was the
+    most likely token (the harness's loglikelihood; without TRAMS).
     -> {"nll", "tokens", "segments", "seconds"[, "bytes", "bits_per_byte"]}."""
     from megamemo.progress import Progress
 
+    if trams is not None and on_segment is not None:
+        raise ValueError("on_segment is not available with TRAMS")
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
@@ -104,7 +109,11 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
             if max_segments and seg >= max_segments:
                 break
             inp, tgt = inp.to(device), tgt.to(device)
-            if trams is None:
+            if trams is None and on_segment is not None:
+                logp, mem = model(inp, None, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
+                nll = -logp.gather(2, tgt.long()[..., None]).squeeze(2)
+                on_segment(nll, logp.argmax(2) == tgt)
+            elif trams is None:
                 nll, mem = model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
             else:
                 nll, mem = trams_forward(model, inp, tgt, mem, select=trams, same_length=same_length,

@@ -1,7 +1,7 @@
 """`megamemo generate`: sample a continuation of a prompt, carrying the recurrent memory token by token.
 
     megamemo generate --ckpt CKPT --prompt-file F --max-new-tokens N [--top-p 0.95] [--temperature 1.0]
-                      [--seed S] [--data SHARD_DIR] [--mem-len M] [--out FILE] [--json FILE]
+                      [--seed S] [--greedy] [--data SHARD_DIR] [--mem-len M] [--out FILE] [--json FILE]
 
 The prompt is encoded with the checkpoint's vocabulary (config.json meta "vocab", recorded by `megamemo convert`)
 or the shard directory's (--data, or the meta's data.dir): bytes/chars vocabularies read the file's raw bytes,
@@ -87,8 +87,10 @@ class Decoder:
 
 
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, top_p: float = 0.95, temperature: float = 1.0,
-             seed: int = 0, mem_len: int | None = None, return_logprobs: bool = False, log=None):
-    """-> new token ids (and, with return_logprobs, the log-probs [V] each one was sampled from)."""
+             seed: int = 0, mem_len: int | None = None, return_logprobs: bool = False, log=None,
+             greedy: bool = False):
+    """-> new token ids (and, with return_logprobs, the log-probs [V] each one was sampled from); greedy: the most
+    likely token each time instead of a sample."""
     gen = torch.Generator().manual_seed(seed)
     dec = Decoder(model, mem_len)
     t0 = time.perf_counter()
@@ -98,7 +100,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, top_p: float 
     for _ in range(max_new_tokens):
         if return_logprobs:
             dists.append(logprobs.float().cpu())
-        tok = sample(nucleus_probs(logprobs, top_p, temperature), gen)
+        tok = int(logprobs.argmax()) if greedy else sample(nucleus_probs(logprobs, top_p, temperature), gen)
         out.append(tok)
         if len(out) < max_new_tokens:
             logprobs = dec.feed([tok])
@@ -176,6 +178,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true", help="always the most likely token (no sampling)")
     p.add_argument("--data", help="shard directory whose vocabulary to use (default: the checkpoint's)")
     p.add_argument("--mem-len", type=int, help="memory length (default: mem_len + tgt_len - 1)")
     p.add_argument("--out", help="write the continuation here instead of stdout")
@@ -204,7 +207,8 @@ def main(argv: list[str]) -> int:
         print(f"megamemo generate: error: {e}", file=sys.stderr)
         return 2
     new = generate(model, prompt, a.max_new_tokens, top_p=a.top_p, temperature=a.temperature, seed=a.seed,
-                   mem_len=a.mem_len, log=lambda m: print(m, file=sys.stderr, flush=True)) if a.max_new_tokens else []
+                   mem_len=a.mem_len, log=lambda m: print(m, file=sys.stderr, flush=True),
+                   greedy=a.greedy) if a.max_new_tokens else []
     text = vocab.decode(new)
     if a.out:
         Path(a.out).write_text(text)

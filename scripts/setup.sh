@@ -59,10 +59,12 @@ else
   fi
   echo "torch==$have" > "$constraints"
   echo "[setup] installing megamemo and its dependencies (torch held at $have)"
-  "$py" -m pip install -q -c "$constraints" -e "$here[dev,parquet]"
+  "$py" -m pip install -q -c "$constraints" -e "$here[dev,parquet,eval]"
   read -r after after_cuda <<<"$(torch_build)"
   [ "$after" = "$have" ] \
     || die "installing the dependencies changed torch from $have (CUDA $have_cuda) to $after (CUDA $after_cuda)"
+  # lm-eval 0.4.x has no plugin discovery: a .pth hook registers the model `megamemo` for the lm_eval command
+  "$py" -m megamemo.export.lm_eval_plugin install
   echo "$want" > "$stamp"
   echo "[setup] ready: $venv ($target, torch $have, CUDA $have_cuda)"
 fi

@@ -1,0 +1,3 @@
+"""Using a trained model outside megamemo: `megamemo export hf` (a Hugging Face transformers directory that needs
+no megamemo, hf.py with the model's restatement in hf_code/) and lm-evaluation-harness (`megamemo harness`, the
+registered model `megamemo`: harness.py)."""

@@ -1,0 +1,209 @@
+"""`megamemo export hf`: a trained model as a Hugging Face transformers directory that loads without megamemo.
+
+    megamemo export hf --ckpt CKPT --out DIR [--overwrite] [--data SHARD_DIR]
+
+CKPT is a single-device checkpoint, a run directory or a checkpoint directory (the latter two are converted through
+`megamemo convert to-single` into a temporary directory first, which verifies the commit marker and every sha256).
+DIR gets:
+  config.json              the model config with `auto_map` (AutoConfig, AutoModelForCausalLM -> the files below)
+  configuration_megamemo.py, modeling_megamemo.py
+                           the model restated in plain torch + transformers (megamemo/export/hf_code/): loaded with
+                           `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`
+  model.safetensors        megamemo's weights under megamemo's names, in the checkpoint's dtype
+  tokenizer.json (+ tokenizer_config.json)
+                           bytes/chars vocabularies: byte-level, each byte to the id megamemo gives it; words: the
+                           word list (<eos> closes a line, <unk> for unknown words); a subword tokenizer the
+                           checkpoint records (tokenizer.file + sha256) is copied
+  generation_config.json   megamemo generate's defaults (nucleus sampling, top_p 0.95, no top-k)
+DIR appears by an atomic rename; an existing DIR is refused unless --overwrite, and a failure leaves nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from megamemo.checkpoint.single import SingleCheckpointError
+
+CODE = Path(__file__).with_name("hf_code")
+CODE_FILES = ("configuration_megamemo.py", "modeling_megamemo.py")
+KNOWN_VARIANTS = ("lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "xl", "rpe")
+GENERATION = {"do_sample": True, "top_p": 0.95, "top_k": 0, "temperature": 1.0}
+
+
+class ExportError(ValueError):
+    """A checkpoint or output directory the export refuses; the message names it."""
+
+
+# ---- tokenizers ------------------------------------------------------------------------------------------------
+def _bytes_to_unicode() -> list[str]:
+    """The ByteLevel pre-tokenizer's byte -> character table (printable bytes stand for themselves, the others
+    are shifted to 256 + k in order)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    out, shift = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + shift))
+            shift += 1
+    return out
+
+
+def byte_tokenizer(vocab):
+    """A `tokenizers` Tokenizer for a bytes/chars vocabulary: UTF-8 bytes of the text, each mapped to its id in
+    `vocab` (a BPE without merges over the byte-level alphabet); decoding gives the bytes back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    table = _bytes_to_unicode()
+    ids = {table[vocab.symbol_byte(s)]: i for i, s in enumerate(vocab.symbols)}
+    tok = Tokenizer(models.BPE(vocab=ids, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def word_tokenizer(vocab):
+    """Word vocabularies: whitespace-separated words, a newline is <eos> (as megamemo's prompts and corpora)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    unk = "<unk>" if "<unk>" in vocab.sym2idx else None
+    tok = Tokenizer(models.WordLevel(vocab=dict(vocab.sym2idx), unk_token=unk))
+    if "<eos>" in vocab.sym2idx:
+        tok.normalizer = normalizers.Replace(Regex("\n"), " <eos> ")
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
+def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
+    """The tokenizer files for the checkpoint's vocabulary into `out`; -> what was written, in words. A subword
+    tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
+    from transformers import PreTrainedTokenizerFast
+
+    from megamemo.checkpoint.state import file_digest
+    from megamemo.generate import vocab_for
+
+    rec = meta.get("tokenizer") or {}
+    if isinstance(rec, dict) and rec.get("file") and not data:
+        where = [d / rec["file"] for d in dirs]
+        if (meta.get("data") or {}).get("dir"):
+            where.append(Path(meta["data"]["dir"]) / rec["file"])
+        src = next((p for p in where if p.is_file()), None)
+        if src is None:
+            raise ExportError(f"{dirs[0] / 'config.json'}: tokenizer file {rec['file']!r} not found in "
+                              f"{' or '.join(str(p.parent) for p in where)}")
+        if rec.get("sha256") and file_digest(src) != rec["sha256"]:
+            raise ExportError(f"{src}: sha256 differs from the one the checkpoint records (corrupt or replaced)")
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(src))
+        tok.save_pretrained(str(out))
+        return f"subword tokenizer {src.name} ({rec.get('kind', '?')}, {len(tok)} entries)"
+    try:
+        vocab = vocab_for(meta, data)
+    except ValueError as e:
+        raise ExportError(f"{dirs[0]}: {e}") from None
+    tok = byte_tokenizer(vocab) if vocab.kind in ("bytes", "chars") else word_tokenizer(vocab)
+    specials = {"unk_token": "<unk>"} if vocab.kind == "words" and "<unk>" in vocab.sym2idx else {}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **specials).save_pretrained(str(out))
+    return f"{vocab.kind} tokenizer ({len(vocab)} symbols)"
+
+
+# ---- the export ------------------------------------------------------------------------------------------------
+def hf_config(model_cfg: dict, dtype: str, source: str) -> dict:
+    fields = dict(model_cfg)
+    fields.pop("init_std", None), fields.pop("proj_init_std", None), fields.pop("future_bias_init", None)
+    return {**fields, "model_type": "megamemo", "architectures": ["MegamemoForCausalLM"],
+            "auto_map": {"AutoConfig": "configuration_megamemo.MegamemoConfig",
+                         "AutoModelForCausalLM": "modeling_megamemo.MegamemoForCausalLM"},
+            "generation_mem_len": model_cfg["mem_len"] + model_cfg["tgt_len"] - 1,
+            "tie_word_embeddings": False, "dtype": dtype, "megamemo_source": source}
+
+
+def _check_variant(single: Path) -> None:
+    try:
+        variant = (json.loads((single / "config.json").read_text()).get("model") or {}).get("variant")
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{single / 'config.json'}: unreadable ({e})") from None
+    if variant not in KNOWN_VARIANTS:
+        raise ExportError(f"{single / 'config.json'}: model.variant {variant!r} is not one the export knows "
+                          f"({', '.join(KNOWN_VARIANTS)})")
+
+
+def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
+    """-> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or directory."""
+    from safetensors.torch import save_file
+
+    from megamemo.checkpoint import convert
+    from megamemo.checkpoint.single import load_single
+
+    ckpt, out = Path(ckpt), Path(out)
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out}: already exists (pass --overwrite to replace it)")
+    if not ckpt.is_dir():
+        raise ExportError(f"{ckpt}: not a directory")
+    work = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent if out.parent.is_dir() else None))
+    tmp = work / out.name
+    try:
+        single = ckpt
+        if convert.is_single(ckpt):
+            _check_variant(ckpt)
+        else:
+            single = work / "single"
+            log(f"[export] {ckpt} is a training checkpoint: converting it to a single-device one first")
+            convert.to_single(ckpt, single, log=log)
+            _check_variant(single)
+        model, meta = load_single(single)
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+        tmp.mkdir()
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name in CODE_FILES:
+            shutil.copyfile(CODE / name, tmp / name)
+        import transformers
+        cfg = hf_config(model.cfg.to_dict(), dtype, str(ckpt))
+        cfg["transformers_version"] = transformers.__version__
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(
+            json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n")
+        tok = write_tokenizer(meta, list(dict.fromkeys([single, ckpt])), tmp, data)
+        if out.exists():                      # --overwrite: the old directory goes only once the new one is in
+            old = work / (out.name + ".old")
+            out.rename(old)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    n = sum(t.numel() for t in sd.values())
+    return {"out": str(out), "variant": model.cfg.variant, "parameters": n, "dtype": dtype, "tokenizer": tok}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megamemo export", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    h = sub.add_parser("hf", help="a Hugging Face transformers directory (trust_remote_code) that needs no megamemo")
+    h.add_argument("--ckpt", required=True, help="single-device checkpoint, run directory or checkpoint directory")
+    h.add_argument("--out", required=True, help="the new directory")
+    h.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    h.add_argument("--data", help="shard directory whose vocabulary to use (default: the checkpoint's)")
+    a = p.parse_args(argv)
+    from megamemo.checkpoint.store import CheckpointError
+    from megamemo.checkpoint.pieces import PieceError
+
+    notes: list[str] = []             # what the conversion said: shown once it succeeded, so an error is one line
+    try:
+        r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=notes.append)
+    except (ValueError, CheckpointError, PieceError, OSError) as e:    # ExportError, SingleCheckpointError too
+        print(f"megamemo export hf: error: {e}", file=sys.stderr)
+        return 2
+    for m in notes:
+        print(m, file=sys.stderr, flush=True)
+    print(f"[export] wrote {r['out']}: {r['variant']}, {r['parameters']:,} parameters ({r['dtype']}), "
+          f"{r['tokenizer']}", flush=True)
+    return 0
