@@ -46,6 +46,16 @@ SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "https": None, "http": None}  
 class StoreUnavailableError(ShardError):
     """The object store did not answer after every retry."""
 
+    def __init__(self, shard, message: str, offset: int | None = None):
+        super().__init__(shard, message, offset)
+        self.args = (f"object store unavailable: {shard}: {message}",)
+
+
+# manifests staged by this process, by URL: a process reads one manifest per directory for its whole life (the
+# trainer's readers, the checkpoint probe's and the evaluator's agree, and a save needs no request to the store)
+_STAGED: dict[str, dict] = {}
+_LISTED: dict[str, dict] = {}      # URL -> {object name: size} of its one listing
+
 
 def is_remote(data_dir) -> bool:
     return isinstance(data_dir, str) and urlsplit(data_dir).scheme in SCHEMES and "://" in data_dir
@@ -69,6 +79,13 @@ class RemoteOptions:
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return f"{type(e).__name__}: {text}"[:300]
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _permanent(e: BaseException) -> bool:
@@ -159,7 +176,10 @@ class RemoteShards:
         except OSError as e:
             raise ManifestError(f"data.cache_dir: cannot create {cache}: {e.strerror}") from None
         self.limit = _parse_size(self.opts.cache_size)
-        self.manifest = self._stage_meta()
+        staged = _STAGED.get(self.url)
+        if staged is None or not (self.meta_dir / staged["vocab"]["file"]).is_file():
+            staged = _STAGED[self.url] = self._stage_meta()
+        self.manifest = staged
         self._pool = ThreadPoolExecutor(max(1, self.opts.fetch_threads), thread_name_prefix="shard-fetch")
         self._pending: dict[str, Future] = {}
         self._mutex = threading.Lock()
@@ -212,8 +232,10 @@ class RemoteShards:
         """One listing of the directory: every shard present at its manifest size (not for http)."""
         if urlsplit(self.url).scheme in ("http", "https"):
             return
-        listing = self.retry(self.url, lambda: self.fs.ls(self.root, detail=True))
-        sizes = {Path(x["name"]).name: x.get("size") for x in listing}
+        sizes = _LISTED.get(self.url)
+        if sizes is None:
+            listing = self.retry(self.url, lambda: self.fs.ls(self.root, detail=True))
+            sizes = _LISTED[self.url] = {Path(x["name"]).name: x.get("size") for x in listing}
         for e in entries:
             url = self.object_url(e["name"])
             if e["name"] not in sizes:
@@ -316,9 +338,8 @@ class RemoteShards:
                 total -= size
         if total > self.limit and not self._over_limit_said:
             self._over_limit_said = True
-            self.opts.log(f"[data] cache {self.shard_dir}: {total / 2**20:.0f} MiB in use by shards being read, "
-                          f"over data.cache_size ({self.limit / 2**20:.0f} MiB); raise it to at least two shards "
-                          f"per column")
+            self.opts.log(f"[data] cache {self.shard_dir}: {_size(total)} in use by shards being read, over "
+                          f"data.cache_size ({_size(self.limit)}); raise it to at least two shards per column")
 
     def info(self) -> dict:
         return {"fetched_bytes": self.fetched_bytes, "wait_s": self.wait_s}

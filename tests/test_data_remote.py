@@ -127,7 +127,7 @@ def test_s3_batches_equal_local_and_the_cache_holds_verified_shards(local_shards
             (local_shards / e["name"]).read_bytes()
     assert not list((tmp_path / "cache").rglob("*.partial"))
     with StreamReader(remote_shards, "train", remote_options=opts(tmp_path), **kw) as again:  # warm cache
-        assert batches(again, 5) == [] or again.cache_info()["fetched_bytes"] == 0
+        assert len(batches(again, 5)) == 5 and again.cache_info()["fetched_bytes"] == 0
 
 
 def test_cache_limit_evicts_least_recently_used(local_shards, remote_shards, tmp_path):
@@ -210,8 +210,77 @@ def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path
         else:
             os.environ["AWS_ENDPOINT_URL"] = saved
     msg = str(e.value)
-    assert msg.startswith(f"shard {url}/train-") and "chunk at token offset" in msg
+    assert msg.startswith(f"object store unavailable: {url}/train-") and "chunk at token offset" in msg
     assert "the store did not answer after 3 tries" in msg and "\n" not in msg
     retries = [ln for ln in lines if "retry" in ln]
     assert [ln.split("retry ")[1].split(" ")[0] for ln in retries][:2] == ["1/2", "2/2"]
     assert all(ln.startswith(f"[data] {url}/train-") and "\n" not in ln for ln in retries)
+
+
+# ---- training from s3:// ---------------------------------------------------------------------------------------
+def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, remote_shards, tmp_path):
+    """`megamemo train` on 2 ranks from s3://bucket/prefix: the per-step losses of the local directory's run,
+    bit for bit, also when one rank is killed -9 mid-run and the job resumes from the remote directory."""
+    from test_train_runs import TINY, committed_steps, launch, logs, losses, run, wait, assert_no_corrupt_checkpoint
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    args = ["--max-steps", "20", "--save-every", "2", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    ref_dir, run_dir = tmp_path / "local", tmp_path / "s3"
+    run(2, cfg, local_shards, ref_dir, *args)
+
+    procs = launch(2, cfg, remote_shards, run_dir, *args)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= 7):
+        assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
+        time.sleep(0.02)
+    procs[1].send_signal(signal.SIGKILL)
+    assert wait(procs, 120)[1] == -signal.SIGKILL
+    resume_step = committed_steps(run_dir)[-1]
+    assert 2 <= resume_step < 20
+    run(2, cfg, remote_shards, run_dir, *args)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{resume_step:08d}'}" in logs(run_dir)
+    assert sorted(losses(run_dir)) == list(range(1, 21))
+    assert losses(run_dir) == losses(ref_dir)
+    assert_no_corrupt_checkpoint(run_dir)
+    assert "testing" not in (run_dir / "config.yaml").read_text()     # no credentials in what the run wrote
+
+
+def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_path):
+    """The server stops mid-run; a cache of one byte makes the next checkpoint's probe fetch again: retries, one
+    line each, then one error line naming the object and chunk, no traceback, the committed checkpoints intact."""
+    from test_train_runs import TINY, assert_no_corrupt_checkpoint, committed_steps, launch, logs, wait
+
+    server = MotoServer()
+    saved = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ.update(s3_env(server))
+    try:
+        url = upload(local_shards, "down-train")
+        cfg = tmp_path / "tiny.yaml"
+        cfg.write_text(TINY)
+        run_dir = tmp_path / "run"
+        procs = launch(1, cfg, url, run_dir, "--max-steps", "1000", "--save-every", "3", "--set",
+                       f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.cache_size=1B", "--set",
+                       "data.retries=2", "--set", "data.retry_backoff_s=0.05")
+        deadline = time.time() + 120
+        while not committed_steps(run_dir) if (run_dir / "checkpoints").exists() else True:
+            assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
+            time.sleep(0.05)
+        server.stop()
+        assert wait(procs, 120) == [2]
+    finally:
+        server.stop()
+        if saved is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = saved
+    out = logs(run_dir)
+    assert "Traceback" not in out
+    errors = [ln for ln in out.splitlines() if ln.startswith("megamemo train: error:")]
+    assert len(errors) == 1 and f"object store unavailable: {url}/train-" in errors[0]
+    assert "chunk at token offset" in errors[0]
+    assert "the store did not answer after 3 tries" in errors[0]
+    assert len([ln for ln in out.splitlines() if ln.startswith(f"[data] {url}/") and "retry" in ln]) >= 2
+    assert committed_steps(run_dir)
+    assert_no_corrupt_checkpoint(run_dir)

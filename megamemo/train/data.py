@@ -14,11 +14,36 @@ class DataError(ValueError):
     """A missing or unusable data directory; the message names it."""
 
 
+def remote_options(cfg: RunConfig):
+    """How s3:// gs:// https:// shard directories are read (data.cache_dir, data.cache_size, data.retries, ...)."""
+    from data_pipeline.remote import RemoteOptions
+
+    d = cfg.data
+    return RemoteOptions(cache_dir=d.cache_dir, cache_size=d.cache_size, retries=d.retries,
+                         retry_backoff_s=d.retry_backoff_s, fetch_threads=d.fetch_threads,
+                         log=lambda m: print(m, flush=True))
+
+
+def _remote_manifest(cfg: RunConfig, url: str, field: str) -> dict:
+    from data_pipeline import ManifestError, ShardError
+    from data_pipeline.remote import RemoteShards
+
+    try:
+        remote = RemoteShards(url, remote_options(cfg))
+    except (ManifestError, ShardError) as e:
+        raise DataError(f"{field}: {e}") from None
+    remote.close()
+    return remote.manifest
+
+
 def _manifest(cfg: RunConfig) -> dict:
     from data_pipeline import ManifestError, load_manifest
+    from data_pipeline.remote import is_remote
 
     if not cfg.data.dir:
         raise DataError("data.dir: no shard directory given (--data DIR or data.dir in the config)")
+    if is_remote(cfg.data.dir):
+        return _remote_manifest(cfg, cfg.data.dir, "data.dir")
     d = Path(cfg.data.dir)
     if not d.is_dir():
         raise DataError(f"data.dir: {d} does not exist (build it with `megamemo prepare CORPUS --raw PATH --out {d}`)")
@@ -62,6 +87,6 @@ def open_reader(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, dp: i
     try:
         return StreamReader(cfg.data.dir, split, batch_size, tgt_len, dp, dp_rank,
                             roll=cfg.data.roll and train, seed=cfg.data.seed, epochs=None if train else 1,
-                            prefetch=cfg.data.prefetch if train else 0)
+                            prefetch=cfg.data.prefetch if train else 0, remote_options=remote_options(cfg))
     except ValueError as e:         # e.g. a split too short for the batch
         raise DataError(f"{'data' if train else 'eval'}.batch_size: {e}") from None
