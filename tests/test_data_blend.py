@@ -108,3 +108,21 @@ def test_sources_with_another_tokenizer_are_refused(two_sources, tmp_path):
         BlendReader([(a, 1), (e8, 1)], "train", batch_size=2, tgt_len=16)
     with pytest.raises(BlendError, match="weight"):
         BlendReader([(a, 1), (a, 0)], "train", batch_size=2, tgt_len=16)
+
+
+def test_train_refuses_a_blend_of_two_tokenizers_by_name(two_sources, tmp_path, capsys):
+    from megamemo.train.cli import main
+    from test_train_runs import TINY
+
+    a, _ = two_sources
+    e8 = tmp_path / "enwik8"
+    build(corpora.enwik8(ENWIK8), e8, chunk_tokens=4096, shard_bytes="64K", log=lambda m: None)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    blend = f"data.blend=[{{dir: {e8}, weight: 2}}, {{dir: {a}, weight: 1}}]"
+    assert main(["--config", str(cfg), "--run-dir", str(tmp_path / "run"), "--set", blend]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"megamemo train: error: data.blend[1].dir: {a} has another "
+                                               f"tokenizer than data.blend[0].dir (vocab.kind 'words' vs 'bytes'")
+    assert main(["--config", str(cfg), "--set", f"data.blend=[{{dir: {e8}, weight: -1}}]"]) == 2
+    assert "data.blend[0].weight: expected a positive number" in capsys.readouterr().err

@@ -284,3 +284,19 @@ def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_
     assert len([ln for ln in out.splitlines() if ln.startswith(f"[data] {url}/") and "retry" in ln]) >= 2
     assert committed_steps(run_dir)
     assert_no_corrupt_checkpoint(run_dir)
+
+
+def test_blend_of_a_local_and_a_remote_source(local_shards, remote_shards, tmp_path):
+    """data.blend mixes local and s3:// sources: the same batches as the blend of the two local directories."""
+    from data_pipeline.blend import BlendReader
+
+    kw = dict(batch_size=4, tgt_len=512, seed=2)
+    local = BlendReader([(local_shards, 1), (local_shards, 3)], "train", **kw)
+    mixed = BlendReader([(local_shards, 1), (remote_shards, 3)], "train", remote_options=opts(tmp_path), **kw)
+    for k in range(60):
+        x, y = local.get_batch(0, k)
+        xm, ym = mixed.get_batch(0, k)
+        assert torch.equal(x, xm) and torch.equal(y, ym)
+    assert mixed.cache_info()["fetched_bytes"] > 0
+    assert abs(mixed.token_mix(60)[1] - 0.75) < 0.2
+    mixed.close()
