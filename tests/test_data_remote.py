@@ -4,11 +4,9 @@ its size limit (least recently used evicted), damaged objects are named with the
 retries then a named error, and a 2-process training run from s3:// equals the local one, across a kill -9."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,73 +14,38 @@ import pytest
 import torch
 
 from data_pipeline import ShardError, StreamReader, build, corpora
+from data_pipeline.loopback_s3 import LoopbackS3, upload as upload_to
 from data_pipeline.remote import RemoteOptions, RemoteShards, StoreUnavailableError
 from fixture_data import ENWIK8
-from megamemo.train.dist import free_port
 
 BUCKET = "megamemo-test"
 
 
-class MotoServer:
-    """moto's S3 server as a subprocess on 127.0.0.1 (never another address)."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                assert self.proc.poll() is None and time.time() < deadline, "moto server did not start"
-                time.sleep(0.05)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-def s3_env(server: MotoServer) -> dict:
-    """The client reaches the server through the standard variables only (dummy credentials)."""
-    return {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def filesystem():
-    import fsspec
-    return fsspec.filesystem("s3", skip_instance_cache=True)
-
-
 def upload(local: Path, prefix: str, damage=None) -> str:
-    """Copy a shard directory to s3://BUCKET/prefix; `damage(name, bytes) -> bytes | None` alters or drops files."""
-    fs = filesystem()
-    if not fs.exists(BUCKET):
-        fs.mkdir(BUCKET)
-    for p in sorted(local.iterdir()):
-        data = p.read_bytes()
-        if damage is not None:
-            data = damage(p.name, data)
-        if data is not None:
-            fs.pipe_file(f"{BUCKET}/{prefix}/{p.name}", data)
-    return f"s3://{BUCKET}/{prefix}"
+    return upload_to(local, BUCKET, prefix, damage)
+
+
+@contextlib.contextmanager
+def serving():
+    """A loopback S3 server, with the AWS_* variables pointing at it; both undone at the end."""
+    server = LoopbackS3()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
 def s3_server():
-    server = MotoServer()
-    saved = {k: os.environ.get(k) for k in s3_env(server)}
-    os.environ.update(s3_env(server))
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with serving() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +150,7 @@ def test_damaged_missing_and_truncated_objects_are_named(local_shards, remote_sh
 
 
 def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path):
-    server = MotoServer()            # its own server: stopping it must not disturb the other tests
-    saved = os.environ["AWS_ENDPOINT_URL"] if "AWS_ENDPOINT_URL" in os.environ else None
-    os.environ.update(s3_env(server))
-    try:
+    with serving() as server:        # its own server: stopping it must not disturb the other tests
         url = upload(local_shards, "down")
         lines: list[str] = []
         reader = StreamReader(url, "train", batch_size=1, tgt_len=2048, block_tokens=2048,
@@ -203,12 +163,6 @@ def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path
             for _ in it:
                 pass
         reader.close()
-    finally:
-        server.stop()
-        if saved is None:
-            os.environ.pop("AWS_ENDPOINT_URL", None)
-        else:
-            os.environ["AWS_ENDPOINT_URL"] = saved
     msg = str(e.value)
     assert msg.startswith(f"object store unavailable: {url}/train-") and "chunk at token offset" in msg
     assert "the store did not answer after 3 tries" in msg and "\n" not in msg
@@ -252,10 +206,7 @@ def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_
     line each, then one error line naming the object and chunk, no traceback, the committed checkpoints intact."""
     from test_train_runs import TINY, assert_no_corrupt_checkpoint, committed_steps, launch, logs, wait
 
-    server = MotoServer()
-    saved = os.environ.get("AWS_ENDPOINT_URL")
-    os.environ.update(s3_env(server))
-    try:
+    with serving() as server:
         url = upload(local_shards, "down-train")
         cfg = tmp_path / "tiny.yaml"
         cfg.write_text(TINY)
@@ -269,12 +220,6 @@ def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_
             time.sleep(0.05)
         server.stop()
         assert wait(procs, 120) == [2]
-    finally:
-        server.stop()
-        if saved is None:
-            os.environ.pop("AWS_ENDPOINT_URL", None)
-        else:
-            os.environ["AWS_ENDPOINT_URL"] = saved
     out = logs(run_dir)
     assert "Traceback" not in out
     errors = [ln for ln in out.splitlines() if ln.startswith("megamemo train: error:")]
