@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import tempfile
 import threading
@@ -351,12 +350,3 @@ class RemoteShards:
         for f in pending:
             f.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def manifest_json(url: str, options: RemoteOptions | None = None) -> dict:
-    """The manifest of a remote directory (for tools that only need its fields)."""
-    r = RemoteShards(url, options)
-    try:
-        return json.loads((r.meta_dir / MANIFEST).read_text())
-    finally:
-        r.close()

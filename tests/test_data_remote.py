@@ -245,3 +245,34 @@ def test_blend_of_a_local_and_a_remote_source(local_shards, remote_shards, tmp_p
     assert mixed.cache_info()["fetched_bytes"] > 0
     assert abs(mixed.token_mix(60)[1] - 0.75) < 0.2
     mixed.close()
+
+
+def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
+    """https:// and http:// go through fsspec's HTTP filesystem (no listing: sizes and sha256 checked on fetch);
+    here python's http.server on 127.0.0.1 serves the shard directory."""
+    import socket
+    import subprocess
+    import sys
+
+    from megamemo.train.dist import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port), "-d",
+                               str(local_shards.parent)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/{local_shards.name}"
+        deadline = time.time() + 20
+        while True:                     # until the server listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None
+                time.sleep(0.05)
+        with StreamReader(url, "train", 4, 512, remote_options=opts(tmp_path)) as r:
+            got = batches(r)
+    finally:
+        server.terminate()
+        server.wait(10)
+    expect = batches(StreamReader(local_shards, "train", 4, 512))
+    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect))
