@@ -126,3 +126,19 @@ def test_train_refuses_a_blend_of_two_tokenizers_by_name(two_sources, tmp_path, 
                                                f"tokenizer than data.blend[0].dir (vocab.kind 'words' vs 'bytes'")
     assert main(["--config", str(cfg), "--set", f"data.blend=[{{dir: {e8}, weight: -1}}]"]) == 2
     assert "data.blend[0].weight: expected a positive number" in capsys.readouterr().err
+
+
+def test_a_resume_with_another_batch_size_keeps_the_step_and_the_columns(two_sources):
+    """The trainer's data cursor moves a StreamReader's position to the same fraction of the epoch when the batch
+    changes; a blend's columns do not depend on the batch, so it keeps the step and column c goes on as before."""
+    from megamemo.train.resumable import DataCursor
+
+    a, b = two_sources
+    old = BlendReader([(a, 1), (b, 1)], "train", batch_size=4, tgt_len=32, seed=1)
+    take(old, 7)
+    cursor = DataCursor(BlendReader([(a, 1), (b, 1)], "train", batch_size=8, tgt_len=32, seed=1), log=lambda m: None)
+    cursor.load_state_dict(old.state_dict())
+    assert cursor.state["step"] == 7 and cursor.state["batch_size"] == 8
+    x_new, _ = cursor.next_batch()
+    x_old, _ = next(iter(old))
+    assert np.array_equal(x_new.numpy()[:, :4], x_old.numpy())
