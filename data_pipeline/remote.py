@@ -138,9 +138,10 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
 def _filesystem(url: str):
     scheme = urlsplit(url).scheme
     parts = urlsplit(url)
-    if parts.username or parts.password:
-        raise ManifestError(f"{parts.scheme}://...@{parts.hostname}{parts.path}: credentials in the URL are not "
-                            f"accepted; they come from the storage library's standard environment/config")
+    if parts.username or parts.password or parts.query:
+        raise ManifestError(f"{parts.scheme}://{parts.hostname}{parts.path}: credentials in the URL (user:password@ "
+                            f"or a signed query string) are not accepted; they come from the storage library's "
+                            f"standard environment/config")
     try:
         import fsspec
         opts = {}

@@ -276,3 +276,12 @@ def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
         server.wait(10)
     expect = batches(StreamReader(local_shards, "train", 4, 512))
     assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect))
+
+
+def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
+    from data_pipeline import ManifestError
+
+    for url in ("s3://AKIAEXAMPLE:s3cr3t@bucket/prefix", "https://host/shards?X-Amz-Signature=s3cr3t"):
+        with pytest.raises(ManifestError, match="credentials in the URL") as e:
+            StreamReader(url, "train", 2, 8, remote_options=opts(tmp_path))
+        assert "s3cr3t" not in str(e.value) and "AKIAEXAMPLE" not in str(e.value)
