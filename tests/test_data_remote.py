@@ -285,3 +285,17 @@ def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
         with pytest.raises(ManifestError, match="credentials in the URL") as e:
             StreamReader(url, "train", 2, 8, remote_options=opts(tmp_path))
         assert "s3cr3t" not in str(e.value) and "AKIAEXAMPLE" not in str(e.value)
+
+
+def test_train_names_a_missing_object_before_building_anything(local_shards, s3_server, tmp_path, capsys):
+    from megamemo.train.cli import main
+    from test_train_runs import TINY
+
+    url = upload(local_shards, "missing-cli", lambda n, d: None if n == "train-000002.tar" else d)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    assert main(["--config", str(cfg), "--data", url, "--run-dir", str(tmp_path / "run"),
+                 "--set", f"data.cache_dir={tmp_path / 'cache'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"megamemo train: error: shard {url}/train-000002.tar: missing (listed in manifest.json)"]
+    assert not (tmp_path / "run").exists()

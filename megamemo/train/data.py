@@ -31,9 +31,16 @@ def _remote_manifest(cfg: RunConfig, url: str, field: str) -> dict:
 
     try:
         remote = RemoteShards(url, remote_options(cfg))
-    except (ManifestError, ShardError) as e:
+        try:                        # one listing: missing or wrong-sized objects named before the model is built
+            used = {cfg.data.split} | ({cfg.eval.split} if cfg.eval.every else set())
+            remote.check_listing([e for name, sp in remote.manifest["splits"].items() if name in used
+                                  for e in sp["shards"]])
+        finally:
+            remote.close()
+    except ShardError:
+        raise                       # names the object itself
+    except ManifestError as e:
         raise DataError(f"{field}: {e}") from None
-    remote.close()
     return remote.manifest
 
 
