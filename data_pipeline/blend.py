@@ -195,12 +195,15 @@ class BlendReader:
         return f"[data] blend token mix over steps 1-{self.step}: {parts}"
 
     # ---- state ------------------------------------------------------------------------------------------
+    # a source is known by its size and weight, not its address: a blend may resume with a source moved (a local
+    # directory uploaded to s3://, say); "dirs" is recorded for people only
     _IDENTITY = ("kind", "split", "batch_size", "tgt_len", "seed", "sources", "vocab_sha256")
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "kind": "blend", "epoch": 0, "step": self.step, "split": self.split,
                 "batch_size": self.batch_size, "tgt_len": self.tgt_len, "roll": False, "seed": self.seed,
-                "sources": [[d, float(w)] for d, w in zip(self.dirs, self.weights)], "n_tokens": self.n_tokens,
+                "sources": [[s.n_tokens, float(w)] for s, w in zip(self.sources, self.weights)],
+                "dirs": list(self.dirs), "n_tokens": self.n_tokens,
                 "vocab_sha256": self.vocab_sha256, "world_size": self.world_size, "rank": self.rank}
 
     def load_state_dict(self, state: dict) -> None:
@@ -211,7 +214,7 @@ class BlendReader:
         for k in self._IDENTITY:
             theirs = state.get(k)
             if k == "sources" and theirs is not None:
-                theirs = [[d, float(w)] for d, w in theirs]
+                theirs = [[int(n), float(w)] for n, w in theirs]
             if theirs != mine[k]:
                 raise ValueError(f"BlendReader.load_state_dict: field {k!r} is {theirs!r} in the saved state but "
                                  f"{mine[k]!r} in this reader")

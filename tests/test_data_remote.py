@@ -299,3 +299,19 @@ def test_train_names_a_missing_object_before_building_anything(local_shards, s3_
     assert capsys.readouterr().err.strip().splitlines() == [
         f"megamemo train: error: shard {url}/train-000002.tar: missing (listed in manifest.json)"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_blend_resumes_with_a_source_moved_to_s3(local_shards, remote_shards, tmp_path):
+    from data_pipeline.blend import BlendReader
+
+    kw = dict(batch_size=2, tgt_len=256, seed=4)
+    before = BlendReader([(local_shards, 2), (local_shards, 1)], "train", **kw)
+    want = [before.get_batch(0, k) for k in range(9, 14)]
+    state = dict(before.state_dict(), step=9)
+    after = BlendReader([(local_shards, 2), (remote_shards, 1)], "train", remote_options=opts(tmp_path), **kw)
+    after.load_state_dict(state)
+    it = iter(after)
+    for x, y in want:
+        xa, ya = next(it)
+        assert torch.equal(x, xa) and torch.equal(y, ya)
+    after.close()
