@@ -315,3 +315,20 @@ def test_a_blend_resumes_with_a_source_moved_to_s3(local_shards, remote_shards, 
         xa, ya = next(it)
         assert torch.equal(x, xa) and torch.equal(y, ya)
     after.close()
+
+
+def test_training_on_a_blend_of_local_and_s3_logs_its_token_mix(local_shards, remote_shards, tmp_path):
+    from test_train_runs import TINY, launch, logs, losses, wait
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY.replace("data: {batch_size: 4, roll: true}",
+                                f"data: {{batch_size: 4, blend: [{{dir: {local_shards}, weight: 3}}, "
+                                f"{{dir: '{remote_shards}', weight: 1}}]}}"))
+    run_dir = tmp_path / "run"
+    procs = launch(1, cfg, "", run_dir, "--max-steps", "10",       # --data "": the blend, not a directory
+                   "--set", f"data.cache_dir={tmp_path / 'cache'}")
+    assert wait(procs, 120) == [0], logs(run_dir)[-3000:]
+    assert sorted(losses(run_dir)) == list(range(1, 11))
+    mix = [ln for ln in logs(run_dir).splitlines() if ln.startswith("[data] blend token mix")]
+    assert len(mix) == 1 and mix[0].startswith(f"[data] blend token mix over steps 1-10: {local_shards} ")
+    assert f"(weight 75.0%), {remote_shards} " in mix[0] and mix[0].endswith("(weight 25.0%)")
