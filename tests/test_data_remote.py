@@ -1,7 +1,9 @@
 """Shard directories on object storage, against a real S3-protocol server on loopback (moto's standalone server,
-started by a fixture): batches from s3:// equal the local directory's, the cache holds only verified shards under
-its size limit (least recently used evicted), damaged objects are named with their chunk, a stopped server gives
-retries then a named error, and a 2-process training run from s3:// equals the local one, across a kill -9."""
+started by a fixture; AWS_ENDPOINT_URL and dummy credentials in the environment): batches from s3:// equal the
+local directory's, the cache holds only verified shards under its size limit (least recently used evicted),
+damaged / missing / truncated objects are named with their chunk, a stopped server gives retries then a named
+error (reader and `megamemo train`), a 2-process training run from s3:// equals the local one across a kill -9,
+http:// reads like local, credentials in URLs are refused, and blends mix local and s3:// sources."""
 from __future__ import annotations
 
 import contextlib
