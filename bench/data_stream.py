@@ -2,10 +2,15 @@
 
   1. plain zstd decompression of every chunk of a split's shards (sequential tar read + decompress),
   2. StreamReader over the same split (B columns, tgt_len rows, int64 tensors), without and with prefetch,
-  3. what a training step (fwd + bwd + Adam) of a small demo model consumes, fed by the reader.
+  3. the same reader streaming from s3:// on a loopback S3-protocol server (moto): with a cold cache (every shard
+     downloaded, sha256-verified and decoded) and a warm one, and how long a reader paced like a training job
+     waits for the network once it has started (the read-ahead's job),
+  4. what a training step (fwd + bwd + Adam) of a small demo model consumes, fed by the reader, and the ratio
+     of each rate to configs/lamemo-1.3b.yaml's consumption (its FLOPs per token at the V100's fp16 datasheet
+     peak: an upper bound for one GPU).
 
     python bench/data_stream.py                       # prepares the enwik8 prefix from ../shared/data
-    python bench/data_stream.py --data DIR --split train --batch 22 --tgt-len 512
+    python bench/data_stream.py --data DIR --split train --batch 22 --tgt-len 512 [--no-s3]
 """
 from __future__ import annotations
 
@@ -38,6 +43,81 @@ def reader_epoch(data_dir: Path, split: str, batch: int, tgt_len: int, prefetch:
     from data_pipeline import StreamReader
     with StreamReader(data_dir, split, batch, tgt_len, prefetch=prefetch) as r:
         return sum(x.numel() for x, _ in r)
+
+
+def s3_rates(data_dir: Path, tmp: Path, a) -> dict:
+    """Reader tokens/s from s3:// on a loopback moto server: cold cache (a new cache directory per run), warm
+    cache, and the network wait of a reader paced at `--paced-rate` after its first batch."""
+    import os
+
+    from data_pipeline import StreamReader
+    from data_pipeline.loopback_s3 import LoopbackS3, upload
+    from data_pipeline.remote import RemoteOptions
+
+    runs = iter(range(1_000_000))
+
+    def epoch(cache: Path) -> tuple[int, dict]:
+        opts = RemoteOptions(cache_dir=str(cache), log=lambda m: None)
+        with StreamReader(url, a.split, a.batch, a.tgt_len, prefetch=2, remote_options=opts) as r:
+            n = sum(x.numel() for x, _ in r)
+            return n, r.cache_info()
+
+    with LoopbackS3() as server:
+        os.environ.update(server.env())
+        url = upload(data_dir, "bench", "shards")
+        warm = tmp / "warm-cache"
+        epoch(warm)
+        rates = best_rates({"s3 cold cache": lambda: epoch(tmp / f"cold-{next(runs)}")[0],
+                            "s3 warm cache": lambda: epoch(warm)[0],
+                            "s3 range reads": lambda: range_reads(data_dir, a.split)}, a.repeats)
+        # paced: a consumer that takes tokens at --paced-rate (a training job), cold cache
+        opts = RemoteOptions(cache_dir=str(tmp / "paced"), log=lambda m: None)
+        with StreamReader(url, a.split, a.paced_batch, a.tgt_len, prefetch=2, block_tokens=1 << 16,
+                          remote_options=opts) as r:
+            it = iter(r)
+            x, _ = next(it)
+            first_wait, n, t0 = r.cache_info()["wait_s"], 0, time.perf_counter()
+            first_fetched = r.cache_info()["fetched_bytes"]
+            for x, _ in it:
+                n += x.numel()
+                time.sleep(max(0.0, n / a.paced_rate - (time.perf_counter() - t0)))
+            info = r.cache_info()
+        rates["paced"] = (first_wait, info["wait_s"] - first_wait, time.perf_counter() - t0,
+                          info["fetched_bytes"] - first_fetched)
+    return rates
+
+
+def range_reads(data_dir: Path, split: str) -> int:
+    """The design not taken: one ranged GET per chunk (offsets from the local copy's tar index), decompressed.
+    Tokens read."""
+    import fsspec
+    import numpy as np
+
+    from data_pipeline import load_manifest
+    from data_pipeline.shard_reader import ShardFile
+
+    m = load_manifest(data_dir)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    dctx, n = zstandard.ZstdDecompressor(), 0
+    for e in m["splits"][split]["shards"]:
+        f = ShardFile(data_dir / e["name"], e, np.dtype(m["dtype"]), m["chunk_tokens"])
+        for off, size in f.index.tolist():
+            n += len(dctx.decompress(fs.cat_file(f"bench/shards/{e['name']}", start=off, end=off + size)))
+        f.close()
+    return n // np.dtype(m["dtype"]).itemsize
+
+
+def lamemo_13b_consumption() -> tuple[float, str]:
+    """Tokens/s one GPU would consume training configs/lamemo-1.3b.yaml at 100% of the V100 SXM2's fp16
+    datasheet peak (an upper bound; a node has 8 GPUs)."""
+    from megamemo.config import load
+    from megamemo.model.flops import flops_per_token
+    from megamemo.peak import PEAK_TFLOPS
+
+    cfg = load(REPO / "configs/lamemo-1.3b.yaml")
+    fpt = flops_per_token(cfg.model, cfg.data.batch_size // cfg.train.grad_accum)
+    peak = PEAK_TFLOPS["V100 SXM2"]["fp16"] * 1e12
+    return peak / fpt, f"{fpt / 1e9:.1f} GFLOP/token at {peak / 1e12:.0f} TFLOP/s"
 
 
 def best_rates(fns: dict, repeats: int, min_seconds: float = 2.0) -> dict:
@@ -89,6 +169,12 @@ def main() -> None:
     p.add_argument("--train-batch", type=int, default=None, help="batch for the training step (default --batch)")
     p.add_argument("--train-tgt-len", type=int, default=128, help="tgt_len = mem_len of the demo model")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the training step")
+    p.add_argument("--no-s3", action="store_true", help="skip streaming from the loopback S3 server")
+    p.add_argument("--paced-rate", type=float, default=2e6,
+                   help="tokens/s of the paced consumer (a training job) in the network-wait measurement")
+    p.add_argument("--paced-batch", type=int, default=2,
+                   help="columns of the paced consumer (few: each column then crosses several shards)")
+    p.add_argument("--shard-bytes", default="256K", help="shard size when preparing the enwik8 prefix")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="megamemo_bench_") as tmp:
@@ -101,8 +187,8 @@ def run(a, tmp: Path) -> None:
     if a.data is None:
         data_dir = tmp
         raw = REPO.parent / "shared/data/enwik8/enwik8_prefix"
-        build(corpora.enwik8(raw), data_dir, shard_bytes="1M", log=lambda m: None)
-        print(f"prepared {raw} -> {data_dir} (chunks of 65536 tokens, ~1 MiB shards)")
+        build(corpora.enwik8(raw), data_dir, shard_bytes=a.shard_bytes, log=lambda m: None)
+        print(f"prepared {raw} -> {data_dir} (chunks of 65536 tokens, ~{a.shard_bytes} shards)")
     else:
         data_dir = Path(a.data)
     m = load_manifest(data_dir)
@@ -121,6 +207,23 @@ def run(a, tmp: Path) -> None:
     for pf, r in rates.items():
         print(f"{f'StreamReader B={a.batch} L={a.tgt_len} prefetch={pf}':<44} {r / 1e6:10.1f} M tokens/s   "
               f"plain/reader = {plain / r:.2f}x")
+    local = max(rates.values())
+    readers = {"local disk": local}
+    if not a.no_s3:
+        s3 = s3_rates(data_dir, tmp, a)
+        first, later, secs, fetched = s3.pop("paced")
+        for k, r in s3.items():
+            label = "s3, one ranged GET per chunk (not used)" if k == "s3 range reads" else f"StreamReader from {k}"
+            print(f"{label:<44} {r / 1e6:10.1f} M tokens/s   local/this = {local / r:.2f}x")
+        readers.update({k: s3[k] for k in s3})
+        print(f"paced at {a.paced_rate / 1e6:g} M tokens/s, B={a.paced_batch}, from s3 (cold cache): waited "
+              f"{first:.3f}s for the network before the first batch; in the {secs:.1f}s after it, "
+              f"{fetched / 2**20:.1f} MiB more fetched and {later:.3f}s waited")
+    big, how = lamemo_13b_consumption()
+    print(f"configs/lamemo-1.3b.yaml consumes at most {big:,.0f} tokens/s per V100 ({how}), "
+          f"{8 * big:,.0f} per 8-GPU node")
+    for k, r in readers.items():
+        print(f"  reader from {k:<16} / that = {r / big:,.0f}x per GPU, {r / (8 * big):,.0f}x per node")
     if a.train_steps <= 0:
         return
     try:

@@ -16,10 +16,13 @@ from typing import Callable
 import numpy as np
 import zstandard
 
+from .remote import RemoteOptions, RemoteShards, is_remote
 from .shards import MANIFEST, _ZERO_BLOCK, ManifestError, ShardError, chunk_key, dtype_name, load_manifest
 from .tokenizer import KIND as SUBWORD
 from .tokenizer import SubwordTokenizer, TokenizerError, load_recorded
 from .vocab import Vocab
+
+
 def scan_tar(fd: int, size: int, shard: str | Path) -> list[tuple[str, int, int]]:
     """(name, data offset, data size) of every member, reading headers only. Unlike tarfile (which stops
     quietly at a cut-off header), a truncation anywhere is an error with the byte offset."""
@@ -58,13 +61,17 @@ def scan_tar(fd: int, size: int, shard: str | Path) -> list[tuple[str, int, int]
 class ShardFile:
     """One open shard: its tar structure checked against the manifest entry, chunks readable by index."""
 
-    def __init__(self, root: Path, entry: dict, dtype: np.dtype, chunk_tokens: int, check_sha: bool = False):
-        self.path = root / entry["name"]
+    def __init__(self, path: Path | str, entry: dict, dtype: np.dtype, chunk_tokens: int, check_sha: bool = False,
+                 fd: int | None = None):
+        """`path` names the shard in errors; `fd`, when given, is an open copy of it (a verified cached object)."""
+        self.path = path
         self.entry, self.dtype, self.chunk_tokens = entry, dtype, chunk_tokens
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ShardError(self.path, "missing (listed in manifest.json)") from None
+        if fd is None:
+            try:
+                fd = os.open(self.path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise ShardError(self.path, "missing (listed in manifest.json)") from None
+        self.fd = fd
         try:
             self._check(check_sha)
         except BaseException:
@@ -99,7 +106,7 @@ class ShardFile:
         if k != e["n_chunks"]:
             raise ShardError(path, f"holds {k} chunks, manifest.json says {e['n_chunks']}")
         if check_sha:
-            digest = file_sha256(path)
+            digest = fd_sha256(self.fd)
             if digest != e["sha256"]:
                 raise ShardError(path, f"sha256 {digest} does not match manifest.json ({e['sha256']})")
 
@@ -141,6 +148,14 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def fd_sha256(fd: int) -> str:
+    h, pos = hashlib.sha256(), 0
+    while block := os.pread(fd, 1 << 22, pos):
+        h.update(block)
+        pos += len(block)
+    return h.hexdigest()
+
+
 class SplitSource:
     """Random access to one split's token stream: ``read(start, stop, out, slot)``.
 
@@ -148,13 +163,18 @@ class SplitSource:
     (one per batch column), the one decompressed chunk it last used."""
 
     def __init__(self, data_dir: str | Path, split: str, verify: str = "size", max_open: int = 64,
-                 manifest: dict | None = None):
+                 manifest: dict | None = None, remote: RemoteShards | None = None,
+                 remote_options: RemoteOptions | None = None):
+        """`data_dir` is a local directory or an s3:// gs:// https:// URL (read through `remote`, a
+        RemoteShards: whole shards fetched, sha256-verified, into a local cache; data_pipeline/remote.py)."""
         if verify not in ("size", "sha256"):
             raise ValueError(f"verify must be 'size' or 'sha256', got {verify!r}")
-        self.root = Path(data_dir)
-        self.manifest = manifest or load_manifest(self.root)
+        self._own_remote = remote is None and is_remote(data_dir)
+        self.remote = RemoteShards(str(data_dir), remote_options) if self._own_remote else remote
+        self.root = self.remote.url if self.remote is not None else Path(data_dir)
+        self.manifest = manifest or (self.remote.manifest if self.remote is not None else load_manifest(self.root))
         if split not in self.manifest["splits"]:
-            raise ManifestError(f"{self.root / MANIFEST}: no split {split!r} (has {sorted(self.manifest['splits'])})")
+            raise ManifestError(f"{self.root}/{MANIFEST}: no split {split!r} (has {sorted(self.manifest['splits'])})")
         self.split, self.verify, self.max_open = split, verify, max(1, max_open)
         sp = self.manifest["splits"][split]
         self.n_tokens = sp["n_tokens"]
@@ -162,7 +182,9 @@ class SplitSource:
         self.starts = [e["offset"] for e in self.entries]
         self.dtype = np.dtype(self.manifest["dtype"])
         self.chunk_tokens = self.manifest["chunk_tokens"]
-        for e in self.entries:  # cheap up-front check that the files are the ones the manifest lists
+        if self.remote is not None:     # one listing: every object there at its size (sha256: when fetched)
+            self.remote.check_listing(self.entries)
+        for e in self.entries if self.remote is None else ():  # cheap check that the files are the listed ones
             p = self.root / e["name"]
             try:
                 size = p.stat().st_size
@@ -176,25 +198,42 @@ class SplitSource:
         self._slots: dict[int, tuple[int, np.ndarray]] = {}
         self.chunks_decoded = 0
 
-    def _shard(self, i: int) -> ShardFile:
+    def _shard(self, i: int, where: str) -> ShardFile:
         f = self._open.get(i)
         if f is not None:
             self._open.move_to_end(i)
             return f
-        check = self.verify == "sha256" and i not in self._sha_checked
-        f = ShardFile(self.root, self.entries[i], self.dtype, self.chunk_tokens, check_sha=check)
-        if check:
-            self._sha_checked.add(i)
+        e = self.entries[i]
+        if self.remote is not None:     # verified against the manifest's sha256 when it was fetched
+            f = ShardFile(self.remote.object_url(e["name"]), e, self.dtype, self.chunk_tokens,
+                          fd=self.remote.open(e, where))
+            if i + 1 < len(self.entries):
+                self.remote.prefetch(self.entries[i + 1])      # read-ahead: the column's next shard
+        else:
+            check = self.verify == "sha256" and i not in self._sha_checked
+            f = ShardFile(self.root / e["name"], e, self.dtype, self.chunk_tokens, check_sha=check)
+            if check:
+                self._sha_checked.add(i)
         self._open[i] = f
         while len(self._open) > self.max_open:
             self._open.popitem(last=False)[1].close()
         return f
 
+    def shard_index(self, token: int) -> int:
+        return bisect.bisect_right(self.starts, token) - 1
+
+    def prefetch_at(self, token: int) -> None:
+        """Read-ahead hint: the shard holding `token` will be read soon (remote directories only)."""
+        if self.remote is not None and 0 <= token < self.n_tokens:
+            i = self.shard_index(token)
+            if i not in self._open:
+                self.remote.prefetch(self.entries[i])
+
     def chunk(self, g: int) -> np.ndarray:
         """Chunk g of the split (tokens g·chunk_tokens ...)."""
         start = g * self.chunk_tokens
-        i = bisect.bisect_right(self.starts, start) - 1
-        f = self._shard(i)
+        i = self.shard_index(start)
+        f = self._shard(i, f"chunk at token offset {start} (chunk {g} of split {self.split})")
         self.chunks_decoded += 1
         return f.read_chunk((start - self.starts[i]) // self.chunk_tokens)
 
@@ -223,14 +262,19 @@ class SplitSource:
         return out
 
     def cache_info(self) -> dict:
-        return {"open_shards": len(self._open), "cached_chunks": len(self._slots),
+        info = {"open_shards": len(self._open), "cached_chunks": len(self._slots),
                 "cached_bytes": sum(a.nbytes for _, a in self._slots.values())}
+        if self.remote is not None:
+            info.update(self.remote.info())
+        return info
 
     def close(self):
         for f in self._open.values():
             f.close()
         self._open.clear()
         self._slots.clear()
+        if self._own_remote:
+            self.remote.close()
 
 
 def read_split(data_dir: str | Path, split: str, verify: str = "size") -> np.ndarray:
@@ -242,9 +286,13 @@ def read_split(data_dir: str | Path, split: str, verify: str = "size") -> np.nda
         src.close()
 
 
-def load_vocab(data_dir: str | Path) -> Vocab | SubwordTokenizer:
+def load_vocab(data_dir: str | Path, remote_options: RemoteOptions | None = None) -> Vocab | SubwordTokenizer:
     """The directory's vocabulary (a `Vocab`), or its subword tokenizer (a `SubwordTokenizer`, kind "subword"),
-    checked against the manifest's sha256 and size."""
+    checked against the manifest's sha256 and size. A remote directory is read from its staged copy."""
+    if is_remote(data_dir):         # the staged copy of a remote directory's manifest and vocabulary
+        remote = RemoteShards(str(data_dir), remote_options)
+        remote.close()
+        return load_vocab(remote.meta_dir)
     m = load_manifest(data_dir)
     if m["vocab"]["kind"] == SUBWORD:
         where = str(Path(data_dir) / MANIFEST)
@@ -285,7 +333,7 @@ def verify_shards(data_dir: str | Path, splits: list[str] | None = None,
             t0 = time.time()
             f = None
             try:
-                f = ShardFile(root, e, dtype, ct, check_sha=True)
+                f = ShardFile(root / e["name"], e, dtype, ct, check_sha=True)
                 for k in range(e["n_chunks"]):
                     ids = f.read_chunk(k)
                     if ids.size and int(ids.max()) >= len(vocab):

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .remote import RemoteOptions, is_remote
 from .shard_reader import SplitSource
-from .shards import load_manifest
 
 _END = object()
 STATE_VERSION = 1
@@ -45,11 +45,14 @@ class StreamReader:
         verify: "size" (default: size, tar structure, zstd checksum and token count of everything read) or
             "sha256" (also hash each shard the first time it is opened).
         block_tokens: tokens decoded per refill of the column buffer (memory/throughput knob).
+        remote_options: for an s3:// gs:// https:// data_dir: cache directory and size, retries, read-ahead
+            threads (data_pipeline.remote.RemoteOptions).
     """
 
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, tgt_len: int, world_size: int = 1,
                  rank: int = 0, *, roll: bool = False, seed: int = 0, epochs: int | None = 1, prefetch: int = 0,
-                 verify: str = "size", block_tokens: int = 1 << 20, max_open_shards: int | None = None):
+                 verify: str = "size", block_tokens: int = 1 << 20, max_open_shards: int | None = None,
+                 remote_options: RemoteOptions | None = None):
         if batch_size < 1 or tgt_len < 1:
             raise ValueError(f"batch_size ({batch_size}) and tgt_len ({tgt_len}) must be positive")
         if world_size < 1 or batch_size % world_size:
@@ -58,14 +61,15 @@ class StreamReader:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be positive or None, got {epochs}")
-        self.data_dir, self.split = Path(data_dir), split
+        self.data_dir = str(data_dir).rstrip("/") if is_remote(data_dir) else Path(data_dir)
+        self.split = split
         self.batch_size, self.tgt_len, self.world_size, self.rank = batch_size, tgt_len, world_size, rank
         self.roll, self.seed, self.epochs, self.prefetch = bool(roll), int(seed), epochs, int(prefetch)
-        self.manifest = load_manifest(self.data_dir)
         self.local_batch = batch_size // world_size
         self.col0 = rank * self.local_batch
-        self.source = SplitSource(self.data_dir, split, verify=verify, manifest=self.manifest,
+        self.source = SplitSource(self.data_dir, split, verify=verify, remote_options=remote_options,
                                   max_open=max_open_shards or min(self.local_batch + 2, 256))
+        self.manifest = self.source.manifest
         self.n_tokens = self.source.n_tokens
         self.n_step = self.n_tokens // batch_size          # rows per column (LMOrderedIterator.n_step)
         if self.n_step < 2:
@@ -107,6 +111,11 @@ class StreamReader:
         r1 = min(r0 + self.block_rows + 1, self.n_step)
         m, n = r1 - r0, self.n_step
         shifts = self.roll_shifts(epoch)
+        if self.source.remote is not None:      # read-ahead: the shards this block and the next one start in
+            for j in range(self.local_batch):
+                c = self.col0 + j
+                for r in (r0, r1):
+                    self.source.prefetch_at(c * n + (r + int(shifts[c])) % n)
         for j in range(self.local_batch):
             c = self.col0 + j
             base = c * n

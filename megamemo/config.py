@@ -30,6 +30,17 @@ class DataConfig:
     roll: bool = False              # LaMemo's per-epoch, per-column seeded rotation of the streams
     seed: int = 1111                # seed of the roll offsets
     prefetch: int = 0               # background prefetch depth of the reader (0: none)
+    # dir may be s3://bucket/prefix, gs://bucket/prefix or https://host/path (fsspec; pip install megamemo[s3] /
+    # megamemo[gcs]); credentials only from the storage library's standard environment/config. Remote shards are
+    # fetched whole into cache_dir ("" = $XDG_CACHE_HOME/megamemo/shards), verified against the manifest's sha256,
+    # and evicted least-recently-used beyond cache_size (data_pipeline/remote.py)
+    cache_dir: str = ""
+    cache_size: str = "50G"
+    retries: int = 5                # retries of a transient storage error (backoff doubling from retry_backoff_s)
+    retry_backoff_s: float = 1.0
+    fetch_threads: int = 4          # concurrent shard downloads of the read-ahead
+    # weighted blend of shard directories (local and remote mixed) instead of dir: [{dir: ..., weight: ...}, ...]
+    blend: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -165,6 +176,7 @@ class RunConfig:
 
         if self.data.batch_size < 1:
             bad("data.batch_size", "must be >= 1")
+        _check_data_source(self.data)
         if self.optim.name not in ("adam", "adamw"):
             bad("optim.name", "must be 'adam' or 'adamw'")
         if self.optim.lr <= 0:
@@ -256,6 +268,34 @@ class RunConfig:
             raise ConfigError(f"eval.batch_size: {self.eval.batch_size} streams do not split over {dp} "
                               f"data-parallel ranks")
         return dp, self.data.batch_size // per
+
+
+def _check_data_source(d: DataConfig) -> None:
+    """data.cache_size, data.retries, ... and data.blend's entries (the directories themselves are checked by
+    megamemo.train.data when the run starts)."""
+    from data_pipeline.shards import _parse_size
+
+    try:
+        if _parse_size(d.cache_size) < 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"data.cache_size: expected a size like 50G or 800M, got {d.cache_size!r}") from None
+    if d.retries < 0:
+        raise ConfigError(f"data.retries: must be >= 0 (got {d.retries})")
+    if d.retry_backoff_s < 0:
+        raise ConfigError(f"data.retry_backoff_s: must be >= 0 (got {d.retry_backoff_s})")
+    if d.fetch_threads < 1:
+        raise ConfigError(f"data.fetch_threads: must be >= 1 (got {d.fetch_threads})")
+    if d.blend and d.dir:
+        raise ConfigError("data.blend: give either data.dir (--data) or data.blend, not both")
+    for i, e in enumerate(d.blend):
+        if set(e) != {"dir", "weight"}:
+            raise ConfigError(f"data.blend[{i}]: expected {{dir, weight}}, got keys {sorted(e)}")
+        if not isinstance(e["dir"], str) or not e["dir"]:
+            raise ConfigError(f"data.blend[{i}].dir: expected a directory or URL, got {e['dir']!r}")
+        w = e["weight"]
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+            raise ConfigError(f"data.blend[{i}].weight: expected a positive number, got {w!r}")
 
 
 def _get(cfg, dotted: str):

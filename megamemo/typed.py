@@ -29,6 +29,8 @@ def check_value(name: str, typ: str, value, error=ValueError):
         return value
     if typ == "str" and isinstance(value, str):
         return value
+    if typ == "dict" and isinstance(value, dict):
+        return value
     if typ.startswith("list[") and isinstance(value, (list, tuple)):
         inner = typ[5:-1]
         return [check_value(f"{name}[{i}]", inner, v, error) for i, v in enumerate(value)]

@@ -81,6 +81,10 @@ def test_paper_configs_have_paper_shapes():
     ("train.max_steps=-1", "train.max_steps"),     # 0 is allowed: build, save the initial state, stop
     ("parallel.zero_stage=3", "parallel.zero_stage"),
     ("nosection.x=1", "nosection"),
+    ("data.cache_size=lots", "data.cache_size"),
+    ("data.retries=-1", "data.retries"),
+    ("data.blend=[{dir: a, weight: 1}]", "data.blend: give either data.dir"),   # tiny-cpu.yaml has a data.dir
+    ("data.fetch_threads=0", "data.fetch_threads"),
 ])
 def test_bad_config_values_name_the_field(override, names):
     with pytest.raises(C.ConfigError, match=names.replace(".", r"\.")):

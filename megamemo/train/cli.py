@@ -20,7 +20,7 @@ from megamemo.config import ConfigError, RunConfig, load
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megamemo train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="run config YAML (see configs/)")
-    p.add_argument("--data", help="shard directory (sets data.dir)")
+    p.add_argument("--data", help="shard directory or s3://, gs://, https:// URL of one (sets data.dir)")
     p.add_argument("--run-dir", help="run directory: config, metrics, TensorBoard, checkpoints (train.run_dir)")
     p.add_argument("--max-steps", type=int, help="train.max_steps")
     p.add_argument("--save-every", type=int, help="checkpoint.save_every")

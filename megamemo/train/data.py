@@ -1,7 +1,8 @@
-"""The trainer's side of data_pipeline: checks of the shard directory before start-up, and readers.
+"""The trainer's side of data_pipeline: checks of the shard directories before start-up, and readers.
 
-Each data-parallel rank reads its own B/W contiguous columns with data_pipeline.StreamReader; its state
-(epoch, step) is the data cursor saved in every checkpoint.
+Each data-parallel rank reads its own B/W contiguous columns with data_pipeline.StreamReader (data.dir: a local
+directory or an s3:// gs:// https:// URL) or data_pipeline.blend.BlendReader (data.blend); its state is the data
+cursor saved in every checkpoint.
 """
 from __future__ import annotations
 
@@ -14,32 +15,87 @@ class DataError(ValueError):
     """A missing or unusable data directory; the message names it."""
 
 
-def _manifest(cfg: RunConfig) -> dict:
-    from data_pipeline import ManifestError, load_manifest
+def remote_options(cfg: RunConfig):
+    """How s3:// gs:// https:// shard directories are read (data.cache_dir, data.cache_size, data.retries, ...)."""
+    from data_pipeline.remote import RemoteOptions
 
-    if not cfg.data.dir:
+    d = cfg.data
+    return RemoteOptions(cache_dir=d.cache_dir, cache_size=d.cache_size, retries=d.retries,
+                         retry_backoff_s=d.retry_backoff_s, fetch_threads=d.fetch_threads,
+                         log=lambda m: print(m, flush=True))
+
+
+def _remote_manifest(cfg: RunConfig, url: str, field: str) -> dict:
+    from data_pipeline import ManifestError, ShardError
+    from data_pipeline.remote import RemoteShards
+
+    try:
+        remote = RemoteShards(url, remote_options(cfg))
+        try:                        # one listing: missing or wrong-sized objects named before the model is built
+            used = {cfg.data.split} | ({cfg.eval.split} if cfg.eval.every else set())
+            remote.check_listing([e for name, sp in remote.manifest["splits"].items() if name in used
+                                  for e in sp["shards"]])
+        finally:
+            remote.close()
+    except ShardError:
+        raise                       # names the object itself
+    except ManifestError as e:
+        raise DataError(f"{field}: {e}") from None
+    return remote.manifest
+
+
+def _sources(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(config field, directory or URL) of every data source: data.dir, or each data.blend entry."""
+    if cfg.data.blend:
+        return [(f"data.blend[{i}].dir", str(e["dir"])) for i, e in enumerate(cfg.data.blend)]
+    return [("data.dir", cfg.data.dir)]
+
+
+def _manifest_of(cfg: RunConfig, field: str, d: str) -> dict:
+    from data_pipeline import ManifestError, load_manifest
+    from data_pipeline.remote import is_remote
+
+    if not d:
         raise DataError("data.dir: no shard directory given (--data DIR or data.dir in the config)")
-    d = Path(cfg.data.dir)
-    if not d.is_dir():
-        raise DataError(f"data.dir: {d} does not exist (build it with `megamemo prepare CORPUS --raw PATH --out {d}`)")
+    if is_remote(d):
+        return _remote_manifest(cfg, d, field)
+    if not Path(d).is_dir():
+        raise DataError(f"{field}: {d} does not exist (build it with `megamemo prepare CORPUS --raw PATH --out {d}`)")
     try:
         return load_manifest(d)
     except ManifestError as e:
-        raise DataError(f"data.dir: {e}") from None
+        raise DataError(f"{field}: {e}") from None
+
+
+def _manifest(cfg: RunConfig) -> dict:
+    """The manifest of data.dir (of the first source of a blend)."""
+    return _manifest_of(cfg, *_sources(cfg)[0])
 
 
 def check_data_dir(cfg: RunConfig) -> dict:
-    """The manifest of data.dir after checking the splits and vocabulary the run needs."""
-    m = _manifest(cfg)
-    splits = [cfg.data.split] + ([cfg.eval.split] if cfg.eval.every else [])
-    for s in splits:
-        if s not in m["splits"]:
-            raise DataError(f"data.dir: {cfg.data.dir} has no split {s!r} (has {sorted(m['splits'])})")
-    v = int(m["vocab"]["size"])
-    if v > cfg.model.n_token:
-        raise DataError(f"model.n_token: {cfg.model.n_token} is smaller than the vocabulary of {cfg.data.dir} "
-                        f"({v} symbols)")
-    return m
+    """The manifest of data.dir (the first blend source) after checking the splits, vocabulary and, for a blend,
+    the one tokenizer that the run needs."""
+    from data_pipeline.blend import tokenizer_identity
+
+    first = None
+    for i, (field, d) in enumerate(_sources(cfg)):
+        m = _manifest_of(cfg, field, d)
+        splits = [cfg.data.split] + ([cfg.eval.split] if cfg.eval.every and i == 0 else [])
+        for s in splits:
+            if s not in m["splits"]:
+                raise DataError(f"{field}: {d} has no split {s!r} (has {sorted(m['splits'])})")
+        v = int(m["vocab"]["size"])
+        if v > cfg.model.n_token:
+            raise DataError(f"model.n_token: {cfg.model.n_token} is smaller than the vocabulary of {d} ({v} symbols)")
+        if first is None:
+            first = m
+            continue
+        a, b = tokenizer_identity(first), tokenizer_identity(m)
+        diff = [f"{k} {b[k]!r} vs {a[k]!r}" for k in a if a[k] != b[k]]
+        if diff:
+            raise DataError(f"{field}: {d} has another tokenizer than data.blend[0].dir ({', '.join(diff)}); the "
+                            f"sources of a blend must share one")
+    return first
 
 
 def unit_for(cfg: RunConfig) -> str:
@@ -64,15 +120,33 @@ def bytes_per_token(cfg: RunConfig) -> dict[str, float]:
             if isinstance(sp.get("n_bytes"), int) and sp["n_bytes"] > 0 and sp["n_tokens"] > 0}
 
 
-def open_reader(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, dp: int, dp_rank: int, *, train: bool):
+def stream(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, world_size: int, rank: int, *, roll: bool,
+           epochs: int | None, prefetch: int = 0, block_tokens: int = 1 << 20, mix_every: int = 0):
+    """The reader of a run's data: a StreamReader of data.dir, or for data.blend (training split) a
+    BlendReader. Evaluation of a blend reads the first source's split."""
     from data_pipeline import StreamReader
+    from data_pipeline.blend import BlendReader
+
+    if cfg.data.blend and split == cfg.data.split and epochs is None:
+        return BlendReader([(e["dir"], e["weight"]) for e in cfg.data.blend], split, batch_size, tgt_len,
+                           world_size, rank, seed=cfg.data.seed, mix_every=mix_every,
+                           log=lambda m: print(m, flush=True), remote_options=remote_options(cfg))
+    return StreamReader(_sources(cfg)[0][1], split, batch_size, tgt_len, world_size, rank, roll=roll,
+                        seed=cfg.data.seed, epochs=epochs, prefetch=prefetch, block_tokens=block_tokens,
+                        remote_options=remote_options(cfg))
+
+
+def open_reader(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, dp: int, dp_rank: int, *, train: bool):
+    from data_pipeline.blend import BlendError
 
     if batch_size % dp:
         where = "data.batch_size" if train else "eval.batch_size"
         raise DataError(f"{where}: {batch_size} streams do not split over {dp} data-parallel ranks")
     try:
-        return StreamReader(cfg.data.dir, split, batch_size, tgt_len, dp, dp_rank,
-                            roll=cfg.data.roll and train, seed=cfg.data.seed, epochs=None if train else 1,
-                            prefetch=cfg.data.prefetch if train else 0)
+        return stream(cfg, split, batch_size, tgt_len, dp, dp_rank, roll=cfg.data.roll and train,
+                      epochs=None if train else 1, prefetch=cfg.data.prefetch if train else 0,
+                      mix_every=10 * cfg.log.every if dp_rank == 0 else 0)
+    except BlendError as e:
+        raise DataError(f"data.blend: {e}") from None
     except ValueError as e:         # e.g. a split too short for the batch
         raise DataError(f"{'data' if train else 'eval'}.batch_size: {e}") from None

@@ -40,12 +40,11 @@ def _positions(cursor: dict, steps_per_epoch: int) -> tuple[list[tuple[int, int]
 
 
 def _reader(cfg, first_column: int, P: int):
-    from data_pipeline import StreamReader
+    from megamemo.train.data import stream
 
     B = cfg.data.batch_size
-    return StreamReader(cfg.data.dir, cfg.data.split, B, cfg.model.tgt_len, B // P, first_column // P,
-                        roll=cfg.data.roll, seed=cfg.data.seed, epochs=None, prefetch=0,
-                        block_tokens=max(SEGMENTS + 1, 4) * cfg.model.tgt_len * P)
+    return stream(cfg, cfg.data.split, B, cfg.model.tgt_len, B // P, first_column // P, roll=cfg.data.roll,
+                  epochs=None, block_tokens=max(SEGMENTS + 1, 4) * cfg.model.tgt_len * P)
 
 
 @torch.no_grad()

@@ -254,7 +254,9 @@ class DataCursor:
     def load_state_dict(self, d: dict) -> None:
         d = dict(d)
         mine = self.reader.state_dict()
-        if int(d["batch_size"]) != mine["batch_size"]:
+        if int(d["batch_size"]) != mine["batch_size"] and d.get("kind") == "blend":
+            d.update(batch_size=mine["batch_size"])     # a blend's columns do not depend on the batch: same step
+        elif int(d["batch_size"]) != mine["batch_size"]:
             n_step = int(d["n_tokens"]) // int(d["batch_size"])
             old = (n_step - 1 + int(d["tgt_len"]) - 1) // int(d["tgt_len"])
             step = int(d["step"]) * self.reader.steps_per_epoch // max(1, old)

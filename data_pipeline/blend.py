@@ -1,0 +1,241 @@
+"""BlendReader: batches whose columns draw whole units from several shard directories by weight.
+
+Every column c of the global batch is an endless stream of units. Unit j of column c comes from source s drawn
+with probability weight_s by ``numpy.random.default_rng([seed, c, j // 256])`` (256 draws at a time), and is the
+next unit of that source for this column: column c walks each source from its own seeded start, wrapping at the
+end. A unit is a document where the manifest records document boundaries and otherwise one chunk (the
+manifest's ``chunk_tokens`` tokens), so the memory stream of a column is contiguous within a unit. Today's
+manifests (format_version 1) record no documents, so blends draw chunks.
+
+The schedule is a pure function of (seed, column, unit), and the position is a single step counter: resume is
+exact, on any number of ranks (a rank builds only its own columns' schedules). Sources must share one tokenizer
+(the vocabulary's kind, size and sha256, and the tokenizer's kind and sha256 where recorded), else BlendError.
+The realized token mix (over all B columns, so every rank computes the same numbers) is logged every
+``mix_every`` steps by rank 0 and returned by ``token_mix()``.
+"""
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .remote import RemoteOptions
+from .shard_reader import SplitSource
+
+STATE_VERSION = 1
+DRAWS = 256                  # units drawn per generator (a column's schedule grows by this many at a time)
+ENDLESS = 1 << 62            # steps_per_epoch of a blend: one endless epoch
+
+
+class BlendError(ValueError):
+    """Sources that cannot be blended (another tokenizer, a bad weight); the message names the source."""
+
+
+def tokenizer_identity(manifest: dict) -> dict:
+    v, t = manifest["vocab"], manifest.get("tokenizer") or {}
+    return {"vocab.kind": v.get("kind"), "vocab.size": v.get("size"), "vocab.sha256": v.get("sha256"),
+            "tokenizer.kind": t.get("kind"), "tokenizer.sha256": t.get("sha256")}
+
+
+class _Schedule:
+    """One column's units: source, chunk index, first token (in the column's stream)."""
+
+    def __init__(self, column: int, seed: int, weights: np.ndarray, n_units: list[int], unit_len):
+        self.column, self.seed, self.weights, self.n_units, self.unit_len = column, seed, weights, n_units, unit_len
+        self.src: list[int] = []
+        self.unit: list[int] = []
+        self.starts = [0]
+        self.used = [0] * len(n_units)
+        self.first = [int(np.random.default_rng([seed, 7919, column, s]).integers(n)) for s, n in enumerate(n_units)]
+
+    def cover(self, token: int) -> None:
+        """Draw units until the stream reaches `token`."""
+        while self.starts[-1] <= token:
+            block = len(self.src) // DRAWS
+            rng = np.random.default_rng([self.seed, self.column, block])
+            for s in rng.choice(len(self.weights), size=DRAWS, p=self.weights):
+                s = int(s)
+                u = (self.first[s] + self.used[s]) % self.n_units[s]
+                self.used[s] += 1
+                self.src.append(s)
+                self.unit.append(u)
+                self.starts.append(self.starts[-1] + self.unit_len(s, u))
+
+    def find(self, token: int) -> int:
+        self.cover(token)
+        return bisect.bisect_right(self.starts, token) - 1
+
+    def tokens_by_source(self, stop: int, n_sources: int) -> np.ndarray:
+        """Tokens [0, stop) of this column, counted per source."""
+        out = np.zeros(n_sources, dtype=np.int64)
+        if stop <= 0:
+            return out
+        j = self.find(stop - 1)
+        lens = np.diff(self.starts[:j + 1])
+        np.add.at(out, np.asarray(self.src[:j], dtype=np.int64), lens)
+        out[self.src[j]] += stop - self.starts[j]
+        return out
+
+
+class BlendReader:
+    """Iterate over ``(input, target)`` int64 tensors [tgt_len, batch_size // world_size] drawn from a blend.
+
+    Args:
+        sources: [(dir or URL, weight), ...]; weights are normalised.
+        split, batch_size, tgt_len, world_size, rank: as StreamReader.
+        seed: seed of the schedule.
+        mix_every: rank 0 logs the realized token mix every this many steps (0: never).
+        remote_options: for s3:// gs:// https:// sources (data_pipeline.remote.RemoteOptions).
+    """
+
+    def __init__(self, sources: list[tuple[str | Path, float]], split: str, batch_size: int, tgt_len: int,
+                 world_size: int = 1, rank: int = 0, *, seed: int = 0, mix_every: int = 0, log=print,
+                 remote_options: RemoteOptions | None = None):
+        if not sources:
+            raise BlendError("a blend needs at least one source")
+        if batch_size < 1 or tgt_len < 1 or world_size < 1 or batch_size % world_size or not 0 <= rank < world_size:
+            raise ValueError(f"batch_size {batch_size} / tgt_len {tgt_len} / world_size {world_size} / rank {rank} "
+                             f"do not make a layout")
+        w = np.array([float(x) for _, x in sources])
+        for i, x in enumerate(w):
+            if not np.isfinite(x) or x <= 0:
+                raise BlendError(f"blend source {i} ({sources[i][0]}): weight {x} is not a positive number")
+        self.dirs = [str(d) for d, _ in sources]
+        self.weights = w / w.sum()
+        self.split, self.batch_size, self.tgt_len = split, batch_size, tgt_len
+        self.world_size, self.rank, self.seed = world_size, rank, int(seed)
+        self.local_batch = batch_size // world_size
+        self.col0 = rank * self.local_batch
+        self.mix_every, self.log = mix_every, log
+        self.sources: list[SplitSource] = []
+        try:
+            for d in self.dirs:
+                self.sources.append(SplitSource(d, split, remote_options=remote_options,
+                                                max_open=min(self.local_batch + 2, 256)))
+            ident = [tokenizer_identity(s.manifest) for s in self.sources]
+            for i in range(1, len(ident)):
+                diff = [k for k in ident[0] if ident[i][k] != ident[0][k]]
+                if diff:
+                    raise BlendError(f"blend source {i} ({self.dirs[i]}) has another tokenizer than source 0 "
+                                     f"({self.dirs[0]}): " + ", ".join(f"{k} {ident[i][k]!r} vs {ident[0][k]!r}"
+                                                                       for k in diff))
+        except BaseException:
+            self.close()
+            raise
+        self.manifest = self.sources[0].manifest
+        self.vocab_sha256 = self.manifest["vocab"].get("sha256", "")
+        self.n_tokens = sum(s.n_tokens for s in self.sources)
+        self.steps_per_epoch = ENDLESS
+        self.n_units = [-(-s.n_tokens // s.chunk_tokens) for s in self.sources]
+        self._schedules: dict[int, _Schedule] = {}
+        self.epoch, self.step = 0, 0
+
+    # ---- schedule ---------------------------------------------------------------------------------------
+    def _unit_len(self, s: int, u: int) -> int:
+        src = self.sources[s]
+        return min(src.chunk_tokens, src.n_tokens - u * src.chunk_tokens)
+
+    def schedule(self, column: int) -> _Schedule:
+        sch = self._schedules.get(column)
+        if sch is None:
+            sch = self._schedules[column] = _Schedule(column, self.seed, self.weights, self.n_units, self._unit_len)
+        return sch
+
+    def _read_column(self, column: int, start: int, stop: int, out: np.ndarray) -> None:
+        sch, pos, o = self.schedule(column), start, 0
+        while pos < stop:
+            j = sch.find(pos)
+            s, u = sch.src[j], sch.unit[j]
+            src = self.sources[s]
+            base = u * src.chunk_tokens - sch.starts[j]
+            end = min(stop, sch.starts[j + 1])
+            sch.cover(sch.starts[j + 1])            # read-ahead (remote sources): the column's next unit
+            nxt = self.sources[sch.src[j + 1]]
+            nxt.prefetch_at(sch.unit[j + 1] * nxt.chunk_tokens)
+            src.read(base + pos, base + end, out[o:o + end - pos], slot=column)
+            o += end - pos
+            pos = end
+
+    def get_batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if epoch != 0 or step < 0:
+            raise IndexError(f"a blend is one endless epoch: (epoch {epoch}, step {step}) does not exist")
+        i, m = step * self.tgt_len, self.tgt_len + 1
+        buf = np.empty((self.local_batch, m), dtype=np.int64)
+        for k in range(self.local_batch):
+            self._read_column(self.col0 + k, i, i + m, buf[k])
+        t = torch.from_numpy(np.ascontiguousarray(buf.T))
+        return t[:-1], t[1:]
+
+    def __iter__(self):
+        while True:
+            step = self.step
+            batch = self.get_batch(0, step)
+            if self.step != step:
+                raise RuntimeError("BlendReader: the state was reloaded while this iteration was running")
+            self.step = step + 1
+            if self.mix_every and self.rank == 0 and self.step % self.mix_every == 0:
+                self.log(self.mix_line())
+            yield batch
+
+    # ---- the realized mix -------------------------------------------------------------------------------
+    def token_mix(self, steps: int | None = None) -> np.ndarray:
+        """Fraction of the input tokens of steps [0, steps) (default: those handed out) from each source, over
+        all batch_size columns."""
+        stop = (self.step if steps is None else steps) * self.tgt_len
+        total = np.zeros(len(self.sources), dtype=np.int64)
+        for c in range(self.batch_size):
+            total += self.schedule(c).tokens_by_source(stop, len(self.sources))
+        return total / max(1, total.sum())
+
+    def mix_line(self) -> str:
+        mix = self.token_mix()
+        parts = ", ".join(f"{d} {m:.1%} (weight {w:.1%})" for d, m, w in zip(self.dirs, mix, self.weights))
+        return f"[data] blend token mix over steps 1-{self.step}: {parts}"
+
+    # ---- state ------------------------------------------------------------------------------------------
+    # a source is known by its size and weight, not its address: a blend may resume with a source moved (a local
+    # directory uploaded to s3://, say); "dirs" is recorded for people only
+    _IDENTITY = ("kind", "split", "batch_size", "tgt_len", "seed", "sources", "vocab_sha256")
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "kind": "blend", "epoch": 0, "step": self.step, "split": self.split,
+                "batch_size": self.batch_size, "tgt_len": self.tgt_len, "roll": False, "seed": self.seed,
+                "sources": [[s.n_tokens, float(w)] for s, w in zip(self.sources, self.weights)],
+                "dirs": list(self.dirs), "n_tokens": self.n_tokens,
+                "vocab_sha256": self.vocab_sha256, "world_size": self.world_size, "rank": self.rank}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"BlendReader.load_state_dict: state version {state.get('version')!r} is not "
+                             f"{STATE_VERSION}")
+        for k in self._IDENTITY:
+            theirs = state.get(k)
+            if k == "sources" and theirs is not None:
+                theirs = [[int(n), float(w)] for n, w in theirs]
+            if theirs != mine[k]:
+                raise ValueError(f"BlendReader.load_state_dict: field {k!r} is {theirs!r} in the saved state but "
+                                 f"{mine[k]!r} in this reader")
+        if int(state["epoch"]) != 0 or int(state["step"]) < 0:
+            raise ValueError(f"BlendReader.load_state_dict: position (epoch {state['epoch']}, step "
+                             f"{state['step']}) is not in a blend's one epoch")
+        self.step = int(state["step"])
+
+    def cache_info(self) -> dict:
+        out: dict = {}
+        for s in self.sources:
+            for k, v in s.cache_info().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

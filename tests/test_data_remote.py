@@ -1,0 +1,336 @@
+"""Shard directories on object storage, against a real S3-protocol server on loopback (moto's standalone server,
+started by a fixture; AWS_ENDPOINT_URL and dummy credentials in the environment): batches from s3:// equal the
+local directory's, the cache holds only verified shards under its size limit (least recently used evicted),
+damaged / missing / truncated objects are named with their chunk, a stopped server gives retries then a named
+error (reader and `megamemo train`), a 2-process training run from s3:// equals the local one across a kill -9,
+http:// reads like local, credentials in URLs are refused, and blends mix local and s3:// sources."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline import ShardError, StreamReader, build, corpora
+from data_pipeline.loopback_s3 import LoopbackS3, upload as upload_to
+from data_pipeline.remote import RemoteOptions, RemoteShards, StoreUnavailableError
+from fixture_data import ENWIK8
+
+BUCKET = "megamemo-test"
+
+
+def upload(local: Path, prefix: str, damage=None) -> str:
+    return upload_to(local, BUCKET, prefix, damage)
+
+
+@contextlib.contextmanager
+def serving():
+    """A loopback S3 server, with the AWS_* variables pointing at it; both undone at the end."""
+    server = LoopbackS3()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    with serving() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def local_shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("remote_src") / "enwik8"
+    build(corpora.enwik8(ENWIK8), out, chunk_tokens=4096, shard_bytes="16K", log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def remote_shards(s3_server, local_shards) -> str:
+    return upload(local_shards, "enwik8")
+
+
+def opts(tmp_path: Path, lines: list | None = None, **kw) -> RemoteOptions:
+    return RemoteOptions(cache_dir=str(tmp_path / "cache"), log=(lines.append if lines is not None else print), **kw)
+
+
+def batches(reader, limit=None):
+    out = []
+    for k, (x, y) in enumerate(reader):
+        if limit is not None and k >= limit:
+            break
+        out.append((x.clone(), y.clone()))
+    return out
+
+
+def test_s3_batches_equal_local_and_the_cache_holds_verified_shards(local_shards, remote_shards, tmp_path):
+    kw = dict(batch_size=6, tgt_len=700, roll=True, seed=3, epochs=2, prefetch=2)
+    expect = batches(StreamReader(local_shards, "train", **kw))
+    with StreamReader(remote_shards, "train", remote_options=opts(tmp_path), **kw) as r:
+        got = batches(r)
+        fetched = r.cache_info()["fetched_bytes"]
+    assert len(got) == len(expect) > 0
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expect))
+    entries = r.manifest["splits"]["train"]["shards"]
+    assert fetched == sum(e["bytes"] for e in entries)        # each shard fetched once, for both epochs
+    cached = sorted(p.name for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
+    assert cached == sorted(f"{e['sha256']}.tar" for e in entries)
+    for e in entries:                                           # named by content, and the content is the shard's
+        assert (tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar").read_bytes() == \
+            (local_shards / e["name"]).read_bytes()
+    assert not list((tmp_path / "cache").rglob("*.partial"))
+    with StreamReader(remote_shards, "train", remote_options=opts(tmp_path), **kw) as again:  # warm cache
+        assert len(batches(again, 5)) == 5 and again.cache_info()["fetched_bytes"] == 0
+
+
+def test_cache_limit_evicts_least_recently_used(local_shards, remote_shards, tmp_path):
+    store = RemoteShards(remote_shards, opts(tmp_path, cache_size=0))
+    entries = store.manifest["splits"]["train"]["shards"][:4]
+    store.close()
+    limit = entries[0]["bytes"] + entries[1]["bytes"] + entries[2]["bytes"]
+    store = RemoteShards(remote_shards, opts(tmp_path, cache_size=limit))
+    try:
+        path = lambda e: tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar"  # noqa: E731
+        for e in entries[:3]:
+            os.close(store.open(e, "test"))
+            time.sleep(0.01)
+        os.close(store.open(entries[0], "test"))           # used again: now the most recent
+        time.sleep(0.01)
+        os.close(store.open(entries[3], "test"))           # over the limit: entries[1], least recently used, goes
+        assert [path(e).exists() for e in entries] == [True, False, True, True]
+        total = sum(p.stat().st_size for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
+        assert total <= limit
+    finally:
+        store.close()
+
+
+def flip_a_byte(target: str):
+    def damage(name, data):
+        if name != target:
+            return data
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0xFF
+        return bytes(b)
+    return damage
+
+
+def test_damaged_missing_and_truncated_objects_are_named(local_shards, remote_shards, tmp_path):
+    import json
+    m = json.loads((local_shards / "manifest.json").read_text())
+    second = m["splits"]["train"]["shards"][1]
+    url = upload(local_shards, "corrupt", flip_a_byte(second["name"]))
+    reader = StreamReader(url, "train", batch_size=1, tgt_len=4096, remote_options=opts(tmp_path))
+    with pytest.raises(ShardError) as e:
+        batches(reader)
+    msg = str(e.value)
+    assert f"{url}/{second['name']}" in msg and "sha256" in msg and "does not match manifest.json" in msg
+    assert f"chunk at token offset {second['offset']}" in msg
+    assert "\n" not in msg
+    reader.close()
+    assert not (tmp_path / "cache" / "sha256" / f"{second['sha256']}.tar").exists()   # never used, never kept
+    assert not list((tmp_path / "cache").rglob("*.partial"))
+
+    url = upload(local_shards, "missing", lambda n, d: None if n == second["name"] else d)
+    with pytest.raises(ShardError, match=f"shard {url}/{second['name']}: missing"):
+        StreamReader(url, "train", batch_size=1, tgt_len=64, remote_options=opts(tmp_path))
+    url = upload(local_shards, "short", lambda n, d: d[:-700] if n == second["name"] else d)
+    with pytest.raises(ShardError, match=f"shard {url}/{second['name']}: the object is .* manifest.json says "
+                                         f"{second['bytes']} \\(truncated\\?\\)"):
+        StreamReader(url, "train", batch_size=1, tgt_len=64, remote_options=opts(tmp_path))
+
+
+def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path):
+    with serving() as server:        # its own server: stopping it must not disturb the other tests
+        url = upload(local_shards, "down")
+        lines: list[str] = []
+        reader = StreamReader(url, "train", batch_size=1, tgt_len=2048, block_tokens=2048,
+                              remote_options=opts(tmp_path, lines, retries=2, retry_backoff_s=0.01))
+        it = iter(reader)
+        next(it)                     # reading: the first shard is here, the read-ahead fetches the second
+        assert reader.source.remote._pending or len(list((tmp_path / "cache" / "sha256").glob("*.tar"))) <= 2
+        server.stop()
+        with pytest.raises(StoreUnavailableError) as e:
+            for _ in it:
+                pass
+        reader.close()
+    msg = str(e.value)
+    assert msg.startswith(f"object store unavailable: {url}/train-") and "chunk at token offset" in msg
+    assert "the store did not answer after 3 tries" in msg and "\n" not in msg
+    retries = [ln for ln in lines if "retry" in ln]
+    assert [ln.split("retry ")[1].split(" ")[0] for ln in retries][:2] == ["1/2", "2/2"]
+    assert all(ln.startswith(f"[data] {url}/train-") and "\n" not in ln for ln in retries)
+
+
+# ---- training from s3:// ---------------------------------------------------------------------------------------
+def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, remote_shards, tmp_path):
+    """`megamemo train` on 2 ranks from s3://bucket/prefix: the per-step losses of the local directory's run,
+    bit for bit, also when one rank is killed -9 mid-run and the job resumes from the remote directory."""
+    from test_train_runs import TINY, committed_steps, launch, logs, losses, run, wait, assert_no_corrupt_checkpoint
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    args = ["--max-steps", "20", "--save-every", "2", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    ref_dir, run_dir = tmp_path / "local", tmp_path / "s3"
+    run(2, cfg, local_shards, ref_dir, *args)
+
+    procs = launch(2, cfg, remote_shards, run_dir, *args)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= 7):
+        assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
+        time.sleep(0.02)
+    procs[1].send_signal(signal.SIGKILL)
+    assert wait(procs, 120)[1] == -signal.SIGKILL
+    resume_step = committed_steps(run_dir)[-1]
+    assert 2 <= resume_step < 20
+    run(2, cfg, remote_shards, run_dir, *args)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{resume_step:08d}'}" in logs(run_dir)
+    assert sorted(losses(run_dir)) == list(range(1, 21))
+    assert losses(run_dir) == losses(ref_dir)
+    assert_no_corrupt_checkpoint(run_dir)
+    assert "testing" not in (run_dir / "config.yaml").read_text()     # no credentials in what the run wrote
+
+
+def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_path):
+    """The server stops mid-run; a cache of one byte makes the next checkpoint's probe fetch again: retries, one
+    line each, then one error line naming the object and chunk, no traceback, the committed checkpoints intact."""
+    from test_train_runs import TINY, assert_no_corrupt_checkpoint, committed_steps, launch, logs, wait
+
+    with serving() as server:
+        url = upload(local_shards, "down-train")
+        cfg = tmp_path / "tiny.yaml"
+        cfg.write_text(TINY)
+        run_dir = tmp_path / "run"
+        procs = launch(1, cfg, url, run_dir, "--max-steps", "1000", "--save-every", "3", "--set",
+                       f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.cache_size=1B", "--set",
+                       "data.retries=2", "--set", "data.retry_backoff_s=0.05")
+        deadline = time.time() + 120
+        while not committed_steps(run_dir) if (run_dir / "checkpoints").exists() else True:
+            assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
+            time.sleep(0.05)
+        server.stop()
+        assert wait(procs, 120) == [2]
+    out = logs(run_dir)
+    assert "Traceback" not in out
+    errors = [ln for ln in out.splitlines() if ln.startswith("megamemo train: error:")]
+    assert len(errors) == 1 and f"object store unavailable: {url}/train-" in errors[0]
+    assert "chunk at token offset" in errors[0]
+    assert "the store did not answer after 3 tries" in errors[0]
+    assert len([ln for ln in out.splitlines() if ln.startswith(f"[data] {url}/") and "retry" in ln]) >= 2
+    assert committed_steps(run_dir)
+    assert_no_corrupt_checkpoint(run_dir)
+
+
+def test_blend_of_a_local_and_a_remote_source(local_shards, remote_shards, tmp_path):
+    """data.blend mixes local and s3:// sources: the same batches as the blend of the two local directories."""
+    from data_pipeline.blend import BlendReader
+
+    kw = dict(batch_size=4, tgt_len=512, seed=2)
+    local = BlendReader([(local_shards, 1), (local_shards, 3)], "train", **kw)
+    mixed = BlendReader([(local_shards, 1), (remote_shards, 3)], "train", remote_options=opts(tmp_path), **kw)
+    for k in range(60):
+        x, y = local.get_batch(0, k)
+        xm, ym = mixed.get_batch(0, k)
+        assert torch.equal(x, xm) and torch.equal(y, ym)
+    assert mixed.cache_info()["fetched_bytes"] > 0
+    assert abs(mixed.token_mix(60)[1] - 0.75) < 0.2
+    mixed.close()
+
+
+def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
+    """https:// and http:// go through fsspec's HTTP filesystem (no listing: sizes and sha256 checked on fetch);
+    here python's http.server on 127.0.0.1 serves the shard directory."""
+    import socket
+    import subprocess
+    import sys
+
+    from megamemo.train.dist import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port), "-d",
+                               str(local_shards.parent)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/{local_shards.name}"
+        deadline = time.time() + 20
+        while True:                     # until the server listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None
+                time.sleep(0.05)
+        with StreamReader(url, "train", 4, 512, remote_options=opts(tmp_path)) as r:
+            got = batches(r)
+    finally:
+        server.terminate()
+        server.wait(10)
+    expect = batches(StreamReader(local_shards, "train", 4, 512))
+    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect))
+
+
+def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
+    from data_pipeline import ManifestError
+
+    for url in ("s3://AKIAEXAMPLE:s3cr3t@bucket/prefix", "https://host/shards?X-Amz-Signature=s3cr3t"):
+        with pytest.raises(ManifestError, match="credentials in the URL") as e:
+            StreamReader(url, "train", 2, 8, remote_options=opts(tmp_path))
+        assert "s3cr3t" not in str(e.value) and "AKIAEXAMPLE" not in str(e.value)
+
+
+def test_train_names_a_missing_object_before_building_anything(local_shards, s3_server, tmp_path, capsys):
+    from megamemo.train.cli import main
+    from test_train_runs import TINY
+
+    url = upload(local_shards, "missing-cli", lambda n, d: None if n == "train-000002.tar" else d)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    assert main(["--config", str(cfg), "--data", url, "--run-dir", str(tmp_path / "run"),
+                 "--set", f"data.cache_dir={tmp_path / 'cache'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"megamemo train: error: shard {url}/train-000002.tar: missing (listed in manifest.json)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_blend_resumes_with_a_source_moved_to_s3(local_shards, remote_shards, tmp_path):
+    from data_pipeline.blend import BlendReader
+
+    kw = dict(batch_size=2, tgt_len=256, seed=4)
+    before = BlendReader([(local_shards, 2), (local_shards, 1)], "train", **kw)
+    want = [before.get_batch(0, k) for k in range(9, 14)]
+    state = dict(before.state_dict(), step=9)
+    after = BlendReader([(local_shards, 2), (remote_shards, 1)], "train", remote_options=opts(tmp_path), **kw)
+    after.load_state_dict(state)
+    it = iter(after)
+    for x, y in want:
+        xa, ya = next(it)
+        assert torch.equal(x, xa) and torch.equal(y, ya)
+    after.close()
+
+
+def test_training_on_a_blend_of_local_and_s3_logs_its_token_mix(local_shards, remote_shards, tmp_path):
+    from test_train_runs import TINY, launch, logs, losses, wait
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY.replace("data: {batch_size: 4, roll: true}",
+                                f"data: {{batch_size: 4, blend: [{{dir: {local_shards}, weight: 3}}, "
+                                f"{{dir: '{remote_shards}', weight: 1}}]}}"))
+    run_dir = tmp_path / "run"
+    procs = launch(1, cfg, "", run_dir, "--max-steps", "10",       # --data "": the blend, not a directory
+                   "--set", f"data.cache_dir={tmp_path / 'cache'}")
+    assert wait(procs, 120) == [0], logs(run_dir)[-3000:]
+    assert sorted(losses(run_dir)) == list(range(1, 11))
+    mix = [ln for ln in logs(run_dir).splitlines() if ln.startswith("[data] blend token mix")]
+    assert len(mix) == 1 and mix[0].startswith(f"[data] blend token mix over steps 1-10: {local_shards} ")
+    assert f"(weight 75.0%), {remote_shards} " in mix[0] and mix[0].endswith("(weight 25.0%)")
