@@ -1,0 +1,154 @@
+"""Calibration of megamemo/steptime.py's "cpu" device on this machine: one process's GEMM rate (one thread, fp32)
+by the narrowest dimension of the product, its optimizer's time per parameter, and gloo's all-reduce and p2p
+latency and bandwidth on loopback with 2 and 4 processes (the rehearsal's group sizes) on this machine's cores.
+
+    flock /tmp/megamemo-cpu.lock python bench/calibrate_cpu.py [--d-model 2048] [--repeat 3]
+
+GEMMs: [T, d] x [d, n] forward and its two backward products (x.grad, w.grad), the shapes of a layer's dense
+projections, for T (tokens per micro-batch) and n (a rank's share of a projection's width); the rate is the
+median of --repeat timings, tabulated by min(T, n). Collectives: the median time of all-reduce, all-gather (into a
+tensor, as DeepSpeed's ZeRO gathers parameters) and send/recv between two ranks of 4 KiB to 256 MiB fp32 tensors, fitted as latency + bytes / bandwidth (least squares) with
+the algorithm's factor 2 (n-1)/n on the bytes for the all-reduce. The figures printed are what steptime.CPU holds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megamemo.train.dist import free_port
+
+SIZES = [2 ** k for k in range(10, 25, 2)]        # fp32 elements: 4 KiB .. 64 MiB (and 256 MiB)
+
+
+def _median_time(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_rates(d: int, repeat: int) -> dict[int, float]:
+    """min(T, n) -> FLOP/s of a forward + backward dense projection (3 products of 2 T d n FLOPs)."""
+    torch.set_num_threads(1)
+    by_width: dict[int, list[float]] = {}
+    for t in (32, 64, 128, 256, 512, 1024):
+        for n in (128, 256, 512, 1024, 2048, 4096):
+            x, w, g = torch.randn(t, d), torch.randn(d, n), torch.randn(t, n)
+
+            def step():
+                x @ w
+                g @ w.T
+                x.T @ g
+            s = _median_time(step, repeat)
+            by_width.setdefault(min(t, n), []).append(3 * 2 * t * d * n / s)
+    return {w: statistics.median(r) for w, r in sorted(by_width.items())}
+
+
+def optimizer_seconds_per_param(repeat: int) -> float:
+    """torch.optim.Adam's step (what DeepSpeed drives here) over 16 M fp32 parameters, per parameter."""
+    torch.set_num_threads(1)
+    p = torch.nn.Parameter(torch.randn(16 * 2 ** 20))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.Adam([p], lr=1e-4)
+    return _median_time(opt.step, repeat) / p.numel()
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of seconds = a + bytes / bw -> (latency a, bandwidth bw)."""
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(s for _, s in points) / n
+    slope = sum((b - mx) * (s - my) for b, s in points) / sum((b - mx) ** 2 for b, _ in points)
+    return max(my - slope * mx, 0.0), 1 / slope
+
+
+def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ar, ag, p2p = [], [], []
+    for n in SIZES + [2 ** 26]:
+        t = torch.ones(n)
+        dist.barrier()
+        s = _median_time(lambda: dist.all_reduce(t), repeat)
+        ar.append((2 * (world - 1) / world * 4 * n, s))
+        shard, full = torch.ones(n // world), torch.empty(n // world * world)
+        dist.barrier()
+        s = _median_time(lambda: dist.all_gather_into_tensor(full, shard), repeat)
+        ag.append(((world - 1) / world * 4 * n, s))
+        if world == 2:
+            def pingpong():
+                if rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+            dist.barrier()
+            p2p.append((4 * n, _median_time(pingpong, repeat) / 2))
+    if rank == 0:
+        out[world] = {"allreduce": _fit(ar), "allreduce_points": ar, "allgather": _fit(ag), "allgather_points": ag,
+                      "p2p": _fit(p2p) if p2p else None}
+    dist.destroy_process_group()
+
+
+def first_touch_and_memory_rates() -> tuple[float, float]:
+    """(bytes/s filling a new 1 GiB tensor, bytes/s filling it again), one thread, median of 3."""
+    torch.set_num_threads(1)
+    n = 2 ** 28
+    reused = torch.empty(n)
+    reused.fill_(0.0)
+
+    def fresh():
+        torch.empty(n).fill_(1.0)
+    return 4 * n / _median_time(fresh, 3), 4 * n / _median_time(lambda: reused.fill_(1.0), 3)
+
+
+def calibrate(d_model: int = 2048, repeat: int = 3, log=print) -> dict:
+    """Measure everything and return the calibration (steptime.CPU_CALIBRATION's form)."""
+    log(f"cores: {os.cpu_count()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
+        f"load average {os.getloadavg()[0]:.2f}")
+    rates = gemm_rates(d_model, repeat)
+    log("GEMM rate (one thread, fp32, fwd+bwd of [T, d] x [d, n]) by min(T, n): "
+        + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in rates.items()) + " GFLOP/s")
+    opt = optimizer_seconds_per_param(repeat)
+    fresh, mem = first_touch_and_memory_rates()
+    log(f"Adam step: {opt * 1e9:.2f} ns per parameter; fill of fresh pages {fresh / 1e9:.2f} GB/s, of reused "
+        f"memory {mem / 1e9:.2f} GB/s")
+    comm = mp.Manager().dict()
+    for world in (2, 4):
+        mp.start_processes(_worker, args=(world, free_port(), repeat, comm), nprocs=world, join=True,
+                           start_method="spawn")
+        for op, counted in (("allreduce", "2 (n-1)/n"), ("allgather", "(n-1)/n of the gathered tensor")):
+            lat, bw = comm[world][op]
+            log(f"gloo {op}, {world} processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s (bytes "
+                f"counted {counted}); " + ", ".join(f"{b / 2 ** 20:.3g} MiB {s * 1e3:.1f} ms"
+                                                   for b, s in comm[world][op + "_points"]))
+    lat, bw = comm[2]["p2p"]
+    log(f"gloo send/recv, 2 processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s")
+    return {"gemm": {w: round(r / 1e9, 1) for w, r in rates.items()}, "adam_ns": round(opt * 1e9, 2),
+            "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
+            "allgather": {w: comm[w]["allgather"] for w in (2, 4)}, "p2p": comm[2]["p2p"],
+            "fresh_page_gbs": round(fresh / 1e9, 2), "mem_gbs": round(mem / 1e9, 2), "cores": os.cpu_count()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    print(json.dumps(calibrate(args.d_model, args.repeat)))
+
+
+if __name__ == "__main__":
+    main()
