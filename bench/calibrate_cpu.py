@@ -6,7 +6,9 @@ latency and bandwidth on loopback with 2 and 4 processes (the rehearsal's group 
 
 GEMMs: [T, d] x [d, n] forward and its two backward products (x.grad, w.grad), the shapes of a layer's dense
 projections, for T (tokens per micro-batch) and n (a rank's share of a projection's width); the rate is the
-median of --repeat timings, tabulated by min(T, n). Collectives: the median time of all-reduce, all-gather (into a
+median of --repeat timings, tabulated by min(T, n), in one process and in --ranks processes at once (their
+ratio is how much slower a rank computes while the others compute too: the cores and memory bus are shared,
+with whatever else runs on the machine). Collectives: the median time of all-reduce, all-gather (into a
 tensor, as DeepSpeed's ZeRO gathers parameters) and send/recv between two ranks of 4 KiB to 256 MiB fp32 tensors, fitted as latency + bytes / bandwidth (least squares) with
 the algorithm's factor 2 (n-1)/n on the bytes for the all-reduce. The figures printed are what steptime.CPU holds.
 """
@@ -37,12 +39,15 @@ def _median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def gemm_rates(d: int, repeat: int) -> dict[int, float]:
-    """min(T, n) -> FLOP/s of a forward + backward dense projection (3 products of 2 T d n FLOPs)."""
+def gemm_rates(d: int, repeat: int, widths=None) -> dict[int, float]:
+    """min(T, n) -> FLOP/s of a forward + backward dense projection (3 products of 2 T d n FLOPs); `widths`: only
+    the shapes whose min(T, n) is one of them."""
     torch.set_num_threads(1)
     by_width: dict[int, list[float]] = {}
     for t in (32, 64, 128, 256, 512, 1024):
         for n in (128, 256, 512, 1024, 2048, 4096):
+            if widths and min(t, n) not in widths:
+                continue
             x, w, g = torch.randn(t, d), torch.randn(d, n), torch.randn(t, n)
 
             def step():
@@ -52,6 +57,18 @@ def gemm_rates(d: int, repeat: int) -> dict[int, float]:
             s = _median_time(step, repeat)
             by_width.setdefault(min(t, n), []).append(3 * 2 * t * d * n / s)
     return {w: statistics.median(r) for w, r in sorted(by_width.items())}
+
+
+def _gemm_worker(rank: int, d: int, repeat: int, widths, out: dict):
+    out[rank] = gemm_rates(d, repeat, widths)
+
+
+def concurrent_gemm_rates(procs: int, d: int, repeat: int, widths=None) -> dict[int, float]:
+    """The same table measured in `procs` processes at once (the ranks of a run share the cores and the memory
+    bus): each width's median over the processes of their per-process rate."""
+    out = mp.Manager().dict()
+    mp.start_processes(_gemm_worker, args=(d, repeat, widths, out), nprocs=procs, join=True, start_method="spawn")
+    return {w: statistics.median(out[r][w] for r in range(procs)) for w in out[0]}
 
 
 def optimizer_seconds_per_param(repeat: int) -> float:
@@ -114,13 +131,16 @@ def first_touch_and_memory_rates() -> tuple[float, float]:
     return 4 * n / _median_time(fresh, 3), 4 * n / _median_time(lambda: reused.fill_(1.0), 3)
 
 
-def calibrate(d_model: int = 2048, repeat: int = 3, log=print) -> dict:
+def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, log=print) -> dict:
     """Measure everything and return the calibration (steptime.CPU_CALIBRATION's form)."""
     log(f"cores: {os.cpu_count()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
         f"load average {os.getloadavg()[0]:.2f}")
     rates = gemm_rates(d_model, repeat)
     log("GEMM rate (one thread, fp32, fwd+bwd of [T, d] x [d, n]) by min(T, n): "
         + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in rates.items()) + " GFLOP/s")
+    shared = concurrent_gemm_rates(ranks, d_model, repeat)
+    log(f"the same in {ranks} processes at once, per process: "
+        + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in shared.items()) + " GFLOP/s")
     opt = optimizer_seconds_per_param(repeat)
     fresh, mem = first_touch_and_memory_rates()
     log(f"Adam step: {opt * 1e9:.2f} ns per parameter; fill of fresh pages {fresh / 1e9:.2f} GB/s, of reused "
@@ -136,7 +156,8 @@ def calibrate(d_model: int = 2048, repeat: int = 3, log=print) -> dict:
                                                    for b, s in comm[world][op + "_points"]))
     lat, bw = comm[2]["p2p"]
     log(f"gloo send/recv, 2 processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s")
-    return {"gemm": {w: round(r / 1e9, 1) for w, r in rates.items()}, "adam_ns": round(opt * 1e9, 2),
+    return {"gemm": {w: round(r / 1e9, 1) for w, r in rates.items()}, "ranks": ranks,
+            "gemm_shared": {w: round(r / 1e9, 1) for w, r in shared.items()}, "adam_ns": round(opt * 1e9, 2),
             "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
             "allgather": {w: comm[w]["allgather"] for w in (2, 4)}, "p2p": comm[2]["p2p"],
             "fresh_page_gbs": round(fresh / 1e9, 2), "mem_gbs": round(mem / 1e9, 2), "cores": os.cpu_count()}
@@ -146,8 +167,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=4, help="processes of the runs to predict (GEMMs measured so)")
     args = ap.parse_args()
-    print(json.dumps(calibrate(args.d_model, args.repeat)))
+    print(json.dumps(calibrate(args.d_model, args.repeat, args.ranks)))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 (configs/rehearsal-1.3b-width.yaml, real width) on 4 local CPU processes under TP2xPP2, TP2xDP2, PP4, DP4 and TP4
 (each with the micro-batch `megamemo plan` picks: the largest that fits, at least pp micro-batches), a few steps
 each; the measured step is the median of the intervals between steady-state steps (from step 3: the first fills
-the memory). The CPU is calibrated right before the runs (bench/calibrate_cpu.py), since the machine is shared and
-its speed moves with the other jobs; --table uses steptime.CPU_CALIBRATION instead. Target: every layout within
-+-25% and the same ranking.
+the memory). The CPU is calibrated right before the runs (bench/calibrate_cpu.py), and the GEMM rate at each
+layout's width again, alone and in 4 processes at once, right before its run: the machine is shared and its
+speed moves with the other jobs by several times within minutes. --table predicts with steptime.CPU_CALIBRATION
+instead (no measurement). Target: every layout within +-25% and the same ranking.
 
     flock /tmp/megamemo-cpu.lock python bench/plan_vs_step.py [--steps 6] [--out runs/plan_vs_step] [--reuse]
 """
@@ -45,7 +46,7 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
 def main() -> int:
     from megamemo.config import load
     from megamemo.plan import plan
-    from megamemo.steptime import CPU_CALIBRATION, cpu_device, explain, step_time
+    from megamemo.steptime import CPU_CALIBRATION, cpu_device, explain, gemm_width, step_time
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "rehearsal-1.3b-width.yaml"))
@@ -68,17 +69,28 @@ def main() -> int:
         cal = calibrate()
         cal_path.parent.mkdir(parents=True, exist_ok=True)
         cal_path.write_text(json.dumps(cal))
-    dev = cpu_device(cal)
     world, rows = 4, []
     for name in args.layouts.split(","):
         tp, pp, ga = LAYOUTS[name]
         cfg = load(args.config, [f"parallel.tp={tp}", f"parallel.pp={pp}", f"train.grad_accum={ga}"])
         fits = all(plan(cfg, world, args.host_mem_gib / world, s, "cpu").fits for s in range(pp))
-        st = step_time(cfg, world, dev, world, plan)
+        now = dict(cal, gemm={int(w): r for w, r in cal["gemm"].items()},
+                   gemm_shared={int(w): r for w, r in cal["gemm_shared"].items()})
+        if not (args.table or args.reuse):
+            from calibrate_cpu import concurrent_gemm_rates, gemm_rates
+            width = gemm_width(cfg.model, tp, cfg.layout(world)[1])
+            now["gemm"][width] = gemm_rates(2048, 3, {width})[width] / 1e9
+            now["gemm_shared"][width] = concurrent_gemm_rates(world, 2048, 3, {width})[width] / 1e9
+            print(f"[{name}] GEMM width {width}: {now['gemm'][width]:.1f} GFLOP/s alone, "
+                  f"{now['gemm_shared'][width]:.1f} in {world} processes at once", flush=True)
+            (Path(args.out) / f"{name}.calibration.json").write_text(json.dumps(now))
+        elif args.reuse and (Path(args.out) / f"{name}.calibration.json").exists():
+            now = json.loads((Path(args.out) / f"{name}.calibration.json").read_text())
+        st = step_time(cfg, world, cpu_device(now), world, plan)
         measured, gaps, load_avg = run_layout(args, name, tp, pp, ga)
         rows.append((name, st, measured, gaps, load_avg, fits))
         if args.explain:
-            print("\n".join(explain(st, dev)))
+            print("\n".join(explain(st, cpu_device(now))), flush=True)
     print(f"{'layout':<8}{'layout (micro x accum)':<42}{'predicted s':>12}{'measured s':>11}{'pred/meas':>10}"
           f"{'tok/s pred':>11}{'tok/s meas':>11}  {'dominant':<12}load avg    steps (s)")
     worst = 0.0

@@ -11,8 +11,9 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 backward; bench/comm.py) + TP_EXTRA_ALLREDUCES for the vocab-parallel embedding and cross-entropy,
                 each latency + 2 (tp-1)/tp bytes / bandwidth, on the critical path.
   pp_bubble     1F1B over p stages and m = grad_accum micro-batches: the step takes (m + p - 1) micro-batch slots,
-                p - 1 of them idle: the bubble (p-1)/(m+p-1). On a CPU whose ranks outnumber its cores, an idle
-                stage gives its core to the others: the step is max((m+p-1) t, m t ranks/cores).
+                p - 1 of them idle: the bubble (p-1)/(m+p-1). On a CPU whose ranks share its cores, a rank
+                computes `share` times slower while all compute (Device.contention, measured) and an idle stage's
+                core serves the others: the step is max((m+p-1) t_alone, m t_shared).
   pp_p2p        per micro-batch slot, the activations and memory rows forward and their gradient back.
   dp_comm       the gradient reduction over dp: DeepSpeed's ZeRO 0/1/2 all-reduce whole buckets (stage_1_and_2.py,
                 use_multi_rank_bucket_allreduce), 2 (dp-1)/dp bytes, once per step at the accumulation boundary
@@ -76,7 +77,16 @@ class Device:
     p2p: tuple | None = None    # measured (latency s, bytes/s) of a send; else link
     optimizer_s_per_param: float | None = None      # measured; else ADAM_BYTES_PER_PARAM / mem_bw
     first_touch_bw: float | None = None             # bytes/s of faulting fresh pages in (CPU)
-    cores: int | None = None    # CPU: ranks on a node share these cores
+    contention: tuple = ()      # CPU: ((width, rate alone / rate with `ranks` busy), ...) measured
+    ranks: int = 1              # CPU: the processes the contention was measured with
+
+    def share(self, width: float, ranks: int) -> float:
+        """How many times slower a rank computes while all `ranks` on its node do (1: a device of its own)."""
+        if not self.contention:
+            return 1.0
+        pts = self.contention
+        ratio = min(pts, key=lambda p: abs(math.log2(p[0] / width)))[1]
+        return max(1.0, ratio * ranks / self.ranks)
 
     def eff(self, width: float) -> float:
         pts = self.efficiency
@@ -125,7 +135,7 @@ CPU_CALIBRATION = {
     "p2p": (1.07e-3, 2.46e9),
     "fresh_page_gbs": 2.2,                            # allocate and fill
     "mem_gbs": 10.5,                                  # a fill of a reused 1 GiB tensor
-    "cores": 2,
+    "ranks": 4, "gemm_shared": {32: 21.2, 64: 35.1, 128: 38.0, 256: 40.8, 512: 34.3, 1024: 39.3},
 }
 
 
@@ -134,13 +144,15 @@ def cpu_device(cal: dict) -> Device:
     gemm = sorted((int(w), float(r) * 1e9) for w, r in cal["gemm"].items())
     peak = max(r for _, r in gemm)
     ar = {int(k): tuple(v) for k, v in cal["allreduce"].items()}
+    shared = {int(w): float(r) * 1e9 for w, r in cal["gemm_shared"].items()}
     return Device("cpu", {"fp32": peak}, tuple((w, r / peak) for w, r in gemm), mem_bw=cal["mem_gbs"] * 1e9,
                   link=(ar[2][1],) * 2, latency=(ar[2][0],) * 2,
                   source="measured on this machine by bench/calibrate_cpu.py (one thread per process; peak = the "
                          "fastest measured GEMM rate, so MFU is against that, not a datasheet)",
                   allreduce=ar, allgather={int(k): tuple(v) for k, v in cal["allgather"].items()},
                   p2p=tuple(cal["p2p"]), optimizer_s_per_param=cal["adam_ns"] * 1e-9,
-                  first_touch_bw=cal["fresh_page_gbs"] * 1e9, cores=cal["cores"])
+                  first_touch_bw=cal["fresh_page_gbs"] * 1e9,
+                  contention=tuple((w, r / shared[w]) for w, r in gemm), ranks=cal["ranks"])
 
 
 CPU = cpu_device(CPU_CALIBRATION)
@@ -222,9 +234,9 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         raise ValueError(f"precision.dtype: {kind} has no {dtype} figure (has {', '.join(dev.peak)})")
     peak = dev.peak[dtype]
     pbytes = 2 if dtype in ("bf16", "fp16") else 4
-    share = max(1.0, gpus_per_node / dev.cores) if dev.cores else 1.0
-    per_layer, rest = layer_and_rest_flops(m, micro)
     width = gemm_width(m, tp, micro)
+    share = dev.share(width, gpus_per_node)   # CPU ranks sharing cores: each runs `share` times slower
+    per_layer, rest = layer_and_rest_flops(m, micro)
     eff = dev.eff(width)
     rows = m.tgt_len + (m.mem_len if m.lamemo else 0)
     act_bytes = rows * micro * m.d_model * pbytes
@@ -243,8 +255,10 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         if compute + elementwise + tp_comm > slot:
             slot, stage_terms = compute + elementwise + tp_comm, (compute, elementwise, tp_comm, s)
     compute, elementwise, tp_comm, worst = stage_terms
-    busy = (compute + elementwise) * ga * share          # what the rank's own work takes with its core share
-    piped = (ga + pp - 1) * (compute + elementwise)      # 1F1B's critical path at full speed
+    compute, elementwise = compute * share, elementwise * share    # with every rank of the node busy
+    busy = (compute + elementwise) * ga
+    # 1F1B's critical path, a stage alone at full speed (an idle stage's core serves the others)
+    piped = (ga + pp - 1) * (compute / share + elementwise / share)
     bubble = max(0.0, piped - busy) if pp > 1 else 0.0
     if pp > 1:
         # stage boundaries: a pipeline group spans nodes once tp x dp fills a node
@@ -270,11 +284,11 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     if dev.first_touch_bw:
         first_touch = (grad_bytes + (4 * owned if zero >= 1 else 0)) / dev.first_touch_bw * share
     hides = 0.0     # what ZeRO 1/2's overlap_comm would hide: all buckets but the last, behind the last backward
-    if zero in (1, 2) and pp == 1 and dp > 1 and not dev.cores:
+    if zero in (1, 2) and pp == 1 and dp > 1 and not dev.contention:
         backward = 2 / 3 * compute                       # the last micro-batch's backward
         exposed = max(per_reduction / buckets, per_reduction - backward)
         hides = dp_comm - exposed * (ga if zero == 2 else 1)
-    terms = {"compute": compute * ga * share, "elementwise": elementwise * ga * share,
+    terms = {"compute": compute * ga, "elementwise": elementwise * ga,
              "tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),
              "pp_p2p": p2p, "dp_comm": dp_comm, "zero_gather": zero_gather, "optimizer": optimizer,
              "first_touch": first_touch}

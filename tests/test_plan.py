@@ -235,15 +235,18 @@ def test_recommends_lamemo_7b_without_a_pipeline_on_8x8_a100():
     assert "pp=64 > 32 layers" == reasons["tp=1 pp=64 dp=1 zero=0"]
 
 
-def test_recommends_a_pipeline_only_when_nothing_else_fits():
-    """1.3 B in fp32 on 2 x 16 GiB devices: only a layout that splits the model fits; a single device fails on
-    memory, with the figure."""
+def test_recommends_only_layouts_that_fit_fastest_first():
+    """1.3 B in fp32 on 16 GiB devices: on 2 nothing fits (a single device fails on memory, with the figure); on 4
+    only layouts that split the model over all 4 fit, ranked by predicted tokens/s (issue 25: no longer every
+    layout without a pipeline first, whatever its speed)."""
     from megamemo.plan import plan as plan_fn
     from megamemo.recommend import recommend
     cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["precision.dtype=fp32", "eval.every=0"])
     fits, fails = recommend(cfg, 1, 2, 16, "gpu", "v100-16g", plan_fn)
     reasons = dict(fails)
     assert "needs" in reasons["tp=1 pp=1 dp=2 zero=2"] and "GiB" in reasons["tp=1 pp=1 dp=2 zero=2"]
-    assert all("dp=2" not in f[3] or "zero=2" in f[3] for f in fits)
-    piped = [f[1] > 1 for f in fits]
-    assert piped == sorted(piped)                    # every layout without a pipeline first
+    assert fits == []
+    fits, _ = recommend(cfg, 1, 4, 16, "gpu", "v100-16g", plan_fn)
+    assert fits and all(" dp=1 " in f.desc and f.plan.fits for f in fits)
+    speeds = [f.step.tokens_per_s for f in fits]
+    assert speeds == sorted(speeds, reverse=True)

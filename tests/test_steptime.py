@@ -105,9 +105,11 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1():
 
 
 def test_cpu_ranks_sharing_cores_hide_the_bubble():
-    """Two stages on one core: each rank's work takes twice as long, and the idle stage's core serves the other:
-    the step is max((m+p-1) t, m t x 2) = 8 t for m = 4, no bubble."""
-    shared = Device("shared", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test", cores=1)
+    """Two stages that compute half as fast while both do (measured contention 2 at 2 ranks, one core's worth):
+    each rank's work takes twice as long, and the idle stage's core serves the other: the step is
+    max((m+p-1) t, m t x 2) = 8 t for m = 4, no bubble."""
+    shared = Device("shared", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test",
+                    contention=((16, 2.0), (64, 2.0)), ranks=2)
     cfg = rpe("parallel.tp=1", "parallel.pp=2", "parallel.zero_stage=0", "train.grad_accum=4")
     alone, both = step_time(cfg, 2, TOY, 2, plan), step_time(cfg, 2, shared, 2, plan)
     assert both.terms["compute"] == pytest.approx(2 * alone.terms["compute"])
