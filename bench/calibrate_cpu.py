@@ -1,6 +1,7 @@
 """Calibration of megamemo/steptime.py's "cpu" device on this machine: one process's GEMM rate (one thread, fp32)
-by the narrowest dimension of the product, its optimizer's time per parameter, and gloo's all-reduce and p2p
-latency and bandwidth on loopback with 2 and 4 processes (the rehearsal's group sizes) on this machine's cores.
+by the narrowest dimension of the product (alone and with the run's other ranks computing), its optimizer's time
+per parameter, a layer's host overhead, fresh-page and memory fill rates, and gloo's all-reduce, all-gather and
+p2p latency and bandwidth on loopback with 2 and 4 processes (the rehearsal's group sizes).
 
     flock /tmp/megamemo-cpu.lock python bench/calibrate_cpu.py [--d-model 2048] [--repeat 3]
 
@@ -9,8 +10,9 @@ projections, for T (tokens per micro-batch) and n (a rank's share of a projectio
 median of --repeat timings, tabulated by min(T, n), in one process and in --ranks processes at once (their
 ratio is how much slower a rank computes while the others compute too: the cores and memory bus are shared,
 with whatever else runs on the machine). Collectives: the median time of all-reduce, all-gather (into a
-tensor, as DeepSpeed's ZeRO gathers parameters) and send/recv between two ranks of 4 KiB to 256 MiB fp32 tensors, fitted as latency + bytes / bandwidth (least squares) with
-the algorithm's factor 2 (n-1)/n on the bytes for the all-reduce. The figures printed are what steptime.CPU holds.
+tensor, as DeepSpeed's ZeRO gathers parameters) and send/recv between two ranks of 4 KiB to 256 MiB fp32 tensors,
+fitted as latency + bytes / bandwidth (least squares) with the algorithm's factor 2 (n-1)/n on the bytes for the
+all-reduce. The JSON line printed last is steptime.CPU_CALIBRATION's form.
 """
 from __future__ import annotations
 
@@ -119,6 +121,27 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
     dist.destroy_process_group()
 
 
+def layer_overhead_seconds(repeat: int) -> float:
+    """Host time of one LaMemo layer's forward + backward whatever its size: a tiny model (d_model 16, one stream)
+    with 6 and with 2 layers, the difference over 4 (the embedding and loss cancel)."""
+    from megamemo.model import MemTransformerLM, ModelConfig
+
+    torch.set_num_threads(1)
+    times = {}
+    for n in (2, 6):
+        cfg = ModelConfig(variant="lamemo", n_token=16, n_layer=n, d_model=16, n_head=2, d_head=8, d_inner=32,
+                          dropout=0.0, tgt_len=32, mem_len=32)
+        model = MemTransformerLM(cfg).train()
+        x = torch.randint(0, 16, (32, 1))
+        _, mem = model(x, x)
+
+        def step():
+            nll, _ = model(x, x, mem)
+            nll.mean().backward()
+        times[n] = _median_time(step, max(repeat, 5))
+    return (times[6] - times[2]) / 4
+
+
 def first_touch_and_memory_rates() -> tuple[float, float]:
     """(bytes/s filling a new 1 GiB tensor, bytes/s filling it again), one thread, median of 3."""
     torch.set_num_threads(1)
@@ -143,6 +166,8 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, log=print) -
         + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in shared.items()) + " GFLOP/s")
     opt = optimizer_seconds_per_param(repeat)
     fresh, mem = first_touch_and_memory_rates()
+    overhead = layer_overhead_seconds(repeat)
+    log(f"a layer's forward + backward at d_model 16 (host overhead): {overhead * 1e3:.2f} ms")
     log(f"Adam step: {opt * 1e9:.2f} ns per parameter; fill of fresh pages {fresh / 1e9:.2f} GB/s, of reused "
         f"memory {mem / 1e9:.2f} GB/s")
     comm = mp.Manager().dict()
@@ -160,7 +185,7 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, log=print) -
             "gemm_shared": {w: round(r / 1e9, 1) for w, r in shared.items()}, "adam_ns": round(opt * 1e9, 2),
             "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
             "allgather": {w: comm[w]["allgather"] for w in (2, 4)}, "p2p": comm[2]["p2p"],
-            "fresh_page_gbs": round(fresh / 1e9, 2), "mem_gbs": round(mem / 1e9, 2), "cores": os.cpu_count()}
+            "fresh_page_gbs": round(fresh / 1e9, 2), "layer_overhead_ms": round(overhead * 1e3, 3), "mem_gbs": round(mem / 1e9, 2), "cores": os.cpu_count()}
 
 
 def main() -> None:

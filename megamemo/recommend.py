@@ -1,9 +1,9 @@
 """`megamemo plan` without --tp/--pp: the layouts (tp, pp, dp, ZeRO stage, micro-batch) that fit a cluster, best
 first by predicted tokens/s per device (megamemo/steptime.py: compute at the GEMM width the layout leaves, TP
 all-reduces, the pipeline bubble and sends, DP gradient reduction, ZeRO's gather, the optimizer), and why every
-other layout fails. Each layout takes the largest micro-batch that fits (at least pp micro-batches under a
-pipeline). nearest() finds the layout that runs closest to one that does not, and the smallest cluster of the same
-node shape that runs anything.
+other layout fails. Each layout takes the micro-batch size, of those that fit, with the most predicted tokens/s
+(at least pp micro-batches under a pipeline). nearest() finds the layout that runs closest to one that does not,
+smallest_cluster() the fewest nodes of the same shape that run anything.
 """
 from __future__ import annotations
 
@@ -76,21 +76,24 @@ def recommend(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan
                                             train=dataclasses.replace(cfg.train, grad_accum=ga))
                     plans = [plan_fn(c, world, gib, s, device) for s in range(pp)]
                     worst = max(plans, key=lambda q: q.total)
-                    if all(q.fits for q in plans):
-                        best = (c, ga, worst)
-                        break
-                    smallest = worst
+                    if not all(q.fits for q in plans):
+                        smallest = worst
+                        continue
+                    # of the micro-batch sizes that fit, the fastest: wider GEMMs against (under a pipeline)
+                    # a smaller bubble
+                    st = step_time(c, world, kind, gpn, plan_fn)
+                    if best is None or st.tokens_per_s > best[3].tokens_per_s:
+                        best = (c, ga, worst, st)
                 if smallest is None and best is None:
                     fails.append((desc, f"fewer micro-batches than pp={pp} stages"))
                     continue
                 if best is None:
-                    fails.append((desc, f"needs {smallest.total / 2 ** 30:.1f} GiB on a rank of stage "
-                                        f"{smallest.stage} even at micro-batch {cfg.data.batch_size // dp // ga} "
+                    fails.append((desc, f"needs {worst.total / 2 ** 30:.1f} GiB on a rank of stage "
+                                        f"{worst.stage} even at micro-batch {cfg.data.batch_size // dp // ga} "
                                         f"(of {worst.capacity / 2 ** 30:.0f})"))
                     continue
-                c, ga, worst = best
+                c, ga, worst, st = best
                 micro = cfg.data.batch_size // (dp * ga)
-                st = step_time(c, world, kind, gpn, plan_fn)
                 note = (f" (eval.batch_size: a multiple of {dp})"
                         if cfg.eval.every and cfg.eval.batch_size % dp else "")
                 fits.append(Fit(st.seconds, pp, worst.total, f"{desc} micro_batch={micro} x grad_accum={ga}{note}",

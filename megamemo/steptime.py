@@ -14,7 +14,10 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 p - 1 of them idle: the bubble (p-1)/(m+p-1). On a CPU whose ranks share its cores, a rank
                 computes `share` times slower while all compute (Device.contention, measured) and an idle stage's
                 core serves the others: the step is max((m+p-1) t_alone, m t_shared).
-  pp_p2p        per micro-batch slot, the activations and memory rows forward and their gradient back.
+  pp_p2p        per micro-batch slot, the activations and memory rows forward and their gradient back; and
+                DeepSpeed's all-reduce of the tied embedding's gradient between the first and last stage.
+  overhead      host time per layer and micro-batch (kernel launches, autograd, python): Device.layer_overhead,
+                exposed on a GPU only where it exceeds the layer's kernels, added on a CPU.
   dp_comm       the gradient reduction over dp: DeepSpeed's ZeRO 0/1/2 all-reduce whole buckets (stage_1_and_2.py,
                 use_multi_rank_bucket_allreduce), 2 (dp-1)/dp bytes, once per step at the accumulation boundary
                 (ZeRO 2: every micro-batch). DeepSpeed overlaps it with the backward pass, bucket by bucket
@@ -60,6 +63,9 @@ ZERO_STEP_BYTES_OWNED, GRAD_AVERAGE_BYTES = 28, 8
 # 39 TFLOP/s = 30% of V100 peak end to end for a 1.2 B model (hidden 1536) on one GPU. The points below 1024 are
 # an ASSUMPTION shaped like the guide's curves, not a measurement: a GEMM 256 wide keeps about half the SMs' tiles
 # busy; 128 (a head's width) a quarter.
+# ASSUMPTION: a LaMemo layer's forward + backward launches ~100 kernels (unfused attention with its shifts, norms,
+# dropout, activations) at ~5 us each: a micro-batch whose layer computes in less is launch-bound
+GPU_LAYER_OVERHEAD = 0.5e-3
 GPU_EFFICIENCY = ((64, 0.12), (128, 0.25), (256, 0.42), (512, 0.58), (1024, 0.68), (2048, 0.75), (4096, 0.8))
 
 
@@ -77,6 +83,8 @@ class Device:
     p2p: tuple | None = None    # measured (latency s, bytes/s) of a send; else link
     optimizer_s_per_param: float | None = None      # measured; else ADAM_BYTES_PER_PARAM / mem_bw
     first_touch_bw: float | None = None             # bytes/s of faulting fresh pages in (CPU)
+    layer_overhead: float = 0.0     # host time a layer's forward + backward takes whatever its size (launches,
+                                    # autograd, python): GPU hides it behind longer kernels, a CPU adds it
     contention: tuple = ()      # CPU: ((width, rate alone / rate with `ranks` busy), ...) measured
     ranks: int = 1              # CPU: the processes the contention was measured with
 
@@ -121,7 +129,8 @@ def _gpu(kind, row, mem_bw, link, note):
                   tuple(x * 1e9 for x in link), (15e-6, 30e-6),
                   f"{row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "
                   f"(inside / between nodes: {note}); GEMM efficiency by width: GPU_EFFICIENCY (published anchors, "
-                  f"assumed shape); NCCL latency 15 / 30 us (assumed)")
+                  f"assumed shape); NCCL latency 15 / 30 us, {GPU_LAYER_OVERHEAD * 1e3:g} ms of launches a layer "
+                  f"(assumed)", layer_overhead=GPU_LAYER_OVERHEAD)
 
 
 # CPU: measured on this machine (2 cores, AVX512, torch 2.13, one thread per process, fp32) by
@@ -152,7 +161,8 @@ def cpu_device(cal: dict) -> Device:
                   allreduce=ar, allgather={int(k): tuple(v) for k, v in cal["allgather"].items()},
                   p2p=tuple(cal["p2p"]), optimizer_s_per_param=cal["adam_ns"] * 1e-9,
                   first_touch_bw=cal["fresh_page_gbs"] * 1e9,
-                  contention=tuple((w, r / shared[w]) for w, r in gemm), ranks=cal["ranks"])
+                  contention=tuple((w, r / shared[w]) for w, r in gemm), ranks=cal["ranks"],
+                  layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3)
 
 
 CPU = cpu_device(CPU_CALIBRATION)
@@ -252,20 +262,25 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         elementwise = ELEMENTWISE_PASSES * plans[s].activations / in_flight / dev.mem_bw
         n_ar = 4 * layers + (TP_EXTRA_ALLREDUCES if s in (0, pp - 1) else 0)
         tp_comm = n_ar * dev.collective(tp, act_bytes, False)
-        if compute + elementwise + tp_comm > slot:
-            slot, stage_terms = compute + elementwise + tp_comm, (compute, elementwise, tp_comm, s)
-    compute, elementwise, tp_comm, worst = stage_terms
-    compute, elementwise = compute * share, elementwise * share    # with every rank of the node busy
-    busy = (compute + elementwise) * ga
+        host = layers * dev.layer_overhead
+        # a GPU runs the launches ahead of its kernels (exposed only beyond them); a CPU core does both
+        overhead = host if dev.contention else max(0.0, host - compute - elementwise)
+        if compute + elementwise + overhead + tp_comm > slot:
+            slot = compute + elementwise + overhead + tp_comm
+            stage_terms = (compute, elementwise, overhead, tp_comm, s)
+    compute, elementwise, overhead, tp_comm, worst = stage_terms
+    work = (compute + elementwise + overhead) * share    # with every rank of the node busy
+    busy = work * ga
     # 1F1B's critical path, a stage alone at full speed (an idle stage's core serves the others)
-    piped = (ga + pp - 1) * (compute / share + elementwise / share)
+    piped = (ga + pp - 1) * work / share
     bubble = max(0.0, piped - busy) if pp > 1 else 0.0
+    p2p = tied = 0.0
     if pp > 1:
         # stage boundaries: a pipeline group spans nodes once tp x dp fills a node
-        p2p = 2 * (ga + pp - 1) * dev.send(2 * (m.tgt_len + m.mem_len) * micro * m.d_model * pbytes / 2,
-                                           tp * dp >= gpus_per_node and world > gpus_per_node)
-    else:
-        p2p = 0.0
+        spans = tp * dp >= gpus_per_node and world > gpus_per_node
+        p2p = 2 * (ga + pp - 1) * dev.send(2 * (m.tgt_len + m.mem_len) * micro * m.d_model * pbytes / 2, spans)
+        if m.tie_weight:   # DeepSpeed's ReduceTiedGrads: the table's gradient between the first and last stage
+            tied = dev.collective(2, m.n_token * m.embed_dim / tp * pbytes, spans)
 
     # data parallelism: gradient all-reduce, ZeRO's parameter all-gather, the optimizer
     params = plans[worst].params / pbytes                # the rank's parameters (elements)
@@ -288,9 +303,10 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         backward = 2 / 3 * compute                       # the last micro-batch's backward
         exposed = max(per_reduction / buckets, per_reduction - backward)
         hides = dp_comm - exposed * (ga if zero == 2 else 1)
-    terms = {"compute": compute * ga, "elementwise": elementwise * ga,
+    terms = {"compute": compute * share * ga, "elementwise": elementwise * share * ga,
+             "overhead": overhead * share * ga,
              "tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),
-             "pp_p2p": p2p, "dp_comm": dp_comm, "zero_gather": zero_gather, "optimizer": optimizer,
+             "pp_p2p": p2p + tied, "dp_comm": dp_comm, "zero_gather": zero_gather, "optimizer": optimizer,
              "first_touch": first_touch}
     return StepTime(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={ga}", terms,
                     cfg.data.batch_size * m.tgt_len, world, step_flops(m, cfg.data.batch_size), peak, width, eff,
