@@ -276,8 +276,8 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     bubble = max(0.0, piped - busy) if pp > 1 else 0.0
     p2p = tied = 0.0
     if pp > 1:
-        # stage boundaries: a pipeline group spans nodes once tp x dp fills a node
-        spans = tp * dp >= gpus_per_node and world > gpus_per_node
+        # stage boundaries: on more than one node, some boundary on the critical path is between nodes
+        spans = world > gpus_per_node
         p2p = 2 * (ga + pp - 1) * dev.send(2 * (m.tgt_len + m.mem_len) * micro * m.d_model * pbytes / 2, spans)
         if m.tie_weight:   # DeepSpeed's ReduceTiedGrads: the table's gradient between the first and last stage
             tied = dev.collective(2, m.n_token * m.embed_dim / tp * pbytes, spans)
