@@ -7,9 +7,9 @@ p2p latency and bandwidth on loopback with 2 and 4 processes (the rehearsal's gr
 
 GEMMs: [T, d] x [d, n] forward and its two backward products (x.grad, w.grad), the shapes of a layer's dense
 projections, for T (tokens per micro-batch) and n (a rank's share of a projection's width); the rate is the
-median of --repeat timings, tabulated by min(T, n), in one process and in --ranks processes at once (their
-ratio is how much slower a rank computes while the others compute too: the cores and memory bus are shared,
-with whatever else runs on the machine). Collectives: the median time of all-reduce, all-gather (into a
+median of --repeat timings through 8 different weights (no weight stays in cache), tabulated by min(T, n); with
+--concurrent also in --ranks processes at once (their ratio: how much slower a rank computes while the others
+compute too; without it steptime takes ranks / cores). Collectives: the median time of all-reduce, all-gather (into a
 tensor, as DeepSpeed's ZeRO gathers parameters) and send/recv between two ranks of 4 KiB to 256 MiB fp32 tensors,
 fitted as latency + bytes / bandwidth (least squares) with the algorithm's factor 2 (n-1)/n on the bytes for the
 all-reduce. The JSON line printed last is steptime.CPU_CALIBRATION's form.
@@ -41,23 +41,26 @@ def _median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def gemm_rates(d: int, repeat: int, widths=None) -> dict[int, float]:
-    """min(T, n) -> FLOP/s of a forward + backward dense projection (3 products of 2 T d n FLOPs); `widths`: only
-    the shapes whose min(T, n) is one of them."""
+def gemm_rates(d: int, repeat: int, widths=None, layers: int = 8) -> dict[int, float]:
+    """min(T, n) -> FLOP/s of a forward + backward dense projection (3 products of 2 T d n FLOPs) through `layers`
+    different weights in turn (a model's weights do not stay in cache between layers: this machine's L3 is 32 MiB,
+    one [2048, 4096] fp32 weight is 32 MiB); `widths`: only the shapes whose min(T, n) is one of them."""
     torch.set_num_threads(1)
     by_width: dict[int, list[float]] = {}
     for t in (32, 64, 128, 256, 512, 1024):
         for n in (128, 256, 512, 1024, 2048, 4096):
             if widths and min(t, n) not in widths:
                 continue
-            x, w, g = torch.randn(t, d), torch.randn(d, n), torch.randn(t, n)
+            ws = [torch.randn(d, n) for _ in range(layers)]
+            x, g = torch.randn(t, d), torch.randn(t, n)
 
             def step():
-                x @ w
-                g @ w.T
-                x.T @ g
+                for w in ws:
+                    x @ w
+                    g @ w.T
+                    x.T @ g
             s = _median_time(step, repeat)
-            by_width.setdefault(min(t, n), []).append(3 * 2 * t * d * n / s)
+            by_width.setdefault(min(t, n), []).append(3 * 2 * t * d * n * layers / s)
     return {w: statistics.median(r) for w, r in sorted(by_width.items())}
 
 
@@ -154,16 +157,17 @@ def first_touch_and_memory_rates() -> tuple[float, float]:
     return 4 * n / _median_time(fresh, 3), 4 * n / _median_time(lambda: reused.fill_(1.0), 3)
 
 
-def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, log=print) -> dict:
+def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: bool = False, log=print) -> dict:
     """Measure everything and return the calibration (steptime.CPU_CALIBRATION's form)."""
     log(f"cores: {os.cpu_count()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
         f"load average {os.getloadavg()[0]:.2f}")
     rates = gemm_rates(d_model, repeat)
     log("GEMM rate (one thread, fp32, fwd+bwd of [T, d] x [d, n]) by min(T, n): "
         + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in rates.items()) + " GFLOP/s")
-    shared = concurrent_gemm_rates(ranks, d_model, repeat)
-    log(f"the same in {ranks} processes at once, per process: "
-        + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in shared.items()) + " GFLOP/s")
+    shared = concurrent_gemm_rates(ranks, d_model, repeat) if concurrent else {}
+    if shared:
+        log(f"the same in {ranks} processes at once, per process: "
+            + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in shared.items()) + " GFLOP/s")
     opt = optimizer_seconds_per_param(repeat)
     fresh, mem = first_touch_and_memory_rates()
     overhead = layer_overhead_seconds(repeat)
@@ -181,20 +185,26 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, log=print) -
                                                    for b, s in comm[world][op + "_points"]))
     lat, bw = comm[2]["p2p"]
     log(f"gloo send/recv, 2 processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s")
-    return {"gemm": {w: round(r / 1e9, 1) for w, r in rates.items()}, "ranks": ranks,
-            "gemm_shared": {w: round(r / 1e9, 1) for w, r in shared.items()}, "adam_ns": round(opt * 1e9, 2),
-            "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
-            "allgather": {w: comm[w]["allgather"] for w in (2, 4)}, "p2p": comm[2]["p2p"],
-            "fresh_page_gbs": round(fresh / 1e9, 2), "layer_overhead_ms": round(overhead * 1e3, 3), "mem_gbs": round(mem / 1e9, 2), "cores": os.cpu_count()}
+    out = {"gemm": {w: round(r / 1e9, 1) for w, r in rates.items()}, "ranks": ranks, "cores": os.cpu_count(),
+           "adam_ns": round(opt * 1e9, 2), "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
+           "allgather": {w: comm[w]["allgather"] for w in (2, 4)}, "p2p": comm[2]["p2p"],
+           "fresh_page_gbs": round(fresh / 1e9, 2), "layer_overhead_ms": round(overhead * 1e3, 3),
+           "mem_gbs": round(mem / 1e9, 2)}
+    if shared:
+        out["gemm_shared"] = {w: round(r / 1e9, 1) for w, r in shared.items()}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--ranks", type=int, default=4, help="processes of the runs to predict (GEMMs measured so)")
+    ap.add_argument("--ranks", type=int, default=4, help="processes of the runs to predict")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="also measure the GEMMs in --ranks processes at once (the contention steptime then uses "
+                         "instead of ranks / cores)")
     args = ap.parse_args()
-    print(json.dumps(calibrate(args.d_model, args.repeat, args.ranks)))
+    print(json.dumps(calibrate(args.d_model, args.repeat, args.ranks, args.concurrent)))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 (each with the micro-batch `megamemo plan` picks: the largest that fits, at least pp micro-batches), a few steps
 each; the measured step is the median of the intervals between steady-state steps (from step 3: the first fills
 the memory). The CPU is calibrated right before the runs (bench/calibrate_cpu.py), and the GEMM rate at each
-layout's width again, alone and in 4 processes at once, right before its run: the machine is shared and its
-speed moves with the other jobs by several times within minutes. --table predicts with steptime.CPU_CALIBRATION
+layout's width again right before its run: the machine is shared and its speed moves with the other jobs by
+up to 2x within minutes. --table predicts with steptime.CPU_CALIBRATION
 instead (no measurement). Target: every layout within +-25% and the same ranking.
 
     flock /tmp/megamemo-cpu.lock python bench/plan_vs_step.py [--steps 6] [--out runs/plan_vs_step] [--reuse]
@@ -74,15 +74,12 @@ def main() -> int:
         tp, pp, ga = LAYOUTS[name]
         cfg = load(args.config, [f"parallel.tp={tp}", f"parallel.pp={pp}", f"train.grad_accum={ga}"])
         fits = all(plan(cfg, world, args.host_mem_gib / world, s, "cpu").fits for s in range(pp))
-        now = dict(cal, gemm={int(w): r for w, r in cal["gemm"].items()},
-                   gemm_shared={int(w): r for w, r in cal["gemm_shared"].items()})
+        now = dict(cal, gemm={int(w): r for w, r in cal["gemm"].items()})
         if not (args.table or args.reuse):
-            from calibrate_cpu import concurrent_gemm_rates, gemm_rates
+            from calibrate_cpu import gemm_rates
             width = gemm_width(cfg.model, tp, cfg.layout(world)[1])
-            now["gemm"][width] = gemm_rates(2048, 3, {width})[width] / 1e9
-            now["gemm_shared"][width] = concurrent_gemm_rates(world, 2048, 3, {width})[width] / 1e9
-            print(f"[{name}] GEMM width {width}: {now['gemm'][width]:.1f} GFLOP/s alone, "
-                  f"{now['gemm_shared'][width]:.1f} in {world} processes at once", flush=True)
+            now["gemm"][width] = round(gemm_rates(2048, 3, {width})[width] / 1e9, 1)
+            print(f"[{name}] GEMM width {width}: {now['gemm'][width]:.1f} GFLOP/s now", flush=True)
             (Path(args.out) / f"{name}.calibration.json").write_text(json.dumps(now))
         elif args.reuse and (Path(args.out) / f"{name}.calibration.json").exists():
             now = json.loads((Path(args.out) / f"{name}.calibration.json").read_text())

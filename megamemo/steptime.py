@@ -144,7 +144,7 @@ CPU_CALIBRATION = {
     "p2p": (1.07e-3, 2.46e9),
     "fresh_page_gbs": 2.2,                            # allocate and fill
     "mem_gbs": 10.5,                                  # a fill of a reused 1 GiB tensor
-    "ranks": 4, "gemm_shared": {32: 21.2, 64: 35.1, 128: 38.0, 256: 40.8, 512: 34.3, 1024: 39.3},
+    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.22,
 }
 
 
@@ -153,7 +153,9 @@ def cpu_device(cal: dict) -> Device:
     gemm = sorted((int(w), float(r) * 1e9) for w, r in cal["gemm"].items())
     peak = max(r for _, r in gemm)
     ar = {int(k): tuple(v) for k, v in cal["allreduce"].items()}
-    shared = {int(w): float(r) * 1e9 for w, r in cal["gemm_shared"].items()}
+    # how much slower a rank computes while all `ranks` do: measured (--concurrent), else ranks / cores
+    shared = {int(w): float(r) * 1e9 for w, r in cal.get("gemm_shared", {}).items()}
+    nominal = cal["ranks"] / cal["cores"]
     return Device("cpu", {"fp32": peak}, tuple((w, r / peak) for w, r in gemm), mem_bw=cal["mem_gbs"] * 1e9,
                   link=(ar[2][1],) * 2, latency=(ar[2][0],) * 2,
                   source="measured on this machine by bench/calibrate_cpu.py (one thread per process; peak = the "
@@ -161,7 +163,8 @@ def cpu_device(cal: dict) -> Device:
                   allreduce=ar, allgather={int(k): tuple(v) for k, v in cal["allgather"].items()},
                   p2p=tuple(cal["p2p"]), optimizer_s_per_param=cal["adam_ns"] * 1e-9,
                   first_touch_bw=cal["fresh_page_gbs"] * 1e9,
-                  contention=tuple((w, r / shared[w]) for w, r in gemm), ranks=cal["ranks"],
+                  contention=tuple((w, r / shared[w] if w in shared else nominal) for w, r in gemm),
+                  ranks=cal["ranks"],
                   layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3)
 
 
