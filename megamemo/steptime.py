@@ -57,12 +57,12 @@ ZERO_STEP_BYTES_OWNED, GRAD_AVERAGE_BYTES = 28, 8
 
 # Dense-GEMM efficiency (fraction of the datasheet tensor-core peak) by the narrowest dimension of the GEMM.
 # Anchors: cuBLAS large GEMMs reach ~80% of peak on V100 fp16 and A100 bf16 (NVIDIA Deep Learning Performance
-# Guide, "Matrix Multiplication Background": throughput falls as a dimension shrinks below ~1-2k, tile
-# quantization); Narayanan et al. 2021 (Megatron-LM, SC'21) Table 1: 44-52% of A100 peak end to end (GEMMs,
-# elementwise work, communication and bubble together) at hidden 2304-25600; Shoeybi et al. 2019 (Megatron-LM):
-# 39 TFLOP/s = 30% of V100 peak end to end for a 1.2 B model (hidden 1536) on one GPU. The points below 1024 are
-# an ASSUMPTION shaped like the guide's curves, not a measurement: a GEMM 256 wide keeps about half the SMs' tiles
-# busy; 128 (a head's width) a quarter.
+# Guide, "Matrix Multiplication Background": throughput falls as a dimension shrinks, tile and wave
+# quantization); end to end (GEMMs, elementwise work, communication and bubble together) Narayanan et al. 2021
+# (Megatron-LM, SC'21) Table 1 sustain 44-52% of A100 peak at hidden 2304-25600, and the Megatron-LM v1.0 release
+# note (NVIDIA ADLR, 2020) 62.4 TFLOP/s = 48% of a DGX-2H V100's peak on a 1.2 B model (hidden 1536; 30% in
+# Shoeybi et al. 2019). The points below 1024 are an ASSUMPTION shaped like the guide's curves, not a
+# measurement: a GEMM 256 wide keeps about half the SMs' tiles busy, 128 (one head's width) a quarter.
 # ASSUMPTION: a LaMemo layer's forward + backward launches ~100 kernels (unfused attention with its shifts, norms,
 # dropout, activations) at ~5 us each: a micro-batch whose layer computes in less is launch-bound
 GPU_LAYER_OVERHEAD = 0.5e-3

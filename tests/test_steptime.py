@@ -219,3 +219,13 @@ def test_a_layout_that_does_not_fit_in_memory_names_the_nearest_that_does(capsys
                  "--set", "train.grad_accum=8"]) == 1
     line = one_line_error(capsys)
     assert "needs 24.1 GiB" in line and "nearest layout that fits: tp=1 pp=1 dp=8 zero=1" in line
+
+
+def test_cpu_row_shares_its_cores_between_the_ranks():
+    """The measured CPU row: 4 ranks on 2 cores compute 2x slower than one alone (ranks / cores, no concurrent
+    measurement), 2 ranks not slower; its efficiency table is the measured rates over the fastest."""
+    from megamemo.steptime import CPU, CPU_CALIBRATION
+    assert CPU.share(128, 4) == 2.0 and CPU.share(128, 2) == 1.0
+    fastest = max(CPU_CALIBRATION["gemm"].values())
+    assert CPU.peak["fp32"] == fastest * 1e9
+    assert CPU.eff(128) == pytest.approx(CPU_CALIBRATION["gemm"][128] / fastest)
