@@ -245,11 +245,10 @@ def main(argv: list[str]) -> int:
                 raise
             cfg, why = None, str(e).removeprefix("parallel: ")
         if why:
-            fits, _ = rec.recommend(base, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan)
-            near = rec.nearest(fits, args.tp or base.parallel.tp, args.pp or base.parallel.pp)
-            print(f"megamemo plan: tp={args.tp or base.parallel.tp} pp={args.pp or base.parallel.pp} cannot run on "
-                  f"{cluster}: {why}; " + (f"nearest layout that runs: {rec.describe(near)}" if near
-                                           else "no layout fits this cluster"), file=sys.stderr)
+            tp, pp = args.tp or base.parallel.tp, args.pp or base.parallel.pp
+            print(f"megamemo plan: tp={tp} pp={pp} cannot run on {cluster}: {why}; "
+                  + rec.nearest_words(base, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan, tp, pp,
+                                      "runs"), file=sys.stderr)
             return 2
         plans = stage_plans(cfg, world, gib, args.device)
     except (ConfigError, ValueError) as e:
@@ -293,11 +292,10 @@ def main(argv: list[str]) -> int:
         print(f"   predicted step {st.seconds * 1e3:.1f} ms: {st.tokens_per_s_per_device:,.1f} tokens/s per device, "
               f"MFU {st.mfu:.1%}, dominant: {st.dominant} ({kind}; megamemo/steptime.py)")
     if not ok and given:
-        all_fits, _ = rec.recommend(cfg, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan)
-        near = rec.nearest(all_fits, cfg.parallel.tp, cfg.parallel.pp)
-        print("megamemo plan: " + p.layout + f" needs {top.total / GiB:.1f} GiB on a rank of stage {top.stage} (of "
-              f"{p.capacity / GiB:.1f}); " + (f"nearest layout that fits: {rec.describe(near)}" if near
-                                              else "no layout fits this cluster"), file=sys.stderr)
+        print(f"megamemo plan: {p.layout} needs {top.total / GiB:.1f} GiB on a rank of stage {top.stage} (of "
+              f"{p.capacity / GiB:.1f}); " + rec.nearest_words(cfg, args.nodes, args.gpus_per_node, gib, args.device,
+                                                            args.gpu, plan, cfg.parallel.tp, cfg.parallel.pp, "fits"),
+              file=sys.stderr)
     if args.explain:
         show = fits[0].step if fits and not given else (st if runs else None)
         if show is not None:

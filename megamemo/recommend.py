@@ -112,6 +112,12 @@ def nearest(fits: list[Fit], tp: int, pp: int) -> Fit | None:
     return min(fits, key=lambda f: (_distance(f.desc, tp, pp), -f.step.tokens_per_s), default=None)
 
 
+def nearest_words(cfg, nodes, gpn, gib, device, gpu, plan_fn, tp: int, pp: int, verb: str) -> str:
+    """'nearest layout that <verb>: ...' for a layout near tp x pp that fits this cluster, or why there is none."""
+    near = nearest(recommend(cfg, nodes, gpn, gib, device, gpu, plan_fn)[0], tp, pp)
+    return f"nearest layout that {verb}: {describe(near)}" if near else "no layout fits this cluster"
+
+
 def smallest_cluster(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan_fn, limit: int = 1024):
     """(nodes, best Fit) of the fewest nodes of this shape (doubling, up to `limit` devices) that run anything."""
     n = nodes * 2
