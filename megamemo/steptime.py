@@ -26,9 +26,9 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 engine (ReduceGrads after the last backward): exposed. `overlap_hides` says what it would hide.
   zero_gather   ZeRO 1/2's extra collective: the updated parameters all-gathered after the optimizer step.
   optimizer     Adam over the rank's partition (ZeRO 1/2: 1/dp of its parameters), and DeepSpeed's passes around
-                it at memory bandwidth (ZERO_STEP_BYTES_OWNED, GRAD_AVERAGE_BYTES).
-  first_touch   CPU only: the gradients (and ZeRO's flat fp32 partition) are new allocations every step, above
-                glibc's mmap threshold, so their pages are faulted in again (measured rate).
+                it at memory bandwidth (ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
+  first_touch   CPU only: the gradients (ZeRO's flat fp32 partition, the flattened all-reduce bucket) are new
+                allocations every step, above glibc's mmap threshold, so their pages are faulted in again.
 Pipeline-stage and DP communication between nodes use the inter-node link when the group spans nodes (TP groups
 stay inside a node: recommend.why_not).
 
@@ -52,8 +52,10 @@ DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size / allgather
 ADAM_BYTES_PER_PARAM = 36   # GPU Adam: grad read, fp32 master, m, v read + written, model copy written (fused)
 # DeepSpeed's optimizer step around Adam, per parameter the rank owns (fp32): the gradient flattened into the
 # partition (read + write), its norm (read), clipping (read + write), the updated master copied to the weights
-# (read + write); and per parameter it holds, the gradient averaged over dp (read + write)
-ZERO_STEP_BYTES_OWNED, GRAD_AVERAGE_BYTES = 28, 8
+# (read + write); and under dp > 1, per parameter it holds (stage_1_and_2.py's reduction): the gradient copied
+# into the reduction bucket, averaged, flattened for the all-reduce (a fresh tensor) and copied back (read + write
+# each)
+ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES = 28, 32
 
 # Dense-GEMM efficiency (fraction of the datasheet tensor-core peak) by the narrowest dimension of the GEMM.
 # Anchors: cuBLAS large GEMMs reach ~80% of peak on V100 fp16 and A100 bf16 (NVIDIA Deep Learning Performance
@@ -296,11 +298,12 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     owned = params / (dp if zero >= 1 else 1)
     opt_s = dev.optimizer_s_per_param or ADAM_BYTES_PER_PARAM / dev.mem_bw
     bookkeeping = ((ZERO_STEP_BYTES_OWNED * owned if zero >= 1 else 0)
-                   + (GRAD_AVERAGE_BYTES * params if dp > 1 else 0)) / dev.mem_bw
+                   + (DP_REDUCE_BYTES * params if dp > 1 else 0)) / dev.mem_bw
     optimizer = (owned * opt_s + bookkeeping) * share
     first_touch = 0.0
     if dev.first_touch_bw:
-        first_touch = (grad_bytes + (4 * owned if zero >= 1 else 0)) / dev.first_touch_bw * share
+        fresh = grad_bytes + (4 * owned if zero >= 1 else 0) + (grad_bytes if dp > 1 else 0)   # + the flat copy
+        first_touch = fresh / dev.first_touch_bw * share
     hides = 0.0     # what ZeRO 1/2's overlap_comm would hide: all buckets but the last, behind the last backward
     if zero in (1, 2) and pp == 1 and dp > 1 and not dev.contention:
         backward = 2 / 3 * compute                       # the last micro-batch's backward
