@@ -37,10 +37,16 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
         with open(f"{run}.log", "w") as log:
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                            stderr=subprocess.STDOUT)
+    loads = Path(f"{run}.load.json")
+    if args.reuse and loads.exists():
+        before, after = json.loads(loads.read_text())
+    else:
+        after = os.getloadavg()
+        loads.write_text(json.dumps([before, after]))
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     times = [r["time"] for r in recs if r.get("kind") == "train"]
     gaps = [b - a for a, b in zip(times, times[1:])]
-    return statistics.median(gaps[1:]), gaps, (before, os.getloadavg())
+    return statistics.median(gaps[1:]), gaps, (before, after)
 
 
 def main() -> int:

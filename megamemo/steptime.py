@@ -136,17 +136,18 @@ def _gpu(kind, row, mem_bw, link, note):
 
 
 # CPU: measured on this machine (2 cores, AVX512, torch 2.13, one thread per process, fp32) by
-# `bench/calibrate_cpu.py` on 2026-11-25 under the shared-machine lock (other engineers' unlocked jobs beside it:
-# repeated calibrations differ by up to 1.7x; bench/plan_vs_step.py calibrates again right before it measures).
+# `bench/calibrate_cpu.py` within bench/plan_vs_step.py on 2026-11-25 10:24 UTC under the shared-machine lock
+# (runs/plan_vs_step4/calibration.json; load average 1.7 at the start, other engineers' unlocked jobs beside it:
+# calibrations minutes apart differ by up to 2x).
 CPU_CALIBRATION = {
-    "gemm": {32: 42.3, 64: 70.2, 128: 76.0, 256: 81.5, 512: 68.6, 1024: 78.6},   # GFLOP/s by min(T, n)
-    "adam_ns": 6.22,                                  # torch Adam step, per parameter
-    "allreduce": {2: (3.33e-3, 1.15e9), 4: (17.4e-3, 0.93e9)},   # (latency s, bytes/s), bytes 2 (n-1)/n
-    "allgather": {2: (0.0, 0.28e9), 4: (6.4e-3, 0.37e9)},        # bytes (n-1)/n of the gathered tensor
-    "p2p": (1.07e-3, 2.46e9),
-    "fresh_page_gbs": 2.2,                            # allocate and fill
-    "mem_gbs": 10.5,                                  # a fill of a reused 1 GiB tensor
-    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.22,
+    "gemm": {32: 56.9, 64: 71.6, 128: 83.4, 256: 87.8, 512: 92.1, 1024: 91.1},   # GFLOP/s by min(T, n)
+    "adam_ns": 6.41,                                  # torch Adam step, per parameter
+    "allreduce": {2: (1.27e-3, 1.36e9), 4: (5.92e-3, 0.74e9)},   # (latency s, bytes/s), bytes 2 (n-1)/n
+    "allgather": {2: (0.89e-3, 0.51e9), 4: (2.07e-3, 0.40e9)},   # bytes (n-1)/n of the gathered tensor
+    "p2p": (0.81e-3, 4.06e9),
+    "fresh_page_gbs": 2.36,                           # allocate and fill
+    "mem_gbs": 21.3,                                  # a fill of a reused 1 GiB tensor
+    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.57,
 }
 
 
