@@ -12,7 +12,8 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 each latency + 2 (tp-1)/tp bytes / bandwidth, on the critical path.
   pp_bubble     1F1B over p stages and m = grad_accum micro-batches: the step takes (m + p - 1) micro-batch slots,
                 p - 1 of them idle: the bubble (p-1)/(m+p-1). On a CPU whose ranks share its cores, a rank
-                computes `share` times slower while all compute (Device.contention, measured) and an idle stage's
+                computes `share` times slower while all compute (Device.contention: ranks / cores unless measured) and
+                an idle stage's
                 core serves the others: the step is max((m+p-1) t_alone, m t_shared).
   pp_p2p        per micro-batch slot, the activations and memory rows forward and their gradient back; and
                 DeepSpeed's all-reduce of the tied embedding's gradient between the first and last stage.
@@ -247,7 +248,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     dp, micro = cfg.layout(world)
     dtype = cfg.precision.dtype
     if dtype not in dev.peak:
-        raise ValueError(f"precision.dtype: {kind} has no {dtype} figure (has {', '.join(dev.peak)})")
+        raise ValueError(f"precision.dtype: {dev.kind} has no {dtype} figure (has {', '.join(dev.peak)})")
     peak = dev.peak[dtype]
     pbytes = 2 if dtype in ("bf16", "fp16") else 4
     width = gemm_width(m, tp, micro)
@@ -284,7 +285,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     if pp > 1:
         # stage boundaries: on more than one node, some boundary on the critical path is between nodes
         spans = world > gpus_per_node
-        p2p = 2 * (ga + pp - 1) * dev.send(2 * (m.tgt_len + m.mem_len) * micro * m.d_model * pbytes / 2, spans)
+        p2p = 2 * (ga + pp - 1) * dev.send((m.tgt_len + m.mem_len) * micro * m.d_model * pbytes, spans)
         if m.tie_weight:   # DeepSpeed's ReduceTiedGrads: the table's gradient between the first and last stage
             tied = dev.collective(2, m.n_token * m.embed_dim / tp * pbytes, spans)
 
