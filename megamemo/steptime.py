@@ -12,9 +12,8 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 each latency + 2 (tp-1)/tp bytes / bandwidth, on the critical path.
   pp_bubble     1F1B over p stages and m = grad_accum micro-batches: the step takes (m + p - 1) micro-batch slots,
                 p - 1 of them idle: the bubble (p-1)/(m+p-1). On a CPU whose ranks share its cores, a rank
-                computes `share` times slower while all compute (Device.contention: ranks / cores unless measured) and
-                an idle stage's
-                core serves the others: the step is max((m+p-1) t_alone, m t_shared).
+                computes `share` times slower while all compute (Device.contention: ranks / cores unless
+                measured) and an idle stage's core serves the others: the step is max((m+p-1) t_alone, m t_shared).
   pp_p2p        per micro-batch slot, the activations and memory rows forward and their gradient back; and
                 DeepSpeed's all-reduce of the tied embedding's gradient between the first and last stage.
   overhead      host time per layer and micro-batch (kernel launches, autograd, python): Device.layer_overhead,
