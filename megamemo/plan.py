@@ -51,6 +51,7 @@ class Plan:
     held: float = 0.0               # of grads + zero_buffers, what is still allocated between steps (when saving)
     on_host: bool = False           # a CPU layout: the snapshot is in the same memory
     stage: int = 0
+    layers: int = 0                 # the stage's model layers
 
     TERMS = ("params", "grads", "optimizer", "activations", "memory_state", "pending_memory", "zero_buffers",
              "baseline", "snapshot")
@@ -195,7 +196,7 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu", d
     return Plan(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={cfg.train.grad_accum}",
                 params_b, grads_b, opt_b, act, state, gpu_gib * GiB, zero_buffers=zero_b, pending_memory=state,
                 baseline=CPU_BASELINE if on_host else 0.0, snapshot=snap, on_host=on_host, stage=stage,
-                held=grads_b + zero_b if pp == 1 and zero >= 1 else 0.0)
+                held=grads_b + zero_b if pp == 1 and zero >= 1 else 0.0, layers=layers)
 
 
 def stage_plans(cfg, world: int, gib: float, device: str = "gpu") -> list[Plan]:
@@ -220,7 +221,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--nodes", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, required=True, help="devices (or CPU processes) per node")
-    ap.add_argument("--gpu", choices=sorted(GPUS), default="a100-80g")
+    ap.add_argument("--gpu", default="a100-80g", help=f"device kind: {', '.join(GPUS)}")
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                     help="cpu: ranks are CPU processes sharing the node's --host-mem-gib")
     ap.add_argument("--host-mem-gib", type=float)
@@ -228,29 +229,58 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--pp", type=int)
     ap.add_argument("--recommend", action="store_true",
                     help="list the layouts that fit, best first (the default when neither --tp nor --pp is given)")
+    ap.add_argument("--explain", action="store_true",
+                    help="the predicted step time's breakdown of the layout (--tp/--pp, else the first ranked)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    overrides = list(args.set)
-    if args.tp:
-        overrides.append(f"parallel.tp={args.tp}")
-    if args.pp:
-        overrides.append(f"parallel.pp={args.pp}")
+    from megamemo import recommend as rec
+    from megamemo.steptime import explain, step_time
+    if args.device == "gpu" and args.gpu not in GPUS:
+        import difflib
+        near = difflib.get_close_matches(args.gpu, GPUS, n=1)
+        print(f"megamemo plan: --gpu: unknown device kind {args.gpu!r}" + (f" (nearest: {near[0]})" if near else "")
+              + f"; known: {', '.join(GPUS)}", file=sys.stderr)
+        return 2
     world = args.nodes * args.gpus_per_node
+    given = bool(args.tp or args.pp)
+    layout = [f"parallel.{k}={v}" for k, v in (("tp", args.tp), ("pp", args.pp)) if v]
     try:
-        cfg = load(args.config, overrides)
+        base = load(args.config, list(args.set))
         gib, cluster = _capacity(args)
+        rec.check_device(base, rec.device_kind(args.device, args.gpu))
+        try:
+            cfg = load(args.config, [*args.set, *layout])
+            why = rec.layout_problem(cfg, world, args.gpus_per_node) if given else None
+        except ConfigError as e:
+            if not given:
+                raise
+            cfg, why = None, str(e).removeprefix("parallel: ")
+        if why:
+            tp, pp = args.tp or base.parallel.tp, args.pp or base.parallel.pp
+            print(f"megamemo plan: tp={tp} pp={pp} cannot run on {cluster}: {why}; "
+                  + rec.nearest_words(base, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan, tp, pp,
+                                      "runs"), file=sys.stderr)
+            return 2
         plans = stage_plans(cfg, world, gib, args.device)
     except (ConfigError, ValueError) as e:
         print(f"megamemo plan: {e}", file=sys.stderr)
         return 2
+    kind = rec.device_kind(args.device, args.gpu)
+    fits = None
+    if args.recommend or not given:
+        fits, fails = rec.recommend(cfg, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan)
+        if not fits:
+            print("megamemo plan: " + rec.no_fit_line(cfg, args.nodes, args.gpus_per_node, gib, args.device,
+                                                      args.gpu, plan, fails), file=sys.stderr)
+            return 1
     m = cfg.model
     n_params = total_params(m)
     print(f"model: {m.variant} {m.n_layer}L d_model {m.d_model} {m.n_head}x{m.d_head} d_inner {m.d_inner} "
           f"vocab {m.n_token}: {n_params / 1e9:.2f} B parameters; tgt_len {m.tgt_len} mem_len {m.mem_len}; "
           f"{cfg.precision.dtype}")
-    if args.recommend or not (args.tp or args.pp):
-        from megamemo.recommend import print_recommendations
-        print_recommendations(cfg, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan)
+    if fits is not None:
+        rec.print_recommendations(cfg, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan,
+                                  fits_fails=(fits, fails))
         print()
     p = plans[0]
     print(f"cluster: {cluster}; layout {p.layout}")
@@ -265,6 +295,21 @@ def main(argv: list[str]) -> int:
         print(f"  {'stage total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans))
     print(f"  {'total':<16}{top.total / GiB:>10.2f} GiB of {p.capacity / GiB:.1f} GiB"
           + (f" (stage {top.stage}, the largest)" if len(plans) > 1 else ""))
-    fits = all(q.fits for q in plans)
-    print(f"-> {'FITS' if fits else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
-    return 0 if fits else 1
+    ok = all(q.fits for q in plans)
+    print(f"-> {'FITS' if ok else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
+    runs = rec.layout_problem(cfg, world, args.gpus_per_node) is None
+    if runs:
+        st = step_time(cfg, world, kind, args.gpus_per_node, plan)
+        print(f"   predicted step {st.seconds * 1e3:.1f} ms: {st.tokens_per_s_per_device:,.1f} tokens/s per device, "
+              f"MFU {st.mfu:.1%}, dominant: {st.dominant} ({kind}; megamemo/steptime.py)")
+    if not ok and given:
+        print(f"megamemo plan: {p.layout} needs {top.total / GiB:.1f} GiB on a rank of stage {top.stage} (of "
+              f"{p.capacity / GiB:.1f}); " + rec.nearest_words(cfg, args.nodes, args.gpus_per_node, gib, args.device,
+                                                            args.gpu, plan, cfg.parallel.tp, cfg.parallel.pp, "fits"),
+              file=sys.stderr)
+    if args.explain:
+        show = fits[0].step if fits and not given else (st if runs else None)
+        if show is not None:
+            print()
+            print("\n".join(explain(show, kind)))
+    return 0 if ok else 1

@@ -1,41 +1,30 @@
 """`megamemo plan` without --tp/--pp: the layouts (tp, pp, dp, ZeRO stage, micro-batch) that fit a cluster, best
-first by the communication each step needs, and why every other layout fails.
-
-Communication per rank and step, each at its link's bandwidth (LINKS: per-device NVLink-class bandwidth inside a
-node, network bandwidth per device between nodes; estimates, not measured):
-- TP: per layer and micro-batch 4 all-reduces (2 forward, 2 backward) of the layer's [rows, B, d_model]
-  activations, 2 (tp-1)/tp of their bytes each; TP groups stay inside a node.
-- PP: per micro-batch and stage boundary the activations and the memory rows forward, their gradient back.
-- DP: the gradient reduction and ZeRO's parameter gather, 2 (dp-1)/dp of the rank's parameter bytes.
-Pipeline parallelism is ranked after every layout without it, whatever its bytes: its bubble idles
-(pp-1)/(grad_accum+pp-1) of each step and its stages hold unequal memory, so it is for models that do not fit
-otherwise (Narayanan et al. 2021: TP up to the node, PP only to fit, DP for the rest).
+first by predicted tokens/s per device (megamemo/steptime.py: compute at the GEMM width the layout leaves, TP
+all-reduces, the pipeline bubble and sends, DP gradient reduction, ZeRO's gather, the optimizer), and why every
+other layout fails. Each layout takes the micro-batch size, of those that fit, with the most predicted tokens/s
+(at least pp micro-batches under a pipeline). nearest() finds the layout that runs closest to one that does not,
+smallest_cluster() the fewest nodes of the same shape that run anything.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import NamedTuple
 
-LINKS = {"v100-16g": (130, 12.5), "v100-32g": (130, 12.5), "a100-40g": (230, 25), "a100-80g": (230, 25),
-         "h100-80g": (370, 50), "cpu": (10, 1.25)}   # GB/s per device: (inside a node, between nodes)
+from megamemo.steptime import StepTime, device, step_time
+
+
+class Fit(NamedTuple):
+    seconds: float          # predicted step time
+    pp: int
+    total: float            # bytes on the fullest rank
+    desc: str
+    plan: object            # the fullest stage's plan.Plan
+    step: StepTime
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def comm_seconds(cfg, tp: int, pp: int, dp: int, micro: int, params_b: float, gpn: int, link) -> float:
-    m = cfg.model
-    intra, inter = (bw * 1e9 for bw in link)
-    ga, pb = cfg.train.grad_accum, 2 if cfg.precision.dtype in ("bf16", "fp16") else 4
-    rows = m.tgt_len + (m.mem_len if m.lamemo else 0)
-    act = rows * micro * m.d_model * pb
-    layers = -(-m.n_layer // pp)
-    t = 4 * act * 2 * (tp - 1) / tp * layers * ga / intra if tp > 1 else 0.0
-    if pp > 1:
-        t += 2 * (m.tgt_len + m.mem_len) * micro * m.d_model * pb * ga / (inter if tp * dp >= gpn else intra)
-    if dp > 1:
-        t += 2 * params_b * (dp - 1) / dp / (inter if tp * dp > gpn else intra)
-    return t
 
 
 def why_not(cfg, tp: int, pp: int, zero: int, dp: int, gpn: int) -> str | None:
@@ -57,10 +46,15 @@ def why_not(cfg, tp: int, pp: int, zero: int, dp: int, gpn: int) -> str | None:
     return None
 
 
+def device_kind(device: str, gpu: str) -> str:
+    """The steptime.DEVICES row of `megamemo plan`'s --device / --gpu."""
+    return "cpu" if device == "cpu" else gpu
+
+
 def recommend(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan_fn):
-    """-> (fitting [(comm_s, pp, total, desc, worst stage plan)] best first, failing [(desc, reason)])."""
+    """-> (fitting [Fit] best first by predicted tokens/s, failing [(desc, reason)])."""
     world = nodes * gpn
-    link = LINKS["cpu" if device == "cpu" else gpu]
+    kind = device_kind(device, gpu)
     fits, fails = [], []
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
@@ -77,39 +71,114 @@ def recommend(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan
                 for ga in _divisors(cfg.data.batch_size // dp):      # largest micro-batch first
                     if pp > 1 and ga < pp:
                         continue                  # fewer micro-batches than stages: stages idle
-                    c = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=0), parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp,
-                                                                              zero_stage=zero),
+                    c = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=0),
+                                            parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, zero_stage=zero),
                                             train=dataclasses.replace(cfg.train, grad_accum=ga))
                     plans = [plan_fn(c, world, gib, s, device) for s in range(pp)]
                     worst = max(plans, key=lambda q: q.total)
-                    if all(q.fits for q in plans):
-                        best = (c, ga, worst)
-                        break
-                    smallest = worst
+                    if not all(q.fits for q in plans):
+                        smallest = worst
+                        continue
+                    # of the micro-batch sizes that fit, the fastest: wider GEMMs against (under a pipeline)
+                    # a smaller bubble
+                    st = step_time(c, world, kind, gpn, plan_fn)
+                    if best is None or st.tokens_per_s > best[3].tokens_per_s:
+                        best = (c, ga, worst, st)
                 if smallest is None and best is None:
                     fails.append((desc, f"fewer micro-batches than pp={pp} stages"))
                     continue
                 if best is None:
-                    fails.append((desc, f"needs {smallest.total / 2 ** 30:.1f} GiB on a rank of stage "
-                                        f"{smallest.stage} even at micro-batch {cfg.data.batch_size // dp // ga} "
+                    fails.append((desc, f"needs {worst.total / 2 ** 30:.1f} GiB on a rank of stage "
+                                        f"{worst.stage} even at micro-batch {cfg.data.batch_size // dp // ga} "
                                         f"(of {worst.capacity / 2 ** 30:.0f})"))
                     continue
-                c, ga, worst = best
+                c, ga, worst, st = best
                 micro = cfg.data.batch_size // (dp * ga)
-                t = comm_seconds(c, tp, pp, dp, micro, worst.params, gpn, link)
                 note = (f" (eval.batch_size: a multiple of {dp})"
                         if cfg.eval.every and cfg.eval.batch_size % dp else "")
-                fits.append((t, pp, worst.total, f"{desc} micro_batch={micro} x grad_accum={ga}{note}", worst))
-    fits.sort(key=lambda f: (f[1] > 1, f[0], f[2]))
+                fits.append(Fit(st.seconds, pp, worst.total, f"{desc} micro_batch={micro} x grad_accum={ga}{note}",
+                                worst, st))
+    fits.sort(key=lambda f: (-f.step.tokens_per_s, f.total))
     return fits, fails
 
 
-def print_recommendations(cfg, nodes, gpn, gib, device, gpu, plan_fn, show=8) -> None:
-    fits, fails = recommend(cfg, nodes, gpn, gib, device, gpu, plan_fn)
-    print(f"layouts that fit on {nodes} x {gpn} {'CPU processes' if device == 'cpu' else gpu}, best first "
-          f"(estimated communication per step; pipelines only after every layout without one):")
-    for t, _, total, desc, _ in fits[:show]:
-        print(f"  {desc:<50} {total / 2 ** 30:7.1f} GiB/rank  comm ~{t * 1e3:8.1f} ms")
+def _distance(desc: str, tp: int, pp: int) -> float:
+    got = dict(kv.split("=") for kv in desc.split()[:2])
+    return abs(math.log2(int(got["tp"]) / tp)) + abs(math.log2(int(got["pp"]) / pp))
+
+
+def nearest(fits: list[Fit], tp: int, pp: int) -> Fit | None:
+    """The fitting layout closest to tp x pp (in factors of two), the faster of equals."""
+    return min(fits, key=lambda f: (_distance(f.desc, tp, pp), -f.step.tokens_per_s), default=None)
+
+
+def nearest_words(cfg, nodes, gpn, gib, device, gpu, plan_fn, tp: int, pp: int, verb: str) -> str:
+    """'nearest layout that <verb>: ...' for a layout near tp x pp that fits this cluster, or why there is none."""
+    near = nearest(recommend(cfg, nodes, gpn, gib, device, gpu, plan_fn)[0], tp, pp)
+    return f"nearest layout that {verb}: {describe(near)}" if near else "no layout fits this cluster"
+
+
+def smallest_cluster(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan_fn, limit: int = 1024):
+    """(nodes, best Fit) of the fewest nodes of this shape (doubling, up to `limit` devices) that run anything."""
+    n = nodes * 2
+    while n * gpn <= limit:
+        fits, _ = recommend(cfg, n, gpn, gib, device, gpu, plan_fn)
+        if fits:
+            return n, fits[0]
+        n *= 2
+    return None
+
+
+def check_device(cfg, kind: str) -> None:
+    """ValueError (one line) when the device kind is unknown or has no figure for the config's precision."""
+    dev = device(kind)
+    if cfg.precision.dtype not in dev.peak:
+        raise ValueError(f"precision.dtype: {kind} has no {cfg.precision.dtype} tensor cores (it has "
+                         f"{', '.join(dev.peak)}); set precision.dtype to one of them")
+
+
+def layout_problem(cfg, world: int, gpn: int) -> str | None:
+    """Why cfg's own layout (parallel.tp / pp / zero_stage) cannot run on `world` devices, `gpn` a node, or None."""
+    from megamemo.config import ConfigError
+
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world % (tp * pp):
+        return f"tp x pp = {tp * pp} does not divide the {world} devices"
+    reason = why_not(cfg, tp, pp, cfg.parallel.zero_stage, world // (tp * pp), gpn)
+    if reason:
+        return reason
+    try:
+        cfg.layout(world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def describe(f: Fit) -> str:
+    return (f"{f.desc} ({f.total / 2 ** 30:.1f} GiB/rank, {f.step.tokens_per_s_per_device:,.1f} tokens/s per "
+            f"device predicted)")
+
+
+def no_fit_line(cfg, nodes, gpn, gib, device, gpu, plan_fn, fails) -> str:
+    """One line for a cluster on which nothing fits: the closest miss, and the fewest nodes that run something."""
+    needs = [(float(r.split()[1]), d, r) for d, r in fails if r.startswith("needs ")]
+    why = f"the smallest need is {min(needs)[1]}: {min(needs)[2]}" if needs else fails[0][1] if fails else ""
+    grown = smallest_cluster(cfg, nodes, gpn, gib, device, gpu, plan_fn)
+    where = f"{nodes} x {gpn} {'CPU processes' if device == 'cpu' else gpu}"
+    then = (f"; nearest that runs: {grown[0]} nodes x {gpn}: {describe(grown[1])}" if grown
+            else "; nothing runs up to 1024 devices of this kind")
+    return f"no layout fits {where}: {why}{then}"
+
+
+def print_recommendations(cfg, nodes, gpn, gib, device, gpu, plan_fn, show=8, fits_fails=None) -> None:
+    fits, fails = fits_fails or recommend(cfg, nodes, gpn, gib, device, gpu, plan_fn)
+    print(f"layouts that fit on {nodes} x {gpn} {'CPU processes' if device == 'cpu' else gpu}, best first by "
+          f"predicted tokens/s per device (megamemo/steptime.py):")
+    print(f"  {'layout':<50} {'GiB/rank':>8} {'step ms':>9} {'tok/s/dev':>10} {'MFU':>6}  dominant")
+    for f in fits[:show]:
+        st = f.step
+        print(f"  {f.desc:<50} {f.total / 2 ** 30:8.1f} {st.seconds * 1e3:9.1f} {st.tokens_per_s_per_device:10.1f} "
+              f"{st.mfu:6.1%}  {st.dominant} ({st.terms[st.dominant] / st.seconds:.0%})")
     if len(fits) > show:
         print(f"  ... and {len(fits) - show} more")
     if not fits:

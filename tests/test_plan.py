@@ -220,30 +220,36 @@ def test_stages_hold_their_own_layers_and_the_ends_the_table():
     assert stages[0].memory_state > stages[1].memory_state      # the embedding FIFO lives on the first stage
 
 
-def test_recommends_lamemo_7b_without_a_pipeline_on_8x8_a100():
-    """The issue's check: today's tp=4 pp=2 needs about 11 of 80 GiB, so the best layouts have pp=1; every layout
-    that cannot run is named with its reason."""
+def test_recommends_lamemo_7b_on_8x8_a100():
+    """Every layout listed fits, fastest first by predicted tokens/s (issue 25; before it, by communication with
+    pipelines last), the config's own tp=4 pp=2 among them; every layout that cannot run is named with its
+    reason."""
     from megamemo.plan import plan as plan_fn
     from megamemo.recommend import recommend
     cfg = load(REPO / "configs" / "lamemo-7b.yaml")
     fits, fails = recommend(cfg, 8, 8, 80, "gpu", "a100-80g", plan_fn)
-    assert fits and "pp=1 " in fits[0][3]
-    assert all(f[4].fits for f in fits)
+    assert fits and all(f.plan.fits for f in fits)
+    assert any(f.desc.startswith("tp=4 pp=2 dp=8 zero=1 ") for f in fits)
+    speeds = [f.step.tokens_per_s for f in fits]
+    assert speeds == sorted(speeds, reverse=True)
     reasons = dict(fails)
     assert "tp=16 pp=1 dp=4 zero=0" in reasons and "node" in reasons["tp=16 pp=1 dp=4 zero=0"]
     assert "ZeRO 0/1" in reasons["tp=4 pp=2 dp=8 zero=2"]
     assert "pp=64 > 32 layers" == reasons["tp=1 pp=64 dp=1 zero=0"]
 
 
-def test_recommends_a_pipeline_only_when_nothing_else_fits():
-    """1.3 B in fp32 on 2 x 16 GiB devices: only a layout that splits the model fits; a single device fails on
-    memory, with the figure."""
+def test_recommends_only_layouts_that_fit_fastest_first():
+    """1.3 B in fp32 on 16 GiB devices: on 2 nothing fits (a single device fails on memory, with the figure); on 4
+    only layouts that split the model over all 4 fit, ranked by predicted tokens/s (issue 25: no longer every
+    layout without a pipeline first, whatever its speed)."""
     from megamemo.plan import plan as plan_fn
     from megamemo.recommend import recommend
     cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["precision.dtype=fp32", "eval.every=0"])
     fits, fails = recommend(cfg, 1, 2, 16, "gpu", "v100-16g", plan_fn)
     reasons = dict(fails)
     assert "needs" in reasons["tp=1 pp=1 dp=2 zero=2"] and "GiB" in reasons["tp=1 pp=1 dp=2 zero=2"]
-    assert all("dp=2" not in f[3] or "zero=2" in f[3] for f in fits)
-    piped = [f[1] > 1 for f in fits]
-    assert piped == sorted(piped)                    # every layout without a pipeline first
+    assert fits == []
+    fits, _ = recommend(cfg, 1, 4, 16, "gpu", "v100-16g", plan_fn)
+    assert fits and all(" dp=1 " in f.desc and f.plan.fits for f in fits)
+    speeds = [f.step.tokens_per_s for f in fits]
+    assert speeds == sorted(speeds, reverse=True)

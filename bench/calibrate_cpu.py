@@ -1,0 +1,211 @@
+"""Calibration of megamemo/steptime.py's "cpu" device on this machine: one process's GEMM rate (one thread, fp32)
+by the narrowest dimension of the product (alone and with the run's other ranks computing), its optimizer's time
+per parameter, a layer's host overhead, fresh-page and memory fill rates, and gloo's all-reduce, all-gather and
+p2p latency and bandwidth on loopback with 2 and 4 processes (the rehearsal's group sizes).
+
+    flock /tmp/megamemo-cpu.lock python bench/calibrate_cpu.py [--d-model 2048] [--repeat 3]
+
+GEMMs: [T, d] x [d, n] forward and its two backward products (x.grad, w.grad), the shapes of a layer's dense
+projections, for T (tokens per micro-batch) and n (a rank's share of a projection's width); the rate is the
+median of --repeat timings through 8 different weights (no weight stays in cache), tabulated by min(T, n); with
+--concurrent also in --ranks processes at once (their ratio: how much slower a rank computes while the others
+compute too; without it steptime takes ranks / cores). Collectives: the median time of all-reduce, all-gather (into a
+tensor, as DeepSpeed's ZeRO gathers parameters) and send/recv between two ranks of 4 KiB to 256 MiB fp32 tensors,
+fitted as latency + bytes / bandwidth (least squares) with the algorithm's factor 2 (n-1)/n on the bytes for the
+all-reduce. The JSON line printed last is steptime.CPU_CALIBRATION's form.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megamemo.train.dist import free_port
+
+SIZES = [2 ** k for k in range(10, 25, 2)]        # fp32 elements: 4 KiB .. 64 MiB (and 256 MiB)
+
+
+def _median_time(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_rates(d: int, repeat: int, widths=None, layers: int = 8) -> dict[int, float]:
+    """min(T, n) -> FLOP/s of a forward + backward dense projection (3 products of 2 T d n FLOPs) through `layers`
+    different weights in turn (a model's weights do not stay in cache between layers: this machine's L3 is 32 MiB,
+    one [2048, 4096] fp32 weight is 32 MiB); `widths`: only the shapes whose min(T, n) is one of them."""
+    torch.set_num_threads(1)
+    by_width: dict[int, list[float]] = {}
+    for t in (32, 64, 128, 256, 512, 1024):
+        for n in (128, 256, 512, 1024, 2048, 4096):
+            if widths and min(t, n) not in widths:
+                continue
+            ws = [torch.randn(d, n) for _ in range(layers)]
+            x, g = torch.randn(t, d), torch.randn(t, n)
+
+            def step():
+                for w in ws:
+                    x @ w
+                    g @ w.T
+                    x.T @ g
+            s = _median_time(step, repeat)
+            by_width.setdefault(min(t, n), []).append(3 * 2 * t * d * n * layers / s)
+    return {w: statistics.median(r) for w, r in sorted(by_width.items())}
+
+
+def _gemm_worker(rank: int, d: int, repeat: int, widths, out: dict):
+    out[rank] = gemm_rates(d, repeat, widths)
+
+
+def concurrent_gemm_rates(procs: int, d: int, repeat: int, widths=None) -> dict[int, float]:
+    """The same table measured in `procs` processes at once (the ranks of a run share the cores and the memory
+    bus): each width's median over the processes of their per-process rate."""
+    out = mp.Manager().dict()
+    mp.start_processes(_gemm_worker, args=(d, repeat, widths, out), nprocs=procs, join=True, start_method="spawn")
+    return {w: statistics.median(out[r][w] for r in range(procs)) for w in out[0]}
+
+
+def optimizer_seconds_per_param(repeat: int) -> float:
+    """torch.optim.Adam's step (what DeepSpeed drives here) over 16 M fp32 parameters, per parameter."""
+    torch.set_num_threads(1)
+    p = torch.nn.Parameter(torch.randn(16 * 2 ** 20))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.Adam([p], lr=1e-4)
+    return _median_time(opt.step, repeat) / p.numel()
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of seconds = a + bytes / bw -> (latency a, bandwidth bw)."""
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(s for _, s in points) / n
+    slope = sum((b - mx) * (s - my) for b, s in points) / sum((b - mx) ** 2 for b, _ in points)
+    return max(my - slope * mx, 0.0), 1 / slope
+
+
+def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ar, ag, p2p = [], [], []
+    for n in SIZES + [2 ** 26]:
+        t = torch.ones(n)
+        dist.barrier()
+        s = _median_time(lambda: dist.all_reduce(t), repeat)
+        ar.append((2 * (world - 1) / world * 4 * n, s))
+        shard, full = torch.ones(n // world), torch.empty(n // world * world)
+        dist.barrier()
+        s = _median_time(lambda: dist.all_gather_into_tensor(full, shard), repeat)
+        ag.append(((world - 1) / world * 4 * n, s))
+        if world == 2:
+            def pingpong():
+                if rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+            dist.barrier()
+            p2p.append((4 * n, _median_time(pingpong, repeat) / 2))
+    if rank == 0:
+        out[world] = {"allreduce": _fit(ar), "allreduce_points": ar, "allgather": _fit(ag), "allgather_points": ag,
+                      "p2p": _fit(p2p) if p2p else None}
+    dist.destroy_process_group()
+
+
+def layer_overhead_seconds(repeat: int) -> float:
+    """Host time of one LaMemo layer's forward + backward whatever its size: a tiny model (d_model 16, one stream)
+    with 6 and with 2 layers, the difference over 4 (the embedding and loss cancel)."""
+    from megamemo.model import MemTransformerLM, ModelConfig
+
+    torch.set_num_threads(1)
+    times = {}
+    for n in (2, 6):
+        cfg = ModelConfig(variant="lamemo", n_token=16, n_layer=n, d_model=16, n_head=2, d_head=8, d_inner=32,
+                          dropout=0.0, tgt_len=32, mem_len=32)
+        model = MemTransformerLM(cfg).train()
+        x = torch.randint(0, 16, (32, 1))
+        _, mem = model(x, x)
+
+        def step():
+            nll, _ = model(x, x, mem)
+            nll.mean().backward()
+        times[n] = _median_time(step, max(repeat, 5))
+    return (times[6] - times[2]) / 4
+
+
+def first_touch_and_memory_rates() -> tuple[float, float]:
+    """(bytes/s filling a new 1 GiB tensor, bytes/s filling it again), one thread, median of 3."""
+    torch.set_num_threads(1)
+    n = 2 ** 28
+    reused = torch.empty(n)
+    reused.fill_(0.0)
+
+    def fresh():
+        torch.empty(n).fill_(1.0)
+    return 4 * n / _median_time(fresh, 3), 4 * n / _median_time(lambda: reused.fill_(1.0), 3)
+
+
+def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: bool = False, log=print) -> dict:
+    """Measure everything and return the calibration (steptime.CPU_CALIBRATION's form)."""
+    log(f"cores: {os.cpu_count()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
+        f"load average {os.getloadavg()[0]:.2f}")
+    rates = gemm_rates(d_model, repeat)
+    log("GEMM rate (one thread, fp32, fwd+bwd of [T, d] x [d, n]) by min(T, n): "
+        + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in rates.items()) + " GFLOP/s")
+    shared = concurrent_gemm_rates(ranks, d_model, repeat) if concurrent else {}
+    if shared:
+        log(f"the same in {ranks} processes at once, per process: "
+            + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in shared.items()) + " GFLOP/s")
+    opt = optimizer_seconds_per_param(repeat)
+    fresh, mem = first_touch_and_memory_rates()
+    overhead = layer_overhead_seconds(repeat)
+    log(f"a layer's forward + backward at d_model 16 (host overhead): {overhead * 1e3:.2f} ms")
+    log(f"Adam step: {opt * 1e9:.2f} ns per parameter; fill of fresh pages {fresh / 1e9:.2f} GB/s, of reused "
+        f"memory {mem / 1e9:.2f} GB/s")
+    comm = mp.Manager().dict()
+    for world in (2, 4):
+        mp.start_processes(_worker, args=(world, free_port(), repeat, comm), nprocs=world, join=True,
+                           start_method="spawn")
+        for op, counted in (("allreduce", "2 (n-1)/n"), ("allgather", "(n-1)/n of the gathered tensor")):
+            lat, bw = comm[world][op]
+            log(f"gloo {op}, {world} processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s (bytes "
+                f"counted {counted}); " + ", ".join(f"{b / 2 ** 20:.3g} MiB {s * 1e3:.1f} ms"
+                                                   for b, s in comm[world][op + "_points"]))
+    lat, bw = comm[2]["p2p"]
+    log(f"gloo send/recv, 2 processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s")
+    out = {"gemm": {w: round(r / 1e9, 1) for w, r in rates.items()}, "ranks": ranks, "cores": os.cpu_count(),
+           "adam_ns": round(opt * 1e9, 2), "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
+           "allgather": {w: comm[w]["allgather"] for w in (2, 4)}, "p2p": comm[2]["p2p"],
+           "fresh_page_gbs": round(fresh / 1e9, 2), "layer_overhead_ms": round(overhead * 1e3, 3),
+           "mem_gbs": round(mem / 1e9, 2)}
+    if shared:
+        out["gemm_shared"] = {w: round(r / 1e9, 1) for w, r in shared.items()}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=4, help="processes of the runs to predict")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="also measure the GEMMs in --ranks processes at once (the contention steptime then uses "
+                         "instead of ranks / cores)")
+    args = ap.parse_args()
+    print(json.dumps(calibrate(args.d_model, args.repeat, args.ranks, args.concurrent)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""megamemo/steptime.py's predicted step against arithmetic written out here, the ranking it gives `megamemo plan`,
+and the plan command's one-line answers to input it cannot use."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fixture_data import REPO
+from megamemo.config import load
+from megamemo.plan import main, plan
+from megamemo.steptime import Device, explain, step_time
+
+# a device with round numbers: 1 TFLOP/s; GEMM efficiency 50% at width 16, 100% from 64 (log-interpolated);
+# 100 GB/s memory; links 10 GB/s inside a node, 1 GB/s between; 10 / 100 us a collective
+TOY = Device("toy", {"fp32": 1e12}, ((16, 0.5), (64, 1.0)), mem_bw=1e11, link=(1e10, 1e9), latency=(1e-5, 1e-4),
+             source="test")
+TINY = REPO / "configs" / "tiny-cpu.yaml"
+
+
+def rpe(*overrides):
+    """tiny-cpu as RPE (no memory): 4 layers, d 64, 2 x 32 heads, d_inner 128, L 32, bytes, 8 streams, fp32."""
+    return load(TINY, ["model.variant=rpe", "model.n_layer=4", "eval.every=0", *overrides])
+
+
+def rpe_forward_flops(B, layers=4, L=32, d=64, H=64, F=128, V=256):
+    """Forward FLOPs by hand: per layer q (L rows), k and v, r_net over L distances, scores + position scores +
+    weighted values, o_net, the two FFN products; then the output layer."""
+    per_layer = (2 * L * d * H * B + 2 * L * d * 2 * H * B + 2 * L * d * H + 3 * 2 * L * L * H * B
+                 + 2 * L * H * d * B + 2 * L * 2 * d * F * B)
+    return layers * per_layer + 2 * L * B * d * V
+
+
+def test_efficiency_is_interpolated_in_log_width():
+    assert TOY.eff(16) == 0.5 and TOY.eff(64) == 1.0 and TOY.eff(4096) == 1.0
+    assert TOY.eff(32) == pytest.approx(0.75)            # halfway in log2 between 16 and 64
+    assert TOY.eff(8) == pytest.approx(0.25)             # below the table: proportional to the width
+
+
+def test_tensor_and_data_parallel_terms_by_hand():
+    """tp 2 x dp 2 on one node of 4, ZeRO 1, 2 micro-batches of 2 streams."""
+    cfg = rpe("parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2")
+    st = step_time(cfg, 4, TOY, 4, plan)
+    ga, B, tp, dp = 2, 2, 2, 2
+    # the narrowest GEMM: heads x d_head / tp = 32 (d 64, d_inner / tp 64, 32 rows x 2 streams) -> 75%
+    assert st.width == 32 and st.efficiency == pytest.approx(0.75)
+    assert st.terms["compute"] == pytest.approx(ga * 3 * rpe_forward_flops(B) / tp / (1e12 * 0.75))
+    # 4 all-reduces per layer + 3 (embedding, cross-entropy) per micro-batch of the [32, 2, 64] fp32 activations,
+    # 2 (tp-1)/tp = 1 of the bytes over the node's link
+    act = 32 * 2 * 64 * 4
+    assert st.terms["tp_comm"] == pytest.approx(ga * (4 * 4 + 3) * (1e-5 + act / 1e10))
+    p = plan(cfg, 4, 1e9, 0)
+    params = p.params / 4                                   # the rank's parameters (fp32)
+    assert st.terms["dp_comm"] == pytest.approx(1e-5 + 2 * (dp - 1) / dp * params * 4 / 1e10)     # once a step
+    assert st.terms["zero_gather"] == pytest.approx(1e-5 + (dp - 1) / dp * params * 4 / 1e10)
+    # Adam over the rank's half (36 B/parameter), ZeRO's passes over it (28 B); over all it holds, the reduction's
+    # copies into the bucket, average, flatten and copy back (4 x 8 B)
+    assert st.terms["optimizer"] == pytest.approx((params / 2 * (36 + 28) + 32 * params) / 1e11)
+    assert st.terms["elementwise"] == pytest.approx(ga * 4 * p.activations / 1e11)
+    assert st.terms["pp_bubble"] == st.terms["pp_p2p"] == st.terms["first_touch"] == 0
+    assert st.seconds == pytest.approx(sum(st.terms.values()))
+    assert st.tokens_per_s == pytest.approx(8 * 32 / st.seconds)
+    assert st.mfu == pytest.approx(3 * rpe_forward_flops(8) / (st.seconds * 4 * 1e12))
+    assert st.overlap_hides == 0          # one bucket: DeepSpeed cannot start reducing before the backward ends
+
+
+def test_overlap_comm_would_hide_all_buckets_but_the_last():
+    """lamemo-1.3b without model parallelism over 32 V100s (4 nodes), ZeRO 1: 1.31 B fp16 gradients are 3 buckets
+    of 500 M; with overlap_comm the first two reduce during the last micro-batch's backward (2/3 of its compute)."""
+    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["parallel.tp=1", "train.grad_accum=2", "eval.every=0"])
+    st = step_time(cfg, 32, "v100-32g", 8, plan)
+    n = 1_309_595_904
+    bucket = 30e-6 + 2 * 31 / 32 * (n / 3) * 2 / 12.5e9
+    assert st.terms["dp_comm"] == pytest.approx(3 * bucket)
+    backward = 2 / 3 * st.terms["compute"] / 2
+    assert st.overlap_hides == pytest.approx(3 * bucket - max(bucket, 3 * bucket - backward))
+    assert 0 < st.overlap_hides <= 2 * bucket
+
+
+def test_dp_group_across_nodes_uses_the_slower_link_and_zero_2_reduces_every_micro_batch():
+    one = rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2")
+    two = rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=2", "train.grad_accum=2")
+    zero0 = rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=0", "train.grad_accum=2")
+    params = plan(one, 4, 1e9, 0).params / 4
+    st1, st2, st0 = (step_time(c, 4, TOY, 2, plan) for c in (one, two, zero0))    # 2 devices a node
+    assert st1.terms["dp_comm"] == pytest.approx(1e-4 + 2 * 3 / 4 * params * 4 / 1e9)
+    assert st2.terms["dp_comm"] == pytest.approx(2 * st1.terms["dp_comm"])
+    assert st0.terms["zero_gather"] == 0 and st0.terms["dp_comm"] == pytest.approx(st1.terms["dp_comm"])
+    assert st0.overlap_hides == 0                          # ZeRO 0 reduces after the backward pass, always
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1():
+    """pp 2 over 2 devices, 4 micro-batches: the step's slots are m + p - 1 = 5 of the slowest stage's
+    micro-batch (the last: 2 layers and the output layer), one of them idle; the sends: per slot the [64, 2, 64]
+    activations and memory rows forward and their gradient back, each latency + bytes / 10 GB/s."""
+    cfg = rpe("parallel.tp=1", "parallel.pp=2", "parallel.zero_stage=0", "train.grad_accum=4")
+    st = step_time(cfg, 2, TOY, 2, plan)
+    m, p = 4, 2
+    B = 8 // m
+    last_stage = 3 * (rpe_forward_flops(B, layers=2)) / (1e12 * TOY.eff(64))
+    busy = st.terms["compute"] + st.terms["elementwise"]
+    assert st.terms["compute"] == pytest.approx(m * last_stage)
+    assert st.terms["pp_bubble"] / (busy + st.terms["pp_bubble"]) == pytest.approx((p - 1) / (m + p - 1))
+    send = 1e-5 + (32 + 32) * B * 64 * 4 / 1e10
+    tied = 1e-5 + 256 * 64 * 4 / 1e10        # the tied table's gradient all-reduced by the first and last stage
+    assert st.terms["pp_p2p"] == pytest.approx(2 * (m + p - 1) * send + tied)
+
+
+def test_cpu_ranks_sharing_cores_hide_the_bubble():
+    """Two stages that compute half as fast while both do (measured contention 2 at 2 ranks, one core's worth):
+    each rank's work takes twice as long, and the idle stage's core serves the other: the step is
+    max((m+p-1) t, m t x 2) = 8 t for m = 4, no bubble."""
+    shared = Device("shared", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test",
+                    contention=((16, 2.0), (64, 2.0)), ranks=2)
+    cfg = rpe("parallel.tp=1", "parallel.pp=2", "parallel.zero_stage=0", "train.grad_accum=4")
+    alone, both = step_time(cfg, 2, TOY, 2, plan), step_time(cfg, 2, shared, 2, plan)
+    assert both.terms["compute"] == pytest.approx(2 * alone.terms["compute"])
+    assert both.terms["pp_bubble"] == 0 and alone.terms["pp_bubble"] > 0
+
+
+def test_the_output_layer_follows_the_configs_vocabulary():
+    """lamemo-1.3b's own layout (tp 2, 4 micro-batches of 1 stream) with a 32000-token vocabulary: the compute
+    grows by the output layer's extra columns, 3 x 2 L B d (32000 - 256) / tp a micro-batch, at the width's
+    efficiency on a V100 (1024 wide: 68% of 125 TFLOP/s)."""
+    path = REPO / "configs" / "lamemo-1.3b.yaml"
+    small, big = load(path), load(path, ["model.n_token=32000"])
+    a, b = (step_time(c, 32, "v100-32g", 8, plan) for c in (small, big))
+    assert a.width == b.width == 1024 and a.efficiency == pytest.approx(0.68)
+    extra = 4 * 3 * 2 * 512 * 1 * 2048 * (32000 - 256) / 2
+    assert b.terms["compute"] - a.terms["compute"] == pytest.approx(extra / (125e12 * 0.68))
+
+
+def test_lamemo_1_3b_on_v100s_no_longer_ranks_tp8_first():
+    """4 x 8 V100-32G: tp=8 leaves 256-wide GEMMs (16 heads x 128 / 8) at 42% of peak against the first layout's
+    wider ones, and puts 4 all-reduces a layer on the critical path: its compute alone takes longer."""
+    from megamemo.recommend import recommend
+    fits, _ = recommend(load(REPO / "configs" / "lamemo-1.3b.yaml"), 4, 8, 32, "gpu", "v100-32g", plan)
+    first = fits[0]
+    tp8 = [f for f in fits if f.desc.startswith("tp=8 ")]
+    assert tp8 and not first.desc.startswith("tp=8 ")
+    best8 = tp8[0].step
+    assert best8.width == 256 and best8.efficiency < first.step.efficiency
+    assert best8.terms["tp_comm"] > 0 and best8.terms["compute"] > first.step.terms["compute"]
+    assert best8.tokens_per_s < first.step.tokens_per_s
+    speeds = [f.step.tokens_per_s for f in fits]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_explain_prints_the_breakdown(capsys):
+    path = str(REPO / "configs" / "lamemo-7b.yaml")
+    assert main(["--config", path, "--nodes", "8", "--gpus-per-node", "8", "--gpu", "a100-80g", "--tp", "4",
+                 "--pp", "2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    for term in ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_comm", "GEMM width 1024", "dominant",
+                 "predicted step"):
+        assert term in out
+    st = step_time(load(path), 64, "a100-80g", 8, plan)
+    assert f"{st.seconds * 1e3:.1f} ms" in out and "\n".join(explain(st, "a100-80g")) in out
+
+
+# ---- input the planner cannot use: one line, why, and the nearest that runs ------------------------------------
+def one_line_error(capsys) -> str:
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in cap.err, cap.err
+    return lines[0]
+
+
+def test_unknown_device_kind(capsys):
+    assert main(["--config", str(TINY), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "a100-81g"]) == 2
+    line = one_line_error(capsys)
+    assert "unknown device kind 'a100-81g'" in line and "nearest: a100-80g" in line
+
+
+def test_a_precision_the_device_lacks(capsys):
+    assert main(["--config", str(REPO / "configs" / "lamemo-7b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
+                 "--gpu", "v100-32g"]) == 2
+    assert "v100-32g has no bf16 tensor cores" in one_line_error(capsys)
+
+
+def test_cluster_that_fits_nothing_names_the_smallest_that_does(capsys):
+    """lamemo-7b (in fp16: V100s have no bf16) on one node of 8 V100-16G: nothing fits; nodes of 8 such devices
+    run it from some node count on, and not on half as many."""
+    from megamemo.recommend import recommend
+    path = REPO / "configs" / "lamemo-7b.yaml"
+    assert main(["--config", str(path), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "v100-16g",
+                 "--set", "precision.dtype=fp16"]) == 1
+    line = one_line_error(capsys)
+    assert line.startswith("megamemo plan: no layout fits 1 x 8 v100-16g: the smallest need is ")
+    nodes = int(line.split("nearest that runs: ")[1].split()[0])
+    cfg = load(path, ["precision.dtype=fp16"])
+    assert recommend(cfg, nodes, 8, 16, "gpu", "v100-16g", plan)[0]
+    assert not recommend(cfg, nodes // 2, 8, 16, "gpu", "v100-16g", plan)[0]
+
+
+@pytest.mark.parametrize("tp,pp,why", [
+    ("3", "1", "model.n_head=16 is not divisible by tp=3"),
+    ("16", "1", "tp=16 does not divide a node's 8 devices"),
+    ("1", "64", "model.n_layer=24 is smaller than pp=64"),
+    ("2", "3", "tp x pp = 6 does not divide the 32 devices"),
+])
+def test_a_layout_that_cannot_run_names_the_nearest_that_does(tp, pp, why, capsys):
+    path = REPO / "configs" / "lamemo-1.3b.yaml"
+    assert main(["--config", str(path), "--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g", "--tp", tp,
+                 "--pp", pp]) == 2
+    line = one_line_error(capsys)
+    assert why in line and "nearest layout that runs: tp=" in line
+    assert capsys.readouterr().out == ""
+    near = line.split("nearest layout that runs: ")[1]
+    got = dict(kv.split("=") for kv in near.split()[:2])
+    assert abs(math.log2(int(got["tp"]) / int(tp))) <= 2
+
+
+def test_a_layout_that_does_not_fit_in_memory_names_the_nearest_that_does(capsys):
+    """lamemo-1.3b on 8 V100-16G without model parallelism or ZeRO (24.1 GiB a rank): the table, and one line with
+    the nearest layout that fits (the same tp and pp: ZeRO 1 leaves 13.7 GiB)."""
+    path = REPO / "configs" / "lamemo-1.3b.yaml"
+    assert main(["--config", str(path), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "v100-16g", "--tp", "1",
+                 "--pp", "1", "--set", "eval.every=0", "--set", "parallel.zero_stage=0",
+                 "--set", "train.grad_accum=8"]) == 1
+    line = one_line_error(capsys)
+    assert "needs 24.1 GiB" in line and "nearest layout that fits: tp=1 pp=1 dp=8 zero=1" in line
+
+
+def test_cpu_row_shares_its_cores_between_the_ranks():
+    """The measured CPU row: 4 ranks on 2 cores compute 2x slower than one alone (ranks / cores, no concurrent
+    measurement), 2 ranks not slower; its efficiency table is the measured rates over the fastest."""
+    from megamemo.steptime import CPU, CPU_CALIBRATION
+    assert CPU.share(128, 4) == 2.0 and CPU.share(128, 2) == 1.0
+    fastest = max(CPU_CALIBRATION["gemm"].values())
+    assert CPU.peak["fp32"] == fastest * 1e9
+    assert CPU.eff(128) == pytest.approx(CPU_CALIBRATION["gemm"][128] / fastest)
