@@ -51,8 +51,11 @@ def check_equals_single(run_dir, single, what):
 
 
 def test_tp2_x_pp2_on_four_ranks_equals_one_process(tiny_cfg, shards, single, tmp_path):
+    """With activation checkpointing (DeepSpeed's pipeline recomputing each layer, train.activation_checkpointing):
+    recomputation changes nothing the run computes (the layouts without it: the test below)."""
     run_dir = tmp_path / "run"
-    run(4, tiny_cfg, shards, run_dir, "--tp", "2", "--pp", "2", *EXACT, timeout=300)
+    run(4, tiny_cfg, shards, run_dir, "--tp", "2", "--pp", "2", *EXACT, "--set", "train.activation_checkpointing=true",
+        timeout=300)
     check_equals_single(run_dir, single, "tp2 x pp2")
 
 

@@ -25,9 +25,12 @@ single device); everything else is the single-device model.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megamemo.model.dropout import Dropout
 from megamemo.model.layers import LaMemoLayer, XLLayer
@@ -300,7 +303,11 @@ def build_pipeline(cfg, pp: int, topology=None, activation_checkpoint_interval: 
     kw = dict(topology=topology) if topology is not None else dict(num_stages=pp)
     module = MemPipelineModule(layers=specs, loss_fn=mean_nll if tp == 1 else mean_nll_vocab_parallel,
                                partition_method="uniform", dynamic_shape=True,
-                               activation_checkpoint_interval=activation_checkpoint_interval, **kw)
+                               activation_checkpoint_interval=activation_checkpoint_interval,
+                               # the transformer layers only (an embedding of token ids has no input gradient for
+                               # a checkpoint to hang on), with torch's non-reentrant checkpoint (replays dropout)
+                               checkpointable_layers=["LayerPipe"],
+                               activation_checkpoint_func=functools.partial(checkpoint, use_reentrant=False), **kw)
     if tp > 1:
         from .tensor import mark_tensor_parallel
         inv = {v: k for k, v in single_to_stage_names(cfg, module).items()}
