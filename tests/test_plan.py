@@ -64,15 +64,15 @@ def rank_layer(d, heads, d_head, ff):
 
 
 def by_hand_lamemo_1_3b():
-    # 24 layers, d 2048, 16 heads x 128, d_inner 8192, 256 bytes; tp 2: 8 heads, 4096 FFN rows, 128 vocab rows
-    return 24 * rank_layer(2048, 8, 128, 4096) + 128 * 2048 + 128 + 3 * 8 * 128   # + table, out bias, u v+ v-
+    # 24 layers, d 2048, 16 heads x 128, d_inner 8192, 32k subwords; tp 2: 8 heads, 4096 FFN rows, 16000 vocab rows
+    return 24 * rank_layer(2048, 8, 128, 4096) + 16000 * 2048 + 16000 + 3 * 8 * 128   # + table, out bias, u v+ v-
 
 
 def by_hand_lamemo_7b_first_stage():
     # 32 layers over pp 2 (16 on the first stage), d 4096, 32 heads x 128, d_inner 16384; tp 4: 8 heads,
-    # 4096 FFN rows, 64 vocab rows. The first stage has the embedding table and the shared biases; the output
+    # 4096 FFN rows, 8000 vocab rows. The first stage has the embedding table and the shared biases; the output
     # bias is on the last stage.
-    return 16 * rank_layer(4096, 8, 128, 4096) + 64 * 4096 + 3 * 8 * 128
+    return 16 * rank_layer(4096, 8, 128, 4096) + 8000 * 4096 + 3 * 8 * 128
 
 
 def test_lamemo_1_3b_on_its_v100_cluster():
@@ -80,8 +80,8 @@ def test_lamemo_1_3b_on_its_v100_cluster():
     micro-batch 64 / (16 x 4 accumulation steps) = 1 stream."""
     cfg = load(REPO / "configs" / "lamemo-1.3b.yaml")
     n = by_hand_lamemo_1_3b()
-    assert 24 * (5 * 2048 * 2048 + 2 * 2048 * 8192 + 8192 + 5 * 2048) + 256 * 2048 + 256 + 3 * 2048 \
-        == built_params(cfg.model) == 1_309_595_904
+    assert 24 * (5 * 2048 * 2048 + 2 * 2048 * 8192 + 8192 + 5 * 2048) + 32000 * 2048 + 32000 + 3 * 2048 \
+        == built_params(cfg.model) == 1_374_639_360
     p = plan(cfg, world=32, gpu_gib=32)
     assert p.layout == "tp=2 pp=1 dp=16 zero=1 micro_batch=1 x grad_accum=4"
     assert p.params == 2 * n                       # fp16 weights
@@ -91,7 +91,7 @@ def test_lamemo_1_3b_on_its_v100_cluster():
     # 512 memory rows), 8 heads x 128 and 4096 FFN rows on this rank; fp16 tensors, fp32 scores; fp32 logits
     rows, L, M = 1024, 512, 512
     per_layer = 2 * (4 * rows * 2048 + 4 * rows * 1024 + 2 * rows * 4096) + 4 * (2 * 8 * L * rows + 2 * 8 * M * L)
-    assert p.activations == pytest.approx(24 * per_layer + 4 * L * 128, rel=1e-12)
+    assert p.activations == pytest.approx(24 * per_layer + 4 * L * 16000, rel=1e-12)
     # memory: 4 streams (1 x 4 micro-batches) x 512 rows of the fp16 embedding FIFO and, per layer, the fp16
     # context (8 heads x 128) and fp32 log-normaliser (8 heads)
     assert p.memory_state == 4 * 512 * (2048 * 2 + 24 * 8 * (128 * 2 + 4))
@@ -144,12 +144,12 @@ def test_7b_first_stage_count_is_what_the_pipeline_and_tp_ranks_hold():
         names = single_to_stage_names(m, span)
         counts.append(sum(shard_tensor(k, sd[k], 0, 4).numel() for k in names))
     assert counts[0] == by_hand_lamemo_7b_first_stage()
-    assert counts[1] == counts[0] + 256 // 4        # the last stage: the same, plus its output-bias rows
+    assert counts[1] == counts[0] + 32000 // 4        # the last stage: the same, plus its output-bias rows
 
 
 @pytest.mark.parametrize("name,cluster,printed", [
-    ("lamemo-1.3b", ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g"], "1.31 B parameters"),
-    ("lamemo-7b", ["--nodes", "8", "--gpus-per-node", "8", "--gpu", "a100-80g"], "6.98 B parameters"),
+    ("lamemo-1.3b", ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g"], "1.37 B parameters"),
+    ("lamemo-7b", ["--nodes", "8", "--gpus-per-node", "8", "--gpu", "a100-80g"], "7.11 B parameters"),
 ])
 def test_plan_command_on_the_documented_clusters(name, cluster, printed, capsys):
     path = REPO / "configs" / f"{name}.yaml"
