@@ -91,24 +91,30 @@ class Launcher:
         """Until every worker ended -> 0, or the exit code of the failure: 2 when a worker explained it (megamemo's
         one line for bad usage, config, data or checkpoint), else the first failed worker's (128 + N for signal N)."""
         first: tuple[int, int] | None = None        # the first worker seen failing: the cause
+        stopped = False
         while any(p.poll() is None for p in self.procs):
             self.deliver()
             if first is None:
-                failed = [(r, p.returncode) for r, p in enumerate(self.procs) if p.returncode not in (None, 0)]
-                if failed:
-                    # several at once: a peer's abort in a collective is a consequence, not a cause
-                    first = min(failed, key=lambda rc: (rc[1] == -signal.SIGABRT, rc[0]))
+                first = _first_failure(self.procs)
+                if first is not None:
                     self.kill()             # the others cannot go on without it
+                    stopped = True
             time.sleep(0.05)
         codes = [p.returncode for p in self.procs]
         if 2 in codes:
             return 2
-        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
-        if not bad:
+        if not any(codes):
             return 0
-        r, c = first if first is not None else bad[0]
-        self.log(f"[launch] worker {r} exited with {_describe(c)}" + (": the others were stopped" if first else ""))
+        r, c = first or _first_failure(self.procs)
+        self.log(f"[launch] worker {r} exited with {_describe(c)}" + (": the others were stopped" if stopped else ""))
         return c if c > 0 else 128 - c
+
+
+def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """(rank, exit code) of a failed worker, or None. Several failed since the last look: a SIGABRT is a peer's
+    consequence (gloo aborting a rank whose peer vanished mid-collective), not the cause; else the lowest rank."""
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+    return min(failed, key=lambda rc: (rc[1] == -signal.SIGABRT, rc[0])) if failed else None
 
 
 def _describe(rc: int) -> str:

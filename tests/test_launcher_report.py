@@ -27,7 +27,7 @@ def launch(tmp_path, worker: str, n: int = 2) -> subprocess.CompletedProcess:
 def test_the_first_failure_is_reported_not_the_peer_that_aborted_after_it(tmp_path):
     r = launch(tmp_path, WORKER)
     assert r.returncode == 128 + 9, r.stderr
-    assert "worker 0 exited with signal SIGKILL: the others were stopped" in r.stderr, r.stderr
+    assert "worker 0 exited with signal SIGKILL" in r.stderr and "SIGABRT" not in r.stderr, r.stderr
 
 
 def test_a_worker_that_explains_its_error_gives_exit_2(tmp_path):

@@ -2,6 +2,9 @@
   * signals sent to the launcher or its process group (TERM, USR1, during start-up too) end in a save, exit 0 and
     a bit-exact restart; a `kill -9` of the launcher leaves no worker behind; a second trainer in the same run
     directory is refused, naming the first;
+  * ranks started directly (as srun starts them): a stop signal during start-up is held until the handler is in
+    place, then saves and exits 0; a start refused the run directory's lock ends with exit 2 on every rank, one
+    line, no rank aborting on its way out;
   * errors megamemo anticipates (a corrupt shard met mid-run, a split too short, a bad config) end in one line
     naming the file or field, from one rank, exit code 2 through the launcher, no traceback; a failed start leaves
     nothing in the run directory;
@@ -21,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from megamemo.checkpoint.store import MARKER, list_checkpoints
-from test_train_runs import losses, shards, tiny_cfg  # noqa: F401 (fixtures)
+from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
+from test_train_runs import committed_steps, launch, logs, losses, shards, tiny_cfg, wait  # noqa: F401
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -121,6 +124,62 @@ def test_a_killed_launcher_leaves_no_worker_and_one_trainer_per_directory(tiny_c
     assert not workers_of(run_dir), "workers outlived their launcher"
     assert [c for _, _, c in list_checkpoints(run_dir / "checkpoints")] == [True]   # they saved on the way out
     assert not (run_dir / "LOCK").exists()
+
+
+# ---- ranks started directly, as srun starts them: a signal during start-up, a refused start ----------------------
+def _signal_state(pid: int) -> tuple[bool, bool]:
+    """(blocked, handled) for SIGUSR1 in process `pid`, from /proc/PID/status (SigBlk, SigCgt)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    bit = 1 << (signal.SIGUSR1 - 1)
+    return bool(int(fields["SigBlk"], 16) & bit), bool(int(fields["SigCgt"], 16) & bit)
+
+
+def test_a_stop_signal_during_start_up_is_held_then_saves_and_exits_0(tiny_cfg, shards, tmp_path):
+    """Slurm's --signal reaches every process of the step whenever it fires, here while the workers still import
+    torch: no handler is installed yet (SigCgt), the signal is blocked (SigBlk) and stays pending; once the trainer's
+    handler is in place it is handled like any other: one step, a committed checkpoint, exit 0 on both ranks."""
+    run_dir = tmp_path / "early"
+    procs = launch(2, tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0")
+    deadline = time.time() + 30
+    for p in procs:                                     # wait until each worker holds the stop signals
+        while not _signal_state(p.pid)[0]:
+            assert time.time() < deadline and p.poll() is None, ("the stop signals were never blocked",
+                                                                  logs(run_dir)[-3000:])
+            time.sleep(0.005)
+    for p in procs:
+        assert _signal_state(p.pid) == (True, False)    # held, and no handler yet: this is start-up
+        p.send_signal(signal.SIGUSR1)
+    assert wait(procs, 120) == [0, 0], logs(run_dir)[-3000:]
+    out = logs(run_dir)
+    assert out.count("[signal] received SIGUSR1") == 2 and "stopped at step 1" in out, out[-3000:]
+    assert committed_steps(run_dir) == [1]
+    verify(run_dir / "checkpoints" / "step_00000001")
+
+
+def test_a_refused_start_on_two_ranks_ends_cleanly_on_both(tiny_cfg, shards, tmp_path):
+    """Rank 0 is refused the run directory's lock (a live trainer holds it): both ranks end with exit 2, one line
+    from rank 0, and no rank aborts on its way out (a process group or a thread left alive at interpreter exit
+    made rank 1 die with SIGABRT, "terminate called without an active exception"). Twice, as the abort was
+    intermittent."""
+    import socket as _socket
+
+    run_dir = tmp_path / "locked"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        from megamemo.checkpoint.lock import LOCK, _proc_start
+        (run_dir / LOCK).write_text(json.dumps({"host": _socket.gethostname(), "pid": holder.pid, "token": "h",
+                                                "pid_start": _proc_start(holder.pid), "heartbeat": time.time()}))
+        for attempt in range(2):
+            rcs = wait(launch(2, tiny_cfg, shards, run_dir, "--max-steps", "3"), 120)
+            out = logs(run_dir)
+            assert rcs == [2, 2], (attempt, rcs, out[-3000:])
+            assert out.count("megamemo train: error:") == attempt + 1 and f"pid {holder.pid}" in out, out[-3000:]
+            assert "terminate called" not in out and "Traceback" not in out, out[-3000:]
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK]          # nothing written, the lock untouched
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 # ---- anticipated errors ---------------------------------------------------------------------------------------
