@@ -84,20 +84,22 @@ def train_args(srun: list[str]) -> list[str]:
 
 
 def test_presets_set_their_precision_which_the_environment_and_the_arguments_override(stubs):
-    rc, out, srun, _ = batch(stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r")
+    gpus = {"MEGAMEMO_GPU_PROBE": "echo 8"}     # the GPU presets require GPUs: torch's view, as launch/device.sh asks
+    rc, out, srun, _ = batch(stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r", **gpus)
     assert rc == 0, out
     assert train_args(srun) == ["--set", "precision.dtype=bf16", "--config", "c.yaml", "--run-dir", "r"]
     rc, out, srun, _ = batch(stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r",
-                             MEGAMEMO_PRECISION="fp32")
+                             MEGAMEMO_PRECISION="fp32", **gpus)
     assert train_args(srun)[:2] == ["--set", "precision.dtype=fp32"]
     # a --set among the arguments comes after the preset's, so it wins (the config loader applies them in order)
     rc, out, srun, _ = batch(stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r", "--set",
-                             "precision.dtype=fp32")
+                             "precision.dtype=fp32", **gpus)
     assert train_args(srun) == ["--set", "precision.dtype=bf16", "--config", "c.yaml", "--run-dir", "r", "--set",
                                 "precision.dtype=fp32"]
-    # V100's fp16 on a node without GPUs: dropped with a warning, the config's precision stays
-    rc, out, srun, _ = batch(stubs, "v100-fp16.sbatch", "--config", "c.yaml", "--run-dir", "r")
-    assert rc == 0 and "fp16 needs GPUs" in out and train_args(srun) == ["--config", "c.yaml", "--run-dir", "r"]
+    # a GPU preset on a node where torch sees no GPU: one error line, nothing started (issue 28)
+    rc, out, srun, _ = batch(stubs, "v100-fp16.sbatch", "--config", "c.yaml", "--run-dir", "r",
+                             MEGAMEMO_GPU_PROBE="echo 0")
+    assert rc != 0 and "torch sees no CUDA device" in out and srun is None, out
 
 
 def test_a_bad_precision_is_refused_before_anything_starts(stubs):
