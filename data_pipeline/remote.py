@@ -195,7 +195,8 @@ class RemoteShards:
         return f"{self.root}/{name}" if urlsplit(self.url).scheme not in ("http", "https") else self.object_url(name)
 
     def cached_path(self, entry: dict) -> Path:
-        return self.shard_dir / f"{entry['sha256']}.tar"
+        """Named by content: <sha256>.tar for a shard (<sha256>.bin for a document index)."""
+        return self.shard_dir / f"{entry['sha256']}{Path(entry['name']).suffix}"
 
     # ---- manifest and vocabulary --------------------------------------------------------------------------
     def _stage_meta(self) -> dict:
@@ -321,10 +322,10 @@ class RemoteShards:
     def _evict(self, keep: Path) -> None:
         """Delete least recently used shards until the cache fits its limit (never one queued for reading)."""
         with self._mutex:
-            pinned = {f"{k}.tar" for k in self._pending} | {keep.name}
+            pinned = set(self._pending) | {keep.name.split(".")[0]}
         files = []
         for d in os.scandir(self.shard_dir):
-            if d.name.endswith(".tar"):
+            if not d.name.startswith("."):                      # not a lock file or a download in progress
                 with contextlib.suppress(FileNotFoundError):
                     st = d.stat()
                     files.append((st.st_mtime, st.st_size, d.name))
@@ -332,7 +333,7 @@ class RemoteShards:
         for _, size, name in sorted(files):
             if total <= self.limit:
                 return
-            if name not in pinned:
+            if name.split(".")[0] not in pinned:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.shard_dir / name)
                 total -= size

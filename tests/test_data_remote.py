@@ -319,6 +319,37 @@ def test_a_blend_resumes_with_a_source_moved_to_s3(local_shards, remote_shards, 
     after.close()
 
 
+def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_cache(tmp_path):
+    """A corpus of documents on s3://: the blend's batches equal the local directory's (whole documents), the
+    document index is fetched once into the cache, named by its sha256; a damaged index object is named."""
+    import json
+
+    import numpy as np
+    from data_pipeline.blend import BlendReader
+    from test_data_blend import doc_source
+
+    local = tmp_path / "docs"
+    doc_source(local, 3, 0, 300, 200)
+    url = upload(local, "docs")
+    entry = json.loads((local / "manifest.json").read_text())["splits"]["train"]["documents"]
+    kw = dict(batch_size=4, tgt_len=128, seed=6)
+    want = BlendReader([(local, 1)], "train", **kw)
+    with BlendReader([(url, 1)], "train", remote_options=opts(tmp_path), **kw) as got:
+        assert got.units[0].kind == "documents" and np.array_equal(got.units[0].starts, want.units[0].starts)
+        for k in range(40):
+            assert all(torch.equal(x, y) for x, y in zip(got.get_batch(0, k), want.get_batch(0, k)))
+    cached = tmp_path / "cache" / "sha256" / f"{entry['sha256']}.bin"
+    assert cached.read_bytes() == (local / entry["file"]).read_bytes()
+
+    def damage(name, data):
+        return data[:8] + bytes([data[8] ^ 1]) + data[9:] if name == entry["file"] else data
+    bad = upload(local, "docs-bad", damage)
+    with pytest.raises(ShardError, match=f"shard {bad}/{entry['file']}: document index of split train: sha256 .* "
+                                         f"does not match manifest.json"):
+        BlendReader([(bad, 1)], "train", remote_options=opts(tmp_path / "other"), **kw)
+    assert not list((tmp_path / "other").rglob("*.bin")) and not list((tmp_path / "other").rglob("*.partial"))
+
+
 def test_training_on_a_blend_of_local_and_s3_logs_its_token_mix(local_shards, remote_shards, tmp_path):
     from test_train_runs import TINY, launch, logs, losses, wait
 
