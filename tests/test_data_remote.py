@@ -3,7 +3,8 @@ started by a fixture; AWS_ENDPOINT_URL and dummy credentials in the environment)
 local directory's, the cache holds only verified shards under its size limit (least recently used evicted),
 damaged / missing / truncated objects are named with their chunk, a stopped server gives retries then a named
 error (reader and `megamemo train`), a 2-process training run from s3:// equals the local one across a kill -9,
-http:// reads like local, credentials in URLs are refused, and blends mix local and s3:// sources."""
+http:// and gs:// (a GCS emulator on loopback) read like local, credentials in URLs are refused, and blends mix
+local and s3:// sources, reading a remote document index through the verified cache."""
 from __future__ import annotations
 
 import contextlib
@@ -278,6 +279,40 @@ def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
         server.wait(10)
     expect = batches(StreamReader(local_shards, "train", 4, 512))
     assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect))
+
+
+def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(local_shards, tmp_path):
+    """gs:// through gcsfs against a GCS emulator on 127.0.0.1 (gcp-storage-emulator; STORAGE_EMULATOR_HOST)."""
+    import json
+
+    from data_pipeline.loopback_gcs import LoopbackGCS, upload as upload_gs
+
+    server = LoopbackGCS()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        url = upload_gs(local_shards, BUCKET, "enwik8")
+        kw = dict(batch_size=4, tgt_len=512, roll=True, seed=1)
+        with StreamReader(url, "train", remote_options=opts(tmp_path), **kw) as r:
+            got = batches(r)
+            assert r.cache_info()["fetched_bytes"] > 0
+        second = json.loads((local_shards / "manifest.json").read_text())["splits"]["train"]["shards"][1]
+        bad = upload_gs(local_shards, BUCKET, "corrupt", flip_a_byte(second["name"]))
+        with pytest.raises(ShardError) as e:
+            batches(StreamReader(bad, "train", batch_size=1, tgt_len=4096, remote_options=opts(tmp_path / "b")))
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    expect = batches(StreamReader(local_shards, "train", **kw))
+    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                                           for a, b in zip(got, expect))
+    msg = str(e.value)
+    assert msg.startswith(f"shard {bad}/{second['name']}: chunk at token offset {second['offset']}")
+    assert "does not match manifest.json" in msg and "\n" not in msg
 
 
 def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
