@@ -60,6 +60,16 @@ def is_remote(data_dir) -> bool:
     return isinstance(data_dir, str) and urlsplit(data_dir).scheme in SCHEMES and "://" in data_dir
 
 
+def manifest_of(data_dir, options: RemoteOptions | None = None) -> dict:
+    """The checked manifest of a local directory or of an s3:// gs:// https:// one (staged through the cache like
+    the reader's: read once per process)."""
+    if not is_remote(data_dir):
+        return load_manifest(data_dir)
+    remote = RemoteShards(str(data_dir), options)
+    remote.close()
+    return remote.manifest
+
+
 def default_cache_dir() -> str:
     return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megamemo" / "shards")
 

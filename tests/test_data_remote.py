@@ -315,6 +315,38 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
     assert "does not match manifest.json" in msg and "\n" not in msg
 
 
+def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_path, monkeypatch, capsys):
+    """`megamemo eval --data s3://...` scores exactly as from the local directory (read through the verified cache
+    in $XDG_CACHE_HOME/megamemo/shards), `megamemo analyze` records the same attention, and a missing object is
+    one error line naming it."""
+    import json
+
+    from eval_fixtures import tiny_checkpoint
+    from megamemo import analyze, evaluate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")
+    results = {}
+    for name, data in (("local", local_shards), ("s3", remote_shards)):
+        out = tmp_path / f"{name}.json"
+        assert evaluate.main(["--ckpt", str(ckpt), "--data", str(data), "--split", "test", "--batch-size", "3",
+                              "--max-segments", "40", "--json", str(out)]) == 0
+        assert analyze.main(["--ckpt", str(ckpt), "--data", str(data), "--segments", "4", "--batch-size", "2",
+                             "--out", str(tmp_path / f"an-{name}")]) == 0
+        results[name] = (json.loads(out.read_text()), json.loads((tmp_path / f"an-{name}/analysis.json").read_text()))
+    (ev_local, an_local), (ev_s3, an_s3) = results["local"], results["s3"]
+    assert ev_s3["tokens"] == ev_local["tokens"] == 40 * 12 * 3 and ev_s3["nll"] == ev_local["nll"]
+    assert an_s3["models"][0]["attention_by_distance"] == an_local["models"][0]["attention_by_distance"]
+    assert list((tmp_path / "xdg" / "megamemo" / "shards" / "sha256").glob("*.tar"))
+
+    test_shard = json.loads((local_shards / "manifest.json").read_text())["splits"]["test"]["shards"][0]["name"]
+    url = upload(local_shards, "missing-eval", lambda n, d: None if n == test_shard else d)
+    capsys.readouterr()
+    assert evaluate.main(["--ckpt", str(ckpt), "--data", url, "--split", "test"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"megamemo eval: error: shard {url}/{test_shard}: missing (listed in manifest.json)"]
+
+
 def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
     from data_pipeline import ManifestError
 
