@@ -80,6 +80,7 @@ class _Schedule:
         self.used_before = [np.zeros(n, dtype=np.int64)]    # units of each source drawn before block b
         self.tokens_before = [np.zeros(n, dtype=np.int64)]  # tokens of each source before block b
         self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self.current: tuple[int, int, int, int] | None = None   # the unit last read: source, offset, first, end
 
     def block(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source, unit, first token in the column) of the draws of block b; starts has one more entry: the end."""
@@ -198,12 +199,15 @@ class BlendReader:
     def _read_column(self, column: int, start: int, stop: int, out: np.ndarray) -> None:
         sch, pos, o = self.schedule(column), start, 0
         while pos < stop:
-            j = sch.find(pos)
-            s, u, first, last = sch.entry(j)
-            base = int(self.units[s].start(u)) - first
+            cur = sch.current
+            if cur is None or not cur[2] <= pos < cur[3]:       # entering another unit
+                j = sch.find(pos)
+                s, u, first, last = sch.entry(j)
+                cur = sch.current = (s, int(self.units[s].start(u)) - first, first, last)
+                ns, nu, _, _ = sch.entry(j + 1)     # read-ahead (remote sources): the column's next unit
+                self.sources[ns].prefetch_at(int(self.units[ns].start(nu)))
+            s, base, _, last = cur
             end = min(stop, last)
-            ns, nu, _, _ = sch.entry(j + 1)         # read-ahead (remote sources): the column's next unit
-            self.sources[ns].prefetch_at(int(self.units[ns].start(nu)))
             self.sources[s].read(base + pos, base + end, out[o:o + end - pos], slot=column)
             o += end - pos
             pos = end
