@@ -16,7 +16,9 @@ ARG CUDA_IMAGE=nvidia/cuda:12.6.3-devel-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 # Pinned versions (the CPU development environment uses the same ones; torch's Linux wheel brings its CUDA
-# libraries, the base image brings nvcc for DeepSpeed's op build).
+# libraries, the base image brings nvcc for DeepSpeed's op build). Besides the package's dependencies the image holds
+# its extras s3 and gcs (shard directories on s3:// and gs://: fsspec, s3fs, gcsfs, aiohttp for https://), eval
+# (transformers, lm-eval, accelerate: `megamemo export hf`, `megamemo harness`) and parquet (pyarrow).
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu126
 ARG DEEPSPEED_VERSION=0.19.8
@@ -64,6 +66,8 @@ RUN python3 -m venv /opt/venv \
        "zstandard==${ZSTANDARD_VERSION}" "megatron-core==${MEGATRON_CORE_VERSION}" \
        "numpy==${NUMPY_VERSION}" "pyyaml==6.0.3" "safetensors==0.8.0" "tensorboard==2.21.0" \
        "matplotlib==3.11.2" "ninja==1.13.2" "tokenizers==0.23.3" "sentencepiece==0.2.3" "pyarrow==26.0.1" \
+       "fsspec==2026.9.0" "aiohttp==3.14.5" "s3fs==2026.9.0" "gcsfs==2026.10.1" \
+       "transformers==5.24.0" "lm-eval==0.4.13" "accelerate==1.15.0" \
     && if [ "${DS_BUILD_OPS}" = "1" ]; then \
          DS_ACCELERATOR=cuda DS_BUILD_OPS=1 DS_BUILD_SPARSE_ATTN=0 DS_BUILD_EVOFORMER_ATTN=0 DS_BUILD_GDS=0 \
            pip install -c /opt/venv/torch-constraint.txt --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"; \
@@ -72,6 +76,7 @@ RUN python3 -m venv /opt/venv \
        fi \
     && pip check \
     && python -c "import torch, deepspeed, megatron.core, mpi4py, webdataset, zstandard, tokenizers, pyarrow" \
+    && python -c "import s3fs, gcsfs, transformers, lm_eval, accelerate" \
     && python -c "import torch, sys; held = open('/opt/venv/torch-constraint.txt').read().split('==')[1].strip(); \
 sys.exit(0 if torch.__version__ == held else f'torch changed from {held} to {torch.__version__}')"
 

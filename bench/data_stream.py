@@ -5,7 +5,10 @@
   3. the same reader streaming from s3:// on a loopback S3-protocol server (moto): with a cold cache (every shard
      downloaded, sha256-verified and decoded) and a warm one, and how long a reader paced like a training job
      waits for the network once it has started (the read-ahead's job),
-  4. what a training step (fwd + bwd + Adam) of a small demo model consumes, fed by the reader, and the ratio
+  4. BlendReader (data.blend) over two sources, drawing chunks (manifests without a document index) or whole
+     documents (the same tokens with a document index of seeded lengths, mean ~2,000 tokens), and what a resume
+     far into a run costs it (the column schedules rebuilt from step 0),
+  5. what a training step (fwd + bwd + Adam) of a small demo model consumes, fed by the reader, and the ratio
      of each rate to configs/lamemo-1.3b.yaml's consumption (its FLOPs per token at the V100's fp16 datasheet
      peak: an upper bound for one GPU).
 
@@ -84,6 +87,37 @@ def s3_rates(data_dir: Path, tmp: Path, a) -> dict:
             info = r.cache_info()
         rates["paced"] = (first_wait, info["wait_s"] - first_wait, time.perf_counter() - t0,
                           info["fetched_bytes"] - first_fetched)
+    return rates
+
+
+def blend_rates(data_dir: Path, tmp: Path, a) -> dict:
+    """BlendReader tokens/s over two sources (each drawn half the tokens): chunks, then documents; and the
+    seconds to the first batch of a blend resumed at step --resume-step."""
+    from data_pipeline import build, corpora, read_split
+    from data_pipeline.blend import BlendReader
+    from data_pipeline.vocab import Vocab
+
+    ids = read_split(data_dir, a.split)
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(np.log(1500), 0.8, size=ids.size // 200 + 1).astype(np.int64) + 1, 20_000)
+    lengths = lengths[:int(np.searchsorted(np.cumsum(lengths), ids.size)) + 1]
+    lengths[-1] -= lengths.sum() - ids.size
+    docs = tmp / "documents"
+    build(corpora.from_arrays({a.split: ids}, Vocab.identity_bytes(), documents={a.split: lengths[lengths > 0]}),
+          docs, shard_bytes=a.shard_bytes, log=lambda m: None)
+    steps = ids.size // (a.batch * a.tgt_len)
+
+    def epoch(d: Path) -> int:
+        with BlendReader([(d, 1), (d, 1)], a.split, a.batch, a.tgt_len, seed=1) as r:
+            return sum(r.get_batch(0, k)[0].numel() for k in range(steps))
+    rates = best_rates({"chunks": lambda: epoch(data_dir), "documents": lambda: epoch(docs)}, a.repeats)
+    with BlendReader([(docs, 1), (docs, 1)], a.split, a.batch, a.tgt_len, seed=1) as r:
+        state = dict(r.state_dict(), step=a.resume_step)
+        t0 = time.perf_counter()
+        r.load_state_dict(state)
+        r.get_batch(0, a.resume_step)
+        rates["resume_s"] = time.perf_counter() - t0
+        rates["n_documents"] = r.units[0].n
     return rates
 
 
@@ -175,6 +209,7 @@ def main() -> None:
     p.add_argument("--paced-batch", type=int, default=2,
                    help="columns of the paced consumer (few: each column then crosses several shards)")
     p.add_argument("--shard-bytes", default="256K", help="shard size when preparing the enwik8 prefix")
+    p.add_argument("--resume-step", type=int, default=100_000, help="step of the blend resume measurement")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="megamemo_bench_") as tmp:
@@ -185,7 +220,7 @@ def run(a, tmp: Path) -> None:
 
     from data_pipeline import build, corpora, load_manifest
     if a.data is None:
-        data_dir = tmp
+        data_dir = tmp / "enwik8"
         raw = REPO.parent / "shared/data/enwik8/enwik8_prefix"
         build(corpora.enwik8(raw), data_dir, shard_bytes=a.shard_bytes, log=lambda m: None)
         print(f"prepared {raw} -> {data_dir} (chunks of 65536 tokens, ~{a.shard_bytes} shards)")
@@ -209,6 +244,12 @@ def run(a, tmp: Path) -> None:
               f"plain/reader = {plain / r:.2f}x")
     local = max(rates.values())
     readers = {"local disk": local}
+    blend = blend_rates(data_dir, tmp, a)
+    for k in ("chunks", "documents"):
+        print(f"{f'BlendReader B={a.batch} L={a.tgt_len}, 2 sources, {k}':<44} {blend[k] / 1e6:10.1f} M tokens/s   "
+              f"local/this = {local / blend[k]:.2f}x")
+    print(f"blend of {blend['n_documents']:,} documents per source resumed at step {a.resume_step:,} "
+          f"({a.resume_step * a.tgt_len * a.batch / 1e9:.2f} G tokens in): {blend['resume_s']:.2f}s to its first batch")
     if not a.no_s3:
         s3 = s3_rates(data_dir, tmp, a)
         first, later, secs, fetched = s3.pop("paced")

@@ -1,21 +1,28 @@
 """BlendReader: batches whose columns draw whole units from several shard directories by weight.
 
-Every column c of the global batch is an endless stream of units. Unit j of column c comes from source s drawn
-with probability weight_s by ``numpy.random.default_rng([seed, c, j // 256])`` (256 draws at a time), and is the
-next unit of that source for this column: column c walks each source from its own seeded start, wrapping at the
-end. A unit is a document where the manifest records document boundaries and otherwise one chunk (the
-manifest's ``chunk_tokens`` tokens), so the memory stream of a column is contiguous within a unit. Today's
-manifests (format_version 1) record no documents, so blends draw chunks.
+Every column c of the global batch is an endless stream of units. A unit is a document where the split has a
+document index (data_pipeline/doc_index.py: `megamemo prepare` writes one for corpora of documents), and otherwise
+one chunk (the manifest's ``chunk_tokens`` tokens: flat corpora, and directories prepared before indexes existed),
+so the memory stream of a column is contiguous within a unit. Unit j of column c comes from source s drawn by
+``numpy.random.default_rng([seed, c, j // 256])`` (256 draws at a time) and is the next unit of that source for
+this column: column c walks each source from its own seeded start, wrapping at the end.
+
+Weights are shares of TOKENS: units differ in length (documents of one source, and from source to source), so
+source s is drawn with probability proportional to weight_s / mean unit length_s (its tokens / its units): every
+draw then brings, in expectation, tokens in proportion to the weights, and the realized mix converges to them.
 
 The schedule is a pure function of (seed, column, unit), and the position is a single step counter: resume is
-exact, on any number of ranks (a rank builds only its own columns' schedules). Sources must share one tokenizer
-(the vocabulary's kind, size and sha256, and the tokenizer's kind and sha256 where recorded), else BlendError.
-The realized token mix (over all B columns, so every rank computes the same numbers) is logged every
-``mix_every`` steps by rank 0 and returned by ``token_mix()``.
+exact, on any number of ranks (a rank builds only its own columns' schedules). A column's schedule keeps, per 256
+draws, only the tokens and units taken from each source so far (the draws themselves for the few latest blocks),
+so its memory grows by a few dozen bytes per 256 units. Sources must share one tokenizer (the vocabulary's kind,
+size and sha256, and the tokenizer's kind and sha256 where recorded), else BlendError. The realized token mix
+(over all B columns, so every rank computes the same numbers) is logged every ``mix_every`` steps by rank 0 and
+returned by ``token_mix()``.
 """
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +31,10 @@ import torch
 from .remote import RemoteOptions
 from .shard_reader import SplitSource
 
-STATE_VERSION = 1
+STATE_VERSION = 2            # 2: units are documents where indexed; draws weighted by tokens
 DRAWS = 256                  # units drawn per generator (a column's schedule grows by this many at a time)
 ENDLESS = 1 << 62            # steps_per_epoch of a blend: one endless epoch
+KEEP_BLOCKS = 4              # blocks of draws kept per column (older ones are drawn again when asked for)
 
 
 class BlendError(ValueError):
@@ -39,43 +47,89 @@ def tokenizer_identity(manifest: dict) -> dict:
             "tokenizer.kind": t.get("kind"), "tokenizer.sha256": t.get("sha256")}
 
 
+class Units:
+    """A source's units: its documents (from the document index) or, without one, its chunks."""
+
+    def __init__(self, src: SplitSource):
+        self.n_tokens, self.chunk_tokens = src.n_tokens, src.chunk_tokens
+        self.starts = src.document_starts()
+        self.kind = "chunks" if self.starts is None else "documents"
+        self.n = -(-self.n_tokens // self.chunk_tokens) if self.starts is None else int(self.starts.size)
+        self.mean_tokens = self.n_tokens / self.n
+
+    def start(self, u):
+        """First token (in the source's split) of unit(s) u."""
+        return u * self.chunk_tokens if self.starts is None else self.starts[u]
+
+    def length(self, u: np.ndarray) -> np.ndarray:
+        nxt = u + 1
+        ends = np.where(nxt < self.n, self.start(np.minimum(nxt, self.n - 1)), self.n_tokens)
+        return ends - self.start(u)
+
+
 class _Schedule:
-    """One column's units: source, chunk index, first token (in the column's stream)."""
+    """One column's units. Block b holds draws b·256 ... b·256+255; per block the column keeps where it starts
+    (token), and the units and tokens taken from each source before it; the draws of the latest blocks are kept."""
 
-    def __init__(self, column: int, seed: int, weights: np.ndarray, n_units: list[int], unit_len):
-        self.column, self.seed, self.weights, self.n_units, self.unit_len = column, seed, weights, n_units, unit_len
-        self.src: list[int] = []
-        self.unit: list[int] = []
-        self.starts = [0]
-        self.used = [0] * len(n_units)
-        self.first = [int(np.random.default_rng([seed, 7919, column, s]).integers(n)) for s, n in enumerate(n_units)]
+    def __init__(self, column: int, seed: int, probs: np.ndarray, units: list[Units]):
+        self.column, self.seed, self.probs, self.units = column, seed, probs, units
+        n = len(units)
+        self.first = np.array([np.random.default_rng([seed, 7919, column, s]).integers(u.n)
+                               for s, u in enumerate(units)], dtype=np.int64)
+        self.block_start = [0]                              # first token of block b; [-1]: the next block's
+        self.used_before = [np.zeros(n, dtype=np.int64)]    # units of each source drawn before block b
+        self.tokens_before = [np.zeros(n, dtype=np.int64)]  # tokens of each source before block b
+        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self.current: tuple[int, int, int, int] | None = None   # the unit last read: source, offset, first, end
 
-    def cover(self, token: int) -> None:
-        """Draw units until the stream reaches `token`."""
-        while self.starts[-1] <= token:
-            block = len(self.src) // DRAWS
-            rng = np.random.default_rng([self.seed, self.column, block])
-            for s in rng.choice(len(self.weights), size=DRAWS, p=self.weights):
-                s = int(s)
-                u = (self.first[s] + self.used[s]) % self.n_units[s]
-                self.used[s] += 1
-                self.src.append(s)
-                self.unit.append(u)
-                self.starts.append(self.starts[-1] + self.unit_len(s, u))
+    def block(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, unit, first token in the column) of the draws of block b; starts has one more entry: the end."""
+        got = self._blocks.get(b)
+        if got is not None:
+            self._blocks.move_to_end(b)
+            return got
+        while len(self.block_start) <= b:                   # blocks before b first (their counts)
+            self.block(len(self.block_start) - 1)
+        src = np.random.default_rng([self.seed, self.column, b]).choice(len(self.probs), size=DRAWS, p=self.probs)
+        unit, lens = np.empty(DRAWS, dtype=np.int64), np.empty(DRAWS, dtype=np.int64)
+        for s, units in enumerate(self.units):
+            sel = np.flatnonzero(src == s)
+            u = (self.first[s] + self.used_before[b][s] + np.arange(sel.size)) % units.n
+            unit[sel], lens[sel] = u, units.length(u)
+        starts = self.block_start[b] + np.concatenate(([0], np.cumsum(lens)))
+        if b + 1 == len(self.block_start):
+            n = len(self.units)
+            self.used_before.append(self.used_before[b] + np.bincount(src, minlength=n))
+            tokens = np.bincount(src, weights=lens, minlength=n).astype(np.int64)
+            self.tokens_before.append(self.tokens_before[b] + tokens)
+            self.block_start.append(int(starts[-1]))
+        got = self._blocks[b] = (src, unit, starts)
+        while len(self._blocks) > KEEP_BLOCKS:
+            self._blocks.popitem(last=False)
+        return got
 
     def find(self, token: int) -> int:
-        self.cover(token)
-        return bisect.bisect_right(self.starts, token) - 1
+        """Index of the unit holding the column's token `token`."""
+        while self.block_start[-1] <= token:
+            self.block(len(self.block_start) - 1)
+        b = bisect.bisect_right(self.block_start, token) - 1
+        return b * DRAWS + int(np.searchsorted(self.block(b)[2], token, side="right")) - 1
 
-    def tokens_by_source(self, stop: int, n_sources: int) -> np.ndarray:
+    def entry(self, j: int) -> tuple[int, int, int, int]:
+        """Unit j of the column: (source, unit of that source, first token in the column, end token)."""
+        b, i = divmod(j, DRAWS)
+        src, unit, starts = self.block(b)
+        return int(src[i]), int(unit[i]), int(starts[i]), int(starts[i + 1])
+
+    def tokens_by_source(self, stop: int) -> np.ndarray:
         """Tokens [0, stop) of this column, counted per source."""
-        out = np.zeros(n_sources, dtype=np.int64)
         if stop <= 0:
-            return out
-        j = self.find(stop - 1)
-        lens = np.diff(self.starts[:j + 1])
-        np.add.at(out, np.asarray(self.src[:j], dtype=np.int64), lens)
-        out[self.src[j]] += stop - self.starts[j]
+            return np.zeros(len(self.units), dtype=np.int64)
+        b, i = divmod(self.find(stop - 1), DRAWS)
+        src, _, starts = self.block(b)
+        out = self.tokens_before[b].copy()
+        np.add.at(out, src[:i], np.diff(starts[:i + 1]))
+        out[src[i]] += stop - starts[i]
         return out
 
 
@@ -121,6 +175,7 @@ class BlendReader:
                     raise BlendError(f"blend source {i} ({self.dirs[i]}) has another tokenizer than source 0 "
                                      f"({self.dirs[0]}): " + ", ".join(f"{k} {ident[i][k]!r} vs {ident[0][k]!r}"
                                                                        for k in diff))
+            self.units = [Units(s) for s in self.sources]   # reads (and verifies) the document indexes
         except BaseException:
             self.close()
             raise
@@ -128,33 +183,32 @@ class BlendReader:
         self.vocab_sha256 = self.manifest["vocab"].get("sha256", "")
         self.n_tokens = sum(s.n_tokens for s in self.sources)
         self.steps_per_epoch = ENDLESS
-        self.n_units = [-(-s.n_tokens // s.chunk_tokens) for s in self.sources]
+        self.n_units = [u.n for u in self.units]
+        p = self.weights / np.array([u.mean_tokens for u in self.units])   # weights are shares of tokens
+        self.probs = p / p.sum()
         self._schedules: dict[int, _Schedule] = {}
         self.epoch, self.step = 0, 0
 
     # ---- schedule ---------------------------------------------------------------------------------------
-    def _unit_len(self, s: int, u: int) -> int:
-        src = self.sources[s]
-        return min(src.chunk_tokens, src.n_tokens - u * src.chunk_tokens)
-
     def schedule(self, column: int) -> _Schedule:
         sch = self._schedules.get(column)
         if sch is None:
-            sch = self._schedules[column] = _Schedule(column, self.seed, self.weights, self.n_units, self._unit_len)
+            sch = self._schedules[column] = _Schedule(column, self.seed, self.probs, self.units)
         return sch
 
     def _read_column(self, column: int, start: int, stop: int, out: np.ndarray) -> None:
         sch, pos, o = self.schedule(column), start, 0
         while pos < stop:
-            j = sch.find(pos)
-            s, u = sch.src[j], sch.unit[j]
-            src = self.sources[s]
-            base = u * src.chunk_tokens - sch.starts[j]
-            end = min(stop, sch.starts[j + 1])
-            sch.cover(sch.starts[j + 1])            # read-ahead (remote sources): the column's next unit
-            nxt = self.sources[sch.src[j + 1]]
-            nxt.prefetch_at(sch.unit[j + 1] * nxt.chunk_tokens)
-            src.read(base + pos, base + end, out[o:o + end - pos], slot=column)
+            cur = sch.current
+            if cur is None or not cur[2] <= pos < cur[3]:       # entering another unit
+                j = sch.find(pos)
+                s, u, first, last = sch.entry(j)
+                cur = sch.current = (s, int(self.units[s].start(u)) - first, first, last)
+                ns, nu, _, _ = sch.entry(j + 1)     # read-ahead (remote sources): the column's next unit
+                self.sources[ns].prefetch_at(int(self.units[ns].start(nu)))
+            s, base, _, last = cur
+            end = min(stop, last)
+            self.sources[s].read(base + pos, base + end, out[o:o + end - pos], slot=column)
             o += end - pos
             pos = end
 
@@ -186,7 +240,7 @@ class BlendReader:
         stop = (self.step if steps is None else steps) * self.tgt_len
         total = np.zeros(len(self.sources), dtype=np.int64)
         for c in range(self.batch_size):
-            total += self.schedule(c).tokens_by_source(stop, len(self.sources))
+            total += self.schedule(c).tokens_by_source(stop)
         return total / max(1, total.sum())
 
     def mix_line(self) -> str:
@@ -202,7 +256,8 @@ class BlendReader:
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "kind": "blend", "epoch": 0, "step": self.step, "split": self.split,
                 "batch_size": self.batch_size, "tgt_len": self.tgt_len, "roll": False, "seed": self.seed,
-                "sources": [[s.n_tokens, float(w)] for s, w in zip(self.sources, self.weights)],
+                "sources": [[s.n_tokens, u.kind, u.n, float(w)] for s, u, w in zip(self.sources, self.units,
+                                                                                   self.weights)],
                 "dirs": list(self.dirs), "n_tokens": self.n_tokens,
                 "vocab_sha256": self.vocab_sha256, "world_size": self.world_size, "rank": self.rank}
 
@@ -214,7 +269,7 @@ class BlendReader:
         for k in self._IDENTITY:
             theirs = state.get(k)
             if k == "sources" and theirs is not None:
-                theirs = [[int(n), float(w)] for n, w in theirs]
+                theirs = [[int(n), str(kind), int(nu), float(w)] for n, kind, nu, w in theirs]
             if theirs != mine[k]:
                 raise ValueError(f"BlendReader.load_state_dict: field {k!r} is {theirs!r} in the saved state but "
                                  f"{mine[k]!r} in this reader")

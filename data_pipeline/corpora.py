@@ -13,6 +13,8 @@ Supported corpora (see `megamemo prepare --help`):
   every line, case kept, vocabulary from train only (``<eos>`` first, then by frequency), ``<unk>`` kept as a word.
   With ``vocab_file`` the vocabulary is read instead and train may be absent.
 * ``text``    plain-text or ``.jsonl`` files: byte-level (raw UTF-8 bytes), or words with a given vocabulary file.
+  When every file is ``.jsonl``, each record is a document (recorded in a document index); plain text is a flat
+  stream (no documents: readers cut it into chunks).
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ class Corpus:
     # all splits in one pass: f(stats) -> (split, ids) pairs; `splits` then only names the splits (subword.py)
     interleaved: Callable[[dict], Iterator[tuple[str, np.ndarray]]] | None = None
     dtype: str | None = None                               # token dtype (None: the smallest that holds the vocab)
+    # a corpus of documents: its streams yield (ids, token counts of the whole documents in ids) and the shards get
+    # a document index (data_pipeline/doc_index.py); interleaved yields (split, ids, counts)
+    documents: bool = False
 
 
 def split_points(n: int, ratio: tuple[int, int, int] = (90, 5, 5)) -> dict[str, tuple[int, int]]:
@@ -174,20 +179,23 @@ def _xl_lines(path: Path) -> Iterator[tuple[int, list[str], int]]:
             yield lineno, line.split() + ["<eos>"], len(line)
 
 
-def _word_stream(vocab: Vocab, lines: Callable[[], Iterator], where: str):
+def _word_stream(vocab: Vocab, lines: Callable[[], Iterator], where: str, documents: bool = False):
+    """Blocks of ids; with `documents`, each item of `lines` is one document and blocks are (ids, lengths)."""
     def gen(stats: dict) -> Iterator[np.ndarray]:
         buf: list[int] = []
+        lengths: list[int] = []
         for loc, words, nbytes in lines():
             ids, n_unk = vocab.encode_words(words, where=f"{where}:{loc}")
             if n_unk:
                 stats["n_unk_mapped"] = stats.get("n_unk_mapped", 0) + n_unk
             stats["input_bytes"] = stats.get("input_bytes", 0) + nbytes
             buf.extend(ids)
+            lengths.append(len(ids))
             if len(buf) >= WORD_BLOCK:
-                yield np.asarray(buf, dtype=np.int64)
-                buf = []
+                yield (np.asarray(buf, dtype=np.int64), lengths) if documents else np.asarray(buf, dtype=np.int64)
+                buf, lengths = [], []
         if buf:
-            yield np.asarray(buf, dtype=np.int64)
+            yield (np.asarray(buf, dtype=np.int64), lengths) if documents else np.asarray(buf, dtype=np.int64)
     return gen
 
 
@@ -298,23 +306,28 @@ def text(files: list[str | Path], valid: list[str | Path] | None = None, test: l
             for where, s, nbytes, is_json in lines_of(fs, a, b)():
                 stats["input_bytes"] = stats.get("input_bytes", 0) + nbytes
                 data = s.encode("utf-8") + (sep if is_json else b"")
-                yield np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+                ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+                yield (ids, (ids.size,)) if documents else ids
         return gen
 
     def word_lines(fs, a, b):
         def it():
             for where, s, nbytes, is_json in lines_of(fs, a, b)():
                 parts = s.split("\n") if is_json else [s]
+                if documents:                       # the record's lines, each with its <eos>: one document
+                    yield where, [w for part in parts for w in part.split() + ["<eos>"]], nbytes
+                    continue
                 for k, part in enumerate(parts):
                     yield where, part.split() + ["<eos>"], nbytes if k == 0 else 0
         return it
 
     def make(fs, a, b, exact):
         if vocab_file:
-            return _word_stream(vocab, word_lines(fs, a, b), "text")
+            return _word_stream(vocab, word_lines(fs, a, b), "text", documents)
         return byte_gen(fs, a, b, exact)
 
     sizes = {s: sum(p.stat().st_size for p in fs) for s, fs in groups.items()}
+    documents = all(_is_jsonl(p) for fs in groups.values() for p in fs)   # jsonl records: documents
     splits, input_bytes = {}, {}
     all_plain = not any(_is_jsonl(p) for p in groups["train"])
     if len(groups) == 1:
@@ -339,17 +352,32 @@ def text(files: list[str | Path], valid: list[str | Path] | None = None, test: l
         tok["jsonl_field"] = jsonl_field
     src = {"files": {s: [{"path": str(p), "bytes": p.stat().st_size} for p in fs] for s, fs in groups.items()},
            "split": how}
-    return Corpus("text", "words" if vocab_file else "bytes", vocab, tok, splits, input_bytes, src)
+    return Corpus("text", "words" if vocab_file else "bytes", vocab, tok, splits, input_bytes, src,
+                  documents=documents)
 
 
 # ---------------------------------------------------------------------------------------------------- arrays
-def from_arrays(arrays: dict[str, np.ndarray], vocab: Vocab, name: str = "arrays") -> Corpus:
-    """Token id arrays already in memory (tests, conversions)."""
-    def gen_of(arr):
+def from_arrays(arrays: dict[str, np.ndarray], vocab: Vocab, name: str = "arrays",
+                documents: dict[str, np.ndarray] | None = None) -> Corpus:
+    """Token id arrays already in memory (tests, conversions); `documents`: per split, the token counts of its
+    documents in order (then the shards get a document index)."""
+    def gen_of(split, arr):
         def gen(stats):
             a = np.asarray(arr)
+            if documents is not None:           # whole documents per block
+                lengths = np.asarray(documents[split], dtype=np.int64)
+                ends = np.cumsum(lengths)
+                if ends[-1] != a.size:
+                    raise ValueError(f"split {split}: documents of {ends[-1]} tokens for {a.size} ids")
+                d = 0
+                while d < lengths.size:
+                    e = max(d + 1, int(np.searchsorted(ends, ends[d] - lengths[d] + WORD_BLOCK, side="right")))
+                    yield a[ends[d] - lengths[d]:ends[e - 1]].astype(np.int64), lengths[d:e]
+                    d = e
+                return
             for i in range(0, a.size, WORD_BLOCK):
                 yield a[i:i + WORD_BLOCK].astype(np.int64)
         return gen
     return Corpus(name, "ids", vocab, {"kind": vocab.kind, "vocab": "given"},
-                  {s: gen_of(a) for s, a in arrays.items()}, {s: int(np.asarray(a).size) for s, a in arrays.items()})
+                  {s: gen_of(s, a) for s, a in arrays.items()}, {s: int(np.asarray(a).size) for s, a in arrays.items()},
+                  documents=documents is not None)

@@ -60,6 +60,16 @@ def is_remote(data_dir) -> bool:
     return isinstance(data_dir, str) and urlsplit(data_dir).scheme in SCHEMES and "://" in data_dir
 
 
+def manifest_of(data_dir, options: RemoteOptions | None = None) -> dict:
+    """The checked manifest of a local directory or of an s3:// gs:// https:// one (staged through the cache like
+    the reader's: read once per process)."""
+    if not is_remote(data_dir):
+        return load_manifest(data_dir)
+    remote = RemoteShards(str(data_dir), options)
+    remote.close()
+    return remote.manifest
+
+
 def default_cache_dir() -> str:
     return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megamemo" / "shards")
 
@@ -195,7 +205,8 @@ class RemoteShards:
         return f"{self.root}/{name}" if urlsplit(self.url).scheme not in ("http", "https") else self.object_url(name)
 
     def cached_path(self, entry: dict) -> Path:
-        return self.shard_dir / f"{entry['sha256']}.tar"
+        """Named by content: <sha256>.tar for a shard (<sha256>.bin for a document index)."""
+        return self.shard_dir / f"{entry['sha256']}{Path(entry['name']).suffix}"
 
     # ---- manifest and vocabulary --------------------------------------------------------------------------
     def _stage_meta(self) -> dict:
@@ -321,10 +332,10 @@ class RemoteShards:
     def _evict(self, keep: Path) -> None:
         """Delete least recently used shards until the cache fits its limit (never one queued for reading)."""
         with self._mutex:
-            pinned = {f"{k}.tar" for k in self._pending} | {keep.name}
+            pinned = set(self._pending) | {keep.name.split(".")[0]}
         files = []
         for d in os.scandir(self.shard_dir):
-            if d.name.endswith(".tar"):
+            if not d.name.startswith("."):                      # not a lock file or a download in progress
                 with contextlib.suppress(FileNotFoundError):
                     st = d.stat()
                     files.append((st.st_mtime, st.st_size, d.name))
@@ -332,7 +343,7 @@ class RemoteShards:
         for _, size, name in sorted(files):
             if total <= self.limit:
                 return
-            if name not in pinned:
+            if name.split(".")[0] not in pinned:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.shard_dir / name)
                 total -= size

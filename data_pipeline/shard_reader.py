@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import zstandard
 
+from .doc_index import DocumentIndexError, parse as parse_document_index
 from .remote import RemoteOptions, RemoteShards, is_remote
 from .shards import MANIFEST, _ZERO_BLOCK, ManifestError, ShardError, chunk_key, dtype_name, load_manifest
 from .tokenizer import KIND as SUBWORD
@@ -182,9 +183,13 @@ class SplitSource:
         self.starts = [e["offset"] for e in self.entries]
         self.dtype = np.dtype(self.manifest["dtype"])
         self.chunk_tokens = self.manifest["chunk_tokens"]
+        d = sp.get("documents")         # the document index, as a file entry (None: no documents, chunks)
+        self.documents = None if d is None else {"name": d["file"], "bytes": d["bytes"], "sha256": d["sha256"]}
+        self._starts: np.ndarray | None = None
+        files = self.entries + ([self.documents] if self.documents else [])
         if self.remote is not None:     # one listing: every object there at its size (sha256: when fetched)
-            self.remote.check_listing(self.entries)
-        for e in self.entries if self.remote is None else ():  # cheap check that the files are the listed ones
+            self.remote.check_listing(files)
+        for e in files if self.remote is None else ():  # cheap check that the files are the listed ones
             p = self.root / e["name"]
             try:
                 size = p.stat().st_size
@@ -218,6 +223,31 @@ class SplitSource:
         while len(self._open) > self.max_open:
             self._open.popitem(last=False)[1].close()
         return f
+
+    def document_starts(self) -> np.ndarray | None:
+        """Token offset of each document's first token (int64, ascending from 0), verified against the manifest;
+        None for a split without a document index (a flat corpus, or one prepared before indexes existed)."""
+        if self.documents is None or self._starts is not None:
+            return self._starts
+        e = self.documents
+        if self.remote is not None:
+            path, fd = self.remote.object_url(e["name"]), self.remote.open(e, f"document index of split {self.split}")
+        else:
+            path = self.root / e["name"]
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise ShardError(path, "missing (listed in manifest.json)") from None
+        try:
+            data = os.pread(fd, e["bytes"] + 1, 0)
+        finally:
+            os.close(fd)
+        entry = self.manifest["splits"][self.split]["documents"]
+        try:
+            self._starts = parse_document_index(data, entry, self.n_tokens, path)
+        except DocumentIndexError as err:
+            raise ShardError(err.file, err.detail) from None
+        return self._starts
 
     def shard_index(self, token: int) -> int:
         return bisect.bisect_right(self.starts, token) - 1
@@ -349,6 +379,21 @@ def verify_shards(data_dir: str | Path, splits: list[str] | None = None,
             finally:
                 if f is not None:
                     f.close()
+        d = m["splits"][split].get("documents")
+        if d is not None:
+            listed.add(d["file"])
+            try:
+                path = root / d["file"]
+                if not path.is_file():
+                    raise ShardError(path, "missing (listed in manifest.json)")
+                try:
+                    n = parse_document_index(path.read_bytes(), d, m["splits"][split]["n_tokens"], path).size
+                except DocumentIndexError as err:
+                    raise ShardError(err.file, err.detail) from None
+                log(f"ok   {d['file']}: {n:,} documents")
+            except ShardError as err:
+                problems.append(str(err))
+                log(f"FAIL {err}")
     if splits is None:
         for p in sorted(root.glob("*.tar")):
             if p.name not in listed:

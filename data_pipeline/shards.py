@@ -1,21 +1,11 @@
-"""Token shards: webdataset tar files of zstd-compressed little-endian token chunks, plus manifest.json.
+"""Token shards: webdataset tar files of zstd-compressed little-endian token chunks, plus manifest.json (and, for
+corpora of documents, a document index per split: data_pipeline/doc_index.py). The format: data_pipeline/README.md.
 
-Layout of a prepared directory::
-
-    manifest.json          format version, corpus, tokenizer, vocabulary, dtype, per split the shard list
-    vocab.txt              one symbol per line; line i is token id i
-    train-000000.tar ...   shards of each split, in stream order
-
-Each shard is a plain tar (webdataset convention: one sample = the members sharing a key). A split's stream is
-cut into chunks of ``chunk_tokens`` tokens (the last one may be shorter); chunk k of a split starts at token
-offset o = k·chunk_tokens and is the sample with key ``%012d`` % o, with two members:
-
-    <key>.json        {"offset": o, "n_tokens": n, "dtype": "<u2"}
-    <key>.tokens.zst  one zstd frame (content size and checksum stored) holding n tokens as a little-endian array
-
-Shards hold whole chunks, so a token offset maps to (shard, chunk) from the manifest alone. Everything read is
-checked: a truncated tar, a broken zstd frame, a chunk with the wrong token count, a file that does not match its
-manifest entry raise `ShardError` naming the shard and the byte/token offset; nothing is skipped.
+A split's stream is cut into chunks of ``chunk_tokens`` tokens (the last one may be shorter); chunk k starts at
+token offset o = k·chunk_tokens and is the sample with key ``%012d`` % o: ``<key>.json`` ({"offset", "n_tokens",
+"dtype"}) and ``<key>.tokens.zst`` (one zstd frame, content size and checksum stored). Shards hold whole chunks,
+so a token offset maps to (shard, chunk) from the manifest alone. Everything read is checked; a mismatch raises
+`ShardError` naming the shard and the byte/token offset; nothing is skipped.
 """
 from __future__ import annotations
 
@@ -34,6 +24,7 @@ import zstandard
 from megamemo.progress import Progress
 
 from .corpora import Corpus
+from .doc_index import DocumentStartsWriter, check_entry
 from .tokenizer import KIND as SUBWORD
 from .vocab import Vocab
 
@@ -96,10 +87,12 @@ class _HashingFile:
 
 
 class SplitWriter:
-    """Streams one split's token ids into shards: ``write(ids)`` any number of times, then ``close()``."""
+    """Streams one split's token ids into shards: ``write(ids)`` any number of times, then ``close()`` (or
+    ``abort()``: nothing it wrote stays). With ``documents``, every ``write`` gives the token counts of the whole
+    documents its ids make up, and a document index is written too (data_pipeline/doc_index.py)."""
 
     def __init__(self, out_dir: str | Path, split: str, n_symbols: int, dtype: str, chunk_tokens: int,
-                 shard_bytes: int, zstd_level: int = 3):
+                 shard_bytes: int, zstd_level: int = 3, documents: bool = False):
         if chunk_tokens < 1 or shard_bytes < 1:
             raise ValueError("chunk_tokens and shard_bytes must be positive")
         self.out, self.split, self.n_symbols = Path(out_dir), split, n_symbols
@@ -110,9 +103,15 @@ class SplitWriter:
         self.n_tokens = 0           # tokens emitted into chunks so far
         self.shards: list[dict] = []
         self._tar = self._file = self._hash = None
+        self.docs = DocumentStartsWriter(out_dir, split) if documents else None
 
-    def write(self, ids: np.ndarray) -> None:
+    def write(self, ids: np.ndarray, doc_lengths=None) -> None:
         ids = np.asarray(ids)
+        if self.docs is not None:
+            if doc_lengths is None or int(np.sum(doc_lengths)) != ids.size:
+                raise ValueError(f"split {self.split}: {ids.size} tokens written without the lengths of the "
+                                 f"documents they make up")
+            self.docs.add(self.tokens_written, doc_lengths)
         if ids.size == 0:
             return
         lo, hi = int(ids.min()), int(ids.max())
@@ -171,8 +170,20 @@ class SplitWriter:
             self._emit()
         if self._tar is not None:
             self._close_shard()
-        return {"n_tokens": self.n_tokens, "n_chunks": sum(s["n_chunks"] for s in self.shards),
-                "shards": self.shards}
+        info = {"n_tokens": self.n_tokens, "n_chunks": sum(s["n_chunks"] for s in self.shards), "shards": self.shards}
+        return info if self.docs is None else dict(info, documents=self.docs.close())
+
+    def abort(self) -> None:
+        """Delete the shard being written and the document index (finished shards: the caller's to delete)."""
+        if self._file is not None:
+            try:
+                self._tar.close()
+            finally:
+                self._file.close()
+                self._partial.unlink(missing_ok=True)
+                self._tar = self._file = self._hash = None
+        if self.docs is not None:
+            self.docs.abort()
 
 
 def _parse_size(s: str | int) -> int:
@@ -252,19 +263,22 @@ def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_lev
         return _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log,
                                   progress_every, bar, splits, written)
     for split, gen in corpus.splits.items():
-        w = SplitWriter(out, split, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level)
+        w = SplitWriter(out, split, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level, corpus.documents)
         stats: dict = {}
         t0 = time.time()
-        with Progress(f"[prepare] {split}", total=corpus.input_bytes.get(split, 0), unit="B", scale=True,
-                      every=progress_every, bar=bar, log=log, line=_progress_line(split)) as progress:
-            for ids in gen(stats):
-                w.write(ids)
-                progress.update_to(stats.get("input_bytes", 0), tokens=w.tokens_written, shards=len(w.shards))
-        info = w.close()
-        written += [out / sh["name"] for sh in info["shards"]]
+        try:
+            with Progress(f"[prepare] {split}", total=corpus.input_bytes.get(split, 0), unit="B", scale=True,
+                          every=progress_every, bar=bar, log=log, line=_progress_line(split)) as progress:
+                for item in gen(stats):
+                    w.write(*(item if corpus.documents else (item,)))
+                    progress.update_to(stats.get("input_bytes", 0), tokens=w.tokens_written, shards=len(w.shards))
+            info = w.close()
+        except BaseException:
+            w.abort()        # its open shard and document index (build removes the finished shards)
+            raise
+        written += _files_of(out, info)
         _check_not_empty(corpus, split, info)
-        if stats.get("n_unk_mapped"):
-            info["n_unk_mapped"] = stats["n_unk_mapped"]
+        info.update({"n_unk_mapped": stats["n_unk_mapped"]} if stats.get("n_unk_mapped") else {})
         splits[split] = info
         dt = max(time.time() - t0, 1e-9)
         size = sum(s["bytes"] for s in info["shards"])
@@ -284,30 +298,25 @@ def _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zst
                        splits, written) -> None:
     """All splits of a document corpus in one pass: each (split, ids) the corpus yields goes to that split's
     writer; the corpus counts each split's documents and UTF-8 bytes (recorded as n_documents, n_bytes)."""
-    writers = {s: SplitWriter(out, s, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level)
+    writers = {s: SplitWriter(out, s, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level, corpus.documents)
                for s in corpus.splits}
     stats: dict = {}
     t0 = time.time()
     try:
         with Progress("[prepare] all splits", total=corpus.input_bytes.get("all", 0), unit="B", scale=True,
                       every=progress_every, bar=bar, log=log, line=_progress_line("all splits")) as progress:
-            for split, ids in corpus.interleaved(stats):
-                writers[split].write(ids)
+            for split, *item in corpus.interleaved(stats):
+                writers[split].write(*item)
                 progress.update_to(stats.get("input_bytes", 0),
                                    tokens=sum(w.tokens_written for w in writers.values()),
                                    shards=sum(len(w.shards) for w in writers.values()))
+        infos = {split: w.close() for split, w in writers.items()}
     except BaseException:
         for w in writers.values():       # the shard each writer had open goes too (build removes the rest)
-            if w._file is not None:
-                try:
-                    w._tar.close()
-                finally:
-                    w._file.close()
-                    w._partial.unlink(missing_ok=True)
+            w.abort()
         raise
-    for split, w in writers.items():
-        info = w.close()
-        written += [out / sh["name"] for sh in info["shards"]]
+    written += [f for info in infos.values() for f in _files_of(out, info)]
+    for split, info in infos.items():
         _check_not_empty(corpus, split, info)
         info.update(stats.get("splits", {}).get(split, {}))
         splits[split] = info
@@ -316,6 +325,10 @@ def _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zst
     log(f"[prepare] " + ", ".join(f"{s} {i['n_tokens']:,} tokens ({i.get('n_documents', 0):,} documents, "
                                   f"{i.get('n_bytes', 0):,} bytes)" for s, i in splits.items())
         + f"; {mib:.1f} MiB of input in {dt:.1f}s = {mib / dt:.2f} MiB/s")
+
+
+def _files_of(out: Path, info: dict) -> list[Path]:
+    return [out / sh["name"] for sh in info["shards"]] + [out / d["file"] for d in [info.get("documents")] if d]
 
 
 def _progress_line(split: str):
@@ -336,6 +349,7 @@ def _listed_files(out: Path) -> list[str]:
     try:
         m = json.loads((out / MANIFEST).read_text())
         names = [s["name"] for sp in m["splits"].values() for s in sp["shards"]]
+        names += [sp["documents"]["file"] for sp in m["splits"].values() if "documents" in sp]
         return names + [m["vocab"]["file"], MANIFEST]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ManifestError(f"{out / MANIFEST}: cannot read the old manifest to replace it ({e})") from None
@@ -400,5 +414,7 @@ def load_manifest(data_dir: str | Path) -> dict:
             pos += cnt
         if pos != n:
             raise ManifestError(f"{path}: field {w}n_tokens is {n} but its shards hold {pos} tokens")
+        if "documents" in sp and (problem := check_entry(sp["documents"], split, sp.get("n_documents"))):
+            raise ManifestError(f"{path}: {problem}")
     return m
 

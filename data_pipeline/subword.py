@@ -118,7 +118,7 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
                     s = SPLITS[int(si)]
                     per[s]["n_bytes"] += int(nbytes[sel].sum())
                     per[s]["n_documents"] += int(sel.sum())
-                    yield s, (ids if sel.all() else ids[np.repeat(sel, lengths)])
+                    yield s, (ids if sel.all() else ids[np.repeat(sel, lengths)]), lengths[sel]
         if not sum(p["n_documents"] for p in per.values()):
             raise ValueError(f"{', '.join(all_files)}: no documents")
 
@@ -128,7 +128,7 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
     src = {"files": {s: [{"path": str(x.path), "bytes": x.size} for x in srcs] for s, srcs in groups.items()},
            "split": plans[0][1].record() if len(plans) == 1 else {"by": "one file group per split"}}
     return Corpus("text", "subword", tok, rec, {s: None for s in names}, {"all": sum(sizes.values())}, src,
-                  interleaved=interleaved, dtype=dtype)
+                  interleaved=interleaved, dtype=dtype, documents=True)
 
 
 def _train_texts(srcs, field: str, split: DocumentSplit, files) -> Iterator[str]:

@@ -157,7 +157,7 @@ def plot_alpha(results: list[dict], path: Path) -> None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megamemo analyze", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", action="append", required=True, help="checkpoint (repeatable: LaMemo and XL)")
-    p.add_argument("--data", required=True, help="shard directory")
+    p.add_argument("--data", required=True, help="shard directory, or an s3:// gs:// https:// URL of one")
     p.add_argument("--split", default="valid")
     p.add_argument("--out", default="analysis", help="output directory")
     p.add_argument("--segments", type=int, default=50, help="segments to run (the first mem_len/tgt_len warm up)")

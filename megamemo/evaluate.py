@@ -1,6 +1,6 @@
 """`megamemo eval`: bits per character or perplexity of a checkpoint on a split, at any lengths, with TRAMS.
 
-    megamemo eval --ckpt CKPT --data DIR --split valid|test [--json OUT]
+    megamemo eval --ckpt CKPT --data DIR|URL --split valid|test [--json OUT]
                   [--tgt-len N] [--mem-len N] [--clamp-len N] [--same-length | --no-same-length] [--batch-size B]
                   [--max-segments K] [--trams-topk K --trams-recent R [--trams-metric code|paper]]
                   [--mem-ratios 1,2,4,... [--ratio-base N] [--plot FILE.png] [--table FILE.tsv]]
@@ -175,7 +175,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="megamemo eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", action="append", required=True,
                    help="single-device checkpoint dir, or a training run / checkpoint dir (repeatable)")
-    p.add_argument("--data", required=True, help="shard directory made by `megamemo prepare`")
+    p.add_argument("--data", required=True,
+                   help="shard directory made by `megamemo prepare`, or an s3:// gs:// https:// URL of one (read "
+                        "through the verified cache in $XDG_CACHE_HOME/megamemo/shards, default ~/.cache/...)")
     p.add_argument("--split", default="valid", help="valid | test (or any split of the manifest)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--tgt-len", type=int, help="segment length (default: the checkpoint's tgt_len)")
@@ -238,15 +240,16 @@ def _fmt(r: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from data_pipeline import ManifestError, ShardError, load_manifest
+    from data_pipeline import ManifestError, ShardError
+    from data_pipeline.remote import manifest_of
     from megamemo.checkpoint.single import SingleCheckpointError
 
     a = parse_args(argv)
     try:
-        manifest = load_manifest(a.data)
+        manifest = manifest_of(a.data)          # a local directory or an s3:// gs:// https:// one
         metric = metric_name(manifest)
         if a.split not in manifest["splits"]:
-            raise ValueError(f"{Path(a.data) / 'manifest.json'}: no split {a.split!r}")
+            raise ValueError(f"{str(a.data).rstrip('/')}/manifest.json: no split {a.split!r}")
         token_bytes = token_bytes_of(a.data, manifest)
         ratios = [float(x) for x in a.mem_ratios.split(",")] if a.mem_ratios else None
         results = []

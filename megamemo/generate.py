@@ -116,13 +116,14 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
     """The vocabulary or subword tokenizer to encode the prompt and decode with: --data's (which must hold the
     tokenizer the checkpoint records), else the file the checkpoint carries (tokenizer.json beside config.json,
     checked by sha256), else its symbols, else its training data directory's."""
-    from data_pipeline import load_manifest, load_vocab
+    from data_pipeline import load_vocab
+    from data_pipeline.remote import manifest_of
     from data_pipeline.tokenizer import load_recorded, same_tokenizer
     from data_pipeline.vocab import Vocab
 
     tok = meta.get("tokenizer") or {}
-    if data_dir:
-        theirs = load_manifest(data_dir).get("tokenizer") or {}
+    if data_dir:                            # a local directory or an s3:// gs:// https:// one
+        theirs = manifest_of(data_dir).get("tokenizer") or {}
         if tok and not same_tokenizer(tok, theirs):
             raise ValueError(f"--data {data_dir}: its tokenizer ({theirs.get('kind')}, sha256 "
                              f"{str(theirs.get('sha256'))[:12]}) differs from the one the checkpoint was trained "

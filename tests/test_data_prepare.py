@@ -167,6 +167,68 @@ def test_text_corpus_bytes_jsonl_and_words(tmp_path):
     words = "<unk> world <eos> <unk> <unk> <eos> doc <unk> <eos> doc <eos> <unk> <eos>".split()
     assert read_split(tmp_path / "words", "train").tolist() == [ids[w] for w in words]
     assert read_split(tmp_path / "words", "valid").tolist() == [4, 1, 1, 0]
+    for d in ("bytes", "words"):        # plain text in the mix: a flat stream, no document index
+        assert not any("documents" in sp for sp in load_manifest(tmp_path / d)["splits"].values())
+
+
+def document_starts(d, split):
+    m = load_manifest(d)
+    e = m["splits"][split]["documents"]
+    assert e["bytes"] == 8 * e["n_documents"] and e["dtype"] == "<u8"
+    return np.frombuffer((d / e["file"]).read_bytes(), dtype="<u8").tolist()
+
+
+def test_jsonl_records_are_documents_in_a_document_index(tmp_path):
+    """Every jsonl record is a document: the index holds where each one starts (from the records themselves,
+    byte-level with --doc-sep, and as words with an <eos> per line of the record); verify-shards checks it."""
+    from data_pipeline import verify_shards
+    texts = [f"record {i} " + "é" * (i % 5) + ("\nsecond line" if i % 3 == 0 else "") for i in range(120)]
+    raw = tmp_path / "r.jsonl"
+    raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prepare("text", "--raw", raw, "--doc-sep", "||", "--out", tmp_path / "bytes", "--chunk-tokens", 256,
+            "--shard-size", "1K")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("<eos>\n<unk>\nrecord\n")
+    prepare("text", "--raw", raw, "--vocab", vocab, "--out", tmp_path / "words", "--chunk-tokens", 64,
+            "--shard-size", "1K")
+    # whole lines 90/5/5 by byte position: a record belongs to the split its line starts in
+    n = raw.stat().st_size
+    cut1, cut2 = n - 2 * (n * 5 // 100), n - n * 5 // 100
+    pos, mine = 0, {"train": [], "valid": [], "test": []}
+    for t in texts:
+        mine["train" if pos < cut1 else "valid" if pos < cut2 else "test"].append(t)
+        pos += len(json.dumps({"text": t})) + 1
+    for split, ts in mine.items():
+        assert ts
+        lengths = {"bytes": [len(t.encode()) + 2 for t in ts],
+                   "words": [len(t.split()) + t.count("\n") + 1 for t in ts]}
+        for d, lens in lengths.items():
+            assert document_starts(tmp_path / d, split) == np.concatenate(([0], np.cumsum(lens)[:-1])).tolist()
+            assert read_split(tmp_path / d, split).size == sum(lens)
+    assert verify_shards(tmp_path / "bytes", log=lambda m: None) == []
+    f = tmp_path / "bytes" / load_manifest(tmp_path / "bytes")["splits"]["valid"]["documents"]["file"]
+    f.write_bytes(f.read_bytes()[:-8])
+    assert verify_shards(tmp_path / "bytes", log=lambda m: None) == [
+        f"shard {f}: the document index is {f.stat().st_size} bytes, manifest.json says {f.stat().st_size + 8} "
+        f"(truncated?)"]
+
+
+def test_an_error_mid_split_leaves_nothing_behind(tmp_path, capsys):
+    """A bad record found after shards of the split were written (and one was open): one line, and the output
+    directory holds exactly what it held before, no hidden partial file either."""
+    raw = tmp_path / "late.jsonl"
+    raw.write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(300))
+                   + "{not json\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for args in ([], ["--vocab", tmp_path / "v.txt"]):      # byte-level and word-level, each split in sequence
+        (tmp_path / "v.txt").write_text("<eos>\n<unk>\ndocument\n")
+        assert prepare_main(["text", "--raw", str(raw), "--out", str(out), "--chunk-tokens", "256",
+                             "--shard-size", "1K", "--quiet", *map(str, args)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "late.jsonl (byte" in err[0] and "JSONDecodeError" in err[0], err
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def test_text_proportional_split_by_lines(tmp_path):

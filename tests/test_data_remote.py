@@ -3,7 +3,8 @@ started by a fixture; AWS_ENDPOINT_URL and dummy credentials in the environment)
 local directory's, the cache holds only verified shards under its size limit (least recently used evicted),
 damaged / missing / truncated objects are named with their chunk, a stopped server gives retries then a named
 error (reader and `megamemo train`), a 2-process training run from s3:// equals the local one across a kill -9,
-http:// reads like local, credentials in URLs are refused, and blends mix local and s3:// sources."""
+http:// and gs:// (a GCS emulator on loopback) read like local, credentials in URLs are refused, and blends mix
+local and s3:// sources, reading a remote document index through the verified cache."""
 from __future__ import annotations
 
 import contextlib
@@ -280,6 +281,72 @@ def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
     assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect))
 
 
+def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(local_shards, tmp_path):
+    """gs:// through gcsfs against a GCS emulator on 127.0.0.1 (gcp-storage-emulator; STORAGE_EMULATOR_HOST)."""
+    import json
+
+    from data_pipeline.loopback_gcs import LoopbackGCS, upload as upload_gs
+
+    server = LoopbackGCS()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        url = upload_gs(local_shards, BUCKET, "enwik8")
+        kw = dict(batch_size=4, tgt_len=512, roll=True, seed=1)
+        with StreamReader(url, "train", remote_options=opts(tmp_path), **kw) as r:
+            got = batches(r)
+            assert r.cache_info()["fetched_bytes"] > 0
+        second = json.loads((local_shards / "manifest.json").read_text())["splits"]["train"]["shards"][1]
+        bad = upload_gs(local_shards, BUCKET, "corrupt", flip_a_byte(second["name"]))
+        with pytest.raises(ShardError) as e:
+            batches(StreamReader(bad, "train", batch_size=1, tgt_len=4096, remote_options=opts(tmp_path / "b")))
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    expect = batches(StreamReader(local_shards, "train", **kw))
+    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                                           for a, b in zip(got, expect))
+    msg = str(e.value)
+    assert msg.startswith(f"shard {bad}/{second['name']}: chunk at token offset {second['offset']}")
+    assert "does not match manifest.json" in msg and "\n" not in msg
+
+
+def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_path, monkeypatch, capsys):
+    """`megamemo eval --data s3://...` scores exactly as from the local directory (read through the verified cache
+    in $XDG_CACHE_HOME/megamemo/shards), `megamemo analyze` records the same attention, and a missing object is
+    one error line naming it."""
+    import json
+
+    from eval_fixtures import tiny_checkpoint
+    from megamemo import analyze, evaluate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")
+    results = {}
+    for name, data in (("local", local_shards), ("s3", remote_shards)):
+        out = tmp_path / f"{name}.json"
+        assert evaluate.main(["--ckpt", str(ckpt), "--data", str(data), "--split", "test", "--batch-size", "3",
+                              "--max-segments", "40", "--json", str(out)]) == 0
+        assert analyze.main(["--ckpt", str(ckpt), "--data", str(data), "--segments", "4", "--batch-size", "2",
+                             "--out", str(tmp_path / f"an-{name}")]) == 0
+        results[name] = (json.loads(out.read_text()), json.loads((tmp_path / f"an-{name}/analysis.json").read_text()))
+    (ev_local, an_local), (ev_s3, an_s3) = results["local"], results["s3"]
+    assert ev_s3["tokens"] == ev_local["tokens"] == 40 * 12 * 3 and ev_s3["nll"] == ev_local["nll"]
+    assert an_s3["models"][0]["attention_by_distance"] == an_local["models"][0]["attention_by_distance"]
+    assert list((tmp_path / "xdg" / "megamemo" / "shards" / "sha256").glob("*.tar"))
+
+    test_shard = json.loads((local_shards / "manifest.json").read_text())["splits"]["test"]["shards"][0]["name"]
+    url = upload(local_shards, "missing-eval", lambda n, d: None if n == test_shard else d)
+    capsys.readouterr()
+    assert evaluate.main(["--ckpt", str(ckpt), "--data", url, "--split", "test"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"megamemo eval: error: shard {url}/{test_shard}: missing (listed in manifest.json)"]
+
+
 def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
     from data_pipeline import ManifestError
 
@@ -317,6 +384,37 @@ def test_a_blend_resumes_with_a_source_moved_to_s3(local_shards, remote_shards, 
         xa, ya = next(it)
         assert torch.equal(x, xa) and torch.equal(y, ya)
     after.close()
+
+
+def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_cache(tmp_path):
+    """A corpus of documents on s3://: the blend's batches equal the local directory's (whole documents), the
+    document index is fetched once into the cache, named by its sha256; a damaged index object is named."""
+    import json
+
+    import numpy as np
+    from data_pipeline.blend import BlendReader
+    from test_data_blend import doc_source
+
+    local = tmp_path / "docs"
+    doc_source(local, 3, 0, 300, 200)
+    url = upload(local, "docs")
+    entry = json.loads((local / "manifest.json").read_text())["splits"]["train"]["documents"]
+    kw = dict(batch_size=4, tgt_len=128, seed=6)
+    want = BlendReader([(local, 1)], "train", **kw)
+    with BlendReader([(url, 1)], "train", remote_options=opts(tmp_path), **kw) as got:
+        assert got.units[0].kind == "documents" and np.array_equal(got.units[0].starts, want.units[0].starts)
+        for k in range(40):
+            assert all(torch.equal(x, y) for x, y in zip(got.get_batch(0, k), want.get_batch(0, k)))
+    cached = tmp_path / "cache" / "sha256" / f"{entry['sha256']}.bin"
+    assert cached.read_bytes() == (local / entry["file"]).read_bytes()
+
+    def damage(name, data):
+        return data[:8] + bytes([data[8] ^ 1]) + data[9:] if name == entry["file"] else data
+    bad = upload(local, "docs-bad", damage)
+    with pytest.raises(ShardError, match=f"shard {bad}/{entry['file']}: document index of split train: sha256 .* "
+                                         f"does not match manifest.json"):
+        BlendReader([(bad, 1)], "train", remote_options=opts(tmp_path / "other"), **kw)
+    assert not list((tmp_path / "other").rglob("*.bin")) and not list((tmp_path / "other").rglob("*.partial"))
 
 
 def test_training_on_a_blend_of_local_and_s3_logs_its_token_mix(local_shards, remote_shards, tmp_path):

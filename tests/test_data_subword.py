@@ -93,6 +93,9 @@ def test_whole_documents_split_by_seed_and_decoded_exactly(bpe_dirs):
         assert sp["n_documents"] == len(mine)
         assert sp["n_bytes"] == sum(len(t.encode("utf-8")) for t in mine)
         assert int(table[ids].sum()) == sp["n_bytes"]                          # bytes per token add up
+        starts = np.frombuffer((d / sp["documents"]["file"]).read_bytes(), dtype="<u8")
+        assert starts.tolist() == [0] + (np.flatnonzero(ids == 0) + 1)[:-1].tolist()   # after each end token
+        assert sp["documents"]["n_documents"] == len(mine)
 
 
 def test_given_tokenizer_json_parquet_and_directory_agree(tmp_path):

@@ -1,0 +1,119 @@
+"""Document index of a split: where each document starts in the split's token stream.
+
+For corpora made of documents (jsonl records, parquet rows, files of a directory, ...), `megamemo prepare` writes
+beside the shards one file per split, ``<split>-documents.bin``: the token offset of every document's first token
+as little-endian uint64, ascending, the first one 0 (so document d is tokens starts[d] .. starts[d+1]-1, the last
+one ending with the split). manifest.json lists it under ``splits.<split>.documents``::
+
+    {"file": "train-documents.bin", "n_documents": N, "dtype": "<u8", "bytes": 8N, "sha256": ...}
+
+Why a file of its own and raw uint64: a split may hold millions of documents (8 bytes each: well under 1% of the
+shards for documents of 100 tokens or more), too many for a JSON manifest that every process reads; a raw array
+needs no parser (numpy reads it as it is), is written while the shards are (memory does not grow with the
+corpus), and is verified like a shard (size and sha256 from the manifest, then the offsets themselves), also
+through the verified cache of a remote directory. Manifests without it (flat corpora: one enwik8 file, ...; and
+directories prepared before it existed) have no document boundaries, and readers fall back to chunks.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+DTYPE = "<u8"
+CONTENT = "token offset of each document's first token in the split's stream, ascending, the first 0"
+
+
+class DocumentIndexError(ValueError):
+    """A document index that does not match its manifest entry or is not a valid index; names the file."""
+
+    def __init__(self, file, message: str):
+        self.file, self.detail = str(file), message
+        super().__init__(f"{file}: {message}")
+
+
+def file_name(split: str) -> str:
+    return f"{split}-documents.bin"
+
+
+class DocumentStartsWriter:
+    """Streams a split's document start offsets into ``.<split>-documents.bin.partial`` (hashed as written);
+    ``close`` renames it into place and returns its manifest entry, ``abort`` deletes it."""
+
+    def __init__(self, out_dir: str | Path, split: str):
+        self.name = file_name(split)
+        self.path = Path(out_dir) / self.name
+        self.partial = Path(out_dir) / f".{self.name}.partial"
+        self._f = None
+        self.sha, self.n = hashlib.sha256(), 0
+
+    def add(self, first_token: int, lengths) -> None:
+        """Documents of the given token counts, the first starting at token `first_token` (empty ones skipped)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        lengths = lengths[lengths > 0]
+        if not lengths.size:
+            return
+        starts = first_token + np.concatenate(([0], np.cumsum(lengths[:-1])))
+        data = starts.astype(DTYPE).tobytes()
+        if self._f is None:
+            self._f = open(self.partial, "wb")
+        self._f.write(data)
+        self.sha.update(data)
+        self.n += lengths.size
+
+    def close(self) -> dict:
+        if self._f is None:                       # no documents at all: an empty split (an error elsewhere)
+            self._f = open(self.partial, "wb")
+        self._f.close()
+        self._f = None
+        os.replace(self.partial, self.path)
+        return {"file": self.name, "n_documents": self.n, "dtype": DTYPE, "bytes": 8 * self.n,
+                "sha256": self.sha.hexdigest(), "content": CONTENT}
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self.partial.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
+
+
+def check_entry(entry, split: str, n_documents: int | None = None) -> str | None:
+    """What is wrong with a manifest's ``splits.<split>.documents`` field (None when it is well formed);
+    `n_documents`: the split's own count, where the manifest records one."""
+    where = f"splits.{split}.documents."
+    if not isinstance(entry, dict):
+        return f"field splits.{split}.documents is not an object"
+    for key, typ in (("file", str), ("n_documents", int), ("dtype", str), ("bytes", int), ("sha256", str)):
+        if key not in entry:
+            return f"missing field {where}{key}"
+        if not isinstance(entry[key], typ) or isinstance(entry[key], bool):
+            return f"field {where}{key} has type {type(entry[key]).__name__}, expected {typ.__name__}"
+    name = entry["file"]
+    if "/" in name or name.startswith("."):
+        return f"field {where}file {name!r} is not a plain file name"
+    if entry["dtype"] != DTYPE:
+        return f"field {where}dtype is {entry['dtype']!r}, expected {DTYPE!r}"
+    if entry["n_documents"] < 1 or entry["bytes"] != 8 * entry["n_documents"]:
+        return f"fields {where}n_documents / bytes ({entry['n_documents']} / {entry['bytes']}) do not fit {DTYPE}"
+    if n_documents is not None and n_documents != entry["n_documents"]:
+        return f"field {where}n_documents is {entry['n_documents']}, but splits.{split}.n_documents is {n_documents}"
+    return None
+
+
+def parse(data: bytes, entry: dict, n_tokens: int, where) -> np.ndarray:
+    """The verified start offsets (int64) from the bytes of the file `where`."""
+    if len(data) != entry["bytes"]:
+        raise DocumentIndexError(where, f"the document index is {len(data)} bytes, manifest.json says "
+                                        f"{entry['bytes']}" + (" (truncated?)" if len(data) < entry["bytes"] else ""))
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry["sha256"]:
+        raise DocumentIndexError(where, f"document index: sha256 {digest} does not match manifest.json "
+                                        f"({entry['sha256']})")
+    starts = np.frombuffer(data, dtype=DTYPE).astype(np.int64)
+    if starts[0] != 0 or (starts.size > 1 and not np.all(np.diff(starts) > 0)) or starts[-1] >= n_tokens:
+        raise DocumentIndexError(where, f"document index: offsets are not ascending from 0 below the split's "
+                                        f"{n_tokens} tokens")
+    return starts
