@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
-from test_train_runs import committed_steps, launch, logs, losses, shards, tiny_cfg, wait  # noqa: F401
+from test_train_runs import TWO_RANKS_12_STEPS, committed_steps, launch, logs, losses, wait
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -80,12 +80,11 @@ def workers_of(run_dir) -> list[int]:
     return [int(x) for x in out.stdout.split()]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_cfg, shards, tmp_path_factory):
-    """Losses of the uninterrupted run (2 ranks, 12 steps)."""
-    run_dir = tmp_path_factory.mktemp("reliability") / "reference"
-    assert finish(start(tiny_cfg, shards, run_dir, "--max-steps", "12", "--save-every", "0")) == 0, text(run_dir)
-    return losses(run_dir)
+@pytest.fixture
+def reference(tiny_cfg, shards, reference_runs):
+    """Losses of the uninterrupted run (2 ranks, 12 steps, checkpoints every 3): the session's reference, shared with
+    test_train_runs.py (its ranks started directly, not under the launcher)."""
+    return losses(reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_12_STEPS))
 
 
 # ---- signals, orphans, one trainer per directory ------------------------------------------------------------
