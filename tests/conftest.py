@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from fixture_data import ENWIK8
+
 
 def cuda_count() -> int:
     try:
@@ -24,6 +26,34 @@ def cuda_available() -> bool:
 
 # marker -> CUDA devices its tests need
 DEVICE_MARKERS = {"gpu": 1, "multigpu": 2}
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory):
+    """Byte-level shards of the enwik8 fixture (`megamemo prepare enwik8`), once per session. Read-only to tests."""
+    from data_pipeline.cli import prepare_main
+
+    out = tmp_path_factory.mktemp("shards") / "enwik8"
+    assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tmp_path_factory):
+    """The training tests' tiny config (tests/runs_cache.py TINY) as a file."""
+    from runs_cache import TINY
+
+    p = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    p.write_text(TINY)
+    return p
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """The session's cache of reference training runs (tests/runs_cache.py): each trained once, shared."""
+    from runs_cache import ReferenceRuns
+
+    return ReferenceRuns(tmp_path_factory.mktemp("references"))
 
 
 def pytest_configure(config):

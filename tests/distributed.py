@@ -56,6 +56,13 @@ def _entry(rank, world, port, fn, args, errors, timeout, stacks):
         os._exit(code)
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:                         # the rank has not started yet
+        return 0
+
+
 def _describe(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -73,13 +80,16 @@ def run_distributed(fn, world: int, *args, timeout: float = TIMEOUT_S):
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout + 15           # the ranks start (imports) and dump their stacks first
-    failed_at = None
+    failed_at = dumped_at = None
     try:
         while any(p.is_alive() for p in procs):
             now = time.monotonic()
             if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                 failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + PEER_GRACE_S):
+            if dumped_at is None and all(_size(stacks[r]) > 0 for r, p in enumerate(procs) if p.is_alive()):
+                dumped_at = now             # every rank still running is past its limit: it wrote its stacks
+            if now > deadline or (failed_at is not None and now > failed_at + PEER_GRACE_S) \
+                    or (dumped_at is not None and now > dumped_at + 1.0):
                 break
             time.sleep(0.05)
     finally:

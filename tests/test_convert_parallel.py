@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from megamemo.checkpoint import convert
 from megamemo.checkpoint.state import file_digest
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
-from test_train_runs import logs, losses, run, shards, tiny_cfg  # noqa: F401 (fixtures)
+from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -102,9 +102,11 @@ def test_sharded_checkpoint_converts_to_the_same_model(layout, request, tmp_path
     assert all(torch.equal(in_memory.state_dict()[k], v) for k, v in sd.items())
 
 
-@pytest.fixture(scope="module")
-def one(tmp_path_factory, tiny_cfg, shards):
-    return _train(tmp_path_factory, tiny_cfg, shards, "one", 1)
+@pytest.fixture
+def one(tiny_cfg, shards, reference_runs):
+    """One process with EXACT's settings (and a validation at step 6, which changes no training loss): the session's
+    one-process reference (tests/runs_cache.py ONE_PROCESS_EXACT), copied before any test writes to it."""
+    return reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT)
 
 
 def _resume_in_place(src, tmp_path, tiny_cfg, shards, n, *args):

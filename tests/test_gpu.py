@@ -28,7 +28,7 @@ from megamemo.interop.reference import import_reference
 from megamemo.interop.score import load_reference_file
 from test_model_reference import FILES, check_grads, close, ref_memory_tensors
 from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, fp16_overflow_run, launch, logs,  # noqa: F401
-                             losses, run, shards, tiny_cfg, wait)
+                             losses, run, wait)
 
 pytestmark = pytest.mark.gpu
 GPU = {"DS_ACCELERATOR": "cuda", "MEGAMEMO_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": os.environ.get(

@@ -23,7 +23,7 @@ from distributed import run_distributed
 from fixture_data import REPO
 from megamemo.config import load
 from megamemo.model import MemTransformerLM
-from test_train_runs import losses, run, shards, tiny_cfg  # noqa: F401 (shards, tiny_cfg: fixtures)
+from test_train_runs import losses, run
 
 ACCUM, MICRO = 8, 2
 

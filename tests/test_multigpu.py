@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from fixture_data import REPO
-from test_train_runs import losses, shards, tiny_cfg  # noqa: F401 (fixtures)
+from test_train_runs import losses
 
 pytestmark = pytest.mark.multigpu
 STEPS = 5

@@ -11,7 +11,7 @@ import torch
 
 from megamemo.checkpoint.store import newest_complete
 from test_train_runs import (assert_no_corrupt_checkpoint, checkpoint_memory, committed_steps, launch, logs,  # noqa
-                             losses, run, shards, tiny_cfg, wait)
+                             losses, run, wait)
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 

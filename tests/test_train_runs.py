@@ -16,94 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamemo.train.dist import free_port
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
+from megamemo.train.dist import free_port
+from runs_cache import (ONE_PROCESS_EXACT, REPO, TINY, TWO_RANKS_12_STEPS, launch, logs, losses, run,  # noqa: F401
+                        wait)
 from fixture_data import ENWIK8
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
-REPO = Path(__file__).resolve().parents[1]
-
-TINY = """
-model: {variant: lamemo, n_token: 256, n_layer: 2, d_model: 32, n_head: 2, d_head: 16, d_inner: 64,
-        dropout: 0.1, dropatt: 0.0, tgt_len: 16, mem_len: 16}
-data: {batch_size: 4, roll: true}
-optim: {lr: 2.0e-3, clip: 0.25, warmup_steps: 2}
-precision: {dtype: fp32}
-parallel: {zero_stage: 1}
-train: {max_steps: 8}
-checkpoint: {save_every: 3, keep_last: 10}
-log: {every: 1, tensorboard: false}
-"""
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    from data_pipeline.cli import prepare_main
-
-    out = tmp_path_factory.mktemp("shards") / "enwik8"
-    assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(out),
-                         "--quiet"]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny_cfg(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
-    p.write_text(TINY)
-    return p
-
-
-def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None):
-    """Start n ranks of `megamemo train`; each rank logs to run_dir/../<name>.rank<r>.log."""
-    port = free_port()
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
-        env.update(env_extra or {})             # e.g. DS_ACCELERATOR=cuda for the GPU tests
-        log = open(run_dir.parent / f"{run_dir.name}.rank{r}.log", "a")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megamemo", "train", "--config", str(cfg), "--data", str(shards),
-             "--run-dir", str(run_dir), *args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-    return procs
-
-
-def wait(procs, timeout: float = 180) -> list[int]:
-    """Every rank's exit code, within `timeout` seconds; past it the ranks still running are killed and the test
-    fails naming them and their command."""
-    end = time.time() + timeout
-    rcs = []
-    for r, p in enumerate(procs):
-        try:
-            rcs.append(p.wait(timeout=max(1, end - time.time())))
-        except subprocess.TimeoutExpired:
-            hung = [i for i, q in enumerate(procs) if q.poll() is None]
-            for q in procs:
-                q.kill()
-                q.wait()
-            raise AssertionError(f"ranks {hung} of {len(procs)} still running after {timeout:.0f}s (killed): "
-                                 f"{' '.join(map(str, p.args))}") from None
-    return rcs
-
-
-def logs(run_dir: Path) -> str:
-    return "\n".join(p.read_text() for p in sorted(run_dir.parent.glob(f"{run_dir.name}.rank*.log")))
-
-
-def run(n, cfg, shards, run_dir, *args, timeout=180, env_extra=None) -> None:
-    rcs = wait(launch(n, cfg, shards, run_dir, *args, env_extra=env_extra), timeout)
-    assert rcs == [0] * n, logs(run_dir)[-4000:]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["kind"] == "train":
-            assert rec["step"] not in out, f"step {rec['step']} logged twice"
-            out[rec["step"]] = rec["loss"]
-    return out
+# `shards` (the enwik8 fixture's shards), `tiny_cfg` (TINY) and `reference_runs` are session fixtures
+# (tests/conftest.py): prepared and trained once, shared by every module that uses them.
 
 
 def committed_steps(run_dir: Path) -> list[int]:
@@ -151,15 +73,11 @@ def direct_eval(tiny_cfg: Path, shards: Path, step_dir: Path, tgt_len: int, mem_
     return total / count
 
 
-def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, tmp_path):
-    common = ["--set", "model.dropout=0.0", "--max-steps", "6", "--save-every", "0",
-              # validation at the end with its own lengths: 8-token segments, 24 tokens of memory
-              "--set", "eval.every=6", "--set", "eval.tgt_len=8", "--set", "eval.mem_len=24",
-              "--set", "eval.batch_size=4", "--set", "eval.max_segments=6"]
-    one, two = tmp_path / "dp1", tmp_path / "dp2"
-    run(1, tiny_cfg, shards, one, *common)
+def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, reference_runs, tmp_path):
+    # validation at the end with its own lengths: 8-token segments, 24 tokens of memory (ONE_PROCESS_EXACT)
+    one, two = reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT), tmp_path / "dp2"
     # 2 ranks x 2 micro-batches of 1 stream each: 4 separate memories, same global batch of 4 streams
-    run(2, tiny_cfg, shards, two, *common, "--set", "train.grad_accum=2")
+    run(2, tiny_cfg, shards, two, *ONE_PROCESS_EXACT, "--set", "train.grad_accum=2")
     l1, l2 = losses(one), losses(two)
     assert sorted(l1) == sorted(l2) == list(range(1, 7))
     for s in l1:
@@ -180,30 +98,30 @@ def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, tmp_path):
 
 
 # ---- crash and exact resume ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def fp32_reference(tiny_cfg, shards, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("ref") / "fp32"
-    run(2, tiny_cfg, shards, run_dir)
-    return run_dir
+@pytest.fixture
+def fp32_reference(tiny_cfg, shards, reference_runs) -> Path:
+    """2 ranks of TINY, 12 steps (checkpoints at 3, 6, 9, 12): the session's run, shared with test_reliability.py."""
+    return reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_12_STEPS)
 
 
 def test_rank_killed_while_saving_resumes_bit_exact(tiny_cfg, shards, fp32_reference, tmp_path):
     run_dir = tmp_path / "crash"
     # rank 1 SIGKILLs itself after writing its part of the step-6 checkpoint, before the commit
-    rcs = wait(launch(2, tiny_cfg, shards, run_dir, env_extra={"MEGAMEMO_FAULT_KILL_IN_SAVE": "6:1"}))
+    rcs = wait(launch(2, tiny_cfg, shards, run_dir, *TWO_RANKS_12_STEPS,
+                      env_extra={"MEGAMEMO_FAULT_KILL_IN_SAVE": "6:1"}))
     assert rcs[1] == -signal.SIGKILL and rcs[0] != 0, logs(run_dir)[-3000:]
     assert committed_steps(run_dir) == [3]
     assert (run_dir / "checkpoints" / "step_00000006").is_dir()           # half-written, never committed
     assert not (run_dir / "checkpoints" / "step_00000006" / MARKER).exists()
     assert newest_complete(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000003"
 
-    run(2, tiny_cfg, shards, run_dir)                                       # the same command again
+    run(2, tiny_cfg, shards, run_dir, *TWO_RANKS_12_STEPS)                 # the same command again
     assert "resumed from" in logs(run_dir) and "step_00000003" in logs(run_dir)
     assert "removed " + str(run_dir / "checkpoints" / "step_00000006") in logs(run_dir)
     ref, got = losses(fp32_reference), losses(run_dir)
-    assert sorted(got) == sorted(ref) == list(range(1, 9))
-    assert got == ref                                                       # bit for bit, steps 4..8 included
-    assert committed_steps(run_dir) == [3, 6, 8]
+    assert sorted(got) == sorted(ref) == list(range(1, 13))
+    assert got == ref                                                       # bit for bit, steps 4..12 included
+    assert committed_steps(run_dir) == [3, 6, 9, 12]
     assert_no_corrupt_checkpoint(run_dir)
 
 
@@ -285,7 +203,7 @@ def test_checkpoint_from_a_different_model_is_refused(tiny_cfg, shards, fp32_ref
     out = logs(run_dir)
     assert out.count("megamemo train: error:") == 1 and "terminate called" not in out, out[-3000:]
     assert "different model config" in out and "model.d_inner: checkpoint 64 vs config 48" in out
-    assert "step_00000008" in out
+    assert "step_00000012" in out
 
 
 # ---- fp16 overflow ---------------------------------------------------------------------------------------------

@@ -221,3 +221,27 @@ def test_resumed_adam_step_follows_the_parameter_off_the_cpu():
     assert made.device.type == "meta" and (ours.device, ours.dtype) == (made.device, made.dtype)
     plain = torch.optim.Adam([p], lr=0.1)
     assert adam_step_tensor(1, p.device, step_on_param_device(plain.param_groups)).device.type == "cpu"
+
+
+# ---- a rank whose peer is gone -------------------------------------------------------------------------------
+PEER_LOST = """
+import atexit
+import megamemo.train.cli as cli
+
+atexit.register(lambda: print("interpreter shutdown ran", flush=True))
+def peer_gone(args):
+    raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+cli.resolve_config = peer_gone
+print("main returned", cli.main(["--config", "unused.yaml"]), flush=True)
+"""
+
+
+def test_a_rank_whose_peer_is_gone_exits_1_without_interpreter_shutdown():
+    """A collective that failed because the peer vanished: exit code 1, quietly, and without the interpreter's
+    shutdown (no atexit handler runs, main never returns). Under that shutdown a gloo worker thread finishing the
+    queued collectives calls std::terminate ("terminate called without an active exception", SIGABRT; README, When
+    things go wrong), so this is what keeps the surviving rank from aborting."""
+    r = subprocess.run([sys.executable, "-c", PEER_LOST], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "interpreter shutdown ran" not in r.stdout and "main returned" not in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr

@@ -18,7 +18,7 @@ import torch
 
 from megamemo.checkpoint.state import file_digest
 from megamemo.checkpoint.store import MARKER
-from test_train_runs import run, shards, tiny_cfg  # noqa: F401 (fixtures)
+from test_train_runs import run
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 

@@ -218,7 +218,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
 
 def main(argv: list[str]) -> int:
     from megamemo.train.dist import launcher_rank_size
-    from megamemo.train.rundir import die_with_parent, peer_lost, report, tear_down
+    from megamemo.train.rundir import die_with_parent, leave_without_finalizing, peer_lost, report, tear_down
     from megamemo.train.signals import StopRequest
 
     stop = StopRequest()                    # first: a stop signal held since the process started is handled now
@@ -230,6 +230,7 @@ def main(argv: list[str]) -> int:
     (rank, size), trainer, expected = launcher_rank_size(), None, anticipated_errors()
     world = size or 1
     starting = True                         # until training runs, every rank meets the same errors
+    lost = None                             # the exit code when a peer is gone
     try:
         cfg = resolve_config(args)
         device.resolve()                    # cuda or cpu, before DeepSpeed picks its accelerator
@@ -260,13 +261,15 @@ def main(argv: list[str]) -> int:
         # is this rank's own
         return report(e, rank, everyone=starting and not isinstance(e, device.DeviceError), world_size=world)
     except RuntimeError as e:
-        code = peer_lost(e)
-        if code is None:
+        lost = peer_lost(e)
+        if lost is None:
             raise
-        return code
+        return lost
     finally:
         tear_down(trainer)                  # on every path: no thread mid-write, the lock freed, the group destroyed
         stop.restore()                      # the caller's handlers back (main called in-process: tests, notebooks)
+        if lost is not None:                # gloo's worker threads may still hold work: no interpreter shutdown
+            leave_without_finalizing(lost)
 
 
 def anticipated_errors() -> tuple[type[BaseException], ...]:

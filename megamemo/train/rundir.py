@@ -60,6 +60,26 @@ def peer_lost(error: BaseException) -> int | None:
     return 1
 
 
+def leave_without_finalizing(code: int) -> None:
+    """End this process now with `code`, skipping the interpreter's shutdown (after tear_down).
+
+    For a rank whose peer is gone. Its gloo process group still has work queued on ProcessGroupGloo's worker
+    threads ("pt_gloo_runloop": the collectives issued after the one that failed, each failing in turn), and the
+    group cannot be freed while DeepSpeed and megatron-core hold it. A worker thread that finishes such work drops
+    its tensors, which takes the GIL; during the interpreter's shutdown Python ends any thread that asks for the
+    GIL with pthread_exit, whose forced unwinding through the worker's C++ frames calls std::terminate: "terminate
+    called without an active exception", SIGABRT (caught here with a std::set_terminate hook: the thread was
+    pt_gloo_runloop, in c10d::ProcessGroupGloo::runLoop -> TensorImpl::decref_pyobject -> PyEval_RestoreThread ->
+    pthread_exit). Nothing is left to run at shutdown by then (tear_down closed the metrics, released the lock and
+    joined our threads), so the process leaves with os._exit once its output is flushed."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def tear_down(trainer) -> None:
     """What a trainer process does last, whichever way it ends (done, stopped, an error of its own or a peer's).
 
