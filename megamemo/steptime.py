@@ -5,6 +5,10 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
   compute       model FLOPs (model/flops.py) of the rank's share - its stage's layers (+ the output layer on the
                 last stage) over tp - at peak x efficiency(GEMM width); the width is the narrowest dimension of a
                 layer's dense GEMMs on the rank: min(d_model, heads x d_head / tp, d_inner / tp, rows x micro-batch).
+                Where the device measured this layer shape's projections at the layout's tp and rows (the CPU:
+                Device.layer_gemm, bench/calibrate_cpu.py's layer_gemm_rate), that rate replaces peak x efficiency:
+                a width alone misses what a layer's 16-64 MiB weights cost a CPU core against narrow cached ones
+                (measured here: 45 against 79 GFLOP/s at 64 rows).
   elementwise   softmax, norms, activations, dropout: ELEMENTWISE_PASSES passes over the activation bytes plan.py
                 counts for one micro-batch, at the device's memory bandwidth.
   tp_comm       per layer and micro-batch 4 all-reduces of the [rows, B, d_model] activations (2 forward, 2
@@ -29,6 +33,10 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 it at memory bandwidth (ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
   first_touch   CPU only: the gradients (ZeRO's flat fp32 partition, the flattened all-reduce bucket) are new
                 allocations every step, above glibc's mmap threshold, so their pages are faulted in again.
+                Where DeepSpeed's ZeRO work around a step was measured (the CPU: Device.zero_step, one process of
+                its ZeRO 1 engine as train/engine.py builds it), optimizer = held x parameters the rank holds
+                + owned x parameters it owns, first touch included (its copies run at dp 1 as at any dp); GPUs keep
+                the byte model above (no measurement: ADAM_BYTES_PER_PARAM, ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
 Pipeline-stage and DP communication between nodes use the inter-node link when the group spans nodes (TP groups
 stay inside a node: recommend.why_not).
 
@@ -89,6 +97,21 @@ class Device:
                                     # autograd, python): GPU hides it behind longer kernels, a CPU adds it
     contention: tuple = ()      # CPU: ((width, rate alone / rate with `ranks` busy), ...) measured
     ranks: int = 1              # CPU: the processes the contention was measured with
+    # CPU: FLOP/s of one rank's share of a layer's dense projections measured at the layer's own shapes
+    # {(tp, rows): FLOP/s} for layers of `layer_shape` (d_model, heads x d_head, d_inner); used instead of the
+    # width table where the layout's (tp, rows) was measured
+    layer_gemm: dict = field(default_factory=dict)
+    layer_shape: tuple = ()
+    # CPU: DeepSpeed's ZeRO 1/2 work around a step, measured (bench/calibrate_cpu.py): seconds per parameter the
+    # rank holds (the gradients flattened into the bucket and partition, averaged, copied back) and per
+    # parameter it owns (norm, clipping, Adam, the master copied back); replaces optimizer + first_touch
+    zero_step: tuple | None = None
+
+    def layer_rate(self, m, tp: int, rows: int) -> float | None:
+        """The measured FLOP/s of a layer's projections at this tp and row count, if this layer shape was."""
+        if self.layer_shape != (m.d_model, m.n_head * m.d_head, m.d_inner):
+            return None
+        return self.layer_gemm.get((tp, rows))
 
     def share(self, width: float, ranks: int) -> float:
         """How many times slower a rank computes while all `ranks` on its node do (1: a device of its own)."""
@@ -168,7 +191,11 @@ def cpu_device(cal: dict) -> Device:
                   first_touch_bw=cal["fresh_page_gbs"] * 1e9,
                   contention=tuple((w, r / shared[w] if w in shared else nominal) for w, r in gemm),
                   ranks=cal["ranks"],
-                  layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3)
+                  layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3,
+                  layer_gemm={tuple(int(x) for x in k.split("x")): float(r) * 1e9
+                              for k, r in cal.get("layer_gemm", {}).items()},
+                  layer_shape=tuple(cal.get("layer_shape", ())),
+                  zero_step=tuple(x * 1e-9 for x in cal["zero_ns"]) if "zero_ns" in cal else None)
 
 
 CPU = cpu_device(CPU_CALIBRATION)
@@ -253,8 +280,9 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     width = gemm_width(m, tp, micro)
     share = dev.share(width, gpus_per_node)   # CPU ranks sharing cores: each runs `share` times slower
     per_layer, rest = layer_and_rest_flops(m, micro)
-    eff = dev.eff(width)
     rows = m.tgt_len + (m.mem_len if m.lamemo else 0)
+    measured = dev.layer_rate(m, tp, rows * micro)
+    eff = measured / peak if measured else dev.eff(width)
     act_bytes = rows * micro * m.d_model * pbytes
 
     # the slowest stage's micro-batch slot: compute, elementwise work, TP all-reduces
@@ -302,7 +330,10 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
                    + (DP_REDUCE_BYTES * params if dp > 1 else 0)) / dev.mem_bw
     optimizer = (owned * opt_s + bookkeeping) * share
     first_touch = 0.0
-    if dev.first_touch_bw:
+    if dev.zero_step and zero >= 1:     # measured: DeepSpeed's copies (at any dp, even 1) and step, fresh pages
+        held_s, owned_s = dev.zero_step
+        optimizer = (held_s * params + owned_s * owned) * share
+    elif dev.first_touch_bw:
         fresh = grad_bytes + (4 * owned if zero >= 1 else 0) + (grad_bytes if dp > 1 else 0)   # + the flat copy
         first_touch = fresh / dev.first_touch_bw * share
     hides = 0.0     # what ZeRO 1/2's overlap_comm would hide: all buckets but the last, behind the last backward
