@@ -84,11 +84,11 @@ def main() -> int:
         if not (args.table or args.reuse):
             from calibrate_cpu import LAYER, layer_gemm_rate
             m = cfg.model
-            rows = (m.tgt_len + m.mem_len) * cfg.layout(world)[1]
-            key = f"{tp}x{rows}"
+            n_rows = (m.tgt_len + m.mem_len) * cfg.layout(world)[1]
+            key = f"{tp}x{n_rows}"
             now["layer_gemm"] = dict(cal.get("layer_gemm", {}))
-            now["layer_gemm"][key] = round(layer_gemm_rate(*LAYER, tp, rows, 3) / 1e9, 1)
-            print(f"[{name}] the layer's projections at tp {tp}, {rows} rows (GEMM width "
+            now["layer_gemm"][key] = round(layer_gemm_rate(*LAYER, tp, n_rows, 3) / 1e9, 1)
+            print(f"[{name}] the layer's projections at tp {tp}, {n_rows} rows (GEMM width "
                   f"{gemm_width(m, tp, cfg.layout(world)[1])}): {now['layer_gemm'][key]:.1f} GFLOP/s now", flush=True)
             (Path(args.out) / f"{name}.calibration.json").write_text(json.dumps(now))
         elif args.reuse and (Path(args.out) / f"{name}.calibration.json").exists():
