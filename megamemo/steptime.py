@@ -29,6 +29,10 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 and which megamemo's DeepSpeed config does not set (train/engine.py), and never under its pipeline
                 engine (ReduceGrads after the last backward): exposed. `overlap_hides` says what it would hide.
   zero_gather   ZeRO 1/2's extra collective: the updated parameters all-gathered after the optimizer step.
+  On a CPU whose ranks share its cores, every collective (TP, DP, ZeRO's gather, p2p) is CPU work as well:
+                measured in a group of g processes (sharing the cores max(1, g / cores) ways), it runs while all
+                the node's ranks run theirs, so it takes share(node ranks) / share(g) times its measured time
+                (TP2 x DP2 on 2 cores: two dp=2 groups reduce at once, 2x the 2-process measurement; DP4: 1x).
   optimizer     Adam over the rank's partition (ZeRO 1/2: 1/dp of its parameters), and DeepSpeed's passes around
                 it at memory bandwidth (ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
   first_touch   CPU only: the gradients (ZeRO's flat fp32 partition, the flattened all-reduce bucket) are new
@@ -279,6 +283,12 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     pbytes = 2 if dtype in ("bf16", "fp16") else 4
     width = gemm_width(m, tp, micro)
     share = dev.share(width, gpus_per_node)   # CPU ranks sharing cores: each runs `share` times slower
+
+    def shared(group: int) -> float:
+        """A CPU's collectives are CPU work too (gloo on loopback: copies and sums): measured in a group of `group`
+        processes alone (sharing the cores `group` ways), they run while every rank of the node runs its own
+        group's: `share` over the measurement's own sharing. 1 on a GPU (no contention)."""
+        return share / dev.share(width, group)
     per_layer, rest = layer_and_rest_flops(m, micro)
     rows = m.tgt_len + (m.mem_len if m.lamemo else 0)
     measured = dev.layer_rate(m, tp, rows * micro)
@@ -295,7 +305,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         in_flight = min(pp - s, ga)
         elementwise = ELEMENTWISE_PASSES * plans[s].activations / in_flight / dev.mem_bw
         n_ar = 4 * layers + (TP_EXTRA_ALLREDUCES if s in (0, pp - 1) else 0)
-        tp_comm = n_ar * dev.collective(tp, act_bytes, False)
+        tp_comm = n_ar * dev.collective(tp, act_bytes, False) * shared(tp)
         host = layers * dev.layer_overhead
         # a GPU runs the launches ahead of its kernels (exposed only beyond them); a CPU core does both
         overhead = host if dev.contention else max(0.0, host - compute - elementwise)
@@ -312,18 +322,19 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     if pp > 1:
         # stage boundaries: on more than one node, some boundary on the critical path is between nodes
         spans = world > gpus_per_node
-        p2p = 2 * (ga + pp - 1) * dev.send((m.tgt_len + m.mem_len) * micro * m.d_model * pbytes, spans)
+        p2p = 2 * (ga + pp - 1) * dev.send((m.tgt_len + m.mem_len) * micro * m.d_model * pbytes, spans) * shared(2)
         if m.tie_weight:   # DeepSpeed's ReduceTiedGrads: the table's gradient between the first and last stage
-            tied = dev.collective(2, m.n_token * m.embed_dim / tp * pbytes, spans)
+            tied = dev.collective(2, m.n_token * m.embed_dim / tp * pbytes, spans) * shared(2)
 
     # data parallelism: gradient all-reduce, ZeRO's parameter all-gather, the optimizer
     params = plans[worst].params / pbytes                # the rank's parameters (elements)
     grad_bytes = params * pbytes
     across = tp * dp > gpus_per_node
     buckets = max(1, math.ceil(params / DS_REDUCE_BUCKET))
-    per_reduction = buckets * dev.collective(dp, grad_bytes / buckets, across)
+    per_reduction = buckets * dev.collective(dp, grad_bytes / buckets, across) * shared(dp)
     dp_comm = per_reduction * (ga if zero == 2 else 1)
-    zero_gather = buckets * dev.collective(dp, grad_bytes / buckets, across, gather=True) if zero >= 1 else 0
+    zero_gather = (buckets * dev.collective(dp, grad_bytes / buckets, across, gather=True) * shared(dp)
+                   if zero >= 1 else 0)
     owned = params / (dp if zero >= 1 else 1)
     opt_s = dev.optimizer_s_per_param or ADAM_BYTES_PER_PARAM / dev.mem_bw
     bookkeeping = ((ZERO_STEP_BYTES_OWNED * owned if zero >= 1 else 0)

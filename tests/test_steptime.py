@@ -300,3 +300,24 @@ def test_an_impossible_cluster_shape_or_device_is_one_line(args, why, capsys):
     assert code == 2
     assert why in one_line_error(capsys)
     assert capsys.readouterr().out == ""
+
+
+def test_cpu_collectives_time_share_the_cores_like_compute():
+    """4 ranks on 2 cores (contention 2 at 4 ranks: ranks / cores). A 2-process all-reduce was measured with its 2
+    processes on the 2 cores; under tp 2 x dp 2 both DP groups (and both TP groups) run theirs at once on the same
+    2 cores: twice the measured time. Under dp 4 the 4-process measurement already shared the cores 4 ways: 1x."""
+    cpu = Device("cpu2", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test",
+                 contention=((16, 2.0), (64, 2.0)), ranks=4,
+                 allreduce={2: (1e-3, 1e9), 4: (2e-3, 0.5e9)}, allgather={2: (1e-3, 0.4e9), 4: (2e-3, 0.3e9)})
+    cfg = rpe("parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2")
+    st = step_time(cfg, 4, cpu, 4, plan)
+    grad = plan(cfg, 4, 1e9, 0).params                         # the rank's fp32 gradient bytes
+    assert st.terms["dp_comm"] == pytest.approx(2 * (1e-3 + 2 * 1 / 2 * grad / 1e9))
+    assert st.terms["zero_gather"] == pytest.approx(2 * (1e-3 + 1 / 2 * grad / 0.4e9))
+    act = 32 * 2 * 64 * 4                                      # [32 rows, 2 streams, d 64] fp32
+    assert st.terms["tp_comm"] == pytest.approx(2 * (4 * 4 + 3) * 2 * (1e-3 + act / 1e9))
+    dp4 = step_time(rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2"), 4, cpu, 4,
+                    plan)
+    grad4 = plan(rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2"), 4, 1e9,
+                 0).params
+    assert dp4.terms["dp_comm"] == pytest.approx(2e-3 + 2 * 3 / 4 * grad4 / 0.5e9)
