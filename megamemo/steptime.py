@@ -163,18 +163,24 @@ def _gpu(kind, row, mem_bw, link, note):
 
 
 # CPU: measured on this machine (2 cores, AVX512, torch 2.13, one thread per process, fp32) by
-# `bench/calibrate_cpu.py` within bench/plan_vs_step.py on 2026-11-25 10:24 UTC under the shared-machine lock
-# (runs/plan_vs_step4/calibration.json; load average 1.7 at the start, other engineers' unlocked jobs beside it:
-# calibrations minutes apart differ by up to 2x).
+# `bench/calibrate_cpu.py` within bench/plan_vs_step.py on 2026-11-25 at 13:30 and 13:39 UTC under the shared-machine
+# lock (runs/plan_vs_step_25b and _25c calibration.json, load average 1.4-1.5 at their starts), the mean of the two:
+# calibrations minutes apart differ by up to 25% (the layer's rate at 64 rows 39.6 and 46.9 GFLOP/s, ZeRO's
+# 5.3 / 6.1 and 3.8 / 5.2 ns), which moves every prediction with them (README, "Scale rehearsal").
 CPU_CALIBRATION = {
-    "gemm": {32: 56.9, 64: 71.6, 128: 83.4, 256: 87.8, 512: 92.1, 1024: 91.1},   # GFLOP/s by min(T, n)
-    "adam_ns": 6.41,                                  # torch Adam step, per parameter
-    "allreduce": {2: (1.27e-3, 1.36e9), 4: (5.92e-3, 0.74e9)},   # (latency s, bytes/s), bytes 2 (n-1)/n
-    "allgather": {2: (0.89e-3, 0.51e9), 4: (2.07e-3, 0.40e9)},   # bytes (n-1)/n of the gathered tensor
-    "p2p": (0.81e-3, 4.06e9),
-    "fresh_page_gbs": 2.36,                           # allocate and fill
-    "mem_gbs": 21.3,                                  # a fill of a reused 1 GiB tensor
-    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.57,
+    "gemm": {32: 46.5, 64: 60.3, 128: 76.9, 256: 75.1, 512: 84.0, 1024: 82.9},   # GFLOP/s by min(T, n)
+    "adam_ns": 0.88,                                  # torch's fused Adam step (optim.fused), per parameter
+    "allreduce": {2: (2.93e-3, 1.42e9), 4: (5.54e-3, 0.95e9)},   # (latency s, bytes/s), bytes 2 (n-1)/n
+    "allgather": {2: (0.06e-3, 0.42e9), 4: (2.29e-3, 0.36e9)},   # bytes (n-1)/n of the gathered tensor
+    "p2p": (0.13e-3, 2.91e9),
+    "fresh_page_gbs": 2.30,                           # allocate and fill
+    "mem_gbs": 19.2,                                  # a fill of a reused 1 GiB tensor
+    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.79,
+    # the rehearsal's (= lamemo-1.3b's) layer: its projections' GFLOP/s by "tp x rows" (calibrate_cpu.LAYER_POINTS)
+    "layer_shape": (2048, 2048, 8192),
+    "layer_gemm": {"1x64": 43.2, "1x128": 54.8, "1x256": 63.4, "2x64": 49.2, "2x128": 64.6, "2x256": 70.9,
+                   "4x64": 65.2, "4x128": 72.6, "4x256": 70.8},
+    "zero_ns": (4.56, 5.65),                          # DeepSpeed ZeRO 1 per parameter held, per parameter owned
 }
 
 
