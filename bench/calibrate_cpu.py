@@ -12,7 +12,10 @@ median of --repeat timings through 8 different weights (no weight stays in cache
 compute too; without it steptime takes ranks / cores). Collectives: the median time of all-reduce, all-gather (into a
 tensor, as DeepSpeed's ZeRO gathers parameters) and send/recv between two ranks of 4 KiB to 256 MiB fp32 tensors,
 fitted as latency + bytes / bandwidth (least squares) with the algorithm's factor 2 (n-1)/n on the bytes for the
-all-reduce. The JSON line printed last is steptime.CPU_CALIBRATION's form.
+all-reduce. Also (issue 25) the rate of the rehearsal layer's own projections by tp and rows (layer_gemm_rate,
+LAYER_POINTS: what steptime uses for that layer instead of the width table) and DeepSpeed's ZeRO 1 work around
+a step per parameter held and owned (zero_step_seconds_per_param). The JSON line printed last is
+steptime.CPU_CALIBRATION's form.
 """
 from __future__ import annotations
 
@@ -64,6 +67,28 @@ def gemm_rates(d: int, repeat: int, widths=None, layers: int = 8) -> dict[int, f
     return {w: statistics.median(r) for w, r in sorted(by_width.items())}
 
 
+def layer_gemm_rate(d_model: int, heads_dim: int, d_inner: int, tp: int, rows: int, repeat: int) -> float:
+    """FLOP/s of one rank's share of a layer's dense projections, forward + backward through autograd as the
+    model runs them (F.linear with [out, in] weights): [Q;K;V] d -> 3 H/tp, o_net H/tp -> d, the feed-forward
+    d -> F/tp -> d, over `rows` rows (tokens of a micro-batch incl. LaMemo's memory rows), one thread. The
+    width table above misses what these shapes cost: its median over n is carried by narrow weights that stay
+    in cache, while a layer's weights are 16-64 MiB each (this machine's L3: 32 MiB)."""
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    shapes = [(d_model, 3 * heads_dim // tp), (heads_dim // tp, d_model), (d_model, d_inner // tp),
+              (d_inner // tp, d_model)]
+    ws = [torch.randn(o, i, requires_grad=True) for i, o in shapes]
+    xs = [torch.randn(rows, i, requires_grad=True) for i, _ in shapes]
+    gs = [torch.randn(rows, o) for _, o in shapes]
+
+    def step():
+        for w, x, g in zip(ws, xs, gs):
+            w.grad = x.grad = None
+            F.linear(x, w).backward(g)
+    return sum(3 * 2 * rows * i * o for i, o in shapes) / _median_time(step, repeat)
+
+
 def _gemm_worker(rank: int, d: int, repeat: int, widths, out: dict):
     out[rank] = gemm_rates(d, repeat, widths)
 
@@ -77,11 +102,12 @@ def concurrent_gemm_rates(procs: int, d: int, repeat: int, widths=None) -> dict[
 
 
 def optimizer_seconds_per_param(repeat: int) -> float:
-    """torch.optim.Adam's step (what DeepSpeed drives here) over 16 M fp32 parameters, per parameter."""
+    """torch.optim.Adam's step as megamemo makes it (optim.fused, the default: torch's fused kernel) over 16 M
+    fp32 parameters, per parameter."""
     torch.set_num_threads(1)
     p = torch.nn.Parameter(torch.randn(16 * 2 ** 20))
     p.grad = torch.randn_like(p)
-    opt = torch.optim.Adam([p], lr=1e-4)
+    opt = torch.optim.Adam([p], lr=1e-4, fused=True)
     return _median_time(opt.step, repeat) / p.numel()
 
 
@@ -124,6 +150,57 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
     dist.destroy_process_group()
 
 
+def _zero_worker(rank: int, port: int, repeat: int, out: dict):
+    """DeepSpeed's ZeRO 1 engine as megamemo builds it (train/engine.py: fp32, fused Adam, clipping), one
+    process (dp 1), over 8 [2048, 2048] weights (33.6 M parameters) fed 8 rows, so their GEMMs are small next to
+    DeepSpeed's per-parameter work. Per parameter: `held`, what the backward at the accumulation boundary adds
+    to a plain backward (the gradients flattened into the reduction bucket and the rank's partition - fresh
+    allocations, faulted in - averaged and copied back: the same copies whatever dp is); `owned`, the step (the
+    partition's norm, clipping, Adam, the updated master copied back into the weights)."""
+    import copy
+
+    import deepspeed
+
+    from megamemo.config import load
+    from megamemo.train.engine import Engine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    deepspeed.init_distributed("gloo", verbose=False)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(8)])
+    plain = copy.deepcopy(model)
+    params = sum(p.numel() for p in model.parameters())
+    cfg = load(None, ["model.variant=lamemo", "train.grad_accum=1", "parallel.tp=1", "parallel.pp=1"])
+    engine = Engine(cfg, model, micro_batch=1, dp=1)
+    x = torch.randn(8, 2048)
+    times = {"plain": [], "backward": [], "step": []}
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        plain(x).square().mean().backward()
+        plain.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        loss = engine.forward(x).square().mean()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        t3 = time.perf_counter()
+        if i:       # the first fills DeepSpeed's buffers
+            times["plain"].append(t1 - t0)
+            times["backward"].append(t2 - t1)
+            times["step"].append(t3 - t2)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out["zero"] = (max(0.0, med["backward"] - med["plain"]) / params, med["step"] / params)
+    deepspeed.comm.destroy_process_group() if hasattr(deepspeed.comm, "destroy_process_group") else None
+
+
+def zero_step_seconds_per_param(repeat: int) -> tuple[float, float]:
+    """(held, owned) seconds per parameter of DeepSpeed's ZeRO 1 work around a step (see _zero_worker)."""
+    out = mp.Manager().dict()
+    mp.start_processes(_zero_worker, args=(free_port(), max(repeat, 3), out), nprocs=1, join=True,
+                       start_method="spawn")
+    return out["zero"]
+
+
 def layer_overhead_seconds(repeat: int) -> float:
     """Host time of one LaMemo layer's forward + backward whatever its size: a tiny model (d_model 16, one stream)
     with 6 and with 2 layers, the difference over 4 (the embedding and loss cancel)."""
@@ -157,6 +234,10 @@ def first_touch_and_memory_rates() -> tuple[float, float]:
     return 4 * n / _median_time(fresh, 3), 4 * n / _median_time(lambda: reused.fill_(1.0), 3)
 
 
+LAYER = (2048, 2048, 8192)      # the rehearsal's layer (d_model, heads x d_head, d_inner): lamemo-1.3b's
+LAYER_POINTS = [(tp, rows) for tp in (1, 2, 4) for rows in (64, 128, 256)]   # its layouts on 4 ranks (rows: 64 a stream)
+
+
 def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: bool = False, log=print) -> dict:
     """Measure everything and return the calibration (steptime.CPU_CALIBRATION's form)."""
     log(f"cores: {os.cpu_count()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
@@ -168,6 +249,12 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: 
     if shared:
         log(f"the same in {ranks} processes at once, per process: "
             + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in shared.items()) + " GFLOP/s")
+    layer = {f"{tp}x{rows}": layer_gemm_rate(*LAYER, tp, rows, repeat) for tp, rows in LAYER_POINTS}
+    log(f"a {LAYER} layer's projections (fwd+bwd through autograd) by tp x rows: "
+        + ", ".join(f"{k}: {r / 1e9:.1f}" for k, r in layer.items()) + " GFLOP/s")
+    zero_held, zero_owned = zero_step_seconds_per_param(repeat)
+    log(f"DeepSpeed ZeRO 1 around a step: {zero_held * 1e9:.2f} ns per parameter held (reduction copies), "
+        f"{zero_owned * 1e9:.2f} ns per parameter owned (norm, clip, Adam, copy back)")
     opt = optimizer_seconds_per_param(repeat)
     fresh, mem = first_touch_and_memory_rates()
     overhead = layer_overhead_seconds(repeat)
@@ -189,7 +276,9 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: 
            "adam_ns": round(opt * 1e9, 2), "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
            "allgather": {w: comm[w]["allgather"] for w in (2, 4)}, "p2p": comm[2]["p2p"],
            "fresh_page_gbs": round(fresh / 1e9, 2), "layer_overhead_ms": round(overhead * 1e3, 3),
-           "mem_gbs": round(mem / 1e9, 2)}
+           "mem_gbs": round(mem / 1e9, 2), "layer_shape": list(LAYER),
+           "layer_gemm": {k: round(r / 1e9, 1) for k, r in layer.items()},
+           "zero_ns": [round(zero_held * 1e9, 2), round(zero_owned * 1e9, 2)]}
     if shared:
         out["gemm_shared"] = {w: round(r / 1e9, 1) for w, r in shared.items()}
     return out

@@ -2,9 +2,9 @@
 (configs/rehearsal-1.3b-width.yaml, real width) on 4 local CPU processes under TP2xPP2, TP2xDP2, PP4, DP4 and TP4
 (each with the micro-batch `megamemo plan` picks: the largest that fits, at least pp micro-batches), a few steps
 each; the measured step is the median of the intervals between steady-state steps (from step 3: the first fills
-the memory). The CPU is calibrated right before the runs (bench/calibrate_cpu.py), and the GEMM rate at each
-layout's width again right before its run: the machine is shared and its speed moves with the other jobs by
-up to 2x within minutes. --table predicts with steptime.CPU_CALIBRATION
+the memory). The CPU is calibrated right before the runs (bench/calibrate_cpu.py), and the rate of the layer's
+projections at each layout's tp and rows again right before its run: the machine is shared and its speed moves
+with the other jobs by up to 2x within minutes. --table predicts with steptime.CPU_CALIBRATION
 instead (no measurement). Target: every layout within +-25% and the same ranking.
 
     flock /tmp/megamemo-cpu.lock python bench/plan_vs_step.py [--steps 6] [--out runs/plan_vs_step] [--reuse]
@@ -82,10 +82,14 @@ def main() -> int:
         fits = all(plan(cfg, world, args.host_mem_gib / world, s, "cpu").fits for s in range(pp))
         now = dict(cal, gemm={int(w): r for w, r in cal["gemm"].items()})
         if not (args.table or args.reuse):
-            from calibrate_cpu import gemm_rates
-            width = gemm_width(cfg.model, tp, cfg.layout(world)[1])
-            now["gemm"][width] = round(gemm_rates(2048, 3, {width})[width] / 1e9, 1)
-            print(f"[{name}] GEMM width {width}: {now['gemm'][width]:.1f} GFLOP/s now", flush=True)
+            from calibrate_cpu import LAYER, layer_gemm_rate
+            m = cfg.model
+            n_rows = (m.tgt_len + m.mem_len) * cfg.layout(world)[1]
+            key = f"{tp}x{n_rows}"
+            now["layer_gemm"] = dict(cal.get("layer_gemm", {}))
+            now["layer_gemm"][key] = round(layer_gemm_rate(*LAYER, tp, n_rows, 3) / 1e9, 1)
+            print(f"[{name}] the layer's projections at tp {tp}, {n_rows} rows (GEMM width "
+                  f"{gemm_width(m, tp, cfg.layout(world)[1])}): {now['layer_gemm'][key]:.1f} GFLOP/s now", flush=True)
             (Path(args.out) / f"{name}.calibration.json").write_text(json.dumps(now))
         elif args.reuse and (Path(args.out) / f"{name}.calibration.json").exists():
             now = json.loads((Path(args.out) / f"{name}.calibration.json").read_text())

@@ -232,7 +232,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--explain", action="store_true",
                     help="the predicted step time's breakdown of the layout (--tp/--pp, else the first ranked)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    def one_line(message):      # argparse's error: one line (no usage block), exit 2
+        print(f"megamemo plan: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    ap.error = one_line
     args = ap.parse_args(argv)
+    for flag, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node), ("--tp", args.tp),
+                    ("--pp", args.pp)):
+        if v is not None and v < 1:
+            print(f"megamemo plan: {flag} must be at least 1 (got {v})", file=sys.stderr)
+            return 2
     from megamemo import recommend as rec
     from megamemo.steptime import explain, step_time
     if args.device == "gpu" and args.gpu not in GPUS:

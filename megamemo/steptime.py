@@ -5,6 +5,10 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
   compute       model FLOPs (model/flops.py) of the rank's share - its stage's layers (+ the output layer on the
                 last stage) over tp - at peak x efficiency(GEMM width); the width is the narrowest dimension of a
                 layer's dense GEMMs on the rank: min(d_model, heads x d_head / tp, d_inner / tp, rows x micro-batch).
+                Where the device measured this layer shape's projections at the layout's tp and rows (the CPU:
+                Device.layer_gemm, bench/calibrate_cpu.py's layer_gemm_rate), that rate replaces peak x efficiency:
+                a width alone misses what a layer's 16-64 MiB weights cost a CPU core against narrow cached ones
+                (measured here: 45 against 79 GFLOP/s at 64 rows).
   elementwise   softmax, norms, activations, dropout: ELEMENTWISE_PASSES passes over the activation bytes plan.py
                 counts for one micro-batch, at the device's memory bandwidth.
   tp_comm       per layer and micro-batch 4 all-reduces of the [rows, B, d_model] activations (2 forward, 2
@@ -25,10 +29,18 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 and which megamemo's DeepSpeed config does not set (train/engine.py), and never under its pipeline
                 engine (ReduceGrads after the last backward): exposed. `overlap_hides` says what it would hide.
   zero_gather   ZeRO 1/2's extra collective: the updated parameters all-gathered after the optimizer step.
+  On a CPU whose ranks share its cores, every collective (TP, DP, ZeRO's gather, p2p) is CPU work as well:
+                measured in a group of g processes (sharing the cores max(1, g / cores) ways), it runs while all
+                the node's ranks run theirs, so it takes share(node ranks) / share(g) times its measured time
+                (TP2 x DP2 on 2 cores: two dp=2 groups reduce at once, 2x the 2-process measurement; DP4: 1x).
   optimizer     Adam over the rank's partition (ZeRO 1/2: 1/dp of its parameters), and DeepSpeed's passes around
                 it at memory bandwidth (ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
   first_touch   CPU only: the gradients (ZeRO's flat fp32 partition, the flattened all-reduce bucket) are new
                 allocations every step, above glibc's mmap threshold, so their pages are faulted in again.
+                Where DeepSpeed's ZeRO work around a step was measured (the CPU: Device.zero_step, one process of
+                its ZeRO 1 engine as train/engine.py builds it), optimizer = held x parameters the rank holds
+                + owned x parameters it owns, first touch included (its copies run at dp 1 as at any dp); GPUs keep
+                the byte model above (no measurement: ADAM_BYTES_PER_PARAM, ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
 Pipeline-stage and DP communication between nodes use the inter-node link when the group spans nodes (TP groups
 stay inside a node: recommend.why_not).
 
@@ -89,6 +101,21 @@ class Device:
                                     # autograd, python): GPU hides it behind longer kernels, a CPU adds it
     contention: tuple = ()      # CPU: ((width, rate alone / rate with `ranks` busy), ...) measured
     ranks: int = 1              # CPU: the processes the contention was measured with
+    # CPU: FLOP/s of one rank's share of a layer's dense projections measured at the layer's own shapes
+    # {(tp, rows): FLOP/s} for layers of `layer_shape` (d_model, heads x d_head, d_inner); used instead of the
+    # width table where the layout's (tp, rows) was measured
+    layer_gemm: dict = field(default_factory=dict)
+    layer_shape: tuple = ()
+    # CPU: DeepSpeed's ZeRO 1/2 work around a step, measured (bench/calibrate_cpu.py): seconds per parameter the
+    # rank holds (the gradients flattened into the bucket and partition, averaged, copied back) and per
+    # parameter it owns (norm, clipping, Adam, the master copied back); replaces optimizer + first_touch
+    zero_step: tuple | None = None
+
+    def layer_rate(self, m, tp: int, rows: int) -> float | None:
+        """The measured FLOP/s of a layer's projections at this tp and row count, if this layer shape was."""
+        if self.layer_shape != (m.d_model, m.n_head * m.d_head, m.d_inner):
+            return None
+        return self.layer_gemm.get((tp, rows))
 
     def share(self, width: float, ranks: int) -> float:
         """How many times slower a rank computes while all `ranks` on its node do (1: a device of its own)."""
@@ -136,18 +163,24 @@ def _gpu(kind, row, mem_bw, link, note):
 
 
 # CPU: measured on this machine (2 cores, AVX512, torch 2.13, one thread per process, fp32) by
-# `bench/calibrate_cpu.py` within bench/plan_vs_step.py on 2026-11-25 10:24 UTC under the shared-machine lock
-# (runs/plan_vs_step4/calibration.json; load average 1.7 at the start, other engineers' unlocked jobs beside it:
-# calibrations minutes apart differ by up to 2x).
+# `bench/calibrate_cpu.py` within bench/plan_vs_step.py on 2026-11-25 at 13:30 and 13:39 UTC under the shared-machine
+# lock (runs/plan_vs_step_25b and _25c calibration.json, load average 1.4-1.5 at their starts), the mean of the two:
+# calibrations minutes apart differ by up to 25% (the layer's rate at 64 rows 39.6 and 46.9 GFLOP/s, ZeRO's
+# 5.3 / 6.1 and 3.8 / 5.2 ns), which moves every prediction with them (README, "Scale rehearsal").
 CPU_CALIBRATION = {
-    "gemm": {32: 56.9, 64: 71.6, 128: 83.4, 256: 87.8, 512: 92.1, 1024: 91.1},   # GFLOP/s by min(T, n)
-    "adam_ns": 6.41,                                  # torch Adam step, per parameter
-    "allreduce": {2: (1.27e-3, 1.36e9), 4: (5.92e-3, 0.74e9)},   # (latency s, bytes/s), bytes 2 (n-1)/n
-    "allgather": {2: (0.89e-3, 0.51e9), 4: (2.07e-3, 0.40e9)},   # bytes (n-1)/n of the gathered tensor
-    "p2p": (0.81e-3, 4.06e9),
-    "fresh_page_gbs": 2.36,                           # allocate and fill
-    "mem_gbs": 21.3,                                  # a fill of a reused 1 GiB tensor
-    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.57,
+    "gemm": {32: 46.5, 64: 60.3, 128: 76.9, 256: 75.1, 512: 84.0, 1024: 82.9},   # GFLOP/s by min(T, n)
+    "adam_ns": 0.88,                                  # torch's fused Adam step (optim.fused), per parameter
+    "allreduce": {2: (2.93e-3, 1.42e9), 4: (5.54e-3, 0.95e9)},   # (latency s, bytes/s), bytes 2 (n-1)/n
+    "allgather": {2: (0.06e-3, 0.42e9), 4: (2.29e-3, 0.36e9)},   # bytes (n-1)/n of the gathered tensor
+    "p2p": (0.13e-3, 2.91e9),
+    "fresh_page_gbs": 2.30,                           # allocate and fill
+    "mem_gbs": 19.2,                                  # a fill of a reused 1 GiB tensor
+    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.79,
+    # the rehearsal's (= lamemo-1.3b's) layer: its projections' GFLOP/s by "tp x rows" (calibrate_cpu.LAYER_POINTS)
+    "layer_shape": (2048, 2048, 8192),
+    "layer_gemm": {"1x64": 43.2, "1x128": 54.8, "1x256": 63.4, "2x64": 49.2, "2x128": 64.6, "2x256": 70.9,
+                   "4x64": 65.2, "4x128": 72.6, "4x256": 70.8},
+    "zero_ns": (4.56, 5.65),                          # DeepSpeed ZeRO 1 per parameter held, per parameter owned
 }
 
 
@@ -168,7 +201,11 @@ def cpu_device(cal: dict) -> Device:
                   first_touch_bw=cal["fresh_page_gbs"] * 1e9,
                   contention=tuple((w, r / shared[w] if w in shared else nominal) for w, r in gemm),
                   ranks=cal["ranks"],
-                  layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3)
+                  layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3,
+                  layer_gemm={tuple(int(x) for x in k.split("x")): float(r) * 1e9
+                              for k, r in cal.get("layer_gemm", {}).items()},
+                  layer_shape=tuple(cal.get("layer_shape", ())),
+                  zero_step=tuple(x * 1e-9 for x in cal["zero_ns"]) if "zero_ns" in cal else None)
 
 
 CPU = cpu_device(CPU_CALIBRATION)
@@ -252,9 +289,16 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     pbytes = 2 if dtype in ("bf16", "fp16") else 4
     width = gemm_width(m, tp, micro)
     share = dev.share(width, gpus_per_node)   # CPU ranks sharing cores: each runs `share` times slower
+
+    def shared(group: int) -> float:
+        """A CPU's collectives are CPU work too (gloo on loopback: copies and sums): measured in a group of `group`
+        processes alone (sharing the cores `group` ways), they run while every rank of the node runs its own
+        group's: `share` over the measurement's own sharing. 1 on a GPU (no contention)."""
+        return share / dev.share(width, group)
     per_layer, rest = layer_and_rest_flops(m, micro)
-    eff = dev.eff(width)
     rows = m.tgt_len + (m.mem_len if m.lamemo else 0)
+    measured = dev.layer_rate(m, tp, rows * micro)
+    eff = measured / peak if measured else dev.eff(width)
     act_bytes = rows * micro * m.d_model * pbytes
 
     # the slowest stage's micro-batch slot: compute, elementwise work, TP all-reduces
@@ -267,7 +311,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         in_flight = min(pp - s, ga)
         elementwise = ELEMENTWISE_PASSES * plans[s].activations / in_flight / dev.mem_bw
         n_ar = 4 * layers + (TP_EXTRA_ALLREDUCES if s in (0, pp - 1) else 0)
-        tp_comm = n_ar * dev.collective(tp, act_bytes, False)
+        tp_comm = n_ar * dev.collective(tp, act_bytes, False) * shared(tp)
         host = layers * dev.layer_overhead
         # a GPU runs the launches ahead of its kernels (exposed only beyond them); a CPU core does both
         overhead = host if dev.contention else max(0.0, host - compute - elementwise)
@@ -284,25 +328,29 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     if pp > 1:
         # stage boundaries: on more than one node, some boundary on the critical path is between nodes
         spans = world > gpus_per_node
-        p2p = 2 * (ga + pp - 1) * dev.send((m.tgt_len + m.mem_len) * micro * m.d_model * pbytes, spans)
+        p2p = 2 * (ga + pp - 1) * dev.send((m.tgt_len + m.mem_len) * micro * m.d_model * pbytes, spans) * shared(2)
         if m.tie_weight:   # DeepSpeed's ReduceTiedGrads: the table's gradient between the first and last stage
-            tied = dev.collective(2, m.n_token * m.embed_dim / tp * pbytes, spans)
+            tied = dev.collective(2, m.n_token * m.embed_dim / tp * pbytes, spans) * shared(2)
 
     # data parallelism: gradient all-reduce, ZeRO's parameter all-gather, the optimizer
     params = plans[worst].params / pbytes                # the rank's parameters (elements)
     grad_bytes = params * pbytes
     across = tp * dp > gpus_per_node
     buckets = max(1, math.ceil(params / DS_REDUCE_BUCKET))
-    per_reduction = buckets * dev.collective(dp, grad_bytes / buckets, across)
+    per_reduction = buckets * dev.collective(dp, grad_bytes / buckets, across) * shared(dp)
     dp_comm = per_reduction * (ga if zero == 2 else 1)
-    zero_gather = buckets * dev.collective(dp, grad_bytes / buckets, across, gather=True) if zero >= 1 else 0
+    zero_gather = (buckets * dev.collective(dp, grad_bytes / buckets, across, gather=True) * shared(dp)
+                   if zero >= 1 else 0)
     owned = params / (dp if zero >= 1 else 1)
     opt_s = dev.optimizer_s_per_param or ADAM_BYTES_PER_PARAM / dev.mem_bw
     bookkeeping = ((ZERO_STEP_BYTES_OWNED * owned if zero >= 1 else 0)
                    + (DP_REDUCE_BYTES * params if dp > 1 else 0)) / dev.mem_bw
     optimizer = (owned * opt_s + bookkeeping) * share
     first_touch = 0.0
-    if dev.first_touch_bw:
+    if dev.zero_step and zero >= 1:     # measured: DeepSpeed's copies (at any dp, even 1) and step, fresh pages
+        held_s, owned_s = dev.zero_step
+        optimizer = (held_s * params + owned_s * owned) * share
+    elif dev.first_touch_bw:
         fresh = grad_bytes + (4 * owned if zero >= 1 else 0) + (grad_bytes if dp > 1 else 0)   # + the flat copy
         first_touch = fresh / dev.first_touch_bw * share
     hides = 0.0     # what ZeRO 1/2's overlap_comm would hide: all buckets but the last, behind the last backward

@@ -231,3 +231,93 @@ def test_cpu_row_shares_its_cores_between_the_ranks():
     fastest = max(CPU_CALIBRATION["gemm"].values())
     assert CPU.peak["fp32"] == fastest * 1e9
     assert CPU.eff(128) == pytest.approx(CPU_CALIBRATION["gemm"][128] / fastest)
+
+
+# ---- the CPU's measured layer GEMM rate and DeepSpeed ZeRO step (issue 25: what the width table missed) --------
+def test_a_measured_layer_rate_replaces_the_width_table_for_that_layer_shape_only():
+    """tp 2 x dp 2 of the tiny RPE model (d 64, 2 x 32 heads, d_inner 128), 2 streams of 32 rows a micro-batch: with
+    the rate of that layer's projections measured at tp 2 and 64 rows (0.4 TFLOP/s), the compute is the FLOPs over
+    it, not over the width table's 75% of 1 TFLOP/s; a device that measured another layer shape, or another
+    (tp, rows), keeps the table."""
+    cfg = rpe("parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2")
+    base = dict(peak=TOY.peak, efficiency=TOY.efficiency, mem_bw=TOY.mem_bw, link=TOY.link, latency=TOY.latency,
+                source="test")
+    measured = Device("m", **base, layer_gemm={(2, 64): 0.4e12}, layer_shape=(64, 64, 128))
+    st = step_time(cfg, 4, measured, 4, plan)
+    assert st.terms["compute"] == pytest.approx(2 * 3 * rpe_forward_flops(2) / 2 / 0.4e12)
+    assert st.efficiency == pytest.approx(0.4) and st.width == 32
+    for other in (Device("o", **base, layer_gemm={(2, 64): 0.4e12}, layer_shape=(64, 64, 256)),
+                  Device("o", **base, layer_gemm={(2, 128): 0.4e12}, layer_shape=(64, 64, 128))):
+        assert step_time(cfg, 4, other, 4, plan).terms["compute"] == pytest.approx(
+            2 * 3 * rpe_forward_flops(2) / 2 / (1e12 * 0.75))
+
+
+def test_a_measured_zero_step_replaces_the_byte_model_of_the_optimizer():
+    """ZeRO 1 over dp 2 with DeepSpeed's step measured as 5 ns per parameter held and 11 ns per parameter owned
+    (the rank holds its tp half of the model and owns half of that): the optimizer term is 5 P + 11 P / 2, and
+    nothing is counted again as first touch; ZeRO 0 keeps the byte model (no DeepSpeed ZeRO optimizer)."""
+    cfg = rpe("parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2")
+    dev = Device("z", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test", first_touch_bw=1e9,
+                 zero_step=(5e-9, 11e-9))
+    params = plan(cfg, 4, 1e9, 0).params / 4
+    st = step_time(cfg, 4, dev, 4, plan)
+    assert st.terms["optimizer"] == pytest.approx(5e-9 * params + 11e-9 * params / 2)
+    assert st.terms["first_touch"] == 0
+    zero0 = step_time(load(TINY, ["model.variant=rpe", "model.n_layer=4", "eval.every=0", "parallel.tp=2",
+                                  "parallel.pp=1", "parallel.zero_stage=0", "train.grad_accum=2"]), 4, dev, 4, plan)
+    assert zero0.terms["optimizer"] == pytest.approx((params * 36 + 32 * params) / 1e11)   # Adam + the DP copies
+    assert zero0.terms["first_touch"] == pytest.approx((params * 4 + params * 4) / 1e9)   # gradient + flat copy
+
+
+def test_cpu_row_uses_its_measured_layer_rates_for_the_rehearsal_layer():
+    """The shipped CPU calibration measured the rehearsal's layer (d 2048, 16 x 128 heads, d_inner 8192) at tp 1, 2,
+    4 and 64-256 rows: TP2 x PP2's 2 streams of 64 rows use the 2x128 figure; lamemo-1.3b's own layer shape too
+    (the same layer), a smaller model does not."""
+    from megamemo.steptime import CPU, CPU_CALIBRATION
+    reh = load(REPO / "configs" / "rehearsal-1.3b-width.yaml")
+    assert CPU.layer_rate(reh.model, 2, 128) == CPU_CALIBRATION["layer_gemm"]["2x128"] * 1e9
+    st = step_time(reh, 4, CPU, 4, plan)
+    assert st.efficiency == pytest.approx(CPU_CALIBRATION["layer_gemm"]["2x128"] / max(CPU_CALIBRATION["gemm"].values()))
+    big = load(REPO / "configs" / "lamemo-1.3b.yaml").model
+    assert CPU.layer_rate(big, 1, 64) == CPU_CALIBRATION["layer_gemm"]["1x64"] * 1e9
+    assert CPU.layer_rate(load(TINY).model, 1, 64) is None
+    assert CPU.zero_step == tuple(x * 1e-9 for x in CPU_CALIBRATION["zero_ns"])
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--nodes", "0", "--gpus-per-node", "8"], "--nodes must be at least 1 (got 0)"),
+    (["--nodes", "1", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1 (got 0)"),
+    (["--nodes", "4", "--gpus-per-node", "8", "--tp", "0"], "--tp must be at least 1 (got 0)"),
+    (["--nodes", "4", "--gpus-per-node", "8", "--pp", "-2"], "--pp must be at least 1 (got -2)"),
+    (["--nodes", "1", "--gpus-per-node", "4", "--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_an_impossible_cluster_shape_or_device_is_one_line(args, why, capsys):
+    """No traceback (--nodes 0 divided by zero), no ignored flag (--tp 0 was read as 'not given'), no usage block."""
+    try:
+        code = main(["--config", str(REPO / "configs" / "lamemo-1.3b.yaml"), *args])
+    except SystemExit as e:         # argparse's own errors exit
+        code = e.code
+    assert code == 2
+    assert why in one_line_error(capsys)
+    assert capsys.readouterr().out == ""
+
+
+def test_cpu_collectives_time_share_the_cores_like_compute():
+    """4 ranks on 2 cores (contention 2 at 4 ranks: ranks / cores). A 2-process all-reduce was measured with its 2
+    processes on the 2 cores; under tp 2 x dp 2 both DP groups (and both TP groups) run theirs at once on the same
+    2 cores: twice the measured time. Under dp 4 the 4-process measurement already shared the cores 4 ways: 1x."""
+    cpu = Device("cpu2", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test",
+                 contention=((16, 2.0), (64, 2.0)), ranks=4,
+                 allreduce={2: (1e-3, 1e9), 4: (2e-3, 0.5e9)}, allgather={2: (1e-3, 0.4e9), 4: (2e-3, 0.3e9)})
+    cfg = rpe("parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2")
+    st = step_time(cfg, 4, cpu, 4, plan)
+    grad = plan(cfg, 4, 1e9, 0).params                         # the rank's fp32 gradient bytes
+    assert st.terms["dp_comm"] == pytest.approx(2 * (1e-3 + 2 * 1 / 2 * grad / 1e9))
+    assert st.terms["zero_gather"] == pytest.approx(2 * (1e-3 + 1 / 2 * grad / 0.4e9))
+    act = 32 * 2 * 64 * 4                                      # [32 rows, 2 streams, d 64] fp32
+    assert st.terms["tp_comm"] == pytest.approx(2 * (4 * 4 + 3) * 2 * (1e-3 + act / 1e9))
+    dp4 = step_time(rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2"), 4, cpu, 4,
+                    plan)
+    grad4 = plan(rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2"), 4, 1e9,
+                 0).params
+    assert dp4.terms["dp_comm"] == pytest.approx(2e-3 + 2 * 3 / 4 * grad4 / 0.5e9)
