@@ -175,6 +175,7 @@ def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path
 
 
 # ---- training from s3:// ---------------------------------------------------------------------------------------
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, remote_shards, tmp_path):
     """`megamemo train` on 2 ranks from s3://bucket/prefix: the per-step losses of the local directory's run,
     bit for bit, also when one rank is killed -9 mid-run and the job resumes from the remote directory."""
@@ -204,6 +205,7 @@ def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, re
     assert "testing" not in (run_dir / "config.yaml").read_text()     # no credentials in what the run wrote
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_path):
     """The server stops mid-run; a cache of one byte makes the next checkpoint's probe fetch again: retries, one
     line each, then one error line naming the object and chunk, no traceback, the committed checkpoints intact."""
@@ -417,6 +419,7 @@ def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_c
     assert not list((tmp_path / "other").rglob("*.bin")) and not list((tmp_path / "other").rglob("*.partial"))
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_training_on_a_blend_of_local_and_s3_logs_its_token_mix(local_shards, remote_shards, tmp_path):
     from test_train_runs import TINY, launch, logs, losses, wait
 

@@ -249,6 +249,7 @@ def _one_error_line(r, rc: int, message: str) -> None:
     assert r.returncode == rc and len(err) == 1 and message in err[0], r.stdout[-2000:] + r.stderr[-2000:]
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(bpe_dirs, tmp_path):
     """configs/subword-cpu.yaml with launch/local.sh 2 on the bpe:2000 shards (shortened to 20 steps): train and
     validation lines and records carry bits per byte; eval --json reports bits_per_byte; to-single carries

@@ -127,6 +127,7 @@ def exported(run_dir, shards, tmp_path_factory):
     return {name: (*cases[name], job, res) for name, job, res in zip(cases, jobs, results)}
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_exported_models_load_without_megamemo_and_score_as_megamemo_eval(exported):
     for name, (ck, model, vocab, case, job, res) in exported.items():
         assert res["class"] == "MegamemoForCausalLM" and res["module"].startswith("transformers_modules"), name
@@ -135,6 +136,7 @@ def test_exported_models_load_without_megamemo_and_score_as_megamemo_eval(export
         assert diff < 1e-5, (name, diff)
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_the_run_scored_with_its_cache_equals_megamemo_eval_batch_1(exported, shards, tmp_path):
     from megamemo import evaluate as eval_cmd
 
@@ -147,11 +149,13 @@ def test_the_run_scored_with_its_cache_equals_megamemo_eval_batch_1(exported, sh
     assert np.mean(res["nll"]) == pytest.approx(got["nll"], abs=1e-6)
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_positions_are_computed_in_fp32_in_a_bf16_model(exported):
     res = exported["run"][-1]
     assert res["bf16_dtype"] == "torch.bfloat16" and res["bf16_positions_exact"]
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_greedy_generate_equals_megamemo_generate_greedy(exported, tmp_path):
     for name, (ck, model, vocab, case, job, res) in exported.items():
         if vocab.kind == "words":
@@ -159,11 +163,13 @@ def test_greedy_generate_equals_megamemo_generate_greedy(exported, tmp_path):
         assert res["greedy"] == greedy_by_megamemo(ck, job["prompt"], 40, tmp_path, vocab), name
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_labels_give_the_mean_next_token_nll_of_the_call(exported):
     for name, (*_, res) in exported.items():
         assert res["loss"] == pytest.approx(res["nll_first"], abs=1e-6), name
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_exported_tokenizers_give_megamemos_ids(exported):
     from megamemo.generate import encode_prompt
 
@@ -208,6 +214,7 @@ def one_line_error(r, *words):
         assert w in lines[0], (w, lines[0])
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_an_uncommitted_checkpoint_is_refused(run_dir, tmp_path):
     step = next((run_dir / "checkpoints").glob("step_*"))
     copy = tmp_path / "ckpts" / step.name

@@ -91,6 +91,7 @@ def bound(exact, size):
     return summed + 2.0 ** -8 * (exact.abs() + summed)
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_bf16_accumulates_in_fp32_and_model_dtype_does_not(tmp_path):
     out = tmp_path / "grads.pt"
     run_distributed(_worker, 1, str(out))
@@ -119,6 +120,7 @@ def test_every_shipped_half_precision_config_accumulates_in_fp32(config):
     assert got == (None if cfg.precision.dtype == "fp32" else "fp32"), (config, cfg.precision.dtype, got)
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_bf16_zero1_run_resumes_bit_exact(tiny_cfg, shards, tmp_path):  # noqa: F811
     """bf16 + ZeRO 1 now runs DeepSpeed's BF16_Optimizer (fp32 accumulation): a run stopped at step 2 and resumed
     repeats the uninterrupted one's steps 3-4 bit for bit (its fp32 masters, Adam state and accumulation buffers

@@ -60,6 +60,7 @@ def train_tp2(root: Path, name: str, **env_extra) -> list[tuple[str, str]]:
     return outs
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_training_terminal_is_quiet_and_progress_carries_mfu(setup):
     outs = train_tp2(setup, "quiet", MEGAMEMO_PEAK_TFLOPS="0.002")
     for rank, (_, err) in enumerate(outs):
@@ -78,6 +79,7 @@ def test_training_terminal_is_quiet_and_progress_carries_mfu(setup):
         assert float(mfu) / 100 == pytest.approx(tok_s * fpt / (2 * 0.002e12), abs=0.0005 + 0.005 * float(mfu) / 100)
 
 
+@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_pythonwarnings_brings_the_warnings_back(setup):
     outs = train_tp2(setup, "loud", PYTHONWARNINGS="default")
     for rank, (_, err) in enumerate(outs):
