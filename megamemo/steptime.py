@@ -69,9 +69,8 @@ DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size / allgather
 ADAM_BYTES_PER_PARAM = 36   # GPU Adam: grad read, fp32 master, m, v read + written, model copy written (fused)
 # DeepSpeed's optimizer step around Adam, per parameter the rank owns (fp32): the gradient flattened into the
 # partition (read + write), its norm (read), clipping (read + write), the updated master copied to the weights
-# (read + write); and under dp > 1, per parameter it holds (stage_1_and_2.py's reduction): the gradient copied
-# into the reduction bucket, averaged, flattened for the all-reduce (a fresh tensor) and copied back (read + write
-# each)
+# (read + write); and under dp > 1, per parameter it holds (reduce_copies_seconds): the gradient copied into the
+# bucket, averaged, flattened for the all-reduce (a fresh tensor) and copied back (read + write each)
 ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES = 28, 32
 
 # Dense-GEMM efficiency (fraction of the datasheet tensor-core peak) by the narrowest dimension of the GEMM.
@@ -174,7 +173,8 @@ def _gpu(kind, row, mem_bw, link, note):
 # `bench/calibrate_cpu.py` within bench/plan_vs_step.py on 2026-11-25 at 13:30 and 13:39 UTC under the shared-machine
 # lock (runs/plan_vs_step_25b and _25c calibration.json, load average 1.4-1.5 at their starts), the mean of the two:
 # calibrations minutes apart differ by up to 25% (the layer's rate at 64 rows 39.6 and 46.9 GFLOP/s, ZeRO's
-# 5.3 / 6.1 and 3.8 / 5.2 ns), which moves every prediction with them (README, "Scale rehearsal").
+# 5.3 / 6.1 and 3.8 / 5.2 ns), which moves every prediction with them (README, "Scale rehearsal"). zero_reduce_ns:
+# dp 2 from runs/plan_vs_step_25d (14:12), dp 4 the mean of that run's 10.35 and 9.34 at 13:56 UTC.
 CPU_CALIBRATION = {
     "gemm": {32: 46.5, 64: 60.3, 128: 76.9, 256: 75.1, 512: 84.0, 1024: 82.9},   # GFLOP/s by min(T, n)
     "adam_ns": 0.88,                                  # torch's fused Adam step (optim.fused), per parameter
@@ -189,7 +189,7 @@ CPU_CALIBRATION = {
     "layer_gemm": {"1x64": 43.2, "1x128": 54.8, "1x256": 63.4, "2x64": 49.2, "2x128": 64.6, "2x256": 70.9,
                    "4x64": 65.2, "4x128": 72.6, "4x256": 70.8},
     "zero_ns": (4.56, 5.65),                          # DeepSpeed ZeRO 1 per parameter held, per parameter owned
-    "zero_reduce_ns": {4: 9.34},     # its gradient reduction beyond the all-reduce, dp processes at once, per held
+    "zero_reduce_ns": {2: 6.73, 4: 9.85},   # its reduction beyond the all-reduce in dp processes at once, per held
 }
 
 

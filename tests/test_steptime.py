@@ -318,7 +318,7 @@ def test_cpu_row_uses_its_measured_layer_rates_for_the_rehearsal_layer():
     assert CPU.layer_rate(load(TINY).model, 1, 64) is None
     assert CPU.zero_step == tuple(x * 1e-9 for x in CPU_CALIBRATION["zero_ns"])
     assert CPU.zero_reduce == {int(dp): x * 1e-9 for dp, x in CPU_CALIBRATION["zero_reduce_ns"].items()}
-    assert 4 in CPU.zero_reduce     # DP4 on the rehearsal machine
+    assert set(CPU.zero_reduce) == {2, 4}     # TP2 x DP2 and DP4 on the rehearsal machine
 
 
 @pytest.mark.parametrize("args,why", [
