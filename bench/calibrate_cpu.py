@@ -151,9 +151,9 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
     dist.destroy_process_group()
 
 
-def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict):
+def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weights: int = 8):
     """DeepSpeed's ZeRO 1 engine as megamemo builds it (train/engine.py: fp32, fused Adam, clipping) in `world`
-    processes (dp = world), over 8 [2048, 2048] weights (33.6 M parameters, one reduce bucket) fed 8 rows, so
+    processes (dp = world), over `weights` [2048, 2048] weights (8: 33.6 M parameters, one bucket) fed 8 rows, so
     their GEMMs are small next to DeepSpeed's per-parameter work. Per parameter: `held`, what the backward at the
     accumulation boundary adds to a plain backward beyond the gradient all-reduce itself (timed here on a tensor
     of the bucket's size and subtracted: steptime counts it as dp_comm) - the gradients copied into the reduction
@@ -174,7 +174,7 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict):
     torch.set_num_threads(1)
     deepspeed.init_distributed("gloo", verbose=False)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(8)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(weights)])
     plain = copy.deepcopy(model)
     params = sum(p.numel() for p in model.parameters())
     cfg = load(None, ["model.variant=lamemo", "train.grad_accum=1", "parallel.tp=1", "parallel.pp=1"])
@@ -209,12 +209,12 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict):
         out[world] = (max(0.0, med["backward"] - med["plain"] - med["allreduce"]) / params, med["step"] / params)
 
 
-def zero_step_seconds_per_param(repeat: int, world: int = 1) -> tuple[float, float]:
+def zero_step_seconds_per_param(repeat: int, world: int = 1, weights: int = 8) -> tuple[float, float]:
     """(held, owned) seconds per parameter of DeepSpeed's ZeRO 1 work around a step at dp = world, wall time of
     one of `world` processes running it at once (see _zero_worker)."""
     out = mp.Manager().dict()
-    mp.start_processes(_zero_worker, args=(world, free_port(), max(repeat, 3), out), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(_zero_worker, args=(world, free_port(), max(repeat, 3), out, weights), nprocs=world,
+                       join=True, start_method="spawn")
     return out[world]
 
 
