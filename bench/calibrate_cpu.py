@@ -14,7 +14,8 @@ tensor, as DeepSpeed's ZeRO gathers parameters) and send/recv between two ranks 
 fitted as latency + bytes / bandwidth (least squares) with the algorithm's factor 2 (n-1)/n on the bytes for the
 all-reduce. Also (issue 25) the rate of the rehearsal layer's own projections by tp and rows (layer_gemm_rate,
 LAYER_POINTS: what steptime uses for that layer instead of the width table) and DeepSpeed's ZeRO 1 work around
-a step per parameter held and owned (zero_step_seconds_per_param). The JSON line printed last is
+a step per parameter held and owned (zero_step_seconds_per_param), and its gradient reduction per parameter held
+beyond the all-reduce at dp 2 and 4 (the same engine in 2 and 4 processes). The JSON line printed last is
 steptime.CPU_CALIBRATION's form.
 """
 from __future__ import annotations
@@ -150,13 +151,17 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
     dist.destroy_process_group()
 
 
-def _zero_worker(rank: int, port: int, repeat: int, out: dict):
-    """DeepSpeed's ZeRO 1 engine as megamemo builds it (train/engine.py: fp32, fused Adam, clipping), one
-    process (dp 1), over 8 [2048, 2048] weights (33.6 M parameters) fed 8 rows, so their GEMMs are small next to
-    DeepSpeed's per-parameter work. Per parameter: `held`, what the backward at the accumulation boundary adds
-    to a plain backward (the gradients flattened into the reduction bucket and the rank's partition - fresh
-    allocations, faulted in - averaged and copied back: the same copies whatever dp is); `owned`, the step (the
-    partition's norm, clipping, Adam, the updated master copied back into the weights)."""
+def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weights: int = 8):
+    """DeepSpeed's ZeRO 1 engine as megamemo builds it (train/engine.py: fp32, fused Adam, clipping) in `world`
+    processes (dp = world), over `weights` [2048, 2048] weights (8: 33.6 M parameters, one bucket) fed 8 rows, so
+    their GEMMs are small next to DeepSpeed's per-parameter work. Per parameter: `held`, what the backward at the
+    accumulation boundary adds to a plain backward beyond the gradient all-reduce itself (timed here on a tensor
+    of the bucket's size and subtracted: steptime counts it as dp_comm) - the gradients copied into the reduction
+    bucket, averaged, at dp > 1 sliced by owning rank and flattened into a fresh tensor for the all-reduce
+    (stage_1_and_2.py's average_tensor / allreduce_and_scatter), copied back into the rank's partition (fresh
+    pages, faulted in); `owned`, the step at dp 1 (the partition's norm, clipping, Adam, the master copied back).
+    Every phase starts behind a barrier, so the `world` processes run it at once, sharing the cores as a run's
+    data-parallel ranks do."""
     import copy
 
     import deepspeed
@@ -164,41 +169,53 @@ def _zero_worker(rank: int, port: int, repeat: int, out: dict):
     from megamemo.config import load
     from megamemo.train.engine import Engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     deepspeed.init_distributed("gloo", verbose=False)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(8)])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(weights)])
     plain = copy.deepcopy(model)
     params = sum(p.numel() for p in model.parameters())
     cfg = load(None, ["model.variant=lamemo", "train.grad_accum=1", "parallel.tp=1", "parallel.pp=1"])
-    engine = Engine(cfg, model, micro_batch=1, dp=1)
+    engine = Engine(cfg, model, micro_batch=1, dp=world)
     x = torch.randn(8, 2048)
-    times = {"plain": [], "backward": [], "step": []}
+    bucket = torch.ones(params)
+    times = {"plain": [], "backward": [], "step": [], "allreduce": []}
     for i in range(repeat + 1):
+        dist.barrier()
         t0 = time.perf_counter()
         plain(x).square().mean().backward()
         plain.zero_grad(set_to_none=True)
+        plain_s = time.perf_counter() - t0
+        dist.barrier()
         t1 = time.perf_counter()
-        loss = engine.forward(x).square().mean()
-        engine.backward(loss)
+        engine.backward(engine.forward(x).square().mean())
         t2 = time.perf_counter()
         engine.step()
         t3 = time.perf_counter()
+        dist.barrier()
+        t4 = time.perf_counter()
+        if world > 1:
+            dist.all_reduce(bucket)
+        t5 = time.perf_counter()
         if i:       # the first fills DeepSpeed's buffers
-            times["plain"].append(t1 - t0)
+            times["plain"].append(plain_s)
             times["backward"].append(t2 - t1)
             times["step"].append(t3 - t2)
+            times["allreduce"].append(t5 - t4)
     med = {k: statistics.median(v) for k, v in times.items()}
-    out["zero"] = (max(0.0, med["backward"] - med["plain"]) / params, med["step"] / params)
-    deepspeed.comm.destroy_process_group() if hasattr(deepspeed.comm, "destroy_process_group") else None
+    if rank == 0:
+        out[world] = (max(0.0, med["backward"] - med["plain"] - med["allreduce"]) / params, med["step"] / params)
 
 
-def zero_step_seconds_per_param(repeat: int) -> tuple[float, float]:
-    """(held, owned) seconds per parameter of DeepSpeed's ZeRO 1 work around a step (see _zero_worker)."""
+def zero_step_seconds_per_param(repeat: int, world: int = 1, weights: int = 8) -> tuple[float, float]:
+    """(held, owned) seconds per parameter of DeepSpeed's ZeRO 1 work around a step at dp = world, wall time of
+    one of `world` processes running it at once (see _zero_worker)."""
     out = mp.Manager().dict()
-    mp.start_processes(_zero_worker, args=(free_port(), max(repeat, 3), out), nprocs=1, join=True,
-                       start_method="spawn")
-    return out["zero"]
+    mp.start_processes(_zero_worker, args=(world, free_port(), max(repeat, 3), out, weights), nprocs=world,
+                       join=True, start_method="spawn")
+    return out[world]
 
 
 def layer_overhead_seconds(repeat: int) -> float:
@@ -255,6 +272,9 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: 
     zero_held, zero_owned = zero_step_seconds_per_param(repeat)
     log(f"DeepSpeed ZeRO 1 around a step: {zero_held * 1e9:.2f} ns per parameter held (reduction copies), "
         f"{zero_owned * 1e9:.2f} ns per parameter owned (norm, clip, Adam, copy back)")
+    zero_reduce = {dp: zero_step_seconds_per_param(repeat, dp)[0] for dp in (2, 4)}
+    log("DeepSpeed ZeRO 1's gradient reduction beyond its all-reduce, dp processes at once: "
+        + ", ".join(f"dp {dp}: {s * 1e9:.2f} ns" for dp, s in zero_reduce.items()) + " per parameter held")
     opt = optimizer_seconds_per_param(repeat)
     fresh, mem = first_touch_and_memory_rates()
     overhead = layer_overhead_seconds(repeat)
@@ -278,7 +298,8 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: 
            "fresh_page_gbs": round(fresh / 1e9, 2), "layer_overhead_ms": round(overhead * 1e3, 3),
            "mem_gbs": round(mem / 1e9, 2), "layer_shape": list(LAYER),
            "layer_gemm": {k: round(r / 1e9, 1) for k, r in layer.items()},
-           "zero_ns": [round(zero_held * 1e9, 2), round(zero_owned * 1e9, 2)]}
+           "zero_ns": [round(zero_held * 1e9, 2), round(zero_owned * 1e9, 2)],
+           "zero_reduce_ns": {dp: round(v * 1e9, 2) for dp, v in zero_reduce.items()}}
     if shared:
         out["gemm_shared"] = {w: round(r / 1e9, 1) for w, r in shared.items()}
     return out

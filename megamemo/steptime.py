@@ -33,14 +33,19 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 measured in a group of g processes (sharing the cores max(1, g / cores) ways), it runs while all
                 the node's ranks run theirs, so it takes share(node ranks) / share(g) times its measured time
                 (TP2 x DP2 on 2 cores: two dp=2 groups reduce at once, 2x the 2-process measurement; DP4: 1x).
+  reduce_copies the gradient reduction's own work beyond the all-reduce (reduce_copies_seconds): DeepSpeed's ZeRO
+                1/2 copy the gradients into the bucket, average them and, at dp > 1, flatten the bucket's slices by
+                owning rank into a fresh tensor and copy the rank's own back into its partition; once a step (ZeRO
+                2: every micro-batch). Measured per parameter held at dp 1, 2 and 4 on the CPU (Device.zero_step,
+                Device.zero_reduce: it grows with dp, 2x at dp 4); DP_REDUCE_BYTES at memory bandwidth on a GPU.
   optimizer     Adam over the rank's partition (ZeRO 1/2: 1/dp of its parameters), and DeepSpeed's passes around
-                it at memory bandwidth (ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
+                it at memory bandwidth (ZERO_STEP_BYTES_OWNED).
   first_touch   CPU only: the gradients (ZeRO's flat fp32 partition, the flattened all-reduce bucket) are new
                 allocations every step, above glibc's mmap threshold, so their pages are faulted in again.
                 Where DeepSpeed's ZeRO work around a step was measured (the CPU: Device.zero_step, one process of
-                its ZeRO 1 engine as train/engine.py builds it), optimizer = held x parameters the rank holds
-                + owned x parameters it owns, first touch included (its copies run at dp 1 as at any dp); GPUs keep
-                the byte model above (no measurement: ADAM_BYTES_PER_PARAM, ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
+                its ZeRO 1 engine as train/engine.py builds it), optimizer = owned x parameters it owns and
+                reduce_copies as above, first touch included; GPUs keep the byte model above (no measurement:
+                ADAM_BYTES_PER_PARAM, ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES).
 Pipeline-stage and DP communication between nodes use the inter-node link when the group spans nodes (TP groups
 stay inside a node: recommend.why_not).
 
@@ -64,9 +69,8 @@ DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size / allgather
 ADAM_BYTES_PER_PARAM = 36   # GPU Adam: grad read, fp32 master, m, v read + written, model copy written (fused)
 # DeepSpeed's optimizer step around Adam, per parameter the rank owns (fp32): the gradient flattened into the
 # partition (read + write), its norm (read), clipping (read + write), the updated master copied to the weights
-# (read + write); and under dp > 1, per parameter it holds (stage_1_and_2.py's reduction): the gradient copied
-# into the reduction bucket, averaged, flattened for the all-reduce (a fresh tensor) and copied back (read + write
-# each)
+# (read + write); and under dp > 1, per parameter it holds (reduce_copies_seconds): the gradient copied into the
+# bucket, averaged, flattened for the all-reduce (a fresh tensor) and copied back (read + write each)
 ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES = 28, 32
 
 # Dense-GEMM efficiency (fraction of the datasheet tensor-core peak) by the narrowest dimension of the GEMM.
@@ -110,6 +114,9 @@ class Device:
     # rank holds (the gradients flattened into the bucket and partition, averaged, copied back) and per
     # parameter it owns (norm, clipping, Adam, the master copied back); replaces optimizer + first_touch
     zero_step: tuple | None = None
+    # CPU: DeepSpeed's ZeRO 1 gradient reduction beyond its all-reduce in a group of dp processes {dp: s per
+    # parameter held} (bench/calibrate_cpu.py; 2x the dp-1 figure at dp 4); replaces zero_step's held at dp > 1
+    zero_reduce: dict = field(default_factory=dict)
 
     def layer_rate(self, m, tp: int, rows: int) -> float | None:
         """The measured FLOP/s of a layer's projections at this tp and row count, if this layer shape was."""
@@ -142,7 +149,7 @@ class Device:
         factor = (1 if gather else 2) * (group - 1) / group
         measured = self.allgather if gather else self.allreduce
         if measured:
-            lat, bw = measured[min(measured, key=lambda s: (abs(s - group), -s))]
+            lat, bw = measured[_nearest(measured, group)]
         else:
             lat, bw = self.latency[across_nodes], self.link[across_nodes]
         return lat + factor * nbytes / bw
@@ -166,7 +173,8 @@ def _gpu(kind, row, mem_bw, link, note):
 # `bench/calibrate_cpu.py` within bench/plan_vs_step.py on 2026-11-25 at 13:30 and 13:39 UTC under the shared-machine
 # lock (runs/plan_vs_step_25b and _25c calibration.json, load average 1.4-1.5 at their starts), the mean of the two:
 # calibrations minutes apart differ by up to 25% (the layer's rate at 64 rows 39.6 and 46.9 GFLOP/s, ZeRO's
-# 5.3 / 6.1 and 3.8 / 5.2 ns), which moves every prediction with them (README, "Scale rehearsal").
+# 5.3 / 6.1 and 3.8 / 5.2 ns), which moves every prediction with them (README, "Scale rehearsal"). zero_reduce_ns:
+# dp 2 from runs/plan_vs_step_25d (14:12), dp 4 the mean of that run's 10.35 and 9.34 at 13:56 UTC.
 CPU_CALIBRATION = {
     "gemm": {32: 46.5, 64: 60.3, 128: 76.9, 256: 75.1, 512: 84.0, 1024: 82.9},   # GFLOP/s by min(T, n)
     "adam_ns": 0.88,                                  # torch's fused Adam step (optim.fused), per parameter
@@ -181,6 +189,7 @@ CPU_CALIBRATION = {
     "layer_gemm": {"1x64": 43.2, "1x128": 54.8, "1x256": 63.4, "2x64": 49.2, "2x128": 64.6, "2x256": 70.9,
                    "4x64": 65.2, "4x128": 72.6, "4x256": 70.8},
     "zero_ns": (4.56, 5.65),                          # DeepSpeed ZeRO 1 per parameter held, per parameter owned
+    "zero_reduce_ns": {2: 6.73, 4: 9.85},   # its reduction beyond the all-reduce in dp processes at once, per held
 }
 
 
@@ -205,7 +214,8 @@ def cpu_device(cal: dict) -> Device:
                   layer_gemm={tuple(int(x) for x in k.split("x")): float(r) * 1e9
                               for k, r in cal.get("layer_gemm", {}).items()},
                   layer_shape=tuple(cal.get("layer_shape", ())),
-                  zero_step=tuple(x * 1e-9 for x in cal["zero_ns"]) if "zero_ns" in cal else None)
+                  zero_step=tuple(x * 1e-9 for x in cal["zero_ns"]) if "zero_ns" in cal else None,
+                  zero_reduce={int(dp): x * 1e-9 for dp, x in cal.get("zero_reduce_ns", {}).items()})
 
 
 CPU = cpu_device(CPU_CALIBRATION)
@@ -267,6 +277,26 @@ def layer_and_rest_flops(m, micro: int) -> tuple[float, float]:
     f1 = forward_flops(dataclasses.replace(m, n_layer=1), micro)
     f2 = forward_flops(dataclasses.replace(m, n_layer=2), micro)
     return f2 - f1, 2 * f1 - f2
+
+
+def _nearest(measured: dict, group: int) -> int:
+    """The measured group size closest to `group` (ties: the larger)."""
+    return min(measured, key=lambda s: (abs(s - group), -s))
+
+
+def reduce_copies_seconds(dev: Device, params: float, dp: int, zero: int) -> float:
+    """One gradient reduction's work beyond its collective for a rank holding `params` parameters, on a device of
+    its own (step_time scales it for shared cores). DeepSpeed's ZeRO 1/2 (stage_1_and_2.py; megamemo's config:
+    reduce_scatter and use_multi_rank_bucket_allreduce on, overlap_comm off) copies each gradient into the bucket,
+    averages it and at dp > 1 flattens the bucket's slices by owning rank into a fresh tensor for the all-reduce
+    (average_tensor -> allreduce_and_scatter), then copies the rank's own back into its partition. Measured at
+    dp's group size (Device.zero_reduce) or dp 1 (Device.zero_step) where it was; else DP_REDUCE_BYTES per
+    parameter held at dp > 1 at memory bandwidth (ZeRO 0's engine flattens and copies back too), 0 at dp 1."""
+    if dev.zero_step and zero >= 1:
+        if dp > 1 and dev.zero_reduce:
+            return dev.zero_reduce[_nearest(dev.zero_reduce, dp)] * params
+        return dev.zero_step[0] * params
+    return DP_REDUCE_BYTES * params / dev.mem_bw if dp > 1 else 0.0
 
 
 def gemm_width(m, tp: int, micro: int) -> int:
@@ -343,13 +373,16 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
                    if zero >= 1 else 0)
     owned = params / (dp if zero >= 1 else 1)
     opt_s = dev.optimizer_s_per_param or ADAM_BYTES_PER_PARAM / dev.mem_bw
-    bookkeeping = ((ZERO_STEP_BYTES_OWNED * owned if zero >= 1 else 0)
-                   + (DP_REDUCE_BYTES * params if dp > 1 else 0)) / dev.mem_bw
-    optimizer = (owned * opt_s + bookkeeping) * share
+    optimizer = (owned * opt_s + (ZERO_STEP_BYTES_OWNED * owned if zero >= 1 else 0) / dev.mem_bw) * share
+    reductions = ga if zero == 2 else 1      # ZeRO 2 reduces every micro-batch, 0 and 1 at the boundary
+    reduce_copies = reduce_copies_seconds(dev, params, dp, zero) * reductions
+    if dev.zero_reduce and dp > 1 and zero >= 1:     # measured in a group of g processes alone: see `shared`
+        reduce_copies *= shared(_nearest(dev.zero_reduce, dp))
+    else:
+        reduce_copies *= share
     first_touch = 0.0
     if dev.zero_step and zero >= 1:     # measured: DeepSpeed's copies (at any dp, even 1) and step, fresh pages
-        held_s, owned_s = dev.zero_step
-        optimizer = (held_s * params + owned_s * owned) * share
+        optimizer = dev.zero_step[1] * owned * share
     elif dev.first_touch_bw:
         fresh = grad_bytes + (4 * owned if zero >= 1 else 0) + (grad_bytes if dp > 1 else 0)   # + the flat copy
         first_touch = fresh / dev.first_touch_bw * share
@@ -361,7 +394,8 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     terms = {"compute": compute * share * ga, "elementwise": elementwise * share * ga,
              "overhead": overhead * share * ga,
              "tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),
-             "pp_p2p": p2p + tied, "dp_comm": dp_comm, "zero_gather": zero_gather, "optimizer": optimizer,
+             "pp_p2p": p2p + tied, "dp_comm": dp_comm, "reduce_copies": reduce_copies, "zero_gather": zero_gather,
+             "optimizer": optimizer,
              "first_touch": first_touch}
     return StepTime(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={ga}", terms,
                     cfg.data.batch_size * m.tgt_len, world, step_flops(m, cfg.data.batch_size), peak, width, eff,

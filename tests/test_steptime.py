@@ -53,9 +53,10 @@ def test_tensor_and_data_parallel_terms_by_hand():
     params = p.params / 4                                   # the rank's parameters (fp32)
     assert st.terms["dp_comm"] == pytest.approx(1e-5 + 2 * (dp - 1) / dp * params * 4 / 1e10)     # once a step
     assert st.terms["zero_gather"] == pytest.approx(1e-5 + (dp - 1) / dp * params * 4 / 1e10)
-    # Adam over the rank's half (36 B/parameter), ZeRO's passes over it (28 B); over all it holds, the reduction's
-    # copies into the bucket, average, flatten and copy back (4 x 8 B)
-    assert st.terms["optimizer"] == pytest.approx((params / 2 * (36 + 28) + 32 * params) / 1e11)
+    # Adam over the rank's half (36 B/parameter), ZeRO's passes over it (28 B)
+    assert st.terms["optimizer"] == pytest.approx(params / 2 * (36 + 28) / 1e11)
+    # over all it holds, the reduction's copies into the bucket, average, flatten and copy back (4 x 8 B)
+    assert st.terms["reduce_copies"] == pytest.approx(32 * params / 1e11)
     assert st.terms["elementwise"] == pytest.approx(ga * 4 * p.activations / 1e11)
     assert st.terms["pp_bubble"] == st.terms["pp_p2p"] == st.terms["first_touch"] == 0
     assert st.seconds == pytest.approx(sum(st.terms.values()))
@@ -254,19 +255,53 @@ def test_a_measured_layer_rate_replaces_the_width_table_for_that_layer_shape_onl
 
 def test_a_measured_zero_step_replaces_the_byte_model_of_the_optimizer():
     """ZeRO 1 over dp 2 with DeepSpeed's step measured as 5 ns per parameter held and 11 ns per parameter owned
-    (the rank holds its tp half of the model and owns half of that): the optimizer term is 5 P + 11 P / 2, and
-    nothing is counted again as first touch; ZeRO 0 keeps the byte model (no DeepSpeed ZeRO optimizer)."""
+    (the rank holds its tp half of the model and owns half of that), nothing measured at dp 2: the reduction's
+    copies are 5 P, the optimizer 11 P / 2, and nothing is counted again as first touch; ZeRO 0 keeps the byte
+    model (no DeepSpeed ZeRO optimizer)."""
     cfg = rpe("parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=2")
     dev = Device("z", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test", first_touch_bw=1e9,
                  zero_step=(5e-9, 11e-9))
     params = plan(cfg, 4, 1e9, 0).params / 4
     st = step_time(cfg, 4, dev, 4, plan)
-    assert st.terms["optimizer"] == pytest.approx(5e-9 * params + 11e-9 * params / 2)
+    assert st.terms["reduce_copies"] == pytest.approx(5e-9 * params)
+    assert st.terms["optimizer"] == pytest.approx(11e-9 * params / 2)
     assert st.terms["first_touch"] == 0
     zero0 = step_time(load(TINY, ["model.variant=rpe", "model.n_layer=4", "eval.every=0", "parallel.tp=2",
                                   "parallel.pp=1", "parallel.zero_stage=0", "train.grad_accum=2"]), 4, dev, 4, plan)
-    assert zero0.terms["optimizer"] == pytest.approx((params * 36 + 32 * params) / 1e11)   # Adam + the DP copies
+    assert zero0.terms["optimizer"] == pytest.approx(params * 36 / 1e11)                  # Adam
+    assert zero0.terms["reduce_copies"] == pytest.approx(32 * params / 1e11)             # the DP copies
     assert zero0.terms["first_touch"] == pytest.approx((params * 4 + params * 4) / 1e9)   # gradient + flat copy
+
+
+def test_the_reduction_measured_at_dp_group_sizes_replaces_the_dp1_figure():
+    """DeepSpeed's gradient reduction beyond its all-reduce measured per parameter held at dp 1 (zero_step: 5 ns),
+    in 2 processes (8 ns) and in 4 (12 ns), on a device of 2 cores whose 4 ranks each run 2x slower while all
+    compute (contention 2 = ranks / cores, as the CPU row without --concurrent). By hand, P the rank's parameters:
+    - DP4 (tp 1, dp 4, ZeRO 1): the dp-4 figure, measured with the 4 ranks sharing the cores as in the run: 12 P;
+    - TP2 x DP2: the dp-2 figure, measured in 2 processes on 2 cores (each a core of its own), run while 4 ranks
+      share them: x2 -> 2 x 8 P;
+    - TP4 (dp 1): the dp-1 figure, measured alone, x2 for the sharing: 2 x 5 P;
+    - ZeRO 2 over dp 4 with 2 micro-batches reduces after each: 2 x 12 P;
+    - dp 8 (not measured) takes the nearest measured group, 4."""
+    dev = Device("c", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test", first_touch_bw=1e9,
+                 zero_step=(5e-9, 11e-9), zero_reduce={2: 8e-9, 4: 12e-9},
+                 contention=((16, 2.0), (64, 2.0)), ranks=4)
+
+    def held(cfg, world):
+        return plan(cfg, world, 1e9, 0).params / 4
+
+    dp4 = rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=1")
+    assert step_time(dp4, 4, dev, 4, plan).terms["reduce_copies"] == pytest.approx(12e-9 * held(dp4, 4))
+    tp2dp2 = rpe("parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=1")
+    assert step_time(tp2dp2, 4, dev, 4, plan).terms["reduce_copies"] == pytest.approx(2 * 8e-9 * held(tp2dp2, 4))
+    tp4 = rpe("parallel.tp=4", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=1", "model.n_head=4",
+              "model.d_head=16")
+    assert step_time(tp4, 4, dev, 4, plan).terms["reduce_copies"] == pytest.approx(2 * 5e-9 * held(tp4, 4))
+    zero2 = rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=2", "train.grad_accum=2")
+    assert step_time(zero2, 4, dev, 4, plan).terms["reduce_copies"] == pytest.approx(2 * 12e-9 * held(zero2, 4))
+    dp8 = rpe("parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=1", "train.grad_accum=1")
+    assert step_time(dp8, 8, dev, 8, plan).terms["reduce_copies"] == pytest.approx(
+        12e-9 * held(dp8, 8) * 2)   # 8 ranks on the node share 4 ways, the measurement 2 ways
 
 
 def test_cpu_row_uses_its_measured_layer_rates_for_the_rehearsal_layer():
@@ -282,6 +317,8 @@ def test_cpu_row_uses_its_measured_layer_rates_for_the_rehearsal_layer():
     assert CPU.layer_rate(big, 1, 64) == CPU_CALIBRATION["layer_gemm"]["1x64"] * 1e9
     assert CPU.layer_rate(load(TINY).model, 1, 64) is None
     assert CPU.zero_step == tuple(x * 1e-9 for x in CPU_CALIBRATION["zero_ns"])
+    assert CPU.zero_reduce == {int(dp): x * 1e-9 for dp, x in CPU_CALIBRATION["zero_reduce_ns"].items()}
+    assert set(CPU.zero_reduce) == {2, 4}     # TP2 x DP2 and DP4 on the rehearsal machine
 
 
 @pytest.mark.parametrize("args,why", [
