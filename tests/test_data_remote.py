@@ -29,9 +29,10 @@ def upload(local: Path, prefix: str, damage=None) -> str:
 
 
 @contextlib.contextmanager
-def serving():
-    """A loopback S3 server, with the AWS_* variables pointing at it; both undone at the end."""
-    server = LoopbackS3()
+def serving(server_class=LoopbackS3):
+    """A loopback object-store server, with its client variables (AWS_* or STORAGE_EMULATOR_HOST) pointing at it;
+    both undone at the end."""
+    server = server_class()
     saved = {k: os.environ.get(k) for k in server.env()}
     os.environ.update(server.env())
     try:
@@ -289,10 +290,7 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
 
     from data_pipeline.loopback_gcs import LoopbackGCS, upload as upload_gs
 
-    server = LoopbackGCS()
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    try:
+    with serving(LoopbackGCS):
         url = upload_gs(local_shards, BUCKET, "enwik8")
         kw = dict(batch_size=4, tgt_len=512, roll=True, seed=1)
         with StreamReader(url, "train", remote_options=opts(tmp_path), **kw) as r:
@@ -302,13 +300,6 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
         bad = upload_gs(local_shards, BUCKET, "corrupt", flip_a_byte(second["name"]))
         with pytest.raises(ShardError) as e:
             batches(StreamReader(bad, "train", batch_size=1, tgt_len=4096, remote_options=opts(tmp_path / "b")))
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     expect = batches(StreamReader(local_shards, "train", **kw))
     assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
                                            for a, b in zip(got, expect))
