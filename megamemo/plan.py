@@ -22,7 +22,6 @@ copy. bench/plan_vs_rss.py checks the CPU figures against every rank's measured 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 
