@@ -176,19 +176,22 @@ def _text(log: Path, start: int) -> str:
 
 def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: int, world: int = 2,
          minutes: float = 15.0, kinds: tuple[str, ...] | None = None, reference: dict[int, float] | None = None,
-         keep_last: int = 2, finish: bool = True, say=print) -> dict:
+         keep_last: int = 2, finish: bool = True, nth: tuple[int, int] = (1, 2), say=print) -> dict:
     """Run the soak (see the module's doc); returns the summary. `kinds`: the moments in this order (cycled) instead
     of drawn at random; `reference`: the uninterrupted run's losses when the caller has them; `finish=False` leaves
-    the last run to the caller (the test damages checkpoints first)."""
+    the last run to the caller (the test damages checkpoints first); `nth`: the range the N of a kill is drawn from
+    (the N-th new step, or the N-th pass of a checkpoint point): from 2 up, every start commits a step before it is
+    killed."""
     subreaper(True)
     try:
         return _soak(cfg, shards, out, kills=kills, seed=seed, steps=steps, world=world, minutes=minutes, kinds=kinds,
-                     reference=reference, keep_last=keep_last, finish=finish, say=say)
+                     reference=reference, keep_last=keep_last, finish=finish, nth=nth, say=say)
     finally:
         subreaper(False)
 
 
-def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, reference, keep_last, finish, say) -> dict:
+def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, reference, keep_last, finish, nth,
+          say) -> dict:
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -214,9 +217,9 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
             break
         kind = (kinds[i % len(kinds)] if kinds else rng.choice(KINDS))
         env = job_env()
-        nth = rng.randint(1, 2)
+        nth_here = rng.randint(*nth)
         if kind in ("save", "commit", "retention", "removal"):
-            env["MEGAMEMO_FAULT_KILL_AT"] = f"{kind}:{nth}"
+            env["MEGAMEMO_FAULT_KILL_AT"] = f"{kind}:{nth_here}"
         had = committed(run_dir)
         log_at = log.stat().st_size
         job = Job(cmd, env, log)
@@ -228,7 +231,7 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
             job.kill9()
         elif kind == "step":
             first = None
-            while new_steps(run_dir, job.t_wall) < nth and job.alive():
+            while new_steps(run_dir, job.t_wall) < nth_here and job.alive():
                 if first is None and new_steps(run_dir, job.t_wall):
                     first = time.monotonic()
                 time.sleep(0.01)
@@ -249,7 +252,7 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
             if not ok:
                 refused.append(i + 1)
         if rc == 0 and "[fault]" not in text and kind not in ("start-up", "step"):
-            where = f"none ({kind} #{nth} never reached: the run ended)"
+            where = f"none ({kind} #{nth_here} never reached: the run ended)"
         rec = {"kill": i + 1, "kind": kind, "where": where, "rc": rc, "committed_before": had[-1] if had else None,
                "steps_logged": len(train_records(run_dir)), "restart_trained": started,
                "log": "\n".join(x for x in text.splitlines() if "terminate called" in x or "[launch]" in x)}
