@@ -1,4 +1,4 @@
-"""Calibration of megamemo/steptime.py's "cpu" device on this machine: one process's GEMM rate (one thread, fp32)
+"""Calibration of megamemo/plan/steptime.py's "cpu" device on this machine: one process's GEMM rate (one thread, fp32)
 by the narrowest dimension of the product (alone and with the run's other ranks computing), its optimizer's time
 per parameter, a layer's host overhead, fresh-page and memory fill rates, and gloo's all-reduce, all-gather and
 p2p latency and bandwidth on loopback with 2 and 4 processes (the rehearsal's group sizes).
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megamemo.train.dist import free_port
+from megamemo.runtime.dist import free_port
 
 SIZES = [2 ** k for k in range(10, 25, 2)]        # fp32 elements: 4 KiB .. 64 MiB (and 256 MiB)
 
@@ -166,7 +166,7 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
 
     import deepspeed
 
-    from megamemo.config import load
+    from megamemo.config.run import load
     from megamemo.train.engine import Engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

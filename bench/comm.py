@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megamemo.train.dist import free_port
+from megamemo.runtime.dist import free_port
 
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "_reduce_scatter_base", "_all_gather_base"]

@@ -144,9 +144,9 @@ def range_reads(data_dir: Path, split: str) -> int:
 def lamemo_13b_consumption() -> tuple[float, str]:
     """Tokens/s one GPU would consume training configs/lamemo-1.3b.yaml at 100% of the V100 SXM2's fp16
     datasheet peak (an upper bound; a node has 8 GPUs)."""
-    from megamemo.config import load
+    from megamemo.config.run import load
     from megamemo.model.flops import flops_per_token
-    from megamemo.peak import PEAK_TFLOPS
+    from megamemo.runtime.peak import PEAK_TFLOPS
 
     cfg = load(REPO / "configs/lamemo-1.3b.yaml")
     fpt = flops_per_token(cfg.model, cfg.data.batch_size // cfg.train.grad_accum)

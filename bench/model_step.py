@@ -7,7 +7,7 @@ and Transformer-XL, at one config, side by side in one process.
 
 Default config: 4L, d 256, 4x64 heads, d_inner 1024, vocab 256, B 8, L = M = 128, dropout 0.1; 1 and 2 threads;
 fp32 and bf16 (autocast). Every model steps through its own random tokens with its memory carried; the step is
-what training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/allocator.py;
+what training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/runtime/allocator.py;
 --default-malloc to compare). Rounds step every model once, in an order reversed every other round so that none
 always runs first (each reference model steps next to its megamemo counterpart); a model's time is its best
 (least disturbed) step. Printed: tokens/s, ms/step, the analytic
@@ -27,7 +27,7 @@ probe takes the best FLOP/s over several product shapes - 1024^3, a batched 8x51
 ones (the feed-forward's forward, input-gradient and weight-gradient products at L*B and (L+M)*B rows) - at the
 same thread count, in fp32 and, for bf16 runs, also in bf16 (autocast keeps some products in fp32, and on a CPU
 without bf16 matmul units fp32 products are the faster ones), sampled once per round between the steps and kept
-at its best, as the steps are. On GPU the peak is the datasheet figure for the device (megamemo/peak.py), so the
+at its best, as the steps are. On GPU the peak is the datasheet figure for the device (megamemo/runtime/peak.py), so the
 column is MFU; there the bench also runs megamemo at configs/wt103-base.yaml and configs/enwik8-base.yaml
 model shapes (--configs; batch --gpu-batch or the config's data.batch_size, the config's precision).
 """
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from megamemo.allocator import tune_cpu_allocator
+from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.flops import step_flops
-from megamemo.peak import device_peak
+from megamemo.runtime.peak import device_peak
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = {"ref-lamemo": ("lamemo", 3), "ref-xl": ("xl", 0)}   # name -> (megamemo variant, attn_type)
@@ -219,7 +219,7 @@ def side_by_side(args, device, ref_module, w) -> None:
 
 def config_shapes(args, device) -> None:
     """megamemo's tokens/s and MFU at the configs' model shapes (GPU only)."""
-    from megamemo.config import load
+    from megamemo.config.run import load
 
     print(f"\n== {device.type}: megamemo at the configs' model shapes ({torch.cuda.get_device_name(device)})")
     print(f"{'config':<20}{'variant':<9}{'batch':>6}{'prec':>6}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}  peak")
@@ -285,7 +285,7 @@ def main():
     ap.add_argument("--gpu-steps", type=int, default=10, help="timed steps per --configs model")
     ap.add_argument("--profile", action="store_true", help="also print the top ops of lamemo and xl (1 thread)")
     ap.add_argument("--default-malloc", action="store_true",
-                    help="leave glibc's malloc as it is (megamemo's commands keep freed memory: megamemo/allocator.py)")
+                    help="leave glibc's malloc as it is (megamemo's commands keep freed memory: megamemo/runtime/allocator.py)")
     args = ap.parse_args()
     if "cuda" in args.device and not torch.cuda.is_available():
         sys.exit("model_step: --device cuda: torch sees no CUDA device")
@@ -295,7 +295,7 @@ def main():
     print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
           f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
           f"dropout {args.dropout}; step = forward + backward + Adam, best of {args.steps} interleaved rounds; "
-          f"malloc {'tuned (megamemo.allocator)' if tuned else 'glibc default'}")
+          f"malloc {'tuned (megamemo.runtime.allocator)' if tuned else 'glibc default'}")
     print("reference code: " + (f"{args.reference_code} (ref-lamemo: attn_type 3, ref-xl: attn_type 0)" if ref
                                 else "not given (--reference-code DIR to time thu-coai/LaMemo beside megamemo)"))
     for dev in args.device:

@@ -50,9 +50,9 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
 
 
 def main() -> int:
-    from megamemo.config import load
-    from megamemo.plan import plan
-    from megamemo.steptime import CPU_CALIBRATION, cpu_device, explain, gemm_width, step_time
+    from megamemo.config.run import load
+    from megamemo.plan.layouts import plan
+    from megamemo.plan.steptime import CPU_CALIBRATION, cpu_device, explain, gemm_width, step_time
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "rehearsal-1.3b-width.yaml"))

@@ -34,7 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megamemo.evaluate import evaluate, open_batches  # noqa: E402
+from megamemo.eval.evaluate import evaluate, open_batches  # noqa: E402
 from megamemo.model import MemTransformerLM, ModelConfig  # noqa: E402
 from megamemo.train.engine import lr_factor  # noqa: E402
 
@@ -88,7 +88,7 @@ def train_one(variant: str, args, data: Path) -> dict:
     train_s = time.perf_counter() - t0
     reader.close()
     if args.save:
-        from megamemo.checkpoint.convert import data_meta
+        from megamemo.interop.convert import data_meta
         from megamemo.checkpoint.single import save_single
 
         save_single(Path(args.save) / variant, cfg, model.state_dict(),

@@ -76,7 +76,7 @@ def to_single(ckpt: Path, out: Path, label: str, bound: float = 1.5) -> bool:
     shutil.rmtree(single, ignore_errors=True)
     rc, secs, peak = timed([sys.executable, "-m", "megamemo", "convert", "to-single", "--ckpt", str(ckpt),
                             "--out", str(single)], out / f"{label}-convert.log")
-    _, _, base = timed([sys.executable, "-c", "import torch, safetensors, megamemo.checkpoint.convert"],
+    _, _, base = timed([sys.executable, "-c", "import torch, safetensors, megamemo.interop.convert"],
                        out / "baseline.log")
     weights = (single / "model.safetensors").stat().st_size if rc == 0 else 0
     ratio = peak / weights if weights else float("inf")

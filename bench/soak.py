@@ -4,7 +4,7 @@ Slurm's requeue does, must end as if it had never been interrupted.
     python bench/soak.py [--kills 100] [--seed N] [--minutes 15] [--world 2] [--steps S] [--out runs/soak]
                          [--config FILE --data SHARDS]     (default: the tests' tiny config on the enwik8 fixture)
 
-1. An uninterrupted run (`python -m megamemo.launcher N` = launch/local.sh without its shell) gives every step's loss.
+1. An uninterrupted run (`python -m megamemo.runtime.launcher N` = launch/local.sh without its shell) gives every step's loss.
 2. The same command under a supervisor, checkpointing every step with asynchronous saves on (keep_last 2, so that
    retention removes checkpoints all the time). Each round draws a moment from the seeded generator:
      start-up    kill -9 of the launcher and every worker at a random time before the first new step is logged;
@@ -51,7 +51,7 @@ log: {every: 1, tensorboard: false}
 
 
 def job_command(world: int, cfg: Path, shards: Path, run_dir: Path, steps: int, keep_last: int = 2) -> list[str]:
-    return [sys.executable, "-m", "megamemo.launcher", str(world), "--config", str(cfg), "--data", str(shards),
+    return [sys.executable, "-m", "megamemo.runtime.launcher", str(world), "--config", str(cfg), "--data", str(shards),
             "--run-dir", str(run_dir), "--max-steps", str(steps), "--save-every", "1",
             "--set", f"checkpoint.keep_last={keep_last}", "--set", "checkpoint.async_save=true",
             "--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]

@@ -21,7 +21,7 @@ import numpy as np
 import webdataset as wds
 import zstandard
 
-from megamemo.progress import Progress
+from megamemo.util.progress import Progress
 
 from .corpora import Corpus
 from .doc_index import DocumentStartsWriter, check_entry

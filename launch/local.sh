@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # N local training processes on this machine: `megamemo train ARGS...` under megamemo's own launcher
-# (megamemo/launcher.py: gloo on CPU, NCCL when the machine has GPUs; launch/device.sh decides,
+# (megamemo/runtime/launcher.py: gloo on CPU, NCCL when the machine has GPUs; launch/device.sh decides,
 # MEGAMEMO_DEVICE=auto|gpu|cpu overrides).
 #   launch/local.sh N --config configs/tiny-cpu.yaml [--data DIR] [--run-dir DIR] [megamemo train args...]
 # Signals sent to this process (Ctrl-C, TERM, USR1, HUP) reach every worker, which finishes its step, saves and
@@ -25,7 +25,7 @@ source "$here/scripts/env.sh"      # the repo's venv on PATH
 # DS_ACCELERATOR=cpu, e.g. from scripts/env.sh on a machine whose nvidia-smi is not on PATH, does not choose)
 megamemo_select_device "${MEGAMEMO_DEVICE:-auto}" || { rc=$?; [ "$rc" = 2 ] && usage; exit "$rc"; }
 
-if ! (cd / && python -c "import megamemo.launcher, megamemo.train.cli") 2>/dev/null; then
+if ! (cd / && python -c "import megamemo.runtime.launcher, megamemo.train.cli") 2>/dev/null; then
   echo "launch/local.sh: megamemo (with its train command) is not installed in $(command -v python || echo 'any python on PATH')." >&2
   echo "  Set up the environment first: bash scripts/setup.sh   (or point MEGAMEMO_VENV at one that has it)" >&2
   exit 1
@@ -35,4 +35,4 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
 echo "[launch/local] $n process(es) on $MEGAMEMO_DEVICE, OMP_NUM_THREADS=$OMP_NUM_THREADS: ${MEGAMEMO_TRAIN_CMD:-megamemo train} $*" >&2
-exec python -m megamemo.launcher "$n" "$@"
+exec python -m megamemo.runtime.launcher "$n" "$@"

@@ -10,14 +10,14 @@ SUBCOMMANDS = {
     "verify-shards": ("data_pipeline.cli:verify_main", "check every shard of a directory against its manifest"),
     "reference-score": ("megamemo.interop.score:main", "score a reference-format .pt file with the megamemo model"),
     "train": ("megamemo.train.cli:main", "train (one process per device; see launch/)"),
-    "eval": ("megamemo.evaluate:main", "evaluate a checkpoint: bpc / perplexity"),
-    "generate": ("megamemo.generate:main", "sample text with memory carried"),
-    "convert": ("megamemo.checkpoint.convert:main", "convert a sharded checkpoint to single-GPU form"),
-    "plan": ("megamemo.plan:main", "per-rank memory plan for a config and cluster"),
-    "analyze": ("megamemo.analyze:main", "memorizing coefficient and attention-by-distance plots"),
+    "eval": ("megamemo.eval.evaluate:main", "evaluate a checkpoint: bpc / perplexity"),
+    "generate": ("megamemo.eval.generate:main", "sample text with memory carried"),
+    "convert": ("megamemo.interop.convert:main", "convert a sharded checkpoint to single-GPU form"),
+    "plan": ("megamemo.plan.layouts:main", "per-rank memory plan for a config and cluster"),
+    "analyze": ("megamemo.eval.analyze:main", "memorizing coefficient and attention-by-distance plots"),
     "export": ("megamemo.export.hf:main", "export a checkpoint: `export hf` writes a transformers directory"),
     "harness": ("megamemo.export.harness:main", "lm-evaluation-harness rolling loglikelihood over text files"),
-    "plot": ("megamemo.plot:main", "training/validation bpc or perplexity of runs (PNG), resumes marked"),
+    "plot": ("megamemo.eval.plot:main", "training/validation bpc or perplexity of runs (PNG), resumes marked"),
 }
 
 
@@ -37,13 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    if name == "train":     # a stop signal during start-up waits for the trainer's handler (train/signals.py)
-        from megamemo.train.signals import hold
+    if name == "train":     # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
+        from megamemo.runtime.signals import hold
         hold()
-    from megamemo import quiet
-    quiet.install()         # third-party start-up warnings off the terminal; other ranks quiet (megamemo/quiet.py)
-    from megamemo.allocator import tune_cpu_allocator
-    tune_cpu_allocator()  # before any tensor exists; see megamemo/allocator.py
+    from megamemo.runtime import quiet
+    quiet.install()         # third-party start-up warnings off the terminal; other ranks quiet (megamemo/runtime/quiet.py)
+    from megamemo.runtime.allocator import tune_cpu_allocator
+    tune_cpu_allocator()  # before any tensor exists; see megamemo/runtime/allocator.py
     target = SUBCOMMANDS[name][0]
     mod_name, func_name = target.split(":")
     try:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megamemo.train.dist import free_port
+from megamemo.runtime.dist import free_port
 
 TIMEOUT_S = float(os.environ.get("MEGAMEMO_TEST_DIST_TIMEOUT_S", "300"))
 PEER_GRACE_S = 5.0          # after a rank failed, how long the others get to end (with their own error) on their own

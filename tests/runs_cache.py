@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from megamemo.train.dist import free_port
+from megamemo.runtime.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

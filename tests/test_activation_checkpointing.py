@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fixture_data import REPO
-from megamemo.config import ConfigError, load
+from megamemo.config.run import ConfigError, load
 from megamemo.model import MemTransformerLM
-from megamemo.plan import plan
+from megamemo.plan.layouts import plan
 
 
 def _cfg(variant, recompute, dropout=0.2, extra=()):

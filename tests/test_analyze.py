@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megamemo import analyze
+from megamemo.eval import analyze
 from megamemo.model.positions import sinusoid
 
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from megamemo.checkpoint import convert
+from megamemo.interop import convert
 from megamemo.checkpoint.state import file_digest
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run

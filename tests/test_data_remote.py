@@ -260,7 +260,7 @@ def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
     import subprocess
     import sys
 
-    from megamemo.train.dist import free_port
+    from megamemo.runtime.dist import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port), "-d",
@@ -315,7 +315,7 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     import json
 
     from eval_fixtures import tiny_checkpoint
-    from megamemo import analyze, evaluate
+    from megamemo.eval import analyze, evaluate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")

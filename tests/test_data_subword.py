@@ -204,7 +204,7 @@ def test_bits_per_byte_by_hand():
     import torch
 
     from data_pipeline.vocab import bits_per_byte
-    from megamemo.evaluate import evaluate
+    from megamemo.eval.evaluate import evaluate
     from megamemo.train.metrics import Metrics
 
     assert bits_per_byte(4 * math.log(2.0), 8) == pytest.approx(0.5)          # 4 bits over 8 bytes
@@ -319,7 +319,7 @@ def test_plot_shows_bits_per_byte_beside_perplexity(bpe_dirs, tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    from megamemo import plot
+    from megamemo.eval import plot
 
     run = tmp_path / "run"
     run.mkdir()

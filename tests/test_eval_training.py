@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megamemo import evaluate
-from megamemo.checkpoint import convert
+from megamemo.eval import evaluate
+from megamemo.interop import convert
 
 from eval_fixtures import enwik8_slice_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
 

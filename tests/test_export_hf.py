@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from data_pipeline.vocab import Vocab
-from megamemo import generate as generate_cmd
-from megamemo.checkpoint.convert import load_model
-from megamemo.evaluate import evaluate, open_batches
+from megamemo.eval import generate as generate_cmd
+from megamemo.interop.convert import load_model
+from megamemo.eval.evaluate import evaluate, open_batches
 from megamemo.export import hf
 
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
@@ -138,7 +138,7 @@ def test_exported_models_load_without_megamemo_and_score_as_megamemo_eval(export
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_the_run_scored_with_its_cache_equals_megamemo_eval_batch_1(exported, shards, tmp_path):
-    from megamemo import evaluate as eval_cmd
+    from megamemo.eval import evaluate as eval_cmd
 
     run_dir, _, _, case, _, res = exported["run"]
     out = tmp_path / "eval.json"
@@ -171,7 +171,7 @@ def test_labels_give_the_mean_next_token_nll_of_the_call(exported):
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_exported_tokenizers_give_megamemos_ids(exported):
-    from megamemo.generate import encode_prompt
+    from megamemo.eval.generate import encode_prompt
 
     for name, (ck, model, vocab, case, job, res) in exported.items():
         assert res["encoded"] == encode_prompt(vocab, job["text"].encode(), "text"), name

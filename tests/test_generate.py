@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from megamemo import generate as gen_mod
-from megamemo.generate import Decoder, encode_prompt, generate, nucleus_probs
+from megamemo.eval import generate as gen_mod
+from megamemo.eval.generate import Decoder, encode_prompt, generate, nucleus_probs
 
 from eval_fixtures import one_thread, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 

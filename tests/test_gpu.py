@@ -128,11 +128,11 @@ import copy, importlib, json, sys
 import torch
 import deepspeed
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-from megamemo.train import dist as mdist
+from megamemo.runtime import dist as mdist
 mdist.init()                                               # NCCL, world 1, cuda:0
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.parallel.groups import TP_RNG, grad_norm, init_model_parallel, rng_tracker, seed_rng_streams
-from megamemo.parallel.init import init_shard
+from megamemo.parallel.shard_init import init_shard
 from megamemo.parallel.pipeline import build_pipeline, load_single_state
 from megamemo.parallel.tensor import parallelize_tensor
 init_model_parallel(1, 1)
@@ -209,7 +209,7 @@ def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
 # ---- plan vs measured ---------------------------------------------------------------------------------------------
 MEASURE_SCRIPT = r"""
 import sys, torch
-from megamemo.config import load
+from megamemo.config.run import load
 from megamemo.train.cli import build
 cfg = load(sys.argv[1], sys.argv[2:])
 trainer, _ = build(cfg)
@@ -295,7 +295,7 @@ def test_bf16_convert_and_eval_at_width(tiny_cfg, shards, tmp_path):
 # ---- host syncs of a training step --------------------------------------------------------------------------------
 SYNC_SCRIPT = r"""
 import sys, traceback, warnings, torch
-from megamemo.config import load
+from megamemo.config.run import load
 from megamemo.train.cli import build
 cfg = load(sys.argv[1], sys.argv[2:])
 trainer, _ = build(cfg)

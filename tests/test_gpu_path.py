@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from fixture_data import REPO
-from megamemo.config import ConfigError, load
+from megamemo.config.run import ConfigError, load
 from megamemo.model import MemTransformerLM, ModelConfig
-from megamemo.train import device
-from megamemo.train.dist import discover, slurm_tasks_on_node
+from megamemo.runtime import device
+from megamemo.runtime.dist import discover, slurm_tasks_on_node
 
 TINY = ["model.variant=lamemo", "model.n_token=40", "model.n_layer=4", "model.d_model=16", "model.n_head=2",
         "model.d_head=8", "model.d_inner=32", "model.dropout=0.0", "model.tgt_len=6", "model.mem_len=6",
@@ -97,12 +97,12 @@ def test_cuda_device_index_from_what_the_task_sees():
 
 
 def test_init_binds_the_gpu_the_task_sees_and_tells_deepspeed(monkeypatch):
-    """The call site of the visible-device choice (train/dist.py init), not only pick_cuda_device: a task bound to
+    """The call site of the visible-device choice (runtime/dist.py init), not only pick_cuda_device: a task bound to
     one GPU (--gpus-per-task=1) with local rank 5 of 8 sets cuda:0, exports LOCAL_RANK=0 for DeepSpeed and starts
     NCCL. torch.cuda and DeepSpeed's init are stand-ins recording what they are asked (no GPU here)."""
     import deepspeed
 
-    from megamemo.train import dist as mdist
+    from megamemo.runtime import dist as mdist
 
     calls = {}
     monkeypatch.setattr(device, "resolve", lambda env=None: "cuda")
@@ -148,7 +148,7 @@ def test_tasks_per_node_from_the_launchers():
 
 
 def test_deterministic_switch_sets_torch_and_the_environment():
-    code = ("import os, torch\nfrom megamemo.train import device\nadded = device.make_deterministic()\n"
+    code = ("import os, torch\nfrom megamemo.runtime import device\nadded = device.make_deterministic()\n"
             "print(sorted(added), torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,"
             " torch.backends.cudnn.benchmark, os.environ['NCCL_ALGO'], os.environ['CUBLAS_WORKSPACE_CONFIG'])")
     env = {k: v for k, v in os.environ.items() if k not in device.DETERMINISTIC_ENV}
@@ -209,7 +209,7 @@ def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatc
 def _tp_worker(rank, world):
     from megamemo.parallel import groups
     from megamemo.parallel.groups import TP_RNG, dropout_seeds, grad_norm, init_model_parallel, seed_rng_streams
-    from megamemo.parallel.init import init_shard
+    from megamemo.parallel.shard_init import init_shard
     from megamemo.parallel.pipeline import LayerPipe, StageContext
     from megamemo.parallel.tensor import parallelize_tensor
 
@@ -411,7 +411,7 @@ def test_train_sets_tf32_as_the_config_allows(monkeypatch, tmp_path, sets, want)
     monkeypatch.setattr(device, "resolve", lambda env=None: "cpu")
     monkeypatch.setattr("megamemo.train.data.check_data_dir", lambda cfg: None)
     monkeypatch.setattr("megamemo.train.engine.check_precision", lambda dtype: None)
-    monkeypatch.setattr("megamemo.train.rundir.die_with_parent", lambda: None)
+    monkeypatch.setattr("megamemo.runtime.rundir.die_with_parent", lambda: None)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want
     try:

@@ -190,7 +190,7 @@ def path_model():
 def test_load_single_and_eval_half(tmp_path, name):
     """load_single (eval and generate on a bf16/fp16 single checkpoint) and load_for_eval(--dtype)."""
     from megamemo.checkpoint.single import load_single, save_single
-    from megamemo.evaluate import load_for_eval
+    from megamemo.eval.evaluate import load_for_eval
 
     cfg, model, x = path_model()
     dtype = HALF[name]
@@ -206,7 +206,7 @@ def test_load_single_and_eval_half(tmp_path, name):
 
 def test_conversion_probe_half():
     """The probe of `convert to-single` replays a bf16 run with the model cast to bf16."""
-    from megamemo.checkpoint.probe import check_probe
+    from megamemo.checkpoint.probe_replay import check_probe
 
     cfg, model, x = path_model()
     with torch.no_grad():

@@ -18,9 +18,9 @@ from data_pipeline import build
 from data_pipeline.corpora import from_arrays
 from data_pipeline.vocab import Vocab
 from fixture_data import ENWIK8
-from megamemo import evaluate as eval_cmd
+from megamemo.eval import evaluate as eval_cmd
 from megamemo.export import harness, hf
-from megamemo.generate import generate
+from megamemo.eval.generate import generate
 
 from eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
 

@@ -1,4 +1,4 @@
-"""megamemo/launcher.py names the worker whose failure stopped the job, not a peer that died of it: workers here are
+"""megamemo/runtime/launcher.py names the worker whose failure stopped the job, not a peer that died of it: workers here are
 small Python programs (MEGAMEMO_TRAIN_CMD), no training."""
 import os
 import subprocess
@@ -20,7 +20,7 @@ def launch(tmp_path, worker: str, n: int = 2) -> subprocess.CompletedProcess:
     script = tmp_path / "worker.py"
     script.write_text(worker)
     env = dict(os.environ, MEGAMEMO_TRAIN_CMD=f"{sys.executable} {script}")
-    return subprocess.run([sys.executable, "-m", "megamemo.launcher", str(n)], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "megamemo.runtime.launcher", str(n)], env=env, capture_output=True,
                           text=True, timeout=60)
 
 

@@ -1,5 +1,5 @@
 """Model FLOP/s and MFU in the training progress lines (megamemo/train/metrics.py), the datasheet peak table
-(megamemo/peak.py), and the "resume" record of metrics.jsonl."""
+(megamemo/runtime/peak.py), and the "resume" record of metrics.jsonl."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from megamemo.config import ConfigError
+from megamemo.config.run import ConfigError
 from megamemo.model import ModelConfig
 from megamemo.model.flops import flops_per_token
-from megamemo.peak import device_peak, matmul_dtype, peak_flops, table_row
+from megamemo.runtime.peak import device_peak, matmul_dtype, peak_flops, table_row
 from megamemo.train import metrics as metrics_mod
 from megamemo.train.metrics import Metrics
 

@@ -250,7 +250,7 @@ def test_relu_folded_into_the_dropout_mask_is_relu_then_dropout():
 
 _FAULTS = """
 import resource, sys, torch
-from megamemo.allocator import tune_cpu_allocator
+from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
 applied = tune_cpu_allocator() if sys.argv[1] == "1" else False
 torch.manual_seed(0)
@@ -273,7 +273,7 @@ WARM_UP, STEADY = 8, 24
 
 
 def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
-    """megamemo.allocator keeps freed blocks: past the first steps a LaMemo training step (the speed benchmark's
+    """megamemo.runtime.allocator keeps freed blocks: past the first steps a LaMemo training step (the speed benchmark's
     widths) touches no fresh page in most steps, where glibc's defaults keep faulting thousands of pages a step.
 
     Measured over 24 steps after 8 of warm-up (the heap reaches its peak in the first few). On this shared
@@ -301,6 +301,6 @@ def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
     assert applied and len(tuned) == len(default) == STEADY
     assert statistics.median(tuned) < 50, (tuned, default)
     assert 4 * sum(tuned) < sum(default), (tuned, default)
-    off = subprocess.run([sys.executable, "-c", "from megamemo.allocator import tune_cpu_allocator as t; print(t())"],
+    off = subprocess.run([sys.executable, "-c", "from megamemo.runtime.allocator import tune_cpu_allocator as t; print(t())"],
                          capture_output=True, text=True, check=True, env={**os.environ, "MEGAMEMO_TUNE_MALLOC": "0"})
     assert off.stdout.strip() == "False"

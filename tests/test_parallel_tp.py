@@ -62,7 +62,7 @@ def _tp_worker(rank, world):
 
     # a shard initialised directly (no full model): replicated parameters equal on both ranks, split ones not,
     # with the reference distributions
-    from megamemo.parallel.init import shard_model
+    from megamemo.parallel.shard_init import shard_model
     big = ModelConfig(variant="lamemo", n_token=40, n_layer=2, d_model=64, n_head=4, d_head=16, d_inner=128,
                       tgt_len=L, mem_len=L, init_std=0.02)
     shard = shard_model(big, seed=5)

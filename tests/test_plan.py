@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fixture_data import REPO
-from megamemo.config import load
+from megamemo.config.run import load
 from megamemo.model import MemTransformerLM
-from megamemo.plan import GiB, main, plan
+from megamemo.plan.layouts import GiB, main, plan
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -176,7 +176,7 @@ def test_zero_stages_divide_what_they_shard():
 def test_zero_keeps_an_fp32_master_gradient_partition_and_a_bucket():
     """DeepSpeed's ZeRO optimizer clones an fp32 master even of fp32 weights, makes a flat fp32 gradient of its
     partition, and a reduction bucket (reduce_bucket_size elements; on the CPU only the pages it fills)."""
-    from megamemo.plan import DS_REDUCE_BUCKET
+    from megamemo.plan.layouts import DS_REDUCE_BUCKET
     cfg = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=1"])
     n = sum(p.numel() for p in MemTransformerLM(cfg.model).parameters())
     gpu, cpu = plan(cfg, world=2, gpu_gib=32), plan(cfg, world=2, gpu_gib=32, device="cpu")
@@ -187,7 +187,7 @@ def test_zero_keeps_an_fp32_master_gradient_partition_and_a_bucket():
 
 
 def test_cpu_layout_counts_the_process_and_the_checkpoint_copy(capsys):
-    from megamemo.plan import CPU_BASELINE
+    from megamemo.plan.layouts import CPU_BASELINE
     cfg = load(REPO / "configs" / "rehearsal-1.3b-width.yaml")
     gpu, cpu = plan(cfg, world=4, gpu_gib=6), plan(cfg, world=4, gpu_gib=6, device="cpu")
     assert cpu.baseline == CPU_BASELINE and gpu.baseline == 0
@@ -211,7 +211,7 @@ def test_cpu_layout_counts_the_process_and_the_checkpoint_copy(capsys):
 def test_stages_hold_their_own_layers_and_the_ends_the_table():
     """Summed over the stages of a pipeline, the parameters are the model's plus the tied table's copy on the last
     stage and the position biases once per extra stage."""
-    from megamemo.plan import bias_params, input_params
+    from megamemo.model.params import bias_params, input_params
     cfg = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=0",
                                                     "parallel.pp=2", "train.grad_accum=2"])
     stages = [plan(cfg, world=2, gpu_gib=32, stage=s) for s in range(2)]
@@ -224,8 +224,8 @@ def test_recommends_lamemo_7b_on_8x8_a100():
     """Every layout listed fits, fastest first by predicted tokens/s (issue 25; before it, by communication with
     pipelines last), the config's own tp=4 pp=2 among them; every layout that cannot run is named with its
     reason."""
-    from megamemo.plan import plan as plan_fn
-    from megamemo.recommend import recommend
+    from megamemo.plan.layouts import plan as plan_fn
+    from megamemo.plan.recommend import recommend
     cfg = load(REPO / "configs" / "lamemo-7b.yaml")
     fits, fails = recommend(cfg, 8, 8, 80, "gpu", "a100-80g", plan_fn)
     assert fits and all(f.plan.fits for f in fits)
@@ -242,8 +242,8 @@ def test_recommends_only_layouts_that_fit_fastest_first():
     """1.3 B in fp32 on 16 GiB devices: on 2 nothing fits (a single device fails on memory, with the figure); on 4
     only layouts that split the model over all 4 fit, ranked by predicted tokens/s (issue 25: no longer every
     layout without a pipeline first, whatever its speed)."""
-    from megamemo.plan import plan as plan_fn
-    from megamemo.recommend import recommend
+    from megamemo.plan.layouts import plan as plan_fn
+    from megamemo.plan.recommend import recommend
     cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["precision.dtype=fp32", "eval.every=0"])
     fits, fails = recommend(cfg, 1, 2, 16, "gpu", "v100-16g", plan_fn)
     reasons = dict(fails)

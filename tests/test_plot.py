@@ -1,4 +1,4 @@
-"""`megamemo plot` (megamemo/plot.py): the plotted data are the records of metrics.jsonl, resumes and skipped
+"""`megamemo plot` (megamemo/eval/plot.py): the plotted data are the records of metrics.jsonl, resumes and skipped
 steps are marked, several runs share one figure, the metric follows the run's corpus, and bad input is a one-line
 error naming the file with exit code 2."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from megamemo import plot
+from megamemo.eval import plot
 
 REPO = Path(__file__).resolve().parents[1]
 LN2 = math.log(2.0)

@@ -1,4 +1,4 @@
-"""Progress output (megamemo/progress.py): a tqdm bar when stderr is a terminal, the plain periodic lines of
+"""Progress output (megamemo/util/progress.py): a tqdm bar when stderr is a terminal, the plain periodic lines of
 `megamemo prepare` / `megamemo eval` otherwise. The commands are run with stderr on a real pseudo-terminal."""
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from data_pipeline import build, corpora
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from fixture_data import ENWIK8
-from megamemo import evaluate
-from megamemo.progress import BAR_REDRAW_S, Progress
+from megamemo.eval import evaluate
+from megamemo.util.progress import BAR_REDRAW_S, Progress
 
 REPO = Path(__file__).resolve().parents[1]
 BAR = re.compile(r"\d+%\|[^|]*\|")             # tqdm's "42%|####      |"

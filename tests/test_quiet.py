@@ -1,4 +1,4 @@
-"""Quiet logs (megamemo/quiet.py, installed by the `megamemo` entry point): third-party start-up warnings never
+"""Quiet logs (megamemo/runtime/quiet.py, installed by the `megamemo` entry point): third-party start-up warnings never
 reach the terminal, Python's -W / PYTHONWARNINGS still win, and only rank 0 prints unless MEGAMEMO_LOG_ALL_RANKS=1.
 The training runs use --tp 2: that imports megatron-core, whose Transformer Engine / Apex fallback warnings
 every process printed before."""
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from megamemo import quiet
-from megamemo.config import load
+from megamemo.runtime import quiet
+from megamemo.config.run import load
 from megamemo.model.flops import flops_per_token
-from megamemo.train.dist import free_port
+from megamemo.runtime.dist import free_port
 from test_train_runs import TINY as TRAIN_TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_launcher_rank(env):
 
 SNIPPET = """
 import warnings
-from megamemo import quiet
+from megamemo.runtime import quiet
 quiet.install()
 import deepspeed                      # sets its logger's level at import, after install()
 from deepspeed.utils import logger

@@ -1,4 +1,4 @@
-"""Reliability around the commit protocol, with real processes under launch/local.sh (megamemo/launcher.py):
+"""Reliability around the commit protocol, with real processes under launch/local.sh (megamemo/runtime/launcher.py):
   * signals sent to the launcher or its process group (TERM, USR1, during start-up too) end in a save, exit 0 and
     a bit-exact restart; a `kill -9` of the launcher leaves no worker behind; a second trainer in the same run
     directory is refused, naming the first;
@@ -166,7 +166,7 @@ def test_a_refused_start_on_two_ranks_ends_cleanly_on_both(tiny_cfg, shards, tmp
     run_dir.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        from megamemo.checkpoint.lock import LOCK, _proc_start
+        from megamemo.runtime.lock import LOCK, _proc_start
         (run_dir / LOCK).write_text(json.dumps({"host": _socket.gethostname(), "pid": holder.pid, "token": "h",
                                                 "pid_start": _proc_start(holder.pid), "heartbeat": time.time()}))
         for attempt in range(2):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megamemo.checkpoint.lock import LOCK, RunLock, RunLockedError
+from megamemo.runtime.lock import LOCK, RunLock, RunLockedError
 
 
 def test_a_live_holder_refuses_a_second_trainer_and_release_frees_it(tmp_path):
@@ -77,7 +77,7 @@ def test_a_zombie_holder_is_dead_and_taken_over(tmp_path):
         while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             assert time.time() < end, "the child did not become a zombie"
             time.sleep(0.01)
-        from megamemo.checkpoint.lock import _proc_start
+        from megamemo.runtime.lock import _proc_start
         (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "token": "tz",
                                                  "pid_start": _proc_start(pid), "heartbeat": time.time(),
                                                  "started": "then"}))
@@ -98,7 +98,7 @@ def test_a_live_child_holder_is_still_refused(tmp_path):
     because every child is taken for dead."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        from megamemo.checkpoint.lock import _proc_start
+        from megamemo.runtime.lock import _proc_start
         (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid, "token": "tl",
                                                  "pid_start": _proc_start(child.pid), "heartbeat": time.time()}))
         with pytest.raises(RunLockedError, match=rf"pid {child.pid} on"):

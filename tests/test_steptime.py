@@ -1,4 +1,4 @@
-"""megamemo/steptime.py's predicted step against arithmetic written out here, the ranking it gives `megamemo plan`,
+"""megamemo/plan/steptime.py's predicted step against arithmetic written out here, the ranking it gives `megamemo plan`,
 and the plan command's one-line answers to input it cannot use."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 
 from fixture_data import REPO
-from megamemo.config import load
-from megamemo.plan import main, plan
-from megamemo.steptime import Device, explain, step_time
+from megamemo.config.run import load
+from megamemo.plan.layouts import main, plan
+from megamemo.plan.steptime import Device, explain, step_time
 
 # a device with round numbers: 1 TFLOP/s; GEMM efficiency 50% at width 16, 100% from 64 (log-interpolated);
 # 100 GB/s memory; links 10 GB/s inside a node, 1 GB/s between; 10 / 100 us a collective
@@ -134,7 +134,7 @@ def test_the_output_layer_follows_the_configs_vocabulary():
 def test_lamemo_1_3b_on_v100s_no_longer_ranks_tp8_first():
     """4 x 8 V100-32G: tp=8 leaves 256-wide GEMMs (16 heads x 128 / 8) at 42% of peak against the first layout's
     wider ones, and puts 4 all-reduces a layer on the critical path: its compute alone takes longer."""
-    from megamemo.recommend import recommend
+    from megamemo.plan.recommend import recommend
     fits, _ = recommend(load(REPO / "configs" / "lamemo-1.3b.yaml"), 4, 8, 32, "gpu", "v100-32g", plan)
     first = fits[0]
     tp8 = [f for f in fits if f.desc.startswith("tp=8 ")]
@@ -182,7 +182,7 @@ def test_a_precision_the_device_lacks(capsys):
 def test_cluster_that_fits_nothing_names_the_smallest_that_does(capsys):
     """lamemo-7b (in fp16: V100s have no bf16) on one node of 8 V100-16G: nothing fits; nodes of 8 such devices
     run it from some node count on, and not on half as many."""
-    from megamemo.recommend import recommend
+    from megamemo.plan.recommend import recommend
     path = REPO / "configs" / "lamemo-7b.yaml"
     assert main(["--config", str(path), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "v100-16g",
                  "--set", "precision.dtype=fp16"]) == 1
@@ -227,7 +227,7 @@ def test_a_layout_that_does_not_fit_in_memory_names_the_nearest_that_does(capsys
 def test_cpu_row_shares_its_cores_between_the_ranks():
     """The measured CPU row: 4 ranks on 2 cores compute 2x slower than one alone (ranks / cores, no concurrent
     measurement), 2 ranks not slower; its efficiency table is the measured rates over the fastest."""
-    from megamemo.steptime import CPU, CPU_CALIBRATION
+    from megamemo.plan.steptime import CPU, CPU_CALIBRATION
     assert CPU.share(128, 4) == 2.0 and CPU.share(128, 2) == 1.0
     fastest = max(CPU_CALIBRATION["gemm"].values())
     assert CPU.peak["fp32"] == fastest * 1e9
@@ -308,7 +308,7 @@ def test_cpu_row_uses_its_measured_layer_rates_for_the_rehearsal_layer():
     """The shipped CPU calibration measured the rehearsal's layer (d 2048, 16 x 128 heads, d_inner 8192) at tp 1, 2,
     4 and 64-256 rows: TP2 x PP2's 2 streams of 64 rows use the 2x128 figure; lamemo-1.3b's own layer shape too
     (the same layer), a smaller model does not."""
-    from megamemo.steptime import CPU, CPU_CALIBRATION
+    from megamemo.plan.steptime import CPU, CPU_CALIBRATION
     reh = load(REPO / "configs" / "rehearsal-1.3b-width.yaml")
     assert CPU.layer_rate(reh.model, 2, 128) == CPU_CALIBRATION["layer_gemm"]["2x128"] * 1e9
     st = step_time(reh, 4, CPU, 4, plan)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
-from megamemo.train.dist import free_port
+from megamemo.runtime.dist import free_port
 from runs_cache import (ONE_PROCESS_EXACT, REPO, TINY, TWO_RANKS_12_STEPS, launch, logs, losses, run,  # noqa: F401
                         wait)
 from fixture_data import ENWIK8
@@ -40,14 +40,14 @@ def assert_no_corrupt_checkpoint(run_dir: Path) -> None:
 
 def checkpoint_memory(step_dir: Path):
     """The memory of every global stream [M, B, ...] in a committed checkpoint (its ranks' pieces joined)."""
-    from megamemo.checkpoint.convert import Checkpoint
+    from megamemo.interop.convert import Checkpoint
 
     return Checkpoint(step_dir).memory()
 
 
 def checkpoint_model(step_dir: Path):
     """The single-device model holding a committed checkpoint's weights."""
-    from megamemo.checkpoint.convert import load_model
+    from megamemo.interop.convert import load_model
 
     return load_model(step_dir)[0]
 
@@ -212,7 +212,7 @@ import json, sys
 from deepspeed.accelerator import get_accelerator
 type(get_accelerator()).is_fp16_supported = lambda self: True     # this CPU has no fp16 support in DeepSpeed's eyes
 import torch
-from megamemo.config import load
+from megamemo.config.run import load
 from megamemo.train.cli import build
 
 cfg_path, shards, run_dir = sys.argv[1:4]
@@ -277,7 +277,7 @@ def test_new_epoch_starts_from_empty_memory(tiny_cfg, tmp_path):
     elsewhere): it must be scored with empty memory, as the reference's per-epoch train() does."""
     from data_pipeline import StreamReader
     from data_pipeline.cli import prepare_main
-    from megamemo.config import load
+    from megamemo.config.run import load
 
     raw = tmp_path / "small.txt"
     raw.write_bytes(ENWIK8.read_bytes()[:400])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamemo import config as C
-from megamemo.train import dist
+from megamemo.config import run as C
+from megamemo.runtime import dist
 from megamemo.train.engine import lr_factor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,8 +144,8 @@ def test_expand_nodelist_without_scontrol(monkeypatch):
 def test_mpirun_inside_sbatch_is_not_taken_for_srun():
     # mpirun in a batch script: every rank inherits SLURM_PROCID=0; the MPI ranks must win
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "1", "PMI_SIZE": "2"}
-    assert dist._mpirun_inside_slurm(env)
-    assert dist._mpirun_inside_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "OMPI_COMM_WORLD_RANK": "0"})
+    assert dist.mpirun_inside_slurm(env)
+    assert dist.mpirun_inside_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "OMPI_COMM_WORLD_RANK": "0"})
 
 
 def test_launcher_rank_before_the_process_group_follows_discover():
@@ -163,7 +163,7 @@ def test_discover_under_mpirun(tmp_path):
     if not mpirun.exists():
         pytest.skip("no mpirun in the environment")
     script = tmp_path / "d.py"
-    script.write_text("import sys, pathlib\nfrom megamemo.train import dist\nd = dist.discover()\n"
+    script.write_text("import sys, pathlib\nfrom megamemo.runtime import dist\nd = dist.discover()\n"
                       "pathlib.Path(sys.argv[1], f'rank{d.rank}').write_text("
                       "f'{d.rank} {d.world_size} {d.local_rank} {d.master_addr} {d.master_port} {d.launcher}')\n")
     out = subprocess.run([str(mpirun), "-np", "2", sys.executable, str(script), str(tmp_path)], capture_output=True,

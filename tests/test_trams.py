@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from megamemo import trams
+from megamemo.model import trams
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
-from megamemo.trams import TramsConfig, key_scores, select_rows
+from megamemo.model.trams import TramsConfig, key_scores, select_rows
 
 from eval_fixtures import one_thread  # noqa: F401 (autouse fixture)
 

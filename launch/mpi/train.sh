@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `megamemo train ARGS...` as N MPI ranks under mpirun; each rank learns its rank/size from the MPI launcher
-# (PMI_RANK / OMPI_COMM_WORLD_RANK, then mpi4py: megamemo/train/dist.py), and torch.distributed runs over gloo
+# (PMI_RANK / OMPI_COMM_WORLD_RANK, then mpi4py: megamemo/runtime/dist.py), and torch.distributed runs over gloo
 # (CPU) or NCCL (GPU).
 #   launch/mpi/train.sh N --config configs/tiny-cpu.yaml [--run-dir DIR] [megamemo train args...]
 # Environment:

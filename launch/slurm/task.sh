@@ -1,7 +1,7 @@
 #!/bin/bash
 # One training task of launch/slurm/train.sbatch (srun starts one per GPU / per node): runs `megamemo train ARGS`
 # on the host or in MEGAMEMO_CONTAINER. Ranks come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, which
-# megamemo's rank discovery (megamemo/train/dist.py) maps itself; MASTER_ADDR/MASTER_PORT come from the batch
+# megamemo's rank discovery (megamemo/runtime/dist.py) maps itself; MASTER_ADDR/MASTER_PORT come from the batch
 # script.
 #
 # Signals. USR1 means "finish the step, save, exit 0". Python's default action for USR1 is to die, so a USR1

@@ -4,7 +4,7 @@ Layout (`root` is `<run_dir>/checkpoints`):
     root/step_00000200/
         rank_<r>.safetensors   rank r's pieces of the global tensors (pieces.py) and its rank-local tensors
         rank_<r>.json          rank r's JSON state, layout, and the size + sha256 of its other files (written last)
-        probe.safetensors      the conversion self-check (train/probe.py), from one rank
+        probe.safetensors      the conversion self-check (train/probe_record.py), from one rank
         COMMITTED              written last, by rank 0, atomically: step, layout, model config, and every file
                                with its size and sha256
 A directory without COMMITTED is an interrupted save: never loaded, removed at the next start. A committed one whose

@@ -6,7 +6,7 @@ offline command `megamemo harness`.
 
 CKPT is what `megamemo eval` takes (a single-device checkpoint, a run or checkpoint directory). Text is encoded with
 the checkpoint's vocabulary as `megamemo generate` encodes a prompt (bytes/chars: the UTF-8 bytes; words: whitespace
-words, <eos> closing each line). Every score goes through megamemo's evaluation loop (megamemo/evaluate.py,
+words, <eos> closing each line). Every score goes through megamemo's evaluation loop (megamemo/eval/evaluate.py,
 `evaluate`): segments of the training tgt_len, batch 1, memory carried from segment to segment, so
 `loglikelihood_rolling` of a document is megamemo's streaming evaluation of it: its first token is not predicted
 (no BOS exists in these vocabularies) and every later one is, once, with the memory of all before it (no
@@ -29,8 +29,8 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from megamemo.evaluate import evaluate, load_for_eval
-from megamemo.generate import encode_prompt, generate, vocab_for
+from megamemo.eval.evaluate import evaluate, load_for_eval
+from megamemo.eval.generate import encode_prompt, generate, vocab_for
 
 TASK = "megamemo_text"
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")

@@ -84,7 +84,7 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     from transformers import PreTrainedTokenizerFast
 
     from megamemo.checkpoint.state import file_digest
-    from megamemo.generate import vocab_for
+    from megamemo.eval.generate import vocab_for
 
     rec = meta.get("tokenizer") or {}
     if isinstance(rec, dict) and rec.get("file") and not data:
@@ -135,7 +135,7 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
     """-> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or directory."""
     from safetensors.torch import save_file
 
-    from megamemo.checkpoint import convert
+    from megamemo.interop import convert
     from megamemo.checkpoint.single import load_single
 
     ckpt, out = Path(ckpt), Path(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from megamemo.typed import build
+from megamemo.util.typed import build
 
 # variant -> (memory kind, attention kind)
 VARIANTS = {

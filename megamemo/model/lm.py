@@ -109,7 +109,7 @@ class MemTransformerLM(nn.Module):
                 attend=None, observe=None):
         """inp, tgt [L, B] token ids -> (nll [L, B] fp32, new memory). Without tgt: (log-probs [L, B, V], memory).
         mem_len / same_length / clamp_len override the config for this call (evaluation at other lengths).
-        Evaluation-time extras (megamemo/trams.py): attend(l, layer) may return a replacement for layer l's
+        Evaluation-time extras (megamemo/model/trams.py): attend(l, layer) may return a replacement for layer l's
         current-query attention, called as fn(q_cur, k, v, M, r, mask) -> (ctx, lse) in the attention functions'
         head-major layout (q_cur [n,B,L,dh], k, v [n,B,M+L,dh]; ctx [n,B,L,dh], lse [n,B,L]); observe(layer=l,
         kind=..., ...) is told LaMemo's memorizing coefficient ("alpha", [B,n,M]) of every layer."""

@@ -171,7 +171,7 @@ def _mcore_layers(tp, dtype):
     from megatron.core import tensor_parallel as mtp
     # Parameters are made on the CPU like every other parameter of the model (DeepSpeed moves the module to its
     # device): with use_cpu_initialization=False megatron would put them on torch.cuda.current_device(), a module
-    # of mixed devices that parallel/init.py's CPU generators cannot fill.
+    # of mixed devices that parallel/shard_init.py's CPU generators cannot fill.
     cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
                               perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)
     init = nn.init.zeros_  # weights are loaded from the single-device model right after
@@ -259,7 +259,7 @@ def mark_tensor_parallel(module, name_of=lambda n: n) -> None:
 
 def parallelize_tensor(model, load: bool = True, always: bool = False):
     """In place: the single-device model becomes this rank's tensor-parallel shard, holding the same weights
-    (load=False: the shard's parameters are left to be initialised - see parallel/init.py). A TP group of one
+    (load=False: the shard's parameters are left to be initialised - see parallel/shard_init.py). A TP group of one
     keeps the plain model unless `always` (the TP modules on one device, for tests)."""
     rank, tp = tp_rank_size()
     cfg = model.cfg

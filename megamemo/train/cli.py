@@ -13,7 +13,7 @@ import random
 import time
 from pathlib import Path
 
-from megamemo.config import ConfigError, RunConfig, load
+from megamemo.config.run import ConfigError, RunConfig, load
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -77,7 +77,7 @@ def build_model(cfg: RunConfig):
     so any layout starts from the same weights; "shard": each rank initialises only its own shard (for models too
     large to hold whole in every process's host memory); "auto": full up to 5e8 parameters."""
     from megamemo.model import MemTransformerLM
-    from megamemo.plan import embed_params, layer_params
+    from megamemo.model.params import embed_params, layer_params
 
     tp, pp, m = cfg.parallel.tp, cfg.parallel.pp, cfg.model
     n_params = sum(layer_params(m)) * m.n_layer + embed_params(m)
@@ -86,7 +86,7 @@ def build_model(cfg: RunConfig):
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         import torch.distributed as tdist
 
-        from megamemo.parallel.init import init_shard
+        from megamemo.parallel.shard_init import init_shard
         from megamemo.parallel.pipeline import build_pipeline, load_single_state, single_to_stage_names
 
         topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=tdist.get_world_size() // (tp * pp))
@@ -101,7 +101,7 @@ def build_model(cfg: RunConfig):
         return module, None, stage
     if tp > 1:
         from megamemo.parallel.groups import MCoreMPU
-        from megamemo.parallel.init import shard_model
+        from megamemo.parallel.shard_init import shard_model
         from megamemo.parallel.tensor import parallelize_tensor
 
         model = parallelize_tensor(MemTransformerLM(m)) if not shard else shard_model(m, cfg.train.seed)
@@ -114,9 +114,9 @@ def build_model(cfg: RunConfig):
 
 def build(cfg: RunConfig, log=print, stop=None):
     """Start the process group, take the run directory and build everything a run needs: (trainer, dist env)."""
-    from megamemo.train import dist
-    from megamemo.train.rundir import RunDirectory
-    from megamemo.train.signals import StopRequest
+    from megamemo.runtime import dist
+    from megamemo.runtime.rundir import RunDirectory
+    from megamemo.runtime.signals import StopRequest
 
     stop = stop or StopRequest()            # from the start: a signal during start-up stops after step one
     de = dist.init()
@@ -137,12 +137,12 @@ def build(cfg: RunConfig, log=print, stop=None):
 def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, stop, log):
     from megamemo.checkpoint.store import CheckpointStore
     from megamemo.model.flops import flops_per_token
-    from megamemo.peak import device_peak, format_flops
-    from megamemo.train import dist
+    from megamemo.runtime.peak import device_peak, format_flops
+    from megamemo.runtime import dist
     from megamemo.train.data import bytes_per_token, open_reader, unit_for
     from megamemo.train.engine import Engine
     from megamemo.train.loop import Trainer
-    from megamemo.train import rss
+    from megamemo.runtime import rss
     from megamemo.train.metrics import Metrics
     from megamemo.train.validate import Evaluator, PipelineEvaluator, eval_lengths
 
@@ -216,15 +216,15 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
 
 
 def main(argv: list[str]) -> int:
-    from megamemo.train.dist import launcher_rank_size
-    from megamemo.train.rundir import die_with_parent, leave_without_finalizing, peer_lost, report, tear_down
-    from megamemo.train.signals import StopRequest
+    from megamemo.runtime.dist import launcher_rank_size
+    from megamemo.runtime.rundir import die_with_parent, leave_without_finalizing, peer_lost, report, tear_down
+    from megamemo.runtime.signals import StopRequest
 
     stop = StopRequest()                    # first: a stop signal held since the process started is handled now
     die_with_parent()                       # a worker never outlives its launcher
     args = parse_args(argv)
-    # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/quiet.py)
-    from megamemo.train import device
+    # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/runtime/quiet.py)
+    from megamemo.runtime import device
 
     (rank, size), trainer, expected = launcher_rank_size(), None, anticipated_errors()
     world = size or 1
@@ -241,14 +241,14 @@ def main(argv: list[str]) -> int:
         if cfg.precision.dtype != "fp32":
             from megamemo.train.engine import check_precision
             check_precision(cfg.precision.dtype)
-        from megamemo.train import dist
+        from megamemo.runtime import dist
 
         t0 = time.time()
         trainer, de = build(cfg, stop=stop)
         rank, world, starting = de.rank, de.world_size, False
         outcome = trainer.run()
         trainer.metrics.close()
-        from megamemo.train import rss
+        from megamemo.runtime import rss
         rss.write(de.rank)
         if de.rank == 0:
             print(f"[train] {outcome} at step {trainer.step} ({time.time() - t0:.1f}s)", flush=True)
@@ -258,7 +258,9 @@ def main(argv: list[str]) -> int:
     except expected as e:
         # while starting every rank meets the same error (but its node's devices): rank 0 says it; in training it
         # is this rank's own
-        return report(e, rank, everyone=starting and not isinstance(e, device.DeviceError), world_size=world)
+        from megamemo.train.loop import DivergedError
+        return report(e, rank, everyone=starting and not isinstance(e, device.DeviceError), world_size=world,
+                      code=1 if isinstance(e, DivergedError) else 2)
     except RuntimeError as e:
         lost = peer_lost(e)
         if lost is None:
@@ -275,11 +277,11 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     """Errors megamemo explains in one line (bad config, data, shard, checkpoint, a locked run directory, a
     diverged run); anything else is a bug and shows its traceback."""
     from data_pipeline import ManifestError, ShardError
-    from megamemo.checkpoint.lock import RunLockedError
+    from megamemo.runtime.lock import RunLockedError
     from megamemo.checkpoint.pieces import PieceError
     from megamemo.checkpoint.store import CheckpointError
     from megamemo.train.data import DataError
-    from megamemo.train.device import DeviceError
+    from megamemo.runtime.device import DeviceError
     from megamemo.train.loop import DivergedError
 
     return (ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError, ManifestError,

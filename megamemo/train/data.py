@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megamemo.config import RunConfig
+from megamemo.config.run import RunConfig
 
 
 class DataError(ValueError):

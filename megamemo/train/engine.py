@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from megamemo.config import ConfigError, RunConfig
+from megamemo.config.run import ConfigError, RunConfig
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:

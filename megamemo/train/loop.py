@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
 from megamemo.checkpoint.store import CheckpointStore
-from megamemo.config import RunConfig
+from megamemo.config.run import RunConfig
 from megamemo.model import Memory
 from megamemo.train.metrics import Metrics
 from megamemo.train.resumable import DataCursor, EngineState, MemoryState
-from megamemo.train.signals import StopRequest
+from megamemo.runtime.signals import StopRequest
 
 
 
@@ -99,7 +99,7 @@ class Trainer:
         self.registry.register("counters", self.counters)
         self._held = None           # a batch whose step was skipped: retried next
         self.started = False        # a step was applied in this process (errors are then this rank's own)
-        self.rundir = None          # the run directory's lock holder (train/rundir.py), set by build()
+        self.rundir = None          # the run directory's lock holder (runtime/rundir.py), set by build()
         self._consecutive_skips = 0
         self._scale_before = engine.loss_scale()
 
@@ -228,8 +228,8 @@ class Trainer:
         if self.store is None:
             return None
         files = {}
-        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe.py)
-            from megamemo.train.probe import record_probe
+        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe_record.py)
+            from megamemo.train.probe_record import record_probe
             files = record_probe(self)
         return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
 

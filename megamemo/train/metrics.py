@@ -10,7 +10,7 @@ On resume from step S the file keeps only what happened up to S, so it reads lik
 
 Throughput: tokens_per_s counts every rank's tokens over the window since the last log line;
 model_flops_per_s = tokens_per_s x the model's analytic training FLOPs per token (megamemo/model/flops.py), the
-total over all ranks; mfu = model_flops_per_s / (world size x the device's peak, megamemo/peak.py), null where
+total over all ranks; mfu = model_flops_per_s / (world size x the device's peak, megamemo/runtime/peak.py), null where
 the peak is unknown (CPU).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from data_pipeline.vocab import bits_per_byte
-from megamemo.peak import format_flops
+from megamemo.runtime.peak import format_flops
 
 LN2 = math.log(2.0)
 

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megamemo.config import RunConfig
+from megamemo.config.run import RunConfig
 
 
 def eval_lengths(cfg: RunConfig) -> dict:

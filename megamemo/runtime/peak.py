@@ -81,7 +81,7 @@ def device_peak(device, precision: str, environ=None) -> Peak:
     """The peak of the device a run uses (a torch.device or its string) at the run's precision."""
     env = os.environ if environ is None else environ
     if env.get(ENV):
-        from megamemo.config import ConfigError
+        from megamemo.config.run import ConfigError
 
         try:
             tflops = float(env[ENV])
@@ -99,7 +99,7 @@ def device_peak(device, precision: str, environ=None) -> Peak:
     dtype = matmul_dtype(precision, torch.get_float32_matmul_precision())
     flops = peak_flops(name, dtype)
     if flops is None:
-        why = "not in megamemo/peak.py" if table_row(name) is None else f"no {dtype} figure"
+        why = "not in megamemo/runtime/peak.py" if table_row(name) is None else f"no {dtype} figure"
         return Peak(None, f"n/a ({name}: {why}; set {ENV})")
     return Peak(flops, f"{flops / 1e12:g} TFLOP/s ({name} as {table_row(name)}, {dtype}, datasheet)")
 

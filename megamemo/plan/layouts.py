@@ -5,7 +5,7 @@
     megamemo plan --config configs/rehearsal-1.3b-width.yaml --nodes 1 --gpus-per-node 4 --device cpu \
         --host-mem-gib 24 --tp 2 --pp 2          # CPU processes sharing the node's memory
     megamemo plan --config configs/lamemo-7b.yaml --nodes 8 --gpus-per-node 8 --gpu a100-80g   # no --tp/--pp:
-                                                 # also the layouts that fit, best first (megamemo/recommend.py)
+                                                 # also the layouts that fit, best first (megamemo/plan/recommend.py)
 
 Counts are analytic (from the model config, not from building the model), one column per pipeline stage: a stage
 holds its layers (n_layer / pp, the first ones one more when it does not divide) and the shared position biases;
@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+
+from megamemo.model.params import bias_params, input_params, layer_params, output_params, total_params
 
 GPUS = {"v100-16g": 16, "v100-32g": 32, "a100-40g": 40, "a100-80g": 80, "h100-80g": 80}
 GiB = 1024 ** 3
@@ -68,58 +70,6 @@ class Plan:
     @property
     def fits(self):
         return self.total <= HEADROOM * self.capacity
-
-
-def layer_params(m) -> tuple[int, int]:
-    """(parameters split by tensor parallelism, replicated parameters) of one layer."""
-    d, nd, f = m.d_model, m.n_head * m.d_head, m.d_inner
-    split = 3 * d * nd + d * nd + nd * d + d * f + f + f * d
-    return split, d + 4 * d  # fc2 bias, two layer norms
-
-
-def _cluster_dims(m) -> tuple[list[int], list[int]]:
-    """(vocabulary rows, embedding width) of each adaptive cluster; one cluster of all tokens for div_val 1."""
-    bounds = [0, *m.cutoffs, m.n_token]
-    if m.div_val == 1:
-        return [m.n_token], [m.embed_dim]
-    return [hi - lo for lo, hi in zip(bounds, bounds[1:])], [m.embed_dim // m.div_val ** i
-                                                            for i in range(len(bounds) - 1)]
-
-
-def input_params(m) -> int:
-    """The input embedding: its tables and, where their width is not d_model, their projections."""
-    rows, dims = _cluster_dims(m)
-    return sum(r * w + (m.d_model * w if w != m.d_model or m.div_val > 1 else 0) for r, w in zip(rows, dims))
-
-
-def output_params(m) -> int:
-    """What the softmax holds beyond the (tied) embedding: untied tables and projections, the output bias and the
-    tail clusters' head weights and biases."""
-    rows, dims = _cluster_dims(m)
-    n_parts = len(m.cutoffs) + 1
-    tie = list(m.tie_projs) + [m.tie_projs[-1] if m.tie_projs else False] * n_parts
-    own = 0 if m.tie_weight else sum(r * w for r, w in zip(rows, dims))
-    projs = 0
-    for i in range(n_parts):
-        w = dims[i] if m.div_val > 1 else dims[0]
-        if not (m.div_val == 1 and m.d_model == m.embed_dim) and not tie[i]:
-            projs += m.d_model * w
-    return own + projs + m.n_token + len(m.cutoffs) * (m.embed_dim + 1)
-
-
-def embed_params(m) -> int:
-    """Everything outside the layers but the position biases: the input embedding and the softmax's own."""
-    return input_params(m) + output_params(m)
-
-
-def bias_params(m) -> int:
-    """The position biases u, v+ (and LaMemo's v-) shared by all layers."""
-    return (3 if m.future_bias else 2) * m.n_head * m.d_head
-
-
-def total_params(m) -> int:
-    split, repl = layer_params(m)
-    return m.n_layer * (split + repl) + embed_params(m) + bias_params(m)
 
 
 def stage_layers(n_layer: int, pp: int, stage: int) -> int:
@@ -214,7 +164,7 @@ def _capacity(args) -> tuple[float, str]:
 
 
 def main(argv: list[str]) -> int:
-    from megamemo.config import ConfigError, load
+    from megamemo.config.run import ConfigError, load
 
     ap = argparse.ArgumentParser(prog="megamemo plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -241,8 +191,8 @@ def main(argv: list[str]) -> int:
         if v is not None and v < 1:
             print(f"megamemo plan: {flag} must be at least 1 (got {v})", file=sys.stderr)
             return 2
-    from megamemo import recommend as rec
-    from megamemo.steptime import explain, step_time
+    from megamemo.plan import recommend as rec
+    from megamemo.plan.steptime import explain, step_time
     if args.device == "gpu" and args.gpu not in GPUS:
         import difflib
         near = difflib.get_close_matches(args.gpu, GPUS, n=1)
@@ -309,7 +259,7 @@ def main(argv: list[str]) -> int:
     if runs:
         st = step_time(cfg, world, kind, args.gpus_per_node, plan)
         print(f"   predicted step {st.seconds * 1e3:.1f} ms: {st.tokens_per_s_per_device:,.1f} tokens/s per device, "
-              f"MFU {st.mfu:.1%}, dominant: {st.dominant} ({kind}; megamemo/steptime.py)")
+              f"MFU {st.mfu:.1%}, dominant: {st.dominant} ({kind}; megamemo/plan/steptime.py)")
     if not ok and given:
         print(f"megamemo plan: {p.layout} needs {top.total / GiB:.1f} GiB on a rank of stage {top.stage} (of "
               f"{p.capacity / GiB:.1f}); " + rec.nearest_words(cfg, args.nodes, args.gpus_per_node, gib, args.device,

@@ -10,7 +10,7 @@ What is filtered, and why it is safe to:
   - DeepSpeed ZeRO's FutureWarning for torch's deprecated all_gather_into_tensor name, every step.
 Python's own switches win: with `python -W ...` or PYTHONWARNINGS set, no warning filter is installed.
 
-Ranks: only rank 0 (RANK / SLURM_PROCID / the MPI launcher's rank, as megamemo/train/dist.py reads them) shows
+Ranks: only rank 0 (RANK / SLURM_PROCID / the MPI launcher's rank, as megamemo/runtime/dist.py reads them) shows
 warnings and DeepSpeed's / megatron-core's log records below ERROR; the other ranks print only errors (their
 tracebacks and "error:" lines are untouched). MEGAMEMO_LOG_ALL_RANKS=1 shows every rank's output.
 """
@@ -46,15 +46,15 @@ def user_set_warnings(environ=None) -> bool:
 
 def launcher_rank(environ=None) -> int:
     """This process's global rank as its launcher set it (0 without one), without importing torch or MPI."""
-    from megamemo.train.dist import _mpi_rank, _mpirun_inside_slurm
+    from megamemo.runtime.dist import mpi_rank, mpirun_inside_slurm
 
     env = os.environ if environ is None else environ
     try:
         if "RANK" in env:
             return int(env["RANK"])
-        if "SLURM_PROCID" in env and not _mpirun_inside_slurm(env):
+        if "SLURM_PROCID" in env and not mpirun_inside_slurm(env):
             return int(env["SLURM_PROCID"])
-        mpi = _mpi_rank(env)
+        mpi = mpi_rank(env)
         return mpi[0] if mpi else 0
     except ValueError:
         return 0

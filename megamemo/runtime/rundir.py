@@ -1,4 +1,4 @@
-"""The run directory as one trainer holds it: locked for the run (megamemo/checkpoint/lock.py), and left as it was
+"""The run directory as one trainer holds it: locked for the run (megamemo/runtime/lock.py), and left as it was
 found when a start fails before its first step (its config.yaml, metrics.jsonl and tb/ appear with the first step:
 train/metrics.py); the process tied to its launcher; anticipated errors reported in one line.
 """
@@ -11,7 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from megamemo.checkpoint.lock import RunLock, RunLockedError
+from megamemo.runtime.lock import RunLock, RunLockedError
 
 
 def die_with_parent() -> None:
@@ -36,17 +36,16 @@ _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL com
                         r"remote worker crashing|Socket Timeout|timed out", re.I)
 
 
-def report(error: BaseException, rank: int, everyone: bool, world_size: int = 1) -> int:
+def report(error: BaseException, rank: int, everyone: bool, world_size: int = 1, code: int = 2) -> int:
     """One line for an anticipated error (no traceback unless MEGAMEMO_DEBUG=1); `everyone`: every rank met the same
-    error (config, data, checkpoint choice), so rank 0 alone says it. -> the exit code."""
-    from megamemo.train.loop import DivergedError
-
+    error (config, data, checkpoint choice), so rank 0 alone says it. -> `code`, the exit code (the trainer gives 1
+    for a diverged run, 2 for the rest)."""
     if os.environ.get("MEGAMEMO_DEBUG") == "1":
         traceback.print_exception(error)
     if not everyone or rank == 0:
         where = f"rank {rank}: " if not everyone and world_size > 1 else ""
         print(f"megamemo train: error: {where}{error}", file=sys.stderr, flush=True)
-    return 1 if isinstance(error, DivergedError) else 2
+    return code
 
 
 def peer_lost(error: BaseException) -> int | None:

@@ -1,5 +1,5 @@
 """Predicted time of one training step for a layout (tp, pp, dp, ZeRO stage, micro-batch x grad_accum), beside
-plan.py's memory: what `megamemo plan` ranks layouts by (tokens/s per device) and what `--explain` prints.
+layouts.py's memory: what `megamemo plan` ranks layouts by (tokens/s per device) and what `--explain` prints.
 
 Terms, per rank of the slowest pipeline stage (every term below is exposed: nothing overlaps unless it says so):
   compute       model FLOPs (model/flops.py) of the rank's share - its stage's layers (+ the output layer on the
@@ -9,7 +9,7 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 Device.layer_gemm, bench/calibrate_cpu.py's layer_gemm_rate), that rate replaces peak x efficiency:
                 a width alone misses what a layer's 16-64 MiB weights cost a CPU core against narrow cached ones
                 (measured here: 45 against 79 GFLOP/s at 64 rows).
-  elementwise   softmax, norms, activations, dropout: ELEMENTWISE_PASSES passes over the activation bytes plan.py
+  elementwise   softmax, norms, activations, dropout: ELEMENTWISE_PASSES passes over the activation bytes layouts.py
                 counts for one micro-batch, at the device's memory bandwidth.
   tp_comm       per layer and micro-batch 4 all-reduces of the [rows, B, d_model] activations (2 forward, 2
                 backward; bench/comm.py) + TP_EXTRA_ALLREDUCES for the vocab-parallel embedding and cross-entropy,
@@ -51,7 +51,7 @@ stay inside a node: recommend.why_not).
 
 DEVICES is the calibration table, one row per device kind, with its source. The CPU row is measured on this
 machine (bench/calibrate_cpu.py); the GPU rows take peak FLOP/s and memory bandwidth from NVIDIA's datasheets
-(megamemo/peak.py), GEMM efficiency by width from published measurements where they exist and otherwise are
+(megamemo/runtime/peak.py), GEMM efficiency by width from published measurements where they exist and otherwise are
 stated assumptions (see GPU_EFFICIENCY), never measured here: no GPU was available to this work.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, field
 
 from megamemo.model.flops import forward_flops, step_flops
-from megamemo.peak import PEAK_TFLOPS
+from megamemo.runtime.peak import PEAK_TFLOPS
 
 ELEMENTWISE_PASSES = 4      # activation bytes: written forward, read backward, their gradient written and read
 TP_EXTRA_ALLREDUCES = 3     # per micro-batch: vocab-parallel embedding (fwd) and cross-entropy (max, sum)
@@ -306,7 +306,7 @@ def gemm_width(m, tp: int, micro: int) -> int:
 
 def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     """The predicted step of cfg's layout on `world` devices of `kind` (a DEVICES key or a Device; gpus_per_node
-    per node). plan_fn is megamemo.plan.plan (passed in: plan.py's command imports this module), whose per-stage
+    per node). plan_fn is megamemo.plan.layouts.plan (passed in: layouts.py's command imports this module), whose per-stage
     plans give each stage's layers, parameters and activations."""
     dev = kind if isinstance(kind, Device) else device(kind)
     m, par = cfg.model, cfg.parallel

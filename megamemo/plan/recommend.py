@@ -1,5 +1,5 @@
 """`megamemo plan` without --tp/--pp: the layouts (tp, pp, dp, ZeRO stage, micro-batch) that fit a cluster, best
-first by predicted tokens/s per device (megamemo/steptime.py: compute at the GEMM width the layout leaves, TP
+first by predicted tokens/s per device (megamemo/plan/steptime.py: compute at the GEMM width the layout leaves, TP
 all-reduces, the pipeline bubble and sends, DP gradient reduction, ZeRO's gather, the optimizer), and why every
 other layout fails. Each layout takes the micro-batch size, of those that fit, with the most predicted tokens/s
 (at least pp micro-batches under a pipeline). nearest() finds the layout that runs closest to one that does not,
@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from megamemo.steptime import StepTime, device, step_time
+from megamemo.plan.steptime import StepTime, device, step_time
 
 
 class Fit(NamedTuple):
@@ -139,7 +139,7 @@ def check_device(cfg, kind: str) -> None:
 
 def layout_problem(cfg, world: int, gpn: int) -> str | None:
     """Why cfg's own layout (parallel.tp / pp / zero_stage) cannot run on `world` devices, `gpn` a node, or None."""
-    from megamemo.config import ConfigError
+    from megamemo.config.run import ConfigError
 
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if world % (tp * pp):
@@ -173,7 +173,7 @@ def no_fit_line(cfg, nodes, gpn, gib, device, gpu, plan_fn, fails) -> str:
 def print_recommendations(cfg, nodes, gpn, gib, device, gpu, plan_fn, show=8, fits_fails=None) -> None:
     fits, fails = fits_fails or recommend(cfg, nodes, gpn, gib, device, gpu, plan_fn)
     print(f"layouts that fit on {nodes} x {gpn} {'CPU processes' if device == 'cpu' else gpu}, best first by "
-          f"predicted tokens/s per device (megamemo/steptime.py):")
+          f"predicted tokens/s per device (megamemo/plan/steptime.py):")
     print(f"  {'layout':<50} {'GiB/rank':>8} {'step ms':>9} {'tok/s/dev':>10} {'MFU':>6}  dominant")
     for f in fits[:show]:
         st = f.step

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from megamemo.typed import build
+from megamemo.util.typed import build
 
 
 class ConfigError(ValueError):
@@ -100,7 +100,7 @@ class TrainConfig:
     # 30 s); on the same host a lock is dead when its process is gone
     lock_stale_s: float = 600.0
     # Bit-exact runs on CUDA: torch's deterministic kernels, CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO=Ring and no NVLS
-    # (train/device.py). Slower; CPU runs are deterministic without it.
+    # (runtime/device.py). Slower; CPU runs are deterministic without it.
     deterministic: bool = False
     # Recompute each layer's activations in the backward pass instead of keeping them (less memory, about one
     # more forward of compute). Without a pipeline torch.utils.checkpoint wraps every layer; with one, DeepSpeed's

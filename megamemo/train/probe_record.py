@@ -1,5 +1,5 @@
 """The probe a training run records with each checkpoint, so that a conversion can check itself (the reading and
-checking side: megamemo/checkpoint/probe.py).
+checking side: megamemo/checkpoint/probe_replay.py).
 
 At a save every rank runs, in eval mode and without gradients, its first P streams (P = 2, or 1 when a micro-batch
 has an odd number of streams) over the next 3 segments of their own text, starting from the memory the
@@ -23,7 +23,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from megamemo.checkpoint.probe import PROBE_FILE, SEGMENTS
+from megamemo.checkpoint.probe_replay import PROBE_FILE, SEGMENTS
 
 
 def probe_streams(micro_batch: int) -> int:

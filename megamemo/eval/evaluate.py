@@ -18,7 +18,7 @@ Defaults are the checkpoint's training lengths and batch 10 (the Transformer-XL 
 depends on B because the first token of every column is never predicted.
 
 TRAMS: --mem-len is the pool (the cache), the current tokens attend to the newest --trams-recent rows plus the
---trams-topk best older rows (see megamemo/trams.py). The TRAMS paper's setting is mem 400, topk 50, recent 150.
+--trams-topk best older rows (see megamemo/model/trams.py). The TRAMS paper's setting is mem 400, topk 50, recent 150.
 
 --mem-ratios runs the memory extrapolation sweep (the LaMemo paper's Figure 5): at the fixed --tgt-len, mem_len =
 ratio x base (--ratio-base, default the checkpoint's training mem_len), one evaluation per ratio and checkpoint;
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from megamemo.trams import METRICS, TramsConfig
-from megamemo.trams import forward as trams_forward
+from megamemo.model.trams import METRICS, TramsConfig
+from megamemo.model.trams import forward as trams_forward
 
 LN2 = math.log(2.0)
 
@@ -89,7 +89,7 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
     on_segment(nll [L, B], hit [L, B] bool): told each segment's per-token NLL and whether each target was the
     most likely token (the harness's loglikelihood; without TRAMS).
     -> {"nll", "tokens", "segments", "seconds"[, "bytes", "bits_per_byte"]}."""
-    from megamemo.progress import Progress
+    from megamemo.util.progress import Progress
 
     if trams is not None and on_segment is not None:
         raise ValueError("on_segment is not available with TRAMS")
@@ -205,7 +205,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_for_eval(path, device, dtype: str = "checkpoint"):
-    from megamemo.checkpoint.convert import load_model
+    from megamemo.interop.convert import load_model
 
     model, meta = load_model(path)
     if dtype != "checkpoint":

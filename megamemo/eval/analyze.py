@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from megamemo.trams import forward as inspect_forward
+from megamemo.model.trams import forward as inspect_forward
 
 
 class Recorder:
-    """Observer for megamemo.trams.forward: accumulates attention-by-distance and alpha for full-memory segments."""
+    """Observer for megamemo.model.trams.forward: accumulates attention-by-distance and alpha for full-memory segments."""
 
     def __init__(self, n_layer: int, tgt_len: int, mem_len: int):
         self.n_layer, self.L, self.M = n_layer, tgt_len, mem_len
@@ -167,9 +167,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     from data_pipeline import ManifestError, ShardError
-    from megamemo.checkpoint.convert import load_model
+    from megamemo.interop.convert import load_model
     from megamemo.checkpoint.single import SingleCheckpointError
-    from megamemo.evaluate import open_batches
+    from megamemo.eval.evaluate import open_batches
 
     results = []
     try:

@@ -1,4 +1,4 @@
-"""The conversion self-check: a checkpoint's probe (recorded by train/probe.py) read back and replayed on a
+"""The conversion self-check: a checkpoint's probe (recorded by train/probe_record.py) read back and replayed on a
 single-device model.
 
 A probe is the first P streams' next SEGMENTS segments and the per-token NLL the sharded model computed for them

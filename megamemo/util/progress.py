@@ -1,6 +1,6 @@
 """Progress of a long command: a tqdm bar on a terminal, plain periodic lines otherwise (logs, pipes, Slurm).
 
-    from megamemo.progress import Progress
+    from megamemo.util.progress import Progress
 
     with Progress("[eval]", total=n_segments, unit="segment", every=10.0, log=print,
                   line=lambda p: f"[eval] segment {p.n}/{p.total}: {p.info['tokens']:,} tokens") as p:

@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 
 from megamemo.checkpoint.pieces import PieceError, ShardedReader
-from megamemo.checkpoint.probe import ProbeError, check_probe, read_probe
+from megamemo.checkpoint.probe_replay import ProbeError, check_probe, read_probe
 from megamemo.checkpoint.single import (FORMAT, SingleCheckpointError, load_single, model_from_state_dict,
                                         read_config, write_config, write_streaming)
 from megamemo.checkpoint.state import rank_files
 from megamemo.checkpoint.store import MARKER, CheckpointError, newest_complete, step_of, tag_for, verify
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
-from megamemo.progress import Progress
+from megamemo.util.progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

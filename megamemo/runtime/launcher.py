@@ -1,4 +1,4 @@
-"""N local training processes: what `launch/local.sh N ARGS...` runs (`python -m megamemo.launcher N ARGS...`).
+"""N local training processes: what `launch/local.sh N ARGS...` runs (`python -m megamemo.runtime.launcher N ARGS...`).
 
 Why not torchrun (which this replaced): its agent starts every worker in a session of its own, so a signal sent to
 the launcher's process group never reaches them and a `kill -9` of the launcher leaves them training; SIGTERM to it
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from megamemo.train.dist import free_port
+from megamemo.runtime.dist import free_port
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
@@ -124,7 +124,7 @@ def _describe(rc: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
-        print("usage: python -m megamemo.launcher N [megamemo train args...]   (N: number of processes)",
+        print("usage: python -m megamemo.runtime.launcher N [megamemo train args...]   (N: number of processes)",
               file=sys.stderr)
         return 2
     n, args = int(argv[0]), argv[1:]

@@ -5,11 +5,11 @@ One process per device. The launcher is recognised from its environment:
   - srun: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; MASTER_ADDR is the first host of the job's node list
     (`scontrol show hostnames`), MASTER_PORT derived from the job id (DeepSpeed does not map SLURM_* itself);
   - mpirun (Open MPI, MPICH, Intel MPI): ranks from mpi4py; rank 0 broadcasts its host and a free port. An
-    mpirun inside an sbatch script also inherits SLURM_*; the MPI ranks win there (see _mpirun_inside_slurm);
+    mpirun inside an sbatch script also inherits SLURM_*; the MPI ranks win there (see mpirun_inside_slurm);
   - nothing: one process.
 The mapping is written back into os.environ (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which is
 what torch.distributed's env:// initialisation and DeepSpeed read. gloo on CPU, NCCL on GPU; which one, and which
-GPU, is decided by megamemo/train/device.py (a GPU job without a usable GPU stops with a one-line error).
+GPU, is decided by megamemo/runtime/device.py (a GPU job without a usable GPU stops with a one-line error).
 """
 from __future__ import annotations
 
@@ -83,13 +83,13 @@ def discover(environ: dict | None = None) -> DistEnv:
         return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(local),
                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")), "env",
                        int(lw) if lw else None)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and not _mpirun_inside_slurm(env):
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and not mpirun_inside_slurm(env):
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         addr = env.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
         port = int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0")))
         return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")),
                        addr, port, "slurm", slurm_tasks_on_node(env))
-    if _mpi_rank(env) is not None:
+    if mpi_rank(env) is not None:
         return _discover_mpi(env)
     return DistEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT") or free_port()),
                    "single")
@@ -101,9 +101,9 @@ def launcher_rank_size(environ: dict | None = None) -> tuple[int, int | None]:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and not _mpirun_inside_slurm(env):
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and not mpirun_inside_slurm(env):
         return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-    return _mpi_rank(env) or (0, 1)
+    return mpi_rank(env) or (0, 1)
 
 
 def slurm_tasks_on_node(env) -> int | None:
@@ -122,7 +122,7 @@ def slurm_tasks_on_node(env) -> int | None:
     return counts[node] if node < len(counts) else None
 
 
-def _mpi_rank(env) -> tuple[int, int | None] | None:
+def mpi_rank(env) -> tuple[int, int | None] | None:
     """(rank, size or None) as an MPI launcher (mpirun/mpiexec, or srun's PMI plugins) put them in the environment."""
     for rank_key, size_key in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
                                ("PMIX_RANK", None)):
@@ -132,13 +132,13 @@ def _mpi_rank(env) -> tuple[int, int | None] | None:
     return None
 
 
-def _mpirun_inside_slurm(env) -> bool:
+def mpirun_inside_slurm(env) -> bool:
     """True when an MPI launcher started this process inside a Slurm allocation (mpirun in an sbatch script):
     then SLURM_PROCID/SLURM_NTASKS describe the batch step or mpirun's proxies, not our ranks. Under srun with a
     PMI plugin the two agree, and the Slurm mapping is used (no MPI initialisation needed)."""
     if "OMPI_COMM_WORLD_RANK" in env:
         return True
-    mpi = _mpi_rank(env)
+    mpi = mpi_rank(env)
     if mpi is None:
         return False
     rank, size = mpi
@@ -174,7 +174,7 @@ def init(timeout_s: int = 600) -> DistEnv:
     DeepSpeed (gloo or NCCL)."""
     import torch
 
-    from megamemo.train import device
+    from megamemo.runtime import device
 
     de = discover()
     de.export()

@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     from data_pipeline import ManifestError
-    from megamemo.checkpoint.convert import load_model
+    from megamemo.interop.convert import load_model
     from megamemo.checkpoint.single import SingleCheckpointError
 
     try:

@@ -1,0 +1,2 @@
+"""Using a trained model inside megamemo: `megamemo eval` (evaluate.py, TRAMS selection included), `generate`,
+`analyze` (memorizing coefficient, attention by distance) and `plot` (training curves of runs)."""
