@@ -192,7 +192,7 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
         t1 = time.perf_counter()
         engine.backward(engine.forward(x).square().mean())
         t2 = time.perf_counter()
-        engine.step()
+        engine.micro_step()
         t3 = time.perf_counter()
         dist.barrier()
         t4 = time.perf_counter()

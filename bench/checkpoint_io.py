@@ -99,12 +99,12 @@ def verify_vs_load(step_dir: Path) -> tuple[float, float, int]:
     import torch
     from safetensors import safe_open
 
-    from megamemo.checkpoint.state import file_digest
+    from megamemo.util.files import file_sha256
 
     files = sorted(step_dir.glob("rank_*.safetensors"))
     t0 = time.perf_counter()
     for f in files:
-        file_digest(f)
+        file_sha256(f)
     t1 = time.perf_counter()
     for f in files:
         with safe_open(str(f), "pt") as st:

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
+from megamemo.util.files import write_bytes_atomic
+
 from .shards import MANIFEST, ManifestError, ShardError, _parse_size, load_manifest
 
 SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "https": None, "http": None}   # scheme -> pip extra
@@ -133,18 +135,6 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _filesystem(url: str):
     scheme = urlsplit(url).scheme
     parts = urlsplit(url)
@@ -220,7 +210,7 @@ class RemoteShards:
         except PermissionError as e:
             raise ManifestError(f"{man}: access denied ({_one_line(e)}); credentials come from the storage "
                                 f"library's standard environment/config") from None
-        _atomic_bytes(self.meta_dir / MANIFEST, data)
+        write_bytes_atomic(self.meta_dir / MANIFEST, data, durable=False)
         try:
             m = load_manifest(self.meta_dir)
             vocab = m["vocab"]["file"]
@@ -236,7 +226,7 @@ class RemoteShards:
         sha = m["vocab"].get("sha256")
         if sha and hashlib.sha256(vdata).hexdigest() != sha:
             raise ManifestError(f"{self.object_url(vocab)}: sha256 does not match manifest.json field vocab.sha256")
-        _atomic_bytes(self.meta_dir / vocab, vdata)
+        write_bytes_atomic(self.meta_dir / vocab, vdata, durable=False)
         return m
 
     def check_listing(self, entries: list[dict]) -> None:

@@ -5,7 +5,6 @@ shard and the byte or token offset."""
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 import time
@@ -15,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 import zstandard
+
+from megamemo.util.files import fd_sha256, file_sha256
 
 from .doc_index import DocumentIndexError, parse as parse_document_index
 from .remote import RemoteOptions, RemoteShards, is_remote
@@ -139,22 +140,6 @@ class ShardFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fd_sha256(fd: int) -> str:
-    h, pos = hashlib.sha256(), 0
-    while block := os.pread(fd, 1 << 22, pos):
-        h.update(block)
-        pos += len(block)
-    return h.hexdigest()
 
 
 class SplitSource:

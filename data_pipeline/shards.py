@@ -22,11 +22,11 @@ import webdataset as wds
 import zstandard
 
 from megamemo.util.progress import Progress
+from megamemo.util.files import write_text_atomic
 
 from .corpora import Corpus
 from .doc_index import DocumentStartsWriter, check_entry
 from .tokenizer import KIND as SUBWORD
-from .vocab import Vocab
 
 FORMAT = "megamemo-shards"
 FORMAT_VERSION = 1
@@ -248,9 +248,7 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
         "source": corpus.source,
         "splits": splits,
     }
-    tmp = out / f".{MANIFEST}.partial"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, old)
+    write_text_atomic(old, json.dumps(manifest, indent=1) + "\n")
     log(f"[prepare] done in {time.time() - t_start:.1f}s: {out / MANIFEST}")
     return manifest
 

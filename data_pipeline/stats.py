@@ -19,7 +19,9 @@ import numpy as np
 
 from .shard_reader import load_vocab, read_split
 from .shards import load_manifest
-from .vocab import bits_per_byte, per_token
+from megamemo.util.units import bits_per_byte
+
+from .vocab import per_token
 
 
 def _counts(ids, n_symbols: int) -> np.ndarray:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from collections import deque
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np

@@ -12,12 +12,12 @@ decreasing count, ties in order of first occurrence (``Counter.most_common`` is 
 """
 from __future__ import annotations
 
-import hashlib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from megamemo.util.files import bytes_sha256
 
 KINDS = ("bytes", "chars", "words")
 
@@ -37,13 +37,6 @@ def per_token(kind: str | None) -> bool:
 def unit_of(kind: str | None) -> str:
     """The headline unit of a tokenizer kind: "ppl" (per-token perplexity) or "bpc" (bits per character)."""
     return "ppl" if per_token(kind) else "bpc"
-
-
-def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
-    """Total NLL (nats, summed over the scored tokens) in bits over the UTF-8 bytes of the text those tokens
-    stand for: the unit lm-evaluation-harness reports, comparable across tokenizers."""
-    return nll_nats / math.log(2.0) / n_bytes if n_bytes > 0 else float("nan")
-TEXT8_ALPHABET = "_abcdefghijklmnopqrstuvwxyz"  # '_' is the space, as in prep_text8.py
 
 
 def frequency_order(counts: dict, first_seen: dict | None = None) -> list:
@@ -107,7 +100,7 @@ class Vocab:
         """Write the vocabulary; returns the sha256 of the file."""
         data = "".join(s + "\n" for s in self.symbols).encode("utf-8")
         Path(path).write_bytes(data)
-        return hashlib.sha256(data).hexdigest()
+        return bytes_sha256(data)
 
     # ---- properties ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -125,10 +118,6 @@ class Vocab:
     @property
     def unk_id(self) -> int | None:
         return self.sym2idx.get("<unk>")
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.sym2idx.get("<eos>")
 
     # ---- byte-level kinds ---------------------------------------------------------------------------
     def symbol_byte(self, sym: str) -> int:

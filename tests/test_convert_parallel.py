@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megamemo.interop import convert
-from megamemo.checkpoint.state import file_digest
+from megamemo.util.files import file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run
 
@@ -174,7 +174,7 @@ def _recommit(step):
     marker = json.loads((step / "COMMITTED").read_text())
     for rel in marker["files"]:
         p = step / rel
-        marker["files"][rel] = {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+        marker["files"][rel] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
     (step / "COMMITTED").write_text(json.dumps(marker))
 
 

@@ -203,7 +203,7 @@ def test_bad_document_in_a_worker_is_one_line_and_leaves_nothing(tmp_path, capsy
 def test_bits_per_byte_by_hand():
     import torch
 
-    from data_pipeline.vocab import bits_per_byte
+    from megamemo.util.units import bits_per_byte
     from megamemo.eval.evaluate import evaluate
     from megamemo.train.metrics import Metrics
 

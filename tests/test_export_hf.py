@@ -120,7 +120,7 @@ def exported(run_dir, shards, tmp_path_factory):
     for name, (ck, m, vocab, job) in cases.items():
         prompt = list(PROMPT) if vocab.kind == "bytes" else job["tokens"][:25]
         if vocab.kind == "words":
-            prompt = [t for t in prompt if t != vocab.eos_id]       # a prompt file's words: <eos> only at line ends
+            prompt = [t for t in prompt if t != vocab.sym2idx.get("<eos>")]       # a prompt file's words: <eos> only at line ends
         jobs.append({**{k: v for k, v in job.items() if k != "ref_nll"}, "segment": m.cfg.tgt_len, "prompt": prompt,
                      "new": 40, "text": TEXTS[vocab.kind]})
     results = isolated(jobs, tmp)
@@ -263,14 +263,14 @@ def test_a_recorded_subword_tokenizer_is_copied_and_checked(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from megamemo.checkpoint.state import file_digest
+    from megamemo.util.files import file_sha256
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([PROMPT.decode() * 20], trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
     src = tmp_path / "tokenizer.json"
     tok.save(str(src))
-    rec = {"kind": "bpe", "vocab_size": tok.get_vocab_size(), "file": "tokenizer.json", "sha256": file_digest(src)}
+    rec = {"kind": "bpe", "vocab_size": tok.get_vocab_size(), "file": "tokenizer.json", "sha256": file_sha256(src)}
     ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=tok.get_vocab_size(), meta={"tokenizer": rec})
     shutil.copyfile(src, ck / "tokenizer.json")
     assert hf.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "out")]) == 0

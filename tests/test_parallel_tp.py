@@ -36,7 +36,7 @@ def _gather(t):
 def _tp_worker(rank, world):
     from megamemo.model import MemTransformerLM
     from megamemo.parallel.groups import dropout_seeds, init_model_parallel, install_tp_stream, rng_tracker
-    from megamemo.parallel.tensor import merge_memory_tensors, merge_tensors, parallelize_tensor
+    from megamemo.parallel.tensor import merge_tensors, parallelize_tensor
 
     init_model_parallel(tp=world)
     install_tp_stream(dropout_seeds(1234, 0, rank, 0)[1])      # this rank's TP dropout stream
@@ -50,8 +50,10 @@ def _tp_worker(rank, world):
         ref_losses, ref_mem = _train(single, data)
         tp_losses, tp_mem = _train(model, data)
         assert max(abs(a - b) for a, b in zip(ref_losses, tp_losses)) < 1e-5, (variant, ref_losses, tp_losses)
-        merged = merge_memory_tensors([dict(zip(tp_mem.tensors, vals)) for vals in
-                                       zip(*[_gather(t) for t in tp_mem.tensors.values()])])
+        # LaMemo's look-ahead caches (ctx.N, lse.N) are [rows, batch, heads, ...] split by heads across the TP
+        # ranks; the layer inputs are replicated
+        merged = {k: torch.cat(_gather(t), 2) if k.startswith(("ctx.", "lse.")) else t
+                  for k, t in tp_mem.tensors.items()}
         for k, t in ref_mem.tensors.items():
             assert torch.allclose(merged[k], t, atol=1e-5), (variant, k, (merged[k] - t).abs().max(), t.abs().max())
         if variant == "lamemo":

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamemo.checkpoint.state import file_digest
+from megamemo.util.files import file_sha256
 from megamemo.checkpoint.store import MARKER
 from test_train_runs import run
 
@@ -78,7 +78,7 @@ def _swap_in_pickle(ckpt: Path, payload: Path) -> Path:
     target = sorted(ckpt.glob("*.safetensors"))[0]
     evil_pickle(target, payload)
     marker = json.loads((ckpt / MARKER).read_text())
-    marker["files"][target.name].update(bytes=target.stat().st_size, sha256=file_digest(target))
+    marker["files"][target.name].update(bytes=target.stat().st_size, sha256=file_sha256(target))
     (ckpt / MARKER).write_text(json.dumps(marker))
     return target
 
@@ -107,7 +107,7 @@ def test_a_pickle_as_a_single_checkpoint_or_reference_file_runs_nothing(trained,
     model = single / "model.safetensors"
     evil_pickle(model, payload)
     doc = json.loads((single / "config.json").read_text())
-    doc["files"]["model.safetensors"].update(bytes=model.stat().st_size, sha256=file_digest(model))
+    doc["files"]["model.safetensors"].update(bytes=model.stat().st_size, sha256=file_sha256(model))
     (single / "config.json").write_text(json.dumps(doc))
     one_line_error(megamemo("eval", "--ckpt", single, "--data", shards, "--split", "valid"), "model.safetensors")
     prompt = tmp_path / "prompt.txt"

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from megamemo.model import Memory, MemTransformerLM
+from megamemo.util.precision import torch_dtype
 
 PROBE_FILE = "probe.safetensors"
 SEGMENTS = 3
@@ -61,7 +62,7 @@ def single_device_nll(model, memory: Memory | None, probe: dict) -> list[torch.T
 def check_probe(model: MemTransformerLM, memory: Memory | None, probe: dict, precision: str) -> dict:
     """The single-device model (fp32) on the probe's segments vs the sharded model's recorded NLL; `memory` holds
     the probe's columns. Raises ProbeError when it is off by more than the tolerance for the run's precision."""
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = torch_dtype(precision)
     run = model if dtype == torch.float32 else MemTransformerLM(model.cfg).to(dtype).eval()
     if run is not model:
         run.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})

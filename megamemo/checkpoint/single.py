@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from megamemo.checkpoint.state import file_digest, read_json
+from megamemo.checkpoint.state import read_json
+from megamemo.util.files import file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 
 FORMAT, VERSION = "megamemo-single", 1
@@ -59,7 +60,7 @@ def write_config(directory: Path, model_cfg: ModelConfig, meta: dict) -> None:
     tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
     if tok.get("kind") == "subword" and (Path(directory) / str(tok.get("file"))).is_file():
         paths.append(Path(directory) / tok["file"])
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)} for p in paths}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
     doc = {"format": FORMAT, "version": VERSION, "model": model_cfg.to_dict(), "meta": meta, "files": files}
     if tok:
         doc["tokenizer"] = tok
@@ -73,7 +74,7 @@ def verify_file(path: Path) -> Path:
     entry = (doc.get("files") or {}).get(path.name)
     if not path.is_file():
         raise SingleCheckpointError(f"{path}: missing")
-    if entry is not None and (path.stat().st_size != entry["bytes"] or file_digest(path) != entry["sha256"]):
+    if entry is not None and (path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]):
         raise SingleCheckpointError(f"{path}: size or sha256 differs from what {path.parent / 'config.json'} "
                                     f"recorded: the file changed after it was written (corrupt)")
     return path

@@ -14,9 +14,7 @@ written last, atomically: its presence says the rank's files are complete. Nothi
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ import numpy as np
 import torch
 
 from megamemo.checkpoint.pieces import Piece, ShardedReader, read_local, write_pieces
+from megamemo.util.files import file_sha256, write_atomic, write_json_atomic
 
 TENSOR_KEY = "__tensor__"
 FORMAT = "megamemo-checkpoint"
@@ -89,18 +88,6 @@ def snapshot_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- files -------------------------------------------------------------------------------------------------
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_atomic(path, lambda p: p.write_text(json.dumps(obj, indent=1, sort_keys=True)))
-
-
 def read_json(path: Path, error=ValueError) -> Any:
     """The JSON document at `path`; an unreadable or malformed file raises `error` naming it."""
     try:
@@ -109,19 +96,12 @@ def read_json(path: Path, error=ValueError) -> Any:
         raise error(f"{path}: unreadable or not valid JSON ({e})") from None
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file (about 0.9 GB/s on one core here, as fast as zlib's crc32: bench/checkpoint_io.py)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 # ---- the registry ------------------------------------------------------------------------------------------
 @dataclass
 class LoadContext:
     reader: ShardedReader
     same_layout: bool           # world size, tp/pp/dp, grad_accum, batch and ZeRO stage as when saved
     marker: dict                # the checkpoint's COMMITTED marker (saved layout, precision, step)
-    log: Callable[[str], None] = print
 
 
 @dataclass
@@ -198,7 +178,7 @@ def save_snapshot(snap: Snapshot, directory: Path, before_done: Callable[[], Non
     write_atomic(directory / st_name, lambda p: write_pieces(p, snap.pieces, snap.local))
     for rel, writer in snap.files.items():
         write_atomic(directory / rel, writer)
-    files = {rel: {"bytes": (directory / rel).stat().st_size, "sha256": file_digest(directory / rel)}
+    files = {rel: {"bytes": (directory / rel).stat().st_size, "sha256": file_sha256(directory / rel)}
              for rel in [st_name, *snap.files]}
     before_done()
     write_json_atomic(directory / js_name, {**snap.doc, "files": files})

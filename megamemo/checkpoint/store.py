@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 from megamemo.checkpoint.faults import FaultPoints
-
-from megamemo.checkpoint.state import (LoadContext, Snapshot, StateRegistry, file_digest, rank_files, read_json,
-                                       save_snapshot, write_json_atomic)
+from megamemo.checkpoint.state import LoadContext, Snapshot, StateRegistry, rank_files, read_json, save_snapshot
+from megamemo.util.files import file_sha256, fsync_dir, write_json_atomic
 
 MARKER = "COMMITTED"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -64,7 +63,7 @@ def check_file(step_dir: Path, rel: str, entry: dict, checksum: bool = True) -> 
         raise CheckpointError(f"{p}: listed in {Path(step_dir) / MARKER} but missing")
     if p.stat().st_size != entry["bytes"]:
         raise CheckpointError(f"{p}: size {p.stat().st_size} differs from the committed {entry['bytes']} (truncated?)")
-    if checksum and file_digest(p) != entry["sha256"]:
+    if checksum and file_sha256(p) != entry["sha256"]:
         raise CheckpointError(f"{p}: sha256 differs from the one committed in {Path(step_dir) / MARKER}: the file "
                               f"changed after it was written (corrupt)")
 
@@ -114,7 +113,7 @@ def move_aside(step_dir: Path) -> Path:
         n += 1
         target = step_dir.with_name(f"{step_dir.name}.corrupt{n}")
     os.replace(step_dir, target)
-    _fsync_dir(step_dir.parent)
+    fsync_dir(step_dir.parent)
     return target
 
 
@@ -123,22 +122,9 @@ def remove_checkpoint(step_dir: Path, between: Callable[[], None] = lambda: None
     marker = step_dir / MARKER
     if marker.exists():
         marker.unlink()
-        _fsync_dir(step_dir)
+        fsync_dir(step_dir)
     between()
     shutil.rmtree(step_dir, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def describe_layout(lay: dict) -> str:
@@ -189,7 +175,8 @@ class CheckpointStore:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._abandoned = threading.Event()
-        self.faults = FaultPoints(rank)     # crash tests and bench/soak.py only (checkpoint/faults.py)
+        self.faults = FaultPoints(rank)
+        self._compatible: tuple[Path, tuple[dict, bool, str]] | None = None     # crash tests and bench/soak.py only (checkpoint/faults.py)
 
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
@@ -275,13 +262,13 @@ class CheckpointStore:
                 time.sleep(0.05)
             doc = read_json(js, CheckpointError)
             files.update(doc["files"])
-            files[js.name] = {"bytes": js.stat().st_size, "sha256": file_digest(js)}
+            files[js.name] = {"bytes": js.stat().st_size, "sha256": file_sha256(js)}
         info = {"format": 2, "step": step, "tag": step_dir.name, "world_size": self.world_size,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files, **self.meta}
-        _fsync_dir(step_dir)
+        fsync_dir(step_dir)
         self.faults.at("commit")
         write_json_atomic(step_dir / MARKER, info)
-        _fsync_dir(step_dir)
+        fsync_dir(step_dir)
         self.faults.at("retention")
         self._retain()
 
@@ -369,7 +356,14 @@ class CheckpointStore:
         return None
 
     def check_compatible(self, step_dir: Path) -> tuple[dict, bool, str]:
-        """(marker, same layout?, a line saying what changed) after checking the model config is the same."""
+        """(marker, same layout?, a line saying what changed) after checking the model config is the same. Read and
+        checked once per checkpoint: the trainer's start-up, its resume and the load all ask."""
+        if self._compatible is not None and self._compatible[0] == step_dir:
+            return self._compatible[1]
+        self._compatible = (step_dir, self._check_compatible(step_dir))
+        return self._compatible[1]
+
+    def _check_compatible(self, step_dir: Path) -> tuple[dict, bool, str]:
         info = read_marker(step_dir)
         saved_model, want_model = info.get("model", {}), self.meta.get("model", {})
         if saved_model != want_model:
@@ -389,8 +383,8 @@ class CheckpointStore:
             notes.append(f"precision {info.get('precision')} -> {self.meta.get('precision')} (from the fp32 masters)")
         return info, same, "; ".join(notes)
 
-    def load(self, step_dir: Path, registry: StateRegistry, log=print) -> dict:
+    def load(self, step_dir: Path, registry: StateRegistry) -> dict:
         info, same, note = self.check_compatible(step_dir)
         if note:
             self.log(f"[checkpoint] {step_dir.name}: {note}")
-        return registry.load(step_dir, self.rank, lambda reader: LoadContext(reader, same, info, log))
+        return registry.load(step_dir, self.rank, lambda reader: LoadContext(reader, same, info))

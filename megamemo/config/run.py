@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from megamemo.util.typed import build
+from megamemo.util.precision import NAMES as PRECISIONS
 
 
 class ConfigError(ValueError):
@@ -193,7 +194,7 @@ class RunConfig:
             bad("optim.decay_steps", "must be larger than optim.warmup_steps")
         if not 0 <= self.optim.min_lr <= self.optim.lr:
             bad("optim.min_lr", "must be in [0, optim.lr]")
-        if self.precision.dtype not in ("fp32", "bf16", "fp16"):
+        if self.precision.dtype not in PRECISIONS:
             bad("precision.dtype", "must be fp32, bf16 or fp16")
         if self.precision.grad_accum_dtype not in ("auto", "fp32", "model"):
             bad("precision.grad_accum_dtype", "must be auto, fp32 or model")

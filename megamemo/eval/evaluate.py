@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -37,8 +36,9 @@ import torch
 
 from megamemo.model.trams import METRICS, TramsConfig
 from megamemo.model.trams import forward as trams_forward
+from megamemo.util.units import metric_value
+from megamemo.util.precision import NAMES as PRECISIONS, torch_dtype
 
-LN2 = math.log(2.0)
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------------
@@ -71,10 +71,6 @@ def token_bytes_of(data_dir, manifest: dict):
     from data_pipeline import load_vocab
 
     return torch.from_numpy(load_vocab(data_dir).token_bytes())
-
-
-def metric_value(nll: float, metric: str) -> float:
-    return nll / LN2 if metric == "bpc" else math.exp(nll)
 
 
 # ---- the loop --------------------------------------------------------------------------------------------------
@@ -130,7 +126,7 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
     nll = float(total) / count if count else float("nan")
     out = {"nll": nll, "tokens": count, "segments": seg, "seconds": time.perf_counter() - t0}
     if token_bytes is not None:
-        from data_pipeline.vocab import bits_per_byte
+        from megamemo.util.units import bits_per_byte
 
         out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(total), n_bytes)
     return out
@@ -196,12 +192,11 @@ def parse_args(argv):
     p.add_argument("--plot", default="mem_sweep.png", help="sweep plot (PNG)")
     p.add_argument("--table", help="sweep table (TSV; default: the plot's name with .tsv)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "checkpoint"), default="checkpoint",
+    p.add_argument("--dtype", choices=(*PRECISIONS, "checkpoint"), default="checkpoint",
                    help="run the model in this dtype (default: as stored)")
     return p.parse_args(argv)
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_for_eval(path, device, dtype: str = "checkpoint"):
@@ -209,7 +204,7 @@ def load_for_eval(path, device, dtype: str = "checkpoint"):
 
     model, meta = load_model(path)
     if dtype != "checkpoint":
-        model = model.to(DTYPES[dtype])
+        model = model.to(torch_dtype(dtype))
     return model.to(device).eval(), meta
 
 

@@ -20,10 +20,11 @@ import argparse
 import bisect
 import itertools
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megamemo.util.units import metric_value
 
 WORD_LEVEL_NATS = 2.0   # records-only guess: characters sit below this (bpc < 2.9), words above (ppl > 7.4)
 
@@ -129,7 +130,7 @@ def value(rec: dict, metric: str) -> float:
     if metric == "bits_per_byte":
         return rec.get("bits_per_byte", float("nan"))
     loss = rec["loss"]
-    return loss / math.log(2.0) if metric == "bpc" else math.exp(min(loss, 700.0))
+    return metric_value(loss, metric)
 
 
 LABELS = {"bpc": "bits per character", "ppl": "perplexity (per token)", "bits_per_byte": "bits per byte"}

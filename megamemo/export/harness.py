@@ -31,6 +31,7 @@ from lm_eval.api.registry import register_model
 
 from megamemo.eval.evaluate import evaluate, load_for_eval
 from megamemo.eval.generate import encode_prompt, generate, vocab_for
+from megamemo.util.files import write_text_atomic
 
 TASK = "megamemo_text"
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -191,7 +192,5 @@ def main(argv: list[str]) -> int:
           f"{r['word_perplexity']:.4f} byte_perplexity {r['byte_perplexity']:.4f} bits_per_byte "
           f"{r['bits_per_byte']:.4f} | lm-eval {r['lm_eval']}", flush=True)
     if a.json:
-        tmp = Path(a.json + ".tmp")
-        tmp.write_text(json.dumps(r, indent=1) + "\n")
-        tmp.replace(a.json)
+        write_text_atomic(Path(a.json), json.dumps(r, indent=1) + "\n", durable=False)
     return 0

@@ -83,7 +83,7 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
     from transformers import PreTrainedTokenizerFast
 
-    from megamemo.checkpoint.state import file_digest
+    from megamemo.util.files import file_sha256
     from megamemo.eval.generate import vocab_for
 
     rec = meta.get("tokenizer") or {}
@@ -95,7 +95,7 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
         if src is None:
             raise ExportError(f"{dirs[0] / 'config.json'}: tokenizer file {rec['file']!r} not found in "
                               f"{' or '.join(str(p.parent) for p in where)}")
-        if rec.get("sha256") and file_digest(src) != rec["sha256"]:
+        if rec.get("sha256") and file_sha256(src) != rec["sha256"]:
             raise ExportError(f"{src}: sha256 differs from the one the checkpoint records (corrupt or replaced)")
         tok = PreTrainedTokenizerFast(tokenizer_file=str(src))
         tok.save_pretrained(str(out))

@@ -15,6 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from megamemo.util.files import write_text_atomic
+
 PTH_NAME = "megamemo-lm-eval.pth"
 TARGET = "megamemo.export.harness:MegamemoLM"
 
@@ -47,9 +49,7 @@ def pth_line() -> str:
 
 def install(site_dir: str | None = None) -> Path:
     path = Path(site_dir or sysconfig.get_paths()["purelib"]) / PTH_NAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(pth_line())
-    tmp.replace(path)
+    write_text_atomic(path, pth_line(), durable=False)
     return path
 
 

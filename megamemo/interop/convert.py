@@ -42,8 +42,8 @@ from megamemo.checkpoint.state import rank_files
 from megamemo.checkpoint.store import MARKER, CheckpointError, newest_complete, step_of, tag_for, verify
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from megamemo.util.progress import Progress
+from megamemo.util.precision import NAMES as PRECISIONS, torch_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ConvertError(SingleCheckpointError):
@@ -249,14 +249,14 @@ def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = No
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        specs = [(k, DTYPES[dtype], shape) for k, shape in c.shapes.items()]
+        specs = [(k, torch_dtype(dtype), shape) for k, shape in c.shapes.items()]
         total = sum(math.prod(shape) for _, _, shape in specs)
         with Progress("[convert] to-single", total=total, unit="param", scale=True, every=progress_every,
                       log=log,
                       line=lambda q: f"[convert] {q.n / 1e6:,.1f}M of {q.total / 1e6:,.1f}M parameters written, "
                                      f"{q.info.get('tensor', '')}") as progress:
             def produce(k):
-                t = c.weight(k).to(DTYPES[dtype])
+                t = c.weight(k).to(torch_dtype(dtype))
                 progress.update(t.numel(), tensor=k)
                 return t
             write_streaming(tmp / "model.safetensors", specs, produce)
@@ -313,7 +313,7 @@ def main(argv: list[str]) -> int:
     s = sub.add_parser("to-single", help="committed training checkpoint (any layout) -> single-device checkpoint")
     s.add_argument("--ckpt", required=True, help="run directory, its checkpoints/ directory, or a step_* directory")
     s.add_argument("--out", required=True, help="new directory for the single-device checkpoint")
-    s.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    s.add_argument("--dtype", choices=PRECISIONS, default="fp32")
     s.add_argument("--data", help="shard directory whose tokenizer/vocabulary to record (default: the run's)")
     s.add_argument("--memory", help="streams whose memory to write: 'all' or global columns like 0-3,7")
     s.add_argument("--no-check", action="store_true", help="skip the self-check on the recorded probe")

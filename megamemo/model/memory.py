@@ -52,15 +52,6 @@ class Memory:
             bs = int(index.numel())
         return Memory(out, batch_size=bs)
 
-    @staticmethod
-    def cat_batch(parts: list["Memory"]) -> "Memory":
-        keys = list(parts[0].tensors)
-        for p in parts:
-            if list(p.tensors) != keys:
-                raise ValueError(f"cannot concatenate memories with different tensors: {keys} vs {list(p.tensors)}")
-        bs = sum(p.batch_size or 0 for p in parts)
-        return Memory({k: torch.cat([p.tensors[k] for p in parts], 1) for k in keys}, batch_size=bs)
-
     def detach(self) -> "Memory":
         return Memory({k: t.detach() for k, t in self.tensors.items()}, batch_size=self.batch_size)
 

@@ -8,6 +8,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megamemo.util.seeding import seed_default_streams
+
 TP_RNG = "model-parallel-rng"  # megatron's name for the per-TP-rank stream
 
 
@@ -146,14 +148,8 @@ def seed_rng_streams(seed: int, dp_rank: int, tp_rank: int, pp_rank: int, step_s
                      tp_stream: bool = True, cuda: bool | None = None) -> tuple[int, int]:
     """Seed this rank's default streams (python, numpy, torch CPU and CUDA) and, with tp_stream, its TP stream
     (on CUDA or CPU, see install_tp_stream), from dropout_seeds(...). Returns the two seeds."""
-    import random
-
-    import numpy as np
-
     default, tp_seed = dropout_seeds(seed, dp_rank, tp_rank, pp_rank, step_salt)
-    random.seed(default)
-    np.random.seed(default % 2**32)
-    torch.manual_seed(default)
+    seed_default_streams(default)
     if tp_stream:
         install_tp_stream(tp_seed, cuda)
     return default, tp_seed

@@ -352,12 +352,6 @@ def load_single_state(cfg, module, single_sd: dict) -> None:
         raise ValueError(f"pipeline stage weights: missing {missing}, unexpected {unexpected}")
 
 
-def stage_to_single(cfg, module, stage_sd: dict) -> dict:
-    """This stage's state_dict -> single-device names (for conversion / comparison)."""
-    inv = {v: k for k, v in single_to_stage_names(cfg, module).items()}
-    return {inv[k]: v for k, v in stage_sd.items() if k in inv}
-
-
 def pipe_to_single(cfg, key: str) -> str:
     """A pipeline stage's parameter name ('tied_modules.embed.weight', '4.layer.attn.qkv.weight') -> the
     single-device name."""

@@ -137,23 +137,6 @@ def shard_state_dict(sd, rank, tp):
     return {k: shard_tensor(k, v, rank, tp) for k, v in sd.items()}
 
 
-def merge_state_dicts(sds):
-    keys = list(sds[0])
-    for i, sd in enumerate(sds[1:], 1):
-        if set(sd) != set(keys):
-            raise ValueError(f"tensor-parallel rank {i} holds keys {sorted(set(sd) ^ set(keys))} that rank 0 "
-                             f"does not (or the reverse)")
-    return {k: merge_tensors(k, [sd[k] for sd in sds]) for k in keys}
-
-
-def shard_memory_tensors(tensors, rank, tp):
-    return {k: shard_tensor(k, v, rank, tp, _MEMORY_RULES) for k, v in tensors.items()}
-
-
-def merge_memory_tensors(parts):
-    return {k: merge_tensors(k, [p[k] for p in parts], _MEMORY_RULES) for k in parts[0]}
-
-
 # ---- modules -----------------------------------------------------------------------------------------------
 class ForkedDropout(Dropout):
     """Dropout on activations split across TP ranks: drawn from the per-rank stream, so masks differ between

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from megamemo.model.params import bias_params, input_params, layer_params, output_params, total_params
+from megamemo.util.precision import HALF
 
 GPUS = {"v100-16g": 16, "v100-32g": 32, "a100-40g": 40, "a100-80g": 80, "h100-80g": 80}
 GiB = 1024 ** 3
@@ -92,7 +93,7 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu", d
     # Under TP everything but layer norms and fc2's bias is split (the softmax is then full and tied).
     params = layers * (split / tp + repl) + (bias_params(m) + (input_params(m) if first or last else 0)
                                              + (output_params(m) if last else 0)) / tp
-    mixed = cfg.precision.dtype in ("bf16", "fp16")
+    mixed = cfg.precision.dtype in HALF
     p_bytes = 2 if mixed else 4
     zero = cfg.parallel.zero_stage
     # fp32 master (DeepSpeed's ZeRO optimizer keeps one, a copy, even when the weights are fp32) + Adam moments

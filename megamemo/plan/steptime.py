@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 
 from megamemo.model.flops import forward_flops, step_flops
 from megamemo.runtime.peak import PEAK_TFLOPS
+from megamemo.util.precision import element_bytes
 
 ELEMENTWISE_PASSES = 4      # activation bytes: written forward, read backward, their gradient written and read
 TP_EXTRA_ALLREDUCES = 3     # per micro-batch: vocab-parallel embedding (fwd) and cross-entropy (max, sum)
@@ -306,17 +307,16 @@ def gemm_width(m, tp: int, micro: int) -> int:
 
 def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     """The predicted step of cfg's layout on `world` devices of `kind` (a DEVICES key or a Device; gpus_per_node
-    per node). plan_fn is megamemo.plan.layouts.plan (passed in: layouts.py's command imports this module), whose per-stage
-    plans give each stage's layers, parameters and activations."""
+    per node). plan_fn: layouts.plan (passed in), whose per-stage plans give each stage's layers, parameters and
+    activations."""
     dev = kind if isinstance(kind, Device) else device(kind)
     m, par = cfg.model, cfg.parallel
     tp, pp, zero, ga = par.tp, par.pp, par.zero_stage, cfg.train.grad_accum
     dp, micro = cfg.layout(world)
-    dtype = cfg.precision.dtype
+    dtype, pbytes = cfg.precision.dtype, element_bytes(cfg.precision.dtype)
     if dtype not in dev.peak:
         raise ValueError(f"precision.dtype: {dev.kind} has no {dtype} figure (has {', '.join(dev.peak)})")
     peak = dev.peak[dtype]
-    pbytes = 2 if dtype in ("bf16", "fp16") else 4
     width = gemm_width(m, tp, micro)
     share = dev.share(width, gpus_per_node)   # CPU ranks sharing cores: each runs `share` times slower
 

@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from megamemo.util.files import write_text_atomic
+
 LOCK = "LOCK"
 
 
@@ -155,10 +157,8 @@ class RunLock:
             if not current or current.get("token") != self.token:
                 self.log(f"[lock] {self.path} was taken by another process; this trainer no longer holds it")
                 return
-            tmp = self.path.with_name(f"{LOCK}.{self.token}.tmp")
             try:
-                tmp.write_text(json.dumps({**current, "heartbeat": time.time()}))
-                os.replace(tmp, self.path)
+                write_text_atomic(self.path, json.dumps({**current, "heartbeat": time.time()}), durable=False)
             except OSError:
                 pass
 

@@ -9,11 +9,11 @@ Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, dat
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from pathlib import Path
 
 from megamemo.config.run import ConfigError, RunConfig, load
+from megamemo.util.seeding import seed_default_streams
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -45,15 +45,6 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
 def _yaml_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
-
-
-def _seed_all(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def parallel_ranks(cfg: RunConfig, de) -> dict:
@@ -164,7 +155,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
             log(f"[checkpoint] removed {p}: an interrupted save, never committed")
     dist.barrier()
     rss.mark("started")                     # imports and the process group: the baseline (MEGAMEMO_RSS_REPORT)
-    _seed_all(cfg.train.seed)               # identical initial weights on every rank
+    seed_default_streams(cfg.train.seed)    # identical initial weights on every rank
     model, mpu, stage = build_model(cfg)
     engine = Engine(cfg, model, micro, dp, mpu=mpu)
     rss.mark("built")

@@ -124,7 +124,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss)
 
-    def step(self) -> dict | None:
+    def micro_step(self) -> dict | None:
         """Called after every micro-batch's backward (DeepSpeed counts micro-steps in step()). Between
         micro-batches it returns None; at the end of the accumulation it steps the optimizer and returns
         {applied, grad_norm, loss_scale, lr}."""

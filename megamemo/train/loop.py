@@ -201,7 +201,7 @@ class Trainer:
             nll, mem = self.engine.forward(inp[:, cols], tgt[:, cols], mems_in[k])
             nll = nll.float()
             self.engine.backward(nll.mean() * self.loss_factor)
-            res = self.engine.step()                # the optimizer steps after the last micro-batch only
+            res = self.engine.micro_step()              # the optimizer steps after the last micro-batch only
             loss_sum += nll.detach().sum(dtype=torch.float64)
             new_mems.append(mem)
         if res is None:

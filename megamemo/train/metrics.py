@@ -20,10 +20,9 @@ import math
 import time
 from pathlib import Path
 
-from data_pipeline.vocab import bits_per_byte
+from megamemo.util.units import bits, bits_per_byte, perplexity
 from megamemo.runtime.peak import format_flops
 
-LN2 = math.log(2.0)
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
@@ -96,8 +95,8 @@ class Metrics:
 
     def derived(self, loss: float, split: str | None = None) -> dict:
         """bpc and ppl of a mean per-token loss (nats); on a subword corpus also bits_per_byte, the loss over the
-        split's average UTF-8 bytes per token (data_pipeline.vocab.bits_per_byte)."""
-        out = {"bpc": loss / LN2, "ppl": math.exp(min(loss, 700.0))}
+        split's average UTF-8 bytes per token (megamemo.util.units)."""
+        out = {"bpc": bits(loss), "ppl": perplexity(loss)}
         ratio = self.bytes_per_token.get(split or self.train_split)
         if ratio:
             out["bits_per_byte"] = bits_per_byte(loss, ratio)

@@ -1,0 +1,77 @@
+"""megamemo/util: the one atomic write, the one sha256, the units, the precision table, the seeding."""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megamemo.util import files, precision, seeding, units
+
+
+def test_atomic_write_replaces_whole_or_leaves_the_old_file(tmp_path):
+    target = tmp_path / "doc.json"
+    files.write_json_atomic(target, {"a": 1})
+    assert target.read_text() == '{\n "a": 1\n}'
+
+    def half_then_fail(p):
+        p.write_text('{"a": ')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        files.write_atomic(target, half_then_fail)
+    assert target.read_text() == '{\n "a": 1\n}'               # the old content, whole
+    assert sorted(os.listdir(tmp_path)) == ["doc.json"]           # no temporary file left
+    files.write_text_atomic(target, "new", durable=False)
+    files.write_bytes_atomic(tmp_path / "b.bin", b"\x00\x01")
+    assert target.read_text() == "new" and (tmp_path / "b.bin").read_bytes() == b"\x00\x01"
+    assert sorted(os.listdir(tmp_path)) == ["b.bin", "doc.json"]
+
+
+def test_sha256_of_a_file_a_descriptor_and_bytes_agree_with_hashlib(tmp_path):
+    data = bytes(range(256)) * 40_000                              # > one 4 MiB read block
+    p = tmp_path / "x"
+    p.write_bytes(data)
+    want = hashlib.sha256(data).hexdigest()
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert files.fd_sha256(fd) == want
+    finally:
+        os.close(fd)
+    assert files.file_sha256(p) == want and files.bytes_sha256(data) == want
+
+
+def test_units_by_hand():
+    assert units.bits(math.log(2.0)) == pytest.approx(1.0)        # ln 2 nats = 1 bit
+    assert units.metric_value(math.log(2.0) * 1.25, "bpc") == pytest.approx(1.25)
+    assert units.metric_value(math.log(7.0), "ppl") == pytest.approx(7.0)
+    assert units.perplexity(1e6) == math.exp(700.0)                # a diverged loss: huge, not an overflow
+    assert units.bits_per_byte(10 * math.log(2.0), 5) == pytest.approx(2.0)   # 10 bits over 5 bytes
+    assert math.isnan(units.bits_per_byte(1.0, 0))
+    with pytest.raises(ValueError, match="unknown metric"):
+        units.metric_value(1.0, "bits")
+
+
+def test_precision_table():
+    assert precision.NAMES == ("fp32", "bf16", "fp16") and precision.HALF == ("bf16", "fp16")
+    for name in precision.NAMES:
+        assert precision.torch_dtype(name).itemsize == precision.element_bytes(name)
+    assert precision.torch_dtype("bf16") is torch.bfloat16
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        precision.torch_dtype("fp8")
+
+
+def test_seeding_makes_every_default_stream_repeat():
+    def draw():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    seeding.seed_default_streams(2**40 + 3)                        # numpy takes it modulo 2**32
+    a = draw()
+    seeding.seed_default_streams(2**40 + 3)
+    assert draw() == a
+    seeding.seed_default_streams(4)
+    assert draw() != a
