@@ -39,6 +39,9 @@ def unit_of(kind: str | None) -> str:
     return "ppl" if per_token(kind) else "bpc"
 
 
+TEXT8_ALPHABET = "_abcdefghijklmnopqrstuvwxyz"  # '_' is the space, as in prep_text8.py
+
+
 def frequency_order(counts: dict, first_seen: dict | None = None) -> list:
     """Symbols by decreasing count, ties by first occurrence.
 

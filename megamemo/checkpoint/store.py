@@ -175,8 +175,8 @@ class CheckpointStore:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._abandoned = threading.Event()
-        self.faults = FaultPoints(rank)
-        self._compatible: tuple[Path, tuple[dict, bool, str]] | None = None     # crash tests and bench/soak.py only (checkpoint/faults.py)
+        self.faults = FaultPoints(rank)     # crash tests and bench/soak.py only (checkpoint/faults.py)
+        self._compatible: tuple[Path, tuple[dict, bool, str]] | None = None     # check_compatible's, once
 
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
