@@ -28,6 +28,14 @@ _END = object()
 STATE_VERSION = 1
 
 
+def steps_per_epoch(n_tokens: int, batch_size: int, tgt_len: int) -> int:
+    """Segments of one epoch: the split cut into `batch_size` columns of n_tokens // batch_size rows (the reference
+    LMOrderedIterator's n_step), each row but the last an input whose target is the next row, in segments of
+    tgt_len (the last one shorter)."""
+    n_step = n_tokens // batch_size
+    return (n_step - 1 + tgt_len - 1) // tgt_len
+
+
 class StreamReader:
     """Iterate over ``(input, target)`` int64 tensors of shape [seq_len, batch_size // world_size].
 
@@ -75,7 +83,7 @@ class StreamReader:
         if self.n_step < 2:
             raise ValueError(f"split {split!r} of {self.data_dir} has {self.n_tokens} tokens: too few for "
                              f"{batch_size} columns of at least 2 tokens")
-        self.steps_per_epoch = (self.n_step - 1 + tgt_len - 1) // tgt_len
+        self.steps_per_epoch = steps_per_epoch(self.n_tokens, batch_size, tgt_len)
         rows = max(1, block_tokens // self.local_batch) // tgt_len * tgt_len
         self.block_rows = max(tgt_len, rows)
         self.vocab_sha256 = self.manifest["vocab"].get("sha256", "")

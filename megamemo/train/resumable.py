@@ -257,8 +257,9 @@ class DataCursor:
         if int(d["batch_size"]) != mine["batch_size"] and d.get("kind") == "blend":
             d.update(batch_size=mine["batch_size"])     # a blend's columns do not depend on the batch: same step
         elif int(d["batch_size"]) != mine["batch_size"]:
-            n_step = int(d["n_tokens"]) // int(d["batch_size"])
-            old = (n_step - 1 + int(d["tgt_len"]) - 1) // int(d["tgt_len"])
+            from data_pipeline.stream import steps_per_epoch
+
+            old = steps_per_epoch(int(d["n_tokens"]), int(d["batch_size"]), int(d["tgt_len"]))
             step = int(d["step"]) * self.reader.steps_per_epoch // max(1, old)
             self.log(f"[checkpoint] the data position moves to epoch {d['epoch']} step {step}/"
                      f"{self.reader.steps_per_epoch} of the new cut (was step {d['step']}/{old})")
