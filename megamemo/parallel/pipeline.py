@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megamemo.model.dropout import Dropout
 from megamemo.model.layers import LaMemoLayer, XLLayer
+from megamemo.model.memory import xl_update
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 
 
@@ -130,7 +131,7 @@ class EmbedPipe(nn.Module):
         emb = ctx.bank.get(mb, "emb") if ctx.cfg.lamemo else None
         out = h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)
         if ctx.cfg.lamemo:
-            ctx.bank.put(mb, "emb", out[max(0, out.size(0) - ctx.mem_len):])
+            ctx.bank.put(mb, "emb", xl_update(emb, h0, ctx.mem_len))
         values = (mb, 0 if emb is None else emb.size(0), L)
         return out, ctx.remember_meta(stage_meta(*values, device=tokens.device), values)
 
@@ -211,8 +212,7 @@ class LayerPipe(nn.Module):
             return rows, meta
         out = self.layer(rows, mem, pos_emb, b.r_w_bias, b.r_r_bias, mask)
         if mem_len > 0:
-            cat = rows if mem is None else torch.cat([mem, rows.detach().to(mem.dtype)], 0)
-            bank.put(mb, f"hid.{l}", cat[max(0, cat.size(0) - mem_len):])
+            bank.put(mb, f"hid.{l}", xl_update(mem, rows, mem_len))
         return out, meta
 
 
