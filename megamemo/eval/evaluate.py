@@ -27,6 +27,7 @@ the table (TSV) and the plot (PNG) are written, and --json gets every result.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from megamemo.model.memory import Memory
+from megamemo.model.scoring import score_segments
 from megamemo.model.trams import METRICS, TramsConfig
 from megamemo.model.trams import forward as trams_forward
 
@@ -78,12 +81,12 @@ def metric_value(nll: float, metric: str) -> float:
 
 
 # ---- the loop --------------------------------------------------------------------------------------------------
-@torch.no_grad()
 def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, trams: TramsConfig | None = None,
              max_segments: int = 0, device=None, log=None, total_segments: int | None = None,
              log_every: float = 10.0, bar: bool | None = False, token_bytes: torch.Tensor | None = None,
-             on_segment=None) -> dict:
-    """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried.
+             on_segment=None, memory: Memory | None = None) -> dict:
+    """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried from
+    `memory` (None: empty), through the one scorer (megamemo/model/scoring.py).
     Progress: a line to `log` every `log_every` seconds, or a tqdm bar (bar=True; None: on a terminal).
     token_bytes (int64 [V], subword corpora): also the UTF-8 bytes of the scored target tokens ("bytes").
     on_segment(nll [L, B], hit [L, B] bool): told each segment's per-token NLL and whether each target was the
@@ -93,47 +96,46 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
 
     if trams is not None and on_segment is not None:
         raise ValueError("on_segment is not available with TRAMS")
-    was_training = model.training
-    model.eval()
-    device = device or next(model.parameters()).device
-    total, count, seg = torch.zeros((), dtype=torch.float64, device=device), 0, 0
+    lengths = {"mem_len": mem_len, "same_length": same_length, "clamp_len": clamp_len}
+    forward = None
+    if trams is not None:
+        del lengths["mem_len"]                  # the TRAMS pool is the memory length
+        forward = functools.partial(trams_forward, select=trams)
+    elif on_segment is not None:
+        forward = functools.partial(_forward_with_hits, on_segment)
     n_bytes = 0
-    mem = None
     t0 = time.perf_counter()
     n_seg = min(total_segments, max_segments or total_segments) if total_segments else (max_segments or None)
     show = log is not None or bool(bar)
     progress = Progress("[eval]", total=n_seg, unit="seg", every=log_every if show else float("inf"),
                         bar=bar if show else False, log=log, line=_progress_line)
+
+    def counted(scores, inp, tgt, nll):
+        nonlocal n_bytes
+        if token_bytes is not None:
+            n_bytes += int(token_bytes[tgt.cpu()].sum())
+        progress.update(1, tokens=scores.tokens, nll=lambda: scores.mean)  # nll: a device sync, when shown
+
     try:
-        for inp, tgt in batches:
-            if max_segments and seg >= max_segments:
-                break
-            inp, tgt = inp.to(device), tgt.to(device)
-            if trams is None and on_segment is not None:
-                logp, mem = model(inp, None, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
-                nll = -logp.gather(2, tgt.long()[..., None]).squeeze(2)
-                on_segment(nll, logp.argmax(2) == tgt)
-            elif trams is None:
-                nll, mem = model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
-            else:
-                nll, mem = trams_forward(model, inp, tgt, mem, select=trams, same_length=same_length,
-                                         clamp_len=clamp_len)
-            total += nll.float().sum(dtype=torch.float64)
-            count += nll.numel()
-            if token_bytes is not None:
-                n_bytes += int(token_bytes[tgt.cpu()].sum())
-            seg += 1
-            progress.update(1, tokens=count, nll=lambda: float(total) / count)   # nll: a device sync, when shown
+        scores = score_segments(model, batches, memory=memory, forward=forward, max_segments=max_segments or None,
+                                device=device, on_segment=counted, **lengths)
     finally:
         progress.close()
-        model.train(was_training)
-    nll = float(total) / count if count else float("nan")
-    out = {"nll": nll, "tokens": count, "segments": seg, "seconds": time.perf_counter() - t0}
+    out = {"nll": scores.mean, "tokens": scores.tokens, "segments": scores.segments,
+           "seconds": time.perf_counter() - t0}
     if token_bytes is not None:
         from data_pipeline.vocab import bits_per_byte
 
-        out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(total), n_bytes)
+        out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(scores.nll), n_bytes)
     return out
+
+
+def _forward_with_hits(on_segment, model, inp, tgt, mem, **lengths):
+    """The model's log-probs: the targets' NLL, and whether each target was the most likely token (on_segment)."""
+    logp, mem = model(inp, None, mem, **lengths)
+    nll = -logp.gather(2, tgt.long()[..., None]).squeeze(2)
+    on_segment(nll, logp.argmax(2) == tgt)
+    return nll, mem
 
 
 def _progress_line(p) -> str:

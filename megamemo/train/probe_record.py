@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megamemo.checkpoint.probe_replay import PROBE_FILE, SEGMENTS
+from megamemo.model.scoring import score_segments
 
 
 def probe_streams(micro_batch: int) -> int:
@@ -90,15 +91,9 @@ def _run_module(trainer, batches, P, empty) -> list[torch.Tensor]:
     mem = None if empty else trainer.memory.mems[0].select_batch(slice(0, P))
     if mem is not None and mem.length == 0:
         mem = None
-    was = module.training
-    module.eval()
     out = []
-    try:
-        for x, y in batches:
-            nll, mem = module(x, y, mem)
-            out.append(nll)
-    finally:
-        module.train(was)
+    score_segments(module, batches, memory=mem, device=trainer.engine.device,
+                   on_segment=lambda scores, x, y, nll: out.append(nll))
     return out
 
 
