@@ -77,11 +77,11 @@ class PipelineEvaluator(Evaluator):
         self.replicas = 1
 
     def score(self) -> torch.Tensor:
-        from megamemo.parallel.pipeline import MemoryBank
+        from megamemo.parallel.pipeline import StageMemory
 
         ctx, L = self.stage, self.lengths
         saved = ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length
-        ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = (MemoryBank(), L["mem_len"], L["clamp_len"],
+        ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = (StageMemory(), L["mem_len"], L["clamp_len"],
                                                                  L["same_length"])
         try:
             return _totals(score_segments(self.module_fn(), self.segments(), device=self.device,
