@@ -3,7 +3,7 @@
     megamemo eval --ckpt CKPT --data DIR|URL --split valid|test [--json OUT]
                   [--tgt-len N] [--mem-len N] [--clamp-len N] [--same-length | --no-same-length] [--batch-size B]
                   [--max-segments K] [--trams-topk K --trams-recent R [--trams-metric code|paper]]
-                  [--mem-ratios 1,2,4,... [--ratio-base N] [--plot FILE.png] [--table FILE.tsv]]
+                  [--mem-ratios 1,2,4,... [--ratio-base N] [--plot FILE.png] [--table FILE.tsv]] [--memory FILE]
 
 CKPT is a single-device checkpoint directory (megamemo/checkpoint/single.py) or a training run / checkpoint
 directory (converted in memory, see `megamemo convert`); --ckpt may be repeated to compare models.
@@ -19,6 +19,10 @@ depends on B because the first token of every column is never predicted.
 
 TRAMS: --mem-len is the pool (the cache), the current tokens attend to the newest --trams-recent rows plus the
 --trams-topk best older rows (see megamemo/model/trams.py). The TRAMS paper's setting is mem 400, topk 50, recent 150.
+
+--memory FILE starts every column from a saved memory instead of an empty one: the memory.safetensors that
+`megamemo convert to-single --memory COLUMNS` writes (or the converted directory holding it), one stream per column
+(its streams must be --batch-size), checked against the model and mem_len (megamemo/eval/start_memory.py).
 
 --mem-ratios runs the memory extrapolation sweep (the LaMemo paper's Figure 5): at the fixed --tgt-len, mem_len =
 ratio x base (--ratio-base, default the checkpoint's training mem_len), one evaluation per ratio and checkpoint;
@@ -154,12 +158,12 @@ def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
 def run_one(model, meta: dict, data_dir, split: str, *, tgt_len: int, mem_len: int, clamp_len: int,
             same_length: bool, batch_size: int, trams: TramsConfig | None = None, max_segments: int = 0,
             metric: str, device=None, log=print, bar: bool | None = False,
-            token_bytes: torch.Tensor | None = None) -> dict:
+            token_bytes: torch.Tensor | None = None, memory: Memory | None = None) -> dict:
     reader = open_batches(data_dir, split, batch_size, tgt_len)
     try:
         out = evaluate(model, reader, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, trams=trams,
                        max_segments=max_segments, device=device, log=log, total_segments=reader.steps_per_epoch,
-                       bar=bar, token_bytes=token_bytes)
+                       bar=bar, token_bytes=token_bytes, memory=memory)
     finally:
         reader.close()
     out[metric] = metric_value(out["nll"], metric)
@@ -197,6 +201,8 @@ def parse_args(argv):
     p.add_argument("--ratio-base", type=int, help="base of --mem-ratios (default: the checkpoint's mem_len)")
     p.add_argument("--plot", default="mem_sweep.png", help="sweep plot (PNG)")
     p.add_argument("--table", help="sweep table (TSV; default: the plot's name with .tsv)")
+    p.add_argument("--memory", help="start every column from this memory (memory.safetensors of `megamemo convert "
+                                    "to-single --memory`, or its directory; its streams must be --batch-size)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "checkpoint"), default="checkpoint",
                    help="run the model in this dtype (default: as stored)")
@@ -235,6 +241,7 @@ def _fmt(r: dict) -> str:
     t = r.get("trams")
     extra = f" | TRAMS attend {t['attend']} of pool {t['pool']} (recent {t['recent']}, {t['metric']})" if t else ""
     bpb = f" | bits_per_byte {r['bits_per_byte']:.4f} ({r['bytes']:,} bytes)" if "bits_per_byte" in r else ""
+    extra += f" | from memory {r['memory']}" if "memory" in r else ""
     return (f"{r['ckpt']}: {r['split']} {m} {r[m]:.4f} (nll {r['nll']:.5f} nats/token, {r['tokens']:,} tokens)"
             f"{bpb} | "
             f"{r['variant']} tgt {r['tgt_len']} mem {r['mem_len']} clamp {r['clamp_len']} "
@@ -245,6 +252,7 @@ def main(argv: list[str]) -> int:
     from data_pipeline import ManifestError, ShardError
     from data_pipeline.remote import manifest_of
     from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.eval.start_memory import load_start_memory
 
     a = parse_args(argv)
     try:
@@ -265,10 +273,13 @@ def main(argv: list[str]) -> int:
                     base = a.ratio_base or model.cfg.mem_len
                     mem_len = max(0, round(ratio * base))
                 L = _lengths(model, a, mem_len)
+                start = load_start_memory(a.memory, model, a.batch_size, L["mem_len"]) if a.memory else None
                 r = run_one(model, meta, a.data, a.split, batch_size=a.batch_size, trams=_trams(a, L["mem_len"]),
                             max_segments=a.max_segments, metric=metric, device=a.device, bar=None,
-                            token_bytes=token_bytes, **L)
+                            token_bytes=token_bytes, memory=start, **L)
                 r["ckpt"] = str(ckpt)
+                if a.memory:
+                    r["memory"] = str(a.memory)
                 if ratio is not None:
                     r["mem_ratio"], r["ratio_base"] = ratio, base
                 print(_fmt(r), flush=True)
