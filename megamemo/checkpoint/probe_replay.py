@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from megamemo.model import Memory, MemTransformerLM
+from megamemo.model.scoring import score_segments
 from megamemo.util.precision import torch_dtype
 
 PROBE_FILE = "probe.safetensors"
@@ -52,10 +53,8 @@ def single_device_nll(model, memory: Memory | None, probe: dict) -> list[torch.T
     """The single-device model on the probe's segments, from `memory` (the probe's columns) or empty."""
     mem = None if probe["empty_start"] or memory is None or memory.length == 0 else memory
     out = []
-    with torch.no_grad():
-        for x, y, _ in probe["segments"]:
-            nll, mem = model(x, y, mem)
-            out.append(nll.float())
+    score_segments(model, ((x, y) for x, y, _ in probe["segments"]), memory=mem,
+                   on_segment=lambda scores, x, y, nll: out.append(nll.float()))
     return out
 
 

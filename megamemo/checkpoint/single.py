@@ -152,5 +152,19 @@ def load_single(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
 
 
 def load_memory(path) -> Memory | None:
-    f = Path(path) / "memory.safetensors"
-    return Memory.from_state_dict(load_file(str(verify_file(f)))) if f.is_file() else None
+    """The memory `convert --memory` wrote: PATH a single-device checkpoint directory (None when it holds no
+    memory.safetensors) or a memory file. A file beside a config.json that records it is checked against its size
+    and sha256 first; an unreadable one raises SingleCheckpointError naming it."""
+    f = Path(path)
+    if f.is_dir():
+        f = f / "memory.safetensors"
+        if not f.is_file():
+            return None
+    if not f.is_file():
+        raise SingleCheckpointError(f"{f}: missing")
+    if (f.parent / "config.json").is_file():
+        verify_file(f)
+    try:
+        return Memory.from_state_dict(load_file(str(f)))
+    except Exception as e:  # noqa: BLE001
+        raise SingleCheckpointError(f"{f}: not a memory file ({type(e).__name__}: {e})") from None

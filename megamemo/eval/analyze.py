@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megamemo.model.scoring import score_segments
 from megamemo.model.trams import forward as inspect_forward
 
 
@@ -73,24 +74,22 @@ class Recorder:
         return out
 
 
-@torch.no_grad()
 def analyze(model, batches, *, tgt_len: int, mem_len: int, segments: int, device=None) -> dict:
-    """Run `segments` segments; record the full-memory ones. -> the Recorder's result plus counts."""
-    model.eval()
-    device = device or next(model.parameters()).device
+    """Run `segments` segments (the one scorer, megamemo/model/scoring.py, with the inspectable forward); record
+    the full-memory ones. -> the Recorder's result plus counts."""
     cfg = model.cfg
     if not cfg.has_memory:
         raise ValueError(f"{cfg.variant!r} has no memory to analyse")
     rec = Recorder(cfg.n_layer, tgt_len, mem_len)
-    mem, used, seen = None, 0, 0
-    for inp, tgt in batches:
-        if seen >= segments:
-            break
-        seen += 1
-        inp, tgt = inp.to(device), tgt.to(device)
+    used = 0
+
+    def observed(model, inp, tgt, mem):
+        nonlocal used
         rec.active = mem is not None and mem.length == mem_len and inp.size(0) == tgt_len
         used += rec.active
-        _, mem = inspect_forward(model, inp, tgt, mem, mem_len=mem_len, observe=rec)
+        return inspect_forward(model, inp, tgt, mem, mem_len=mem_len, observe=rec)
+
+    seen = score_segments(model, batches, forward=observed, max_segments=segments, device=device).segments
     if used == 0:
         raise ValueError(f"no segment with a full memory of {mem_len} rows in {seen} segments: raise --segments")
     out = rec.result()

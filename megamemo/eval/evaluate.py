@@ -3,7 +3,7 @@
     megamemo eval --ckpt CKPT --data DIR|URL --split valid|test [--json OUT]
                   [--tgt-len N] [--mem-len N] [--clamp-len N] [--same-length | --no-same-length] [--batch-size B]
                   [--max-segments K] [--trams-topk K --trams-recent R [--trams-metric code|paper]]
-                  [--mem-ratios 1,2,4,... [--ratio-base N] [--plot FILE.png] [--table FILE.tsv]]
+                  [--mem-ratios 1,2,4,... [--ratio-base N] [--plot FILE.png] [--table FILE.tsv]] [--memory FILE]
 
 CKPT is a single-device checkpoint directory (megamemo/checkpoint/single.py) or a training run / checkpoint
 directory (converted in memory, see `megamemo convert`); --ckpt may be repeated to compare models.
@@ -20,6 +20,10 @@ depends on B because the first token of every column is never predicted.
 TRAMS: --mem-len is the pool (the cache), the current tokens attend to the newest --trams-recent rows plus the
 --trams-topk best older rows (see megamemo/model/trams.py). The TRAMS paper's setting is mem 400, topk 50, recent 150.
 
+--memory FILE starts every column from a saved memory instead of an empty one: the memory.safetensors that
+`megamemo convert to-single --memory COLUMNS` writes (or the converted directory holding it), one stream per column
+(its streams must be --batch-size), checked against the model and mem_len (megamemo/eval/start_memory.py).
+
 --mem-ratios runs the memory extrapolation sweep (the LaMemo paper's Figure 5): at the fixed --tgt-len, mem_len =
 ratio x base (--ratio-base, default the checkpoint's training mem_len), one evaluation per ratio and checkpoint;
 the table (TSV) and the plot (PNG) are written, and --json gets every result.
@@ -27,6 +31,7 @@ the table (TSV) and the plot (PNG) are written, and --json gets every result.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -34,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from megamemo.model.memory import Memory
+from megamemo.model.scoring import score_segments
 from megamemo.model.trams import METRICS, TramsConfig
 from megamemo.model.trams import forward as trams_forward
 from megamemo.util.units import metric_value
@@ -74,12 +81,12 @@ def token_bytes_of(data_dir, manifest: dict):
 
 
 # ---- the loop --------------------------------------------------------------------------------------------------
-@torch.no_grad()
 def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, trams: TramsConfig | None = None,
              max_segments: int = 0, device=None, log=None, total_segments: int | None = None,
              log_every: float = 10.0, bar: bool | None = False, token_bytes: torch.Tensor | None = None,
-             on_segment=None) -> dict:
-    """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried.
+             on_segment=None, memory: Memory | None = None) -> dict:
+    """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried from
+    `memory` (None: empty), through the one scorer (megamemo/model/scoring.py).
     Progress: a line to `log` every `log_every` seconds, or a tqdm bar (bar=True; None: on a terminal).
     token_bytes (int64 [V], subword corpora): also the UTF-8 bytes of the scored target tokens ("bytes").
     on_segment(nll [L, B], hit [L, B] bool): told each segment's per-token NLL and whether each target was the
@@ -89,47 +96,46 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
 
     if trams is not None and on_segment is not None:
         raise ValueError("on_segment is not available with TRAMS")
-    was_training = model.training
-    model.eval()
-    device = device or next(model.parameters()).device
-    total, count, seg = torch.zeros((), dtype=torch.float64, device=device), 0, 0
+    lengths = {"mem_len": mem_len, "same_length": same_length, "clamp_len": clamp_len}
+    forward = None
+    if trams is not None:
+        del lengths["mem_len"]                  # the TRAMS pool is the memory length
+        forward = functools.partial(trams_forward, select=trams)
+    elif on_segment is not None:
+        forward = functools.partial(_forward_with_hits, on_segment)
     n_bytes = 0
-    mem = None
     t0 = time.perf_counter()
     n_seg = min(total_segments, max_segments or total_segments) if total_segments else (max_segments or None)
     show = log is not None or bool(bar)
     progress = Progress("[eval]", total=n_seg, unit="seg", every=log_every if show else float("inf"),
                         bar=bar if show else False, log=log, line=_progress_line)
+
+    def counted(scores, inp, tgt, nll):
+        nonlocal n_bytes
+        if token_bytes is not None:
+            n_bytes += int(token_bytes[tgt.cpu()].sum())
+        progress.update(1, tokens=scores.tokens, nll=lambda: scores.mean)  # nll: a device sync, when shown
+
     try:
-        for inp, tgt in batches:
-            if max_segments and seg >= max_segments:
-                break
-            inp, tgt = inp.to(device), tgt.to(device)
-            if trams is None and on_segment is not None:
-                logp, mem = model(inp, None, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
-                nll = -logp.gather(2, tgt.long()[..., None]).squeeze(2)
-                on_segment(nll, logp.argmax(2) == tgt)
-            elif trams is None:
-                nll, mem = model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
-            else:
-                nll, mem = trams_forward(model, inp, tgt, mem, select=trams, same_length=same_length,
-                                         clamp_len=clamp_len)
-            total += nll.float().sum(dtype=torch.float64)
-            count += nll.numel()
-            if token_bytes is not None:
-                n_bytes += int(token_bytes[tgt.cpu()].sum())
-            seg += 1
-            progress.update(1, tokens=count, nll=lambda: float(total) / count)   # nll: a device sync, when shown
+        scores = score_segments(model, batches, memory=memory, forward=forward, max_segments=max_segments or None,
+                                device=device, on_segment=counted, **lengths)
     finally:
         progress.close()
-        model.train(was_training)
-    nll = float(total) / count if count else float("nan")
-    out = {"nll": nll, "tokens": count, "segments": seg, "seconds": time.perf_counter() - t0}
+    out = {"nll": scores.mean, "tokens": scores.tokens, "segments": scores.segments,
+           "seconds": time.perf_counter() - t0}
     if token_bytes is not None:
         from megamemo.util.units import bits_per_byte
 
-        out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(total), n_bytes)
+        out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(scores.nll), n_bytes)
     return out
+
+
+def _forward_with_hits(on_segment, model, inp, tgt, mem, **lengths):
+    """The model's log-probs: the targets' NLL, and whether each target was the most likely token (on_segment)."""
+    logp, mem = model(inp, None, mem, **lengths)
+    nll = -logp.gather(2, tgt.long()[..., None]).squeeze(2)
+    on_segment(nll, logp.argmax(2) == tgt)
+    return nll, mem
 
 
 def _progress_line(p) -> str:
@@ -148,12 +154,12 @@ def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
 def run_one(model, meta: dict, data_dir, split: str, *, tgt_len: int, mem_len: int, clamp_len: int,
             same_length: bool, batch_size: int, trams: TramsConfig | None = None, max_segments: int = 0,
             metric: str, device=None, log=print, bar: bool | None = False,
-            token_bytes: torch.Tensor | None = None) -> dict:
+            token_bytes: torch.Tensor | None = None, memory: Memory | None = None) -> dict:
     reader = open_batches(data_dir, split, batch_size, tgt_len)
     try:
         out = evaluate(model, reader, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, trams=trams,
                        max_segments=max_segments, device=device, log=log, total_segments=reader.steps_per_epoch,
-                       bar=bar, token_bytes=token_bytes)
+                       bar=bar, token_bytes=token_bytes, memory=memory)
     finally:
         reader.close()
     out[metric] = metric_value(out["nll"], metric)
@@ -191,6 +197,8 @@ def parse_args(argv):
     p.add_argument("--ratio-base", type=int, help="base of --mem-ratios (default: the checkpoint's mem_len)")
     p.add_argument("--plot", default="mem_sweep.png", help="sweep plot (PNG)")
     p.add_argument("--table", help="sweep table (TSV; default: the plot's name with .tsv)")
+    p.add_argument("--memory", help="start every column from this memory (memory.safetensors of `megamemo convert "
+                                    "to-single --memory`, or its directory; its streams must be --batch-size)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=(*PRECISIONS, "checkpoint"), default="checkpoint",
                    help="run the model in this dtype (default: as stored)")
@@ -228,6 +236,7 @@ def _fmt(r: dict) -> str:
     t = r.get("trams")
     extra = f" | TRAMS attend {t['attend']} of pool {t['pool']} (recent {t['recent']}, {t['metric']})" if t else ""
     bpb = f" | bits_per_byte {r['bits_per_byte']:.4f} ({r['bytes']:,} bytes)" if "bits_per_byte" in r else ""
+    extra += f" | from memory {r['memory']}" if "memory" in r else ""
     return (f"{r['ckpt']}: {r['split']} {m} {r[m]:.4f} (nll {r['nll']:.5f} nats/token, {r['tokens']:,} tokens)"
             f"{bpb} | "
             f"{r['variant']} tgt {r['tgt_len']} mem {r['mem_len']} clamp {r['clamp_len']} "
@@ -238,6 +247,7 @@ def main(argv: list[str]) -> int:
     from data_pipeline import ManifestError, ShardError
     from data_pipeline.remote import manifest_of
     from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.eval.start_memory import load_start_memory
 
     a = parse_args(argv)
     try:
@@ -258,10 +268,13 @@ def main(argv: list[str]) -> int:
                     base = a.ratio_base or model.cfg.mem_len
                     mem_len = max(0, round(ratio * base))
                 L = _lengths(model, a, mem_len)
+                start = load_start_memory(a.memory, model, a.batch_size, L["mem_len"]) if a.memory else None
                 r = run_one(model, meta, a.data, a.split, batch_size=a.batch_size, trams=_trams(a, L["mem_len"]),
                             max_segments=a.max_segments, metric=metric, device=a.device, bar=None,
-                            token_bytes=token_bytes, **L)
+                            token_bytes=token_bytes, memory=start, **L)
                 r["ckpt"] = str(ckpt)
+                if a.memory:
+                    r["memory"] = str(a.memory)
                 if ratio is not None:
                     r["mem_ratio"], r["ratio_base"] = ratio, base
                 print(_fmt(r), flush=True)

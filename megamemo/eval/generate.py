@@ -1,7 +1,8 @@
 """`megamemo generate`: sample a continuation of a prompt, carrying the recurrent memory token by token.
 
     megamemo generate --ckpt CKPT --prompt-file F --max-new-tokens N [--top-p 0.95] [--temperature 1.0]
-                      [--seed S] [--greedy] [--data SHARD_DIR] [--mem-len M] [--out FILE] [--json FILE]
+                      [--seed S] [--greedy] [--data SHARD_DIR] [--mem-len M] [--memory FILE] [--out FILE]
+                      [--json FILE]
 
 The prompt is encoded with the checkpoint's vocabulary (config.json meta "vocab", recorded by `megamemo convert`)
 or the shard directory's (--data, or the meta's data.dir): bytes/chars vocabularies read the file's raw bytes,
@@ -14,6 +15,8 @@ token sees as many past tokens as the last token of a training segment did. Tran
 same as re-encoding the whole context; LaMemo's memory is refreshed by look-ahead at every step (its segments are
 one token long), which is its recurrence at that segment length. A model without memory (rpe) has nothing to
 carry: each step re-encodes the last tgt_len tokens.
+--memory FILE starts from a saved memory instead of an empty one: one stream's, as `megamemo convert to-single
+--memory COLUMN` writes it (memory.safetensors, or the converted directory), so the prompt continues that stream.
 
 Sampling: softmax(log-probs / temperature) restricted to the smallest set of most likely tokens whose
 probability reaches top_p (nucleus sampling), renormalised, drawn with a CPU generator seeded by --seed, so a
@@ -52,16 +55,20 @@ def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
     return int(torch.multinomial(probs.detach().float().cpu(), 1, generator=gen))
 
 
+def default_mem_len(model) -> int:
+    """mem_len + tgt_len - 1: a one-token segment's query sees as many past tokens as a training segment's last."""
+    return model.cfg.mem_len + model.cfg.tgt_len - 1
+
+
 # ---- incremental decoding --------------------------------------------------------------------------------------
 class Decoder:
     """Feeds tokens to the model with memory carried and returns the next token's log-probabilities."""
 
-    def __init__(self, model, mem_len: int | None = None):
+    def __init__(self, model, mem_len: int | None = None, memory=None):
         self.model = model.eval()
-        c = model.cfg
-        self.mem_len = c.mem_len + c.tgt_len - 1 if mem_len is None else mem_len
+        self.mem_len = default_mem_len(model) if mem_len is None else mem_len
         self.device = next(model.parameters()).device
-        self.mem = None
+        self.mem = memory                     # None: empty; else one stream's memory (megamemo/eval/start_memory.py)
         self.history: list[int] = []          # only kept for models without memory
 
     @torch.no_grad()
@@ -88,11 +95,11 @@ class Decoder:
 
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, top_p: float = 0.95, temperature: float = 1.0,
              seed: int = 0, mem_len: int | None = None, return_logprobs: bool = False, log=None,
-             greedy: bool = False):
+             greedy: bool = False, memory=None):
     """-> new token ids (and, with return_logprobs, the log-probs [V] each one was sampled from); greedy: the most
-    likely token each time instead of a sample."""
+    likely token each time instead of a sample. memory: the stream's memory before the prompt (None: empty)."""
     gen = torch.Generator().manual_seed(seed)
-    dec = Decoder(model, mem_len)
+    dec = Decoder(model, mem_len, memory)
     t0 = time.perf_counter()
     logprobs = dec.feed(prompt_ids)
     t_prompt = time.perf_counter() - t0
@@ -182,6 +189,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--greedy", action="store_true", help="always the most likely token (no sampling)")
     p.add_argument("--data", help="shard directory whose vocabulary to use (default: the checkpoint's)")
     p.add_argument("--mem-len", type=int, help="memory length (default: mem_len + tgt_len - 1)")
+    p.add_argument("--memory", help="start from this stream's memory (memory.safetensors of `megamemo convert "
+                                    "to-single --memory COLUMN`, or its directory)")
     p.add_argument("--out", help="write the continuation here instead of stdout")
     p.add_argument("--json", help="write prompt/new token ids and the text here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -204,12 +213,17 @@ def main(argv: list[str]) -> int:
         if a.max_new_tokens < 0:
             raise ValueError("--max-new-tokens must be >= 0")
         nucleus_probs(torch.zeros(2), a.top_p, a.temperature)       # argument checks
+        start = None
+        if a.memory:
+            from megamemo.eval.start_memory import load_start_memory
+            start = load_start_memory(a.memory, model, 1, default_mem_len(model) if a.mem_len is None else a.mem_len,
+                                      what="generate continues one: convert with --memory COLUMN")
     except (ValueError, OSError, ManifestError, SingleCheckpointError) as e:
         print(f"megamemo generate: error: {e}", file=sys.stderr)
         return 2
     new = generate(model, prompt, a.max_new_tokens, top_p=a.top_p, temperature=a.temperature, seed=a.seed,
                    mem_len=a.mem_len, log=lambda m: print(m, file=sys.stderr, flush=True),
-                   greedy=a.greedy) if a.max_new_tokens else []
+                   greedy=a.greedy, memory=start) if a.max_new_tokens else []
     text = vocab.decode(new)
     if a.out:
         Path(a.out).write_text(text)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from megamemo.checkpoint.single import SingleCheckpointError, save_single
+from megamemo.model.scoring import score_segments
 
 
 class ReferenceImportError(SingleCheckpointError):
@@ -52,11 +51,15 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
             "reference_config": {k: v for k, v in ref_cfg.items() if isinstance(v, (int, float, bool, str, list))
                                  or v is None}}
     if all(k in g for k in ("inputs", "targets", "nll")):
-        mem, worst = None, 0.0
-        with torch.no_grad():
-            for x, y, want in zip(g["inputs"], g["targets"], g["nll"]):
-                nll, mem = model(x, y, mem)
-                worst = max(worst, float((nll.float() - want.float()).abs().max()))
+        worst = 0.0
+
+        def compare(scores, x, y, nll):
+            nonlocal worst
+            want = g["nll"][scores.segments - 1]
+            worst = max(worst, float((nll.float() - want.float()).abs().max()))
+
+        score_segments(model, zip(g["inputs"], g["targets"]), on_segment=compare,
+                       max_segments=len(g["nll"]))
         if worst > 1e-5:
             raise ReferenceImportError(f"{src}: the imported model's NLL differs from the file's reference NLL by "
                                        f"{worst:.3g} (> 1e-5); nothing written")

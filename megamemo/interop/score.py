@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from megamemo.model.scoring import score_segments
+
 from .reference import ReferenceFormatError, import_reference, load_weights_only
 
 KNOWN_KEYS = {"name", "reference", "model_class", "config", "seed", "init", "state_dict", "param_names", "stream",
@@ -34,13 +36,10 @@ def load_reference_file(path: str) -> dict:
     return g
 
 
-@torch.no_grad()
 def score(g: dict) -> list[torch.Tensor]:
     model = import_reference(g["config"], g["state_dict"]).eval()
-    mem, out = None, []
-    for x, y in zip(g["inputs"], g["targets"]):
-        nll, mem = model(x, y, mem)
-        out.append(nll.float())
+    out = []
+    score_segments(model, zip(g["inputs"], g["targets"]), on_segment=lambda s, x, y, nll: out.append(nll.float()))
     return out
 
 

@@ -10,7 +10,7 @@ from .adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from .config import ModelConfig
 from .dropout import Dropout
 from .layers import LaMemoLayer, XLLayer
-from .memory import Memory
+from .memory import Memory, xl_update
 from .positions import causal_mask, position_sequence, sinusoid
 
 
@@ -160,9 +160,7 @@ class MemTransformerLM(nn.Module):
         if mem_len > 0:
             with torch.no_grad():
                 for l, x in enumerate(hids):
-                    old = mem.get(f"hid.{l}")
-                    cat = x if old is None else torch.cat([old, x.to(old.dtype)], 0)
-                    new[f"hid.{l}"] = cat[max(0, cat.size(0) - mem_len):].detach()
+                    new[f"hid.{l}"] = xl_update(mem.get(f"hid.{l}"), x, mem_len)
         return self.drop(h), Memory(new, batch_size=h0.size(1))
 
     def _encode_lamemo(self, h0, mem, pos_emb, mask, mem_len, hooks):
@@ -177,6 +175,5 @@ class MemTransformerLM(nn.Module):
                 layer, rows, M, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len,
                 *hooks[l], mem_rows_out=l < top)  # the top layer's memory rows would be thrown away
         with torch.no_grad():
-            cat = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
-            new["emb"] = cat[max(0, cat.size(0) - mem_len):].detach()
+            new["emb"] = xl_update(emb, h0, mem_len)
         return self.drop(rows[rows.size(0) - h0.size(0):]), Memory(new, batch_size=h0.size(1))

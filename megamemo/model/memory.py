@@ -13,6 +13,16 @@ from __future__ import annotations
 import torch
 
 
+def xl_update(old: torch.Tensor | None, new: torch.Tensor, mem_len: int) -> torch.Tensor:
+    """The Transformer-XL memory update, the one place it is written: [old; new] along time (dim 0), of which the
+    last mem_len rows are kept, detached. The new rows take the old memory's dtype (a memory stays in the dtype it
+    was made or loaded in); without an old memory they are kept as they come. Used for XL's per-layer hidden states
+    and LaMemo's embedding FIFO, by the single-device model (lm.py) and the pipeline stages (parallel/pipeline.py);
+    TRAMS runs the model's own forward, so it uses it too."""
+    cat = new if old is None else torch.cat([old, new.detach().to(old.dtype)], 0)
+    return cat[max(0, cat.size(0) - mem_len):].detach()
+
+
 class Memory:
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None, batch_size: int | None = None):
         self.tensors = dict(tensors or {})

@@ -16,7 +16,7 @@ the memory rows and the current segment together, so the memory rows travel thro
 cross ranks through DeepSpeed's p2p, so both live on the communication device (NCCL takes no CPU tensor); inside a
 stage the layers read meta as Python ints (StageContext.meta_ints: one host sync per stage and micro-batch).
 
-Memory: each stage holds a MemoryBank with the memory of its own layers (XL: hid.l; LaMemo: ctx.l, lse.l, and emb
+Memory: each stage holds a StageMemory with the memory of its own layers (XL: hid.l; LaMemo: ctx.l, lse.l, and emb
 on the first stage), one set per micro-batch (each micro-batch is a fixed group of streams). Forward passes write
 into `pending`; the loop calls `commit()` once the step is complete, so recomputation (activation checkpointing)
 or a replayed forward never advances memory twice.
@@ -34,11 +34,13 @@ from torch.utils.checkpoint import checkpoint
 
 from megamemo.model.dropout import Dropout
 from megamemo.model.layers import LaMemoLayer, XLLayer
+from megamemo.model.memory import xl_update
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 
 
-class MemoryBank:
-    """Memory tensors of one stage: current[mb][name], written through pending until commit()."""
+class StageMemory:
+    """The memory tensors of one stage's layers, per micro-batch: current[mb][name], written through pending until
+    commit()."""
 
     def __init__(self):
         self.current: dict[int, dict[str, torch.Tensor]] = {}
@@ -78,7 +80,7 @@ class StageContext:
 
     def __init__(self, cfg, tp: int = 1, tp_rank: int = 0):
         self.cfg = cfg
-        self.bank = MemoryBank()
+        self.bank = StageMemory()
         self.rel_bias = None
         # the lengths the layers run with; validation swaps in its own (train/validate.py)
         self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
@@ -130,7 +132,7 @@ class EmbedPipe(nn.Module):
         emb = ctx.bank.get(mb, "emb") if ctx.cfg.lamemo else None
         out = h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)
         if ctx.cfg.lamemo:
-            ctx.bank.put(mb, "emb", out[max(0, out.size(0) - ctx.mem_len):])
+            ctx.bank.put(mb, "emb", xl_update(emb, h0, ctx.mem_len))
         values = (mb, 0 if emb is None else emb.size(0), L)
         return out, ctx.remember_meta(stage_meta(*values, device=tokens.device), values)
 
@@ -211,8 +213,7 @@ class LayerPipe(nn.Module):
             return rows, meta
         out = self.layer(rows, mem, pos_emb, b.r_w_bias, b.r_r_bias, mask)
         if mem_len > 0:
-            cat = rows if mem is None else torch.cat([mem, rows.detach().to(mem.dtype)], 0)
-            bank.put(mb, f"hid.{l}", cat[max(0, cat.size(0) - mem_len):])
+            bank.put(mb, f"hid.{l}", xl_update(mem, rows, mem_len))
         return out, meta
 
 

@@ -45,7 +45,7 @@ class DivergedError(RuntimeError):
     pass
 
 
-class MemoryBank:
+class MicroBatchMemories:
     """The committed memory of each micro-batch of this rank (saved through resumable.MemoryState)."""
 
     def __init__(self, n_micro: int, micro_batch: int, device):
@@ -85,7 +85,7 @@ class Trainer:
         self.rank_extra = rank_extra or {}
         self.loss_factor = 0.5 if cfg.optim.half_loss else 1.0
         self.stage = stage          # pipeline parallel: the memory lives in this stage's bank, per micro-batch
-        self.memory = MemoryBank(self.n_micro, micro_batch, engine.device) if stage is None else stage.bank
+        self.memory = MicroBatchMemories(self.n_micro, micro_batch, engine.device) if stage is None else stage.bank
         self.model_parallel = cfg.parallel.tp * cfg.parallel.pp   # ranks that hold the same streams
         self.cursor = DataCursor(reader, log=print if rank == 0 else (lambda *a, **k: None))
         self.counters = Counters(step=0, skipped=0, tokens=0)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megamemo.checkpoint.probe_replay import PROBE_FILE, SEGMENTS
+from megamemo.model.scoring import score_segments
 
 
 def probe_streams(micro_batch: int) -> int:
@@ -90,15 +91,9 @@ def _run_module(trainer, batches, P, empty) -> list[torch.Tensor]:
     mem = None if empty else trainer.memory.mems[0].select_batch(slice(0, P))
     if mem is not None and mem.length == 0:
         mem = None
-    was = module.training
-    module.eval()
     out = []
-    try:
-        for x, y in batches:
-            nll, mem = module(x, y, mem)
-            out.append(nll)
-    finally:
-        module.train(was)
+    score_segments(module, batches, memory=mem, device=trainer.engine.device,
+                   on_segment=lambda scores, x, y, nll: out.append(nll))
     return out
 
 
@@ -107,19 +102,24 @@ def _run_pipeline(trainer, batches, P, empty) -> list[torch.Tensor]:
     saved_current, saved_pending = bank.current, bank.pending
     start = {} if empty else {n: t[:, :P] for n, t in saved_current.get(0, {}).items()}
     bank.current, bank.pending = ({0: start} if start else {}), {}
-    was = ds.module.training
+    tp = int(trainer.rank_extra.get("layout", {}).get("tp", 1))
+
+    def stage_forward(module, x, y, mem):
+        """One segment through DeepSpeed's eval schedule; the memory is the stages' banks. -> (NLL on the last
+        stage, none elsewhere; None)."""
+        res = ds.eval_batch(iter([((x, torch.tensor([0, 0, 0])), y)]), return_logits=True, compute_loss=True,
+                            bcast_loss=False, num_micro_batches=1)
+        bank.commit()
+        if not ds.is_last_stage():
+            return torch.zeros(0, device=x.device), None
+        return _token_nll(res[1] if isinstance(res, tuple) else None, y, tp), None
+
     out = []
     try:
-        for x, y in batches:
-            res = ds.eval_batch(iter([((x, torch.tensor([0, 0, 0])), y)]), return_logits=True, compute_loss=True,
-                                bcast_loss=False, num_micro_batches=1)
-            bank.commit()
-            logits = res[1] if isinstance(res, tuple) else None
-            if ds.is_last_stage():
-                out.append(_token_nll(logits, y, int(trainer.rank_extra.get("layout", {}).get("tp", 1))))
+        score_segments(ds.module, batches, forward=stage_forward, device=trainer.engine.device,
+                       on_segment=lambda scores, x, y, nll: out.append(nll) if ds.is_last_stage() else None)
     finally:
         bank.current, bank.pending = saved_current, saved_pending
-        ds.module.train(was)
     return out
 
 

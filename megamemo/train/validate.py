@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megamemo.config.run import RunConfig
+from megamemo.model.scoring import score_segments
 
 
 def eval_lengths(cfg: RunConfig) -> dict:
@@ -42,22 +43,12 @@ class Evaluator:
                 break
             yield inp.to(self.device), tgt.to(self.device)
 
-    @torch.no_grad()
     def score(self) -> torch.Tensor:
         """This rank's [sum of token NLLs, tokens] (float64) over its streams of the split."""
-        model = self.module_fn()
-        was_training = model.training
-        model.eval()
         L = self.lengths
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        mem = None
-        for inp, tgt in self.segments():
-            nll, mem = model(inp, tgt, mem, mem_len=L["mem_len"], same_length=L["same_length"],
-                             clamp_len=L["clamp_len"])
-            total[0] += nll.float().sum(dtype=torch.float64)
-            total[1] += nll.numel()
-        model.train(was_training)
-        return total
+        s = score_segments(self.module_fn(), self.segments(), device=self.device, mem_len=L["mem_len"],
+                           same_length=L["same_length"], clamp_len=L["clamp_len"])
+        return _totals(s)
 
     def run(self, step: int) -> float:
         t0 = time.perf_counter()
@@ -85,48 +76,55 @@ class PipelineEvaluator(Evaluator):
         self.engine_fn, self.stage = engine_fn, stage
         self.replicas = 1
 
-    @torch.no_grad()
     def score(self) -> torch.Tensor:
-        from deepspeed.runtime.pipe import p2p
+        from megamemo.parallel.pipeline import StageMemory
 
-        from megamemo.parallel.pipeline import MemoryBank, stage_input, token_nll
-
-        ds, ctx = self.engine_fn(), self.stage
-        module = self.module_fn()
-        dtype = next(module.parameters()).dtype
-        was_training = module.training
+        ctx, L = self.stage, self.lengths
         saved = ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length
-        L = self.lengths
-        ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = (MemoryBank(), L["mem_len"], L["clamp_len"],
+        ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = (StageMemory(), L["mem_len"], L["clamp_len"],
                                                                  L["same_length"])
-        module.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         try:
-            for inp, tgt in self.segments():
-                if ds.is_first_stage():
-                    x = stage_input(inp, 0)                                         # micro-batch 0
-                else:
-                    shape = torch.empty(3, dtype=torch.long, device=self.device)
-                    p2p.recv(shape, ds.prev_stage)
-                    rows = torch.empty(*shape.tolist(), dtype=dtype, device=self.device)
-                    meta = torch.empty(3, dtype=torch.long, device=self.device)
-                    p2p.recv(rows, ds.prev_stage)
-                    p2p.recv(meta, ds.prev_stage)
-                    x = (rows, meta)
-                out = module(x)
-                if not ds.is_last_stage():
-                    rows, meta = out
-                    p2p.send(torch.tensor(rows.shape, dtype=torch.long, device=self.device), ds.next_stage)
-                    p2p.send(rows.contiguous(), ds.next_stage)
-                    p2p.send(meta, ds.next_stage)
-                else:
-                    nll = token_nll(out, tgt, vocab_parallel=ctx.tp > 1)    # collective over TP ranks
-                    if ctx.tp_rank == 0:
-                        total[0] += nll.sum(dtype=torch.float64)
-                        total[1] += nll.numel()
-                ctx.bank.commit()
+            return _totals(score_segments(self.module_fn(), self.segments(), device=self.device,
+                                          forward=self._stage_forward))
         finally:
             ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = saved
-            module.train(was_training)
-        return total
+
+    def _stage_forward(self, module, inp, tgt, mem):
+        """One segment through this stage (the scorer's forward): -> (the NLL this rank counts, None). The memory
+        is the stage's bank, not a value: only the last stage's first TP rank counts tokens, the others return no
+        elements."""
+        from deepspeed.runtime.pipe import p2p
+
+        from megamemo.parallel.pipeline import stage_input, token_nll
+
+        ds, ctx = self.engine_fn(), self.stage
+        if ds.is_first_stage():
+            x = stage_input(inp, 0)                                         # micro-batch 0
+        else:
+            shape = torch.empty(3, dtype=torch.long, device=self.device)
+            p2p.recv(shape, ds.prev_stage)
+            rows = torch.empty(*shape.tolist(), dtype=next(module.parameters()).dtype, device=self.device)
+            meta = torch.empty(3, dtype=torch.long, device=self.device)
+            p2p.recv(rows, ds.prev_stage)
+            p2p.recv(meta, ds.prev_stage)
+            x = (rows, meta)
+        out = module(x)
+        counted = torch.zeros(0, device=self.device)
+        if not ds.is_last_stage():
+            rows, meta = out
+            p2p.send(torch.tensor(rows.shape, dtype=torch.long, device=self.device), ds.next_stage)
+            p2p.send(rows.contiguous(), ds.next_stage)
+            p2p.send(meta, ds.next_stage)
+        else:
+            nll = token_nll(out, tgt, vocab_parallel=ctx.tp > 1)    # collective over TP ranks
+            if ctx.tp_rank == 0:
+                counted = nll
+        ctx.bank.commit()
+        return counted, None
+
+
+def _totals(scores) -> torch.Tensor:
+    """[sum of token NLLs, tokens] (float64, on the scores' device): what the ranks all-reduce."""
+    return torch.stack([scores.nll, torch.tensor(float(scores.tokens), dtype=torch.float64,
+                                                 device=scores.nll.device)])
 
