@@ -169,6 +169,7 @@ def main(argv: list[str]) -> int:
     from data_pipeline import ManifestError, ShardError
     from megamemo.checkpoint.convert import load_model
     from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.kernels import apply_kernels
     from megamemo.evaluate import open_batches
 
     results = []
@@ -176,6 +177,7 @@ def main(argv: list[str]) -> int:
         for ckpt in a.ckpt:
             model, _ = load_model(ckpt)
             model = model.to(a.device)
+            apply_kernels(model, "auto", a.device)
             L = a.tgt_len or model.cfg.tgt_len
             M = model.cfg.mem_len if a.mem_len is None else a.mem_len
             reader = open_batches(a.data, a.split, a.batch_size, L)

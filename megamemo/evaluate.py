@@ -206,10 +206,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def load_for_eval(path, device, dtype: str = "checkpoint"):
     from megamemo.checkpoint.convert import load_model
+    from megamemo.kernels import apply_kernels
 
     model, meta = load_model(path)
     if dtype != "checkpoint":
         model = model.to(DTYPES[dtype])
+    apply_kernels(model, "auto", device)    # the CPU's attention masking on a CPU, plain PyTorch elsewhere
     return model.to(device).eval(), meta
 
 

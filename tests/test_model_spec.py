@@ -6,6 +6,7 @@ import torch
 
 from megamemo.model import MemTransformerLM, ModelConfig
 
+from kernel_paths import PATHS, on_path
 from spec_oracle import run_segment
 
 CASES = [
@@ -23,12 +24,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("variant,L,mem_len,eval_mem,same_length,clamp", CASES)
-def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp):
+def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp, path):
     torch.manual_seed(0)
     cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=24,
                       dropout=0.0, tgt_len=L, mem_len=mem_len, init_std=0.3, proj_init_std=0.3)
-    model = MemTransformerLM(cfg).eval()
+    model = on_path(MemTransformerLM(cfg), path).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:

@@ -69,6 +69,7 @@ def test_lower_floors_import_nothing_from_higher_ones():
         "megamemo.typed": (),
         "megamemo.progress": (),
         "megamemo.model": ("megamemo.model", "megamemo.typed"),
+        "megamemo.kernels": ("megamemo.kernels", "megamemo.model", "megamemo.typed"),
         "megamemo.parallel": ("megamemo.model", "megamemo.parallel", "megamemo.typed"),
         "megamemo.checkpoint": ("megamemo.checkpoint", "megamemo.model", "megamemo.typed", "megamemo.progress",
                                 "megamemo.interop",

@@ -66,14 +66,23 @@ def _position_term(qs, bias_s, r_rows):
     return torch.bmm(x, r_rows.transpose(1, 2)).view(n, B, Q, r_rows.size(1))
 
 
-def _normalise(score, mask, v, drop, lse):
+def mask_scores(score, mask):
+    """score [..., Q, K] (fp32, changed in place) with the hidden pairs (mask [Q, K] True) at -inf: torch's
+    masked_fill. The attention functions take another form as `masking` (megamemo.kernels: a cheaper one on CPU)."""
+    return score.masked_fill_(mask, float("-inf"))
+
+
+def _normalise(score, mask, v, drop, lse, masking=mask_scores):
     """score [n,B,Q,K] (a fresh tensor, any dtype) -> (context [n,B,Q,dh] in v's dtype, log-normaliser [n,B,Q]
-    fp32). mask [Q,K] bool (True = hidden) is added as a 0/-inf bias (cheaper than masked_fill on CPU); every row
-    keeps at least one key. `drop` (attention dropout, a module or None) is applied to the probabilities, not to
-    the normaliser. lse: "grad" (a differentiable normaliser), "value" (for detached caches: no autograd),
-    "none" (not needed)."""
-    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(mask, float("-inf"))
-    score = score.float().add_(bias)
+    fp32). mask [Q,K] bool (True = hidden) is applied by `masking`; every row keeps at least one key. `drop`
+    (attention dropout, a module or None) is applied to the probabilities, not to the normaliser. lse: "grad" (a
+    differentiable normaliser), "value" (for detached caches: no autograd), "none" (not needed).
+
+    Not torch's scaled_dot_product_attention: LaMemo's look-ahead and memory interpolation need each row's
+    log-normaliser, which it does not return, and the score's relative-position term is a dense per-stream [Q,K]
+    tensor that it would take as an additive attn_mask, so no fused kernel would spare materialising it; the
+    explicit softmax keeps one code path for every variant and for the tensor-parallel dropout streams."""
+    score = masking(score.float(), mask)
     norm = None
     if lse == "grad":
         prob, norm = _SoftmaxLSE.apply(score)
@@ -88,16 +97,17 @@ def _normalise(score, mask, v, drop, lse):
     return prob @ v, norm
 
 
-def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad"):
+def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad", masking=mask_scores):
     """Transformer-XL relative attention of L current queries over klen = M + L keys.
 
     q [n,B,L,dh]; k, v [n,B,klen,dh]; r [n,>=klen,dh]: R row c holds distance klen-1-c (rows past klen are
     ignored); u, vb [n,dh] content and position biases; mask [L,klen] bool (True = hidden, at least every
-    future key). score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale  (the scale applied to the queries).
+    future key); masking applies it (see mask_scores). score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale
+    (the scale applied to the queries).
     Query i (position M+i) and key j are M+i-j apart: R row L-1-i+j, a skewed diagonal read with rel_shift from
     the products with klen+1 rows of R (the one past klen only ever meets masked future keys).
     """
-    return _normalise(causal_scores(q, k, r, u, vb, scale), mask, v, drop, lse)
+    return _normalise(causal_scores(q, k, r, u, vb, scale), mask, v, drop, lse, masking)
 
 
 def causal_scores(q, k, r, u, vb, scale):
@@ -109,7 +119,7 @@ def causal_scores(q, k, r, u, vb, scale):
     return ac.add_(rel_shift(bd, L - 1, klen))
 
 
-def lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="grad"):
+def lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="grad", masking=mask_scores):
     """LaMemo's look-ahead: M memory queries attend to the Nk keys at positions [M-Nk+1, M] that lie after them.
 
     qm [n,B,M,dh]; k, v [n,B,Nk,dh]; r_fut [n,>=M,dh]: row t holds future distance t+1; vf [n,dh] the look-ahead
@@ -120,7 +130,7 @@ def lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="gra
     qs = qm * scale
     ac = (qs + (u * scale)[:, None, None]) @ k.transpose(-1, -2)
     bd = _position_term(qs, vf * scale, _rows(r_fut, M + 1))
-    return _normalise(ac.add_(rel_shift(bd, M - nk, nk)), mask, v, drop, lse)
+    return _normalise(ac.add_(rel_shift(bd, M - nk, nk)), mask, v, drop, lse, masking)
 
 
 def interpolate(c_old, s_old, a, s_new):

@@ -167,6 +167,11 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     _seed_all(cfg.train.seed)               # identical initial weights on every rank
     model, mpu, stage = build_model(cfg)
     engine = Engine(cfg, model, micro, dp, mpu=mpu)
+    from megamemo.kernels import apply_kernels
+    try:                                    # CPU kernels on a CPU device (train.kernels; megamemo/kernels/)
+        apply_kernels(model, cfg.train.kernels, engine.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     rss.mark("built")
     if getattr(engine.device, "type", str(engine.device)) == "cuda" and hasattr(model, "check_inputs"):
         model.check_inputs = False          # ids were checked against the manifest's vocabulary at start-up; on a
