@@ -79,9 +79,8 @@ def _normalise(score, mask, v, drop, lse, masking=mask_scores):
     differentiable normaliser), "value" (for detached caches: no autograd), "none" (not needed).
 
     Not torch's scaled_dot_product_attention: LaMemo's look-ahead and memory interpolation need each row's
-    log-normaliser, which it does not return, and the score's relative-position term is a dense per-stream [Q,K]
-    tensor that it would take as an additive attn_mask, so no fused kernel would spare materialising it; the
-    explicit softmax keeps one code path for every variant and for the tensor-parallel dropout streams."""
+    log-normaliser, which it does not return, and attention dropout is a module here (under tensor parallelism
+    it draws from the rank's own stream). Where neither is needed causal_attention uses it (_fused_causal)."""
     score = masking(score.float(), mask)
     norm = None
     if lse == "grad":
@@ -106,8 +105,27 @@ def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad", mask
     (the scale applied to the queries).
     Query i (position M+i) and key j are M+i-j apart: R row L-1-i+j, a skewed diagonal read with rel_shift from
     the products with klen+1 rows of R (the one past klen only ever meets masked future keys).
+    With the plain masking, no normaliser asked for (lse="none": Transformer-XL's layers) and no attention
+    dropout drawn, torch's scaled_dot_product_attention computes it (_fused_causal).
     """
+    if lse == "none" and masking is mask_scores and not _drops(drop):
+        return _fused_causal(q, k, v, r, u, vb, mask, scale), None
     return _normalise(causal_scores(q, k, r, u, vb, scale), mask, v, drop, lse, masking)
+
+
+def _drops(drop) -> bool:
+    """Whether the attention-dropout module (or None) would drop anything now."""
+    return drop is not None and drop.training and drop.p > 0
+
+
+def _fused_causal(q, k, v, r, u, vb, mask, scale):
+    """causal_attention's context by torch's scaled_dot_product_attention: the content term (q+u).k is its own
+    product, the position term (q+vb).R and the mask are its additive attn_mask (in q's dtype, as it requires).
+    Its kernels (flash/memory-efficient on CUDA) keep no [L,klen] probabilities for the backward."""
+    L, klen = q.size(2), k.size(2)
+    bd = _position_term(q * scale, vb * scale, _rows(r, klen + 1))
+    bias = rel_shift(bd, L - 1, klen).masked_fill(mask, float("-inf")).to(q.dtype)
+    return F.scaled_dot_product_attention(q + u[:, None, None], k, v, attn_mask=bias, scale=scale)
 
 
 def causal_scores(q, k, r, u, vb, scale):

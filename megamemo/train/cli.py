@@ -169,7 +169,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     engine = Engine(cfg, model, micro, dp, mpu=mpu)
     from megamemo.kernels import apply_kernels
     try:                                    # CPU kernels on a CPU device (train.kernels; megamemo/kernels/)
-        apply_kernels(model, cfg.train.kernels, engine.device)
+        kernels = apply_kernels(model, cfg.train.kernels, engine.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     rss.mark("built")
@@ -214,7 +214,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
         n_param = sum(p.numel() for p in model.parameters())
         log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
-            f"ZeRO {cfg.parallel.zero_stage} | run dir {run_dir} | "
+            f"ZeRO {cfg.parallel.zero_stage} | {kernels} kernels | run dir {run_dir} | "
             + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")
             + f" | {format_flops(fpt)}/token, peak {peak.source}")
     return trainer
