@@ -121,7 +121,7 @@ def _drops(drop) -> bool:
 def _fused_causal(q, k, v, r, u, vb, mask, scale):
     """causal_attention's context by torch's scaled_dot_product_attention: the content term (q+u).k is its own
     product, the position term (q+vb).R and the mask are its additive attn_mask (in q's dtype, as it requires).
-    Its kernels (flash/memory-efficient on CUDA) keep no [L,klen] probabilities for the backward."""
+    Its memory-efficient kernel on CUDA keeps no [L,klen] probabilities for the backward."""
     L, klen = q.size(2), k.size(2)
     bd = _position_term(q * scale, vb * scale, _rows(r, klen + 1))
     bias = rel_shift(bd, L - 1, klen).masked_fill(mask, float("-inf")).to(q.dtype)
