@@ -221,6 +221,7 @@ def zero_step_seconds_per_param(repeat: int, world: int = 1, weights: int = 8) -
 def layer_overhead_seconds(repeat: int) -> float:
     """Host time of one LaMemo layer's forward + backward whatever its size: a tiny model (d_model 16, one stream)
     with 6 and with 2 layers, the difference over 4 (the embedding and loss cancel)."""
+    from megamemo.kernels import apply_kernels
     from megamemo.model import MemTransformerLM, ModelConfig
 
     torch.set_num_threads(1)
@@ -229,6 +230,7 @@ def layer_overhead_seconds(repeat: int) -> float:
         cfg = ModelConfig(variant="lamemo", n_token=16, n_layer=n, d_model=16, n_head=2, d_head=8, d_inner=32,
                           dropout=0.0, tgt_len=32, mem_len=32)
         model = MemTransformerLM(cfg).train()
+        apply_kernels(model, "auto", "cpu")                 # as `megamemo train` on this CPU
         x = torch.randint(0, 16, (32, 1))
         _, mem = model(x, x)
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from megamemo.kernels import KERNELS, apply_kernels
 from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.flops import step_flops
@@ -71,7 +72,7 @@ def sync(device):
 class Runner:
     """One model (megamemo's, or the reference's with `ref`), its optimizer and its memory."""
 
-    def __init__(self, name, cfg: ModelConfig, batch, device, precision, ref=None):
+    def __init__(self, name, cfg: ModelConfig, batch, device, precision, ref=None, kernels="auto"):
         self.name, self.cfg, self.batch, self.device, self.precision = name, cfg, batch, device, precision
         torch.manual_seed(0)
         if ref is None:
@@ -87,6 +88,8 @@ class Runner:
                     p.normal_(0.0, 0.02)
         self.ref = ref is not None
         self.model.to(device).train()
+        if ref is None:
+            apply_kernels(self.model, kernels, device)  # as training does (train.kernels; megamemo/kernels/)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, fused=True)  # as training (optim.fused)
         self.mem, self.s = (tuple() if self.ref else None), 0
         self.flops = step_flops(cfg, batch)              # megamemo/model/flops.py
@@ -200,7 +203,7 @@ def side_by_side(args, device, ref_module, w) -> None:
                                        f" ({torch.cuda.get_device_name(device)})"))
         for precision in args.precision:
             runners = {v: Runner(v, model_config(args, REFERENCE.get(v, (v,))[0]), args.batch, device, precision,
-                                 ref=ref_module if v in REFERENCE else None) for v in names}
+                                 ref=ref_module if v in REFERENCE else None, kernels=args.kernels) for v in names}
             probe = PeakProbe(runners[names[0]].cfg, args.batch, precision) if device.type == "cpu" else None
             times = interleaved(runners, args.steps, args.warmup, probe)
             if probe is not None:
@@ -228,7 +231,7 @@ def config_shapes(args, device) -> None:
         batch = args.gpu_batch or cfg.data.batch_size
         prec = cfg.precision.dtype
         try:
-            r = Runner(cfg.model.variant, cfg.model, batch, device, prec)
+            r = Runner(cfg.model.variant, cfg.model, batch, device, prec, kernels=args.kernels)
             times = interleaved({"m": r}, args.gpu_steps, args.warmup)["m"]
         except torch.cuda.OutOfMemoryError:
             print(f"{Path(path).name:<20}out of memory at batch {batch}: pass a smaller --gpu-batch")
@@ -247,7 +250,7 @@ def profile_step(variant, args, top=14, steps=3):
     """The top ops of `steps` fp32 CPU steps after warm-up, by self CPU time (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    r = Runner(variant, model_config(args, variant), args.batch, torch.device("cpu"), "fp32")
+    r = Runner(variant, model_config(args, variant), args.batch, torch.device("cpu"), "fp32", kernels=args.kernels)
     for _ in range(args.warmup):
         r.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -284,6 +287,9 @@ def main():
     ap.add_argument("--gpu-batch", type=int, help="batch for --configs (default: each config's data.batch_size)")
     ap.add_argument("--gpu-steps", type=int, default=10, help="timed steps per --configs model")
     ap.add_argument("--profile", action="store_true", help="also print the top ops of lamemo and xl (1 thread)")
+    ap.add_argument("--kernels", choices=KERNELS, default="auto",
+                    help="megamemo's execution path, as train.kernels: auto (the CPU kernels on the CPU, plain "
+                         "PyTorch on CUDA), plain or cpu (megamemo/kernels/)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave glibc's malloc as it is (megamemo's commands keep freed memory: megamemo/runtime/allocator.py)")
     args = ap.parse_args()
@@ -295,7 +301,7 @@ def main():
     print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
           f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
           f"dropout {args.dropout}; step = forward + backward + Adam, best of {args.steps} interleaved rounds; "
-          f"malloc {'tuned (megamemo.runtime.allocator)' if tuned else 'glibc default'}")
+          f"malloc {'tuned (megamemo.runtime.allocator)' if tuned else 'glibc default'}; kernels {args.kernels}")
     print("reference code: " + (f"{args.reference_code} (ref-lamemo: attn_type 3, ref-xl: attn_type 0)" if ref
                                 else "not given (--reference-code DIR to time thu-coai/LaMemo beside megamemo)"))
     for dev in args.device:

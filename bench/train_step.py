@@ -36,12 +36,14 @@ def plain_loop(config: str, data: str, steps: int, warmup: int, sets: list[str])
 
     from data_pipeline import StreamReader
     from megamemo.config.run import load
+    from megamemo.kernels import apply_kernels
     from megamemo.model import MemTransformerLM
     from megamemo.train.engine import make_optimizer, schedule
 
     cfg = load(config, [f"data.dir={data}", *sets])
     torch.manual_seed(cfg.train.seed)
     model = MemTransformerLM(cfg.model)
+    apply_kernels(model, cfg.train.kernels, "cpu")          # as `megamemo train` on this CPU (megamemo/kernels/)
     opt = make_optimizer(cfg, model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
     reader = StreamReader(data, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, roll=cfg.data.roll,

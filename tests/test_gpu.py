@@ -1,5 +1,6 @@
 """On one CUDA GPU (`pytest -m gpu tests/test_gpu.py`; deselected where torch sees no CUDA device, see conftest):
-  * the golden reference cases in fp32 with TF32 off, within 1e-5, forward, memory and gradients;
+  * the golden reference cases in fp32 with TF32 off, within 1e-5, forward, memory and gradients, on the plain
+    PyTorch path that train.kernels=auto picks on CUDA (megamemo/kernels/), and its dropout's law;
   * training through DeepSpeed's real engines in bf16 and fp16 (loss scaling; an fp16 overflow skips its step and
     leaves memory and data cursor alone), kill -9 -> resume bit for bit (train.deterministic), convert -> eval;
   * the tensor-parallel modules (megatron-core layers, CUDA RNG tracker) and the pipeline engine at world size 1;
@@ -25,6 +26,7 @@ import torch
 
 from fixture_data import REPO, reference_file
 from megamemo.interop.reference import import_reference
+from megamemo.kernels import apply_kernels, kernels_in_use
 from megamemo.interop.score import load_reference_file
 from test_model_reference import FILES, check_grads, close, ref_memory_tensors
 from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, fp16_overflow_run, launch, logs,  # noqa: F401
@@ -50,6 +52,7 @@ def test_golden_reference_on_cuda(name):
     g = load_reference_file(str(reference_file(name)))
     cuda = [x.cuda() for x in g["inputs"]], [y.cuda() for y in g["targets"]]
     model = import_reference(g["config"], g["state_dict"]).cuda().eval()
+    assert apply_kernels(model, "auto", "cuda") == "plain" and kernels_in_use(model) == "plain"
     mem = None
     with torch.no_grad():
         for k, (x, y) in enumerate(zip(*cuda)):
@@ -60,11 +63,29 @@ def test_golden_reference_on_cuda(name):
                 close(mem[n].cpu(), t, f"segment {k} memory {n} on CUDA")
     t = g["train"]
     model = import_reference(g["config"], g["state_dict"]).cuda().train()
+    assert apply_kernels(model, "auto", "cuda") == "plain"
     _, mem = model(cuda[0][0], cuda[1][0])
     nll, _ = model(cuda[0][1], cuda[1][1], mem)
     close(nll.detach().cpu(), t["train_nll_seg1"], "train-mode segment 1 NLL with memory on CUDA")
     nll.mean().backward()
     check_grads(model.cpu(), g, t["grads_seg1_with_mem"], "segment 1 with memory on CUDA")   # .cpu() moves grads
+
+
+def test_plain_dropout_law_on_cuda():
+    """train.kernels=auto on CUDA is torch's own dropout (cpu kernels are refused there): kept values scaled by
+    1/(1-p), the kept fraction 1-p within 5 sigma, the feed-forward's ReluDropout zero wherever ReLU is."""
+    from megamemo.model.layers import ReluDropout
+
+    with pytest.raises(ValueError, match="train.kernels: cpu kernels run on the CPU"):
+        apply_kernels(torch.nn.Sequential(torch.nn.Dropout(0.1)), "cpu", "cuda")
+    p, n = 0.3, 1_000_000
+    for drop in (torch.nn.Dropout(p), ReluDropout(p)):
+        y = drop.cuda().train()(torch.ones(n, device="cuda"))
+        keep = y != 0
+        assert torch.allclose(y[keep], torch.tensor(1 / (1 - p), device="cuda"))
+        assert abs(keep.float().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    x = torch.randn(n, device="cuda")
+    assert (ReluDropout(p).train()(x)[x <= 0] == 0).all()
 
 
 # ---- DeepSpeed engines on one GPU -----------------------------------------------------------------------------
@@ -73,6 +94,7 @@ def test_bf16_run_converts_and_evaluates_on_cuda(tiny_cfg, shards, tmp_path):
     run(1, tiny_cfg, shards, run_dir, "--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=2",
         "--set", "eval.every=8", "--set", "eval.batch_size=4", "--set", "eval.max_segments=10",
         env_extra=GPU, timeout=300)
+    assert "| plain kernels |" in logs(run_dir), logs(run_dir)[-3000:]    # train.kernels=auto on CUDA
     got = losses(run_dir)
     assert sorted(got) == list(range(1, 9)) and got[8] < got[1], got
     val = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -160,7 +182,9 @@ tp_model = parallelize_tensor(copy.deepcopy(single), always=True).cuda()
 out["megatron_layers"] = sorted({c.__name__ for m in tp_model.modules() for c in type(m).__mro__
                                  if c.__module__.startswith("megatron.")})
 out["tp"] = sgd(tp_model)
-drop = importlib.import_module("megamemo.parallel.tensor").ForkedDropout(0.5).train()
+from megamemo.kernels import apply_kernels, kernels_in_use
+out["kernels"] = [apply_kernels(tp_model, "auto", "cuda"), kernels_in_use(tp_model)]
+drop = importlib.import_module("megamemo.parallel.tensor").ForkedDropout(torch.nn.Dropout(0.5)).train()
 before = rng_tracker().get_states()[TP_RNG].clone()
 drop(torch.ones(64, device="cuda"))
 out["tp_stream_advanced"] = not torch.equal(before, rng_tracker().get_states()[TP_RNG])
@@ -172,6 +196,7 @@ out["init_same_on_cuda"] = all(torch.equal(a, b.cpu()) for a, b in zip(shard.par
 
 module, ctx = build_pipeline(cfg, pp=1)
 load_single_state(cfg, module, single.state_dict())
+out["kernels"] += [apply_kernels(module, "auto", "cuda"), kernels_in_use(module)]
 engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.3), config={
     "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
     "zero_optimization": {"stage": 0}, "steps_per_print": 10**9})
@@ -204,6 +229,7 @@ def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
     # the pipeline averages its 2 micro-batches (2 streams each); the single model saw all 4 streams at once
     assert max(abs(a - b) for a, b in zip(out["pp"], out["single"])) < 1e-5, out
     assert out["bank_device"] == ["cuda"], out
+    assert out["kernels"] == ["plain"] * 4, out                      # train.kernels=auto on CUDA: plain PyTorch
 
 
 # ---- plan vs measured ---------------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@ fp32: tests/test_model_numerics.py.)"""
 import pytest
 import torch
 
+from megamemo.kernels.dropout import CpuDropout
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from megamemo.model.attention import interpolate
+from megamemo.model.layers import ReluDropout
 
 
 def tiny(variant="lamemo", **kw):
@@ -147,16 +149,21 @@ def test_config_errors_name_the_field():
         ModelConfig.from_dict({"variant": "lstm"})
 
 
-def test_cpu_dropout_mask_has_the_right_law_and_replays():
-    """The model's CPU dropout: kept values scaled by 1/(1-p); the kept fraction 1-p within 5 sigma, for
-    neighbours too (independent draws); a p whose first base-256 digit leaves a half-kept tie (25.5/256) lands
-    on it, not on 25/256 or 26/256 (13 sigma away); the backward uses the forward's mask; the same seed replays
-    the same mask; eval mode is the identity."""
-    from megamemo.model.dropout import Dropout
+DROPOUTS = {  # the model's plain dropout (torch's) and the CPU kernel's (megamemo/kernels/dropout.py)
+    "plain": lambda p, relu=False: (ReluDropout if relu else torch.nn.Dropout)(p),
+    "cpu": lambda p, relu=False: CpuDropout(p, relu=relu),
+}
 
+
+@pytest.mark.parametrize("path", DROPOUTS)
+def test_dropout_mask_has_the_right_law_and_replays(path):
+    """Both paths' dropout: kept values scaled by 1/(1-p); the kept fraction 1-p within 5 sigma, for neighbours
+    too (independent draws); the backward uses the forward's mask; the same seed replays the same mask; eval
+    mode is the identity. The CPU mask (a 32-bit comparison): a p whose first base-256 digit leaves a half-kept
+    tie (25.5/256) lands on it, not on 25/256 or 26/256 (13 sigma away)."""
     p, n = 0.3, 400_001
     x = torch.ones(n, requires_grad=True)
-    drop = Dropout(p).train()
+    drop = DROPOUTS[path](p).train()
     torch.manual_seed(5)
     y = drop(x)
     keep = y != 0
@@ -172,9 +179,10 @@ def test_cpu_dropout_mask_has_the_right_law_and_replays():
     assert torch.equal(drop(x), y)
     assert not torch.equal(drop(x), y)
     assert drop.eval()(x) is x
-    p, n = 25.5 / 256, 4_000_000
-    dropped = (Dropout(p).train()(torch.ones(n)) == 0).float().mean().item()
-    assert abs(dropped - p) < 5 * (p * (1 - p) / n) ** 0.5, dropped
+    if path == "cpu":
+        p, n = 25.5 / 256, 4_000_000
+        dropped = (DROPOUTS[path](p).train()(torch.ones(n)) == 0).float().mean().item()
+        assert abs(dropped - p) < 5 * (p * (1 - p) / n) ** 0.5, dropped
 
 
 @pytest.mark.parametrize("n", [3001, 40_003])  # direct tie search, and the search eight bytes at a time
@@ -183,7 +191,7 @@ def test_dropout_mask_is_a_32_bit_comparison_drawn_digit_by_digit(monkeypatch, n
     digits level by level, only for the elements that tied with T so far. Fed digits crowded with ties (each is
     T's digit at that level, or one above or below it), its mask equals the lexicographic comparison of every
     element's digits with T's, rebuilt here element by element from the same draws."""
-    from megamemo.model import dropout as D
+    from megamemo.kernels import dropout as D
 
     T = round(0.1 * 2 ** 32)
     t = [(T >> s) & 255 for s in (24, 16, 8, 0)]
@@ -228,27 +236,27 @@ def test_interpolation_guard_has_nan_to_nums_values_and_gradient():
     assert (a.grad[0, 0, :3] == 0).all() and torch.equal(a.grad[1:], g[1:])
 
 
-def test_relu_folded_into_the_dropout_mask_is_relu_then_dropout():
-    """Dropout(relu=True) (the feed-forward's inner dropout): the same values and gradient as ReLU followed by the
-    same dropout draw, with no pass of its own for the ReLU."""
-    from megamemo.model.dropout import Dropout
-
+@pytest.mark.parametrize("path", DROPOUTS)
+def test_relu_dropout_is_relu_then_dropout(path):
+    """The feed-forward's inner dropout (ReluDropout, or CpuDropout(relu=True) that folds the ReLU into the mask's
+    pass): the same values and gradient as ReLU followed by the same path's dropout with the same draw."""
     x = torch.randn(3001, 7, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     torch.manual_seed(9)
-    y = Dropout(0.2, relu=True).train()(x)
+    y = DROPOUTS[path](0.2, relu=True).train()(x)
     torch.manual_seed(9)
-    y_ref = Dropout(0.2).train()(torch.relu(x_ref))
+    y_ref = DROPOUTS[path](0.2).train()(torch.relu(x_ref))
     assert torch.equal(y, y_ref) and (y != 0).any() and (y == 0).any()
     g = torch.randn_like(y)
     y.backward(g)
     y_ref.backward(g)
     assert torch.equal(x.grad, x_ref.grad)
-    assert torch.equal(Dropout(0.2, relu=True).eval()(x), torch.relu(x))
+    assert torch.equal(DROPOUTS[path](0.2, relu=True).eval()(x), torch.relu(x))
 
 
 _FAULTS = """
 import resource, sys, torch
+from megamemo.kernels import apply_kernels
 from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
 applied = tune_cpu_allocator() if sys.argv[1] == "1" else False
@@ -256,6 +264,7 @@ torch.manual_seed(0)
 cfg = ModelConfig(variant="lamemo", n_token=256, n_layer=2, d_model=256, n_head=4, d_head=64, d_inner=1024,
                   dropout=0.1, tgt_len=128, mem_len=128)
 model = MemTransformerLM(cfg).train()
+apply_kernels(model, "auto", "cpu")  # as `megamemo train` on a CPU
 opt = torch.optim.Adam(model.parameters())
 mem, faults = None, []
 for step in range(int(sys.argv[2])):

@@ -9,6 +9,7 @@ import torch
 from megamemo.interop.reference import convert_state_dict, import_reference
 from megamemo.interop.score import load_reference_file
 from fixture_data import reference_file
+from kernel_paths import PATHS, on_path
 
 FILES = ["lamemo_at3_tgt8_mem8", "txl_tgt8_mem8"]
 TOL = 1e-5
@@ -17,6 +18,12 @@ TOL = 1e-5
 @pytest.fixture(params=FILES)
 def golden(request):
     return load_reference_file(str(reference_file(request.param)))
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    """plain PyTorch or the CPU kernels (megamemo/kernels/): the reference's figures hold on both."""
+    return request.param
 
 
 def ref_memory_tensors(g, mems):
@@ -36,8 +43,8 @@ def close(a, b, what):
     assert err <= TOL, f"{what}: max abs diff {err:.3g} > {TOL}"
 
 
-def test_eval_nll_and_memory_over_segments(golden):
-    model = import_reference(golden["config"], golden["state_dict"]).eval()
+def test_eval_nll_and_memory_over_segments(golden, path):
+    model = on_path(import_reference(golden["config"], golden["state_dict"]), path).eval()
     mem = None
     with torch.no_grad():
         for k, (x, y) in enumerate(zip(golden["inputs"], golden["targets"])):
@@ -69,9 +76,9 @@ def check_grads(model, golden, ref_grads, what):
         close(p.grad, ref[name], f"{what}: grad of {name}")
 
 
-def test_training_step_gradients(golden):
+def test_training_step_gradients(golden, path):
     t = golden["train"]
-    model = import_reference(golden["config"], golden["state_dict"]).train()
+    model = on_path(import_reference(golden["config"], golden["state_dict"]), path).train()
     nll, mem = model(golden["inputs"][0], golden["targets"][0])
     close(nll, t["loss_seg0"], "train-mode segment 0 NLL")
     nll.mean().backward()
@@ -87,7 +94,7 @@ def test_training_step_gradients(golden):
         close(model.eval()(golden["inputs"][0], golden["targets"][0])[0], t["nll_seg0_after_sgd_eval"],
               "segment 0 NLL after SGD")
 
-    model = import_reference(golden["config"], golden["state_dict"]).train()
+    model = on_path(import_reference(golden["config"], golden["state_dict"]), path).train()
     _, mem = model(golden["inputs"][0], golden["targets"][0])
     model.zero_grad()
     nll, _ = model(golden["inputs"][1], golden["targets"][1], mem)

@@ -6,6 +6,7 @@ import torch
 
 from megamemo.model import MemTransformerLM, ModelConfig
 
+from kernel_paths import PATHS, on_path
 from spec_oracle import run_segment
 
 CASES = [
@@ -25,6 +26,8 @@ CASES = [
 
 @pytest.mark.parametrize("variant,L,mem_len,eval_mem,same_length,clamp", CASES)
 def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp):
+    """On both execution paths (plain PyTorch and the CPU kernels, tests/kernel_paths.py) against one run of
+    the oracle (the expensive part)."""
     torch.manual_seed(0)
     cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=24,
                       dropout=0.0, tgt_len=L, mem_len=mem_len, init_std=0.3, proj_init_std=0.3)
@@ -36,14 +39,18 @@ def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp):
     sd = model.state_dict()
     use_mem = 0 if variant == "rpe" else (eval_mem or mem_len)
     stream = torch.randint(0, 40, (5 * L + 1, 2))
-    mem, omem = None, {}
+    mems, omem = {path: None for path in PATHS}, {}
     with torch.no_grad():
         for s in range(5):
             x, y = stream[s * L:(s + 1) * L], stream[s * L + 1:(s + 1) * L + 1]
-            nll, mem = model(x, y, mem, mem_len=eval_mem, same_length=same_length, clamp_len=clamp)
             onll, omem = run_segment(sd, cfg, x, y, omem, use_mem, same_length, clamp)
-            assert torch.allclose(nll.double(), onll, atol=1e-5), f"segment {s}: {(nll.double() - onll).abs().max()}"
-            assert mem.length == min(use_mem, (s + 1) * L)
-            assert sorted(mem.tensors) == sorted(omem)
-            for k, t in omem.items():
-                assert torch.allclose(mem[k].double(), t, atol=1e-5), f"segment {s} memory {k}"
+            for path in PATHS:
+                nll, mem = on_path(model, path)(x, y, mems[path], mem_len=eval_mem, same_length=same_length,
+                                                clamp_len=clamp)
+                mems[path] = mem
+                assert torch.allclose(nll.double(), onll, atol=1e-5), \
+                    f"{path} segment {s}: {(nll.double() - onll).abs().max()}"
+                assert mem.length == min(use_mem, (s + 1) * L)
+                assert sorted(mem.tensors) == sorted(omem)
+                for k, t in omem.items():
+                    assert torch.allclose(mem[k].double(), t, atol=1e-5), f"{path} segment {s} memory {k}"

@@ -67,7 +67,7 @@ def test_no_import_cycles():
 LAYERS = (
     ("megamemo.util",),                     # typed config building, progress lines: imports nothing of megamemo
     ("data_pipeline", "megamemo.model"),    # shards and tokenizers; the single-device model, plain PyTorch
-    ("megamemo.parallel",),                 # the model's TP / PP forms
+    ("megamemo.parallel", "megamemo.kernels"),  # the model's TP / PP forms; the CPU kernels swapped into a built model
     ("megamemo.config",),                   # the run's typed config (composes the model's and the layouts' checks)
     ("megamemo.checkpoint",),               # the checkpoint format only
     ("megamemo.runtime",),                  # processes, devices, signals, the run directory, exits

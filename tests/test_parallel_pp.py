@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
+from kernel_paths import PARALLEL_PATH, on_path
 from megamemo.model import MemTransformerLM, ModelConfig
 
 STEPS, L, B, GAS = 4, 6, 2, 2
@@ -46,8 +47,9 @@ def _check_variant(world, variant):
     torch.manual_seed(0)
     cfg = ModelConfig(variant=variant, n_token=40, n_layer=4, d_model=16, n_head=2, d_head=8, d_inner=32,
                       dropout=0.0, tgt_len=L, mem_len=2 * L, init_std=0.1)
-    single = MemTransformerLM(cfg).train()
+    single = on_path(MemTransformerLM(cfg), PARALLEL_PATH).train()
     module, ctx = build_pipeline(cfg, pp=world)
+    on_path(module, PARALLEL_PATH)
     load_single_state(cfg, module, single.state_dict())
     lr = 0.3
     engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=lr), config={
@@ -105,7 +107,8 @@ def _check_variant(world, variant):
 
 @pytest.mark.multiproc
 def test_pipeline_parallel_equals_single_device():
-    """LaMemo, then Transformer-XL, on the same two ranks."""
+    """LaMemo, then Transformer-XL, on the same two ranks, on the kernels path MEGAMEMO_TEST_KERNELS (plain unless
+    set; tests/kernel_paths.py)."""
     run_distributed(_pp_worker, 2, ("lamemo", "xl"))
 
 

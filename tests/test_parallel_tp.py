@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
+from kernel_paths import PARALLEL_PATH, on_path
 from megamemo.model import ModelConfig
 
 STEPS, L, B = 4, 6, 2
@@ -44,8 +45,9 @@ def _tp_worker(rank, world):
         torch.manual_seed(0)
         cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=4, d_head=4, d_inner=32,
                           dropout=0.0, tgt_len=L, mem_len=2 * L, init_std=0.1)
-        single = MemTransformerLM(cfg).train()
+        single = on_path(MemTransformerLM(cfg), PARALLEL_PATH).train()
         model = parallelize_tensor(copy.deepcopy(single)).train()
+        on_path(model, PARALLEL_PATH)          # (ForkedDropout kept the path's dropout inside)
         data = torch.randint(0, 40, (STEPS * L + 1, B), generator=torch.Generator().manual_seed(7))
         ref_losses, ref_mem = _train(single, data)
         tp_losses, tp_mem = _train(model, data)
@@ -79,21 +81,25 @@ def _tp_worker(rank, world):
     nll, _ = shard(x[:-1], x[1:])          # untrained, small init: about ln(40) per token
     assert torch.isfinite(nll).all() and abs(nll.mean().item() - torch.log(torch.tensor(40.0)).item()) < 0.5, nll
 
-    # dropout inside TP regions: a different mask per rank, the same on replay, default stream untouched
+    # dropout inside TP regions, torch's and the CPU kernel's: a different mask per rank, the same on replay,
+    # default stream untouched
+    from megamemo.kernels.dropout import CpuDropout
     from megamemo.parallel.tensor import ForkedDropout
-    drop = ForkedDropout(0.5).train()
-    state = rng_tracker().get_states()
-    default = torch.get_rng_state()
-    m1 = drop(torch.ones(64))
-    assert torch.equal(torch.get_rng_state(), default)
-    rng_tracker().set_states(state)
-    assert torch.equal(drop(torch.ones(64)), m1)
-    masks = _gather(m1)
-    assert not torch.equal(masks[0], masks[1])
+    for inner in (torch.nn.Dropout(0.5), CpuDropout(0.5)):
+        drop = ForkedDropout(inner).train()
+        state = rng_tracker().get_states()
+        default = torch.get_rng_state()
+        m1 = drop(torch.ones(64))
+        assert torch.equal(torch.get_rng_state(), default)
+        rng_tracker().set_states(state)
+        assert torch.equal(drop(torch.ones(64)), m1)
+        masks = _gather(m1)
+        assert not torch.equal(masks[0], masks[1]), inner
 
 
 @pytest.mark.multiproc
 def test_tensor_parallel_equals_single_device():
+    """On the kernels path MEGAMEMO_TEST_KERNELS (plain unless set; tests/kernel_paths.py)."""
     pytest.importorskip("megatron.core")
     run_distributed(_tp_worker, 2)
 

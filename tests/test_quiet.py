@@ -71,6 +71,7 @@ def test_training_terminal_is_quiet_and_progress_carries_mfu(setup):
     cfg = load(str(setup / "tiny.yaml"), [])
     fpt = flops_per_token(cfg.model, 4)                                # dp 1: one micro-batch of 4 streams
     assert re.search(rf"\| {fpt / 1e3:.3g} kFLOP/token, peak 0.002 TFLOP/s", out0), out0
+    assert "| cpu kernels |" in out0, out0              # train.kernels=auto on a CPU: megamemo/kernels/
     lines = re.findall(r"tok/s ([\d,]+) \| ([\d.]+) MFLOP/s \| MFU ([\d.]+)%", out0)
     assert len(lines) == 2, out0
     for tok_s, mflops, mfu in lines:

@@ -107,6 +107,10 @@ class TrainConfig:
     # more forward of compute). Without a pipeline torch.utils.checkpoint wraps every layer; with one, DeepSpeed's
     # PipelineModule recomputes every layer (activation_checkpoint_interval 1). `megamemo plan` counts it.
     activation_checkpointing: bool = False
+    # CPU kernels (megamemo/kernels/: a cheaper dropout mask, ReLU+dropout in one pass, the attention mask as a
+    # bias): auto | plain | cpu. auto: cpu on a CPU device, plain (torch's own dropout and masked_fill) on CUDA.
+    # Not a model field: the model's config is its identity (checkpoints compare it on resume), this is not.
+    kernels: str = "auto"
 
 
 @dataclass
@@ -228,6 +232,8 @@ class RunConfig:
             bad("train.max_steps", "must be >= 0 (0: build, save the initial state and stop)")
         if self.train.grad_accum < 1:
             bad("train.grad_accum", "must be >= 1")
+        if self.train.kernels not in ("auto", "plain", "cpu"):
+            bad("train.kernels", "must be auto, plain or cpu")
         if self.train.lock_stale_s < 60:
             bad("train.lock_stale_s", "must be >= 60 (two heartbeats at least)")
         if self.data.batch_size % self.train.grad_accum:

@@ -169,12 +169,14 @@ def main(argv: list[str]) -> int:
     from megamemo.interop.convert import load_model
     from megamemo.checkpoint.single import SingleCheckpointError
     from megamemo.eval.evaluate import open_batches
+    from megamemo.kernels import apply_kernels
 
     results = []
     try:
         for ckpt in a.ckpt:
             model, _ = load_model(ckpt)
             model = model.to(a.device)
+            apply_kernels(model, "auto", a.device)
             L = a.tgt_len or model.cfg.tgt_len
             M = model.cfg.mem_len if a.mem_len is None else a.mem_len
             reader = open_batches(a.data, a.split, a.batch_size, L)

@@ -209,10 +209,12 @@ def parse_args(argv):
 
 def load_for_eval(path, device, dtype: str = "checkpoint"):
     from megamemo.interop.convert import load_model
+    from megamemo.kernels import apply_kernels
 
     model, meta = load_model(path)
     if dtype != "checkpoint":
         model = model.to(torch_dtype(dtype))
+    apply_kernels(model, "auto", device)    # the CPU's attention masking on a CPU, plain PyTorch elsewhere
     return model.to(device).eval(), meta
 
 

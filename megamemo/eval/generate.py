@@ -198,10 +198,12 @@ def main(argv: list[str]) -> int:
     from data_pipeline import ManifestError
     from megamemo.interop.convert import load_model
     from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.kernels import apply_kernels
 
     try:
         model, meta = load_model(a.ckpt)
         model = model.to(a.device)
+        apply_kernels(model, "auto", a.device)
         vocab = vocab_for(meta, a.data, a.ckpt)
         if len(vocab) > model.cfg.n_token:
             raise ValueError(f"vocabulary of {len(vocab)} symbols does not fit the model's n_token "

@@ -66,14 +66,22 @@ def _position_term(qs, bias_s, r_rows):
     return torch.bmm(x, r_rows.transpose(1, 2)).view(n, B, Q, r_rows.size(1))
 
 
-def _normalise(score, mask, v, drop, lse):
+def mask_scores(score, mask):
+    """score [..., Q, K] (fp32, changed in place) with the hidden pairs (mask [Q, K] True) at -inf: torch's
+    masked_fill. The attention functions take another form as `masking` (megamemo.kernels: a cheaper one on CPU)."""
+    return score.masked_fill_(mask, float("-inf"))
+
+
+def _normalise(score, mask, v, drop, lse, masking=mask_scores):
     """score [n,B,Q,K] (a fresh tensor, any dtype) -> (context [n,B,Q,dh] in v's dtype, log-normaliser [n,B,Q]
-    fp32). mask [Q,K] bool (True = hidden) is added as a 0/-inf bias (cheaper than masked_fill on CPU); every row
-    keeps at least one key. `drop` (attention dropout, a module or None) is applied to the probabilities, not to
-    the normaliser. lse: "grad" (a differentiable normaliser), "value" (for detached caches: no autograd),
-    "none" (not needed)."""
-    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(mask, float("-inf"))
-    score = score.float().add_(bias)
+    fp32). mask [Q,K] bool (True = hidden) is applied by `masking`; every row keeps at least one key. `drop`
+    (attention dropout, a module or None) is applied to the probabilities, not to the normaliser. lse: "grad" (a
+    differentiable normaliser), "value" (for detached caches: no autograd), "none" (not needed).
+
+    Not torch's scaled_dot_product_attention: LaMemo's look-ahead and memory interpolation need each row's
+    log-normaliser, which it does not return, and attention dropout is a module here (under tensor parallelism
+    it draws from the rank's own stream). Where neither is needed causal_attention uses it (_fused_causal)."""
+    score = masking(score.float(), mask)
     norm = None
     if lse == "grad":
         prob, norm = _SoftmaxLSE.apply(score)
@@ -88,16 +96,36 @@ def _normalise(score, mask, v, drop, lse):
     return prob @ v, norm
 
 
-def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad"):
+def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad", masking=mask_scores):
     """Transformer-XL relative attention of L current queries over klen = M + L keys.
 
     q [n,B,L,dh]; k, v [n,B,klen,dh]; r [n,>=klen,dh]: R row c holds distance klen-1-c (rows past klen are
     ignored); u, vb [n,dh] content and position biases; mask [L,klen] bool (True = hidden, at least every
-    future key). score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale  (the scale applied to the queries).
+    future key); masking applies it (see mask_scores). score[i,j] = ((q_i+u).k_j + (q_i+vb).R(dist(i,j))) * scale
+    (the scale applied to the queries).
     Query i (position M+i) and key j are M+i-j apart: R row L-1-i+j, a skewed diagonal read with rel_shift from
     the products with klen+1 rows of R (the one past klen only ever meets masked future keys).
+    With the plain masking, no normaliser asked for (lse="none": Transformer-XL's layers) and no attention
+    dropout drawn, torch's scaled_dot_product_attention computes it (_fused_causal).
     """
-    return _normalise(causal_scores(q, k, r, u, vb, scale), mask, v, drop, lse)
+    if lse == "none" and masking is mask_scores and not _drops(drop):
+        return _fused_causal(q, k, v, r, u, vb, mask, scale), None
+    return _normalise(causal_scores(q, k, r, u, vb, scale), mask, v, drop, lse, masking)
+
+
+def _drops(drop) -> bool:
+    """Whether the attention-dropout module (or None) would drop anything now."""
+    return drop is not None and drop.training and drop.p > 0
+
+
+def _fused_causal(q, k, v, r, u, vb, mask, scale):
+    """causal_attention's context by torch's scaled_dot_product_attention: the content term (q+u).k is its own
+    product, the position term (q+vb).R and the mask are its additive attn_mask (in q's dtype, as it requires).
+    Its memory-efficient kernel on CUDA keeps no [L,klen] probabilities for the backward."""
+    L, klen = q.size(2), k.size(2)
+    bd = _position_term(q * scale, vb * scale, _rows(r, klen + 1))
+    bias = rel_shift(bd, L - 1, klen).masked_fill(mask, float("-inf")).to(q.dtype)
+    return F.scaled_dot_product_attention(q + u[:, None, None], k, v, attn_mask=bias, scale=scale)
 
 
 def causal_scores(q, k, r, u, vb, scale):
@@ -109,7 +137,7 @@ def causal_scores(q, k, r, u, vb, scale):
     return ac.add_(rel_shift(bd, L - 1, klen))
 
 
-def lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="grad"):
+def lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="grad", masking=mask_scores):
     """LaMemo's look-ahead: M memory queries attend to the Nk keys at positions [M-Nk+1, M] that lie after them.
 
     qm [n,B,M,dh]; k, v [n,B,Nk,dh]; r_fut [n,>=M,dh]: row t holds future distance t+1; vf [n,dh] the look-ahead
@@ -120,7 +148,7 @@ def lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="gra
     qs = qm * scale
     ac = (qs + (u * scale)[:, None, None]) @ k.transpose(-1, -2)
     bd = _position_term(qs, vf * scale, _rows(r_fut, M + 1))
-    return _normalise(ac.add_(rel_shift(bd, M - nk, nk)), mask, v, drop, lse)
+    return _normalise(ac.add_(rel_shift(bd, M - nk, nk)), mask, v, drop, lse, masking)
 
 
 def interpolate(c_old, s_old, a, s_new):

@@ -7,9 +7,16 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .attention import causal_attention, interpolate, lookahead_attention, memorizing_coefficient
-from .dropout import Dropout
+from .attention import causal_attention, interpolate, lookahead_attention, mask_scores, memorizing_coefficient
 from .positions import lookahead_mask
+
+
+class ReluDropout(nn.Dropout):
+    """The feed-forward's activation and its dropout: F.dropout(F.relu(x)). One module, so that a kernel may do
+    both in one pass (megamemo.kernels.dropout.CpuDropout(relu=True) on the CPU)."""
+
+    def forward(self, x):
+        return F.dropout(F.relu(x), self.p, self.training, self.inplace)
 
 
 class FeedForward(nn.Module):
@@ -18,8 +25,8 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, d_inner)
         self.fc2 = nn.Linear(d_inner, d_model)
         self.layer_norm = nn.LayerNorm(d_model)
-        self.drop_inner = Dropout(dropout, relu=True)  # ReLU, then dropout on the d_inner activation (split under TP)
-        self.drop = Dropout(dropout)
+        self.drop_inner = ReluDropout(dropout)  # ReLU, then dropout on the d_inner activation (split under TP)
+        self.drop = nn.Dropout(dropout)
         self.pre_lnorm = pre_lnorm
 
     def forward(self, x):
@@ -54,8 +61,9 @@ class RelAttention(nn.Module):
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
         self.layer_norm = nn.LayerNorm(d_model)
-        self.drop = Dropout(dropout)
-        self.dropatt = Dropout(dropatt)  # on attention probabilities (per head: split across ranks under TP)
+        self.drop = nn.Dropout(dropout)
+        self.dropatt = nn.Dropout(dropatt)  # on attention probabilities (per head: split across ranks under TP)
+        self.masking = mask_scores  # how scores are masked (attention.mask_scores; megamemo.kernels may swap it)
         self.pre_lnorm = pre_lnorm
         self.scale = 1.0 / math.sqrt(d_head)
 
@@ -104,7 +112,8 @@ class XLLayer(nn.Module):
         q, k, v = self.attn.heads(cat, q_rows=L)  # memory rows are keys and values only
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, _ = causal_attention(q, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt, lse="none")
+            ctx, _ = causal_attention(q, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt, lse="none",
+                                      masking=self.attn.masking)
         else:
             ctx, _ = attend(q, k, v, klen - L, r, mask)
         return self.ff(self.attn.output(h, _time_major(ctx, None)[0]))
@@ -138,7 +147,7 @@ class LaMemoLayer(nn.Module):
         r = self.attn.rel(pos_emb)
         if attend is None:
             ctx, lse = causal_attention(q_cur, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
-                                        lse="value")
+                                        lse="value", masking=self.attn.masking)
         else:
             ctx, lse = attend(q_cur, k, v, M, r, mask)
         ctx, lse = _time_major(ctx, lse)
@@ -150,7 +159,7 @@ class LaMemoLayer(nn.Module):
                 nk = min(M, L)
                 a, s_la = lookahead_attention(q_mem, k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
                                               r[:, klen:], u, vf, lookahead_mask(M, nk, dev), self.attn.scale,
-                                              self.attn.dropatt)
+                                              self.attn.dropatt, masking=self.attn.masking)
                 a, s_la = _time_major(a, s_la)
                 if self.variant == "lamemo_no_interp":
                     c_mem, s_mem = a, s_la

@@ -8,7 +8,6 @@ from torch import nn
 
 from .adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from .config import ModelConfig
-from .dropout import Dropout
 from .layers import LaMemoLayer, XLLayer
 from .memory import Memory, xl_update
 from .positions import causal_mask, position_sequence, sinusoid
@@ -20,7 +19,7 @@ class MemTransformerLM(nn.Module):
         self.cfg = cfg.validate()
         d, n, dh = cfg.d_model, cfg.n_head, cfg.d_head
         self.word_emb = AdaptiveEmbedding(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val)
-        self.drop = Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
         self.r_w_bias = nn.Parameter(torch.empty(n, dh))
         self.r_r_bias = nn.Parameter(torch.empty(n, dh))
         if cfg.future_bias:

@@ -149,7 +149,8 @@ class _Causal:
             pos = position_sequence(mlen + L, mlen, self.clamp_len, None, k.device)
             r = attn.rel(m.drop(sinusoid(pos, m.cfg.d_model, q_cur.dtype)))
             mask = causal_mask(L, mlen, self.select.attend, self.same_length, k.device)
-        ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, attn.scale, attn.dropatt)
+        ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, attn.scale, attn.dropatt,
+                                    lse="grad" if m.cfg.lamemo else "none", masking=attn.masking)  # as the layer
         if self.observe is not None:  # observers see batch-major [B,n,...] (megamemo/eval/analyze.py)
             probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, attn.scale)
             self.observe(layer=l, kind="causal", probs=probs.transpose(0, 1), mlen=mlen,

@@ -32,7 +32,6 @@ from torch import nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megamemo.model.dropout import Dropout
 from megamemo.model.layers import LaMemoLayer, XLLayer
 from megamemo.model.memory import xl_update
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
@@ -116,7 +115,7 @@ class EmbedPipe(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.n_token // ctx.tp, cfg.d_model))   # vocab rows of this TP rank
         self.scale = cfg.d_model ** 0.5
-        self.drop = Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
         self.ctx = ctx
 
     def forward(self, inputs):
@@ -181,7 +180,7 @@ class LayerPipe(nn.Module):
             from .tensor import parallelize_layer
             parallelize_layer(self.layer, cfg, ctx.tp, torch.float32)
         self.index, self.ctx, self.cfg = index, ctx, cfg
-        self.drop = Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, inputs):
         rows, meta = inputs

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from megamemo.model.dropout import Dropout
 from megamemo.model.layers import project_split
 
 from .groups import TP_RNG, rng_tracker, tp_rank_size
@@ -138,15 +137,24 @@ def shard_state_dict(sd, rank, tp):
 
 
 # ---- modules -----------------------------------------------------------------------------------------------
-class ForkedDropout(Dropout):
-    """Dropout on activations split across TP ranks: drawn from the per-rank stream, so masks differ between
-    ranks yet replay exactly; the default stream (used for replicated activations) is left untouched."""
+class ForkedDropout(nn.Module):
+    """Dropout on activations split across TP ranks: `inner` (the model's dropout module, plain or a CPU kernel)
+    drawn from the per-rank stream, so masks differ between ranks yet replay exactly; the default stream (used
+    for replicated activations) is left untouched."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def p(self) -> float:
+        return self.inner.p
 
     def forward(self, x):
-        if not self.training or self.p == 0:
-            return super().forward(x)
+        if not self.training or self.inner.p == 0:
+            return self.inner(x)
         with rng_tracker().fork(TP_RNG):
-            return super().forward(x)
+            return self.inner(x)
 
 
 def _mcore_layers(tp, dtype):
@@ -220,9 +228,9 @@ def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
     a, f = layer.attn, layer.ff
     a.qkv, a.r_net, a.o_net = QKVColumn(d, 3 * nd, False), Column(d, nd, False), Row(nd, d, False)
     a.n_head = cfg.n_head // tp
-    a.dropatt = ForkedDropout(cfg.dropatt)
+    a.dropatt = ForkedDropout(a.dropatt)
     f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
-    f.drop_inner = ForkedDropout(cfg.dropout, relu=True)
+    f.drop_inner = ForkedDropout(f.drop_inner)
 
 
 def local_bias(cfg, tp: int, dtype) -> nn.Parameter:

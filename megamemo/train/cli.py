@@ -158,6 +158,11 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     seed_default_streams(cfg.train.seed)    # identical initial weights on every rank
     model, mpu, stage = build_model(cfg)
     engine = Engine(cfg, model, micro, dp, mpu=mpu)
+    from megamemo.kernels import apply_kernels
+    try:                                    # CPU kernels on a CPU device (train.kernels; megamemo/kernels/)
+        kernels = apply_kernels(model, cfg.train.kernels, engine.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     rss.mark("built")
     if getattr(engine.device, "type", str(engine.device)) == "cuda" and hasattr(model, "check_inputs"):
         model.check_inputs = False          # ids were checked against the manifest's vocabulary at start-up; on a
@@ -200,7 +205,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
         n_param = sum(p.numel() for p in model.parameters())
         log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
-            f"ZeRO {cfg.parallel.zero_stage} | run dir {run_dir} | "
+            f"ZeRO {cfg.parallel.zero_stage} | {kernels} kernels | run dir {run_dir} | "
             + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")
             + f" | {format_flops(fpt)}/token, peak {peak.source}")
     return trainer

@@ -1,4 +1,4 @@
-"""Dropout with a cheaper mask on CPU.
+"""CPU kernel: dropout with a cheaper mask (megamemo.kernels swaps it in for the model's nn.Dropout on a CPU).
 
 torch's CPU dropout draws its mask with `bernoulli_` (one 32-bit generator call and a float compare per element,
 then two multiplications through a bool tensor), which made it 12-18% of a training step. Here an element is
@@ -9,7 +9,8 @@ and so on; a quarter of the generator's work of drawing all 32 bits, which domin
 0/1 mask is built in the input's dtype by comparisons that write it directly; the 1/(1-p) scale rides in the one
 multiplication each way (addcmul). With relu=True a preceding ReLU shares that pass and saves nothing of its
 own: the backward reads the output, which the next layer keeps anyway. Same distribution as `F.dropout`, not
-the same masks. Off the CPU (CUDA's fused kernel) it is `F.dropout` itself.
+the same masks. Off the CPU (CUDA's fused kernel) it is `F.dropout` itself, so a model moved to a GPU after the
+swap still runs torch's own dropout.
 """
 from __future__ import annotations
 
@@ -110,9 +111,9 @@ def dropout(x: torch.Tensor, p: float, training: bool = True, relu: bool = False
     return (_ReluKeepScale if relu else _KeepScale).apply(x, keep, 1.0 / (1.0 - p))
 
 
-class Dropout(nn.Dropout):
+class CpuDropout(nn.Dropout):
     """nn.Dropout (same p, same state_dict) with the cheaper CPU mask of this module; relu=True applies a ReLU
-    first (in the same pass)."""
+    first (in the same pass): the stand-in for the model's ReluDropout."""
 
     def __init__(self, p: float = 0.5, relu: bool = False):
         super().__init__(p)

@@ -1,0 +1,64 @@
+"""`apply_kernels(model, choice, device)`: put the CPU kernels into a built model, or take them out again.
+
+Works on any module tree holding the model's layers: the single-device MemTransformerLM, its tensor-parallel
+form (parallel/tensor.py wraps the split dropouts in ForkedDropout, whose inner dropout is swapped here) and a
+pipeline's stages. Only parameter-free modules are replaced, so weights, state_dict and optimizer state are
+untouched; the swap can be done before or after DeepSpeed wraps the model, and undone.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megamemo.model.attention import mask_scores
+from megamemo.model.layers import RelAttention, ReluDropout
+
+from .dropout import CpuDropout
+from .masking import add_mask_bias
+
+KERNELS = ("auto", "plain", "cpu")
+_DROPOUTS = (nn.Dropout, ReluDropout, CpuDropout)  # exactly these types (no other library's subclass is touched)
+
+
+def resolve_kernels(choice: str, device) -> str:
+    """"plain" or "cpu" for a `train.kernels` choice on a device (a torch.device or its type name). Raises a
+    ValueError naming train.kernels for an unknown choice, or cpu kernels asked for on another device."""
+    kind = torch.device(device).type
+    if choice not in KERNELS:
+        raise ValueError(f"train.kernels: must be one of {', '.join(KERNELS)} (got {choice!r})")
+    if choice == "auto":
+        return "cpu" if kind == "cpu" else "plain"
+    if choice == "cpu" and kind != "cpu":
+        raise ValueError(f"train.kernels: cpu kernels run on the CPU, this model runs on {kind} "
+                         f"(use auto or plain)")
+    return choice
+
+
+def _swap(dropout: nn.Dropout, cpu: bool) -> nn.Dropout:
+    relu = dropout.relu if isinstance(dropout, CpuDropout) else isinstance(dropout, ReluDropout)
+    if cpu:
+        new = CpuDropout(dropout.p, relu=relu)
+    else:
+        new = ReluDropout(dropout.p) if relu else nn.Dropout(dropout.p)
+    return new.train(dropout.training)
+
+
+def apply_kernels(model: nn.Module, choice: str = "auto", device="cpu") -> str:
+    """In place: the model's dropouts and attention masking in the resolved form ("cpu": CpuDropout and
+    add_mask_bias; "plain": nn.Dropout / ReluDropout and masked_fill). Returns the form applied."""
+    path = resolve_kernels(choice, device)
+    cpu = path == "cpu"
+    for parent in list(model.modules()):
+        if isinstance(parent, RelAttention):
+            parent.masking = add_mask_bias if cpu else mask_scores
+        for name, child in list(parent.named_children()):
+            if type(child) in _DROPOUTS and isinstance(child, CpuDropout) != cpu:
+                setattr(parent, name, _swap(child, cpu))
+    return path
+
+
+def kernels_in_use(model: nn.Module) -> str:
+    """"cpu", "plain" or "mixed": which form the model's dropouts and attention masking are in."""
+    forms = {isinstance(m, CpuDropout) for m in model.modules() if isinstance(m, nn.Dropout)}
+    forms |= {m.masking is add_mask_bias for m in model.modules() if isinstance(m, RelAttention)}
+    return "mixed" if len(forms) > 1 else ("cpu" if forms == {True} else "plain")
