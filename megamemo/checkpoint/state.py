@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
+from megamemo.checkpoint.index import open_reader
 from megamemo.checkpoint.pieces import Piece, ShardedReader, read_local, write_pieces
 
 TENSOR_KEY = "__tensor__"
@@ -166,7 +167,7 @@ class StateRegistry:
     # ---- load --------------------------------------------------------------------------------------------
     def load(self, directory: Path, rank: int, ctx_for: Callable[[ShardedReader], LoadContext]) -> dict:
         """Restore every entry from the rank files in `directory`; -> this rank's (or rank 0's) JSON document."""
-        reader = ShardedReader(sorted(directory.glob("rank_*.safetensors")))
+        reader = open_reader(directory)      # the merged index, or every rank file's header (format 2)
         ctx = ctx_for(reader)
         own_rank = rank if ctx.same_layout else 0
         st_name, js_name = rank_files(own_rank)
@@ -189,20 +190,52 @@ class StateRegistry:
         return doc
 
 
-def save_snapshot(snap: Snapshot, directory: Path, before_done: Callable[[], None] = lambda: None) -> dict:
+class WriteError(CheckpointStateError):
+    """A rank could not write one of its files; `path` names it."""
+
+    def __init__(self, path: Path, error: BaseException):
+        self.path = Path(path)
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else \
+            f"{type(error).__name__}: {error}"
+        super().__init__(f"could not write {path}: {reason}")
+
+
+@dataclass
+class Written:
+    """What one rank wrote: {relative path: {bytes, sha256}} (its JSON included) and its piece index
+    ({rank file: {safetensors key: name, shape, box, flat, dtype}}: pieces.write_pieces)."""
+    files: dict
+    index: dict
+
+
+def _write_file(path: Path, write: Callable[[Path], None], before_write: Callable[[Path], None]) -> dict:
+    try:
+        before_write(path)
+        write_atomic(path, write)
+        return {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+    except WriteError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to write names the file (OSError, safetensors, ...)
+        raise WriteError(path, e) from e
+
+
+def save_snapshot(snap: Snapshot, directory: Path, before_done: Callable[[], None] = lambda: None,
+                  before_write: Callable[[Path], None] = lambda path: None) -> Written:
     """Write one rank's files into `directory`: the rank safetensors file and extra files (each via a tmp file,
     fsync and rename), then the rank JSON, listing the others' sizes and sha256, last (`before_done` runs just
-    before it: the crash tests kill the process there). -> the files' entries."""
+    before it: the crash tests kill the process there; `before_write(path)` before each file: the injected write
+    errors). A file that cannot be written raises WriteError naming it."""
     st_name, js_name = rank_files(snap.rank)
     directory.mkdir(parents=True, exist_ok=True)
-    write_atomic(directory / st_name, lambda p: write_pieces(p, snap.pieces, snap.local))
+    index: dict = {}
+    files = {st_name: _write_file(directory / st_name,
+                                  lambda p: index.update(write_pieces(p, snap.pieces, snap.local)), before_write)}
     for rel, writer in snap.files.items():
-        write_atomic(directory / rel, writer)
-    files = {rel: {"bytes": (directory / rel).stat().st_size, "sha256": file_digest(directory / rel)}
-             for rel in [st_name, *snap.files]}
+        files[rel] = _write_file(directory / rel, writer, before_write)
     before_done()
-    write_json_atomic(directory / js_name, {**snap.doc, "files": files})
-    return files
+    text = json.dumps({**snap.doc, "files": files}, indent=1, sort_keys=True)
+    done = _write_file(directory / js_name, lambda p: p.write_text(text), before_write)
+    return Written({**files, js_name: done}, {st_name: index})
 
 
 # ---- stateful helpers --------------------------------------------------------------------------------------
