@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, merge
-from megamemo.checkpoint.state import file_digest, write_json_atomic
+from megamemo.checkpoint.state import Snapshot, WriteError, file_digest, save_snapshot, write_json_atomic
 
 
 class OutcomeTimeout(RuntimeError):
@@ -79,6 +79,17 @@ def outcome_channel(world_size: int, timeout_s: float):
         raise ValueError(f"a checkpoint store of {world_size} ranks needs their process group (or an outcome "
                          f"channel)")
     return OutcomeGroup(timeout_s)
+
+
+def write_and_report(snap: Snapshot, step: int, step_dir: Path, faults) -> dict:
+    """This rank's files written -> its outcome for rank 0: its files and pieces, or the line saying what failed."""
+    try:
+        written = save_snapshot(snap, step_dir, before_done=lambda: faults.at("save", step),
+                                before_write=lambda path: faults.write(step, path))
+        return {"rank": snap.rank, "error": None, "files": written.files, "index": written.index}
+    except Exception as e:  # noqa: BLE001 - every failure becomes this rank's one-line outcome
+        why = str(e) if isinstance(e, WriteError) else f"failed writing {step_dir}: {type(e).__name__}: {e}"
+        return {"rank": snap.rank, "error": f"rank {snap.rank} {why}"}
 
 
 def first_error(outcomes: list[dict]) -> str | None:

@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megamemo.checkpoint.commit import OutcomeTimeout, check_and_index, first_error, outcome_channel
+from megamemo.checkpoint.commit import (OutcomeTimeout, check_and_index, first_error, outcome_channel,
+                                        write_and_report)
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
-from megamemo.checkpoint.state import (LoadContext, Snapshot, StateRegistry, WriteError, file_digest, read_json,
-                                       save_snapshot, write_json_atomic)
+from megamemo.checkpoint.state import (LoadContext, Snapshot, StateRegistry, file_digest, read_json,
+                                       write_json_atomic)
 
 MARKER = "COMMITTED"
 FORMAT = 3                  # 3: with the merged piece index (index.json); 2: without (read through the headers)
@@ -240,13 +241,7 @@ class CheckpointStore:
 
     def _write_and_commit(self, snap: Snapshot, step: int, step_dir: Path) -> None:
         """This rank's files, its outcome to rank 0, rank 0's verdict (and commit) back to every rank."""
-        try:
-            written = save_snapshot(snap, step_dir, before_done=lambda: self.faults.at("save", step),
-                                    before_write=lambda path: self.faults.write(step, path))
-            mine = {"rank": self.rank, "error": None, "files": written.files, "index": written.index}
-        except Exception as e:  # noqa: BLE001 - every failure becomes this rank's one-line outcome
-            why = str(e) if isinstance(e, WriteError) else f"failed writing {step_dir}: {type(e).__name__}: {e}"
-            mine = {"rank": self.rank, "error": f"rank {self.rank} {why}"}
+        mine = write_and_report(snap, step, step_dir, self.faults)
         if self._abandoned.is_set():
             raise CheckpointError(f"step {step}: abandoned (the run is ending with an error; not committed)")
         try:
@@ -273,9 +268,7 @@ class CheckpointStore:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
-            if isinstance(e, SaveFailed):
-                raise e
-            raise CheckpointError(f"background checkpoint write failed: {e}") from e
+            raise e if isinstance(e, SaveFailed) else CheckpointError(f"background checkpoint write failed: {e}") from e
 
     def abandon(self, timeout_s: float = 60.0) -> None:
         """On an error path, before the process exits: a background save in flight does not report its outcome
