@@ -16,7 +16,7 @@ import torch
 from megamemo.checkpoint.commit import LocalOutcomes
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, open_reader
-from megamemo.checkpoint.pieces import Piece, PieceError, ShardedReader, write_pieces
+from megamemo.checkpoint.pieces import Piece, PieceError, ShardedReader, spread_writers, write_pieces
 from megamemo.checkpoint.state import (Counters, LoadContext, RNGState, StateRegistry, rank_files, save_snapshot)
 from megamemo.checkpoint.store import (MARKER, CheckpointError, CheckpointStore, SaveFailed, list_checkpoints,
                                        newest_complete, tag_for, verify)
@@ -103,6 +103,15 @@ def test_missing_or_duplicate_pieces_are_named(tmp_path):
         write_pieces(tmp_path / "bad.safetensors", [Piece("y", g, (6, 4), ((0, 3), (0, 4)))])
 
 
+def test_replicated_tensors_are_spread_over_the_ranks_that_hold_them():
+    sizes = {"d": 1, "c": 5, "b": 6, "a": 10, "e": 5}
+    # by hand, largest first to the least loaded: a->0 (10, 0); b->1 (10, 6); c->1 (10, 11); e->0 (15, 11); d->1
+    assert spread_writers(sizes, 2) == {"a": 0, "b": 1, "c": 1, "e": 0, "d": 1}
+    assert spread_writers(dict(reversed(list(sizes.items()))), 2) == spread_writers(sizes, 2)   # any order
+    assert set(spread_writers(sizes, 1).values()) == {0}
+    assert sorted(spread_writers(sizes, 8).values()) == [0, 1, 2, 3, 4]     # more ranks than tensors
+
+
 # ---- the registry ----------------------------------------------------------------------------------------------
 class Box:
     def __init__(self, value):
@@ -168,6 +177,22 @@ def test_registry_round_trip_is_exact_and_pickle_free(tmp_path):
     assert torch.equal(torch.rand(3), (torch.manual_seed(9), torch.rand(3))[1])
 
 
+def test_snapshots_reuse_their_host_buffers_and_share_nothing_with_the_live_state():
+    full = torch.arange(12.0).view(4, 3)
+    reg = StateRegistry()
+    reg.register_sharded("t", Sharded(0, 1, full))
+    first = reg.snapshot(0).pieces[0].tensor
+    assert torch.equal(first, full) and first.data_ptr() != full.data_ptr()
+    full.add_(100)                                    # training goes on: the snapshot keeps the old values
+    assert torch.equal(first, torch.arange(12.0).view(4, 3))
+    second = reg.snapshot(0).pieces[0].tensor         # the next save (after the first was written): same buffer
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, full)
+    reg.sharded["t"].full = torch.zeros(4, 3, dtype=torch.float64)
+    third = reg.snapshot(0).pieces[0].tensor          # another dtype: a buffer of its own
+    assert third.dtype == torch.float64 and third.data_ptr() != first.data_ptr()
+    assert len(reg.staging.buffers) == 1
+
+
 def test_registry_refuses_missing_entries(tmp_path):
     reg = StateRegistry()
     reg.register("a", Box({"x": 1}))
@@ -231,7 +256,9 @@ def _as_ranks(root, step, world=2, keep=2, async_save=False, registry=_registry,
                            outcomes=chan.rank(r))
             if faults:
                 store.faults = FaultPoints(r, faults)
-            store.save(step, registry(r, world, step), files={"extra.txt": lambda p: p.write_text("x")} if r else {})
+            extra = {"extra.txt": lambda p: p.write_text("x")} if r else {}
+            # async: made after the snapshot, as the probe is (the writer waits for them)
+            store.save(step, registry(r, world, step), files=(lambda: extra) if async_save else extra)
             if async_save:
                 store._thread.join(30)
                 assert store.failed() == (store._error is not None)     # what the training loop asks every step

@@ -19,9 +19,39 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, merge
 from megamemo.checkpoint.state import Snapshot, WriteError, file_digest, save_snapshot, write_json_atomic
+
+
+class Collectives:
+    """The few other collectives the store needs (choosing a checkpoint to resume from), over torch.distributed's
+    default group when one is up."""
+
+    def __init__(self, barrier: Callable[[], None]):
+        self.barrier = barrier
+
+    @staticmethod
+    def _dist():
+        import torch.distributed as dist
+        return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+    def broadcast(self, obj):
+        dist = self._dist()
+        if dist is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj) -> list:
+        dist = self._dist()
+        if dist is None:
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
 
 
 class OutcomeTimeout(RuntimeError):

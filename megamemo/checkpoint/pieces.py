@@ -88,6 +88,19 @@ def write_pieces(path: Path, pieces: list[Piece], local: dict[str, torch.Tensor]
     return {k: {**d, "dtype": _DTYPE_NAMES[tensors[k].dtype]} for k, d in index.items()}
 
 
+def spread_writers(sizes: dict[str, int], n: int) -> dict[str, int]:
+    """Who of n ranks holding the same tensors writes each one: the largest first, each to the rank with the
+    fewest elements so far (ties: the lower rank), names breaking ties between equal sizes - the same answer on
+    every rank, so each tensor is written once and the ranks write about as much."""
+    load = [0] * n
+    out = {}
+    for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        r = min(range(n), key=lambda i: (load[i], i))
+        out[name] = r
+        load[r] += sizes[name]
+    return out
+
+
 # ---- reading ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Entry:

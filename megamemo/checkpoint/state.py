@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -27,6 +29,7 @@ import torch
 
 from megamemo.checkpoint.index import open_reader
 from megamemo.checkpoint.pieces import Piece, ShardedReader, read_local, write_pieces
+from megamemo.checkpoint.staging import Staging
 
 TENSOR_KEY = "__tensor__"
 FORMAT = "megamemo-checkpoint"
@@ -133,12 +136,38 @@ class Snapshot:
     local: dict[str, torch.Tensor]
     doc: dict
     files: dict[str, Callable[[Path], None]] = field(default_factory=dict)
+    files_later: Callable[[], dict] | None = None     # the extra files, when known only after the snapshot
+
+
+class LateFiles:
+    """Extra files known only after the snapshot (the probe, computed on the training thread while a background
+    write has started): the writer waits for them; an error on the training thread ends the wait."""
+
+    def __init__(self):
+        self._ready = threading.Event()
+        self._files: dict | None = None
+        self.seconds = 0.0
+
+    def put(self, make: Callable[[], dict]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._files = make()
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._ready.set()
+
+    def get(self) -> dict:
+        self._ready.wait()
+        if self._files is None:
+            raise CheckpointStateError("the files to add after the snapshot were never made (the run is ending)")
+        return self._files
 
 
 class StateRegistry:
     def __init__(self):
         self.entries: dict[str, tuple[Stateful, str]] = {}
         self.sharded: dict[str, Any] = {}
+        self.staging = Staging()    # the pieces' host buffers, kept from one snapshot to the next
 
     def _check_new(self, name: str) -> None:
         if name in self.entries or name in self.sharded:
@@ -159,8 +188,9 @@ class StateRegistry:
         """Copy everything this rank saves (collectives inside `pieces()` are not allowed: ranks differ)."""
         local: dict[str, torch.Tensor] = {}
         state = {name: split_tensors(obj.state_dict(), name, local) for name, (obj, _) in self.entries.items()}
-        pieces = [Piece(p.name, snapshot_tensor(p.tensor), p.shape, p.box, p.flat)
-                  for obj in self.sharded.values() for p in obj.pieces()]
+        pieces = [Piece(p.name, self.staging.copy((entry, i), p.tensor), p.shape, p.box, p.flat)
+                  for entry, obj in self.sharded.items() for i, p in enumerate(obj.pieces())]
+        self.staging.done()         # buffers reused by the next snapshot (staging.py): write this one first
         doc = {"format": FORMAT, "version": VERSION, "rank": rank, "state": state, **(extra or {})}
         return Snapshot(rank, pieces, local, doc)
 
@@ -230,7 +260,8 @@ def save_snapshot(snap: Snapshot, directory: Path, before_done: Callable[[], Non
     index: dict = {}
     files = {st_name: _write_file(directory / st_name,
                                   lambda p: index.update(write_pieces(p, snap.pieces, snap.local)), before_write)}
-    for rel, writer in snap.files.items():
+    extra = snap.files if snap.files_later is None else snap.files_later()
+    for rel, writer in extra.items():
         files[rel] = _write_file(directory / rel, writer, before_write)
     before_done()
     text = json.dumps({**snap.doc, "files": files}, indent=1, sort_keys=True)

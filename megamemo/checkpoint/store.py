@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megamemo.checkpoint.commit import (OutcomeTimeout, check_and_index, first_error, outcome_channel,
-                                        write_and_report)
+from megamemo.checkpoint.commit import (Collectives, OutcomeTimeout, check_and_index, first_error,
+                                        outcome_channel, write_and_report)
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
-from megamemo.checkpoint.state import (LoadContext, Snapshot, StateRegistry, file_digest, read_json,
+from megamemo.checkpoint.state import (LateFiles, LoadContext, Snapshot, StateRegistry, file_digest, read_json,
                                        write_json_atomic)
 
 MARKER = "COMMITTED"
@@ -150,34 +150,6 @@ def describe_layout(lay: dict) -> str:
             f"grad_accum {lay.get('grad_accum', 1)}, batch {lay.get('batch_size')}, ZeRO {lay.get('zero_stage')})")
 
 
-class _Collectives:
-    """The few collectives the store needs, over torch.distributed when a process group is up."""
-
-    def __init__(self, barrier: Callable[[], None]):
-        self.barrier = barrier
-
-    @staticmethod
-    def _dist():
-        import torch.distributed as dist
-        return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
-
-    def broadcast(self, obj):
-        dist = self._dist()
-        if dist is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def all_gather(self, obj) -> list:
-        dist = self._dist()
-        if dist is None:
-            return [obj]
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-
 class SaveFailed(CheckpointError):
     """A save failed on every rank alike (a rank's write error, a hole in the pieces, a rank silent past the
     timeout), nothing committed: every rank raises the same line, so one says it."""
@@ -192,7 +164,7 @@ class CheckpointStore:
         self.rank, self.world_size = rank, world_size
         self.keep_last = keep_last
         self.meta = meta            # model config + fingerprint, layout, precision: recorded, checked on resume
-        self.comm = _Collectives(barrier)
+        self.comm = Collectives(barrier)
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
         self.outcomes = outcomes if outcomes is not None else outcome_channel(world_size, commit_timeout_s)
@@ -205,8 +177,9 @@ class CheckpointStore:
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
              files: dict[str, Callable[[Path], None]] | None = None) -> Path:
-        """Collective. files: {name: writer(path)} this rank adds to the step directory (e.g. the probe). A failed
-        save raises SaveFailed on every rank: here (sync), or in wait() once failed() says so (async)."""
+        """Collective. files: {name: writer(path)} this rank adds to the step directory, or a function making them
+        after the snapshot (the probe). A failed save raises SaveFailed on every rank: here (sync), or in wait()
+        once failed() says so (async)."""
         self.wait()
         step_dir = self.root / tag_for(step)
         self.comm.barrier()             # every rank's previous save is written, and rank 0 has committed it
@@ -220,22 +193,25 @@ class CheckpointStore:
         self.comm.barrier()
         t0 = time.perf_counter()
         snap = registry.snapshot(self.rank, {"step": step, **(rank_extra or {})})
-        snap.files = dict(files or {})
-        stall = time.perf_counter() - t0
+        stall, late = time.perf_counter() - t0, LateFiles() if callable(files) else None
+        snap.files, snap.files_later = ({}, late.get) if late else (dict(files or {}), None)
         if self.async_save:
-            self._thread = threading.Thread(target=self._background, args=(snap, step, step_dir, t0, stall),
+            self._thread = threading.Thread(target=self._background, args=(snap, step, step_dir, t0, stall, late),
                                             name=f"checkpoint-{step}", daemon=True)
             self._thread.start()
-        else:
+        if late:                        # e.g. the probe: after the snapshot, while this rank's file is written
+            late.put(files)
+        if not self.async_save:
             self._write_and_commit(snap, step, step_dir)
             self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s, synchronous)")
         return step_dir
 
-    def _background(self, snap: Snapshot, step: int, step_dir: Path, t0: float, stall: float) -> None:
+    def _background(self, snap: Snapshot, step: int, step_dir: Path, t0: float, stall: float, late) -> None:
         try:
             self._write_and_commit(snap, step, step_dir)
             self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s in the background, "
-                     f"training stalled {stall:.2f}s)")
+                     f"training stalled {stall:.2f}s" + (f", then {late.seconds:.2f}s for the files made after the "
+                                                         f"snapshot" if late else "") + ")")
         except BaseException as e:  # noqa: BLE001 - reported by wait() on the main thread
             self._error = e
 

@@ -232,9 +232,9 @@ class Trainer:
         if self.store is None:
             return None
         files = {}
-        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe.py)
-            from megamemo.train.probe import record_probe
-            files = record_probe(self)
+        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe.py),
+            from megamemo.train.probe import record_probe     # after the snapshot, while the files are written
+            files = lambda: record_probe(self)  # noqa: E731
         return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
 
     def resume(self, step_dir: Path) -> dict:
