@@ -385,6 +385,15 @@ def test_the_merged_index_is_committed_and_read_instead_of_the_headers(tmp_path,
     reg.load(step, 0, lambda r: LoadContext(r, same_layout=False, marker=info))
     assert torch.equal(sh.loaded, torch.full((4, 3), 2.0))
     monkeypatch.undo()
+    # a rank file that contradicts the index (replaced after the commit, checksums made to match) is named at its
+    # first read, as is one that is no safetensors file
+    for rel, data in (("rank_00001.safetensors", (step / "rank_00000.safetensors").read_bytes()),
+                      ("rank_00000.safetensors", b"\x80\x04not a safetensors file")):
+        damaged = tmp_path / f"damaged-{rel}"
+        shutil.copytree(step, damaged)
+        (damaged / rel).write_bytes(data)
+        with pytest.raises(PieceError, match=f"{rel}: (its pieces differ from the ones .*index.json|unreadable)"):
+            open_reader(damaged).read("t")
     # a checkpoint of format 2 (before the index): the same, through the headers
     (step / INDEX_FILE).unlink()
     old = {k: v for k, v in info.items() if k != "index"}

@@ -114,8 +114,21 @@ class _Entry:
 
 def read_local(path: Path) -> dict[str, torch.Tensor]:
     """The rank-local tensors of one rank file."""
-    with safe_open(str(path), "pt") as f:
-        return {k[len("local/"):]: f.get_tensor(k) for k in f.keys() if k.startswith("local/")}
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k[len("local/"):]: f.get_tensor(k) for k in f.keys() if k.startswith("local/")}
+    except Exception as e:  # noqa: BLE001 - safetensors errors, named by file
+        raise PieceError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from None
+
+
+def _header_index(path: Path) -> dict:
+    """A rank file's own description of its pieces (with their dtypes), from its header."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            index = json.loads((f.metadata() or {}).get(INDEX_KEY, "{}"))
+            return {k: {**d, "dtype": str(f.get_slice(k).get_dtype())} for k, d in index.items()}
+    except Exception as e:  # noqa: BLE001 - safetensors / JSON errors, named by file
+        raise PieceError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from None
 
 
 class ShardedReader:
@@ -124,24 +137,20 @@ class ShardedReader:
     def __init__(self, files: list[Path]):
         """From the rank files' headers (one open per file: a checkpoint of format 2, or any set of files)."""
         self.entries: dict[str, list[_Entry]] = defaultdict(list)
+        self._listed: dict[Path, tuple[Path, dict]] = {}     # from an index: each file's pieces, checked at first read
         for path in files:
-            try:
-                with safe_open(str(path), "pt") as f:
-                    index = json.loads((f.metadata() or {}).get(INDEX_KEY, "{}"))
-                    dtypes = {k: str(f.get_slice(k).get_dtype()) for k in index}
-            except Exception as e:  # noqa: BLE001 - safetensors / JSON errors, named by file
-                raise PieceError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from None
-            self._add(Path(path), {k: {**d, "dtype": dtypes[k]} for k, d in index.items()})
+            self._add(Path(path), _header_index(Path(path)))
         self._check_all()
 
     @classmethod
     def from_index(cls, directory: Path, index: dict[str, dict], where: Path) -> "ShardedReader":
         """From a merged index {rank file: {key: name, shape, box, flat, dtype}} (index.py): no header opened."""
         self = cls.__new__(cls)
-        self.entries = defaultdict(list)
+        self.entries, self._listed = defaultdict(list), {}
         try:
             for rel, pieces in index.items():
                 self._add(Path(directory) / rel, pieces)
+                self._listed[Path(directory) / rel] = (Path(where), pieces)
         except (KeyError, TypeError, ValueError) as e:
             raise PieceError(f"{where}: malformed piece index ({type(e).__name__}: {e})") from None
         self._check_all()
@@ -204,8 +213,16 @@ class ShardedReader:
         return out.reshape(-1)[flat[0]:flat[1]].clone() if flat is not None else out
 
     def _load(self, e: _Entry, index=None) -> torch.Tensor:
-        with safe_open(str(e.file), "pt") as f:
-            return f.get_tensor(e.key) if index is None else f.get_slice(e.key)[index]
+        if e.file in self._listed:              # the first read of a file the index describes: does it agree?
+            where, listed = self._listed.pop(e.file)
+            if _header_index(e.file) != listed:
+                raise PieceError(f"{e.file}: its pieces differ from the ones {where} lists for it (the file was "
+                                 f"replaced after the save?)")
+        try:
+            with safe_open(str(e.file), "pt") as f:
+                return f.get_tensor(e.key) if index is None else f.get_slice(e.key)[index]
+        except Exception as err:  # noqa: BLE001 - safetensors errors, named by file
+            raise PieceError(f"{e.file}: unreadable rank file ({type(err).__name__}: {err})") from None
 
     def _assemble(self, name: str, es: list[_Entry], box: Box) -> torch.Tensor:
         by_box: dict[Box, list[_Entry]] = defaultdict(list)
