@@ -256,6 +256,7 @@ def _as_ranks(root, step, world=2, keep=2, async_save=False, registry=_registry,
                            outcomes=chan.rank(r))
             if faults:
                 store.faults = FaultPoints(r, faults)
+            store.overlap_late_files = True     # async: the extra files made beside the write, as on a GPU
             extra = {"extra.txt": lambda p: p.write_text("x")} if r else {}
             # async: made after the snapshot, as the probe is (the writer waits for them)
             store.save(step, registry(r, world, step), files=(lambda: extra) if async_save else extra)

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from megamemo.checkpoint.commit import (Collectives, OutcomeTimeout, check_and_index, first_error,
                                         outcome_channel, write_and_report)
 from megamemo.checkpoint.faults import FaultPoints
@@ -167,6 +169,7 @@ class CheckpointStore:
         self.comm = Collectives(barrier)
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
+        self.overlap_late_files = torch.cuda.is_available()     # files made after the snapshot, beside the write
         self.outcomes = outcomes if outcomes is not None else outcome_channel(world_size, commit_timeout_s)
         self.log = log if rank == 0 else (lambda *a, **k: None)
         self._thread: threading.Thread | None = None
@@ -195,11 +198,14 @@ class CheckpointStore:
         snap = registry.snapshot(self.rank, {"step": step, **(rank_extra or {})})
         stall, late = time.perf_counter() - t0, LateFiles() if callable(files) else None
         snap.files, snap.files_later = ({}, late.get) if late else (dict(files or {}), None)
+        overlap = late and self.async_save and self.overlap_late_files
+        if late and not overlap:        # e.g. the probe: after the snapshot, before the write (cores shared)
+            late.put(files)
         if self.async_save:
             self._thread = threading.Thread(target=self._background, args=(snap, step, step_dir, t0, stall, late),
                                             name=f"checkpoint-{step}", daemon=True)
             self._thread.start()
-        if late:                        # e.g. the probe: after the snapshot, while this rank's file is written
+        if overlap:                     # on a GPU: device work beside the write
             late.put(files)
         if not self.async_save:
             self._write_and_commit(snap, step, step_dir)
