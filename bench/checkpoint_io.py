@@ -84,7 +84,7 @@ def saves(run: Path) -> list[tuple[float, float]]:
     """(save seconds, training stall seconds) of each committed save, from the run's log."""
     out = []
     for line in (run.parent / f"{run.name}.log").read_text().splitlines():
-        m = re.search(r"committed .*\((\d+\.\d+)s in the background, training stalled (\d+\.\d+)s\)", line)
+        m = re.search(r"committed .*\((\d+\.\d+)s in the background, training stalled (\d+\.\d+)s[,)]", line)
         if m:
             out.append((float(m[1]), float(m[2])))
         m = re.search(r"committed .*\((\d+\.\d+)s, synchronous\)", line)

@@ -7,16 +7,21 @@ import json
 import random
 import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from megamemo.checkpoint.pieces import Piece, PieceError, ShardedReader, write_pieces
+from megamemo.checkpoint.commit import LocalOutcomes
+from megamemo.checkpoint.faults import FaultPoints
+from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, open_reader
+from megamemo.checkpoint.pieces import Piece, PieceError, ShardedReader, spread_writers, write_pieces
 from megamemo.checkpoint.state import (Counters, LoadContext, RNGState, StateRegistry, rank_files, save_snapshot)
-from megamemo.checkpoint.store import (MARKER, CheckpointError, CheckpointStore, list_checkpoints, newest_complete,
-                                       tag_for, verify)
+from megamemo.checkpoint.store import (MARKER, CheckpointError, CheckpointStore, SaveFailed, list_checkpoints,
+                                       newest_complete, tag_for, verify)
 from megamemo.parallel.tensor import global_box, shard_tensor
+from distributed import run_distributed
 
 
 # ---- pieces --------------------------------------------------------------------------------------------------
@@ -98,6 +103,15 @@ def test_missing_or_duplicate_pieces_are_named(tmp_path):
         write_pieces(tmp_path / "bad.safetensors", [Piece("y", g, (6, 4), ((0, 3), (0, 4)))])
 
 
+def test_replicated_tensors_are_spread_over_the_ranks_that_hold_them():
+    sizes = {"d": 1, "c": 5, "b": 6, "a": 10, "e": 5}
+    # by hand, largest first to the least loaded: a->0 (10, 0); b->1 (10, 6); c->1 (10, 11); e->0 (15, 11); d->1
+    assert spread_writers(sizes, 2) == {"a": 0, "b": 1, "c": 1, "e": 0, "d": 1}
+    assert spread_writers(dict(reversed(list(sizes.items()))), 2) == spread_writers(sizes, 2)   # any order
+    assert set(spread_writers(sizes, 1).values()) == {0}
+    assert sorted(spread_writers(sizes, 8).values()) == [0, 1, 2, 3, 4]     # more ranks than tensors
+
+
 # ---- the registry ----------------------------------------------------------------------------------------------
 class Box:
     def __init__(self, value):
@@ -163,6 +177,22 @@ def test_registry_round_trip_is_exact_and_pickle_free(tmp_path):
     assert torch.equal(torch.rand(3), (torch.manual_seed(9), torch.rand(3))[1])
 
 
+def test_snapshots_reuse_their_host_buffers_and_share_nothing_with_the_live_state():
+    full = torch.arange(12.0).view(4, 3)
+    reg = StateRegistry()
+    reg.register_sharded("t", Sharded(0, 1, full))
+    first = reg.snapshot(0).pieces[0].tensor
+    assert torch.equal(first, full) and first.data_ptr() != full.data_ptr()
+    full.add_(100)                                    # training goes on: the snapshot keeps the old values
+    assert torch.equal(first, torch.arange(12.0).view(4, 3))
+    second = reg.snapshot(0).pieces[0].tensor         # the next save (after the first was written): same buffer
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, full)
+    reg.sharded["t"].full = torch.zeros(4, 3, dtype=torch.float64)
+    third = reg.snapshot(0).pieces[0].tensor          # another dtype: a buffer of its own
+    assert third.dtype == torch.float64 and third.data_ptr() != first.data_ptr()
+    assert len(reg.staging.buffers) == 1
+
+
 def test_registry_refuses_missing_entries(tmp_path):
     reg = StateRegistry()
     reg.register("a", Box({"x": 1}))
@@ -174,11 +204,11 @@ def test_registry_refuses_missing_entries(tmp_path):
 
 
 # ---- the store --------------------------------------------------------------------------------------------------
-def _store(root, rank=0, world=1, keep=2, model=None, barrier=lambda: None, async_save=False):
+def _store(root, rank=0, world=1, keep=2, model=None, barrier=lambda: None, async_save=False, outcomes=None):
     meta = {"model": model or {"n_layer": 2}, "layout": {"world_size": world, "dp": world, "batch_size": 4},
             "precision": "fp32"}
     return CheckpointStore(root, rank, world, keep, meta, barrier=barrier, async_save=async_save, commit_timeout_s=30,
-                           log=lambda m: None)
+                           log=lambda m: None, outcomes=outcomes)
 
 
 def _registry(rank, world, step):
@@ -188,24 +218,65 @@ def _registry(rank, world, step):
     return reg
 
 
-def _save_as_ranks(root, step, world=2, keep=2, async_save=False):
-    """The ranks of a run as threads with a real barrier between them."""
-    bar = threading.Barrier(world, timeout=30)
-    errors = []
+class ThreadOutcomes:
+    """commit.py's outcome channel (gather to rank 0, broadcast from it) for ranks that are threads."""
+
+    def __init__(self, world):
+        self.slots, self.barrier = [None] * world, threading.Barrier(world, timeout=30)
+
+    def rank(self, r):
+        shared = self
+
+        class View:
+            def gather(self, obj):
+                shared.slots[r] = obj
+                shared.barrier.wait()
+                out = list(shared.slots) if r == 0 else None
+                shared.barrier.wait()
+                return out
+
+            def broadcast(self, obj):
+                if r == 0:
+                    shared.slots[0] = obj
+                shared.barrier.wait()
+                out = shared.slots[0]
+                shared.barrier.wait()
+                return out
+        return View()
+
+
+def _as_ranks(root, step, world=2, keep=2, async_save=False, registry=_registry, faults=None) -> dict:
+    """The ranks of a run as threads with a real barrier and outcome channel between them. -> {rank: error}.
+    With async saves each rank first waits until its store says the save failed or its thread ended."""
+    bar, chan, errors = threading.Barrier(world, timeout=30), ThreadOutcomes(world), {}
 
     def rank(r):
         try:
-            store = _store(root, rank=r, world=world, keep=keep, barrier=bar.wait, async_save=async_save)
-            store.save(step, _registry(r, world, step), files={"extra.txt": lambda p: p.write_text("x")} if r else {})
+            store = _store(root, rank=r, world=world, keep=keep, barrier=bar.wait, async_save=async_save,
+                           outcomes=chan.rank(r))
+            if faults:
+                store.faults = FaultPoints(r, faults)
+            store.overlap_late_files = True     # async: the extra files made beside the write, as on a GPU
+            extra = {"extra.txt": lambda p: p.write_text("x")} if r else {}
+            # async: made after the snapshot, as the probe is (the writer waits for them)
+            store.save(step, registry(r, world, step), files=(lambda: extra) if async_save else extra)
+            if async_save:
+                store._thread.join(30)
+                assert store.failed() == (store._error is not None)     # what the training loop asks every step
             store.finish()
-        except Exception as e:  # surfaced below
-            errors.append(e)
+        except Exception as e:  # surfaced by the caller
+            errors[r] = e
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return errors
+
+
+def _save_as_ranks(root, step, world=2, keep=2, async_save=False):
+    errors = _as_ranks(root, step, world, keep, async_save)
     assert not errors, errors
 
 
@@ -217,7 +288,7 @@ def test_commit_protocol_checksums_and_retention(tmp_path, async_save):
         info = verify(root / tag_for(step))
         assert info["step"] == step and info["world_size"] == 2
         assert set(info["files"]) == {"rank_00000.json", "rank_00000.safetensors", "rank_00001.json",
-                                      "rank_00001.safetensors", "extra.txt"}
+                                      "rank_00001.safetensors", "extra.txt", "index.json"}
         assert all(len(f["sha256"]) == 64 for f in info["files"].values())
         reader = ShardedReader(sorted((root / tag_for(step)).glob("rank_*.safetensors")))
         assert torch.equal(reader.read("t"), torch.full((4, 3), float(step)))
@@ -226,11 +297,111 @@ def test_commit_protocol_checksums_and_retention(tmp_path, async_save):
     assert not list(root.rglob("*.tmp"))
 
 
-def test_rank_zero_does_not_commit_without_the_other_ranks_files(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path, async_save):
     root = tmp_path / "ckpt"
-    with pytest.raises(CheckpointError, match="rank_00001.json: missing"):
-        _store(root, rank=0, world=2).save(2, _registry(0, 2, 2))   # rank 1 never wrote (a barrier that lied)
-    assert newest_complete(root) is None
+    _save_as_ranks(root, 2, async_save=async_save)
+    errors = _as_ranks(root, 4, async_save=async_save, faults={"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
+    assert sorted(errors) == [0, 1] and all(isinstance(e, SaveFailed) for e in errors.values()), errors
+    assert str(errors[0]) == str(errors[1]) == (
+        f"checkpoint step 4 failed: rank 1 could not write {root / tag_for(4) / 'rank_00001.safetensors'}: No space "
+        f"left on device (injected: MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
+    assert [s for s, _, c in list_checkpoints(root)] == [2] and newest_complete(root) == root / tag_for(2)
+
+
+def _holed(rank, world, step):
+    """Rank 1 writes row 2 only of its rows [2, 4): row 3 of t is never written."""
+    reg = _registry(rank, world, step)
+    if rank == 1:
+        full = torch.zeros(4, 3)
+        reg.sharded["t"].pieces = lambda: [Piece("t", full[2:3], (4, 3), ((2, 3), (0, 3)))]
+    return reg
+
+
+def _overlapping(rank, world, step):
+    """Rank 1 writes rows [1, 4): row 1 is also rank 0's."""
+    reg = _registry(rank, world, step)
+    if rank == 1:
+        full = torch.zeros(4, 3)
+        reg.sharded["t"].pieces = lambda: [Piece("t", full[1:4], (4, 3), ((1, 4), (0, 3)))]
+    return reg
+
+
+def test_a_hole_or_an_overlap_in_the_pieces_fails_the_save_naming_the_tensor(tmp_path):
+    root = tmp_path / "ckpt"
+    errors = _as_ranks(root, 2, registry=_holed)
+    assert sorted(errors) == [0, 1] and str(errors[0]) == str(errors[1])
+    assert "t: the pieces cover 9 of its 12 values [4, 3] (a hole" in str(errors[0]), errors
+    errors = _as_ranks(root, 4, registry=_overlapping)
+    assert sorted(errors) == [0, 1] and isinstance(errors[1], SaveFailed)
+    assert ("t: boxes [[0, 2], [0, 3]] and [[1, 4], [0, 3]] overlap (written twice: rank_00000.safetensors, "
+            "rank_00001.safetensors)") in str(errors[0]), errors
+    assert list_checkpoints(root) == []                 # nothing committed, nothing left behind
+
+
+def _index(*pieces):
+    """A merged index by hand: (file, name, shape, box, flat) per piece."""
+    files = {}
+    for i, (rel, name, shape, box, flat) in enumerate(pieces):
+        files.setdefault(rel, {})[f"{name}#{i}"] = {"name": name, "shape": shape, "box": box, "flat": flat,
+                                                   "dtype": "F32"}
+    return {"files": files}
+
+
+def test_coverage_of_flat_fragments_and_boxes():
+    whole = [[0, 4], [0, 3]]
+    ok = _index(("a", "w", [4, 3], whole, [0, 5]), ("b", "w", [4, 3], whole, [5, 12]),
+                ("a", "v", [4, 3], [[0, 4], [0, 1]], None), ("b", "v", [4, 3], [[0, 4], [1, 3]], None))
+    assert coverage_problems(ok) == []
+    gap = _index(("a", "w", [4, 3], whole, [0, 5]), ("b", "w", [4, 3], whole, [6, 12]))
+    assert coverage_problems(gap) == ["w: values [5, 6) of box [[0, 4], [0, 3]] are written by no rank (a hole)"]
+    short = _index(("a", "w", [4, 3], whole, [0, 5]), ("b", "w", [4, 3], whole, [5, 11]))
+    assert coverage_problems(short) == ["w: values [11, 12) of box [[0, 4], [0, 3]] are written by no rank (a hole)"]
+    twice = _index(("a", "w", [4, 3], whole, [0, 6]), ("b", "w", [4, 3], whole, [5, 12]))
+    assert coverage_problems(twice) == ["w: values [5, 6) of box [[0, 4], [0, 3]] are written twice (a, b)"]
+    whole_and_part = _index(("a", "w", [4, 3], whole, None), ("b", "w", [4, 3], whole, [0, 4]))
+    assert "written twice (a, b)" in coverage_problems(whole_and_part)[0]
+    cols = _index(("a", "v", [4, 3], [[0, 4], [0, 2]], None), ("b", "v", [4, 3], [[0, 4], [1, 3]], None))
+    assert coverage_problems(cols) == ["v: boxes [[0, 4], [0, 2]] and [[0, 4], [1, 3]] overlap (written twice: a, b)"]
+
+
+def test_the_merged_index_is_committed_and_read_instead_of_the_headers(tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    _save_as_ranks(root, 2)
+    step = root / tag_for(2)
+    info = verify(step)
+    assert info["format"] == 3 and info["index"] == INDEX_FILE and INDEX_FILE in info["files"]
+    merged = json.loads((step / INDEX_FILE).read_text())
+    assert sorted(merged["files"]) == ["rank_00000.safetensors", "rank_00001.safetensors"]
+    from_headers = ShardedReader(sorted(step.glob("rank_*.safetensors")))
+    monkeypatch.setattr(ShardedReader, "__init__", lambda *a: pytest.fail("a rank file's header was opened"))
+    reader = open_reader(step)
+    assert {n: sorted((e.file, e.key, e.box, e.dtype) for e in es) for n, es in reader.entries.items()} == \
+        {n: sorted((e.file, e.key, e.box, e.dtype) for e in es) for n, es in from_headers.entries.items()}
+    assert torch.equal(reader.read("t"), torch.full((4, 3), 2.0))
+    sh = Sharded(0, 1, None)
+    reg = StateRegistry()
+    reg.register("counters", Counters(step=0))
+    reg.register_sharded("t", sh)
+    reg.load(step, 0, lambda r: LoadContext(r, same_layout=False, marker=info))
+    assert torch.equal(sh.loaded, torch.full((4, 3), 2.0))
+    monkeypatch.undo()
+    # a rank file that contradicts the index (replaced after the commit, checksums made to match) is named at its
+    # first read, as is one that is no safetensors file
+    for rel, data in (("rank_00001.safetensors", (step / "rank_00000.safetensors").read_bytes()),
+                      ("rank_00000.safetensors", b"\x80\x04not a safetensors file")):
+        damaged = tmp_path / f"damaged-{rel}"
+        shutil.copytree(step, damaged)
+        (damaged / rel).write_bytes(data)
+        with pytest.raises(PieceError, match=f"{rel}: (its pieces differ from the ones .*index.json|unreadable)"):
+            open_reader(damaged).read("t")
+    # a checkpoint of format 2 (before the index): the same, through the headers
+    (step / INDEX_FILE).unlink()
+    old = {k: v for k, v in info.items() if k != "index"}
+    old["format"], old["files"] = 2, {k: v for k, v in info["files"].items() if k != INDEX_FILE}
+    (step / MARKER).write_text(json.dumps(old))
+    verify(step)
+    assert torch.equal(open_reader(step).read("t"), torch.full((4, 3), 2.0))
 
 
 def test_half_written_flipped_or_truncated_checkpoints_are_never_resumed(tmp_path, capsys):
@@ -282,5 +453,49 @@ def test_different_model_is_a_clear_error_and_layouts_are_described(tmp_path):
     other = _store(root, model={"n_layer": 2, "d_model": 128})
     with pytest.raises(CheckpointError, match=r"model\.d_model: checkpoint 64 vs config 128"):
         other.check_compatible(root / tag_for(2))
-    _, same, note = _store(root, world=2, model={"n_layer": 2, "d_model": 64}).check_compatible(root / tag_for(2))
+    two = _store(root, world=2, model={"n_layer": 2, "d_model": 64}, outcomes=LocalOutcomes())   # reads only
+    _, same, note = two.check_compatible(root / tag_for(2))
     assert not same and "resharding on load" in note and "dp=1 (1 ranks" in note and "dp=2 (2 ranks" in note
+
+
+# ---- the outcome collective across real processes (gloo) ---------------------------------------------------------
+def _failing_rank_in_processes(rank, world, root):
+    """Rank 1 cannot write step 4 (sync, then async saves), then hangs in its write of step 6 past the timeout."""
+    import time
+
+    import torch.distributed as dist
+
+    for async_save in (False, True):
+        where = Path(root) / ("async" if async_save else "sync")
+        store = CheckpointStore(where, rank, world, 2, {"model": {}, "layout": {}, "precision": "fp32"},
+                                barrier=dist.barrier, async_save=async_save, commit_timeout_s=3, log=lambda m: None)
+        store.faults = FaultPoints(rank, {"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
+        store.save(2, _registry(rank, world, 2))
+        store.finish()
+        t0 = time.monotonic()
+        with pytest.raises(SaveFailed) as e:
+            store.save(4, _registry(rank, world, 4))
+            while not store.failed():                       # async: what the training loop polls every step
+                assert time.monotonic() - t0 < 20
+                time.sleep(0.01)
+            store.wait()
+        assert time.monotonic() - t0 < 20
+        assert str(e.value) == (f"checkpoint step 4 failed: rank 1 could not write {where / tag_for(4)}/"
+                                f"rank_00001.safetensors: No space left on device (injected: "
+                                f"MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
+        assert [s for s, _, c in list_checkpoints(where)] == [2]
+    store.faults.write = lambda step, path: time.sleep(8) if rank == 1 else None    # a hung file system
+    t0 = time.monotonic()
+    with pytest.raises(SaveFailed, match=r"checkpoint step 6: the ranks' save outcomes did not all arrive .* "
+                                         r"checkpoint.commit_timeout_s=3 s"):
+        store.save(6, _registry(rank, world, 6))
+        store.wait()
+    if rank == 0:
+        assert time.monotonic() - t0 < 7                    # the timeout, not rank 1's write
+    assert (Path(root) / "async" / MARKER).exists() is False and newest_complete(Path(root) / "async").name == \
+        tag_for(2)
+
+
+@pytest.mark.multiproc
+def test_a_failing_rank_fails_the_save_on_every_process(tmp_path):
+    run_distributed(_failing_rank_in_processes, 2, str(tmp_path), timeout=120)

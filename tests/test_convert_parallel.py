@@ -205,9 +205,23 @@ def _damage_config(s):
 
 
 def _damage_twice(s):
+    """A checkpoint of format 2 (no merged index: read through every rank file's header) whose rank 1 file is
+    a copy of rank 0's."""
+    marker = json.loads((s / "COMMITTED").read_text())
+    (s / marker.pop("index")).unlink()
+    del marker["files"]["index.json"]
+    marker["format"] = 2
+    (s / "COMMITTED").write_text(json.dumps(marker))
     shutil.copyfile(s / "rank_00000.safetensors", s / "rank_00001.safetensors")
     _recommit(s)
     return "written twice"
+
+
+def _damage_replaced(s):
+    """The same copy in a checkpoint of format 3: the file contradicts the merged index."""
+    shutil.copyfile(s / "rank_00000.safetensors", s / "rank_00001.safetensors")
+    _recommit(s)
+    return "rank_00001.safetensors: its pieces differ from the ones"
 
 
 def _damage_memory_heads(s):
@@ -231,7 +245,7 @@ def _damage_memory_heads(s):
 
 
 @pytest.mark.parametrize("damage", [_damage_missing, _damage_truncated, _damage_flipped, _damage_config, _damage_twice,
-                                    _damage_memory_heads], ids=lambda f: f.__name__[len("_damage_"):])
+                                    _damage_replaced, _damage_memory_heads], ids=lambda f: f.__name__[len("_damage_"):])
 def test_broken_checkpoint_is_refused_by_name(damage, tp2, tmp_path, capsys):
     s = tmp_path / "checkpoints" / "step_00000006"
     shutil.copytree(step_dir(tp2, 6), s)

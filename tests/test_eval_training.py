@@ -94,7 +94,10 @@ def test_bf16_zero2_data_parallel_run_is_consolidated(shards, tmp_path):
     model, meta = convert.load_model(run)
     assert meta["precision"] == "bf16"
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    module = {k[len("model/"):-2]: v for k, v in ranks[0].items() if k.startswith("model/")}   # dp rank 0's copy
+    # the module's bf16 weights, written once each, spread over the two DP ranks (pieces.spread_writers)
+    module = {k[len("model/"):-2]: v for t in ranks for k, v in t.items() if k.startswith("model/")}
+    assert sum(k.startswith("model/") for t in ranks for k in t) == len(module)
+    assert all(any(k.startswith("model/") for k in t) for t in ranks)
     sd = model.state_dict()
     assert sd.keys() == module.keys()
     assert all(torch.equal(sd[k].to(torch.bfloat16), v.reshape(sd[k].shape)) for k, v in module.items())

@@ -225,6 +225,25 @@ def test_anticipated_errors_are_one_line_from_one_rank(tiny_cfg, shards, tmp_pat
     assert out.count("megamemo train: error: optim.lr: must be > 0") == 1 and "Traceback" in out
 
 
+def test_a_rank_that_cannot_write_its_checkpoint_stops_the_run_on_every_rank(tiny_cfg, shards, tmp_path):
+    """Rank 1's write of the step-4 checkpoint fails (ENOSPC, injected): synchronous and asynchronous saves alike,
+    the save fails on both ranks, nothing of step 4 is committed or left behind, and the run ends at once with one
+    line naming the rank and the file, exit code 2, no traceback, no abort; the step-2 checkpoint stays the newest."""
+    for async_save in ("false", "true"):
+        run_dir = tmp_path / f"async-{async_save}"
+        p = start(tiny_cfg, shards, run_dir, "--max-steps", "12", "--save-every", "2", "--set",
+                  f"checkpoint.async_save={async_save}", env={"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
+        assert finish(p, timeout=180) == 2, text(run_dir)[-3000:]
+        out = text(run_dir)
+        errors = [line for line in out.splitlines() if "megamemo train: error:" in line]
+        assert errors == [f"megamemo train: error: checkpoint step 4 failed: rank 1 could not write {run_dir}/"
+                          f"checkpoints/step_00000004/rank_00001.safetensors: No space left on device (injected: "
+                          f"MEGAMEMO_FAULT_FAIL_WRITE); nothing committed"], out[-3000:]
+        assert "Traceback" not in out and "terminate called" not in out, out[-3000:]
+        assert [s for s, _, c in list_checkpoints(run_dir / "checkpoints")] == [2]
+        assert max(losses(run_dir)) <= 6, out[-3000:]       # stopped at the save (sync) or a step after it
+
+
 # ---- fault injection --------------------------------------------------------------------------------------------
 def _damage(path: Path, rng: random.Random, how: str) -> None:
     data = bytearray(path.read_bytes())

@@ -89,6 +89,10 @@ def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, reference_ru
     assert m1.batch_size == m2.batch_size == 4 and sorted(m1.tensors) == sorted(m2.tensors)
     for name, full in m1.tensors.items():
         torch.testing.assert_close(m2[name], full, rtol=1e-5, atol=1e-5)
+    # the weights both DP ranks hold are written by one of them each, spread over both (pieces.spread_writers)
+    index = json.loads((two / "checkpoints" / "step_00000006" / "index.json").read_text())["files"]
+    weights = [{d["name"] for d in pieces.values() if d["name"].startswith("model/")} for pieces in index.values()]
+    assert len(weights) == 2 and all(weights) and not weights[0] & weights[1], weights
     # periodic validation: the logged loss is the plain model's NLL on the first 6 segments of the valid split
     (e1,), (e2,) = eval_records(one), eval_records(two)
     assert (e1["step"], e1["tgt_len"], e1["mem_len"], e1["tokens"]) == (6, 8, 24, 6 * 8 * 4)

@@ -85,6 +85,8 @@ def test_paper_configs_have_paper_shapes():
     ("data.retries=-1", "data.retries"),
     ("data.blend=[{dir: a, weight: 1}]", "data.blend: give either data.dir"),   # tiny-cpu.yaml has a data.dir
     ("data.fetch_threads=0", "data.fetch_threads"),
+    ("checkpoint.commit_timeout_s=0", "checkpoint.commit_timeout_s: must be > 0 seconds"),
+    ("checkpoint.commit_timeout_s=soon", "checkpoint.commit_timeout_s"),
 ])
 def test_bad_config_values_name_the_field(override, names):
     with pytest.raises(C.ConfigError, match=names.replace(".", r"\.")):

@@ -7,12 +7,16 @@ protocol, where a kill from outside would land only by luck (the windows are mil
         commit     rank 0: every rank's files are in, COMMITTED not yet written
         retention  rank 0: the step is committed, older checkpoints not yet removed
         removal    rank 0: an old checkpoint's COMMITTED removed, its files not yet
+    MEGAMEMO_FAULT_FAIL_WRITE="STEP:RANK"   that rank's write of its tensor file of that step fails with ENOSPC
+                                            (the save must fail on every rank, nothing committed)
 Unset (always, outside tests and the soak), each check is one comparison.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
+from pathlib import Path
 
 POINTS = ("save", "commit", "retention", "removal")
 
@@ -28,6 +32,14 @@ class FaultPoints:
         if self.kill_at is not None and self.kill_at[0] not in POINTS:
             raise ValueError(f"MEGAMEMO_FAULT_KILL_AT: unknown point {self.kill_at[0]!r} (one of {', '.join(POINTS)})")
         self.passed: dict[str, int] = {}
+        failing = env.get("MEGAMEMO_FAULT_FAIL_WRITE", "")
+        self.fail_write_at = tuple(int(x) for x in failing.split(":")) if failing else None
+
+    def write(self, step: int, path: Path) -> None:
+        """Before this rank writes `path` of step `step`: an injected write error when asked for."""
+        if self.fail_write_at == (step, self.rank) and Path(path).name.endswith(".safetensors"):
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: MEGAMEMO_FAULT_FAIL_WRITE)",
+                          str(path))
 
     def at(self, point: str, step: int | None = None) -> None:
         if point == "save" and self.kill_in_save == (step, self.rank):

@@ -65,10 +65,11 @@ def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
 
 
 # ---- writing ---------------------------------------------------------------------------------------------------
-def write_pieces(path: Path, pieces: list[Piece], local: dict[str, torch.Tensor] | None = None) -> None:
+def write_pieces(path: Path, pieces: list[Piece], local: dict[str, torch.Tensor] | None = None) -> dict:
     """One safetensors file: the pieces (with their description in the header) and rank-local tensors
     (`local`, e.g. the RNG state: stored under `local/<key>`, not part of any global tensor). Tensors must be CPU
-    copies that nothing else shares (the snapshot makes them)."""
+    copies that nothing else shares (the snapshot makes them). -> the header's index, each entry with its
+    safetensors dtype too (what the merged index of a committed checkpoint holds: index.py)."""
     tensors, index, seen = {}, {}, Counter()
     for p in pieces:
         key = f"{p.name}#{seen[p.name]}"
@@ -84,6 +85,20 @@ def write_pieces(path: Path, pieces: list[Piece], local: dict[str, torch.Tensor]
     for k, t in (local or {}).items():
         tensors[f"local/{k}"] = t
     save_file(tensors, str(path), metadata={INDEX_KEY: json.dumps(index, separators=(",", ":"))})
+    return {k: {**d, "dtype": _DTYPE_NAMES[tensors[k].dtype]} for k, d in index.items()}
+
+
+def spread_writers(sizes: dict[str, int], n: int) -> dict[str, int]:
+    """Who of n ranks holding the same tensors writes each one: the largest first, each to the rank with the
+    fewest elements so far (ties: the lower rank), names breaking ties between equal sizes - the same answer on
+    every rank, so each tensor is written once and the ranks write about as much."""
+    load = [0] * n
+    out = {}
+    for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        r = min(range(n), key=lambda i: (load[i], i))
+        out[name] = r
+        load[r] += sizes[name]
+    return out
 
 
 # ---- reading ---------------------------------------------------------------------------------------------------
@@ -99,27 +114,56 @@ class _Entry:
 
 def read_local(path: Path) -> dict[str, torch.Tensor]:
     """The rank-local tensors of one rank file."""
-    with safe_open(str(path), "pt") as f:
-        return {k[len("local/"):]: f.get_tensor(k) for k in f.keys() if k.startswith("local/")}
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k[len("local/"):]: f.get_tensor(k) for k in f.keys() if k.startswith("local/")}
+    except Exception as e:  # noqa: BLE001 - safetensors errors, named by file
+        raise PieceError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from None
+
+
+def _header_index(path: Path) -> dict:
+    """A rank file's own description of its pieces (with their dtypes), from its header."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            index = json.loads((f.metadata() or {}).get(INDEX_KEY, "{}"))
+            return {k: {**d, "dtype": str(f.get_slice(k).get_dtype())} for k, d in index.items()}
+    except Exception as e:  # noqa: BLE001 - safetensors / JSON errors, named by file
+        raise PieceError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from None
 
 
 class ShardedReader:
     """All pieces of a checkpoint's rank files, by global name (headers only until something is read)."""
 
     def __init__(self, files: list[Path]):
+        """From the rank files' headers (one open per file: a checkpoint of format 2, or any set of files)."""
         self.entries: dict[str, list[_Entry]] = defaultdict(list)
+        self._listed: dict[Path, tuple[Path, dict]] = {}     # from an index: each file's pieces, checked at first read
         for path in files:
-            try:
-                with safe_open(str(path), "pt") as f:
-                    index = json.loads((f.metadata() or {}).get(INDEX_KEY, "{}"))
-                    dtypes = {k: str(f.get_slice(k).get_dtype()) for k in index}
-            except Exception as e:  # noqa: BLE001 - safetensors / JSON errors, named by file
-                raise PieceError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from None
-            for key, d in index.items():
-                e = _Entry(Path(path), key, tuple(d["shape"]), tuple(tuple(b) for b in d["box"]),
-                           tuple(d["flat"]) if d["flat"] is not None else None, dtypes[key])
-                self._check(e)
-                self.entries[d["name"]].append(e)
+            self._add(Path(path), _header_index(Path(path)))
+        self._check_all()
+
+    @classmethod
+    def from_index(cls, directory: Path, index: dict[str, dict], where: Path) -> "ShardedReader":
+        """From a merged index {rank file: {key: name, shape, box, flat, dtype}} (index.py): no header opened."""
+        self = cls.__new__(cls)
+        self.entries, self._listed = defaultdict(list), {}
+        try:
+            for rel, pieces in index.items():
+                self._add(Path(directory) / rel, pieces)
+                self._listed[Path(directory) / rel] = (Path(where), pieces)
+        except (KeyError, TypeError, ValueError) as e:
+            raise PieceError(f"{where}: malformed piece index ({type(e).__name__}: {e})") from None
+        self._check_all()
+        return self
+
+    def _add(self, path: Path, index: dict) -> None:
+        for key, d in index.items():
+            e = _Entry(path, key, tuple(int(n) for n in d["shape"]), tuple(tuple(int(x) for x in b) for b in d["box"]),
+                       tuple(int(x) for x in d["flat"]) if d["flat"] is not None else None, str(d["dtype"]))
+            self._check(e)
+            self.entries[d["name"]].append(e)
+
+    def _check_all(self) -> None:
         for name, es in self.entries.items():
             if len({(e.shape, e.dtype) for e in es}) > 1:
                 raise PieceError(f"{es[0].file}: {name}: pieces disagree on shape or dtype "
@@ -169,8 +213,16 @@ class ShardedReader:
         return out.reshape(-1)[flat[0]:flat[1]].clone() if flat is not None else out
 
     def _load(self, e: _Entry, index=None) -> torch.Tensor:
-        with safe_open(str(e.file), "pt") as f:
-            return f.get_tensor(e.key) if index is None else f.get_slice(e.key)[index]
+        if e.file in self._listed:              # the first read of a file the index describes: does it agree?
+            where, listed = self._listed.pop(e.file)
+            if _header_index(e.file) != listed:
+                raise PieceError(f"{e.file}: its pieces differ from the ones {where} lists for it (the file was "
+                                 f"replaced after the save?)")
+        try:
+            with safe_open(str(e.file), "pt") as f:
+                return f.get_tensor(e.key) if index is None else f.get_slice(e.key)[index]
+        except Exception as err:  # noqa: BLE001 - safetensors errors, named by file
+            raise PieceError(f"{e.file}: unreadable rank file ({type(err).__name__}: {err})") from None
 
     def _assemble(self, name: str, es: list[_Entry], box: Box) -> torch.Tensor:
         by_box: dict[Box, list[_Entry]] = defaultdict(list)
@@ -210,10 +262,13 @@ class ShardedReader:
         return torch.cat([self._load(e) for e in parts]).view(box_shape(stored))
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}       # safetensors' names, as get_slice().get_dtype() gives them
+
+
 def _torch_dtype(name: str) -> torch.dtype:
-    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
-    if name in table:
-        return table[name]
+    if name in _DTYPES:
+        return _DTYPES[name]
     return getattr(torch, name.replace("torch.", ""))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -23,8 +25,10 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
+from megamemo.checkpoint.index import open_reader
 from megamemo.checkpoint.pieces import Piece, ShardedReader, read_local, write_pieces
-from megamemo.util.files import file_sha256, write_atomic, write_json_atomic
+from megamemo.checkpoint.staging import Staging
+from megamemo.util.files import file_sha256, write_atomic
 
 TENSOR_KEY = "__tensor__"
 FORMAT = "megamemo-checkpoint"
@@ -112,12 +116,38 @@ class Snapshot:
     local: dict[str, torch.Tensor]
     doc: dict
     files: dict[str, Callable[[Path], None]] = field(default_factory=dict)
+    files_later: Callable[[], dict] | None = None     # the extra files, when known only after the snapshot
+
+
+class LateFiles:
+    """Extra files known only after the snapshot (the probe, computed on the training thread while a background
+    write has started): the writer waits for them; an error on the training thread ends the wait."""
+
+    def __init__(self):
+        self._ready = threading.Event()
+        self._files: dict | None = None
+        self.seconds = 0.0
+
+    def put(self, make: Callable[[], dict]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._files = make()
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._ready.set()
+
+    def get(self) -> dict:
+        self._ready.wait()
+        if self._files is None:
+            raise CheckpointStateError("the files to add after the snapshot were never made (the run is ending)")
+        return self._files
 
 
 class StateRegistry:
     def __init__(self):
         self.entries: dict[str, tuple[Stateful, str]] = {}
         self.sharded: dict[str, Any] = {}
+        self.staging = Staging()    # the pieces' host buffers, kept from one snapshot to the next
 
     def _check_new(self, name: str) -> None:
         if name in self.entries or name in self.sharded:
@@ -138,15 +168,16 @@ class StateRegistry:
         """Copy everything this rank saves (collectives inside `pieces()` are not allowed: ranks differ)."""
         local: dict[str, torch.Tensor] = {}
         state = {name: split_tensors(obj.state_dict(), name, local) for name, (obj, _) in self.entries.items()}
-        pieces = [Piece(p.name, snapshot_tensor(p.tensor), p.shape, p.box, p.flat)
-                  for obj in self.sharded.values() for p in obj.pieces()]
+        pieces = [Piece(p.name, self.staging.copy((entry, i), p.tensor), p.shape, p.box, p.flat)
+                  for entry, obj in self.sharded.items() for i, p in enumerate(obj.pieces())]
+        self.staging.done()         # buffers reused by the next snapshot (staging.py): write this one first
         doc = {"format": FORMAT, "version": VERSION, "rank": rank, "state": state, **(extra or {})}
         return Snapshot(rank, pieces, local, doc)
 
     # ---- load --------------------------------------------------------------------------------------------
     def load(self, directory: Path, rank: int, ctx_for: Callable[[ShardedReader], LoadContext]) -> dict:
         """Restore every entry from the rank files in `directory`; -> this rank's (or rank 0's) JSON document."""
-        reader = ShardedReader(sorted(directory.glob("rank_*.safetensors")))
+        reader = open_reader(directory)      # the merged index, or every rank file's header (format 2)
         ctx = ctx_for(reader)
         own_rank = rank if ctx.same_layout else 0
         st_name, js_name = rank_files(own_rank)
@@ -169,20 +200,53 @@ class StateRegistry:
         return doc
 
 
-def save_snapshot(snap: Snapshot, directory: Path, before_done: Callable[[], None] = lambda: None) -> dict:
+class WriteError(CheckpointStateError):
+    """A rank could not write one of its files; `path` names it."""
+
+    def __init__(self, path: Path, error: BaseException):
+        self.path = Path(path)
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else \
+            f"{type(error).__name__}: {error}"
+        super().__init__(f"could not write {path}: {reason}")
+
+
+@dataclass
+class Written:
+    """What one rank wrote: {relative path: {bytes, sha256}} (its JSON included) and its piece index
+    ({rank file: {safetensors key: name, shape, box, flat, dtype}}: pieces.write_pieces)."""
+    files: dict
+    index: dict
+
+
+def _write_file(path: Path, write: Callable[[Path], None], before_write: Callable[[Path], None]) -> dict:
+    try:
+        before_write(path)
+        write_atomic(path, write)
+        return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    except WriteError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to write names the file (OSError, safetensors, ...)
+        raise WriteError(path, e) from e
+
+
+def save_snapshot(snap: Snapshot, directory: Path, before_done: Callable[[], None] = lambda: None,
+                  before_write: Callable[[Path], None] = lambda path: None) -> Written:
     """Write one rank's files into `directory`: the rank safetensors file and extra files (each via a tmp file,
     fsync and rename), then the rank JSON, listing the others' sizes and sha256, last (`before_done` runs just
-    before it: the crash tests kill the process there). -> the files' entries."""
+    before it: the crash tests kill the process there; `before_write(path)` before each file: the injected write
+    errors). A file that cannot be written raises WriteError naming it."""
     st_name, js_name = rank_files(snap.rank)
     directory.mkdir(parents=True, exist_ok=True)
-    write_atomic(directory / st_name, lambda p: write_pieces(p, snap.pieces, snap.local))
-    for rel, writer in snap.files.items():
-        write_atomic(directory / rel, writer)
-    files = {rel: {"bytes": (directory / rel).stat().st_size, "sha256": file_sha256(directory / rel)}
-             for rel in [st_name, *snap.files]}
+    index: dict = {}
+    files = {st_name: _write_file(directory / st_name,
+                                  lambda p: index.update(write_pieces(p, snap.pieces, snap.local)), before_write)}
+    extra = snap.files if snap.files_later is None else snap.files_later()
+    for rel, writer in extra.items():
+        files[rel] = _write_file(directory / rel, writer, before_write)
     before_done()
-    write_json_atomic(directory / js_name, {**snap.doc, "files": files})
-    return files
+    text = json.dumps({**snap.doc, "files": files}, indent=1, sort_keys=True)
+    done = _write_file(directory / js_name, lambda p: p.write_text(text), before_write)
+    return Written({**files, js_name: done}, {st_name: index})
 
 
 # ---- stateful helpers --------------------------------------------------------------------------------------

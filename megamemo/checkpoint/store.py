@@ -12,11 +12,11 @@ files do not match their recorded size or sha256 is moved aside (`step_N.corrupt
 newest is used, saying so.
 
 Save (collective). Every rank copies its state to host memory (the only part the step waits for when
-`checkpoint.async_save` is on), then writes its files (tmp + fsync + rename; the rank JSON last). Rank 0 waits for
-every rank's JSON, writes COMMITTED.tmp, fsyncs and renames it, then applies retention (a removed checkpoint loses
-its COMMITTED marker first, so a half-removed one is never taken for committed). A crash anywhere before the
-rename leaves the previous checkpoint the newest. With async saves the writing and the commit run in a background
-thread; the next save, a stop and the end of training wait for it.
+`checkpoint.async_save` is on), then writes its files (tmp + fsync + rename; the rank JSON last) and reports the
+outcome to rank 0 (commit.py); rank 0 checks the pieces cover every tensor once, writes index.json and COMMITTED
+(tmp, fsync, rename), applies retention (a removed checkpoint loses its COMMITTED marker first), and tells every
+rank the verdict: a failed save fails on every rank alike (SaveFailed). A crash anywhere before the rename leaves
+the previous checkpoint the newest. Async saves run the writing and the commit in a background thread.
 """
 from __future__ import annotations
 
@@ -28,11 +28,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from megamemo.checkpoint.commit import (Collectives, OutcomeTimeout, check_and_index, first_error,
+                                        outcome_channel, write_and_report)
 from megamemo.checkpoint.faults import FaultPoints
-from megamemo.checkpoint.state import LoadContext, Snapshot, StateRegistry, rank_files, read_json, save_snapshot
+from megamemo.checkpoint.index import INDEX_FILE
+from megamemo.checkpoint.state import LateFiles, LoadContext, Snapshot, StateRegistry, read_json
 from megamemo.util.files import file_sha256, fsync_dir, write_json_atomic
 
 MARKER = "COMMITTED"
+FORMAT = 3                  # 3: with the merged piece index (index.json); 2: without (read through the headers)
+FORMATS = (2, 3)
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "batch_size", "grad_accum", "zero_stage")
 
@@ -72,8 +79,8 @@ def verify(step_dir: Path, checksums: bool = True, share: tuple[int, int] = (0, 
     """The marker of a committed checkpoint whose files are present at their recorded sizes and, with checksums,
     sha256. share=(i, n): only every n-th file from the i-th (ranks verify a checkpoint together)."""
     info = read_marker(step_dir)
-    if info.get("format") != 2 or not isinstance(info.get("files"), dict):
-        raise CheckpointError(f"{Path(step_dir) / MARKER}: not a megamemo checkpoint of format 2 (format "
+    if info.get("format") not in FORMATS or not isinstance(info.get("files"), dict):
+        raise CheckpointError(f"{Path(step_dir) / MARKER}: not a megamemo checkpoint of format 2 or 3 (format "
                               f"{info.get('format')!r})")
     for rel in sorted(info["files"])[share[0]::share[1]]:
         check_file(step_dir, rel, info["files"][rel], checksums)
@@ -132,45 +139,25 @@ def describe_layout(lay: dict) -> str:
             f"grad_accum {lay.get('grad_accum', 1)}, batch {lay.get('batch_size')}, ZeRO {lay.get('zero_stage')})")
 
 
-class _Collectives:
-    """The few collectives the store needs, over torch.distributed when a process group is up."""
-
-    def __init__(self, barrier: Callable[[], None]):
-        self.barrier = barrier
-
-    @staticmethod
-    def _dist():
-        import torch.distributed as dist
-        return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
-
-    def broadcast(self, obj):
-        dist = self._dist()
-        if dist is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def all_gather(self, obj) -> list:
-        dist = self._dist()
-        if dist is None:
-            return [obj]
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
+class SaveFailed(CheckpointError):
+    """A save failed on every rank alike (a rank's write error, a hole in the pieces, a rank silent past the
+    timeout), nothing committed: every rank raises the same line, so one says it."""
+    same_on_every_rank = True
 
 
 class CheckpointStore:
     def __init__(self, root: Path, rank: int, world_size: int, keep_last: int, meta: dict,
-                 barrier: Callable[[], None], async_save: bool = False, commit_timeout_s: float = 3600.0,
-                 log: Callable[[str], None] = print):
+                 barrier: Callable[[], None], async_save: bool = False, commit_timeout_s: float = 600.0,
+                 log: Callable[[str], None] = print, outcomes=None):    # outcomes: commit.py (collective)
         self.root = Path(root)
         self.rank, self.world_size = rank, world_size
         self.keep_last = keep_last
         self.meta = meta            # model config + fingerprint, layout, precision: recorded, checked on resume
-        self.comm = _Collectives(barrier)
+        self.comm = Collectives(barrier)
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
+        self.overlap_late_files = torch.cuda.is_available()     # files made after the snapshot, beside the write
+        self.outcomes = outcomes if outcomes is not None else outcome_channel(world_size, commit_timeout_s)
         self.log = log if rank == 0 else (lambda *a, **k: None)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -181,7 +168,9 @@ class CheckpointStore:
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
              files: dict[str, Callable[[Path], None]] | None = None) -> Path:
-        """Collective. files: {name: writer(path)} this rank adds to the step directory (e.g. the probe)."""
+        """Collective. files: {name: writer(path)} this rank adds to the step directory, or a function making them
+        after the snapshot (the probe). A failed save raises SaveFailed on every rank: here (sync), or in wait()
+        once failed() says so (async)."""
         self.wait()
         step_dir = self.root / tag_for(step)
         self.comm.barrier()             # every rank's previous save is written, and rank 0 has committed it
@@ -195,48 +184,66 @@ class CheckpointStore:
         self.comm.barrier()
         t0 = time.perf_counter()
         snap = registry.snapshot(self.rank, {"step": step, **(rank_extra or {})})
-        snap.files = dict(files or {})
-        stall = time.perf_counter() - t0
+        stall, late = time.perf_counter() - t0, LateFiles() if callable(files) else None
+        snap.files, snap.files_later = ({}, late.get) if late else (dict(files or {}), None)
+        overlap = late and self.async_save and self.overlap_late_files
+        if late and not overlap:        # e.g. the probe: after the snapshot, before the write (cores shared)
+            late.put(files)
         if self.async_save:
-            self._thread = threading.Thread(target=self._write_and_commit, args=(snap, step, step_dir, t0, stall),
+            self._thread = threading.Thread(target=self._background, args=(snap, step, step_dir, t0, stall, late),
                                             name=f"checkpoint-{step}", daemon=True)
             self._thread.start()
-        else:
-            self._write(snap, step_dir, step)
-            self.comm.barrier()
-            if self.rank == 0:
-                self._commit(step, step_dir, wait_s=0.0)
-                self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s, synchronous)")
-            self.comm.barrier()
+        if overlap:                     # on a GPU: device work beside the write
+            late.put(files)
+        if not self.async_save:
+            self._write_and_commit(snap, step, step_dir)
+            self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s, synchronous)")
         return step_dir
 
-    def _write(self, snap: Snapshot, step_dir: Path, step: int) -> None:
-        save_snapshot(snap, step_dir, before_done=lambda: self.faults.at("save", step))
-
-    def _write_and_commit(self, snap: Snapshot, step: int, step_dir: Path, t0: float, stall: float) -> None:
+    def _background(self, snap: Snapshot, step: int, step_dir: Path, t0: float, stall: float, late) -> None:
         try:
-            self._write(snap, step_dir, step)
-            if self.rank == 0:
-                self._commit(step, step_dir, wait_s=self.commit_timeout_s)
-                self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s in the background, "
-                         f"training stalled {stall:.2f}s)")
+            self._write_and_commit(snap, step, step_dir)
+            self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s in the background, "
+                     f"training stalled {stall:.2f}s" + (f", then {late.seconds:.2f}s for the files made after the "
+                                                         f"snapshot" if late else "") + ")")
         except BaseException as e:  # noqa: BLE001 - reported by wait() on the main thread
             self._error = e
 
-    def wait(self) -> None:
-        """Finish this rank's background write (rank 0: and its commit); re-raise its error here."""
+    def _write_and_commit(self, snap: Snapshot, step: int, step_dir: Path) -> None:
+        """This rank's files, its outcome to rank 0, rank 0's verdict (and commit) back to every rank."""
+        mine = write_and_report(snap, step, step_dir, self.faults)
+        if self._abandoned.is_set():
+            raise CheckpointError(f"step {step}: abandoned (the run is ending with an error; not committed)")
+        try:
+            outcomes = self.outcomes.gather(mine)
+            verdict = self._commit(step, step_dir, outcomes) if self.rank == 0 else None
+            verdict = self.outcomes.broadcast(verdict)
+        except OutcomeTimeout as e:
+            raise SaveFailed(f"checkpoint step {step}: {e}; nothing committed") from None
+        if verdict:
+            raise SaveFailed(verdict)
+
+    def failed(self) -> bool:
+        """This rank's background save has ended with an error (the training loop asks every step)."""
+        return self._thread is not None and not self._thread.is_alive() and self._error is not None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Finish this rank's background save; re-raise its error here. timeout_s: after another rank reported a
+        failure, a write of this rank stuck in the file system is given up on."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise SaveFailed(f"rank {self.rank}: its checkpoint write did not end within {timeout_s:g} s after "
+                                 f"the save failed (a hung file system?); nothing committed")
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
-            raise CheckpointError(f"background checkpoint write failed: {e}") from e
+            raise e if isinstance(e, SaveFailed) else CheckpointError(f"background checkpoint write failed: {e}") from e
 
     def abandon(self, timeout_s: float = 60.0) -> None:
-        """On an error path, before the process exits: a background save still in flight stops waiting for the
-        other ranks (it is never committed; the next start removes it) and its thread ends, so that no thread is
-        in the middle of a write while the interpreter shuts down (a thread inside C++ code then is killed by
-        the interpreter's exit, and the process aborts). Not collective."""
+        """On an error path, before the process exits: a background save in flight does not report its outcome
+        (never committed; the next start removes it) and its thread ends, so that no thread is inside C++ code
+        when the interpreter shuts down (the process would abort). Not collective."""
         self._abandoned.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -248,29 +255,27 @@ class CheckpointStore:
         self.wait()
         self.comm.barrier()
 
-    def _commit(self, step: int, step_dir: Path, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
-        files = {}
-        for r in range(self.world_size):
-            js = step_dir / rank_files(r)[1]
-            while not js.is_file():
-                if self._abandoned.is_set():
-                    raise CheckpointError(f"step {step}: abandoned (the run is ending with an error; not committed)")
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"{js}: missing: rank {r} did not finish writing step {step} "
-                                          f"(not committed)")
-                time.sleep(0.05)
-            doc = read_json(js, CheckpointError)
-            files.update(doc["files"])
-            files[js.name] = {"bytes": js.stat().st_size, "sha256": file_sha256(js)}
-        info = {"format": 2, "step": step, "tag": step_dir.name, "world_size": self.world_size,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files, **self.meta}
-        fsync_dir(step_dir)
-        self.faults.at("commit")
-        write_json_atomic(step_dir / MARKER, info)
-        fsync_dir(step_dir)
-        self.faults.at("retention")
-        self._retain()
+    def _commit(self, step: int, step_dir: Path, outcomes: list[dict]) -> str | None:
+        """Rank 0, with every rank's outcome: COMMITTED written (-> None), or the line saying why not (the step
+        directory then removed: every rank has finished writing it)."""
+        problem = first_error(outcomes)
+        try:
+            if problem is None:
+                files, problem = check_and_index(step_dir, outcomes)
+            if problem is None:
+                info = {"format": FORMAT, "step": step, "tag": step_dir.name, "world_size": self.world_size,
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "index": INDEX_FILE, "files": files, **self.meta}
+                fsync_dir(step_dir)
+                self.faults.at("commit")
+                write_json_atomic(step_dir / MARKER, info)
+                fsync_dir(step_dir)
+                self.faults.at("retention")
+                self._retain()
+                return None
+        except (OSError, ValueError) as e:
+            problem = f"rank 0 could not commit {step_dir}: {e}"
+        shutil.rmtree(step_dir, ignore_errors=True)
+        return f"checkpoint step {step} failed: {problem}; nothing committed"
 
     def _retain(self) -> None:
         ckpts = list_checkpoints(self.root)

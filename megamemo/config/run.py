@@ -123,6 +123,10 @@ class CheckpointConfig:
     # copy the state to host memory, then write and commit in a background thread while training goes on (the
     # next save, a stop and the end of training wait for it); false: the step waits for the whole write
     async_save: bool = True
+    # how long the ranks wait for each other's save outcome (megamemo/checkpoint/commit.py): a rank that neither
+    # reports nor dies within it (a hung file system) fails the save on every rank; it must exceed the spread of
+    # the ranks' write times (seconds at the rehearsal width here)
+    commit_timeout_s: float = 600.0
 
 
 @dataclass
@@ -242,6 +246,8 @@ class RunConfig:
             bad("checkpoint.save_every", "must be >= 0")
         if self.checkpoint.keep_last < 1:
             bad("checkpoint.keep_last", "must be >= 1")
+        if not self.checkpoint.commit_timeout_s > 0:
+            bad("checkpoint.commit_timeout_s", "must be > 0 seconds")
         if self.log.every < 1:
             bad("log.every", "must be >= 1")
         if self.eval.every < 0:

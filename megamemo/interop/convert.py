@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from megamemo.checkpoint.index import open_reader
 from megamemo.checkpoint.pieces import PieceError, ShardedReader
 from megamemo.checkpoint.probe_replay import ProbeError, check_probe, read_probe
 from megamemo.checkpoint.single import (FORMAT, SingleCheckpointError, load_single, model_from_state_dict,
@@ -94,7 +95,8 @@ class Checkpoint:
         try:
             self.cfg = ModelConfig.from_dict(self.marker["model"], where=f"{self.where}:model")
             world = int(self.marker["world_size"])
-            self.reader = ShardedReader([self.dir / rank_files(r)[0] for r in range(world)])
+            self.reader = (open_reader(self.dir) if self.marker.get("index") else
+                           ShardedReader([self.dir / rank_files(r)[0] for r in range(world)]))
         except (KeyError, TypeError, ValueError) as e:
             raise ConvertError(f"{self.where}: {e}") from None
         self.precision = self.marker.get("precision", "fp32")

@@ -145,7 +145,8 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                        "zero_stage": cfg.parallel.zero_stage},
             "precision": cfg.precision.dtype}
     store = CheckpointStore(run_dir / "checkpoints", de.rank, de.world_size, cfg.checkpoint.keep_last, meta,
-                            barrier=dist.barrier, async_save=cfg.checkpoint.async_save, log=log)
+                            barrier=dist.barrier, async_save=cfg.checkpoint.async_save,
+                            commit_timeout_s=cfg.checkpoint.commit_timeout_s, log=log)
     resume_dir = store.select(cfg.checkpoint.resume)        # collective: the newest that verifies
     start_step = 0
     if resume_dir is not None:
@@ -255,8 +256,8 @@ def main(argv: list[str]) -> int:
         # while starting every rank meets the same error (but its node's devices): rank 0 says it; in training it
         # is this rank's own
         from megamemo.train.loop import DivergedError
-        return report(e, rank, everyone=starting and not isinstance(e, device.DeviceError), world_size=world,
-                      code=1 if isinstance(e, DivergedError) else 2)
+        everyone = (starting and not isinstance(e, device.DeviceError)) or getattr(e, "same_on_every_rank", False)
+        return report(e, rank, everyone=everyone, world_size=world, code=1 if isinstance(e, DivergedError) else 2)
     except RuntimeError as e:
         lost = peer_lost(e)
         if lost is None:

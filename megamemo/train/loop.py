@@ -157,11 +157,15 @@ class Trainer:
         else:
             loss_sum, res, new_mems = self._micro_steps(inp, tgt, new_epoch)
         stop_local = 1.0 if (self.stop is not None and self.stop.requested) else 0.0
+        save_failed = 1.0 if (self.store is not None and self.store.failed()) else 0.0
         stats = torch.stack([loss_sum, torch.tensor(float(tgt.numel()), dtype=torch.float64, device=inp.device),
-                             torch.tensor(stop_local, dtype=torch.float64, device=inp.device)])
+                             torch.tensor(stop_local, dtype=torch.float64, device=inp.device),
+                             torch.tensor(save_failed, dtype=torch.float64, device=inp.device)])
         if self.world_size > 1:
             dist.all_reduce(stats)          # TP/PP ranks of one DP group count the same streams: ratio unchanged
         stats = stats.tolist()
+        if stats[3] > 0:                    # a background save failed: every rank raises its SaveFailed here
+            self.store.wait(timeout_s=self.cfg.checkpoint.commit_timeout_s)
         loss, tokens, stop = stats[0] / stats[1], int(stats[1]) // self.model_parallel, stats[2] > 0
         if self.stage is not None:
             self.stage.bank.commit() if res["applied"] else self.stage.bank.discard()
@@ -228,9 +232,9 @@ class Trainer:
         if self.store is None:
             return None
         files = {}
-        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe_record.py)
-            from megamemo.train.probe_record import record_probe
-            files = record_probe(self)
+        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe_record.py),
+            from megamemo.train.probe_record import record_probe     # after the snapshot, while the files are written
+            files = lambda: record_probe(self)  # noqa: E731
         return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
 
     def resume(self, step_dir: Path) -> dict:

@@ -2,9 +2,9 @@
 stateful objects that speak the layout-free description (megamemo/checkpoint/pieces.py).
 
   EngineState   weights (`model/<name>`, the module's dtype), fp32 masters (`master/<name>`, bf16/fp16 runs),
-                Adam moments (`exp_avg/<name>`, `exp_avg_sq/<name>`): a rank writes its TP shard (data-parallel
-                rank 0 only for what every DP rank holds) and, under ZeRO 1/2, the fragments of its flat
-                partitions; what other ranks hold identically is written once (replicated parameters by TP rank 0,
+                Adam moments (`exp_avg/<name>`, `exp_avg_sq/<name>`): a rank writes its TP shard (what every DP
+                rank holds, by one DP rank each: pieces.spread_writers) and, under ZeRO 1/2, the fragments of its
+                flat partitions; what other ranks hold identically is written once (replicated parameters by TP rank 0,
                 tied copies by the first pipeline stage). The LR schedule, DeepSpeed's step
                 counters, the loss scale and Adam's step count go to JSON. On load every rank cuts what it needs
                 from whatever layout wrote the pieces, and fills DeepSpeed's own objects: module parameters, the ZeRO
@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from megamemo.checkpoint.pieces import Piece
+from megamemo.checkpoint.pieces import Piece, spread_writers
 from megamemo.checkpoint.state import LoadContext
 from megamemo.checkpoint.store import CheckpointError
 from megamemo.parallel.tensor import global_box, is_split, memory_box, memory_is_split
@@ -46,6 +46,7 @@ class EngineState:
                  precision: str):
         self.engine, self.name_of, self.owns, self.precision = engine, name_of, owns, precision
         self.dp_rank, self.tp_rank, self.tp = coords["dp_rank"], coords["tp_rank"], coords["tp"]
+        self.dp = int(coords.get("dp", 1))
         self._adam_step = 0
 
     # ---- DeepSpeed's optimizer kinds ---------------------------------------------------------------------
@@ -104,11 +105,12 @@ class EngineState:
     def pieces(self) -> list[Piece]:
         kind, inner, extra = self._optimizer()
         mixed = self.precision != "fp32"
+        mine = [(single, p, boxes) for single, p, boxes in self._params()
+                if self.owns(single) and (self.tp_rank == 0 or is_split(single))]  # else another stage / TP rank's
+        writer = spread_writers({single: p.numel() for single, p, _ in mine}, self.dp)   # DP ranks hold them alike
         out = []
-        for single, p, (shape, box, view) in self._params():
-            if not self.owns(single) or (self.tp_rank != 0 and not is_split(single)):
-                continue                        # another stage / TP rank writes the same values
-            if self.dp_rank == 0:
+        for single, p, (shape, box, view) in mine:
+            if writer[single] == self.dp_rank:
                 out.append(Piece(f"model/{single}", p.detach().reshape(view), shape, box))
             if kind == "zero":
                 hm = getattr(p, "_hp_mapping", None)
@@ -121,7 +123,7 @@ class EngineState:
                 for key, t in inner.state.get(flat, {}).items():
                     if key in MOMENTS:
                         out.append(Piece(f"{key}/{single}", t.narrow(0, start, n), shape, box, rng))
-            elif self.dp_rank == 0:             # without ZeRO every data-parallel rank holds the same state
+            elif writer[single] == self.dp_rank:    # without ZeRO every data-parallel rank holds the same state
                 hp = extra.get(id(p), p)
                 if mixed:
                     out.append(Piece(f"master/{single}", hp.detach().reshape(view), shape, box))
