@@ -55,7 +55,7 @@ def _accumulated_gradients(cfg, weights, batches):
         loss = eng.forward(x, y)[0].mean()
         eng.backward(loss)
         if not eng.ds.is_gradient_accumulation_boundary():
-            eng.step()
+            eng.micro_step()
     opt = eng.ds.optimizer
     accum = getattr(opt, "grad_acc_dtype", None) or getattr(opt, "gradient_accumulation_dtype", None)
     # BF16_Optimizer: the fp32 buffer it steps with (safe_get_full_grad reads its bf16 staging copy); the ZeRO
