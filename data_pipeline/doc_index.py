@@ -17,10 +17,11 @@ directories prepared before it existed) have no document boundaries, and readers
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
+
+from megamemo.util.files import AtomicFile
 
 DTYPE = "<u8"
 CONTENT = "token offset of each document's first token in the split's stream, ascending, the first 0"
@@ -39,14 +40,13 @@ def file_name(split: str) -> str:
 
 
 class DocumentStartsWriter:
-    """Streams a split's document start offsets into ``.<split>-documents.bin.partial`` (hashed as written);
-    ``close`` renames it into place and returns its manifest entry, ``abort`` deletes it."""
+    """Streams a split's document start offsets into a hidden temporary file beside ``<split>-documents.bin``
+    (hashed as written); ``close`` renames it into place and returns its manifest entry, ``abort`` deletes it."""
 
     def __init__(self, out_dir: str | Path, split: str):
         self.name = file_name(split)
         self.path = Path(out_dir) / self.name
-        self.partial = Path(out_dir) / f".{self.name}.partial"
-        self._f = None
+        self._f: AtomicFile | None = None
         self.sha, self.n = hashlib.sha256(), 0
 
     def add(self, first_token: int, lengths) -> None:
@@ -58,25 +58,23 @@ class DocumentStartsWriter:
         starts = first_token + np.concatenate(([0], np.cumsum(lengths[:-1])))
         data = starts.astype(DTYPE).tobytes()
         if self._f is None:
-            self._f = open(self.partial, "wb")
-        self._f.write(data)
+            self._f = AtomicFile(self.path)
+        self._f.file.write(data)
         self.sha.update(data)
         self.n += lengths.size
 
     def close(self) -> dict:
         if self._f is None:                       # no documents at all: an empty split (an error elsewhere)
-            self._f = open(self.partial, "wb")
-        self._f.close()
+            self._f = AtomicFile(self.path)
+        self._f.commit()
         self._f = None
-        os.replace(self.partial, self.path)
         return {"file": self.name, "n_documents": self.n, "dtype": DTYPE, "bytes": 8 * self.n,
                 "sha256": self.sha.hexdigest(), "content": CONTENT}
 
     def abort(self) -> None:
         if self._f is not None:
-            self._f.close()
+            self._f.abort()
             self._f = None
-        self.partial.unlink(missing_ok=True)
         self.path.unlink(missing_ok=True)
 
 

@@ -28,7 +28,6 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
-from megamemo.util.files import write_bytes_atomic
+from megamemo.util.files import write_atomic, write_bytes_atomic
 
 from .shards import MANIFEST, ManifestError, ShardError, _parse_size, load_manifest
 
@@ -292,10 +291,13 @@ class RemoteShards:
         return dst
 
     def _download(self, entry: dict, url: str, dst: Path) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.shard_dir, prefix=f".{entry['sha256'][:16]}.", suffix=".partial")
-        try:
+        """Fetch one shard into a temporary file beside `dst`, checked against its size and sha256 as it streams:
+        only a verified shard gets its name (util.files.write_atomic; not fsync'd: a cache refetches)."""
+        fetched = {}
+
+        def fetch(tmp: Path) -> None:
             h, n = hashlib.sha256(), 0
-            with os.fdopen(fd, "wb") as out:
+            with open(tmp, "wb") as out:
                 try:
                     src = self.fs.open(self._path(entry["name"]), "rb", block_size=8 << 20, cache_type="none")
                 except FileNotFoundError:
@@ -312,12 +314,10 @@ class RemoteShards:
                 raise ShardError(url, f"truncated: the object is {n} bytes, manifest.json says {entry['bytes']}")
             if h.hexdigest() != entry["sha256"]:
                 raise ShardError(url, f"sha256 {h.hexdigest()} does not match manifest.json ({entry['sha256']})")
-            os.replace(tmp, dst)                                # verified: only now does it get its name
-            self.fetched_bytes += n
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            fetched["bytes"] = n
+
+        write_atomic(dst, fetch, durable=False)
+        self.fetched_bytes += fetched["bytes"]
 
     def _evict(self, keep: Path) -> None:
         """Delete least recently used shards until the cache fits its limit (never one queued for reading)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import webdataset as wds
 import zstandard
 
 from megamemo.util.progress import Progress
-from megamemo.util.files import write_text_atomic
+from megamemo.util.files import AtomicFile, write_text_atomic
 
 from .corpora import Corpus
 from .doc_index import DocumentStartsWriter, check_entry
@@ -134,9 +133,8 @@ class SplitWriter:
 
     def _open_shard(self):
         name = f"{self.split}-{len(self.shards):06d}.tar"
-        self._partial = self.out / f".{name}.partial"
-        self._file = open(self._partial, "wb")
-        self._hash = _HashingFile(self._file)
+        self._file = AtomicFile(self.out / name)
+        self._hash = _HashingFile(self._file.file)
         self._tar = wds.TarWriter(self._hash, mtime=0)   # fixed mtime: same input, same shard bytes
         self.shards.append({"name": name, "offset": self.n_tokens, "n_tokens": 0, "n_chunks": 0})
 
@@ -158,11 +156,10 @@ class SplitWriter:
 
     def _close_shard(self):
         self._tar.close()
-        self._file.close()
         entry = self.shards[-1]
         entry["bytes"] = self._hash.n
         entry["sha256"] = self._hash.sha.hexdigest()
-        os.replace(self._partial, self.out / entry["name"])
+        self._file.commit()
         self._tar = self._file = self._hash = None
 
     def close(self) -> dict:
@@ -179,8 +176,7 @@ class SplitWriter:
             try:
                 self._tar.close()
             finally:
-                self._file.close()
-                self._partial.unlink(missing_ok=True)
+                self._file.abort()
                 self._tar = self._file = self._hash = None
         if self.docs is not None:
             self.docs.abort()

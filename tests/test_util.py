@@ -75,3 +75,27 @@ def test_seeding_makes_every_default_stream_repeat():
     assert draw() == a
     seeding.seed_default_streams(4)
     assert draw() != a
+
+
+def test_a_file_written_over_time_appears_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "shard.tar"
+    f = files.AtomicFile(target)
+    f.file.write(b"part one, ")
+    assert not target.exists()                                    # hidden under a temporary name meanwhile
+    f.file.write(b"part two")
+    f.commit()
+    assert target.read_bytes() == b"part one, part two" and os.listdir(tmp_path) == ["shard.tar"]
+
+    g = files.AtomicFile(target)
+    g.file.write(b"half")
+    g.abort()
+    assert target.read_bytes() == b"part one, part two" and os.listdir(tmp_path) == ["shard.tar"]
+
+    with pytest.raises(RuntimeError):
+        with files.AtomicFile(tmp_path / "other.bin") as h:
+            h.file.write(b"x")
+            raise RuntimeError("interrupted")
+    assert os.listdir(tmp_path) == ["shard.tar"]
+    with files.AtomicFile(tmp_path / "other.bin", durable=False) as h:
+        h.file.write(b"y")
+    assert (tmp_path / "other.bin").read_bytes() == b"y"

@@ -3,7 +3,8 @@
 A write goes to a temporary file beside the target (a unique name, so concurrent writers never share one), is
 flushed to disk with fsync when `durable` (checkpoints, manifests: what a crash must not leave half-written under
 its final name), then renamed over the target; on any error the temporary file is removed and the target is as
-it was. `fsync_dir` makes a rename itself durable (the directory entry).
+it was. `fsync_dir` makes a rename itself durable (the directory entry). `write_atomic` fills the file in one
+call; `AtomicFile` is the same for a file written over time (a shard, a download): `commit()` or `abort()`.
 """
 from __future__ import annotations
 
@@ -32,24 +33,65 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _temp_beside(path: Path) -> Path:
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(fd)
+    return Path(name)
+
+
+def _put_in_place(tmp: Path, path: Path, durable: bool) -> None:
+    if durable:
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
 def write_atomic(path: Path, write: Callable[[Path], None], *, durable: bool = True) -> None:
     """write(tmp) fills a temporary file beside `path`, which then replaces `path` in one rename."""
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _temp_beside(path)
     try:
         write(tmp)
-        if durable:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _put_in_place(tmp, path, durable)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    if durable:
-        fsync_dir(path.parent)
+
+
+class AtomicFile:
+    """A file written over time under a temporary name beside `path` (`.file`, binary): `commit()` gives it its
+    name in one rename, `abort()` (or any error inside a `with` block) deletes it; `path` is untouched until then."""
+
+    def __init__(self, path: Path, *, durable: bool = True):
+        self.path, self.durable = Path(path), durable
+        self.tmp = _temp_beside(self.path)
+        self.file = open(self.tmp, "wb")
+
+    def commit(self) -> None:
+        try:
+            self.file.close()
+            _put_in_place(self.tmp, self.path, self.durable)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(OSError):
+            self.tmp.unlink()
+
+    def __enter__(self) -> "AtomicFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
 
 
 def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
