@@ -236,8 +236,9 @@ class RunConfig:
             bad("train.max_steps", "must be >= 0 (0: build, save the initial state and stop)")
         if self.train.grad_accum < 1:
             bad("train.grad_accum", "must be >= 1")
-        if self.train.kernels not in ("auto", "plain", "cpu"):
-            bad("train.kernels", "must be auto, plain or cpu")
+        from megamemo.kernels import KERNELS      # lazily, as the parallel checks above: torch is loaded by then
+        if self.train.kernels not in KERNELS:
+            bad("train.kernels", f"must be {', '.join(KERNELS[:-1])} or {KERNELS[-1]}")
         if self.train.lock_stale_s < 60:
             bad("train.lock_stale_s", "must be >= 60 (two heartbeats at least)")
         if self.data.batch_size % self.train.grad_accum:
