@@ -50,10 +50,14 @@ def tiny_cfg(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory):
-    """The session's cache of reference training runs (tests/runs_cache.py): each trained once, shared."""
+    """The test run's cache of reference training runs (tests/runs_cache.py): each trained once, shared by the
+    tests and by the pytest-xdist workers."""
     from runs_cache import ReferenceRuns
 
-    return ReferenceRuns(tmp_path_factory.mktemp("references"))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):       # <run's root>/popen-gwN: the root is shared by the workers
+        root = root.parent
+    return ReferenceRuns(root / "references")
 
 
 def pytest_configure(config):
@@ -80,6 +84,23 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
         config._megamemo_gpu_deselected = len(dropped)
+    # the multi-process tests first (a stable sort: file order within each group): they take 5-25 s each, the rest
+    # well under one, so the pytest-xdist workers of scripts/test.sh end together, the short tests filling the gaps
+    items.sort(key=lambda item: item.get_closest_marker("multiproc") is None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """On a pytest-xdist worker: hand the GPU deselection count to the controller (see pytest_testnodedown)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["gpu_deselected"] = getattr(session.config, "_megamemo_gpu_deselected", 0)
+    _forbid_skips(session)
+
+
+def pytest_testnodedown(node, error):
+    """On the pytest-xdist controller (which collects nothing itself): the workers' GPU deselection count."""
+    out = getattr(node, "workeroutput", {})
+    if "gpu_deselected" in out:
+        node.config._megamemo_gpu_deselected = out["gpu_deselected"]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -93,7 +114,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"{count['skipped']} skipped" + (f", {gpu} GPU tests deselected (too few CUDA devices)" if gpu else ""))
 
 
-def pytest_sessionfinish(session, exitstatus):
+def _forbid_skips(session):
     if os.environ.get("MEGAMEMO_FORBID_SKIPS") != "1":
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

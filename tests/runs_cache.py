@@ -2,14 +2,17 @@
 
 `launch` / `wait` / `run` start ranks of `megamemo train` directly (RANK/WORLD_SIZE/MASTER_* in the environment, as
 torchrun or srun set them). `ReferenceRuns` (the `reference_runs` session fixture of tests/conftest.py) runs each
-reference once per test session, keyed by its number of processes, config, data and arguments, and hands the same
-run directory to every test that compares against it. A cached run is read-only to the tests: one that needs to
+reference once per test run (shared by the pytest-xdist workers), keyed by its number of processes, config, data and
+arguments, and hands the same run directory to every test that compares against it. A cached run is read-only to the tests: one that needs to
 write into it copies it first. Every comparison stays one between two independently produced runs: the cache only
 saves training the same reference again."""
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -94,17 +97,26 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 class ReferenceRuns:
-    """Each reference run trained once per session: get(n, cfg, shards, *args) -> its run directory."""
+    """Each reference run trained once per test run: get(n, cfg, shards, *args) -> its run directory.
+
+    Keyed by what determines the run - the number of processes, the config's text, the shards' manifest and the
+    arguments - not by paths, so the pytest-xdist workers of one run (scripts/test.sh) share it: `root` is the
+    directory all of them see, and the first to ask trains the reference under a file lock while the others wait
+    for it. A run that failed leaves no DONE mark; the next to ask trains it again (and fails the same way)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        self._runs: dict[tuple, Path] = {}
 
     def get(self, n: int, cfg: Path, shards: Path, *args: str, timeout: float = 180) -> Path:
-        key = (n, str(cfg), str(shards), tuple(args))
-        if key not in self._runs:
-            run_dir = self.root / f"reference{len(self._runs)}" / "run"
-            run_dir.parent.mkdir(parents=True)
-            run(n, cfg, shards, run_dir, *args, timeout=timeout)
-            self._runs[key] = run_dir
-        return self._runs[key]
+        what = json.dumps([n, Path(cfg).read_text(), (Path(shards) / "manifest.json").read_text(), list(args)])
+        home = self.root / ("reference-" + hashlib.sha256(what.encode()).hexdigest()[:16])
+        run_dir = home / "run"
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(f"{home}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes
+            if not (home / "DONE").exists():
+                shutil.rmtree(home, ignore_errors=True)
+                home.mkdir(parents=True)
+                run(n, cfg, shards, run_dir, *args, timeout=timeout)
+                (home / "DONE").write_text(what)
+        return run_dir

@@ -277,14 +277,15 @@ for step in range(int(sys.argv[2])):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 print(applied, *faults)
 """
-WARM_UP, STEADY = 8, 24
+WARM_UP, STEADY = 6, 12
 
 
+@pytest.mark.multiproc   # starts 3 training processes, one after another (`-m 'not multiproc'`: the fast subset)
 def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
     """megamemo.runtime.allocator keeps freed blocks: past the first steps a LaMemo training step (the speed benchmark's
     widths) touches no fresh page in most steps, where glibc without it faults thousands of pages a step.
 
-    Measured over 24 steps after 8 of warm-up (the heap reaches its peak in the first few). The control is glibc
+    Measured over 12 steps after 6 of warm-up (the heap reaches its peak in the first few). The control is glibc
     at its starting settings held fixed (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ = 128 KiB, which also
     stops the threshold from adapting): every large block is a fresh mmap, so it faults every step. glibc's own
     adaptive default lies between the two and is not a stable control: on this machine it faulted 35k-75k pages
