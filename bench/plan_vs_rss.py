@@ -64,8 +64,7 @@ def main() -> int:
         for f in sorted((run / "rss").glob("rank_*.json")):
             d = json.loads(f.read_text())
             stage = rank_stage(d["rank"], tp, pp, world)
-            dp_rank = d["rank"] // tp % (world // (tp * pp))
-            p = plan(cfg, world, args.host_mem_gib / world, stage, device="cpu", dp_rank=dp_rank)
+            p = plan(cfg, world, args.host_mem_gib / world, stage, device="cpu")
             measured = d["end"]["hwm"]
             ratio = p.total / measured
             worst = max(worst, abs(ratio - 1))

@@ -17,7 +17,7 @@ DeepSpeed's BF16_Optimizer, which adds a full fp32 gradient buffer per rank. Bey
 gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp32 weights), its flat fp32
 gradient partition and reduction bucket, the new memory state held until the step commits, and on a CPU layout
 the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
-copy. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
+copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ class Plan:
     pending_memory: float = 0.0     # the new memory state, held until the step commits it
     baseline: float = 0.0           # the process itself (CPU: python + torch + DeepSpeed + megatron-core imported)
     snapshot: float = 0.0           # the checkpoint's host copy (device memory only on a CPU layout)
-    held: float = 0.0               # of grads + zero_buffers, what is still allocated between steps (when saving)
     on_host: bool = False           # a CPU layout: the snapshot is in the same memory
     stage: int = 0
     layers: int = 0                 # the stage's model layers
@@ -60,13 +59,11 @@ class Plan:
 
     @property
     def total(self):
-        """The peak: what lives throughout, plus the larger of the step's transients (gradients, ZeRO's buffers,
-        activations) and, on a CPU layout, the checkpoint's copy, made between steps: DeepSpeed's pipeline engine
-        has released its gradients and bucket by then (tensors this large go back to the OS), its ZeRO engine
-        without a pipeline still holds them (`held`; both measured by bench/plan_vs_rss.py)."""
+        """The peak: what lives throughout, plus the step's transients (gradients, ZeRO's buffers, activations).
+        On a CPU layout the checkpoint's copy lives throughout too: its host buffers are kept from one save to the
+        next (checkpoint/staging.py), so from the first save on they sit beside every step's transients."""
         return (self.params + self.optimizer + self.memory_state + self.pending_memory + self.baseline
-                + max(self.grads + self.zero_buffers + self.activations,
-                      self.held + self.snapshot if self.on_host else 0))
+                + (self.snapshot if self.on_host else 0) + self.grads + self.zero_buffers + self.activations)
 
     @property
     def fits(self):
@@ -78,9 +75,8 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> int:
     return n_layer // pp + (1 if stage < n_layer % pp else 0)
 
 
-def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu", dp_rank: int = 0) -> Plan:
-    """Bytes one rank of pipeline stage `stage` holds (stage 0: the largest; dp_rank > 0 saves no weights).
-    device "cpu": a CPU layout, whose
+def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -> Plan:
+    """Bytes one rank of pipeline stage `stage` holds (stage 0: the largest). device "cpu": a CPU layout, whose
     capacity `gpu_gib` is the host memory one rank may use; it adds the process baseline and the checkpoint's host
     copy, and DeepSpeed's bucket counts only the pages it touches."""
     m, tp, pp = cfg.model, cfg.parallel.tp, cfg.parallel.pp
@@ -139,14 +135,15 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu", d
         state = streams * M * layers * m.d_model * p_bytes
     else:
         state = 0
-    # the checkpoint's copy: weights (data-parallel rank 0), the rank's Adam fragments (and masters, in bf16/fp16:
-    # an fp32 run saves none, its weights are them), its memory
-    snap = (params_b if dp_rank == 0 else 0) + params * ((12 if mixed else 8) / (dp if zero >= 1 else 1)) + state
+    # the checkpoint's copy: the weights and Adam's state (and fp32 masters, in bf16/fp16: an fp32 run saves none,
+    # its weights are them) of the stage's shard, written once over its data-parallel ranks - ZeRO's own partition,
+    # or what every rank holds alike spread over them by size (checkpoint/pieces.py spread_writers) - and its memory
+    snap = (params_b + params * (12 if mixed else 8)) / dp + state
     on_host = device == "cpu"
     return Plan(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={cfg.train.grad_accum}",
                 params_b, grads_b, opt_b, act, state, gpu_gib * GiB, zero_buffers=zero_b, pending_memory=state,
                 baseline=CPU_BASELINE if on_host else 0.0, snapshot=snap, on_host=on_host, stage=stage,
-                held=grads_b + zero_b if pp == 1 and zero >= 1 else 0.0, layers=layers)
+                layers=layers)
 
 
 def stage_plans(cfg, world: int, gib: float, device: str = "gpu") -> list[Plan]:
