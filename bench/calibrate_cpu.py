@@ -16,7 +16,7 @@ all-reduce. Also (issue 25) the rate of the rehearsal layer's own projections by
 LAYER_POINTS: what steptime uses for that layer instead of the width table) and DeepSpeed's ZeRO 1 work around
 a step per parameter held and owned (zero_step_seconds_per_param), and its gradient reduction per parameter held
 beyond the all-reduce at dp 2 and 4 (the same engine in 2 and 4 processes). The JSON line printed last is
-steptime.CPU_CALIBRATION's form.
+devices.CPU_CALIBRATION's form.
 """
 from __future__ import annotations
 
@@ -255,10 +255,14 @@ def first_touch_and_memory_rates() -> tuple[float, float]:
 
 LAYER = (2048, 2048, 8192)      # the rehearsal's layer (d_model, heads x d_head, d_inner): lamemo-1.3b's
 LAYER_POINTS = [(tp, rows) for tp in (1, 2, 4) for rows in (64, 128, 256)]   # its layouts on 4 ranks (rows: 64 a stream)
+# the sizes ZeRO's reduction is measured at, in [2048, 2048] weights: about 1/4, 1/2 and all of the rehearsal's 0.22 B
+# parameters, what a rank of its 4-process layouts holds (at dp 4 on 2 cores the cost per parameter grows with
+# size: 8.6-9.7 ns at 33.6-54.5 M, 21.5 and 32.3 ns at 218 M in two measurements)
+ZERO_REDUCE_WEIGHTS = (13, 26, 52)
 
 
 def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: bool = False, log=print) -> dict:
-    """Measure everything and return the calibration (steptime.CPU_CALIBRATION's form)."""
+    """Measure everything and return the calibration (devices.CPU_CALIBRATION's form)."""
     log(f"cores: {os.cpu_count()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
         f"load average {os.getloadavg()[0]:.2f}")
     rates = gemm_rates(d_model, repeat)
@@ -274,9 +278,11 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: 
     zero_held, zero_owned = zero_step_seconds_per_param(repeat)
     log(f"DeepSpeed ZeRO 1 around a step: {zero_held * 1e9:.2f} ns per parameter held (reduction copies), "
         f"{zero_owned * 1e9:.2f} ns per parameter owned (norm, clip, Adam, copy back)")
-    zero_reduce = {dp: zero_step_seconds_per_param(repeat, dp)[0] for dp in (2, 4)}
-    log("DeepSpeed ZeRO 1's gradient reduction beyond its all-reduce, dp processes at once: "
-        + ", ".join(f"dp {dp}: {s * 1e9:.2f} ns" for dp, s in zero_reduce.items()) + " per parameter held")
+    zero_reduce = {dp: {w * 2048 * 2048: zero_step_seconds_per_param(repeat, dp, w)[0] for w in ZERO_REDUCE_WEIGHTS}
+                   for dp in (2, 4)}
+    log("DeepSpeed ZeRO 1's gradient reduction beyond its all-reduce, dp processes at once, by parameters held: "
+        + "; ".join(f"dp {dp}: " + ", ".join(f"{n / 1e6:.1f} M {s * 1e9:.2f} ns" for n, s in by.items())
+                    for dp, by in zero_reduce.items()) + " per parameter held")
     opt = optimizer_seconds_per_param(repeat)
     fresh, mem = first_touch_and_memory_rates()
     overhead = layer_overhead_seconds(repeat)
@@ -301,7 +307,7 @@ def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: 
            "mem_gbs": round(mem / 1e9, 2), "layer_shape": list(LAYER),
            "layer_gemm": {k: round(r / 1e9, 1) for k, r in layer.items()},
            "zero_ns": [round(zero_held * 1e9, 2), round(zero_owned * 1e9, 2)],
-           "zero_reduce_ns": {dp: round(v * 1e9, 2) for dp, v in zero_reduce.items()}}
+           "zero_reduce_ns": {dp: {n: round(v * 1e9, 2) for n, v in by.items()} for dp, by in zero_reduce.items()}}
     if shared:
         out["gemm_shared"] = {w: round(r / 1e9, 1) for w, r in shared.items()}
     return out

@@ -4,7 +4,7 @@
 each; the measured step is the median of the intervals between steady-state steps (from step 3: the first fills
 the memory). The CPU is calibrated right before the runs (bench/calibrate_cpu.py), and the rate of the layer's
 projections at each layout's tp and rows again right before its run: the machine is shared and its speed moves
-with the other jobs by up to 2x within minutes. --table predicts with steptime.CPU_CALIBRATION
+with the other jobs by up to 2x within minutes. --table predicts with devices.CPU_CALIBRATION
 instead (no measurement). Target: every layout within +-25% and the same ranking.
 
     flock /tmp/megamemo-cpu.lock python bench/plan_vs_step.py [--steps 6] [--out runs/plan_vs_step] [--reuse]
@@ -52,7 +52,8 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
 def main() -> int:
     from megamemo.config.run import load
     from megamemo.plan.layouts import plan
-    from megamemo.plan.steptime import CPU_CALIBRATION, cpu_device, explain, gemm_width, step_time
+    from megamemo.plan.devices import CPU_CALIBRATION, cpu_device
+    from megamemo.plan.steptime import explain, gemm_width, step_time
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "rehearsal-1.3b-width.yaml"))
@@ -61,7 +62,7 @@ def main() -> int:
     ap.add_argument("--host-mem-gib", type=float, default=24.0)
     ap.add_argument("--out", default=str(REPO / "runs" / "plan_vs_step"))
     ap.add_argument("--reuse", action="store_true", help="report the runs already in --out")
-    ap.add_argument("--table", action="store_true", help="predict with steptime.CPU_CALIBRATION (no calibration)")
+    ap.add_argument("--table", action="store_true", help="predict with devices.CPU_CALIBRATION (no calibration)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--explain", action="store_true", help="print each layout's predicted breakdown")
     args = ap.parse_args()

@@ -9,7 +9,8 @@ import pytest
 from fixture_data import REPO
 from megamemo.config.run import load
 from megamemo.plan.layouts import main, plan
-from megamemo.plan.steptime import Device, explain, step_time
+from megamemo.plan.devices import Device
+from megamemo.plan.steptime import explain, step_time
 
 # a device with round numbers: 1 TFLOP/s; GEMM efficiency 50% at width 16, 100% from 64 (log-interpolated);
 # 100 GB/s memory; links 10 GB/s inside a node, 1 GB/s between; 10 / 100 us a collective
@@ -227,7 +228,7 @@ def test_a_layout_that_does_not_fit_in_memory_names_the_nearest_that_does(capsys
 def test_cpu_row_shares_its_cores_between_the_ranks():
     """The measured CPU row: 4 ranks on 2 cores compute 2x slower than one alone (ranks / cores, no concurrent
     measurement), 2 ranks not slower; its efficiency table is the measured rates over the fastest."""
-    from megamemo.plan.steptime import CPU, CPU_CALIBRATION
+    from megamemo.plan.devices import CPU, CPU_CALIBRATION
     assert CPU.share(128, 4) == 2.0 and CPU.share(128, 2) == 1.0
     fastest = max(CPU_CALIBRATION["gemm"].values())
     assert CPU.peak["fp32"] == fastest * 1e9
@@ -284,7 +285,7 @@ def test_the_reduction_measured_at_dp_group_sizes_replaces_the_dp1_figure():
     - ZeRO 2 over dp 4 with 2 micro-batches reduces after each: 2 x 12 P;
     - dp 8 (not measured) takes the nearest measured group, 4."""
     dev = Device("c", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test", first_touch_bw=1e9,
-                 zero_step=(5e-9, 11e-9), zero_reduce={2: 8e-9, 4: 12e-9},
+                 zero_step=(5e-9, 11e-9), zero_reduce={2: ((1e3, 8e-9),), 4: ((1e3, 12e-9),)},
                  contention=((16, 2.0), (64, 2.0)), ranks=4)
 
     def held(cfg, world):
@@ -308,7 +309,7 @@ def test_cpu_row_uses_its_measured_layer_rates_for_the_rehearsal_layer():
     """The shipped CPU calibration measured the rehearsal's layer (d 2048, 16 x 128 heads, d_inner 8192) at tp 1, 2,
     4 and 64-256 rows: TP2 x PP2's 2 streams of 64 rows use the 2x128 figure; lamemo-1.3b's own layer shape too
     (the same layer), a smaller model does not."""
-    from megamemo.plan.steptime import CPU, CPU_CALIBRATION
+    from megamemo.plan.devices import CPU, CPU_CALIBRATION
     reh = load(REPO / "configs" / "rehearsal-1.3b-width.yaml")
     assert CPU.layer_rate(reh.model, 2, 128) == CPU_CALIBRATION["layer_gemm"]["2x128"] * 1e9
     st = step_time(reh, 4, CPU, 4, plan)
@@ -317,8 +318,27 @@ def test_cpu_row_uses_its_measured_layer_rates_for_the_rehearsal_layer():
     assert CPU.layer_rate(big, 1, 64) == CPU_CALIBRATION["layer_gemm"]["1x64"] * 1e9
     assert CPU.layer_rate(load(TINY).model, 1, 64) is None
     assert CPU.zero_step == tuple(x * 1e-9 for x in CPU_CALIBRATION["zero_ns"])
-    assert CPU.zero_reduce == {int(dp): x * 1e-9 for dp, x in CPU_CALIBRATION["zero_reduce_ns"].items()}
     assert set(CPU.zero_reduce) == {2, 4}     # TP2 x DP2 and DP4 on the rehearsal machine
+    for dp, by_size in CPU_CALIBRATION["zero_reduce_ns"].items():
+        for n, ns in by_size.items():
+            assert CPU.reduce_rate(dp, n) == pytest.approx(ns * 1e-9)
+
+
+def test_the_reductions_cost_is_interpolated_by_the_parameters_a_rank_holds():
+    """zero_reduce measured at 1 M and 4 M parameters held (10 and 30 ns per parameter) in a group of 4: at 2 M,
+    halfway in log(size), 20 ns; below the smallest and above the largest measured size their own figures; dp 8
+    (not measured) the nearest group, 4. A calibration from before the size axis (one figure per group) was
+    measured at 33.6 M parameters."""
+    from megamemo.plan.devices import CPU_CALIBRATION, ZERO_REDUCE_OLD_PARAMS, cpu_device
+    dev = Device("c", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test",
+                 zero_reduce={4: ((1e6, 10e-9), (4e6, 30e-9))})
+    assert dev.reduce_rate(4, 2e6) == pytest.approx(20e-9)
+    assert dev.reduce_rate(4, 1e5) == pytest.approx(10e-9) and dev.reduce_rate(4, 1e8) == pytest.approx(30e-9)
+    assert dev.reduce_rate(8, 2e6) == pytest.approx(20e-9)
+    old = cpu_device(dict(CPU_CALIBRATION, zero_reduce_ns={"2": 6.73, "4": 9.85}))
+    assert [(dp, n) for dp, ((n, _),) in old.zero_reduce.items()] == [(2, ZERO_REDUCE_OLD_PARAMS), (4, ZERO_REDUCE_OLD_PARAMS)]
+    assert old.reduce_rate(2, 1e9) == pytest.approx(6.73e-9) and old.reduce_rate(4, 1) == pytest.approx(9.85e-9)
+    assert ZERO_REDUCE_OLD_PARAMS == 33_554_432
 
 
 @pytest.mark.parametrize("args,why", [

@@ -11,7 +11,8 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from megamemo.plan.steptime import StepTime, device, step_time
+from megamemo.plan.devices import device
+from megamemo.plan.steptime import StepTime, step_time
 
 
 class Fit(NamedTuple):
@@ -47,7 +48,7 @@ def why_not(cfg, tp: int, pp: int, zero: int, dp: int, gpn: int) -> str | None:
 
 
 def device_kind(device: str, gpu: str) -> str:
-    """The steptime.DEVICES row of `megamemo plan`'s --device / --gpu."""
+    """The devices.DEVICES row of `megamemo plan`'s --device / --gpu."""
     return "cpu" if device == "cpu" else gpu
 
 

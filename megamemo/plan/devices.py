@@ -1,0 +1,210 @@
+"""DEVICES, the calibration table `megamemo plan`'s step-time model (steptime.py) reads: one row per device kind,
+with its source.
+
+The CPU row is measured on this machine (bench/calibrate_cpu.py: CPU_CALIBRATION); the GPU rows take peak FLOP/s
+and memory bandwidth from NVIDIA's datasheets (megamemo/runtime/peak.py), GEMM efficiency by width from published
+measurements where they exist and otherwise are stated assumptions (see GPU_EFFICIENCY), never measured here: no
+GPU was available to this work.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megamemo.runtime.peak import PEAK_TFLOPS
+
+ZERO_REDUCE_OLD_PARAMS = 8 * 2048 * 2048    # the one size calibrations before the size axis measured (33.6 M)
+
+# Dense-GEMM efficiency (fraction of the datasheet tensor-core peak) by the narrowest dimension of the GEMM.
+# Anchors: cuBLAS large GEMMs reach ~80% of peak on V100 fp16 and A100 bf16 (NVIDIA Deep Learning Performance
+# Guide, "Matrix Multiplication Background": throughput falls as a dimension shrinks, tile and wave
+# quantization); end to end (GEMMs, elementwise work, communication and bubble together) Narayanan et al. 2021
+# (Megatron-LM, SC'21) Table 1 sustain 44-52% of A100 peak at hidden 2304-25600, and the Megatron-LM v1.0 release
+# note (NVIDIA ADLR, 2020) 62.4 TFLOP/s = 48% of a DGX-2H V100's peak on a 1.2 B model (hidden 1536; 30% in
+# Shoeybi et al. 2019). The points below 1024 are an ASSUMPTION shaped like the guide's curves, not a
+# measurement: a GEMM 256 wide keeps about half the SMs' tiles busy, 128 (one head's width) a quarter.
+# ASSUMPTION: a LaMemo layer's forward + backward launches ~100 kernels (unfused attention with its shifts, norms,
+# dropout, activations) at ~5 us each: a micro-batch whose layer computes in less is launch-bound
+GPU_LAYER_OVERHEAD = 0.5e-3
+GPU_EFFICIENCY = ((64, 0.12), (128, 0.25), (256, 0.42), (512, 0.58), (1024, 0.68), (2048, 0.75), (4096, 0.8))
+
+
+def nearest_group(measured: dict, group: int) -> int:
+    """The measured group size closest to `group` (ties: the larger)."""
+    return min(measured, key=lambda s: (abs(s - group), -s))
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str
+    peak: dict                  # dtype -> FLOP/s per device
+    efficiency: tuple           # ((narrowest GEMM dimension, fraction of peak), ...), log-interpolated
+    mem_bw: float               # bytes/s
+    link: tuple                 # (inside a node, between nodes) bytes/s per device
+    latency: tuple              # (inside a node, between nodes) seconds per collective
+    source: str
+    allreduce: dict = field(default_factory=dict)   # measured {group size: (latency s, bytes/s)}; else link
+    allgather: dict = field(default_factory=dict)   # the same for all-gather
+    p2p: tuple | None = None    # measured (latency s, bytes/s) of a send; else link
+    optimizer_s_per_param: float | None = None      # measured; else ADAM_BYTES_PER_PARAM / mem_bw
+    first_touch_bw: float | None = None             # bytes/s of faulting fresh pages in (CPU)
+    layer_overhead: float = 0.0     # host time a layer's forward + backward takes whatever its size (launches,
+                                    # autograd, python): GPU hides it behind longer kernels, a CPU adds it
+    contention: tuple = ()      # CPU: ((width, rate alone / rate with `ranks` busy), ...) measured
+    ranks: int = 1              # CPU: the processes the contention was measured with
+    # CPU: FLOP/s of one rank's share of a layer's dense projections measured at the layer's own shapes
+    # {(tp, rows): FLOP/s} for layers of `layer_shape` (d_model, heads x d_head, d_inner); used instead of the
+    # width table where the layout's (tp, rows) was measured
+    layer_gemm: dict = field(default_factory=dict)
+    layer_shape: tuple = ()
+    # CPU: DeepSpeed's ZeRO 1/2 work around a step, measured (bench/calibrate_cpu.py): seconds per parameter the
+    # rank holds (the gradients flattened into the bucket and partition, averaged, copied back) and per
+    # parameter it owns (norm, clipping, Adam, the master copied back); replaces optimizer + first_touch
+    zero_step: tuple | None = None
+    # CPU: DeepSpeed's ZeRO 1 gradient reduction beyond its all-reduce in a group of dp processes, by the
+    # parameters a rank holds: {dp: ((params held, s per parameter held), ...)} (bench/calibrate_cpu.py: 2x the
+    # dp-1 figure at dp 4 and 33.6 M, 4-7x at 0.22 B); replaces zero_step's held at dp > 1
+    zero_reduce: dict = field(default_factory=dict)
+
+    def layer_rate(self, m, tp: int, rows: int) -> float | None:
+        """The measured FLOP/s of a layer's projections at this tp and row count, if this layer shape was."""
+        if self.layer_shape != (m.d_model, m.n_head * m.d_head, m.d_inner):
+            return None
+        return self.layer_gemm.get((tp, rows))
+
+    def reduce_rate(self, dp: int, params: float) -> float | None:
+        """Seconds per parameter held of the ZeRO reduction's own work (zero_reduce) at the nearest measured
+        group size, interpolated in log(parameters) between the sizes measured there, the end figure outside."""
+        if not self.zero_reduce:
+            return None
+        pts = sorted(self.zero_reduce[nearest_group(self.zero_reduce, dp)])
+        if params <= pts[0][0]:
+            return pts[0][1]
+        for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
+            if params <= n1:
+                return s0 + (s1 - s0) * math.log(params / n0) / math.log(n1 / n0)
+        return pts[-1][1]
+
+    def share(self, width: float, ranks: int) -> float:
+        """How many times slower a rank computes while all `ranks` on its node do (1: a device of its own)."""
+        if not self.contention:
+            return 1.0
+        pts = self.contention
+        ratio = min(pts, key=lambda p: abs(math.log2(p[0] / width)))[1]
+        return max(1.0, ratio * ranks / self.ranks)
+
+    def eff(self, width: float) -> float:
+        pts = self.efficiency
+        if width <= pts[0][0]:
+            return pts[0][1] * width / pts[0][0]
+        for (w0, e0), (w1, e1) in zip(pts, pts[1:]):
+            if width <= w1:
+                return e0 + (e1 - e0) * math.log2(width / w0) / math.log2(w1 / w0)
+        return pts[-1][1]
+
+    def collective(self, group: int, nbytes: float, across_nodes: bool, gather: bool = False) -> float:
+        """Seconds of one all-reduce of nbytes (2 (n-1)/n of them cross a link) or all-gather of an nbytes result
+        ((n-1)/n) over `group` ranks."""
+        if group <= 1:
+            return 0.0
+        factor = (1 if gather else 2) * (group - 1) / group
+        measured = self.allgather if gather else self.allreduce
+        if measured:
+            lat, bw = measured[nearest_group(measured, group)]
+        else:
+            lat, bw = self.latency[across_nodes], self.link[across_nodes]
+        return lat + factor * nbytes / bw
+
+    def send(self, nbytes: float, across_nodes: bool) -> float:
+        if self.p2p:
+            return self.p2p[0] + nbytes / self.p2p[1]
+        return self.latency[across_nodes] + nbytes / self.link[across_nodes]
+
+
+def _gpu(kind, row, mem_bw, link, note):
+    return Device(kind, {k: v * 1e12 for k, v in PEAK_TFLOPS[row].items()}, GPU_EFFICIENCY, mem_bw,
+                  tuple(x * 1e9 for x in link), (15e-6, 30e-6),
+                  f"{row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "
+                  f"(inside / between nodes: {note}); GEMM efficiency by width: GPU_EFFICIENCY (published anchors, "
+                  f"assumed shape); NCCL latency 15 / 30 us, {GPU_LAYER_OVERHEAD * 1e3:g} ms of launches a layer "
+                  f"(assumed)", layer_overhead=GPU_LAYER_OVERHEAD)
+
+
+# CPU: measured on this machine (2 cores, AVX512, torch 2.13, one thread per process, fp32) by
+# `bench/calibrate_cpu.py` within bench/plan_vs_step.py on 2026-11-25 at 13:30 and 13:39 UTC under the shared-machine
+# lock (runs/plan_vs_step_25b and _25c calibration.json, load average 1.4-1.5 at their starts), the mean of the two:
+# calibrations minutes apart differ by up to 25% (the layer's rate at 64 rows 39.6 and 46.9 GFLOP/s, ZeRO's
+# 5.3 / 6.1 and 3.8 / 5.2 ns), which moves every prediction with them (README, "Scale rehearsal"). zero_reduce_ns:
+# calibrate_cpu.zero_step_seconds_per_param at 13, 26 and 52 weights, 19:31-19:36 UTC alone on the machine (load
+# average 1.9-4.5); dp 4 at 26 and 52 weights the mean of two measurements each (10.35 / 9.59, 21.5 / 32.3).
+CPU_CALIBRATION = {
+    "gemm": {32: 46.5, 64: 60.3, 128: 76.9, 256: 75.1, 512: 84.0, 1024: 82.9},   # GFLOP/s by min(T, n)
+    "adam_ns": 0.88,                                  # torch's fused Adam step (optim.fused), per parameter
+    "allreduce": {2: (2.93e-3, 1.42e9), 4: (5.54e-3, 0.95e9)},   # (latency s, bytes/s), bytes 2 (n-1)/n
+    "allgather": {2: (0.06e-3, 0.42e9), 4: (2.29e-3, 0.36e9)},   # bytes (n-1)/n of the gathered tensor
+    "p2p": (0.13e-3, 2.91e9),
+    "fresh_page_gbs": 2.30,                           # allocate and fill
+    "mem_gbs": 19.2,                                  # a fill of a reused 1 GiB tensor
+    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.79,
+    # the rehearsal's (= lamemo-1.3b's) layer: its projections' GFLOP/s by "tp x rows" (calibrate_cpu.LAYER_POINTS)
+    "layer_shape": (2048, 2048, 8192),
+    "layer_gemm": {"1x64": 43.2, "1x128": 54.8, "1x256": 63.4, "2x64": 49.2, "2x128": 64.6, "2x256": 70.9,
+                   "4x64": 65.2, "4x128": 72.6, "4x256": 70.8},
+    "zero_ns": (4.56, 5.65),                          # DeepSpeed ZeRO 1 per parameter held, per parameter owned
+    # its reduction beyond the all-reduce in dp processes at once, ns per parameter held, by parameters held
+    "zero_reduce_ns": {2: {54_525_952: 5.79, 109_051_904: 4.56, 218_103_808: 6.93},
+                       4: {54_525_952: 8.64, 109_051_904: 9.97, 218_103_808: 26.9}},
+}
+
+
+def cpu_device(cal: dict) -> Device:
+    """The "cpu" row from a calibration (bench/calibrate_cpu.py's JSON line; CPU_CALIBRATION)."""
+    gemm = sorted((int(w), float(r) * 1e9) for w, r in cal["gemm"].items())
+    peak = max(r for _, r in gemm)
+    ar = {int(k): tuple(v) for k, v in cal["allreduce"].items()}
+    # how much slower a rank computes while all `ranks` do: measured (--concurrent), else ranks / cores
+    shared = {int(w): float(r) * 1e9 for w, r in cal.get("gemm_shared", {}).items()}
+    nominal = cal["ranks"] / cal["cores"]
+    return Device("cpu", {"fp32": peak}, tuple((w, r / peak) for w, r in gemm), mem_bw=cal["mem_gbs"] * 1e9,
+                  link=(ar[2][1],) * 2, latency=(ar[2][0],) * 2,
+                  source="measured on this machine by bench/calibrate_cpu.py (one thread per process; peak = the "
+                         "fastest measured GEMM rate, so MFU is against that, not a datasheet)",
+                  allreduce=ar, allgather={int(k): tuple(v) for k, v in cal["allgather"].items()},
+                  p2p=tuple(cal["p2p"]), optimizer_s_per_param=cal["adam_ns"] * 1e-9,
+                  first_touch_bw=cal["fresh_page_gbs"] * 1e9,
+                  contention=tuple((w, r / shared[w] if w in shared else nominal) for w, r in gemm),
+                  ranks=cal["ranks"],
+                  layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3,
+                  layer_gemm={tuple(int(x) for x in k.split("x")): float(r) * 1e9
+                              for k, r in cal.get("layer_gemm", {}).items()},
+                  layer_shape=tuple(cal.get("layer_shape", ())),
+                  zero_step=tuple(x * 1e-9 for x in cal["zero_ns"]) if "zero_ns" in cal else None,
+                  zero_reduce={int(dp): _sizes(x) for dp, x in cal.get("zero_reduce_ns", {}).items()})
+
+
+def _sizes(ns) -> tuple:
+    """zero_reduce_ns of one group size: {parameters held: ns per parameter} -> ((params, s), ...); a single
+    figure (calibrations before the size axis) was measured at ZERO_REDUCE_OLD_PARAMS."""
+    if isinstance(ns, dict):
+        return tuple(sorted((int(n), float(x) * 1e-9) for n, x in ns.items()))
+    return ((ZERO_REDUCE_OLD_PARAMS, float(ns) * 1e-9),)
+
+
+CPU = cpu_device(CPU_CALIBRATION)
+DEVICES = {
+    "v100-16g": _gpu("v100-16g", "V100 SXM2", 900e9, (130, 12.5), "NVLink 2 hybrid cube mesh, 100 Gb/s IB"),
+    "v100-32g": _gpu("v100-32g", "V100 SXM2", 900e9, (130, 12.5), "NVLink 2 hybrid cube mesh, 100 Gb/s IB"),
+    "a100-40g": _gpu("a100-40g", "A100", 1555e9, (230, 25), "NVSwitch, 200 Gb/s HDR IB"),
+    "a100-80g": _gpu("a100-80g", "A100", 2039e9, (230, 25), "NVSwitch, 200 Gb/s HDR IB"),
+    "h100-80g": _gpu("h100-80g", "H100 SXM", 3350e9, (370, 50), "NVSwitch, 400 Gb/s NDR IB"),
+    "cpu": CPU,
+}
+
+
+def device(kind: str) -> Device:
+    if kind not in DEVICES:
+        import difflib
+        near = difflib.get_close_matches(kind, DEVICES, n=1)
+        raise ValueError(f"unknown device kind {kind!r}" + (f" (did you mean {near[0]}?)" if near else "")
+                         + f"; known: {', '.join(DEVICES)}")
+    return DEVICES[kind]
