@@ -62,8 +62,8 @@ class Device:
     # parameter it owns (norm, clipping, Adam, the master copied back); replaces optimizer + first_touch
     zero_step: tuple | None = None
     # CPU: DeepSpeed's ZeRO 1 gradient reduction beyond its all-reduce in a group of dp processes, by the
-    # parameters a rank holds: {dp: ((params held, s per parameter held), ...)} (bench/calibrate_cpu.py: 2x the
-    # dp-1 figure at dp 4 and 33.6 M, 4-7x at 0.22 B); replaces zero_step's held at dp > 1
+    # parameters a rank holds: {dp: ((params held, s per parameter held), ...)} (bench/calibrate_cpu.py: at dp 4
+    # 2x the dp-1 figure at 54.5 M, 2-4x at 109 M); replaces zero_step's held at dp > 1
     zero_reduce: dict = field(default_factory=dict)
 
     def layer_rate(self, m, tp: int, rows: int) -> float | None:
@@ -135,8 +135,8 @@ def _gpu(kind, row, mem_bw, link, note):
 # lock (runs/plan_vs_step_25b and _25c calibration.json, load average 1.4-1.5 at their starts), the mean of the two:
 # calibrations minutes apart differ by up to 25% (the layer's rate at 64 rows 39.6 and 46.9 GFLOP/s, ZeRO's
 # 5.3 / 6.1 and 3.8 / 5.2 ns), which moves every prediction with them (README, "Scale rehearsal"). zero_reduce_ns:
-# calibrate_cpu.zero_step_seconds_per_param at 13, 26 and 52 weights, 19:31-19:36 UTC alone on the machine (load
-# average 1.9-4.5); dp 4 at 26 and 52 weights the mean of two measurements each (10.35 / 9.59, 21.5 / 32.3).
+# calibrate_cpu.zero_step_seconds_per_param at 13 and 26 weights, the mean of the measurements of 19:31-19:36 UTC
+# (alone on the machine, load average 1.9-4.5; dp 4 at 26 weights twice) and of runs/plan_vs_step_f (19:48).
 CPU_CALIBRATION = {
     "gemm": {32: 46.5, 64: 60.3, 128: 76.9, 256: 75.1, 512: 84.0, 1024: 82.9},   # GFLOP/s by min(T, n)
     "adam_ns": 0.88,                                  # torch's fused Adam step (optim.fused), per parameter
@@ -152,8 +152,7 @@ CPU_CALIBRATION = {
                    "4x64": 65.2, "4x128": 72.6, "4x256": 70.8},
     "zero_ns": (4.56, 5.65),                          # DeepSpeed ZeRO 1 per parameter held, per parameter owned
     # its reduction beyond the all-reduce in dp processes at once, ns per parameter held, by parameters held
-    "zero_reduce_ns": {2: {54_525_952: 5.79, 109_051_904: 4.56, 218_103_808: 6.93},
-                       4: {54_525_952: 8.64, 109_051_904: 9.97, 218_103_808: 26.9}},
+    "zero_reduce_ns": {2: {54_525_952: 6.08, 109_051_904: 4.92}, 4: {54_525_952: 9.75, 109_051_904: 11.86}},
 }
 
 
