@@ -2,6 +2,7 @@
 (the checkpoint layer's own: tests/test_checkpoint_layer.py)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -247,3 +248,37 @@ def test_a_rank_whose_peer_is_gone_exits_1_without_interpreter_shutdown():
     assert r.returncode == 1, r.stdout + r.stderr
     assert "interpreter shutdown ran" not in r.stdout and "main returned" not in r.stdout, r.stdout
     assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr
+
+
+@pytest.mark.multiproc   # starts a training process and two importing ones (`-m 'not multiproc'`: the fast subset)
+def test_a_training_process_loads_no_compiler(tiny_cfg, shards, tmp_path):
+    """DeepSpeed's ZeRO imports its Muon optimizer at engine set-up whatever the optimizer, and its torch.compile
+    decorations load inductor (about 1 s of each rank's start-up). megamemo compiles nothing and sets torch's
+    TORCHDYNAMO_DISABLE=1 (megamemo/cli.py): a one-process ZeRO 1 run of `megamemo train` imports the Muon module
+    but not inductor's compiler. The control: the same import with dynamo on loads it; a value the user set is
+    kept."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env.pop("TORCHDYNAMO_DISABLE", None)
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "megamemo", "train", "--config", str(tiny_cfg),
+                          "--data", str(shards), "--run-dir", str(tmp_path / "run"), "--max-steps", "1",
+                          "--save-every", "0", "--set", "checkpoint.save_at_end=false"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "deepspeed.runtime.zero.muon.muon_optimizer" in imported and "torch._inductor.compile_fx" not in imported
+
+    def compiler_loaded(dynamo_off: str) -> bool:
+        code = ("import sys, deepspeed.runtime.zero.muon.muon_optimizer; "
+                "print('torch._inductor.compile_fx' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env={**env, "TORCHDYNAMO_DISABLE": dynamo_off})
+        return out.stdout.split()[-1] == "True"
+
+    assert compiler_loaded("0") and not compiler_loaded("1")
+    def after_main(**extra) -> str:
+        code = ("import os\nfrom megamemo.cli import main\ntry:\n    main(['plan', '--help'])\nexcept SystemExit:\n"
+                "    pass\nprint(os.environ.get('TORCHDYNAMO_DISABLE'))")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env={**env, **extra}).stdout.split()[-1]
+
+    assert after_main() == "1" and after_main(TORCHDYNAMO_DISABLE="0") == "0"
