@@ -162,8 +162,6 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
     pages, faulted in); `owned`, the step at dp 1 (the partition's norm, clipping, Adam, the master copied back).
     Every phase starts behind a barrier, so the `world` processes run it at once, sharing the cores as a run's
     data-parallel ranks do."""
-    import copy
-
     import deepspeed
 
     from megamemo.config.run import load
@@ -175,7 +173,7 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
     deepspeed.init_distributed("gloo", verbose=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(weights)])
-    plain = copy.deepcopy(torch.nn.Sequential(*[torch.nn.Linear(1, 1, bias=False) for _ in range(weights)]))
+    plain = torch.nn.Sequential(*[torch.nn.Linear(1, 1, bias=False) for _ in range(weights)])
     for mine, theirs in zip(plain, model):      # the same weights' memory, leaves of their own (no engine hooks)
         mine.weight = torch.nn.Parameter(theirs.weight.detach())
     params = sum(p.numel() for p in model.parameters())

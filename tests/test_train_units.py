@@ -275,6 +275,7 @@ def test_a_training_process_loads_no_compiler(tiny_cfg, shards, tmp_path):
         return out.stdout.split()[-1] == "True"
 
     assert compiler_loaded("0") and not compiler_loaded("1")
+
     def after_main(**extra) -> str:
         code = ("import os\nfrom megamemo.cli import main\ntry:\n    main(['plan', '--help'])\nexcept SystemExit:\n"
                 "    pass\nprint(os.environ.get('TORCHDYNAMO_DISABLE'))")

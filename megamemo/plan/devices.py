@@ -29,6 +29,15 @@ GPU_LAYER_OVERHEAD = 0.5e-3
 GPU_EFFICIENCY = ((64, 0.12), (128, 0.25), (256, 0.42), (512, 0.58), (1024, 0.68), (2048, 0.75), (4096, 0.8))
 
 
+def log_interpolate(points, x: float) -> float:
+    """y at x > points[0]'s x on the line through ((x, y), ...) sorted by x, linear in log(x) between two points;
+    the last point's y past it."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+    return points[-1][1]
+
+
 def nearest_group(measured: dict, group: int) -> int:
     """The measured group size closest to `group` (ties: the larger)."""
     return min(measured, key=lambda s: (abs(s - group), -s))
@@ -78,12 +87,7 @@ class Device:
         if not self.zero_reduce:
             return None
         pts = sorted(self.zero_reduce[nearest_group(self.zero_reduce, dp)])
-        if params <= pts[0][0]:
-            return pts[0][1]
-        for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
-            if params <= n1:
-                return s0 + (s1 - s0) * math.log(params / n0) / math.log(n1 / n0)
-        return pts[-1][1]
+        return log_interpolate(pts, params) if params > pts[0][0] else pts[0][1]
 
     def share(self, width: float, ranks: int) -> float:
         """How many times slower a rank computes while all `ranks` on its node do (1: a device of its own)."""
@@ -97,10 +101,7 @@ class Device:
         pts = self.efficiency
         if width <= pts[0][0]:
             return pts[0][1] * width / pts[0][0]
-        for (w0, e0), (w1, e1) in zip(pts, pts[1:]):
-            if width <= w1:
-                return e0 + (e1 - e0) * math.log2(width / w0) / math.log2(w1 / w0)
-        return pts[-1][1]
+        return log_interpolate(pts, width)
 
     def collective(self, group: int, nbytes: float, across_nodes: bool, gather: bool = False) -> float:
         """Seconds of one all-reduce of nbytes (2 (n-1)/n of them cross a link) or all-gather of an nbytes result
