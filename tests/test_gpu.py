@@ -26,6 +26,7 @@ import torch
 
 from fixture_data import REPO, reference_file
 from megamemo.interop.reference import import_reference
+from megamemo.runtime.dist import free_port
 from megamemo.kernels import apply_kernels, kernels_in_use
 from megamemo.interop.score import load_reference_file
 from test_model_reference import FILES, check_grads, close, ref_memory_tensors
@@ -216,7 +217,7 @@ print("OUT" + json.dumps(out))
 def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
     script = tmp_path / "tp_pp.py"
     script.write_text(TP_PP_SCRIPT)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29731",
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                **GPU)
     r = subprocess.run([sys.executable, str(script), variant], env=env, capture_output=True, text=True,
                        timeout=300, cwd=REPO)
@@ -263,7 +264,7 @@ def test_plan_beside_the_measured_peak_memory(shards, tmp_path, recompute):
     planned = float(re.search(r"total\s+([0-9.]+) GiB", p.stdout).group(1))
     script = tmp_path / "measure.py"
     script.write_text(MEASURE_SCRIPT)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29732",
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                **GPU)
     r = subprocess.run([sys.executable, str(script), str(config), *sets], env=env, capture_output=True, text=True,
                        timeout=300, cwd=REPO)
@@ -327,11 +328,14 @@ cfg = load(sys.argv[1], sys.argv[2:])
 trainer, _ = build(cfg)
 trainer.train_step()                       # warm-up: allocations, lazy inits
 torch.cuda.synchronize()
+import os, megamemo
+ROOT = os.path.dirname(os.path.realpath(megamemo.__file__)) + os.sep
 sites = []
 def record(message, category, filename, lineno, file=None, line=None):
     if "synchronizing" in str(message):
-        stack = [f for f in traceback.extract_stack()[:-1] if "/megamemo/" in f.filename]
-        sites.append(f"{stack[-1].filename.split('/megamemo/')[-1]}:{stack[-1].name}" if stack else "outside megamemo")
+        stack = [f for f in traceback.extract_stack()[:-1] if os.path.realpath(f.filename).startswith(ROOT)]
+        sites.append(f"{os.path.relpath(os.path.realpath(stack[-1].filename), ROOT)}:{stack[-1].name}" if stack
+                     else "outside megamemo")
 warnings.showwarning = record
 warnings.simplefilter("always")
 torch.cuda.set_sync_debug_mode("warn")
@@ -343,7 +347,7 @@ for s in sites:
 # Every host sync a step may make, and why it is needed (anything else fails the test, named):
 NEEDED_SYNCS = {
     "train/loop.py:train_step",            # the step's loss, token count and stop flag, read once for the log
-    "train/engine.py:step",                # DeepSpeed's applied/skipped decision and the grad norm, once a step
+    "train/engine.py:micro_step",          # DeepSpeed's applied/skipped decision and the grad norm, once a step
     "train/engine.py:pipeline_step",       # the same for a pipeline step
     "parallel/pipeline.py:meta_ints",      # a stage's (micro-batch, M, L), once per stage and micro-batch
     "outside megamemo",                    # DeepSpeed's own (overflow check, clipping norm), reported separately
@@ -357,7 +361,7 @@ def test_host_syncs_of_a_training_step_are_the_needed_ones(shards, tmp_path):
             "checkpoint.probe=false", "log.tensorboard=false", f"data.dir={shards}", f"train.run_dir={tmp_path}/r"]
     script = tmp_path / "syncs.py"
     script.write_text(SYNC_SCRIPT)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29733",
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                **GPU)
     r = subprocess.run([sys.executable, str(script), str(REPO / "configs/tiny-cpu.yaml"), *sets], env=env,
                        capture_output=True, text=True, timeout=300, cwd=REPO)
