@@ -38,11 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    # megamemo compiles nothing (its model runs eagerly: train.kernels), but DeepSpeed's ZeRO imports its Muon
-    # optimizer whatever the optimizer (deepspeed/runtime/zero/utils.py is_zero_supported_optimizer), and its kernels
-    # are decorated with torch.compile, which loads inductor: about 1 s of every rank's start-up. torch's own switch
-    # makes the decoration a no-op; a value the user set is kept.
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    # Most commands compile nothing, but DeepSpeed's ZeRO imports its Muon optimizer whatever the optimizer
+    # (deepspeed/runtime/zero/utils.py is_zero_supported_optimizer), and its kernels are decorated with torch.compile,
+    # which loads inductor: about 1 s of every rank's start-up. torch's own switch makes the decoration a no-op. A run
+    # that compiles (train.compile, FlexAttention) lifts it again (megamemo/kernels/compiler.py enable_compiler);
+    # a value the user set is kept.
+    if "TORCHDYNAMO_DISABLE" not in os.environ:
+        os.environ["TORCHDYNAMO_DISABLE"] = os.environ["MEGAMEMO_SET_TORCHDYNAMO_DISABLE"] = "1"
     if name == "train":     # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
         from megamemo.runtime.signals import hold
         hold()

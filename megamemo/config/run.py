@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from megamemo.util.typed import build
+from megamemo.util.typed import Switch, build
 from megamemo.util.precision import NAMES as PRECISIONS
 
 
@@ -111,6 +111,11 @@ class TrainConfig:
     # bias): auto | plain | cpu. auto: cpu on a CPU device, plain (torch's own dropout and masked_fill) on CUDA.
     # Not a model field: the model's config is its identity (checkpoints compare it on resume), this is not.
     kernels: str = "auto"
+    # Regional torch.compile of every decoder layer (megamemo/kernels/compiler.py): auto | on | off. auto: on for
+    # CUDA, off on the CPU (where it measured slower than the CPU kernels). compile_backend: torch.compile's
+    # backend (inductor; aot_eager traces without generating code, for debugging).
+    compile: Switch = "auto"
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -176,7 +181,7 @@ class RunConfig:
 
     def model_fingerprint(self) -> str:
         """Hash of the model config: checkpoints record it, resuming compares it."""
-        blob = json.dumps(self.model.to_dict(), sort_keys=True).encode()
+        blob = json.dumps(self.model.identity(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def validate(self) -> "RunConfig":
@@ -239,6 +244,14 @@ class RunConfig:
         from megamemo.kernels import KERNELS      # lazily, as the parallel checks above: torch is loaded by then
         if self.train.kernels not in KERNELS:
             bad("train.kernels", f"must be {', '.join(KERNELS[:-1])} or {KERNELS[-1]}")
+        if self.model.attention == "flex" and self.model.dropatt > 0:
+            bad("model.attention", f"flex cannot drop attention weights (model.dropatt={self.model.dropatt}): "
+                                   f"use auto or eager, or dropatt 0")
+        from megamemo.kernels.compiler import COMPILE
+        if self.train.compile not in COMPILE:
+            bad("train.compile", f"must be {', '.join(COMPILE[:-1])} or {COMPILE[-1]}")
+        if self.train.compile_backend not in ("inductor", "aot_eager", "eager"):
+            bad("train.compile_backend", "must be inductor, aot_eager or eager")
         if self.train.lock_stale_s < 60:
             bad("train.lock_stale_s", "must be >= 60 (two heartbeats at least)")
         if self.data.batch_size % self.train.grad_accum:

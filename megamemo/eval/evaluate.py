@@ -200,6 +200,8 @@ def parse_args(argv):
     p.add_argument("--memory", help="start every column from this memory (memory.safetensors of `megamemo convert "
                                     "to-single --memory`, or its directory; its streams must be --batch-size)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--attention", choices=("auto", "eager", "flex"), default="auto",
+                   help="attention form: auto (flex on CUDA, eager on the CPU), eager, flex (FlexAttention)")
     p.add_argument("--dtype", choices=(*PRECISIONS, "checkpoint"), default="checkpoint",
                    help="run the model in this dtype (default: as stored)")
     return p.parse_args(argv)
@@ -207,14 +209,15 @@ def parse_args(argv):
 
 
 
-def load_for_eval(path, device, dtype: str = "checkpoint"):
+def load_for_eval(path, device, dtype: str = "checkpoint", attention: str = "auto"):
     from megamemo.interop.convert import load_model
-    from megamemo.kernels import apply_kernels
+    from megamemo.kernels import apply_attention, apply_kernels, resolve_attention
 
     model, meta = load_model(path)
     if dtype != "checkpoint":
         model = model.to(torch_dtype(dtype))
     apply_kernels(model, "auto", device)    # the CPU's attention masking on a CPU, plain PyTorch elsewhere
+    apply_attention(model, resolve_attention(attention, device))    # --attention: FlexAttention on CUDA by default
     return model.to(device).eval(), meta
 
 
@@ -261,7 +264,7 @@ def main(argv: list[str]) -> int:
         ratios = [float(x) for x in a.mem_ratios.split(",")] if a.mem_ratios else None
         results = []
         for ckpt in a.ckpt:
-            model, meta = load_for_eval(ckpt, a.device, a.dtype)
+            model, meta = load_for_eval(ckpt, a.device, a.dtype, a.attention)
             check_tokenizer(meta, manifest, ckpt, a.data)
             runs = [None] if ratios is None else ratios
             for ratio in runs:

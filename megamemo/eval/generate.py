@@ -194,16 +194,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", help="write the continuation here instead of stdout")
     p.add_argument("--json", help="write prompt/new token ids and the text here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--attention", choices=("auto", "eager", "flex"), default="auto",
+                   help="attention form: auto (eager: one query a step), eager, flex (FlexAttention)")
     a = p.parse_args(argv)
     from data_pipeline import ManifestError
     from megamemo.interop.convert import load_model
     from megamemo.checkpoint.single import SingleCheckpointError
-    from megamemo.kernels import apply_kernels
+    from megamemo.kernels import apply_attention, apply_kernels, resolve_attention
 
     try:
         model, meta = load_model(a.ckpt)
         model = model.to(a.device)
         apply_kernels(model, "auto", a.device)
+        apply_attention(model, resolve_attention(a.attention, a.device, generating=True))
         vocab = vocab_for(meta, a.data, a.ckpt)
         if len(vocab) > model.cfg.n_token:
             raise ValueError(f"vocabulary of {len(vocab)} symbols does not fit the model's n_token "

@@ -7,6 +7,8 @@ holds what makes a training step faster on the CPU, swapped into a built model b
 Chosen by `train.kernels` (auto | plain | cpu): auto is cpu on a CPU device and plain elsewhere (CUDA's own
 dropout and masked_fill). It imports only torch and megamemo.model.
 """
-from .apply import KERNELS, apply_kernels, kernels_in_use, resolve_kernels
+from .apply import (ATTENTIONS, KERNELS, apply_attention, apply_kernels, attention_in_use, kernels_in_use,
+                    resolve_attention, resolve_kernels)
 
-__all__ = ["KERNELS", "apply_kernels", "kernels_in_use", "resolve_kernels"]
+__all__ = ["ATTENTIONS", "KERNELS", "apply_attention", "apply_kernels", "attention_in_use", "kernels_in_use",
+           "resolve_attention", "resolve_kernels"]

@@ -10,13 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamemo.model.attention import mask_scores
+from megamemo.model.attention import causal_attention, lookahead_attention, mask_scores
 from megamemo.model.layers import RelAttention, ReluDropout
 
 from .dropout import CpuDropout
+from .flex import flex_causal_attention, flex_lookahead_attention
 from .masking import add_mask_bias
 
 KERNELS = ("auto", "plain", "cpu")
+ATTENTIONS = ("auto", "eager", "flex")     # model.attention
+_ATTENTION_FUNCTIONS = {"eager": (causal_attention, lookahead_attention),
+                        "flex": (flex_causal_attention, flex_lookahead_attention)}
 _DROPOUTS = (nn.Dropout, ReluDropout, CpuDropout)  # exactly these types (no other library's subclass is touched)
 
 
@@ -62,3 +66,42 @@ def kernels_in_use(model: nn.Module) -> str:
     forms = {isinstance(m, CpuDropout) for m in model.modules() if isinstance(m, nn.Dropout)}
     forms |= {m.masking is add_mask_bias for m in model.modules() if isinstance(m, RelAttention)}
     return "mixed" if len(forms) > 1 else ("cpu" if forms == {True} else "plain")
+
+
+def resolve_attention(choice: str, device, generating: bool = False) -> str:
+    """"eager" or "flex" for an inference `--attention` choice (eval, generate, the probe): auto is flex on CUDA
+    (where dynamo can run) and eager on the CPU (flex's CPU form is a reference implementation, forward only),
+    and eager for generation (one query a step: a compiled kernel per new length would cost more than it saves).
+    Training resolves auto itself (megamemo/train/speedups.py: a start-up check)."""
+    if choice not in ATTENTIONS:
+        raise ValueError(f"--attention: must be one of {', '.join(ATTENTIONS)} (got {choice!r})")
+    if choice != "auto":
+        return choice
+    if generating or torch.device(device).type != "cuda":
+        return "eager"
+    from .compiler import CompilerUnavailable, enable_compiler
+    try:
+        enable_compiler()
+    except CompilerUnavailable:
+        return "eager"
+    return "flex"
+
+
+def apply_attention(model: nn.Module, form: str) -> str:
+    """In place: every RelAttention of the model computes its attention in `form` ("eager": attention.py's
+    functions; "flex": FlexAttention, megamemo/kernels/flex.py). Weights and results are unchanged (flex within
+    rounding). "auto" is resolved by the caller (train: a start-up check on CUDA; eval/generate: flex on CUDA)."""
+    if form not in _ATTENTION_FUNCTIONS:
+        raise ValueError(f"model.attention: apply_attention takes eager or flex (got {form!r})")
+    causal, lookahead = _ATTENTION_FUNCTIONS[form]
+    for m in model.modules():
+        if isinstance(m, RelAttention):
+            m.causal, m.lookahead = causal, lookahead
+    return form
+
+
+def attention_in_use(model: nn.Module) -> str:
+    """"eager", "flex" or "mixed": which form the model's attention modules compute in."""
+    forms = {name for m in model.modules() if isinstance(m, RelAttention)
+             for name, fns in _ATTENTION_FUNCTIONS.items() if m.causal is fns[0]}
+    return "mixed" if len(forms) != 1 else forms.pop()

@@ -43,6 +43,13 @@ class ModelConfig:
     # The reference LaMemo training script never re-initialises r_r_bias_future, so it keeps xavier_uniform_
     # (~15x the scale of r_r_bias). "xavier" reproduces that; "normal" uses N(0, init_std) like the other biases.
     future_bias_init: str = "xavier"
+    # How attention is computed: eager (megamemo/model/attention.py) | flex (FlexAttention, one fused kernel;
+    # megamemo/kernels/flex.py) | auto (training: flex on CUDA after a start-up check against eager on the run's
+    # own shapes, else eager; eval/generate: flex on CUDA). Attention dropout (dropatt > 0) keeps eager in training.
+    # Not part of the model's identity (RUNTIME_FIELDS): a checkpoint resumes and converts under any form.
+    attention: str = "auto"
+
+    RUNTIME_FIELDS = ("attention",)
 
     # ---- derived -------------------------------------------------------------------------------------------
     @property
@@ -98,10 +105,16 @@ class ModelConfig:
             bad("div_val", "d_embed must be divisible by div_val ** len(cutoffs)")
         if self.future_bias_init not in ("xavier", "normal"):
             bad("future_bias_init", "must be 'xavier' or 'normal'")
+        if self.attention not in ("auto", "eager", "flex"):
+            bad("attention", "must be one of auto, eager, flex")
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def identity(self) -> dict:
+        """to_dict() less the fields that choose how, not what, the model computes (RUNTIME_FIELDS)."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.RUNTIME_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "model") -> "ModelConfig":

@@ -64,6 +64,9 @@ class RelAttention(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.dropatt = nn.Dropout(dropatt)  # on attention probabilities (per head: split across ranks under TP)
         self.masking = mask_scores  # how scores are masked (attention.mask_scores; megamemo.kernels may swap it)
+        # the attention functions (attention.py's eager ones; megamemo.kernels may swap in fused forms with the
+        # same signatures and results, e.g. FlexAttention: model.attention)
+        self.causal, self.lookahead = causal_attention, lookahead_attention
         self.pre_lnorm = pre_lnorm
         self.scale = 1.0 / math.sqrt(d_head)
 
@@ -112,7 +115,7 @@ class XLLayer(nn.Module):
         q, k, v = self.attn.heads(cat, q_rows=L)  # memory rows are keys and values only
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, _ = causal_attention(q, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt, lse="none",
+            ctx, _ = self.attn.causal(q, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt, lse="none",
                                       masking=self.attn.masking)
         else:
             ctx, _ = attend(q, k, v, klen - L, r, mask)
@@ -146,7 +149,7 @@ class LaMemoLayer(nn.Module):
         q_mem, q_cur = q.split([M, L], 2)  # a split's backward is one cat; two slices would zero-fill q twice
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, lse = causal_attention(q_cur, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
+            ctx, lse = self.attn.causal(q_cur, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
                                         lse="value", masking=self.attn.masking)
         else:
             ctx, lse = attend(q_cur, k, v, M, r, mask)
@@ -157,7 +160,7 @@ class LaMemoLayer(nn.Module):
                 c_mem, s_mem = ctx_old.to(ctx.dtype), lse_old.float()
             else:
                 nk = min(M, L)
-                a, s_la = lookahead_attention(q_mem, k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
+                a, s_la = self.attn.lookahead(q_mem, k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
                                               r[:, klen:], u, vf, lookahead_mask(M, nk, dev), self.attn.scale,
                                               self.attn.dropatt, masking=self.attn.masking)
                 a, s_la = _time_major(a, s_la)
@@ -176,4 +179,6 @@ class LaMemoLayer(nn.Module):
             out = self.ff(self.attn.output(cat[M:], ctx[M - first:]))
         ctx_new = ctx[beg - first:].detach()
         lse_new = lse[beg - first:].detach()
+        if torch.compiler.is_compiling():   # one stride for every producer of the caches: no recompile on it
+            ctx_new, lse_new = ctx_new.contiguous(), lse_new.contiguous()
         return out, ctx_new, lse_new

@@ -159,11 +159,9 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     seed_default_streams(cfg.train.seed)    # identical initial weights on every rank
     model, mpu, stage = build_model(cfg)
     engine = Engine(cfg, model, micro, dp, mpu=mpu)
-    from megamemo.kernels import apply_kernels
-    try:                                    # CPU kernels on a CPU device (train.kernels; megamemo/kernels/)
-        kernels = apply_kernels(model, cfg.train.kernels, engine.device)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    from megamemo.train.speedups import apply_speedups
+    # CPU kernels (train.kernels), the attention form (model.attention) and compiled layers (train.compile)
+    speed = apply_speedups(cfg, model, engine.device, micro, log if de.rank == 0 else (lambda *a, **k: None))
     rss.mark("built")
     if getattr(engine.device, "type", str(engine.device)) == "cuda" and hasattr(model, "check_inputs"):
         model.check_inputs = False          # ids were checked against the manifest's vocabulary at start-up; on a
@@ -200,13 +198,15 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     trainer = Trainer(cfg, engine, reader, rank=de.rank, world_size=de.world_size, micro_batch=micro,
                       metrics=metrics, store=store, evaluator=evaluator, stop=stop, rank_extra=rank_extra,
                       stage=stage)
+    trainer.speed = speed
     if resume_dir is not None:
         trainer.resume(resume_dir)
     if de.rank == 0:
         n_param = sum(p.numel() for p in model.parameters())
         log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
-            f"ZeRO {cfg.parallel.zero_stage} | {kernels} kernels | run dir {run_dir} | "
+            f"ZeRO {cfg.parallel.zero_stage} | {speed['kernels']} kernels | {speed['attention']} attention | "
+            f"{'compiled layers' if speed['compiled'] else 'eager layers'} | run dir {run_dir} | "
             + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")
             + f" | {format_flops(fpt)}/token, peak {peak.source}")
     return trainer
@@ -248,7 +248,15 @@ def main(argv: list[str]) -> int:
         from megamemo.runtime import rss
         rss.write(de.rank)
         if de.rank == 0:
-            print(f"[train] {outcome} at step {trainer.step} ({time.time() - t0:.1f}s)", flush=True)
+            compiled = ""
+            if trainer.speed["compiled"] or trainer.speed["attention"] == "flex":
+                from megamemo.kernels.compiler import compile_stats
+                compiled = ", {graphs} graphs compiled ({recompiles} recompiles)".format(**compile_stats())
+            print(f"[train] {outcome} at step {trainer.step} ({time.time() - t0:.1f}s{compiled})", flush=True)
+            import torch
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                print(f"[train] peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
+                      f"(torch.cuda.max_memory_allocated, rank 0)", flush=True)
         dist.barrier()
         dist.shutdown()
         return 0

@@ -158,9 +158,12 @@ class Trainer:
             loss_sum, res, new_mems = self._micro_steps(inp, tgt, new_epoch)
         stop_local = 1.0 if (self.stop is not None and self.stop.requested) else 0.0
         save_failed = 1.0 if (self.store is not None and self.store.failed()) else 0.0
-        stats = torch.stack([loss_sum, torch.tensor(float(tgt.numel()), dtype=torch.float64, device=inp.device),
-                             torch.tensor(stop_local, dtype=torch.float64, device=inp.device),
-                             torch.tensor(save_failed, dtype=torch.float64, device=inp.device)])
+        # the step's signals in one tensor: the loss (on the device) and three host values copied in one go (from
+        # pinned memory on a GPU: no host sync; the only one of the step is the .tolist() below)
+        host = torch.tensor([float(tgt.numel()), stop_local, save_failed], dtype=torch.float64)
+        if inp.device.type == "cuda":
+            host = host.pin_memory()
+        stats = torch.cat([loss_sum.reshape(1), host.to(inp.device, non_blocking=True)])
         if self.world_size > 1:
             dist.all_reduce(stats)          # TP/PP ranks of one DP group count the same streams: ratio unchanged
         stats = stats.tolist()
@@ -234,7 +237,7 @@ class Trainer:
         files = {}
         if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe_record.py),
             from megamemo.train.probe_record import record_probe     # after the snapshot, while the files are written
-            files = lambda: record_probe(self)  # noqa: E731
+            files = lambda: _eagerly(record_probe, self)  # noqa: E731
         return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
 
     def resume(self, step_dir: Path) -> dict:
@@ -267,7 +270,7 @@ class Trainer:
             if r.applied:
                 s = self.counters.step
                 if self.evaluator is not None and cfg.eval.every and s % cfg.eval.every == 0:
-                    self.evaluator.run(s)
+                    _eagerly(self.evaluator.run, s)
                     self.engine.module.train()
                 if every and s % every == 0 and not r.stop:
                     self.save()
@@ -283,3 +286,12 @@ class Trainer:
     def _finish_saves(self) -> None:
         if self.store is not None:
             self.store.finish()         # an asynchronous save in flight is written and committed first
+
+
+def _eagerly(fn, *args):
+    """fn(*args) with compiled layers running their eager code (validation, the probe: other lengths, eval mode;
+    megamemo/kernels/compiler.py run_eagerly), so that a compiled run compiles its training graphs only."""
+    from megamemo.kernels.compiler import run_eagerly
+
+    with run_eagerly():
+        return fn(*args)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 
+# A field annotated `Switch` is a string choice that includes "on" / "off", which YAML 1.1 reads as booleans when
+# unquoted (`compile: on`): a boolean is taken as "on" / "off" there, and nowhere else.
+Switch = str
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -27,7 +32,9 @@ def check_value(name: str, typ: str, value, error=ValueError):
                 pass
     if typ == "bool" and isinstance(value, bool):
         return value
-    if typ == "str" and isinstance(value, str):
+    if typ == "Switch" and isinstance(value, bool):
+        return "on" if value else "off"
+    if typ in ("str", "Switch") and isinstance(value, str):
         return value
     if typ == "dict" and isinstance(value, dict):
         return value
