@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     # are decorated with torch.compile, which loads inductor: about 1 s of every rank's start-up. torch's own switch
     # makes the decoration a no-op; a value the user set is kept.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    from megamemo.runtime.extensions import use_writable_extensions_dir
+    use_writable_extensions_dir()   # DeepSpeed's JIT op builds go where this user can write (containers: --user, apptainer)
     if name == "train":     # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
         from megamemo.runtime.signals import hold
         hold()
