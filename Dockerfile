@@ -92,7 +92,10 @@ RUN pip install --no-deps /opt/megamemo && megamemo --help
 RUN useradd --create-home --uid "${USER_UID}" --shell /bin/bash megamemo
 USER ${USER_UID}
 WORKDIR /home/megamemo
-ENV TORCH_EXTENSIONS_DIR=/home/megamemo/.cache/torch_extensions
+# TORCH_EXTENSIONS_DIR (DeepSpeed's JIT op builds, DS_BUILD_OPS=0) is not baked in: a path of this user's home is not
+# writable for `docker run --user UID` (launch/slurm/task.sh) nor in apptainer's read-only image. torch's default is
+# the running user's ~/.cache/torch_extensions, and `megamemo` moves it to /tmp/torch_extensions-<uid> at start
+# where that is not writable either (megamemo/runtime/extensions.py).
 # PID 1 is tini: it reaps every orphan that ends (a worker killed with -9 would otherwise stay a zombie, and a
 # zombie still in /proc looked like a live holder of the run directory's lock) and passes signals on to the command.
 # -s: the same as a subreaper where something else is PID 1 (`docker run --init`, as launch/slurm/task.sh runs it).

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     # a value the user set is kept.
     if "TORCHDYNAMO_DISABLE" not in os.environ:
         os.environ["TORCHDYNAMO_DISABLE"] = os.environ["MEGAMEMO_SET_TORCHDYNAMO_DISABLE"] = "1"
+    from megamemo.runtime.extensions import use_writable_extensions_dir
+    use_writable_extensions_dir()   # DeepSpeed's JIT op builds go where this user can write (containers: --user, apptainer)
     if name == "train":     # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
         from megamemo.runtime.signals import hold
         hold()

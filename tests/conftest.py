@@ -3,7 +3,9 @@
 Skips. A test may skip only for a capability the machine lacks (root for the Slurm dev cluster, CUDA), with its
 reason. With MEGAMEMO_FORBID_SKIPS=1 (what .ci/run sets) any skip fails the session. GPU tests (`@pytest.mark.gpu`)
 are deselected, not skipped, where torch sees no CUDA device, unless asked for with `-m gpu` (then they skip with
-the reason); so are multi-GPU tests (`@pytest.mark.multigpu`, `-m multigpu`) where torch sees fewer than 2. The session ends with one line: how many tests ran, passed, failed and skipped.
+the reason); so are multi-GPU tests (`@pytest.mark.multigpu`, `-m multigpu`) where torch sees fewer than 2, and those
+that need 4 (`@pytest.mark.gpu4`, beside multigpu) where it sees fewer than 4. The session ends with one line: how
+many tests ran, passed, failed and skipped.
 """
 import os
 
@@ -25,7 +27,7 @@ def cuda_available() -> bool:
 
 
 # marker -> CUDA devices its tests need
-DEVICE_MARKERS = {"gpu": 1, "multigpu": 2}
+DEVICE_MARKERS = {"gpu": 1, "multigpu": 2, "gpu4": 4}
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +65,8 @@ def reference_runs(tmp_path_factory):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run with `pytest -m gpu`)")
     config.addinivalue_line("markers", "multigpu: needs 2 or more CUDA devices (run with `pytest -m multigpu`)")
+    config.addinivalue_line("markers", "gpu4: needs 4 or more CUDA devices (a multigpu test: `pytest -m multigpu` "
+                                       "skips it naming the count where fewer are seen)")
     config.addinivalue_line("markers", "multiproc: starts training or distributed worker processes; the fast subset "
                                        "is `pytest -m 'not multiproc'`")
 

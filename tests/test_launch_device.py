@@ -44,7 +44,10 @@ def fakes(tmp_path):
 
 
 def _env(bin_dir: Path, out: Path, **extra) -> dict:
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out)}
+    """A clean environment; this machine's own GPU device files (if any) are not looked at: MEGAMEMO_NVIDIA_DEVICES
+    points at a folder with none (a test that wants some creates them there)."""
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out),
+           "MEGAMEMO_NVIDIA_DEVICES": str(out.parent / "dev" / "nvidia[0-9]*")}
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -53,13 +56,26 @@ def _recorded_env(path: Path) -> dict:
     return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
 
 
-@pytest.mark.parametrize("gpus, preset, want", [(0, None, "cpu"), (8, None, "unset"), (0, "cuda", "cuda")])
-def test_env_sh_picks_the_cpu_accelerator_only_without_gpus(fakes, gpus, preset, want):
+@pytest.mark.parametrize("gpus, preset, want, device_file", [(0, None, "cpu", False), (8, None, "unset", False),
+                                                             (0, "cuda", "cuda", False), (0, None, "unset", True)])
+def test_env_sh_picks_the_cpu_accelerator_only_without_gpus(fakes, gpus, preset, want, device_file):
+    """The last case: nvidia-smi is not on PATH (the fake lists none) but the node has /dev/nvidia0: not the CPU
+    (a `megamemo train` started from that shell would obey DS_ACCELERATOR=cpu)."""
     bin_dir, out = fakes
+    if device_file:
+        _device_files(out, 1)
     extra = {"FAKE_GPUS": gpus} | ({"DS_ACCELERATOR": preset} if preset else {})
     r = subprocess.run(["bash", "-c", f'source "{REPO}/scripts/env.sh"; echo "${{DS_ACCELERATOR-unset}}"'],
                        env=_env(bin_dir, out, **extra), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
+
+
+def _device_files(out: Path, n: int) -> None:
+    """n GPU device files where _env's MEGAMEMO_NVIDIA_DEVICES looks (nvidia0..., besides nvidiactl)."""
+    dev = out.parent / "dev"
+    dev.mkdir(exist_ok=True)
+    for name in ["nvidiactl"] + [f"nvidia{i}" for i in range(n)]:
+        (dev / name).touch()
 
 
 def _sbatch(bin_dir: Path, out: Path, gpus: int, **extra) -> subprocess.CompletedProcess:
@@ -102,6 +118,72 @@ def test_sbatch_decides_from_what_torch_sees_without_nvidia_smi(fakes):
     assert r.returncode == 0, r.stdout + r.stderr
     step = _recorded_env(out / "srun.env")
     assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu") and "CUDA_VISIBLE_DEVICES" not in step
+
+
+# ---- auto on a node with GPUs that torch cannot use (issue 35, item 4): one error line, never the CPU ------------
+GPU_NODE = {"slurm-gpus-on-node": {"SLURM_GPUS_ON_NODE": 4}, "slurm-job-gpus": {"SLURM_JOB_GPUS": "0,1,2,3"},
+            "nvidia-smi": {"FAKE_GPUS": 4}, "device-files": {}}
+
+
+def _launch(launcher: str, bin_dir: Path, out: Path, **extra) -> subprocess.CompletedProcess:
+    """One of the three launchers, MEGAMEMO_DEVICE unset (auto), with recorders for what it would start."""
+    _fake(bin_dir, "mpirun", f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env')
+    if launcher == "train.sbatch":
+        return _sbatch(bin_dir, out, extra.pop("FAKE_GPUS", 0), **extra)
+    script = {"local.sh": "launch/local.sh", "mpi/train.sh": "launch/mpi/train.sh"}[launcher]
+    env = _venv_env(bin_dir, out, MEGAMEMO_TRAIN_CMD=f"bash -c 'env > {out}/worker.env'", MPIRUN=bin_dir / "mpirun",
+                    **extra)
+    return subprocess.run(["bash", str(REPO / script), "2", "--config", "x.yaml"], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _started(out: Path) -> list[str]:
+    return sorted(p.name for p in out.glob("*.env"))
+
+
+@pytest.mark.parametrize("evidence", list(GPU_NODE))
+@pytest.mark.parametrize("launcher", ["train.sbatch", "local.sh", "mpi/train.sh"])
+def test_auto_on_a_gpu_node_where_torch_sees_none_stops_in_one_line(fakes, launcher, evidence):
+    """launch/device.sh used to turn auto into cpu whenever torch saw no GPU, so a GPU job with a CPU-only torch
+    (or a driver too old, or a container without GPUs) trained on the CPU and the Python check for such a node never
+    ran. Now: the probe says 0, the node has GPUs (Slurm gave the job some, nvidia-smi lists some, or /dev/nvidia0
+    exists): one error line naming the evidence, nothing started."""
+    bin_dir, out = fakes
+    if evidence == "device-files":
+        _device_files(out, 2)
+    r = _launch(launcher, bin_dir, out, MEGAMEMO_GPU_PROBE="echo 0", **GPU_NODE[evidence])
+    said = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert r.returncode == (1 if launcher == "train.sbatch" else 3), r.stdout + r.stderr
+    assert len(said) == 1 and "MEGAMEMO_DEVICE=auto on a node with NVIDIA GPUs" in said[0], said
+    want = {"slurm-gpus-on-node": "SLURM_GPUS_ON_NODE=4", "slurm-job-gpus": "SLURM_JOB_GPUS=0,1,2,3",
+            "nvidia-smi": "nvidia-smi lists 4 GPU(s)", "device-files": "nvidia0 exists"}[evidence]
+    assert want in said[0] and "torch sees no CUDA device" in said[0] and "MEGAMEMO_DEVICE=cpu" in said[0], said
+    assert _started(out) == [], _started(out)
+
+
+@pytest.mark.parametrize("launcher", ["train.sbatch", "local.sh", "mpi/train.sh"])
+def test_auto_without_gpu_evidence_or_asked_for_cpu_still_runs_on_the_cpu(fakes, launcher):
+    """The other side: no GPU anywhere (probe 0, no Slurm GPUs, no nvidia-smi GPU, no device file) is a CPU job,
+    and MEGAMEMO_DEVICE=cpu on a GPU node is obeyed."""
+    bin_dir, out = fakes
+    for extra in ({}, {"MEGAMEMO_DEVICE": "cpu", "SLURM_GPUS_ON_NODE": 4}):
+        for f in out.glob("*.env"):
+            f.unlink()
+        r = _launch(launcher, bin_dir, out, MEGAMEMO_GPU_PROBE="echo 0", **extra)
+        started = _started(out)
+        assert r.returncode == 0 and len(started) == 1, (extra, r.stdout + r.stderr)
+        step = _recorded_env(out / started[0])
+        assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cpu", "cpu"), extra
+
+
+def test_auto_where_the_python_has_no_torch_to_ask_names_the_probe(fakes):
+    """A container job's bare host: no torch to ask, no nvidia-smi on PATH, but /dev/nvidia0: not the CPU either."""
+    bin_dir, out = fakes
+    _device_files(out, 1)
+    r = _sbatch(bin_dir, out, 0, MEGAMEMO_GPU_PROBE="true")
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if "error" in line]
+    assert r.returncode == 1 and len(errors) == 1 and "MEGAMEMO_GPU_PROBE" in errors[0], r.stdout + r.stderr
+    assert _started(out) == []
 
 
 @pytest.mark.parametrize("preset", ["a100-bf16.sbatch", "v100-fp16.sbatch"])

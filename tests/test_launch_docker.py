@@ -1,10 +1,14 @@
 """The Dockerfile cannot be built on these machines (no registry): lint it with hadolint, and check that it pins
-every runtime dependency of the package and of its s3, gcs, eval and parquet extras."""
+every runtime dependency of the package and of its s3, gcs, eval and parquet extras. Its run-time behaviour that
+can be played here is: DeepSpeed's JIT op builds find a writable TORCH_EXTENSIONS_DIR whichever user the container
+runs as (docker --user, apptainer), played as another UID with the image's environment."""
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -92,3 +96,86 @@ def test_pid_1_is_tini_from_the_distribution_which_reaps_zombies():
     assert entry and json.loads(entry[-1]) == ["/usr/bin/tini", "-s", "--"], entry     # -s: a subreaper under --init
     cmd = re.findall(r"^CMD (.*)$", text, flags=re.M)
     assert cmd and json.loads(cmd[-1])[0] == "megamemo"           # the command runs under tini, not instead of it
+
+
+# ---- TORCH_EXTENSIONS_DIR under --user and apptainer (issue 35, item 7) ------------------------------------------
+BUILD_DIR_SCRIPT = r"""
+import os, sys
+from megamemo.cli import main
+main(["verify-shards", sys.argv[1]])     # any subcommand: the `megamemo` command's start-up runs before it
+import torch.utils.cpp_extension as ext
+build = ext._get_build_directory("megamemo_probe", False)   # what DeepSpeed's op builder asks before compiling
+with open(os.path.join(build, "probe.txt"), "w") as f:
+    f.write("ok")
+print("BUILD", build)
+"""
+OTHER_UID = 54321                           # a UID the image has no user (and no home) for
+
+
+def _baked_extensions_dir() -> str | None:
+    found = re.findall(r"^ENV TORCH_EXTENSIONS_DIR=(\S+)", DOCKERFILE.read_text(), flags=re.M)
+    return found[-1] if found else None
+
+
+@pytest.fixture
+def world():
+    """A folder another user can reach (pytest's own are root's alone), removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run as another user (setpriv)")
+    path = Path(tempfile.mkdtemp(prefix="megamemo-uid-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _as_other_user(world: Path, **env: str) -> tuple[Path, Path]:
+    """BUILD_DIR_SCRIPT as OTHER_UID with the container's environment `env` (plus the image's baked
+    TORCH_EXTENSIONS_DIR, if it has one): -> (the build folder torch made, the TMPDIR it had)."""
+    tmp = world / "tmp"
+    tmp.mkdir(exist_ok=True)
+    tmp.chmod(0o1777)
+    script = world / "build_dir.py"
+    script.write_text(BUILD_DIR_SCRIPT)
+    script.chmod(0o644)
+    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)}
+    baked = _baked_extensions_dir()
+    if baked:
+        base["TORCH_EXTENSIONS_DIR"] = baked
+    r = subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable,
+                        str(script), str(world / "no-shards")], env={**base, **env}, capture_output=True,
+                       text=True, timeout=120, cwd=str(tmp))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    build = Path(r.stdout.split("BUILD ", 1)[1].strip())
+    assert (build / "probe.txt").read_text() == "ok" and build.stat().st_uid == OTHER_UID
+    return build, tmp
+
+
+def test_extensions_build_under_docker_user_without_a_home(world):
+    """`docker run --user UID:GID` (launch/slurm/task.sh) for a UID the image has no user for: HOME=/, and any path
+    baked for the image's own user is not writable. The build goes to <tmp>/torch_extensions-<uid>."""
+    build, tmp = _as_other_user(world, HOME="/")
+    assert build.is_relative_to(tmp / f"torch_extensions-{OTHER_UID}"), build
+
+
+def test_extensions_build_under_apptainer(world):
+    """apptainer: the image is read-only and HOME is the user's own (bound from the host): the build goes there."""
+    home = world / "home"
+    home.mkdir()
+    os.chown(home, OTHER_UID, OTHER_UID)
+    build, _ = _as_other_user(world, HOME=str(home))
+    assert build.is_relative_to(home / ".cache" / "torch_extensions"), build
+
+
+def test_an_unwritable_extensions_dir_is_moved_a_writable_one_kept(world):
+    """A TORCH_EXTENSIONS_DIR set for another user (the image's /home/megamemo, as it used to be baked in) moves to
+    the running user's home; one the user can write is kept as it is."""
+    home = world / "home"
+    home.mkdir()
+    os.chown(home, OTHER_UID, OTHER_UID)
+    build, _ = _as_other_user(world, HOME=str(home), TORCH_EXTENSIONS_DIR="/home/megamemo/.cache/torch_extensions")
+    assert build.is_relative_to(home / ".cache" / "torch_extensions"), build
+    mine = world / "mine"
+    mine.mkdir()
+    os.chown(mine, OTHER_UID, OTHER_UID)
+    build, _ = _as_other_user(world, HOME="/", TORCH_EXTENSIONS_DIR=str(mine))
+    assert build == mine / "megamemo_probe", build

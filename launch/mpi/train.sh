@@ -10,6 +10,8 @@
 #   MASTER_ADDR/PORT       rendezvous; default 127.0.0.1 on one machine, else rank 0's host, and a free port
 #   OMP_NUM_THREADS        default: CPU cores / N on one machine (at least 1)
 #   MEGAMEMO_TRAIN_CMD     the training command (default "megamemo train")
+#   NCCL_*, GLOO_*, TORCH_*, PYTORCH_*, CUDA_*   reach every rank (Open MPI: named with -x, launch/forward.sh), e.g.
+#                          NCCL_SOCKET_IFNAME, NCCL_IB_HCA, GLOO_SOCKET_IFNAME, CUDA_VISIBLE_DEVICES
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
@@ -45,16 +47,15 @@ else
   fi
 fi
 
-pass=(PATH LD_LIBRARY_PATH PYTHONUNBUFFERED DS_ACCELERATOR TORCH_EXTENSIONS_DIR OMP_NUM_THREADS MASTER_ADDR MASTER_PORT
-      CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING)
 if "$mpirun" --version 2>&1 | grep -q "Open MPI\|OpenRTE\|PRRTE"; then
-  # Open MPI: environment variables travel only when named; refuses root without the flag.
+  # Open MPI: environment variables travel only when named (launch/forward.sh: MEGAMEMO_*, MASTER_*, NCCL_*,
+  # GLOO_*, TORCH_*, PYTORCH_*, CUDA_*, ..., and PATH / LD_LIBRARY_PATH here); refuses root without the flag.
+  # shellcheck source=../forward.sh
+  source "$here/launch/forward.sh"
   [ -n "${MEGAMEMO_MPI_HOSTFILE:-}" ] && opts+=(--hostfile "$MEGAMEMO_MPI_HOSTFILE")
   [ "$(id -u)" = 0 ] && opts+=(--allow-run-as-root)
   [ "$n" -gt "$(nproc)" ] && [ -z "${MEGAMEMO_MPI_HOSTFILE:-}" ] && opts+=(--oversubscribe)
-  for v in "${pass[@]}" $(compgen -e | grep '^MEGAMEMO_' || true); do
-    [ -n "${!v:-}" ] && opts+=(-x "$v")
-  done
+  for v in $(megamemo_forwarded_env PATH LD_LIBRARY_PATH); do opts+=(-x "$v"); done
 else
   # MPICH / Intel MPI (Hydra): the whole environment travels by default.
   [ -n "${MEGAMEMO_MPI_HOSTFILE:-}" ] && opts+=(-f "$MEGAMEMO_MPI_HOSTFILE")

@@ -35,13 +35,10 @@ if [ -n "$image" ] && [ "$runtime" != pyxis ]; then
       [ "${MEGAMEMO_DEVICE:-}" = gpu ] && opts+=(--gpus all)
       IFS=, read -r -a ms <<<"$mounts"
       for m in "${ms[@]}"; do opts+=(--volume "$m"); done
-      # Pass the job's and the launcher's variables through by name.
-      for name in $(compgen -e); do
-        case "$name" in
-          SLURM_*|MASTER_*|MEGAMEMO_*|NCCL_*|TORCH_*|CUDA_*|CUBLAS_*|OMP_NUM_THREADS|DS_ACCELERATOR|PYTHONUNBUFFERED)
-            opts+=(--env "$name") ;;
-        esac
-      done
+      # Pass the job's and the launcher's variables through by name (launch/forward.sh: NCCL_*, GLOO_*, ...).
+      # shellcheck source=../forward.sh
+      source "$(dirname "${BASH_SOURCE[0]}")/../forward.sh"
+      for name in $(megamemo_forwarded_env 'SLURM_*'); do opts+=(--env "$name"); done
       exec "$runtime" run "${opts[@]}" "$image" "${cmd[@]}" "$@"
       ;;
     *)

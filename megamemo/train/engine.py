@@ -84,8 +84,15 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
                fused=o.fused or None)
 
 
+# bf16 products run on tensor cores from compute capability 8.0 (A100) on. torch.cuda.is_bf16_supported() (and so
+# DeepSpeed's check) is True on a V100 (7.0) too, where bf16 is emulated without tensor cores: several times slower.
+BF16_MIN_CAPABILITY = (8, 0)
+FP16_PRESET = "launch/slurm/v100-fp16.sbatch, or --set precision.dtype=fp16"
+
+
 def check_precision(dtype: str) -> None:
-    """fp16 needs an accelerator DeepSpeed supports it on (not this kind of CPU); say so before starting."""
+    """fp16 needs an accelerator DeepSpeed supports it on (not this kind of CPU), bf16 a GPU that has it in hardware
+    (compute capability 8.0 or newer); say so before starting."""
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
@@ -95,6 +102,12 @@ def check_precision(dtype: str) -> None:
     if dtype == "bf16" and not acc.is_bf16_supported():
         raise ConfigError(f"precision.dtype: bf16 is not supported by DeepSpeed on this {acc.device_name()} "
                           f"device (use fp16 or fp32)")
+    if dtype == "bf16" and acc.device_name() == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < BF16_MIN_CAPABILITY:
+            raise ConfigError(f"precision.dtype: bf16 needs a GPU of compute capability 8.0 or newer; this "
+                              f"{torch.cuda.get_device_name()} is {major}.{minor} and would emulate it without "
+                              f"tensor cores, several times slower: use the fp16 preset ({FP16_PRESET})")
 
 
 class Engine:

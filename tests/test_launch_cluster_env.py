@@ -1,0 +1,151 @@
+"""What crosses the launchers' boundaries on a cluster (issue 35, item 7), with fake `srun`, `scontrol`, `mpirun` and
+`docker` recording what they are given (no cluster, no training):
+
+  * the network settings (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, GLOO_SOCKET_IFNAME) and the CUDA ones
+    (CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF) reach the ranks where the starter passes only what it is told
+    to: Open MPI's mpirun (launch/mpi/train.sh, `-x NAME`) and docker/podman (launch/slurm/task.sh, `--env NAME`);
+    srun (--export=ALL), apptainer, pyxis and MPICH's Hydra pass the whole environment;
+  * train.sbatch's MASTER_PORT (launch/slurm/port.sh): from the full job id, so jobs 2,000 apart no longer share one
+    (it was 10000 + (id mod 2000) * 10), and moved off a port something already listens on at the first node."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NETWORK = {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "GLOO_SOCKET_IFNAME": "ib0",
+           "NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "0,1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+
+
+def _fake(bin_dir: Path, name: str, body: str) -> None:
+    p = bin_dir / name
+    p.write_text("#!/bin/bash\n" + body + "\n")
+    p.chmod(0o755)
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    out.mkdir()
+    _fake(bin_dir, "nvidia-smi", "exit 1")
+    _fake(bin_dir, "scontrol", 'case "$1 $2" in "show hostnames") echo node1 ;; '
+                               '"show node") echo "NodeName=node1 NodeAddr=127.0.0.1" ;; esac')
+    for name in ("srun", "docker", "podman"):
+        _fake(bin_dir, name, f'env > "$FAKE_OUT/{name}.env"; printf "%s\\n" "$@" > "$FAKE_OUT/{name}.args"')
+    _fake(bin_dir, "mpirun", '[ "$1" = --version ] && { echo "mpirun (Open MPI) 4.1.4"; exit 0; }; '
+                             'printf "%s\\n" "$@" > "$FAKE_OUT/mpirun.args"')
+    return bin_dir, out
+
+
+def _env(bin_dir: Path, out: Path, **extra) -> dict:
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out),
+           "MEGAMEMO_NVIDIA_DEVICES": str(out / "no-dev" / "nvidia[0-9]*")}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _named(args: list[str], flag: str) -> set[str]:
+    """The NAMEs of `flag NAME` pairs in a recorded argument list."""
+    return {args[i + 1] for i, a in enumerate(args[:-1]) if a == flag}
+
+
+# ---- the network and CUDA settings ---------------------------------------------------------------------------------
+def test_open_mpi_ranks_get_the_network_and_cuda_settings(fakes):
+    bin_dir, out = fakes
+    env = _env(bin_dir, out, MEGAMEMO_VENV=Path(sys.executable).parents[1], MEGAMEMO_GPU_PROBE="echo 2",
+               MEGAMEMO_TRAIN_CMD="true", MPIRUN=bin_dir / "mpirun", UNRELATED_SETTING="x", **NETWORK)
+    r = subprocess.run(["bash", str(REPO / "launch/mpi/train.sh"), "2", "--config", "x.yaml"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    args = (out / "mpirun.args").read_text().splitlines()
+    forwarded = _named(args, "-x")
+    assert set(NETWORK) <= forwarded, sorted(set(NETWORK) - forwarded)
+    assert {"PATH", "MEGAMEMO_DEVICE", "DS_ACCELERATOR", "MASTER_ADDR", "OMP_NUM_THREADS",
+            "CUDA_DEVICE_MAX_CONNECTIONS"} <= forwarded, forwarded
+    assert "UNRELATED_SETTING" not in forwarded and "HOME" not in forwarded, forwarded
+
+
+@pytest.mark.parametrize("runtime", ["docker", "podman"])
+def test_docker_ranks_get_the_network_and_cuda_settings(fakes, runtime):
+    bin_dir, out = fakes
+    env = _env(bin_dir, out, MEGAMEMO_CONTAINER="megamemo:latest", MEGAMEMO_CONTAINER_RUNTIME=runtime,
+               MEGAMEMO_DEVICE="gpu", MEGAMEMO_ROOT=REPO, SLURM_SUBMIT_DIR=out, SLURM_PROCID=0, SLURM_NTASKS=2,
+               MASTER_ADDR="10.0.0.1", MASTER_PORT=12345, DS_ACCELERATOR="cuda", UNRELATED_SETTING="x", **NETWORK)
+    r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=out)
+    assert r.returncode == 0, r.stderr
+    forwarded = _named((out / f"{runtime}.args").read_text().splitlines(), "--env")
+    assert set(NETWORK) <= forwarded, sorted(set(NETWORK) - forwarded)
+    assert {"SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR", "MASTER_PORT", "MEGAMEMO_DEVICE",
+            "DS_ACCELERATOR"} <= forwarded, forwarded
+    # the image's own PATH and HOME stay: the host's would point at nothing inside it
+    assert not forwarded & {"PATH", "HOME", "LD_LIBRARY_PATH", "UNRELATED_SETTING"}, forwarded
+
+
+# ---- MASTER_PORT ---------------------------------------------------------------------------------------------------
+def _sbatch_port(bin_dir: Path, out: Path, job_id: int, restarts: int = 0) -> tuple[int, str]:
+    """train.sbatch as Slurm starts it for job `job_id`: the MASTER_PORT its training step gets, and its output."""
+    (out / "srun.env").unlink(missing_ok=True)
+    env = _env(bin_dir, out, SLURM_JOB_ID=job_id, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out,
+               SLURM_JOB_NODELIST="node1", SLURM_NTASKS=1, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=1,
+               SLURM_RESTART_COUNT=restarts, MEGAMEMO_ROOT=REPO, MEGAMEMO_TRAIN_CMD="true",
+               MEGAMEMO_VENV=out / "no-venv", MEGAMEMO_GPU_PROBE="echo 0")
+    r = subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), "--config", "x.yaml"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    step = dict(line.split("=", 1) for line in (out / "srun.env").read_text().splitlines() if "=" in line)
+    return int(step["MASTER_PORT"]), r.stdout + r.stderr
+
+
+def test_jobs_2000_apart_get_different_ports(fakes):
+    """The old derivation, 10000 + (id mod 2000) * 10 + restarts, gave jobs 4242 and 6242 both 12420."""
+    bin_dir, out = fakes
+    a, _ = _sbatch_port(bin_dir, out, 4242)
+    b, _ = _sbatch_port(bin_dir, out, 6242)
+    assert a != b and 10000 <= min(a, b) and max(a, b) < 32768, (a, b)
+    again, _ = _sbatch_port(bin_dir, out, 4242, restarts=1)          # a requeue moves on (TIME_WAIT)
+    assert again == a + 1, (a, again)
+
+
+def test_candidate_ports_never_collide_within_2272_job_ids():
+    """The candidate of port.sh without the probe, over job ids with gaps 1..2272 (2,000 among them), every restart
+    count: all distinct, all below the kernel's ephemeral ports (32768)."""
+    script = f"""source "{REPO}/launch/slurm/port.sh"
+megamemo_port_in_use() {{ return 1; }}     # nothing listens: the candidate itself
+for id in 7 4242 1000000 987654321; do
+  for gap in 0 1 2 9 10 1999 2000 2001 2272; do
+    for r in 0 1 9; do echo "$id $gap $r $(megamemo_master_port $(( id + gap )) $r 127.0.0.1)"; done
+  done
+done"""
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [tuple(map(int, line.split())) for line in r.stdout.splitlines()]
+    assert len(rows) == 4 * 9 * 3
+    for base in {row[0] for row in rows}:
+        ports = [p for b, gap, restarts, p in rows if b == base]
+        assert len(set(ports)) == len(ports), sorted(ports)
+        assert all(10000 <= p <= 32729 for p in ports), ports
+
+
+def test_a_port_in_use_on_the_first_node_is_skipped(fakes):
+    """Another job's rendezvous already listens on this job's candidate port at the first node (127.0.0.1 here):
+    train.sbatch takes the next free one and says so."""
+    bin_dir, out = fakes
+    job = 4242
+    want, _ = _sbatch_port(bin_dir, out, job)
+    with socket.socket() as busy:
+        try:
+            busy.bind(("127.0.0.1", want))
+        except OSError:
+            pytest.fail(f"port {want} is taken on this machine: cannot stage the collision")
+        busy.listen()
+        got, said = _sbatch_port(bin_dir, out, job)
+    assert got != want and got % 10 == want % 10, (want, got)
+    assert f"port {want} (from job id {job}) is in use on 127.0.0.1: using {got}" in said, said
