@@ -30,6 +30,7 @@ from megamemo.runtime.dist import free_port
 from megamemo.kernels import apply_kernels, kernels_in_use
 from megamemo.interop.score import load_reference_file
 from test_model_reference import FILES, check_grads, close, ref_memory_tensors
+from test_gpu_checks_on_cpu import assert_positions_are_fp32s, resumed_adam_steps, tf32_runs
 from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, fp16_overflow_run, launch, logs,  # noqa: F401
                              losses, run, wait)
 
@@ -275,7 +276,8 @@ def test_plan_beside_the_measured_peak_memory(shards, tmp_path, recompute):
 
 
 @pytest.mark.parametrize("flags", [{}, {"fused": True}, {"capturable": True}])
-def test_resumed_adam_step_on_cuda_lies_where_torch_puts_it(flags):
+def test_adam_step_tensor_helper_on_cuda_matches_torch(flags):
+    """The helper alone (adam_step_tensor, step_on_param_device); the call site: the test below."""
     from megamemo.train.resumable import adam_step_tensor, step_on_param_device
 
     p = torch.nn.Parameter(torch.ones(3, device="cuda"))
@@ -287,11 +289,22 @@ def test_resumed_adam_step_on_cuda_lies_where_torch_puts_it(flags):
     assert (ours.device, ours.dtype) == (made.device, made.dtype)
 
 
+def test_resumed_adam_step_on_cuda_at_the_call_site(tiny_cfg, shards, tmp_path):
+    """A real resume on the GPU (bf16, ZeRO 1: BF16_Optimizer around torch's fused Adam): the optimizer's step
+    tensors hold the count on the device torch's own Adam uses (cuda), and the next step runs
+    (tests/test_gpu_checks_on_cpu.py: the same script and checks on the CPU)."""
+    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16"], env_extra=GPU, timeout=300)
+    assert out["fused"] and out["torch_makes"][0].startswith("cuda"), out
+    assert all(dev.startswith("cuda") and param_dev.startswith("cuda") for _, dev, _, param_dev in out["resumed"]), out
+
+
 # ---- bf16 at a width where rounding shows (issue 28) ------------------------------------------------------------
 def test_bf16_convert_and_eval_at_width(tiny_cfg, shards, tmp_path):
     """d_model 1024 and 1,536 positions (512 tokens + 1,024 of memory): the probe of `convert to-single --dtype
-    bf16` passes and `eval --dtype bf16` of the converted model scores the training run's own validation within
-    bf16's tolerance (positions fp32 in both: tests/test_half_positions.py derives the bound)."""
+    bf16` passes (its bound: megamemo/checkpoint/probe_bound.py), the converted bf16 model on the GPU gives every
+    r_net the exact sinusoids within one bf16 rounding (bf16 angles would be off by radians: shown on the CPU in
+    tests/test_gpu_checks_on_cpu.py; the NLL comparison below cannot see them), and `eval --dtype bf16` of the
+    converted model scores the training run's own validation within bf16's tolerance."""
     run_dir = tmp_path / "wide"
     width = ["--set", "model.d_model=1024", "--set", "model.n_head=16", "--set", "model.d_head=64", "--set",
              "model.d_inner=2048", "--set", "model.n_layer=2", "--set", "model.tgt_len=512", "--set",
@@ -309,6 +322,9 @@ def test_bf16_convert_and_eval_at_width(tiny_cfg, shards, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     check = json.loads((single / "config.json").read_text())["meta"]["check"]
     print(f"\nbf16 probe at d_model 1024, 1,536 positions on {torch.cuda.get_device_name()}: {check}")
+    from megamemo.checkpoint.single import load_single
+    worst = assert_positions_are_fp32s(load_single(single)[0].cuda(), 1536)   # the converted model, on the GPU
+    print(f"positions at 1,536 on the GPU: within {worst:.3g} of the exact sinusoids")
     out = tmp_path / "eval.json"
     r = subprocess.run([sys.executable, "-m", "megamemo", "eval", "--ckpt", str(single), "--data", str(shards),
                         "--split", "valid", "--batch-size", "2", "--max-segments", "3", "--tgt-len",
@@ -375,11 +391,8 @@ def test_host_syncs_of_a_training_step_are_the_needed_ones(shards, tmp_path):
 # ---- TF32 for fp32 runs (precision.allow_tf32) ------------------------------------------------------------------
 def test_tf32_run_tracks_the_fp32_run(tiny_cfg, shards, tmp_path):
     """fp32 with TF32 products against fp32 without, per step within 0.005 / 8 nats: the bf16 bound of
-    tests/test_train_equivalence.py (derived there for U = 2^-8) scaled to TF32's 11 significant bits (2^-11)."""
-    exact = ["--set", "model.dropout=0.0", "--max-steps", "5", "--save-every", "0", "--set", "checkpoint.probe=false",
-             "--set", "checkpoint.save_at_end=false"]
-    run(1, tiny_cfg, shards, tmp_path / "fp32", *exact, env_extra=GPU, timeout=300)
-    run(1, tiny_cfg, shards, tmp_path / "tf32", *exact, "--set", "precision.allow_tf32=true", env_extra=GPU,
-        timeout=300)
-    a, b = losses(tmp_path / "fp32"), losses(tmp_path / "tf32")
+    tests/test_train_equivalence.py (derived there for U = 2^-8) scaled to TF32's 11 significant bits (2^-11).
+    Each run's log names the TF32 state its worker read back from torch (tf32_runs): a run that never switched
+    TF32 on fails here."""
+    a, b = tf32_runs(tiny_cfg, shards, tmp_path, 5, env_extra=GPU, timeout=300)
     assert sorted(a) == sorted(b) and max(abs(a[s] - b[s]) for s in a) <= 0.005 / 8, (a, b)

@@ -192,10 +192,11 @@ def test_lr_schedule_matches_torch_cosine_and_warms_up():
 
 
 @pytest.mark.parametrize("flags", [{}, {"foreach": False}, {"fused": True}])   # capturable: CUDA only
-def test_resumed_adam_step_lies_where_torch_puts_it(flags):
+def test_adam_step_tensor_helper_lies_where_torch_puts_it(flags):
     """A resumed Adam step count has the device and dtype of the one torch's Adam makes itself (fused and capturable
     groups keep it on the parameter's device: a CPU step there breaks a GPU resume; on this CPU the fused
-    case checks the flag is read and the dtype, tests/test_gpu.py the device)."""
+    case checks the flag is read and the dtype, tests/test_gpu.py the device). The helper alone: the call site after
+    a real resume is tests/test_gpu_checks_on_cpu.py's test_resumed_adam_step_at_the_call_site."""
     from megamemo.train.resumable import adam_step_tensor, step_on_param_device
 
     p = torch.nn.Parameter(torch.ones(3))
@@ -207,7 +208,7 @@ def test_resumed_adam_step_lies_where_torch_puts_it(flags):
     assert (ours.device, ours.dtype, float(ours)) == (made.device, made.dtype, float(made))
 
 
-def test_resumed_adam_step_follows_the_parameter_off_the_cpu():
+def test_adam_step_tensor_helper_follows_the_parameter_off_the_cpu():
     """The test above cannot tell the device apart on a CPU (a fused step on the CPU is a CPU step). Parameters on
     the meta device can: torch's capturable Adam makes its step there (its _init_group, before the device check
     its step() then fails on), and so must the resumed one (load_pieces: adam_step_tensor with

@@ -161,8 +161,8 @@ class Checkpoint:
                           probe.get("precision", self.precision))
         log(f"[convert] check: single-device per-token NLL over {res['segments']} segments x {res['streams']} "
             f"streams (columns {c0}-{c1 - 1}, memory carried) vs the sharded model's: max |diff| "
-            f"{res['max_abs_diff']:.2e}, mean {res['mean_abs_diff']:.2e} ({res['precision']}, tolerance "
-            f"{res['tolerance']['max']:g})")
+            f"{res['max_abs_diff']:.2e}, mean {res['mean_abs_diff']:.2e} ({res['precision']}, tolerance max "
+            f"{res['tolerance']['max']:.3g}, mean {res['tolerance']['mean']:.3g})")
         return res
 
 

@@ -150,3 +150,13 @@ def set_tf32(allow: bool) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = allow
     torch.backends.cudnn.allow_tf32 = allow
+
+
+def tf32_state() -> str:
+    """The TF32 switches as this process's torch reports them now ("TF32 on" / "TF32 off"; the cuDNN switch named
+    when it differs): what the run log records, so that a run shows what it ran with, not what it asked for."""
+    import torch
+
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    state = f"TF32 {'on' if matmul else 'off'}"
+    return state if cudnn == matmul else f"{state}, cuDNN TF32 {'on' if cudnn else 'off'}"

@@ -130,6 +130,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     from megamemo.model.flops import flops_per_token
     from megamemo.runtime.peak import device_peak, format_flops
     from megamemo.runtime import dist
+    from megamemo.runtime.device import tf32_state
     from megamemo.train.data import bytes_per_token, open_reader, unit_for
     from megamemo.train.engine import Engine
     from megamemo.train.loop import Trainer
@@ -205,6 +206,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
         n_param = sum(p.numel() for p in model.parameters())
         log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
+            f"{tf32_state()} | "
             f"ZeRO {cfg.parallel.zero_stage} | {speed['kernels']} kernels | {speed['attention']} attention | "
             f"{'compiled layers' if speed['compiled'] else 'eager layers'} | run dir {run_dir} | "
             + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")

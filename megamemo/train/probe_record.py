@@ -13,7 +13,8 @@ each segment, with the global columns and data positions in the metadata. Nothin
 RNG is drawn (eval mode), the reader's position and the committed memory are untouched.
 
 `megamemo convert to-single` runs the converted single-device model on the same segments, starting from the
-converted memory of the same columns, and compares the NLL (fp32: 1e-5; bf16/fp16: see convert.py).
+converted memory of the same columns, and compares the NLL (fp32: 1e-5; bf16/fp16: a derived bound,
+checkpoint/probe_bound.py).
 Cost: 3 forward passes of P streams per checkpoint.
 """
 from __future__ import annotations
