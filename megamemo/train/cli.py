@@ -208,7 +208,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
         n_param = sum(p.numel() for p in model.parameters())
         log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
-            f"ZeRO {cfg.parallel.zero_stage} | {kernels} kernels | run dir {run_dir} | "
+            f"ZeRO {cfg.parallel.zero_stage}{engine.reduction()} | {kernels} kernels | run dir {run_dir} | "
             + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")
             + f" | {format_flops(fpt)}/token executed (HFU), {format_flops(mfpt)}/token model (MFU), "
               f"peak {peak.source}")
