@@ -56,10 +56,11 @@ forward 3 x 2·klen·H·Q per token and layer, x3 for the backward:
 matmul the model's definition requires (RoPE's positions in PaLM are elementwise and cost no matmul). Not
 credited, because a GPT-like model of the same N does without them: LaMemo's memory rows re-encoded through
 every layer and its look-ahead attention, and XL's K/V projections of the memory rows. So MFU is the same for
-LaMemo and XL of the same shape and sequence lengths, while HFU counts what each executes. Executed over model
-FLOPs per token (= HFU / MFU of any run): configs/lamemo-1.3b.yaml 1.95, lamemo-7b 2.01, enwik8-base 1.84
-(mem_len = tgt_len: the layers' dense work runs over twice the rows), wt103-base 1.28 (its 267k-word adaptive
-embedding is a large part of N); as XL the same shapes give 1.20, 1.21, 1.16, 1.05.
+LaMemo and XL of the same shape and sequence lengths (but for LaMemo's 6 x n_head x d_head more for v-), while HFU
+counts what each executes. Executed over model FLOPs per token (= HFU / MFU of any run; at micro-batch 1):
+configs/lamemo-1.3b.yaml 1.95, lamemo-7b 2.01, enwik8-base 1.84 (mem_len = tgt_len: the layers' dense work runs
+over twice the rows), wt103-base 1.28 (its tied 267,735-word softmax, 110 M of its 151 M parameters, costs both
+counts alike); as XL the same shapes give 1.20, 1.21, 1.16, 1.05.
 """
 from __future__ import annotations
 
