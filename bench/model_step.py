@@ -10,9 +10,11 @@ fp32 and bf16 (autocast). Every model steps through its own random tokens with i
 what training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/runtime/allocator.py;
 --default-malloc to compare). Rounds step every model once, in an order reversed every other round so that none
 always runs first (each reference model steps next to its megamemo counterpart); a model's time is its best
-(least disturbed) step. Printed: tokens/s, ms/step, the analytic
-model FLOPs per step (megamemo/model/flops.py: the same figure for the reference, which does the same model's
-work), achieved model GFLOP/s and its fraction of the peak; then time ratios from the best steps and as the
+(least disturbed) step. Printed: tokens/s, ms/step, the analytic FLOPs a step executes (megamemo/model/flops.py
+step_flops: the same figure for the reference, which does the same model's work), achieved GFLOP/s, and two
+fractions of the peak: HFU (the executed FLOPs, LaMemo's memory-row recompute and look-ahead included) and MFU
+(flops.py model_flops: PaLM's 6 N + attention over mem_len + tgt_len keys, the same for LaMemo and XL of one
+shape); then time ratios from the best steps and as the
 median of the rounds' own ratios (the steadier of the two on a shared machine): lamemo/xl against their FLOP
 ratio, and megamemo/reference tokens/s for lamemo and xl.
 
@@ -27,8 +29,8 @@ probe takes the best FLOP/s over several product shapes - 1024^3, a batched 8x51
 ones (the feed-forward's forward, input-gradient and weight-gradient products at L*B and (L+M)*B rows) - at the
 same thread count, in fp32 and, for bf16 runs, also in bf16 (autocast keeps some products in fp32, and on a CPU
 without bf16 matmul units fp32 products are the faster ones), sampled once per round between the steps and kept
-at its best, as the steps are. On GPU the peak is the datasheet figure for the device (megamemo/runtime/peak.py), so the
-column is MFU; there the bench also runs megamemo at configs/wt103-base.yaml and configs/enwik8-base.yaml
+at its best, as the steps are: HFU and MFU are then of that measured peak. On GPU the peak is the datasheet figure for
+the device (megamemo/runtime/peak.py); there the bench also runs megamemo at configs/wt103-base.yaml and configs/enwik8-base.yaml
 model shapes (--configs; batch --gpu-batch or the config's data.batch_size, the config's precision).
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 from megamemo.kernels import KERNELS, apply_kernels
 from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
-from megamemo.model.flops import step_flops
+from megamemo.model.flops import model_flops, step_flops
 from megamemo.runtime.peak import device_peak
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +94,8 @@ class Runner:
             apply_kernels(self.model, kernels, device)  # as training does (train.kernels; megamemo/kernels/)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, fused=True)  # as training (optim.fused)
         self.mem, self.s = (tuple() if self.ref else None), 0
-        self.flops = step_flops(cfg, batch)              # megamemo/model/flops.py
+        self.flops = step_flops(cfg, batch)              # executed, HFU's (megamemo/model/flops.py)
+        self.model_flops = model_flops(cfg, batch)       # PaLM's convention, MFU's
         self.tokens = batch * cfg.tgt_len
 
     def step(self) -> float:
@@ -162,14 +165,18 @@ def ratio_line(label, num, den, times, best_of) -> str:
     return f"{label}: time ratio {t_ratio:.3f} (median of the rounds' ratios {paired:.3f})" + best_of(t_ratio, paired)
 
 
-def table(runners, times, precision, peak, peak_name, w) -> None:
+def utilisation(r: Runner, dt: float, peak: float | None) -> str:
+    """The HFU and MFU columns of a step of dt seconds (n/a without a peak)."""
+    return "".join(f"{flops / dt / peak:>7.1%}" if peak else f"{'n/a':>7}" for flops in (r.flops, r.model_flops))
+
+
+def table(runners, times, precision, peak, w) -> None:
     print(f"{'model':<{w}}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}"
-          f"{peak_name:>9}")
+          f"{'HFU':>7}{'MFU':>7}")
     for v, r in runners.items():
         dt = min(times[v])
-        frac = f"{r.flops / dt / peak:>9.1%}" if peak else f"{'n/a':>9}"
         print(f"{v:<{w}}{precision:<6}{r.tokens / dt:>10.0f}{dt * 1e3:>10.1f}{r.flops / 1e9:>12.2f}"
-              f"{r.flops / dt / 1e9:>10.1f}{frac}")
+              f"{r.flops / dt / 1e9:>10.1f}{utilisation(r, dt, peak)}")
 
 
 def ratios(runners, times) -> None:
@@ -207,25 +214,26 @@ def side_by_side(args, device, ref_module, w) -> None:
             probe = PeakProbe(runners[names[0]].cfg, args.batch, precision) if device.type == "cpu" else None
             times = interleaved(runners, args.steps, args.warmup, probe)
             if probe is not None:
-                peak, label = probe.best, "of peak"
+                peak = probe.best
                 kinds = "/".join(str(d).split(".")[1] for d in probe.dtypes)
                 print(f"matmul peak {peak / 1e9:.1f} GFLOP/s (best of {len(probe.shapes)} product shapes in "
-                      f"{kinds}, sampled every round)")
+                      f"{kinds}, sampled every round; HFU and MFU are of it)")
             else:
                 p = device_peak(device, precision)
-                peak, label = p.flops, "MFU"
+                peak = p.flops
                 print(f"peak {p.source}")
-            table(runners, times, precision, peak, label, w)
+            table(runners, times, precision, peak, w)
             ratios(runners, times)
             del runners
 
 
 def config_shapes(args, device) -> None:
-    """megamemo's tokens/s and MFU at the configs' model shapes (GPU only)."""
+    """megamemo's tokens/s, HFU and MFU at the configs' model shapes (GPU only)."""
     from megamemo.config.run import load
 
     print(f"\n== {device.type}: megamemo at the configs' model shapes ({torch.cuda.get_device_name(device)})")
-    print(f"{'config':<20}{'variant':<9}{'batch':>6}{'prec':>6}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}  peak")
+    print(f"{'config':<20}{'variant':<9}{'batch':>6}{'prec':>6}{'tokens/s':>11}{'TFLOP/s':>9}{'HFU':>7}{'MFU':>7}"
+          f"  peak")
     for path in args.configs:
         cfg = load(str(path), [])
         batch = args.gpu_batch or cfg.data.batch_size
@@ -239,9 +247,8 @@ def config_shapes(args, device) -> None:
             continue
         dt = min(times)
         p = device_peak(device, prec)
-        mfu = f"{r.flops / dt / p.flops:>7.1%}" if p.flops else f"{'n/a':>7}"
         print(f"{Path(path).name:<20}{cfg.model.variant:<9}{batch:>6}{prec:>6}{r.tokens / dt:>11.0f}"
-              f"{r.flops / dt / 1e12:>9.1f}{mfu}  {p.source}")
+              f"{r.flops / dt / 1e12:>9.1f}{utilisation(r, dt, p.flops)}  {p.source}")
         del r
         torch.cuda.empty_cache()
 

@@ -42,6 +42,9 @@ TWO_RANKS_12_STEPS = ("--max-steps", "12", "--set", "log.tensorboard=false")
 ONE_PROCESS_EXACT = ("--set", "model.dropout=0.0", "--max-steps", "6", "--set", "log.tensorboard=false",
                      "--set", "eval.every=6", "--set", "eval.tgt_len=8", "--set", "eval.mem_len=24",
                      "--set", "eval.batch_size=4", "--set", "eval.max_segments=6")
+# two ranks of ONE_PROCESS_EXACT's run, each with 2 micro-batches of 1 stream (4 memories, the same global batch),
+# ZeRO 1 (TINY's)
+TWO_RANKS_ACCUM = (*ONE_PROCESS_EXACT, "--set", "train.grad_accum=2")
 
 
 def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None):

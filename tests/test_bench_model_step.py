@@ -1,5 +1,5 @@
 """bench/model_step.py runs end to end at a tiny config (the numbers are timings: only their consistency is
-checked), and a bad --reference-code path is a clear error. The reference-code comparison itself needs a
+checked, HFU and MFU against the flops module's two counts), and a bad --reference-code path is a clear error. The reference-code comparison itself needs a
 thu-coai/LaMemo checkout, which the tests do not have (tests/fixtures holds its outputs, not its code)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megamemo.model import ModelConfig
-from megamemo.model.flops import step_flops
+from megamemo.model.flops import model_flops, step_flops
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--d-head", "32", "--d-inner", "256", "--batch", "8",
@@ -30,16 +30,19 @@ def test_tiny_run_prints_consistent_rows():
     r = bench(*TINY)
     assert r.returncode == 0, r.stderr
     peak = float(re.search(r"matmul peak ([\d.]+) GFLOP/s", r.stdout).group(1))
-    rows = re.findall(r"^(lamemo|xl|rpe)\s+fp32\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%$", r.stdout, re.M)
+    rows = re.findall(r"^(lamemo|xl|rpe)\s+fp32\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)%$",
+                      r.stdout, re.M)
     assert [row[0] for row in rows] == ["lamemo", "xl", "rpe"], r.stdout
-    for variant, tok_s, ms, gflop, gflops, frac in rows:
+    for variant, tok_s, ms, gflop, gflops, hfu, mfu in rows:
         cfg = ModelConfig(variant=variant, n_token=256, n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=256,
                           tgt_len=32, mem_len=32)
         assert float(gflop) == round(step_flops(cfg, 8) / 1e9, 2)           # the flops module's count
         s = float(ms) / 1e3                                                 # printed values, printed rounding
         assert int(tok_s) == pytest.approx(8 * 32 / s, rel=0.02)
         assert float(gflops) == pytest.approx(float(gflop) / s, rel=0.05, abs=0.06)
-        assert float(frac) == pytest.approx(100 * float(gflops) / peak, rel=0.02, abs=100 * 0.05 / peak + 0.05)
+        assert float(hfu) == pytest.approx(100 * float(gflops) / peak, rel=0.02, abs=100 * 0.05 / peak + 0.05)
+        # MFU: the same step time over the model FLOPs (printed rounding of the time and the HFU: 2%)
+        assert float(mfu) == pytest.approx(float(hfu) * model_flops(cfg, 8) / step_flops(cfg, 8), rel=0.02, abs=0.1)
     assert "lamemo/xl: time ratio" in r.stdout
     assert "reference code: not given" in r.stdout
 

@@ -2,6 +2,7 @@
 and its ZeRO / layout arithmetic."""
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -157,6 +158,11 @@ def test_plan_command_on_the_documented_clusters(name, cluster, printed, capsys)
     assert main(["--config", str(path), *cluster]) == 0
     out = capsys.readouterr().out
     assert printed in out and "FITS" in out
+    # the recommendations' table: both utilisations of each layout, HFU above MFU (LaMemo's recompute)
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("layout "))
+    assert header.split()[-3:] == ["HFU", "MFU", "dominant"]
+    rows = [m for line in out.splitlines() if (m := re.match(r"  tp=.* ([\d.]+)% +([\d.]+)%  \w+ \(", line))]
+    assert len(rows) >= 3 and all(float(r[1]) > float(r[2]) > 0 for r in rows), out
 
 
 def test_zero_stages_divide_what_they_shard():
@@ -184,6 +190,14 @@ def test_zero_keeps_an_fp32_master_gradient_partition_and_a_bucket():
     assert gpu.zero_buffers == 4 * n / 2 + 4 * DS_REDUCE_BUCKET
     assert cpu.zero_buffers == 4 * n / 2 + 4 * n
     assert gpu.pending_memory == gpu.memory_state > 0
+    # parallel.reduce_bucket_size sets the bucket; overlap_comm adds a second one to fill while the first reduces
+    sized = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=1",
+                                                      "parallel.reduce_bucket_size=1000"])
+    both = load(REPO / "configs" / "tiny-cpu.yaml", ["precision.dtype=fp32", "parallel.zero_stage=1",
+                                                     "parallel.reduce_bucket_size=1000", "parallel.overlap_comm=true"])
+    assert plan(sized, world=2, gpu_gib=32).zero_buffers == 4 * n / 2 + 4 * 1000
+    assert plan(both, world=2, gpu_gib=32).zero_buffers == 4 * n / 2 + 2 * 4 * 1000
+    assert plan(both, world=2, gpu_gib=32, device="cpu").zero_buffers == 4 * n / 2 + 2 * 4 * 1000   # 1000 < n
 
 
 def test_cpu_layout_counts_the_process_and_the_checkpoint_copy(capsys):

@@ -15,7 +15,7 @@ import pytest
 
 from megamemo.runtime import quiet
 from megamemo.config.run import load
-from megamemo.model.flops import flops_per_token
+from megamemo.model.flops import flops_per_token, model_flops_per_token
 from megamemo.runtime.dist import free_port
 from test_train_runs import TINY as TRAIN_TINY
 
@@ -61,23 +61,28 @@ def train_tp2(root: Path, name: str, **env_extra) -> list[tuple[str, str]]:
 
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
-def test_training_terminal_is_quiet_and_progress_carries_mfu(setup):
+def test_training_terminal_is_quiet_and_progress_carries_hfu_and_mfu(setup):
     outs = train_tp2(setup, "quiet", MEGAMEMO_PEAK_TFLOPS="0.002")
     for rank, (_, err) in enumerate(outs):
         assert not NOISE.search(err), f"rank {rank} stderr:\n{err}"
     assert outs[1][0] == "", "rank 1 printed to stdout"              # only rank 0 reports progress
     out0 = outs[0][0]
-    # the numbers of each progress line are its own tokens/s x the flops module's FLOPs per token
+    # the numbers of each progress line are its own tokens/s x the flops module's FLOPs per token: executed (HFU)
+    # and the PaLM convention's (MFU)
     cfg = load(str(setup / "tiny.yaml"), [])
     fpt = flops_per_token(cfg.model, 4)                                # dp 1: one micro-batch of 4 streams
-    assert re.search(rf"\| {fpt / 1e3:.3g} kFLOP/token, peak 0.002 TFLOP/s", out0), out0
+    mfpt = model_flops_per_token(cfg.model)
+    assert re.search(rf"\| {fpt / 1e3:.3g} kFLOP/token executed \(HFU\), {mfpt / 1e3:.3g} kFLOP/token model "
+                     rf"\(MFU\), peak 0.002 TFLOP/s", out0), out0
     assert "| cpu kernels |" in out0, out0              # train.kernels=auto on a CPU: megamemo/kernels/
-    lines = re.findall(r"tok/s ([\d,]+) \| ([\d.]+) MFLOP/s \| MFU ([\d.]+)%", out0)
+    lines = re.findall(r"tok/s ([\d,]+) \| ([\d.]+) MFLOP/s \| HFU ([\d.]+)% \| MFU ([\d.]+)%", out0)
     assert len(lines) == 2, out0
-    for tok_s, mflops, mfu in lines:
+    for tok_s, mflops, hfu, mfu in lines:
         tok_s = float(tok_s.replace(",", ""))
         assert float(mflops) * 1e6 == pytest.approx(tok_s * fpt, rel=0.01)      # 3 digits and tok/s rounding
-        assert float(mfu) / 100 == pytest.approx(tok_s * fpt / (2 * 0.002e12), abs=0.0005 + 0.005 * float(mfu) / 100)
+        for printed, per_token in ((hfu, fpt), (mfu, mfpt)):
+            assert float(printed) / 100 == pytest.approx(tok_s * per_token / (2 * 0.002e12),
+                                                         abs=0.0005 + 0.005 * float(printed) / 100)
 
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)

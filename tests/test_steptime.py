@@ -62,7 +62,11 @@ def test_tensor_and_data_parallel_terms_by_hand():
     assert st.terms["pp_bubble"] == st.terms["pp_p2p"] == st.terms["first_touch"] == 0
     assert st.seconds == pytest.approx(sum(st.terms.values()))
     assert st.tokens_per_s == pytest.approx(8 * 32 / st.seconds)
-    assert st.mfu == pytest.approx(3 * rpe_forward_flops(8) / (st.seconds * 4 * 1e12))
+    # HFU: the executed FLOPs of the global batch (8 streams); MFU: PaLM's 6 N + 18 x layers x H x klen a token,
+    # N by hand: a layer's Q/K/V 3x64x64, r_net and o_net 64x64 each, FFN 64x128 + 128 + 128x64 + 64, two norms
+    # 256: 37312, x4 layers; the tied table 256x64, its bias 256, u and v 2x64: 166016; RPE: klen = L = 32
+    assert st.hfu == pytest.approx(3 * rpe_forward_flops(8) / (st.seconds * 4 * 1e12))
+    assert st.mfu == pytest.approx(8 * 32 * (6 * 166016 + 18 * 4 * 64 * 32) / (st.seconds * 4 * 1e12))
     assert st.overlap_hides == 0          # one bucket: DeepSpeed cannot start reducing before the backward ends
 
 
@@ -77,6 +81,41 @@ def test_overlap_comm_would_hide_all_buckets_but_the_last():
     backward = 2 / 3 * st.terms["compute"] / 2
     assert st.overlap_hides == pytest.approx(3 * bucket - max(bucket, 3 * bucket - backward))
     assert 0 < st.overlap_hides <= 2 * bucket
+
+
+def test_overlap_comm_hides_it_where_deepspeed_overlaps_and_bucket_size_sets_the_buckets():
+    """The same layout with parallel.overlap_comm: dp_comm loses exactly what overlap_hides said it would hide, and
+    nothing else moves. With parallel.reduce_bucket_size 1e8 the reduction is 14 buckets of n / 14 (ZeRO's gather
+    keeps its own 5e8 buckets: 3); overlapped, only the last bucket - or what the backward cannot cover - remains.
+    Under a pipeline (ZeRO 1, pp 2) DeepSpeed would not overlap: the candidate layouts `megamemo plan` ranks get
+    no overlap there, whatever the config says."""
+    path = REPO / "configs" / "lamemo-1.3b.yaml"
+    base = ["parallel.tp=1", "train.grad_accum=2", "eval.every=0"]
+    off = step_time(load(path, base), 32, "v100-32g", 8, plan)
+    on = step_time(load(path, [*base, "parallel.overlap_comm=true"]), 32, "v100-32g", 8, plan)
+    assert on.overlapped and not off.overlapped and on.overlap_hides == off.overlap_hides > 0
+    assert on.terms["dp_comm"] == pytest.approx(off.terms["dp_comm"] - off.overlap_hides)
+    assert {k: v for k, v in on.terms.items() if k != "dp_comm"} == {k: v for k, v in off.terms.items()
+                                                                     if k != "dp_comm"}
+    assert on.seconds == pytest.approx(off.seconds - off.overlap_hides) and on.hfu > off.hfu and on.mfu > off.mfu
+    assert "overlap_comm hides" in "\n".join(explain(on, "v100-32g"))
+    assert "overlap_comm would hide" in "\n".join(explain(off, "v100-32g"))
+
+    n = 1_309_595_904 + (32000 - 256) * (2048 + 1)   # as in the test above: 1.37 B fp16 gradients
+    small = step_time(load(path, [*base, "parallel.reduce_bucket_size=100000000"]), 32, "v100-32g", 8, plan)
+    bucket = 30e-6 + 2 * 31 / 32 * (n / 14) * 2 / 12.5e9
+    assert small.terms["dp_comm"] == pytest.approx(14 * bucket)
+    assert small.terms["zero_gather"] == off.terms["zero_gather"]
+    both = step_time(load(path, [*base, "parallel.reduce_bucket_size=100000000", "parallel.overlap_comm=true"]),
+                     32, "v100-32g", 8, plan)
+    backward = 2 / 3 * off.terms["compute"] / 2                        # the last micro-batch's
+    assert both.terms["dp_comm"] == pytest.approx(max(bucket, 14 * bucket - backward))
+
+    piped = load(path, ["parallel.tp=1", "parallel.pp=2", "parallel.zero_stage=1", "train.grad_accum=2",
+                        "eval.every=0"])
+    piped.parallel.overlap_comm = True                                  # as recommend's candidates: unvalidated
+    st = step_time(piped, 32, "v100-32g", 8, plan)
+    assert not st.overlapped and st.overlap_hides == 0
 
 
 def test_dp_group_across_nodes_uses_the_slower_link_and_zero_2_reduces_every_micro_batch():
@@ -158,6 +197,7 @@ def test_explain_prints_the_breakdown(capsys):
         assert term in out
     st = step_time(load(path), 64, "a100-80g", 8, plan)
     assert f"{st.seconds * 1e3:.1f} ms" in out and "\n".join(explain(st, "a100-80g")) in out
+    assert f"HFU {st.hfu:.1%}, MFU {st.mfu:.1%}" in out and 0 < st.mfu < st.hfu     # LaMemo: executes more
 
 
 # ---- input the planner cannot use: one line, why, and the nearest that runs ------------------------------------

@@ -18,8 +18,8 @@ import torch
 
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
 from megamemo.runtime.dist import free_port
-from runs_cache import (ONE_PROCESS_EXACT, REPO, TINY, TWO_RANKS_12_STEPS, launch, logs, losses, run,  # noqa: F401
-                        wait)
+from runs_cache import (ONE_PROCESS_EXACT, REPO, TINY, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, launch, logs,  # noqa: F401
+                        losses, run, wait)
 from fixture_data import ENWIK8
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
@@ -73,11 +73,12 @@ def direct_eval(tiny_cfg: Path, shards: Path, step_dir: Path, tgt_len: int, mem_
     return total / count
 
 
-def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, reference_runs, tmp_path):
+def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, reference_runs):
     # validation at the end with its own lengths: 8-token segments, 24 tokens of memory (ONE_PROCESS_EXACT)
-    one, two = reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT), tmp_path / "dp2"
-    # 2 ranks x 2 micro-batches of 1 stream each: 4 separate memories, same global batch of 4 streams
-    run(2, tiny_cfg, shards, two, *ONE_PROCESS_EXACT, "--set", "train.grad_accum=2")
+    # 2 ranks x 2 micro-batches of 1 stream each: 4 separate memories, same global batch of 4 streams (the session's
+    # run, which test_train_equivalence.py compares ZeRO 2's overlapped reduction with)
+    one = reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT)
+    two = reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_ACCUM)
     l1, l2 = losses(one), losses(two)
     assert sorted(l1) == sorted(l2) == list(range(1, 7))
     for s in l1:

@@ -94,6 +94,55 @@ def test_bad_config_values_name_the_field(override, names):
         C.load(REPO / "configs" / "tiny-cpu.yaml", [override])
 
 
+@pytest.mark.parametrize("overrides, names, why", [
+    (["parallel.zero_stage=0", "parallel.overlap_comm=true"], "parallel.overlap_comm", "needs parallel.zero_stage 1 or 2"),
+    (["parallel.zero_stage=1", "parallel.pp=2", "parallel.overlap_comm=true"], "parallel.overlap_comm",
+     "not with parallel.pp > 1"),
+    (["precision.dtype=bf16", "parallel.zero_stage=1", "parallel.overlap_comm=true"], "parallel.overlap_comm",
+     "BF16_Optimizer"),
+    (["precision.dtype=bf16", "parallel.zero_stage=1", "precision.grad_accum_dtype=fp32",
+      "parallel.reduce_bucket_size=1000"], "parallel.reduce_bucket_size", "BF16_Optimizer"),
+    (["parallel.zero_stage=0", "parallel.reduce_bucket_size=1000"], "parallel.reduce_bucket_size",
+     "needs parallel.zero_stage 1 or 2"),
+    (["parallel.reduce_bucket_size=0"], "parallel.reduce_bucket_size", "must be >= 1"),
+    (["parallel.reduce_bucket_size=5e8"], "parallel.reduce_bucket_size", "expected int"),
+    (["parallel.overlap_comm=yes please"], "parallel.overlap_comm", "expected bool"),
+])
+def test_reduction_settings_deepspeed_would_not_apply_are_refused_by_name(overrides, names, why):
+    """DeepSpeed 0.19.8 ignores overlap_comm and reduce_bucket_size where its ZeRO 1/2 optimizer does not run
+    (ZeRO 0; bf16 on ZeRO 1 with fp32 accumulation: its BF16_Optimizer) and turns overlap off under its pipeline
+    engine, without an error (megamemo/config/zero.py): megamemo says so in one line naming the key."""
+    with pytest.raises(C.ConfigError) as e:
+        C.load(REPO / "configs" / "tiny-cpu.yaml", ["model.n_layer=2", *overrides])
+    msg = str(e.value)
+    assert msg.startswith(names + ":") and why in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.zero_stage=1"],                                         # fp32 ZeRO 1: its ZeRO optimizer
+    ["parallel.zero_stage=2", "precision.dtype=bf16"],
+    ["parallel.zero_stage=1", "precision.dtype=bf16", "precision.grad_accum_dtype=model"],
+])
+def test_overlap_and_bucket_size_reach_deepspeeds_zero_config(overrides):
+    """Where they take effect, both keys go into zero_optimization, and DeepSpeed's own config model reads them."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from megamemo.config.zero import overlaps_reduction, reduce_bucket
+    from megamemo.train.engine import ds_config
+
+    cfg = C.load(REPO / "configs" / "tiny-cpu.yaml",
+                 [*overrides, "parallel.overlap_comm=true", "parallel.reduce_bucket_size=123456"])
+    zero = ds_config(cfg, 4, 2)["zero_optimization"]
+    assert zero == {"stage": cfg.parallel.zero_stage, "overlap_comm": True, "reduce_bucket_size": 123456}
+    parsed = DeepSpeedZeroConfig(**zero)
+    assert parsed.overlap_comm is True and parsed.reduce_bucket_size == 123456
+    assert overlaps_reduction(cfg) and reduce_bucket(cfg) == 123456
+    plain = C.load(REPO / "configs" / "tiny-cpu.yaml", overrides)         # the defaults: DeepSpeed's own
+    assert ds_config(plain, 4, 2)["zero_optimization"] == {"stage": cfg.parallel.zero_stage}
+    assert not overlaps_reduction(plain) and reduce_bucket(plain) == 500_000_000
+    assert DeepSpeedZeroConfig(stage=plain.parallel.zero_stage).overlap_comm is False    # off below ZeRO 3
+
+
 def test_bad_key_in_yaml_file_is_named(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model:\n  n_layer: 2\noptim:\n  learning_rate: 0.1\n")

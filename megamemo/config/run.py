@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from megamemo.config.zero import problems as reduction_problems
 from megamemo.util.typed import Switch, build
 from megamemo.util.precision import NAMES as PRECISIONS
 
@@ -85,6 +86,11 @@ class ParallelConfig:
     tp: int = 1                     # tensor parallel size: heads, FFN and vocabulary split (megatron-core)
     pp: int = 1                     # pipeline parallel size: layers split into stages (DeepSpeed pipeline)
     zero_stage: int = 1             # DeepSpeed ZeRO stage 0 | 1 | 2
+    # the gradient reduction (DeepSpeed's zero_optimization; what takes effect where: megamemo/config/zero.py):
+    # overlap it with the backward pass, bucket by bucket (ZeRO 1 or 2, no pipeline; not bf16 on ZeRO 1 with fp32
+    # accumulation); elements per bucket (ZeRO 1 or 2; null: DeepSpeed's 500,000,000)
+    overlap_comm: bool = False
+    reduce_bucket_size: int | None = None
     # full: every rank builds the whole single-device model from train.seed and keeps its shard (any layout starts
     # from the same weights; needs host memory for the whole model per process); shard: each rank initialises only
     # its own shard (same distributions, weights depend on the layout); auto: full up to 5e8 parameters
@@ -237,6 +243,8 @@ class RunConfig:
             bad("parallel.init", "must be auto, full or shard")
         if self.parallel.zero_stage not in (0, 1, 2):
             bad("parallel.zero_stage", "must be 0, 1 or 2")
+        for name, why in reduction_problems(self):
+            bad(name, why)
         if self.train.max_steps < 0:
             bad("train.max_steps", "must be >= 0 (0: build, save the initial state and stop)")
         if self.train.grad_accum < 1:

@@ -15,7 +15,8 @@ count the tensors that autograd keeps per layer for one micro-batch; with train.
 layer's input plus one layer's activations (recomputed in the backward, one layer at a time). bf16 + ZeRO 1 runs
 DeepSpeed's BF16_Optimizer, which adds a full fp32 gradient buffer per rank. Beyond weights,
 gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp32 weights), its flat fp32
-gradient partition and reduction bucket, the new memory state held until the step commits, and on a CPU layout
+gradient partition and reduction bucket (parallel.reduce_bucket_size elements; two of them with
+parallel.overlap_comm: config/zero.py), the new memory state held until the step commits, and on a CPU layout
 the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
 copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
 """
@@ -25,13 +26,13 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from megamemo.config.zero import DS_REDUCE_BUCKET, overlaps_reduction, reduce_bucket
 from megamemo.model.params import bias_params, input_params, layer_params, output_params, total_params
 from megamemo.util.precision import HALF
 
 GPUS = {"v100-16g": 16, "v100-32g": 32, "a100-40g": 40, "a100-80g": 80, "h100-80g": 80}
 GiB = 1024 ** 3
 HEADROOM = 0.9  # keep 10% for the allocator, communication buffers and the framework
-DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (elements)
 # resident memory of one training process before its model exists: python, torch, DeepSpeed, megatron-core, gloo
 # (measured by bench/plan_vs_rss.py on this stack: MEGAMEMO_RSS_REPORT's `started` mark)
 CPU_BASELINE = 0.38 * GiB
@@ -105,9 +106,11 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
         zero_b = 4 * params + 2 * min(bucket, params)
     elif zero >= 1:
         # the flat fp32 gradient of the rank's partition (the optimizer's .grad), and the reduction bucket:
-        # reduce_bucket_size elements, fp32 under ZeRO 1 (its accumulator), the model dtype under ZeRO 2; on the
-        # CPU only the pages gradients are copied into become resident
-        bucket = DS_REDUCE_BUCKET if device != "cpu" else min(DS_REDUCE_BUCKET, params)
+        # reduce_bucket_size elements, fp32 under ZeRO 1 (its accumulator), the model dtype under ZeRO 2, a second
+        # one to fill while the first reduces under overlap_comm; on the CPU only the pages gradients are copied
+        # into become resident
+        size = reduce_bucket(cfg)
+        bucket = (size if device != "cpu" else min(size, params)) * (2 if overlaps_reduction(cfg) else 1)
         zero_b = 4 * params / dp + bucket * (4 if zero == 1 else p_bytes)
 
     L, M, B = m.tgt_len, (m.mem_len if m.has_memory else 0), micro
@@ -257,7 +260,7 @@ def main(argv: list[str]) -> int:
     if runs:
         st = step_time(cfg, world, kind, args.gpus_per_node, plan)
         print(f"   predicted step {st.seconds * 1e3:.1f} ms: {st.tokens_per_s_per_device:,.1f} tokens/s per device, "
-              f"MFU {st.mfu:.1%}, dominant: {st.dominant} ({kind}; megamemo/plan/steptime.py)")
+              f"HFU {st.hfu:.1%}, MFU {st.mfu:.1%}, dominant: {st.dominant} ({kind}; megamemo/plan/steptime.py)")
     if not ok and given:
         print(f"megamemo plan: {p.layout} needs {top.total / GiB:.1f} GiB on a rank of stage {top.stage} (of "
               f"{p.capacity / GiB:.1f}); " + rec.nearest_words(cfg, args.nodes, args.gpus_per_node, gib, args.device,

@@ -175,11 +175,11 @@ def print_recommendations(cfg, nodes, gpn, gib, device, gpu, plan_fn, show=8, fi
     fits, fails = fits_fails or recommend(cfg, nodes, gpn, gib, device, gpu, plan_fn)
     print(f"layouts that fit on {nodes} x {gpn} {'CPU processes' if device == 'cpu' else gpu}, best first by "
           f"predicted tokens/s per device (megamemo/plan/steptime.py):")
-    print(f"  {'layout':<50} {'GiB/rank':>8} {'step ms':>9} {'tok/s/dev':>10} {'MFU':>6}  dominant")
+    print(f"  {'layout':<50} {'GiB/rank':>8} {'step ms':>9} {'tok/s/dev':>10} {'HFU':>6} {'MFU':>6}  dominant")
     for f in fits[:show]:
         st = f.step
         print(f"  {f.desc:<50} {f.total / 2 ** 30:8.1f} {st.seconds * 1e3:9.1f} {st.tokens_per_s_per_device:10.1f} "
-              f"{st.mfu:6.1%}  {st.dominant} ({st.terms[st.dominant] / st.seconds:.0%})")
+              f"{st.hfu:6.1%} {st.mfu:6.1%}  {st.dominant} ({st.terms[st.dominant] / st.seconds:.0%})")
     if len(fits) > show:
         print(f"  ... and {len(fits) - show} more")
     if not fits:

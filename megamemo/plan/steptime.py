@@ -23,11 +23,13 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
   overhead      host time per layer and micro-batch (kernel launches, autograd, python): Device.layer_overhead,
                 exposed on a GPU only where it exceeds the layer's kernels, added on a CPU.
   dp_comm       the gradient reduction over dp: DeepSpeed's ZeRO 0/1/2 all-reduce whole buckets (stage_1_and_2.py,
-                use_multi_rank_bucket_allreduce), 2 (dp-1)/dp bytes, once per step at the accumulation boundary
-                (ZeRO 2: every micro-batch). DeepSpeed overlaps it with the backward pass, bucket by bucket
-                (reduce_bucket_size), only with zero_optimization.overlap_comm, whose default is off below ZeRO 3
-                and which megamemo's DeepSpeed config does not set (train/engine.py), and never under its pipeline
-                engine (ReduceGrads after the last backward): exposed. `overlap_hides` says what it would hide.
+                use_multi_rank_bucket_allreduce) of parallel.reduce_bucket_size elements (config/zero.py), 2 (dp-1)/dp
+                bytes, once per step at the accumulation boundary (ZeRO 2: every micro-batch). DeepSpeed overlaps it
+                with the backward pass, bucket by bucket, only with parallel.overlap_comm (off by default) and only
+                where it takes effect (ZeRO 1/2 without a pipeline, not bf16's BF16_Optimizer: config/zero.py
+                overlaps_reduction): then all buckets but the last reduce behind the last micro-batch's backward (2/3
+                of its compute) and only the rest is exposed; on a CPU whose ranks share its cores nothing hides.
+                `overlap_hides` is what overlap hides (overlapped) or would hide (not).
   zero_gather   ZeRO 1/2's extra collective: the updated parameters all-gathered after the optimizer step.
   On a CPU whose ranks share its cores, every collective (TP, DP, ZeRO's gather, p2p) is CPU work as well:
                 measured in a group of g processes (sharing the cores max(1, g / cores) ways), it runs while all
@@ -58,13 +60,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megamemo.model.flops import forward_flops, step_flops
+from megamemo.config.zero import overlaps_reduction, reduce_bucket
+from megamemo.model.flops import forward_flops, model_flops, step_flops
 from megamemo.plan.devices import Device, device, nearest_group
 from megamemo.util.precision import element_bytes
 
 ELEMENTWISE_PASSES = 4      # activation bytes: written forward, read backward, their gradient written and read
 TP_EXTRA_ALLREDUCES = 3     # per micro-batch: vocab-parallel embedding (fwd) and cross-entropy (max, sum)
-DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size / allgather_bucket_size defaults (elements)
+DS_GATHER_BUCKET = 500_000_000      # DeepSpeed's allgather_bucket_size default (elements)
 ADAM_BYTES_PER_PARAM = 36   # GPU Adam: grad read, fp32 master, m, v read + written, model copy written (fused)
 # DeepSpeed's optimizer step around Adam, per parameter the rank owns (fp32): the gradient flattened into the
 # partition (read + write), its norm (read), clipping (read + write), the updated master copied to the weights
@@ -78,11 +81,13 @@ class StepTime:
     terms: dict                 # name -> seconds per step (exposed)
     tokens: int                 # target tokens per step, all ranks
     world: int
-    model_flops: float          # per step, all ranks
+    hfu_flops: float            # per step, all ranks: what the step executes (model/flops.py step_flops)
+    mfu_flops: float            # per step, all ranks: PaLM's model FLOPs (model/flops.py model_flops)
     peak: float                 # per device FLOP/s
     width: float                # the narrowest dense-GEMM dimension on a rank
     efficiency: float
-    overlap_hides: float = 0.0  # of dp_comm, what ZeRO 1/2's overlap_comm would hide (GPU, no pipeline)
+    overlap_hides: float = 0.0  # of dp_comm, what ZeRO 1/2's overlap_comm hides or would hide (GPU, no pipeline)
+    overlapped: bool = False    # whether it does (parallel.overlap_comm where it takes effect): not in dp_comm
 
     @property
     def seconds(self) -> float:
@@ -97,8 +102,12 @@ class StepTime:
         return self.tokens_per_s / self.world
 
     @property
+    def hfu(self) -> float:
+        return self.hfu_flops / (self.seconds * self.world * self.peak)
+
+    @property
     def mfu(self) -> float:
-        return self.model_flops / (self.seconds * self.world * self.peak)
+        return self.mfu_flops / (self.seconds * self.world * self.peak)
 
     @property
     def dominant(self) -> str:
@@ -116,8 +125,8 @@ def layer_and_rest_flops(m, micro: int) -> tuple[float, float]:
 def reduce_copies_seconds(dev: Device, params: float, dp: int, zero: int) -> float:
     """One gradient reduction's work beyond its collective for a rank holding `params` parameters, on a device of
     its own (step_time scales it for shared cores). DeepSpeed's ZeRO 1/2 (stage_1_and_2.py; megamemo's config:
-    reduce_scatter and use_multi_rank_bucket_allreduce on, overlap_comm off) copies each gradient into the bucket,
-    averages it and at dp > 1 flattens the bucket's slices by owning rank into a fresh tensor for the all-reduce
+    reduce_scatter and use_multi_rank_bucket_allreduce on, overlap_comm as parallel.overlap_comm) copies each
+    gradient into the bucket, averages it and at dp > 1 flattens the bucket's slices by owning rank into a fresh tensor for the all-reduce
     (average_tensor -> allreduce_and_scatter), then copies the rank's own back into its partition. Measured at
     dp's group size and the rank's size (Device.zero_reduce) or dp 1 (Device.zero_step) where it was; else DP_REDUCE_BYTES per
     parameter held at dp > 1 at memory bandwidth (ZeRO 0's engine flattens and copies back too), 0 at dp 1."""
@@ -194,10 +203,11 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     params = plans[worst].params / pbytes                # the rank's parameters (elements)
     grad_bytes = params * pbytes
     across = tp * dp > gpus_per_node
-    buckets = max(1, math.ceil(params / DS_REDUCE_BUCKET))
+    buckets = max(1, math.ceil(params / reduce_bucket(cfg)))
     per_reduction = buckets * dev.collective(dp, grad_bytes / buckets, across) * shared(dp)
     dp_comm = per_reduction * (ga if zero == 2 else 1)
-    zero_gather = (buckets * dev.collective(dp, grad_bytes / buckets, across, gather=True) * shared(dp)
+    gathers = max(1, math.ceil(params / DS_GATHER_BUCKET))
+    zero_gather = (gathers * dev.collective(dp, grad_bytes / gathers, across, gather=True) * shared(dp)
                    if zero >= 1 else 0)
     owned = params / (dp if zero >= 1 else 1)
     opt_s = dev.optimizer_s_per_param or ADAM_BYTES_PER_PARAM / dev.mem_bw
@@ -214,11 +224,14 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     elif dev.first_touch_bw:
         fresh = grad_bytes + (4 * owned if zero >= 1 else 0) + (grad_bytes if dp > 1 else 0)   # + the flat copy
         first_touch = fresh / dev.first_touch_bw * share
-    hides = 0.0     # what ZeRO 1/2's overlap_comm would hide: all buckets but the last, behind the last backward
+    hides = 0.0     # what ZeRO 1/2's overlap_comm hides: all buckets but the last, behind the last backward
     if zero in (1, 2) and pp == 1 and dp > 1 and not dev.contention:
         backward = 2 / 3 * compute                       # the last micro-batch's backward
         exposed = max(per_reduction / buckets, per_reduction - backward)
         hides = dp_comm - exposed * (ga if zero == 2 else 1)
+    overlapped = overlaps_reduction(cfg)
+    if overlapped:
+        dp_comm -= hides
     terms = {"compute": compute * share * ga, "elementwise": elementwise * share * ga,
              "overhead": overhead * share * ga,
              "tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),
@@ -226,8 +239,8 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
              "optimizer": optimizer,
              "first_touch": first_touch}
     return StepTime(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={ga}", terms,
-                    cfg.data.batch_size * m.tgt_len, world, step_flops(m, cfg.data.batch_size), peak, width, eff,
-                    overlap_hides=hides)
+                    cfg.data.batch_size * m.tgt_len, world, step_flops(m, cfg.data.batch_size),
+                    model_flops(m, cfg.data.batch_size), peak, width, eff, overlap_hides=hides, overlapped=overlapped)
 
 
 def explain(st: StepTime, kind) -> list[str]:
@@ -240,9 +253,10 @@ def explain(st: StepTime, kind) -> list[str]:
         if s:
             out.append(f"  {name:<12}{s * 1e3:10.1f} ms  {s / st.seconds:6.1%}")
     out.append(f"  {'step':<12}{st.seconds * 1e3:10.1f} ms  -> {st.tokens_per_s:,.0f} tokens/s "
-               f"({st.tokens_per_s_per_device:,.1f} per device), MFU {st.mfu:.1%}; dominant: {st.dominant}")
+               f"({st.tokens_per_s_per_device:,.1f} per device), HFU {st.hfu:.1%}, MFU {st.mfu:.1%}; "
+               f"dominant: {st.dominant}")
     if st.overlap_hides:
-        out.append(f"  (zero_optimization.overlap_comm would hide {st.overlap_hides * 1e3:.1f} ms of dp_comm "
-                   f"behind the backward pass)")
+        out.append(f"  (parallel.overlap_comm {'hides' if st.overlapped else 'would hide'} "
+                   f"{st.overlap_hides * 1e3:.1f} ms of dp_comm behind the backward pass)")
     out.append(f"  calibration: {dev.source}")
     return out

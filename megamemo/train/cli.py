@@ -127,7 +127,7 @@ def build(cfg: RunConfig, log=print, stop=None):
 
 def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, stop, log):
     from megamemo.checkpoint.store import CheckpointStore
-    from megamemo.model.flops import flops_per_token
+    from megamemo.model.flops import flops_per_token, model_flops_per_token
     from megamemo.runtime.peak import device_peak, format_flops
     from megamemo.runtime import dist
     from megamemo.runtime.device import tf32_state
@@ -181,10 +181,12 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                              "columns": [first, first + per_rank],
                              "micro_batches": [[first + k * micro, first + (k + 1) * micro]
                                                for k in range(cfg.train.grad_accum)]}}
-    peak, fpt = device_peak(engine.device, cfg.precision.dtype), flops_per_token(cfg.model, micro)  # for MFU
+    peak = device_peak(engine.device, cfg.precision.dtype)               # for HFU and MFU (model/flops.py)
+    fpt, mfpt = flops_per_token(cfg.model, micro), model_flops_per_token(cfg.model)
     metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
                       tensorboard=cfg.log.tensorboard, start_step=start_step, config_yaml=cfg.to_yaml(),
-                      flops_per_token=fpt, peak_flops=peak.flops, world_size=de.world_size,
+                      flops_per_token=fpt, model_flops_per_token=mfpt, peak_flops=peak.flops,
+                      world_size=de.world_size,
                       bytes_per_token=bytes_per_token(cfg), splits=(cfg.data.split, cfg.eval.split))
     evaluator = None
     if cfg.eval.every:
@@ -207,10 +209,12 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
         log(f"[train] {cfg.model.variant} {n_param / 1e6:.2f}M params | world {de.world_size} ({de.launcher}) | "
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
             f"{tf32_state()} | "
-            f"ZeRO {cfg.parallel.zero_stage} | {speed['kernels']} kernels | {speed['attention']} attention | "
-            f"{'compiled layers' if speed['compiled'] else 'eager layers'} | run dir {run_dir} | "
+            f"ZeRO {cfg.parallel.zero_stage}{engine.reduction()} | {speed['kernels']} kernels | "
+            f"{speed['attention']} attention | {'compiled layers' if speed['compiled'] else 'eager layers'} | "
+            f"run dir {run_dir} | "
             + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")
-            + f" | {format_flops(fpt)}/token, peak {peak.source}")
+            + f" | {format_flops(fpt)}/token executed (HFU), {format_flops(mfpt)}/token model (MFU), "
+              f"peak {peak.source}")
     return trainer
 
 

@@ -1,4 +1,4 @@
-"""DeepSpeed set-up: ZeRO 0/1/2, fp32 / bf16 / fp16 (dynamic loss scaling), clipping, torch Adam, warmup +
+"""DeepSpeed set-up: ZeRO 0/1/2 (optionally overlapping the gradient reduction with the backward pass), fp32 / bf16 / fp16 (dynamic loss scaling), clipping, torch Adam, warmup +
 cosine schedule. Checkpoints never go through DeepSpeed's own (pickled) files: train/resumable.py reads and fills
 the engine's objects for the checkpoint layer.
 
@@ -53,13 +53,24 @@ def grad_accum_dtype(cfg: RunConfig) -> str | None:
     return "fp32"
 
 
+def zero_optimization(cfg: RunConfig) -> dict:
+    """DeepSpeed's zero_optimization section: the stage and, where the config sets them, the reduction's overlap
+    with the backward pass and its bucket size (validated against what DeepSpeed applies: config/zero.py)."""
+    out = {"stage": cfg.parallel.zero_stage}
+    if cfg.parallel.overlap_comm:
+        out["overlap_comm"] = True
+    if cfg.parallel.reduce_bucket_size is not None:
+        out["reduce_bucket_size"] = cfg.parallel.reduce_bucket_size
+    return out
+
+
 def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
     p = cfg.precision
     out = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": cfg.train.grad_accum,
         "train_batch_size": micro_batch * cfg.train.grad_accum * dp,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_optimization": zero_optimization(cfg),
         # pipeline stages send whole activations (not split across TP ranks): simple, and exact
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
         "gradient_clipping": cfg.optim.clip,
@@ -166,6 +177,17 @@ class Engine:
         n = self.ds.get_global_grad_norm()
         return {"applied": applied, "loss": loss, "grad_norm": float(n) if n is not None else float("nan"),
                 "loss_scale": self.loss_scale(), "lr": lr}
+
+    def reduction(self) -> str:
+        """How the optimizer DeepSpeed built reduces the gradients, read from it (not from the config): ZeRO 1/2's
+        ' (overlapped with the backward, buckets of N)' or ' (after the backward, buckets of N)'; '' where the
+        engine all-reduces itself (ZeRO 0, bf16's BF16_Optimizer)."""
+        opt = self.ds.optimizer
+        size = getattr(opt, "reduce_bucket_size", None)
+        if size is None:
+            return ""
+        when = "overlapped with the backward" if getattr(opt, "overlap_comm", False) else "after the backward"
+        return f" ({when}, buckets of {int(size):,})"
 
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])

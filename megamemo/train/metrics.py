@@ -3,15 +3,22 @@ TensorBoard events in <run_dir>/tb. Only rank 0 writes.
 
 metrics.jsonl objects carry `kind`: "train" (one per applied step: step, loss, bpc, ppl, lr, grad_norm,
 (on subword corpora bits_per_byte: the loss over the split's average UTF-8 bytes per token),
-loss_scale, skipped, tokens, time (wall clock, s); on log lines also tokens_per_s, model_flops_per_s and mfu),
+loss_scale, skipped, tokens, time (wall clock, s); on log lines also tokens_per_s, hfu_flops_per_s, hfu,
+mfu_flops_per_s and mfu),
 "skip" (an overflowing attempt that was not applied), "eval", "resume" (step, time: a run resumed there).
 On resume from step S the file keeps only what happened up to S, so it reads like one uninterrupted run; the
 "resume" record marks where it restarted (`megamemo plot` draws it).
 
-Throughput: tokens_per_s counts every rank's tokens over the window since the last log line;
-model_flops_per_s = tokens_per_s x the model's analytic training FLOPs per token (megamemo/model/flops.py), the
-total over all ranks; mfu = model_flops_per_s / (world size x the device's peak, megamemo/runtime/peak.py), null where
-the peak is unknown (CPU).
+Throughput: tokens_per_s counts every rank's tokens over the window since the last log line. Two utilisations
+(megamemo/model/flops.py derives both), each a total over all ranks and a fraction of world size x the device's
+peak (megamemo/runtime/peak.py; null where the peak is unknown, the CPU):
+  hfu_flops_per_s = tokens_per_s x the FLOPs per token the step executes (flops_per_token: LaMemo's memory-row
+                    recompute and look-ahead included); hfu = hfu_flops_per_s / peak;
+  mfu_flops_per_s = tokens_per_s x the PaLM convention's model FLOPs per token (model_flops_per_token:
+                    6 N + the attention over mem_len + tgt_len keys); mfu = mfu_flops_per_s / peak.
+The log line prints the executed FLOP/s, HFU and MFU. Records written before both existed carry
+model_flops_per_s and mfu instead, which were the executed figures (today's hfu_flops_per_s and hfu): a record
+with an "mfu" and no "hfu" is such a one. Nothing in megamemo reads these keys back (`megamemo plot` draws losses).
 """
 from __future__ import annotations
 
@@ -45,13 +52,14 @@ def trim_jsonl(path: Path, last_step: int) -> None:
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, every: int, unit: str, tensorboard: bool,
                  start_step: int, config_yaml: str | None = None, *, flops_per_token: float | None = None,
-                 peak_flops: float | None = None, world_size: int = 1, bytes_per_token: dict | None = None,
+                 model_flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1, bytes_per_token: dict | None = None,
                  splits: tuple[str, str] = ("train", "valid")):
         self.enabled = enabled
         self.every = every
         self.unit = unit                 # "bpc" or "ppl": what the log line shows
-        self.flops_per_token = flops_per_token  # analytic training FLOPs per token (None: no FLOP/s, no MFU)
-        self.peak_flops = peak_flops            # per device, FLOP/s (None: MFU n/a)
+        self.flops_per_token = flops_per_token  # executed training FLOPs per token (None: no FLOP/s, HFU or MFU)
+        self.model_flops_per_token = model_flops_per_token   # PaLM's model FLOPs per token (None: no MFU)
+        self.peak_flops = peak_flops            # per device, FLOP/s (None: HFU and MFU n/a)
         self.world_size = world_size
         # subword corpora: per split UTF-8 bytes per token, for bits per byte (training split, then eval split)
         self.bytes_per_token = bytes_per_token or {}
@@ -106,12 +114,17 @@ class Metrics:
         return f" | bpb {rec['bits_per_byte']:.4f}" if "bits_per_byte" in rec else ""
 
     def throughput(self, tokens_per_s: float) -> dict:
-        """model_flops_per_s (all ranks) and mfu for a tokens/s figure (all ranks); {} without a FLOP count."""
+        """hfu_flops_per_s, hfu and (with model FLOPs per token) mfu_flops_per_s, mfu for a tokens/s figure (all
+        ranks); {} without a FLOP count."""
         if self.flops_per_token is None:
             return {}
-        flops = tokens_per_s * self.flops_per_token
-        mfu = flops / (self.world_size * self.peak_flops) if self.peak_flops else None
-        return {"model_flops_per_s": flops, "mfu": mfu}
+        peak = self.world_size * self.peak_flops if self.peak_flops else None
+        out = {}
+        for name, per_token in (("hfu", self.flops_per_token), ("mfu", self.model_flops_per_token)):
+            if per_token is not None:
+                flops = tokens_per_s * per_token
+                out[f"{name}_flops_per_s"], out[name] = flops, (flops / peak if peak else None)
+        return out
 
     def _write(self, rec: dict) -> None:
         self._open()
@@ -132,9 +145,10 @@ class Metrics:
             self._window_tokens, self._window_t0 = 0, now
             scale = f" | scale {rec['loss_scale']:.0f}" if rec.get("loss_scale", 1.0) != 1.0 else ""
             speed = ""
-            if "model_flops_per_s" in rec:
-                mfu = "n/a" if rec["mfu"] is None else f"{rec['mfu']:.1%}"
-                speed = f" | {format_flops(rec['model_flops_per_s'])}/s | MFU {mfu}"
+            if "hfu_flops_per_s" in rec:
+                speed = f" | {format_flops(rec['hfu_flops_per_s'])}/s" + "".join(
+                    f" | {name.upper()} {'n/a' if rec[name] is None else format(rec[name], '.1%')}"
+                    for name in ("hfu", "mfu") if name in rec)
             print(f"step {rec['step']:>7} | lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | "
                   f"{self.unit} {rec[self.unit]:.4f}{self._bpb_text(rec)} | tok/s {rec['tokens_per_s']:,.0f}{speed} | "
                   f"grad norm {rec['grad_norm']:.3f}{scale} | skipped {rec['skipped']}", flush=True)
@@ -142,7 +156,7 @@ class Metrics:
         if self._tb is not None:
             s = rec["step"]
             for k in ("loss", "lr", "grad_norm", "loss_scale", self.unit, "bits_per_byte", "tokens_per_s",
-                      "model_flops_per_s", "mfu"):
+                      "hfu_flops_per_s", "hfu", "mfu_flops_per_s", "mfu"):
                 if k in rec and rec[k] is not None and math.isfinite(rec[k]):
                     self._tb.add_scalar(f"train/{k}", rec[k], s)
 

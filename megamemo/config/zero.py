@@ -1,0 +1,74 @@
+"""What DeepSpeed 0.19.8 does with a run's gradient-reduction settings (parallel.overlap_comm and
+parallel.reduce_bucket_size): which of its optimizers reduces the gradients, in buckets of how many elements, and
+whether the reduction overlaps the backward pass. The config's validation (run.py), the DeepSpeed config
+(train/engine.py ds_config) and `megamemo plan` (plan/steptime.py, plan/layouts.py) all ask here.
+
+Read from DeepSpeed 0.19.8 (runtime/engine.py, runtime/zero/stage_1_and_2.py, runtime/zero/config.py):
+  - ZeRO 1 and 2 run its ZeRO optimizer (stage_1_and_2.py), which reads zero_optimization.reduce_bucket_size
+    (default 5e8 elements) and overlap_comm (default off below ZeRO 3). With overlap_comm a hook on every
+    parameter puts its gradient into a bucket as the backward pass produces it and reduces each full bucket on
+    a side stream while the backward goes on (ZeRO 1: in the last micro-batch's backward, at the accumulation
+    boundary; ZeRO 2: in every micro-batch's), with two bucket buffers instead of one.
+  - bf16 on ZeRO 1 with fp32 gradient accumulation (precision.grad_accum_dtype auto or fp32; train/engine.py
+    grad_accum_dtype) runs its BF16_Optimizer instead (engine.py _do_optimizer_sanity_check), which all-reduces
+    after the backward pass in 5e8-element buckets: neither setting reaches it.
+  - ZeRO 0 has no ZeRO optimizer: the engine all-reduces after the backward pass (buffered_allreduce_fallback,
+    5e8 elements): neither setting reaches it.
+  - Under pipeline parallelism the engine turns overlap_comm off with a warning ("Pipeline parallelism does not
+    support overlapped communication"); reduce_bucket_size still applies.
+DeepSpeed ignores a setting that cannot take effect without a word; megamemo refuses it by name instead.
+"""
+from __future__ import annotations
+
+DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size default and its non-ZeRO all-reduce bucket
+
+
+def zero_optimizer(cfg) -> bool:
+    """Whether DeepSpeed reduces cfg's gradients with its ZeRO 1/2 optimizer (the one that reads
+    reduce_bucket_size and overlap_comm)."""
+    zero, p = cfg.parallel.zero_stage, cfg.precision
+    bf16_optimizer = zero == 1 and p.dtype == "bf16" and p.grad_accum_dtype != "model"
+    return zero in (1, 2) and not bf16_optimizer
+
+
+def reduce_bucket(cfg) -> int:
+    """Elements per gradient-reduction bucket: parallel.reduce_bucket_size where the ZeRO optimizer reads it, else
+    DeepSpeed's 5e8."""
+    size = cfg.parallel.reduce_bucket_size
+    return size if size is not None and zero_optimizer(cfg) else DS_REDUCE_BUCKET
+
+
+def _without_zero_optimizer(cfg) -> str:
+    if cfg.parallel.zero_stage == 0:
+        return "needs parallel.zero_stage 1 or 2 (ZeRO 0 all-reduces after the backward pass, in its own buckets)"
+    return ("not with precision.dtype bf16 on ZeRO 1 with fp32 gradient accumulation: DeepSpeed 0.19.8 runs its "
+            "BF16_Optimizer there, which all-reduces after the backward pass (use parallel.zero_stage 2, or "
+            "precision.grad_accum_dtype model)")
+
+
+def overlap_problem(cfg) -> str | None:
+    """Why DeepSpeed would not overlap cfg's gradient reduction with the backward pass, or None."""
+    if not zero_optimizer(cfg):
+        return _without_zero_optimizer(cfg)
+    if cfg.parallel.pp > 1:
+        return "not with parallel.pp > 1 (DeepSpeed's pipeline engine turns overlap_comm off)"
+    return None
+
+
+def overlaps_reduction(cfg) -> bool:
+    """Whether cfg's gradient reduction overlaps the backward pass: parallel.overlap_comm where it takes effect."""
+    return cfg.parallel.overlap_comm and overlap_problem(cfg) is None
+
+
+def problems(cfg) -> list[tuple[str, str]]:
+    """(key, why) for each reduction setting cfg asks for that DeepSpeed would not apply."""
+    out = []
+    if cfg.parallel.overlap_comm and (why := overlap_problem(cfg)):
+        out.append(("parallel.overlap_comm", why))
+    size = cfg.parallel.reduce_bucket_size
+    if size is not None:
+        if size < 1:
+            out.append(("parallel.reduce_bucket_size", "must be >= 1 (elements), or null for DeepSpeed's 5e8"))
+        elif not zero_optimizer(cfg):
+            out.append(("parallel.reduce_bucket_size", _without_zero_optimizer(cfg)))
+    return out
