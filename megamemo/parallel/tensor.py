@@ -5,7 +5,7 @@ whatever number of heads a module holds, and LaMemo's per-head caches (ctx.*, ls
 
 Layout of the shards (the same rules serve `shard_state_dict` / `merge_state_dicts` for conversion):
   qkv.weight [3·n·dh, d]   rank r holds [Q; K; V] of its heads       (column parallel)
-  r_net.weight [n·dh, d]   rows of its heads                         (column parallel)
+  r_net.weight [n·dh, d]   rows of its heads                         (a local product: see HeadRows)
   o_net.weight [d, n·dh]   columns of its heads                      (row parallel)
   fc1 weight/bias          rows r·F/tp ...                           (column parallel)
   fc2.weight [d, F]        columns r·F/tp ...                        (row parallel; fc2.bias replicated)
@@ -157,6 +157,23 @@ class ForkedDropout(nn.Module):
             return self.inner(x)
 
 
+class HeadRows(nn.Linear):
+    """r_net under TP: this rank's rows (the features of its heads) of the position projection, applied as a plain
+    local product. Its input, the sinusoid table, is the same on every rank and needs no gradient, so nothing is
+    communicated, forward or backward (a megatron column layer would all-reduce the table's input gradient in every
+    backward, and compute it first, for nothing). Exact only for such an input: one that asks for a gradient is
+    refused (each rank would hold only its heads' share of it)."""
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.weight)            # no draw from the default stream: weights are loaded right after
+
+    def forward(self, x):
+        if x.requires_grad:
+            raise ValueError("HeadRows (r_net under tensor parallelism) takes a position table with no gradient: "
+                             "its input gradient would be this rank's heads' share only")
+        return F.linear(x, self.weight)
+
+
 def _mcore_layers(tp, dtype):
     from megatron.core import ModelParallelConfig
     from megatron.core import tensor_parallel as mtp
@@ -226,7 +243,8 @@ def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
     Column, QKVColumn, Row, _ = _mcore_layers(tp, dtype)
     d, nd = cfg.d_model, cfg.n_head * cfg.d_head
     a, f = layer.attn, layer.ff
-    a.qkv, a.r_net, a.o_net = QKVColumn(d, 3 * nd, False), Column(d, nd, False), Row(nd, d, False)
+    a.qkv, a.o_net = QKVColumn(d, 3 * nd, False), Row(nd, d, False)
+    a.r_net = HeadRows(d, nd // tp, bias=False, dtype=dtype)    # the position table needs no gradient
     a.n_head = cfg.n_head // tp
     a.dropatt = ForkedDropout(a.dropatt)
     f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
