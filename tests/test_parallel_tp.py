@@ -41,10 +41,12 @@ def _tp_worker(rank, world):
 
     init_model_parallel(tp=world)
     install_tp_stream(dropout_seeds(1234, 0, rank, 0)[1])      # this rank's TP dropout stream
-    for variant in ("lamemo", "xl"):
+    # the last: a padded vocabulary (40 symbols in 128 rows; rank 1's 64 rows are all padding, masked: the losses
+    # are those of the single-device padded model, itself the unpadded one's - tests/test_vocab_padding.py)
+    for variant, vocab in (("lamemo", {}), ("xl", {}), ("lamemo", dict(n_token=128, n_vocab=40))):
         torch.manual_seed(0)
-        cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=4, d_head=4, d_inner=32,
-                          dropout=0.0, tgt_len=L, mem_len=2 * L, init_std=0.1)
+        cfg = ModelConfig(variant=variant, **{"n_token": 40, **vocab}, n_layer=2, d_model=16, n_head=4, d_head=4,
+                          d_inner=32, dropout=0.0, tgt_len=L, mem_len=2 * L, init_std=0.1)
         single = on_path(MemTransformerLM(cfg), PARALLEL_PATH).train()
         model = parallelize_tensor(copy.deepcopy(single)).train()
         on_path(model, PARALLEL_PATH)          # (ForkedDropout kept the path's dropout inside)

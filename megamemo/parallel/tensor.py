@@ -22,6 +22,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from megamemo.model.adaptive import mask_padding
 from megamemo.model.layers import project_split
 
 from .groups import TP_RNG, rng_tracker, tp_rank_size
@@ -213,11 +214,13 @@ def _mcore_layers(tp, dtype):
 
 
 class VocabParallelSoftmax(nn.Module):
-    """Full softmax over a vocabulary split across TP ranks (megatron's vocab-parallel cross entropy)."""
+    """Full softmax over a vocabulary split across TP ranks (megatron's vocab-parallel cross entropy). This rank holds
+    the ids first .. first+local_vocab-1; those from n_vocab on (a padded vocabulary) are masked as on one device."""
 
-    def __init__(self, local_vocab, d_model, tie_weight, dtype):
+    def __init__(self, local_vocab, d_model, tie_weight, dtype, first=0, n_vocab=None):
         super().__init__()
         self.tie_weight = tie_weight
+        self.first, self.n_vocab = first, n_vocab
         self.out_bias = nn.Parameter(torch.zeros(local_vocab, dtype=dtype))
         self.out_weights = nn.ParameterList()
         if not tie_weight:
@@ -226,7 +229,8 @@ class VocabParallelSoftmax(nn.Module):
     def _logits(self, h, emb):
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
         table = emb.emb_layers[0].weight if self.tie_weight else self.out_weights[0]
-        return F.linear(copy_to_tensor_model_parallel_region(h), table, self.out_bias)
+        return F.linear(copy_to_tensor_model_parallel_region(h), table,
+                        mask_padding(self.out_bias, self.first, self.n_vocab))
 
     def nll(self, h, target, emb):
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -284,7 +288,8 @@ def parallelize_tensor(model, load: bool = True, always: bool = False):
         if hasattr(model, name):
             setattr(model, name, local_bias(cfg, tp, dtype))
     model.word_emb.emb_layers[0] = embedding(cfg.n_token, cfg.d_model)
-    model.crit = VocabParallelSoftmax(cfg.n_token // tp, cfg.d_model, cfg.tie_weight, dtype)
+    model.crit = VocabParallelSoftmax(cfg.n_token // tp, cfg.d_model, cfg.tie_weight, dtype,
+                                      first=rank * (cfg.n_token // tp), n_vocab=cfg.n_vocab)
     if load:
         model.load_state_dict(shard_state_dict(full, rank, tp), strict=True)
     mark_tensor_parallel(model)
