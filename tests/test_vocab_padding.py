@@ -228,3 +228,69 @@ def test_a_resumed_auto_run_keeps_its_checkpoints_padding(text8_shards, tmp_path
         assert adopt_checkpoint_vocab(cfg, other) is None and cfg.model.n_token == 256, other
     cfg = load(config_file(tmp_path, tp=2, data=text8_shards))
     assert adopt_checkpoint_vocab(cfg, dataclasses.replace(cfg.model).to_dict()) is None    # the same: nothing to do
+
+
+# ---- a whole run: train under TP 2, convert, evaluate, generate, resume under TP 1 -------------------------------
+RUN = """
+model: {variant: lamemo, n_token: auto, n_layer: 2, d_model: 32, n_head: 2, d_head: 16, d_inner: 64,
+        dropout: 0.0, tgt_len: 8, mem_len: 8}
+data: {batch_size: 4}
+optim: {lr: 2.0e-3}
+train: {max_steps: 4}
+checkpoint: {save_every: 2, keep_last: 10}
+log: {every: 1, tensorboard: false}
+"""
+
+
+@pytest.mark.multiproc
+def test_an_auto_run_converts_evaluates_generates_and_resumes_under_another_tp(text8_shards, tmp_path):
+    import json
+
+    import yaml
+
+    from data_pipeline import read_split
+    from eval_fixtures import reference_nll
+    from megamemo.eval import evaluate as eval_cmd, generate as generate_cmd
+    from megamemo.interop import convert
+    from test_train_runs import logs, losses, run
+
+    cfg_file = tmp_path / "t8.yaml"
+    cfg_file.write_text(RUN)
+    run_dir = tmp_path / "run"
+    run(2, cfg_file, text8_shards, run_dir, "--tp", "2", timeout=300)
+    model_cfg = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]
+    assert (model_cfg["n_token"], model_cfg["n_vocab"]) == (256, 27)           # 27 characters, 128 x 2 rows
+
+    # converted to one checkpoint: the padded tables whole, the padding masked
+    single = tmp_path / "single"
+    assert convert.main(["to-single", "--ckpt", str(run_dir), "--out", str(single)]) == 0
+    doc = json.loads((single / "config.json").read_text())
+    assert (doc["model"]["n_token"], doc["model"]["n_vocab"]) == (256, 27)
+    padded, _ = convert.load_model(single)
+
+    # eval: the converted model's test-split NLL is that of its unpadded restatement (its first 27 rows), by the
+    # evaluation's spec written out
+    out = tmp_path / "eval.json"
+    assert eval_cmd.main(["--ckpt", str(single), "--data", str(text8_shards), "--split", "test", "--batch-size", "2",
+                          "--max-segments", "6", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    unpadded = MemTransformerLM(ModelConfig(**{**doc["model"], "n_token": 27, "n_vocab": None})).eval()
+    unpadded.load_state_dict({k: (v[:27] if k.startswith(VOCAB_KEYS) else v)
+                              for k, v in padded.state_dict().items()})
+    want, tokens = reference_nll(unpadded, read_split(text8_shards, "test"), 2, 8, max_segments=6)
+    assert got["tokens"] == tokens and got["nll"] == pytest.approx(want, rel=1e-6, abs=0), (got, want)
+
+    # generate: only the 27 characters, at a hot temperature (the CLI decodes them with the data's vocabulary)
+    (tmp_path / "prompt").write_text("the quick brown fox ")
+    gen = tmp_path / "gen.json"
+    assert generate_cmd.main(["--ckpt", str(single), "--prompt-file", str(tmp_path / "prompt"), "--max-new-tokens",
+                              "200", "--temperature", "3.0", "--top-p", "1.0", "--json", str(gen),
+                              "--out", str(tmp_path / "gen.txt")]) == 0
+    new = json.loads(gen.read_text())["new_ids"]
+    assert len(new) == 200 and max(new) < 27 and len(set(new)) > 15
+
+    # resumed in place by one process (tp 1 would pad to 128): the checkpoint's 256 rows are kept
+    run(1, cfg_file, text8_shards, run_dir, "--max-steps", "6", timeout=300)
+    text = logs(run_dir)
+    assert "model.n_token: auto keeps the checkpoint's 256 rows for the 27 symbols" in text and "resumed from" in text
+    assert sorted(losses(run_dir)) == list(range(1, 7))
