@@ -56,7 +56,7 @@ def check_supported(cfg, tp: int) -> None:
     if cfg.d_inner % tp:
         problems.append(f"model.d_inner={cfg.d_inner} is not divisible by tp={tp}")
     if cfg.n_token % tp:
-        problems.append(f"model.n_token={cfg.n_token} is not divisible by tp={tp} (pad the vocabulary)")
+        problems.append(f"model.n_token={cfg.n_token} is not divisible by tp={tp} (pad the vocabulary: model.n_token: auto)")
     if cfg.cutoffs or cfg.div_val != 1 or cfg.embed_dim != cfg.d_model:
         problems.append("the adaptive input/softmax (model.cutoffs, model.div_val, model.d_embed) is not supported "
                         "with tensor parallelism: use a full softmax (cutoffs: [], div_val: 1, d_embed: null) "
