@@ -1,6 +1,7 @@
 """`megamemo export hf`: a tiny 2-process run, converted, and randomly initialised models of every variant (adaptive
-softmax, pre-LN, same_length, clamp_len, other memory lengths, chars and words vocabularies) are exported and loaded
-with transformers in a process where `import megamemo` fails (tests/hf_without_megamemo.py). There, scored segment
+softmax, pre-LN, same_length, clamp_len, other memory lengths, chars and words vocabularies, padded vocabularies) are
+exported and loaded with transformers in a process where `import megamemo` fails (tests/hf_without_megamemo.py).
+There, scored segment
 by segment with the cache, the per-token NLL equals megamemo's single-device eval of the same tokens (batch 1)
 within 1e-5, greedy generate() equals `megamemo generate --greedy` token for token, labels give the mean NLL, and
 the exported tokenizer gives megamemo's ids. Bad input ends in one named line with nothing left behind."""
@@ -43,6 +44,10 @@ RANDOM = {
     "rpe": ("rpe", {}, None),
     "lamemo_chars": ("lamemo", dict(n_token=len(TEXT8)), TEXT8),
     "xl_words": ("xl", dict(n_token=len(WORDS)), WORDS),
+    # padded vocabularies (model.n_token: auto): the padding ids masked in the full softmax and in the last cluster
+    "lamemo_chars_padded": ("lamemo", dict(n_token=128, n_vocab=len(TEXT8)), TEXT8),
+    "xl_adaptive_padded": ("xl", dict(n_token=384, n_vocab=256, cutoffs=[32, 96], div_val=2,
+                                      tie_projs=[False, True, True]), None),
 }
 TEXTS = {"bytes": "<title>héllo</title>\n  world", "chars": "the quick brown fox", "words": "the cat sat\non a dog mat"}
 
@@ -161,6 +166,7 @@ def test_greedy_generate_equals_megamemo_generate_greedy(exported, tmp_path):
         if vocab.kind == "words":
             continue            # its prompt file would not give these ids back (words are re-split); bytes/chars do
         assert res["greedy"] == greedy_by_megamemo(ck, job["prompt"], 40, tmp_path, vocab), name
+        assert max(res["greedy"]) < model.cfg.vocab_size, name          # never a padding id
 
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)

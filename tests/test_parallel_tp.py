@@ -41,10 +41,12 @@ def _tp_worker(rank, world):
 
     init_model_parallel(tp=world)
     install_tp_stream(dropout_seeds(1234, 0, rank, 0)[1])      # this rank's TP dropout stream
-    for variant in ("lamemo", "xl"):
+    # the last: a padded vocabulary (40 symbols in 128 rows; rank 1's 64 rows are all padding, masked: the losses
+    # are those of the single-device padded model, itself the unpadded one's - tests/test_vocab_padding.py)
+    for variant, vocab in (("lamemo", {}), ("xl", {}), ("lamemo", dict(n_token=128, n_vocab=40))):
         torch.manual_seed(0)
-        cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=4, d_head=4, d_inner=32,
-                          dropout=0.0, tgt_len=L, mem_len=2 * L, init_std=0.1)
+        cfg = ModelConfig(variant=variant, **{"n_token": 40, **vocab}, n_layer=2, d_model=16, n_head=4, d_head=4,
+                          d_inner=32, dropout=0.0, tgt_len=L, mem_len=2 * L, init_std=0.1)
         single = on_path(MemTransformerLM(cfg), PARALLEL_PATH).train()
         model = parallelize_tensor(copy.deepcopy(single)).train()
         on_path(model, PARALLEL_PATH)          # (ForkedDropout kept the path's dropout inside)
@@ -110,3 +112,104 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
         check_supported(ModelConfig(n_head=3, n_token=40), 2)
     with pytest.raises(ValueError, match="adaptive input/softmax"):
         check_supported(ModelConfig(n_token=40, cutoffs=[10]), 2)
+
+
+# ---- r_net under TP: a local product, no collective -------------------------------------------------------------
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+class CountCollectives:
+    """Counts the torch.distributed collectives called inside the block (megatron's layers and mappings call
+    them through the torch.distributed module at call time, so patching its attributes sees every one)."""
+
+    def __enter__(self):
+        self.calls, self._saved = [], {n: getattr(dist, n) for n in COLLECTIVES}
+        for name, fn in self._saved.items():
+            def counted(*a, _name=name, _fn=fn, **k):
+                self.calls.append(_name)
+                return _fn(*a, **k)
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def _layer_step(model, layer, cat, M, ctx_old, lse_old, weight, cfg):
+    """One layer's forward and backward on fixed inputs -> (collectives in forward, in backward, r_net's grad)."""
+    from megamemo.model.positions import causal_mask, position_sequence, sinusoid
+    L = cat.size(0) - M
+    pos_emb = sinusoid(position_sequence(M + L, M, -1, cfg.future_positions), cfg.d_model)
+    mask = causal_mask(L, M, cfg.mem_len, False)
+    layer.zero_grad()
+    cat = cat.clone().requires_grad_(True)       # the layer's input has a gradient, as in a model
+    with CountCollectives() as fwd:
+        if cfg.lamemo:
+            vf = model.r_r_bias_future if cfg.future_bias else model.r_r_bias
+            out = layer(cat, M, ctx_old, lse_old, pos_emb, model.r_w_bias, model.r_r_bias, vf, mask, cfg.mem_len)[0]
+        else:
+            out = layer(cat[M:], cat[:M], pos_emb, model.r_w_bias, model.r_r_bias, mask)
+        loss = (out * weight[-out.size(0):]).sum()
+    with CountCollectives() as bwd:
+        loss.backward()
+    return fwd.calls, bwd.calls, layer.attn.r_net.weight.grad.clone()
+
+
+def _rnet_worker(rank, world):
+    from megamemo.model import MemTransformerLM
+    from megamemo.parallel.groups import init_model_parallel
+    from megamemo.parallel.tensor import HeadRows, _mcore_layers, merge_tensors, parallelize_tensor
+
+    init_model_parallel(tp=world)
+    M, Lq, Bq = 5, 4, 2
+    for variant in ("lamemo", "xl"):
+        torch.manual_seed(0)
+        cfg = ModelConfig(variant=variant, n_token=40, n_layer=1, d_model=16, n_head=4, d_head=4, d_inner=32,
+                          dropout=0.0, tgt_len=Lq, mem_len=M, init_std=0.1)
+        single = MemTransformerLM(cfg).train()
+        model = parallelize_tensor(copy.deepcopy(single)).train()
+        assert isinstance(model.layers[0].attn.r_net, HeadRows)
+        g = torch.Generator().manual_seed(3)
+        cat = torch.randn(M + Lq, Bq, cfg.d_model, generator=g)
+        ctx_old = torch.randn(M, Bq, cfg.n_head, cfg.d_head, generator=g)
+        lse_old = torch.randn(M, Bq, cfg.n_head, generator=g)
+        weight = torch.randn(M + Lq, Bq, cfg.d_model, generator=g)
+        heads = slice(rank * cfg.n_head // world, (rank + 1) * cfg.n_head // world)
+
+        _, _, ref = _layer_step(single, single.layers[0], cat, M, ctx_old, lse_old, weight, cfg)
+        fwd, bwd, grad = _layer_step(model, model.layers[0], cat, M, ctx_old[:, :, heads], lse_old[:, :, heads],
+                                     weight, cfg)
+        # by hand: forward o_net's and fc2's (row parallel) output all-reduces; backward the input-gradient
+        # all-reduces of qkv and fc1 (column parallel). r_net: none.
+        assert fwd == ["all_reduce"] * 2 and bwd == ["all_reduce"] * 2, (variant, fwd, bwd)
+        assert torch.allclose(merge_tensors("layers.0.attn.r_net.weight", _gather(grad)), ref, atol=1e-6), variant
+
+        # megatron's column layer in its place (what r_net was): the same gradient, one more all-reduce a backward
+        Column = _mcore_layers(world, torch.float32)[0]
+        a = model.layers[0].attn
+        column = Column(cfg.d_model, cfg.n_head * cfg.d_head, False)
+        with torch.no_grad():
+            column.weight.copy_(a.r_net.weight)
+        a.r_net = column
+        fwd_old, bwd_old, grad_old = _layer_step(model, model.layers[0], cat, M, ctx_old[:, :, heads],
+                                                 lse_old[:, :, heads], weight, cfg)
+        assert fwd_old == fwd and bwd_old == ["all_reduce"] * 3, (variant, fwd_old, bwd_old)
+        assert torch.allclose(grad_old, grad, atol=1e-6), variant
+
+
+@pytest.mark.multiproc
+def test_r_net_is_a_local_product_without_collectives():
+    """r_net under TP 2: no collective in one layer's forward and backward (4 all-reduces in all, not megatron's
+    column layer's 5), and its gradient is TP 1's rows of the rank's heads."""
+    pytest.importorskip("megatron.core")
+    run_distributed(_rnet_worker, 2)
+
+
+def test_r_net_under_tp_refuses_an_input_with_a_gradient():
+    from megamemo.parallel.tensor import HeadRows
+    r = HeadRows(8, 4, bias=False)
+    assert torch.equal(r.weight, torch.zeros(4, 8))      # nothing drawn from the default stream
+    r(torch.randn(3, 8))
+    with pytest.raises(ValueError, match="no gradient"):
+        r(torch.randn(3, 8, requires_grad=True))

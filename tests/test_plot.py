@@ -109,6 +109,7 @@ def test_word_level_runs_plot_perplexity(tmp_path):
 
 @pytest.mark.parametrize("config,loss0,metric", [("model: {n_token: 267735}\n", 1.5, "ppl"),
                                                  ("model: {n_token: 204}\n", 5.0, "bpc"),
+                                                 ("model: {n_token: 512, n_vocab: 256}\n", 1.5, "bpc"),  # padded
                                                  (None, 5.0, "ppl"), (None, 2.0, "bpc")])
 def test_metric_without_a_manifest(tmp_path, config, loss0, metric):
     d, _ = make_run(tmp_path, "r", loss0=loss0, config=config)

@@ -19,6 +19,8 @@ from megamemo.config.zero import problems as reduction_problems
 from megamemo.util.typed import Switch, build
 from megamemo.util.precision import NAMES as PRECISIONS
 
+from .vocab import is_auto, resolve_auto   # model.n_token: auto -> the data's vocabulary, padded for parallel.tp
+
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message names it."""
@@ -175,6 +177,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # model.n_token was `auto` and resolved from the data (megamemo/config/vocab.py); not itself written out
+    n_token_auto: bool = False
 
     def to_dict(self) -> dict:
         out = {"model": self.model.to_dict()}
@@ -333,6 +337,15 @@ def _check_data_source(d: DataConfig) -> None:
             raise ConfigError(f"data.blend[{i}].weight: expected a positive number, got {w!r}")
 
 
+def remote_options(d: DataConfig):
+    """How s3:// gs:// https:// shard directories are read (data.cache_dir, data.cache_size, data.retries, ...)."""
+    from data_pipeline.remote import RemoteOptions
+
+    return RemoteOptions(cache_dir=d.cache_dir, cache_size=d.cache_size, retries=d.retries,
+                         retry_backoff_s=d.retry_backoff_s, fetch_threads=d.fetch_threads,
+                         log=lambda m: print(m, flush=True))
+
+
 def _get(cfg, dotted: str):
     obj = cfg
     for part in dotted.split("."):
@@ -354,12 +367,16 @@ def from_dict(d: dict, source: str = "config") -> RunConfig:
     for key in d:
         if key not in known:
             raise ConfigError(f"{key}: unknown section in {source} (known: {', '.join(known)})")
+    kwargs = {name: _section(cls, d.get(name), name) for name, cls in SECTIONS.items()}
+    given = model_d = d.get("model") or {}
+    if is_auto(given):
+        data = kwargs["data"]
+        model_d = resolve_auto(given, data, kwargs["parallel"].tp, ConfigError, remote_options(data))
     try:
-        model = ModelConfig.from_dict(d.get("model") or {}, where="model")
+        model = ModelConfig.from_dict(model_d, where="model")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    kwargs = {name: _section(cls, d.get(name), name) for name, cls in SECTIONS.items()}
-    return RunConfig(model=model, **kwargs).validate()
+    return RunConfig(model=model, n_token_auto=model_d is not given, **kwargs).validate()
 
 
 def apply_overrides(d: dict, overrides: list[str]) -> dict:

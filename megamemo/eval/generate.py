@@ -208,9 +208,9 @@ def main(argv: list[str]) -> int:
         apply_kernels(model, "auto", a.device)
         apply_attention(model, resolve_attention(a.attention, a.device, generating=True))
         vocab = vocab_for(meta, a.data, a.ckpt)
-        if len(vocab) > model.cfg.n_token:
-            raise ValueError(f"vocabulary of {len(vocab)} symbols does not fit the model's n_token "
-                             f"{model.cfg.n_token}")
+        if len(vocab) > model.cfg.vocab_size:
+            raise ValueError(f"vocabulary of {len(vocab)} symbols does not fit the model's "
+                             f"{model.cfg.vocab_size} (model.n_vocab or n_token)")
         raw = Path(a.prompt_file).read_bytes()
         prompt = encode_prompt(vocab, raw, a.prompt_file)
         if not prompt:

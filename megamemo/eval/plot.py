@@ -119,7 +119,8 @@ def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
                 from data_pipeline.vocab import unit_of
 
                 return unit_of(kind), f"{manifest} (tokenizer {kind})"
-        n_token = ((cfg.get("model") or {}).get("n_token")) if isinstance(cfg, dict) else None
+        model = (cfg.get("model") or {}) if isinstance(cfg, dict) else {}
+        n_token = model.get("n_vocab") or model.get("n_token")       # a padded vocabulary's symbols
         if isinstance(n_token, int):
             return ("bpc" if n_token <= 256 else "ppl"), f"{cfg_path} (vocabulary of {n_token})"
     last = (run.evals or run.train)[-1]["loss"]

@@ -48,9 +48,9 @@ class MegamemoLM(LM):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, meta = load_for_eval(ckpt, device, dtype)
         self.vocab = vocab_for(meta, data)
-        if len(self.vocab) > self.model.cfg.n_token:
-            raise ValueError(f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit n_token "
-                             f"{self.model.cfg.n_token}")
+        if len(self.vocab) > self.model.cfg.vocab_size:
+            raise ValueError(f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit the model's "
+                             f"{self.model.cfg.vocab_size} (model.n_vocab or n_token)")
         self._device = torch.device(device)
         self.mem_len = self.model.cfg.mem_len if mem_len is None else int(mem_len)
         self.max_gen_toks = int(max_gen_toks)

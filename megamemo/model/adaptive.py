@@ -4,6 +4,11 @@ softmax as the no-cutoff case.
 Cluster order is forward: the head's tail-cluster column for cluster i (1-based) is `shortlist + i - 1`
 (the TF original and HF order). kimiyoung's PyTorch code reads column -i; the importer reverses those rows.
 Tying is done by the LM passing the embedding's tables to the softmax, so no parameter is stored twice.
+
+A padded vocabulary (ModelConfig.n_vocab < n_token, `model.n_token: auto`): the ids n_vocab .. n_token-1 have rows in
+the tables but are no symbols. Their output bias is read as -inf (`mask_padding`), so the softmax gives them
+probability 0 exactly and the NLL is the unpadded vocabulary's. With cutoffs the padding ids are the last cluster's
+last rows: they are masked inside that cluster's softmax, and the head and every other cluster are unchanged.
 """
 from __future__ import annotations
 
@@ -14,6 +19,17 @@ import torch.nn.functional as F
 
 def cluster_bounds(n_token: int, cutoffs: list[int]) -> list[int]:
     return [0] + list(cutoffs) + [n_token]
+
+
+def mask_padding(bias: torch.Tensor, first: int, n_vocab: int | None) -> torch.Tensor:
+    """bias [rows] of vocabulary ids first .. first+rows-1 -> the same with -inf at the padding ids (>= n_vocab):
+    a softmax then gives them probability 0 exactly, and no gradient reaches their rows (a new tensor: the parameter
+    itself is left as it is). n_vocab None: no padding."""
+    rows = bias.size(0)
+    keep = rows if n_vocab is None else min(max(n_vocab - first, 0), rows)
+    if keep == rows:
+        return bias
+    return torch.cat([bias[:keep], bias.new_full((rows - keep,), float("-inf"))])
 
 
 class AdaptiveEmbedding(nn.Module):
@@ -57,9 +73,10 @@ class AdaptiveEmbedding(nn.Module):
 class AdaptiveLogSoftmax(nn.Module):
     """Owns the output biases, cluster weights, and the projections/tables that are not tied to the input."""
 
-    def __init__(self, n_token, d_embed, d_proj, cutoffs, div_val, tie_weight, tie_projs):
+    def __init__(self, n_token, d_embed, d_proj, cutoffs, div_val, tie_weight, tie_projs, n_vocab=None):
         super().__init__()
         self.bounds = cluster_bounds(n_token, cutoffs)
+        self.n_vocab = n_vocab      # ids from n_vocab on are padding (None: none)
         self.n_clusters = len(cutoffs)
         self.shortlist = self.bounds[1]
         self.div_val, self.d_proj = div_val, d_proj
@@ -94,7 +111,7 @@ class AdaptiveLogSoftmax(nn.Module):
                 w = table[lo:hi]
             else:
                 w = emb.emb_layers[i].weight if self.tie_weight else self.out_weights[i]
-            b = self.out_bias[lo:hi]
+            b = mask_padding(self.out_bias[lo:hi], lo, self.n_vocab)
             if not self.has_proj[i]:
                 p = None
             elif self.tie_projs[i]:

@@ -20,7 +20,11 @@ VARIANTS = {
 @dataclass
 class ModelConfig:
     variant: str = "lamemo"
-    n_token: int = 256
+    n_token: int = 256              # rows of the embedding and softmax tables (a run config may say `auto`: see
+                                    # megamemo/config/vocab.py)
+    # The vocabulary's symbols when the tables are padded beyond it (ids n_vocab .. n_token-1 are padding: masked
+    # out of the softmax, never input, target or sampled); None: every row is a symbol (n_vocab = n_token)
+    n_vocab: int | None = None
     n_layer: int = 2
     d_model: int = 64
     n_head: int = 2
@@ -73,6 +77,11 @@ class ModelConfig:
         return "signed" if self.variant == "lamemo_xlrpe" else "abs"
 
     @property
+    def vocab_size(self) -> int:
+        """The vocabulary's symbols: ids [0, vocab_size) are tokens, the rest of the n_token rows padding."""
+        return self.n_token if self.n_vocab is None else self.n_vocab
+
+    @property
     def embed_dim(self) -> int:
         return self.d_model if self.d_embed is None else self.d_embed
 
@@ -86,6 +95,8 @@ class ModelConfig:
         for name in ("n_token", "n_layer", "d_model", "n_head", "d_head", "d_inner", "tgt_len", "div_val"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
+        if self.n_vocab is not None and not 1 <= self.n_vocab <= self.n_token:
+            bad("n_vocab", f"must be in [1, n_token={self.n_token}] (the symbols of a padded vocabulary)")
         if self.mem_len < 0:
             bad("mem_len", "must be >= 0")
         if self.lamemo and self.mem_len == 0:
@@ -96,8 +107,10 @@ class ModelConfig:
         if self.d_model % 2:
             bad("d_model", "must be even (sinusoidal positions)")
         cut = list(self.cutoffs)
-        if cut != sorted(set(cut)) or (cut and (cut[0] < 1 or cut[-1] >= self.n_token)):
-            bad("cutoffs", f"must be strictly increasing and inside (0, n_token={self.n_token})")
+        if cut != sorted(set(cut)) or (cut and (cut[0] < 1 or cut[-1] >= self.vocab_size)):
+            # the last cluster holds at least one symbol: a cluster of padding only would take probability mass
+            bad("cutoffs", f"must be strictly increasing and inside (0, {self.vocab_size}) (the vocabulary's "
+                f"symbols)")
         n_clusters = len(cut) + 1
         if len(self.tie_projs) not in (1, n_clusters) and self.tie_projs:
             bad("tie_projs", f"needs 1 or {n_clusters} entries (one per cluster)")
@@ -110,7 +123,12 @@ class ModelConfig:
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field; n_vocab only where the vocabulary is padded, so an unpadded model's dict (its identity in
+        checkpoints and fingerprints) is what it was before the field existed."""
+        d = dataclasses.asdict(self)
+        if d["n_vocab"] is None:
+            del d["n_vocab"]
+        return d
 
     def identity(self) -> dict:
         """to_dict() less the fields that choose how, not what, the model computes (RUNTIME_FIELDS)."""

@@ -27,7 +27,7 @@ class MemTransformerLM(nn.Module):
         layer = LaMemoLayer if cfg.lamemo else XLLayer
         self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.n_layer))
         self.crit = AdaptiveLogSoftmax(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val,
-                                       cfg.tie_weight, cfg.tie_projs)
+                                       cfg.tie_weight, cfg.tie_projs, n_vocab=cfg.n_vocab)
         self.check_inputs = True  # token-range checks cost a host sync: a training loop on GPU may turn them off
         # train.activation_checkpointing: in training, each layer's activations are recomputed in the backward
         # (torch.utils.checkpoint; dropout masks are replayed from the saved RNG state, memory is built from
@@ -83,8 +83,8 @@ class MemTransformerLM(nn.Module):
             raise ValueError(f"target shape {tuple(tgt.shape)} does not match input shape {tuple(inp.shape)}")
         if self.check_inputs:
             for name, t in (("input", inp), ("target", tgt)):
-                if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.n_token):
-                    raise ValueError(f"{name} token ids must be in [0, {cfg.n_token}); "
+                if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.vocab_size):
+                    raise ValueError(f"{name} token ids must be in [0, {cfg.vocab_size}); "
                                      f"got range [{int(t.min())}, {int(t.max())}]")
         B = inp.size(1)
         if mem.batch_size is not None and mem.batch_size != B:

@@ -32,6 +32,7 @@ from torch import nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megamemo.model.adaptive import mask_padding
 from megamemo.model.layers import LaMemoLayer, XLLayer
 from megamemo.model.memory import xl_update
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
@@ -217,12 +218,15 @@ class LayerPipe(nn.Module):
 
 
 class OutBiasPipe(nn.Module):
+    """+ the output bias of this TP rank's vocabulary rows; padding ids (a padded vocabulary) get -inf."""
+
     def __init__(self, cfg, ctx: StageContext):
         super().__init__()
         self.out_bias = nn.Parameter(torch.zeros(cfg.n_token // ctx.tp))
+        self.first, self.n_vocab = ctx.tp_rank * (cfg.n_token // ctx.tp), cfg.n_vocab
 
     def forward(self, logits):
-        return logits + self.out_bias
+        return logits + mask_padding(self.out_bias, self.first, self.n_vocab)
 
 
 def token_nll(logits, labels, vocab_parallel: bool = False):

@@ -5,7 +5,7 @@ whatever number of heads a module holds, and LaMemo's per-head caches (ctx.*, ls
 
 Layout of the shards (the same rules serve `shard_state_dict` / `merge_state_dicts` for conversion):
   qkv.weight [3·n·dh, d]   rank r holds [Q; K; V] of its heads       (column parallel)
-  r_net.weight [n·dh, d]   rows of its heads                         (column parallel)
+  r_net.weight [n·dh, d]   rows of its heads                         (a local product: see HeadRows)
   o_net.weight [d, n·dh]   columns of its heads                      (row parallel)
   fc1 weight/bias          rows r·F/tp ...                           (column parallel)
   fc2.weight [d, F]        columns r·F/tp ...                        (row parallel; fc2.bias replicated)
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from megamemo.model.adaptive import mask_padding
 from megamemo.model.layers import project_split
 
 from .groups import TP_RNG, rng_tracker, tp_rank_size
@@ -55,7 +56,7 @@ def check_supported(cfg, tp: int) -> None:
     if cfg.d_inner % tp:
         problems.append(f"model.d_inner={cfg.d_inner} is not divisible by tp={tp}")
     if cfg.n_token % tp:
-        problems.append(f"model.n_token={cfg.n_token} is not divisible by tp={tp} (pad the vocabulary)")
+        problems.append(f"model.n_token={cfg.n_token} is not divisible by tp={tp} (pad the vocabulary: model.n_token: auto)")
     if cfg.cutoffs or cfg.div_val != 1 or cfg.embed_dim != cfg.d_model:
         problems.append("the adaptive input/softmax (model.cutoffs, model.div_val, model.d_embed) is not supported "
                         "with tensor parallelism: use a full softmax (cutoffs: [], div_val: 1, d_embed: null) "
@@ -157,6 +158,23 @@ class ForkedDropout(nn.Module):
             return self.inner(x)
 
 
+class HeadRows(nn.Linear):
+    """r_net under TP: this rank's rows (the features of its heads) of the position projection, applied as a plain
+    local product. Its input, the sinusoid table, is the same on every rank and needs no gradient, so nothing is
+    communicated, forward or backward (a megatron column layer would all-reduce the table's input gradient in every
+    backward, and compute it first, for nothing). Exact only for such an input: one that asks for a gradient is
+    refused (each rank would hold only its heads' share of it)."""
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.weight)            # no draw from the default stream: weights are loaded right after
+
+    def forward(self, x):
+        if x.requires_grad:
+            raise ValueError("HeadRows (r_net under tensor parallelism) takes a position table with no gradient: "
+                             "its input gradient would be this rank's heads' share only")
+        return F.linear(x, self.weight)
+
+
 def _mcore_layers(tp, dtype):
     from megatron.core import ModelParallelConfig
     from megatron.core import tensor_parallel as mtp
@@ -196,11 +214,13 @@ def _mcore_layers(tp, dtype):
 
 
 class VocabParallelSoftmax(nn.Module):
-    """Full softmax over a vocabulary split across TP ranks (megatron's vocab-parallel cross entropy)."""
+    """Full softmax over a vocabulary split across TP ranks (megatron's vocab-parallel cross entropy). This rank holds
+    the ids first .. first+local_vocab-1; those from n_vocab on (a padded vocabulary) are masked as on one device."""
 
-    def __init__(self, local_vocab, d_model, tie_weight, dtype):
+    def __init__(self, local_vocab, d_model, tie_weight, dtype, first=0, n_vocab=None):
         super().__init__()
         self.tie_weight = tie_weight
+        self.first, self.n_vocab = first, n_vocab
         self.out_bias = nn.Parameter(torch.zeros(local_vocab, dtype=dtype))
         self.out_weights = nn.ParameterList()
         if not tie_weight:
@@ -209,7 +229,8 @@ class VocabParallelSoftmax(nn.Module):
     def _logits(self, h, emb):
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
         table = emb.emb_layers[0].weight if self.tie_weight else self.out_weights[0]
-        return F.linear(copy_to_tensor_model_parallel_region(h), table, self.out_bias)
+        return F.linear(copy_to_tensor_model_parallel_region(h), table,
+                        mask_padding(self.out_bias, self.first, self.n_vocab))
 
     def nll(self, h, target, emb):
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -226,7 +247,8 @@ def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
     Column, QKVColumn, Row, _ = _mcore_layers(tp, dtype)
     d, nd = cfg.d_model, cfg.n_head * cfg.d_head
     a, f = layer.attn, layer.ff
-    a.qkv, a.r_net, a.o_net = QKVColumn(d, 3 * nd, False), Column(d, nd, False), Row(nd, d, False)
+    a.qkv, a.o_net = QKVColumn(d, 3 * nd, False), Row(nd, d, False)
+    a.r_net = HeadRows(d, nd // tp, bias=False, dtype=dtype)    # the position table needs no gradient
     a.n_head = cfg.n_head // tp
     a.dropatt = ForkedDropout(a.dropatt)
     f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
@@ -266,7 +288,8 @@ def parallelize_tensor(model, load: bool = True, always: bool = False):
         if hasattr(model, name):
             setattr(model, name, local_bias(cfg, tp, dtype))
     model.word_emb.emb_layers[0] = embedding(cfg.n_token, cfg.d_model)
-    model.crit = VocabParallelSoftmax(cfg.n_token // tp, cfg.d_model, cfg.tie_weight, dtype)
+    model.crit = VocabParallelSoftmax(cfg.n_token // tp, cfg.d_model, cfg.tie_weight, dtype,
+                                      first=rank * (cfg.n_token // tp), n_vocab=cfg.n_vocab)
     if load:
         model.load_state_dict(shard_state_dict(full, rank, tp), strict=True)
     mark_tensor_parallel(model)

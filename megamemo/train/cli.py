@@ -149,6 +149,14 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                             barrier=dist.barrier, async_save=cfg.checkpoint.async_save,
                             commit_timeout_s=cfg.checkpoint.commit_timeout_s, log=log)
     resume_dir = store.select(cfg.checkpoint.resume)        # collective: the newest that verifies
+    if resume_dir is not None and cfg.n_token_auto:         # the checkpoint's padded tables, under any layout
+        from megamemo.checkpoint.store import read_marker
+        from megamemo.config.vocab import adopt_checkpoint_vocab
+        said = adopt_checkpoint_vocab(cfg, read_marker(resume_dir).get("model") or {})
+        if said:
+            meta.update(model=cfg.model.to_dict(), model_fingerprint=cfg.model_fingerprint())
+            if de.rank == 0:
+                log(f"[train] {said}")
     start_step = 0
     if resume_dir is not None:
         start_step = int(store.check_compatible(resume_dir)[0]["step"])

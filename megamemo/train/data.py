@@ -17,12 +17,9 @@ class DataError(ValueError):
 
 def remote_options(cfg: RunConfig):
     """How s3:// gs:// https:// shard directories are read (data.cache_dir, data.cache_size, data.retries, ...)."""
-    from data_pipeline.remote import RemoteOptions
+    from megamemo.config.run import remote_options as of_data
 
-    d = cfg.data
-    return RemoteOptions(cache_dir=d.cache_dir, cache_size=d.cache_size, retries=d.retries,
-                         retry_backoff_s=d.retry_backoff_s, fetch_threads=d.fetch_threads,
-                         log=lambda m: print(m, flush=True))
+    return of_data(cfg.data)
 
 
 def _remote_manifest(cfg: RunConfig, url: str, field: str) -> dict:
@@ -85,8 +82,10 @@ def check_data_dir(cfg: RunConfig) -> dict:
             if s not in m["splits"]:
                 raise DataError(f"{field}: {d} has no split {s!r} (has {sorted(m['splits'])})")
         v = int(m["vocab"]["size"])
-        if v > cfg.model.n_token:
-            raise DataError(f"model.n_token: {cfg.model.n_token} is smaller than the vocabulary of {d} ({v} symbols)")
+        if v > cfg.model.vocab_size:
+            what = "n_vocab" if cfg.model.n_vocab is not None else "n_token"
+            raise DataError(f"model.{what}: {cfg.model.vocab_size} is smaller than the vocabulary of {d} ({v} "
+                            f"symbols)")
         if first is None:
             first = m
             continue

@@ -10,7 +10,8 @@ input is cut into segments of `tgt_len` tokens (the training segment length), ea
 by the one before, as megamemo's evaluation does; `generate()` uses `generation_mem_len` (megamemo generate's
 default, mem_len + tgt_len - 1) and one-token segments after the prompt. Inputs are [batch, time]; padding is not
 supported (a stream's memory would hold the pads). `logits` are log-probabilities over the whole vocabulary (the
-adaptive softmax has no single logit matrix); `labels` gives the mean next-token NLL within the call.
+adaptive softmax has no single logit matrix); `labels` gives the mean next-token NLL within the call. A padded
+vocabulary (config n_vocab < n_token) gives its padding ids log-probability -inf: they are never generated.
 """
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ class AdaptiveSoftmax(nn.Module):
     def __init__(self, c: MegamemoConfig, d_embed: int):
         super().__init__()
         self.bounds = [0] + list(c.cutoffs) + [c.n_token]
+        self.n_vocab = c.n_vocab                        # ids from n_vocab on are padding (None: none)
         n = len(self.bounds) - 1
         self.n_clusters, self.shortlist, self.div_val, self.tie_weight = n - 1, self.bounds[1], c.div_val, c.tie_weight
         ties = list(c.tie_projs)
@@ -140,7 +142,11 @@ class AdaptiveSoftmax(nn.Module):
         p = None
         if self.has_proj:
             p = emb.emb_projs[0 if self.div_val == 1 else i] if self.tie_projs[i] else self.out_projs[str(i)]
-        return w, self.out_bias[lo:hi], p
+        b = self.out_bias[lo:hi]
+        if self.n_vocab is not None and hi > self.n_vocab:      # padding ids: bias -inf, probability 0
+            keep = max(self.n_vocab - lo, 0)
+            b = torch.cat([b[:keep], b.new_full((hi - lo - keep,), float("-inf"))])
+        return w, b, p
 
     @staticmethod
     def _log_softmax(h, w, b, p):

@@ -1,0 +1,81 @@
+"""`model.n_token: auto`: the vocabulary of the run's data, padded for the hardware.
+
+auto reads the vocabulary's size V from the manifest of data.dir (of data.blend's first source: a blend's sources
+share one tokenizer) and gives the tables n_token = V rounded up to a multiple of 128 x parallel.tp rows, as
+Megatron-LM's --make-vocab-size-divisible-by does: the softmax GEMM gets tensor-core friendly columns and every TP
+rank the same number of rows. The padding ids V .. n_token-1 are recorded as model.n_vocab = V and masked out of the
+softmax (megamemo/model/adaptive.py mask_padding), so NLL and bits per byte are the unpadded vocabulary's. Where V
+is already such a multiple nothing is padded (n_vocab stays unset). An explicit n_token is used as given.
+
+A resumed run keeps its checkpoint's tables: under another tp the checkpoint's n_token (the padding made under the
+first layout) is taken when it holds the same vocabulary and splits over the new tp (adopt_checkpoint_vocab).
+"""
+from __future__ import annotations
+
+PAD_MULTIPLE = 128          # rows per TP rank a padded vocabulary is a multiple of
+
+
+def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
+    """(n_token, n_vocab) for a vocabulary of `vocab` symbols under tensor parallelism tp: n_token the next multiple
+    of 128 x tp, n_vocab = vocab where that pads (None where it does not)."""
+    step = PAD_MULTIPLE * tp
+    n = -(-vocab // step) * step
+    return n, (vocab if n != vocab else None)
+
+
+def manifest_vocab(data, error, options=None) -> int:
+    """The vocabulary size recorded in the manifest of data.dir (data.blend[0].dir; options: how a remote one is
+    read); `error` (the ConfigError class) names model.n_token and the directory when there is none."""
+    from data_pipeline import ManifestError
+    from data_pipeline.remote import manifest_of
+
+    where, d = (("data.blend[0].dir", data.blend[0].get("dir")) if data.blend else ("data.dir", data.dir))
+    if not d:
+        raise error("model.n_token: auto takes the vocabulary from the data's manifest, but no data directory is "
+                    "given (--data DIR or data.dir; or set model.n_token to a number)")
+    try:
+        m = manifest_of(d, options)
+    except (ManifestError, OSError) as e:
+        raise error(f"model.n_token: auto: cannot read the vocabulary from {where} {d}: {e}") from None
+    size = (m.get("vocab") or {}).get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise error(f"model.n_token: auto: the manifest of {where} {d} records no vocabulary size (vocab.size "
+                    f"{size!r})")
+    return size
+
+
+def is_auto(model) -> bool:
+    return isinstance(model, dict) and model.get("n_token") == "auto"
+
+
+def resolve_auto(model: dict, data, tp: int, error, options=None) -> dict:
+    """The model section (n_token: auto) with n_token the padded vocabulary (and n_vocab) of the data."""
+    if model.get("n_vocab") is not None:
+        raise error("model.n_vocab: set by model.n_token: auto (the manifest's vocabulary); give n_vocab only "
+                    "with an explicit n_token")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        tp = 1                  # parallel.tp's own check names it
+    n_token, n_vocab = padded_vocab(manifest_vocab(data, error, options), tp)
+    out = {**model, "n_token": n_token}
+    out.pop("n_vocab", None)
+    return out if n_vocab is None else {**out, "n_vocab": n_vocab}
+
+
+def adopt_checkpoint_vocab(cfg, saved_model: dict) -> str | None:
+    """A run whose n_token is auto, resuming: take the checkpoint's padded tables where they hold the same
+    vocabulary, every other model field agrees, and they split over this run's tp (a resume under another layout
+    than the one that padded them). In place on cfg.model; -> a line saying so, or None (nothing to adopt: the
+    usual model comparison then speaks)."""
+    import dataclasses
+
+    mine = cfg.model.to_dict()
+    rest = lambda d: {k: v for k, v in d.items() if k not in ("n_token", "n_vocab")}   # noqa: E731
+    n = saved_model.get("n_token")
+    if not isinstance(n, int) or n == cfg.model.n_token or rest(saved_model) != rest(mine):
+        return None
+    vocab = saved_model.get("n_vocab") or n
+    if vocab != cfg.model.vocab_size or n % cfg.parallel.tp:
+        return None
+    cfg.model = dataclasses.replace(cfg.model, n_token=n, n_vocab=saved_model.get("n_vocab")).validate()
+    return (f"model.n_token: auto keeps the checkpoint's {n} rows for the {vocab} symbols (padded under its layout; "
+            f"tp={cfg.parallel.tp} would pad to {mine['n_token']})")
