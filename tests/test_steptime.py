@@ -10,6 +10,7 @@ from fixture_data import REPO
 from megamemo.config.run import load
 from megamemo.plan.layouts import main, plan
 from megamemo.plan.devices import Device
+from megamemo.plan.optrace import trace
 from megamemo.plan.steptime import explain, step_time
 
 # a device with round numbers: 1 TFLOP/s; GEMM efficiency 50% at width 16, 100% from 64 (log-interpolated);
@@ -58,7 +59,13 @@ def test_tensor_and_data_parallel_terms_by_hand():
     assert st.terms["optimizer"] == pytest.approx(params / 2 * (36 + 28) / 1e11)
     # over all it holds, the reduction's copies into the bucket, average, flatten and copy back (4 x 8 B)
     assert st.terms["reduce_copies"] == pytest.approx(32 * params / 1e11)
-    assert st.terms["elementwise"] == pytest.approx(ga * 4 * p.activations / 1e11)
+    # the op trace's non-GEMM bytes of the rank's micro-batch (optrace.py; pinned in tests/test_optrace.py) at 100 GB/s
+    fwd, bwd = trace(cfg.model, B, tp, "fp32").stage(4, True, True)
+    assert st.terms["elementwise"] == pytest.approx(ga * (fwd.bytes[~fwd.gemm].sum() + bwd.bytes[~bwd.gemm].sum())
+                                                    / 1e11)
+    assert st.terms["overhead"] == 0                # no host time measured
+    # the second micro-batch's gradient added into .grad in fp32 (read both, write one: 12 B a parameter it holds)
+    assert st.terms["grad_accum"] == pytest.approx((ga - 1) * 12 * params / 1e11)
     assert st.terms["pp_bubble"] == st.terms["pp_p2p"] == st.terms["first_touch"] == 0
     assert st.seconds == pytest.approx(sum(st.terms.values()))
     assert st.tokens_per_s == pytest.approx(8 * 32 / st.seconds)
@@ -120,16 +127,33 @@ def test_cpu_ranks_sharing_cores_hide_the_bubble():
     assert both.terms["pp_bubble"] == 0 and alone.terms["pp_bubble"] > 0
 
 
+def gpu_gemm_seconds(dev, rows, cols, inner, extra=0, itemsize=2, dtype="fp16"):
+    """One aligned GEMM on a GPU row by hand: [rows, inner] x [inner, cols] at peak x efficiency(min(rows, cols)),
+    or its operands' and result's bytes (+ extra: a bias) at memory bandwidth if slower."""
+    flops = 2 * rows * cols * inner
+    nbytes = (rows * inner + inner * cols + rows * cols + extra) * itemsize
+    return max(flops / (dev.peak[dtype] * dev.eff(min(rows, cols))), nbytes / dev.mem_bw)
+
+
 def test_the_output_layer_follows_the_configs_vocabulary():
-    """lamemo-1.3b's own layout (tp 2, 4 micro-batches of 1 stream), its 32000-token vocabulary against 256 bytes: the
-    compute grows by the output layer's extra columns, 3 x 2 L B d (32000 - 256) / tp a micro-batch, at the width's
-    efficiency on a V100 (1024 wide: 68% of 125 TFLOP/s)."""
+    """lamemo-1.3b at tp 2, 4 micro-batches of 1 stream, its 32000-token vocabulary against 256 bytes: only the
+    output layer's three GEMMs grow - the logits [512, 2048] x [2048, V/2] (+ the bias), the hidden state's gradient
+    [512, V/2] x [V/2, 2048] and the table's [V/2, 512] x [512, 2048] - each at the V100's fp16 peak x the
+    efficiency of its narrower output side (512, 512 and min(V/2, 2048) wide) or its bytes at 900 GB/s."""
+    from megamemo.plan.devices import device
+    v100 = device("v100-32g")
     path = REPO / "configs" / "lamemo-1.3b.yaml"
-    small, big = load(path, ["model.n_token=256"]), load(path)
+    pin = ["parallel.tp=2", "parallel.pp=1", "train.grad_accum=4"]
+    small, big = load(path, [*pin, "model.n_token=256"]), load(path, pin)
     a, b = (step_time(c, 32, "v100-32g", 8, plan) for c in (small, big))
-    assert a.width == b.width == 1024 and a.efficiency == pytest.approx(0.68)
-    extra = 4 * 3 * 2 * 512 * 1 * 2048 * (32000 - 256) / 2
-    assert b.terms["compute"] - a.terms["compute"] == pytest.approx(extra / (125e12 * 0.68))
+    assert a.width == b.width == 1024
+
+    def output_gemms(v):
+        return (gpu_gemm_seconds(v100, 512, v, 2048, extra=v) + gpu_gemm_seconds(v100, 512, 2048, v)
+                + gpu_gemm_seconds(v100, v, 2048, 512))
+    # at 16000 columns: 0.4628 + 0.4628 + 0.3579 ms; at 128: 8.6 + 3.7 + 8.6 us
+    assert output_gemms(16000) == pytest.approx(33.554432e9 * (2 / (125e12 * 0.58) + 1 / (125e12 * 0.75)))
+    assert b.terms["compute"] - a.terms["compute"] == pytest.approx(4 * (output_gemms(16000) - output_gemms(128)))
 
 
 def test_lamemo_1_3b_on_v100s_no_longer_ranks_tp8_first():
