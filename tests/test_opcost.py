@@ -111,6 +111,23 @@ def test_the_planner_weighs_the_micro_batch():
     assert steps[1].seconds < steps[4].seconds
 
 
+def test_plan_names_a_layouts_fastest_micro_batch(capsys):
+    """`megamemo plan` of a given layout says which micro-batch the planner would take for it, when not the
+    config's (lamemo-1.3b at tp 2 on 4 x 8 A100-80G: 4 streams, no accumulation, against 1 x 4)."""
+    from megamemo.plan.layouts import main
+    from megamemo.plan.recommend import fastest_micro_batch
+    path = REPO / "configs" / "lamemo-1.3b.yaml"
+    cluster = ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "a100-80g"]
+    assert main(["--config", str(path), *cluster, "--tp", "2", "--pp", "1", "--set", "train.grad_accum=4",
+                 "--set", "parallel.zero_stage=1"]) == 0
+    out = capsys.readouterr().out
+    cfg = load(path, ["parallel.tp=2", "parallel.pp=1", "train.grad_accum=4", "parallel.zero_stage=1"])
+    (c, ga, _, st), _ = fastest_micro_batch(cfg, 32, 8, 80, "gpu", "a100-80g", plan, 2, 1, 1)
+    assert ga != 4
+    assert (f"this layout's fastest micro-batch: {64 // 16 // ga} x grad_accum {ga} (--set train.grad_accum={ga}): "
+            f"{st.seconds * 1e3:.1f} ms") in out
+
+
 def test_explain_shows_the_parts_that_make_the_compute_and_elementwise_terms():
     cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["eval.every=0", "parallel.tp=2", "train.grad_accum=4"])
     st = step_time(cfg, 32, "a100-80g", 8, plan)
@@ -148,3 +165,20 @@ def test_the_h100_prediction_is_near_the_measured_steps(shape, variant, dtype, b
     st = step_time(cfg, 1, "h100-80g", 1, plan)
     ratio = st.seconds * 1e3 / H100_STEPS[shape, variant, dtype, batch]
     assert 1 / FACTOR < ratio < FACTOR, f"{shape} {variant} {dtype}: predicted / measured {ratio:.2f}"
+
+
+def test_the_trace_vs_profile_bench_predicts_its_shapes_on_the_cpu(capsys):
+    """bench/trace_vs_profile.py's planner side (its --predict-only) runs here: one row a shape, the micro-batch's
+    kernels and its wall through the launch queue as steptime prices them (the measuring side needs CUDA)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trace_vs_profile", REPO / "bench" / "trace_vs_profile.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    name, cfg, B, dtype = bench.shapes()[0]
+    got = bench.predict(cfg, B, dtype, "h100-80g")
+    fwd, bwd = trace(cfg, B, 1, dtype).stage(cfg.n_layer, True, True)
+    assert got["kernels"] == fwd.launches.sum() + bwd.launches.sum() == 663       # (700 measured on the H100)
+    from megamemo.plan.devices import device
+    h100 = device("h100-80g")
+    cost = opcost.concat([opcost.price(fwd, h100, dtype), opcost.price(bwd, h100, dtype)])
+    assert got["wall_ms"] == pytest.approx(1e3 * opcost.run(cost)[0]) and got["wall_ms"] > 663 * 30e-3

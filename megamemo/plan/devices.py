@@ -28,7 +28,7 @@ ZERO_REDUCE_OLD_PARAMS = 8 * 2048 * 2048    # the one size calibrations before t
 # row. Public figures for the parts: the driver's launch alone about 2-4 us a kernel on V100 (NVIDIA Technical Blog,
 # A. Gray, "Getting Started with CUDA Graphs", 2019); Python to kernel in eager PyTorch 5-25 us an op (J. Lin, "From
 # PyTorch op to kernel launch", GPU kernel serving lesson 18). MEASURED on this workplace's H100 host (torch 2.11,
-# 2026-11-26, bench/trace_vs_profile.py's shapes): a bare loop of in-place adds 9.7 us an op; megamemo's small
+# 2026-11-26, bench/trace_vs_profile.py): a bare loop of in-place adds 9.7 us an op; megamemo's small
 # LaMemo (4 layers, d 256) forward + backward, launch-bound, 18.1 ms of host time at micro-batch 1 and 21.2 ms at 8
 # for its 656 / 663 traced kernels: 28-32 us a kernel (wall over traced kernels 24-55 us across lamemo, xl, rpe in
 # bf16 and fp32). The figure is that, not the bare loop's: every kernel comes with about one view op and its module's

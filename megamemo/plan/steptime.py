@@ -319,6 +319,7 @@ def explain_parts(st: StepTime) -> list[str]:
                f"{total[3] / 1e9:10.2f}{total[4] / 1e12:8.3f}  elementwise / GEMM {total[1] / total[0]:.2f}"
                if total[0] else "")
     if st.launch:
-        out.append(f"    launches: {total[2]:,.0f} kernels x {st.launch * 1e6:g} us = {total[2] * st.launch * 1e3:.1f} ms "
-                   f"of host time a micro-batch (exposed beyond the kernels: the overhead term)")
+        out.append(f"    launches: {total[2]:,.0f} kernels x {st.launch * 1e6:g} us = "
+                   f"{total[2] * st.launch * 1e3:.1f} ms of host time a micro-batch (exposed beyond the kernels: the "
+                   f"overhead term)")
     return out
