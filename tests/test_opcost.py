@@ -111,6 +111,22 @@ def test_the_planner_weighs_the_micro_batch():
     assert steps[1].seconds < steps[4].seconds
 
 
+def test_under_a_pipeline_the_planner_weighs_the_bubble_against_launches_and_accumulation():
+    """lamemo-1.3b at tp=2 pp=4 dp=4 ZeRO 0 on 4 x 8 V100-32G: 4 micro-batches of 4 streams leave a bubble of 3/7,
+    16 of 1 stream are launch-bound and accumulate 15 gradients: recommend() keeps 8 x 2 streams, in between."""
+    from megamemo.plan.recommend import recommend
+    path = REPO / "configs" / "lamemo-1.3b.yaml"
+    steps = {ga: step_time(load(path, ["eval.every=0", "parallel.tp=2", "parallel.pp=4", "parallel.zero_stage=0",
+                                       f"train.grad_accum={ga}"]), 32, "v100-32g", 8, plan) for ga in (4, 8, 16)}
+    assert steps[8].seconds < min(steps[4].seconds, steps[16].seconds)
+    assert steps[4].terms["pp_bubble"] > steps[8].terms["pp_bubble"] > steps[16].terms["pp_bubble"]
+    assert steps[16].terms["overhead"] > steps[8].terms["overhead"]
+    assert steps[16].terms["grad_accum"] > steps[8].terms["grad_accum"] > steps[4].terms["grad_accum"]
+    fits, _ = recommend(load(path, ["eval.every=0"]), 4, 8, 32, "gpu", "v100-32g", plan)
+    chosen = next(f for f in fits if f.desc.startswith("tp=2 pp=4 dp=4 zero=0 "))
+    assert chosen.desc.endswith("micro_batch=2 x grad_accum=8")
+
+
 def test_plan_names_a_layouts_fastest_micro_batch(capsys):
     """`megamemo plan` of a given layout says which micro-batch the planner would take for it, when not the
     config's (lamemo-1.3b at tp 2 on 4 x 8 A100-80G: 4 streams, no accumulation, against 1 x 4)."""

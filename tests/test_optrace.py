@@ -50,6 +50,11 @@ def test_elementwise_bytes_of_a_small_op_sequence_by_hand():
         ("_to_copy", 2048, 1024),                   # x's gradient, bf16
     ]
     assert not seg.gemm.any() and (seg.launches == 1).all()
+    # an index op reads the rows it gathers, not its whole table: 6 ids (int64) of a [100, 16] bf16 table
+    table = torch.empty(100, 16, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(6, dtype=torch.long, device="meta")
+    seg = record(lambda: F.embedding(ids, table))
+    assert list(zip(seg.names, seg.read, seg.write)) == [("embedding", 6 * 8 + 6 * 16 * 2, 6 * 16 * 2)]
 
 
 def extra_and_rnet(m: ModelConfig, B: int) -> tuple[float, float, float]:
