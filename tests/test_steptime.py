@@ -175,12 +175,12 @@ def test_lamemo_1_3b_on_v100s_no_longer_ranks_tp8_first():
 def test_explain_prints_the_breakdown(capsys):
     path = str(REPO / "configs" / "lamemo-7b.yaml")
     assert main(["--config", path, "--nodes", "8", "--gpus-per-node", "8", "--gpu", "a100-80g", "--tp", "4",
-                 "--pp", "2", "--explain"]) == 0
+                 "--pp", "2", "--set", "train.grad_accum=8", "--explain"]) == 0
     out = capsys.readouterr().out
     for term in ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_comm", "GEMM width 1024", "dominant",
                  "predicted step"):
         assert term in out
-    st = step_time(load(path), 64, "a100-80g", 8, plan)
+    st = step_time(load(path, ["parallel.tp=4", "parallel.pp=2", "train.grad_accum=8"]), 64, "a100-80g", 8, plan)
     assert f"{st.seconds * 1e3:.1f} ms" in out and "\n".join(explain(st, "a100-80g")) in out
 
 
