@@ -58,6 +58,35 @@ def rpe(*overrides):
     return load(TINY, ["model.variant=rpe", "model.n_layer=4", "eval.every=0", "precision.dtype=bf16", *overrides])
 
 
+def gpu_gemm_seconds(dev, rows, cols, inner, extra=0, itemsize=2, dtype="fp16"):
+    """One aligned GEMM on a GPU row by hand: [rows, inner] x [inner, cols] at peak x efficiency(min(rows, cols)),
+    or its operands' and result's bytes (+ extra: a bias) at memory bandwidth if slower."""
+    flops = 2 * rows * cols * inner
+    nbytes = (rows * inner + inner * cols + rows * cols + extra) * itemsize
+    return max(flops / (dev.peak[dtype] * dev.eff(min(rows, cols))), nbytes / dev.mem_bw)
+
+
+def test_the_output_layer_follows_the_configs_vocabulary():
+    """lamemo-1.3b at tp 2, 4 micro-batches of 1 stream, its 32000-token vocabulary against 256 bytes: only the
+    output layer's three GEMMs grow - the logits [512, 2048] x [2048, V/2] (+ the bias), the hidden state's gradient
+    [512, V/2] x [V/2, 2048] and the table's [V/2, 512] x [512, 2048] - each at the V100's fp16 peak x the
+    efficiency of its narrower output side (512, 512 and min(V/2, 2048) wide) or its bytes at 900 GB/s."""
+    from megamemo.plan.devices import device
+    v100 = device("v100-32g")
+    path = REPO / "configs" / "lamemo-1.3b.yaml"
+    pin = ["parallel.tp=2", "parallel.pp=1", "train.grad_accum=4"]
+    small, big = load(path, [*pin, "model.n_token=256"]), load(path, pin)
+    a, b = (step_time(c, 32, "v100-32g", 8, plan) for c in (small, big))
+    assert a.width == b.width == 1024
+
+    def output_gemms(v):
+        return (gpu_gemm_seconds(v100, 512, v, 2048, extra=v) + gpu_gemm_seconds(v100, 512, 2048, v)
+                + gpu_gemm_seconds(v100, v, 2048, 512))
+    # at 16000 columns: 0.4628 + 0.4628 + 0.3579 ms; at 128: 8.6 + 3.7 + 8.6 us
+    assert output_gemms(16000) == pytest.approx(33.554432e9 * (2 / (125e12 * 0.58) + 1 / (125e12 * 0.75)))
+    assert b.terms["compute"] - a.terms["compute"] == pytest.approx(4 * (output_gemms(16000) - output_gemms(128)))
+
+
 def test_a_launch_bound_step_waits_on_its_host_and_a_device_bound_one_does_not():
     """1 s a launch: every kernel has run before the next is issued, so 2 chained micro-batches of K kernels take
     2K s + the last kernel: the overhead term is that less the kernels' own time. 1 ps a launch: nothing exposed."""
