@@ -56,10 +56,10 @@ def test_shipped_configs_load(path):
 def test_large_configs_have_their_documented_shapes():
     b = C.load(REPO / "configs" / "lamemo-1.3b.yaml")
     assert (b.model.n_layer, b.model.d_model, b.model.n_head, b.model.d_inner) == (24, 2048, 16, 8192)
-    assert (b.parallel.tp, b.parallel.pp, b.precision.dtype) == (2, 1, "fp16")
+    assert (b.parallel.tp, b.parallel.pp, b.train.grad_accum, b.precision.dtype) == (4, 1, 1, "fp16")
     s = C.load(REPO / "configs" / "lamemo-7b.yaml")
     assert (s.model.n_layer, s.model.d_model, s.model.n_head, s.model.d_inner) == (32, 4096, 32, 16384)
-    assert (s.parallel.tp, s.parallel.pp, s.precision.dtype) == (4, 2, "bf16")
+    assert (s.parallel.tp, s.parallel.pp, s.train.grad_accum, s.precision.dtype) == (8, 1, 1, "bf16")
 
 
 def test_paper_configs_have_paper_shapes():

@@ -23,9 +23,29 @@ ZERO_REDUCE_OLD_PARAMS = 8 * 2048 * 2048    # the one size calibrations before t
 # note (NVIDIA ADLR, 2020) 62.4 TFLOP/s = 48% of a DGX-2H V100's peak on a 1.2 B model (hidden 1536; 30% in
 # Shoeybi et al. 2019). The points below 1024 are an ASSUMPTION shaped like the guide's curves, not a
 # measurement: a GEMM 256 wide keeps about half the SMs' tiles busy, 128 (one head's width) a quarter.
-# ASSUMPTION: a LaMemo layer's forward + backward launches ~100 kernels (unfused attention with its shifts, norms,
-# dropout, activations) at ~5 us each: a micro-batch whose layer computes in less is launch-bound
-GPU_LAYER_OVERHEAD = 0.5e-3
+# Host time per kernel of megamemo's eager step (python and module code, the dispatcher, the view ops between
+# kernels, autograd's bookkeeping, cudaLaunchKernel): the host, not the GPU, sets it, so one figure for every GPU
+# row. Public figures for the parts: the driver's launch alone about 2-4 us a kernel on V100 (NVIDIA Technical Blog,
+# A. Gray, "Getting Started with CUDA Graphs", 2019); Python to kernel in eager PyTorch 5-25 us an op (J. Lin, "From
+# PyTorch op to kernel launch", GPU kernel serving lesson 18). MEASURED on this workplace's H100 host (torch 2.11,
+# 2026-11-26, bench/trace_vs_profile.py): a bare loop of in-place adds 9.7 us an op; megamemo's small
+# LaMemo (4 layers, d 256) forward + backward, launch-bound, 18.1 ms of host time at micro-batch 1 and 21.2 ms at 8
+# for its 656 / 663 traced kernels: 28-32 us a kernel (wall over traced kernels 24-55 us across lamemo, xl, rpe in
+# bf16 and fp32). The figure is that, not the bare loop's: every kernel comes with about one view op and its module's
+# python.
+GPU_LAUNCH = 30e-6
+# Eager PyTorch's elementwise kernels (strided copies, masked fills, reductions, softmax) move their bytes at a
+# fraction of the datasheet bandwidth. MEASURED on the H100 (same runs, torch.profiler's kernel times against the
+# op trace's bytes at 3.35 TB/s): the non-GEMM kernels took 1.63x (enwik8-base's model, micro-batch 40), 1.60x
+# (wt103-base's, 64) and 1.73x / 1.63x (two layers of lamemo-1.3b's, micro-batch 1 / 4) of that (a plain copy
+# reaches 3.0 TB/s there: KINDS.md). Assumed the same on the other GPUs.
+GPU_ELEMENTWISE_BW = 0.6
+# A GEMM whose matrices' leading dimension or offset is not a 16-byte multiple runs on cuBLAS's unaligned kernels
+# (LaMemo's position products: klen + 1 columns, odd; any dimension like wt103's 410, 41, 2100, 267,735). MEASURED
+# on the H100: 4.1x the aligned prediction for enwik8's 69 position products (33.6 against 8.2 ms), 4.3x for
+# wt103's GEMMs (all unaligned), 4.5x for the 1.3b layers' 9; the aligned ones took 0.90-0.91x the prediction.
+# Assumed the same on the other GPUs.
+GPU_UNALIGNED_SLOWDOWN = 4.0
 GPU_EFFICIENCY = ((64, 0.12), (128, 0.25), (256, 0.42), (512, 0.58), (1024, 0.68), (2048, 0.75), (4096, 0.8))
 
 
@@ -57,8 +77,11 @@ class Device:
     p2p: tuple | None = None    # measured (latency s, bytes/s) of a send; else link
     optimizer_s_per_param: float | None = None      # measured; else ADAM_BYTES_PER_PARAM / mem_bw
     first_touch_bw: float | None = None             # bytes/s of faulting fresh pages in (CPU)
-    layer_overhead: float = 0.0     # host time a layer's forward + backward takes whatever its size (launches,
-                                    # autograd, python): GPU hides it behind longer kernels, a CPU adds it
+    layer_overhead: float = 0.0     # CPU: host time a layer's forward + backward takes whatever its size (python,
+                                    # autograd, the ops' own dispatch), measured, added to its compute
+    launch: float | None = None     # GPU: host seconds per kernel launched (opcost.py simulates the launch queue)
+    elementwise_bw: float = 1.0     # the fraction of mem_bw elementwise kernels move their bytes at
+    unaligned: float = 1.0          # how many times slower a GEMM on unaligned matrices runs
     contention: tuple = ()      # CPU: ((width, rate alone / rate with `ranks` busy), ...) measured
     ranks: int = 1              # CPU: the processes the contention was measured with
     # CPU: FLOP/s of one rank's share of a layer's dense projections measured at the layer's own shapes
@@ -127,8 +150,10 @@ def _gpu(kind, row, mem_bw, link, note):
                   tuple(x * 1e9 for x in link), (15e-6, 30e-6),
                   f"{row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "
                   f"(inside / between nodes: {note}); GEMM efficiency by width: GPU_EFFICIENCY (published anchors, "
-                  f"assumed shape); NCCL latency 15 / 30 us, {GPU_LAYER_OVERHEAD * 1e3:g} ms of launches a layer "
-                  f"(assumed)", layer_overhead=GPU_LAYER_OVERHEAD)
+                  f"assumed shape); NCCL latency 15 / 30 us, {GPU_LAUNCH * 1e6:g} us of host time a kernel "
+                  f"(GPU_LAUNCH, measured on an H100 host); elementwise kernels at {GPU_ELEMENTWISE_BW:g} of the "
+                  f"bandwidth, unaligned GEMMs {GPU_UNALIGNED_SLOWDOWN:g}x slower (measured on an H100)",
+                  launch=GPU_LAUNCH, elementwise_bw=GPU_ELEMENTWISE_BW, unaligned=GPU_UNALIGNED_SLOWDOWN)
 
 
 # CPU: measured on this machine (2 cores, AVX512, torch 2.13, one thread per process, fp32) by
@@ -191,6 +216,8 @@ def _sizes(ns) -> tuple:
 
 
 CPU = cpu_device(CPU_CALIBRATION)
+# Memory bandwidth, datasheets: NVIDIA Tesla V100 (SXM2, 16 and 32 GB HBM2) 900 GB/s; NVIDIA A100 Tensor Core GPU
+# (40GB SXM HBM2 1,555 GB/s, 80GB SXM HBM2e 2,039 GB/s); NVIDIA H100 Tensor Core GPU (H100 SXM 80GB HBM3 3.35 TB/s)
 DEVICES = {
     "v100-16g": _gpu("v100-16g", "V100 SXM2", 900e9, (130, 12.5), "NVLink 2 hybrid cube mesh, 100 Gb/s IB"),
     "v100-32g": _gpu("v100-32g", "V100 SXM2", 900e9, (130, 12.5), "NVLink 2 hybrid cube mesh, 100 Gb/s IB"),

@@ -261,6 +261,13 @@ def main(argv: list[str]) -> int:
         st = step_time(cfg, world, kind, args.gpus_per_node, plan)
         print(f"   predicted step {st.seconds * 1e3:.1f} ms: {st.tokens_per_s_per_device:,.1f} tokens/s per device, "
               f"HFU {st.hfu:.1%}, MFU {st.mfu:.1%}, dominant: {st.dominant} ({kind}; megamemo/plan/steptime.py)")
+        best, _ = rec.fastest_micro_batch(cfg, world, args.gpus_per_node, gib, args.device, kind, plan,
+                                          cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage)
+        if best is not None and best[1] != cfg.train.grad_accum:
+            c, ga, _, fast = best
+            print(f"   this layout's fastest micro-batch: {c.layout(world)[1]} x grad_accum {ga} (--set "
+                  f"train.grad_accum={ga}): {fast.seconds * 1e3:.1f} ms, {fast.tokens_per_s_per_device:,.1f} tokens/s "
+                  f"per device")
     if not ok and given:
         print(f"megamemo plan: {p.layout} needs {top.total / GiB:.1f} GiB on a rank of stage {top.stage} (of "
               f"{p.capacity / GiB:.1f}); " + rec.nearest_words(cfg, args.nodes, args.gpus_per_node, gib, args.device,

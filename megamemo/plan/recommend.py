@@ -1,8 +1,9 @@
 """`megamemo plan` without --tp/--pp: the layouts (tp, pp, dp, ZeRO stage, micro-batch) that fit a cluster, best
-first by predicted tokens/s per device (megamemo/plan/steptime.py: compute at the GEMM width the layout leaves, TP
-all-reduces, the pipeline bubble and sends, DP gradient reduction, ZeRO's gather, the optimizer), and why every
-other layout fails. Each layout takes the micro-batch size, of those that fit, with the most predicted tokens/s
-(at least pp micro-batches under a pipeline). nearest() finds the layout that runs closest to one that does not,
+first by predicted tokens/s per device (megamemo/plan/steptime.py: the model's op trace priced at the layout's
+micro-batch - GEMMs, elementwise bytes, kernel launches -, TP all-reduces, the pipeline bubble and sends, DP
+gradient reduction, ZeRO's gather, gradient accumulation, the optimizer), and why every other layout fails. Each
+layout takes the micro-batch size, of those that fit, with the most predicted tokens/s (at least pp micro-batches
+under a pipeline): fastest_micro_batch. nearest() finds the layout that runs closest to one that does not,
 smallest_cluster() the fewest nodes of the same shape that run anything.
 """
 from __future__ import annotations
@@ -52,6 +53,31 @@ def device_kind(device: str, gpu: str) -> str:
     return "cpu" if device == "cpu" else gpu
 
 
+def fastest_micro_batch(cfg, world: int, gpn: int, gib: float, device: str, kind: str, plan_fn, tp: int, pp: int,
+                        zero: int):
+    """Of the micro-batch sizes of layout (tp, pp, zero) on `world` devices that fit, the one with the most
+    predicted tokens/s - wider GEMMs and fewer launches a token, no gradient-accumulation pass at grad_accum 1,
+    against (under a pipeline) a larger bubble: ((cfg at it, grad_accum, fullest stage's plan, StepTime) or None,
+    (the fullest plan, micro-batch) of the smallest micro-batch that did not fit, or None)."""
+    dp = world // (tp * pp)
+    best = smallest = None
+    for ga in _divisors(cfg.data.batch_size // dp):      # largest micro-batch first
+        if pp > 1 and ga < pp:
+            continue                  # fewer micro-batches than stages: stages idle
+        c = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=0),
+                                parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, zero_stage=zero),
+                                train=dataclasses.replace(cfg.train, grad_accum=ga))
+        plans = [plan_fn(c, world, gib, s, device) for s in range(pp)]
+        worst = max(plans, key=lambda q: q.total)
+        if not all(q.fits for q in plans):
+            smallest = (worst, cfg.data.batch_size // dp // ga)
+            continue
+        st = step_time(c, world, kind, gpn, plan_fn)
+        if best is None or st.tokens_per_s > best[3].tokens_per_s:
+            best = (c, ga, worst, st)
+    return best, smallest
+
+
 def recommend(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan_fn):
     """-> (fitting [Fit] best first by predicted tokens/s, failing [(desc, reason)])."""
     world = nodes * gpn
@@ -68,29 +94,14 @@ def recommend(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan
                 if reason:
                     fails.append((desc, reason))
                     continue
-                best = smallest = None
-                for ga in _divisors(cfg.data.batch_size // dp):      # largest micro-batch first
-                    if pp > 1 and ga < pp:
-                        continue                  # fewer micro-batches than stages: stages idle
-                    c = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=0),
-                                            parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, zero_stage=zero),
-                                            train=dataclasses.replace(cfg.train, grad_accum=ga))
-                    plans = [plan_fn(c, world, gib, s, device) for s in range(pp)]
-                    worst = max(plans, key=lambda q: q.total)
-                    if not all(q.fits for q in plans):
-                        smallest = worst
-                        continue
-                    # of the micro-batch sizes that fit, the fastest: wider GEMMs against (under a pipeline)
-                    # a smaller bubble
-                    st = step_time(c, world, kind, gpn, plan_fn)
-                    if best is None or st.tokens_per_s > best[3].tokens_per_s:
-                        best = (c, ga, worst, st)
+                best, smallest = fastest_micro_batch(cfg, world, gpn, gib, device, kind, plan_fn, tp, pp, zero)
                 if smallest is None and best is None:
                     fails.append((desc, f"fewer micro-batches than pp={pp} stages"))
                     continue
                 if best is None:
+                    worst, micro = smallest
                     fails.append((desc, f"needs {worst.total / 2 ** 30:.1f} GiB on a rank of stage "
-                                        f"{worst.stage} even at micro-batch {cfg.data.batch_size // dp // ga} "
+                                        f"{worst.stage} even at micro-batch {micro} "
                                         f"(of {worst.capacity / 2 ** 30:.0f})"))
                     continue
                 c, ga, worst, st = best

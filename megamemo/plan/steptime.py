@@ -1,16 +1,27 @@
 """Predicted time of one training step for a layout (tp, pp, dp, ZeRO stage, micro-batch x grad_accum), beside
 layouts.py's memory: what `megamemo plan` ranks layouts by (tokens/s per device) and what `--explain` prints.
 
-Terms, per rank of the slowest pipeline stage (every term below is exposed: nothing overlaps unless it says so):
-  compute       model FLOPs (model/flops.py) of the rank's share - its stage's layers (+ the output layer on the
-                last stage) over tp - at peak x efficiency(GEMM width); the width is the narrowest dimension of a
-                layer's dense GEMMs on the rank: min(d_model, heads x d_head / tp, d_inner / tp, rows x micro-batch).
-                Where the device measured this layer shape's projections at the layout's tp and rows (the CPU:
-                Device.layer_gemm, bench/calibrate_cpu.py's layer_gemm_rate), that rate replaces peak x efficiency:
-                a width alone misses what a layer's 16-64 MiB weights cost a CPU core against narrow cached ones
-                (measured here: 45 against 79 GFLOP/s at 64 rows).
-  elementwise   softmax, norms, activations, dropout: ELEMENTWISE_PASSES passes over the activation bytes layouts.py
-                counts for one micro-batch, at the device's memory bandwidth.
+Terms, per rank of the slowest pipeline stage (every term below is exposed: nothing overlaps unless it says so).
+The stage's micro-batch is the model's own op trace (optrace.py: every kernel, forward and backward, of the rank's
+share - its layers, the input side on the first stage, the output side on the last - at the layout's micro-batch).
+On a GPU (Device.launch) it is priced op by op (opcost.py):
+  compute       its GEMMs: FLOPs at the dtype's peak x efficiency(the narrower of the product's rows and columns:
+                the GEMM efficiency table), or their bytes at memory bandwidth where slower; unaligned products
+                (LaMemo's position terms, klen + 1 columns) Device.unaligned times slower;
+  elementwise   every other kernel's bytes read and written at Device.elementwise_bw x the memory bandwidth;
+  overhead      the launches: the host issues each kernel in Device.launch seconds, the device runs them in order
+                as they come; what the simulated wall time of the step's micro-batches exceeds their kernels by (a
+                small micro-batch waits on its host).
+On a device without a launch figure (the CPU):
+  compute       model FLOPs (model/flops.py) of the rank's share at peak x efficiency(GEMM width); the width is the
+                narrowest dimension of a layer's dense GEMMs on the rank: min(d_model, heads x d_head / tp,
+                d_inner / tp, rows x micro-batch). Where the device measured this layer shape's projections at the
+                layout's tp and rows (the CPU: Device.layer_gemm, bench/calibrate_cpu.py's layer_gemm_rate), that
+                rate replaces peak x efficiency: a width alone misses what a layer's 16-64 MiB weights cost a CPU
+                core against narrow cached ones (measured here: 45 against 79 GFLOP/s at 64 rows).
+  elementwise   the trace's non-GEMM bytes at the device's memory bandwidth.
+  overhead      host time per layer and micro-batch (python, autograd, dispatch): Device.layer_overhead, measured,
+                added to the kernels (the CPU runs both).
   tp_comm       per layer and micro-batch 4 all-reduces of the [rows, B, d_model] activations (2 forward, 2
                 backward; bench/comm.py) + TP_EXTRA_ALLREDUCES for the vocab-parallel embedding and cross-entropy,
                 each latency + 2 (tp-1)/tp bytes / bandwidth, on the critical path.
@@ -20,8 +31,6 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 measured) and an idle stage's core serves the others: the step is max((m+p-1) t_alone, m t_shared).
   pp_p2p        per micro-batch slot, the activations and memory rows forward and their gradient back; and
                 DeepSpeed's all-reduce of the tied embedding's gradient between the first and last stage.
-  overhead      host time per layer and micro-batch (kernel launches, autograd, python): Device.layer_overhead,
-                exposed on a GPU only where it exceeds the layer's kernels, added on a CPU.
   dp_comm       the gradient reduction over dp: DeepSpeed's ZeRO 0/1/2 all-reduce whole buckets (stage_1_and_2.py,
                 use_multi_rank_bucket_allreduce) of parallel.reduce_bucket_size elements (config/zero.py), 2 (dp-1)/dp
                 bytes, once per step at the accumulation boundary (ZeRO 2: every micro-batch). DeepSpeed overlaps it
@@ -41,6 +50,9 @@ Terms, per rank of the slowest pipeline stage (every term below is exposed: noth
                 2: every micro-batch). Measured per parameter held at dp 1, 2 and 4 on the CPU (Device.zero_step,
                 Device.zero_reduce, by the parameters a rank holds: it grows with dp and, at dp 4 on 2 cores, with
                 size); DP_REDUCE_BYTES at memory bandwidth on a GPU.
+  grad_accum    gradient accumulation: each micro-batch after the first adds its gradient into the accumulator,
+                in fp32 for half precision with ZeRO 1/2 (accumulation_seconds); with one micro-batch a step
+                (grad_accum 1) there is no such pass.
   optimizer     Adam over the rank's partition (ZeRO 1/2: 1/dp of its parameters), and DeepSpeed's passes around
                 it at memory bandwidth (ZERO_STEP_BYTES_OWNED).
   first_touch   CPU only: the gradients (ZeRO's flat fp32 partition, the flattened all-reduce bucket) are new
@@ -57,15 +69,16 @@ DEVICES, the calibration table (one row per device kind, with its source), is de
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 from megamemo.config.zero import overlaps_reduction, reduce_bucket
 from megamemo.model.flops import forward_flops, model_flops, step_flops
+from megamemo.plan import opcost, optrace
 from megamemo.plan.devices import Device, device, nearest_group
-from megamemo.util.precision import element_bytes
+from megamemo.util.precision import HALF, element_bytes
 
-ELEMENTWISE_PASSES = 4      # activation bytes: written forward, read backward, their gradient written and read
 TP_EXTRA_ALLREDUCES = 3     # per micro-batch: vocab-parallel embedding (fwd) and cross-entropy (max, sum)
 DS_GATHER_BUCKET = 500_000_000      # DeepSpeed's allgather_bucket_size default (elements)
 ADAM_BYTES_PER_PARAM = 36   # GPU Adam: grad read, fp32 master, m, v read + written, model copy written (fused)
@@ -88,6 +101,9 @@ class StepTime:
     efficiency: float
     overlap_hides: float = 0.0  # of dp_comm, what ZeRO 1/2's overlap_comm hides or would hide (GPU, no pipeline)
     overlapped: bool = False    # whether it does (parallel.overlap_comm where it takes effect): not in dp_comm
+    parts: list = dataclasses.field(default_factory=list)   # the slowest stage's micro-batch (opcost.Part)
+    stage: int = 0              # which stage that is
+    launch: float = 0.0         # host seconds a kernel (GPU)
 
     @property
     def seconds(self) -> float:
@@ -137,6 +153,23 @@ def reduce_copies_seconds(dev: Device, params: float, dp: int, zero: int) -> flo
     return DP_REDUCE_BYTES * params / dev.mem_bw if dp > 1 else 0.0
 
 
+def accumulation_seconds(dev: Device, cfg, params: float, tensors: int) -> float:
+    """One gradient-accumulation pass: a micro-batch after the first adds its gradient of `params` parameters (in
+    `tensors` tensors) into the accumulator. Half precision with ZeRO 1/2 accumulates in fp32 (DeepSpeed 0.19.8:
+    ZeRO 1/2's grad_accum.add_(grad.to(fp32)), BF16_Optimizer's hp_grad.add_(lp.grad.to(fp32))): the gradient read
+    and cast (2 B + 4 B written), the fp32 sum read and written with it (12 B), 2 kernels a tensor; otherwise
+    autograd adds it into .grad in the model dtype (3 x its bytes, 1 kernel). The first micro-batch's gradient is
+    moved into the accumulator by a copy every step makes, grad_accum 1 or not: not counted here. On a GPU the pass
+    takes its bytes at bandwidth or its launches, whichever is longer."""
+    p = cfg.precision
+    pbytes = element_bytes(p.dtype)
+    fp32 = p.dtype in HALF and cfg.parallel.zero_stage >= 1 and p.grad_accum_dtype != "model"
+    seconds = (pbytes + 16 if fp32 else 3 * pbytes) * params / dev.mem_bw
+    if dev.launch:
+        seconds = max(seconds, (2 if fp32 else 1) * tensors * dev.launch)
+    return seconds
+
+
 def gemm_width(m, tp: int, micro: int) -> int:
     rows = m.tgt_len + (m.mem_len if m.lamemo else 0)
     return min(m.d_model, m.n_head * m.d_head // tp, m.d_inner // tp, rows * micro)
@@ -168,24 +201,39 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     eff = measured / peak if measured else dev.eff(width)
     act_bytes = rows * micro * m.d_model * pbytes
 
-    # the slowest stage's micro-batch slot: compute, elementwise work, TP all-reduces
+    # the slowest stage's micro-batch slot: compute, elementwise work, launches, TP all-reduces
     slot, stage_terms = 0.0, None
     plans = [plan_fn(cfg, world, 1e9, s) for s in range(pp)]
+    ops = optrace.trace(m, micro, tp, dtype)
+    recompute = cfg.train.activation_checkpointing
+    if dev.launch is not None:      # a GPU: the trace priced op by op, its launches simulated
+        price = functools.partial(opcost.price, dev=dev, dtype=dtype, allow_tf32=cfg.precision.allow_tf32)
+    else:                           # flops.py's rate (measured or tabled) for the GEMMs, the trace's bytes
+        price = functools.partial(opcost.price_at, rate=peak * eff, mem_bw=dev.mem_bw)
     for s in range(pp):
         layers = plans[s].layers
-        flops = 3 * (layers * per_layer + (rest if s == pp - 1 else 0)) / tp
-        compute = flops / (peak * eff)
-        in_flight = min(pp - s, ga)
-        elementwise = ELEMENTWISE_PASSES * plans[s].activations / in_flight / dev.mem_bw
+        fwd, bwd = ops.stage(layers, s == 0, s == pp - 1, recompute)
+        if dev.launch is not None:
+            cost = opcost.concat([price(fwd), price(bwd)])
+            compute, elementwise = float(cost.gemm.sum()), float(cost.other.sum())
+            wall = opcost.micro_batches(cost, ga, chained=pp == 1) / ga
+            overhead = max(0.0, wall - compute - elementwise)
+            achieved = float(fwd.flops.sum() + bwd.flops.sum()) / (peak * compute) if compute else 0.0
+        else:                               # flops.py at the measured (CPU) or tabled rate, the trace's bytes
+            flops = 3 * (layers * per_layer + (rest if s == pp - 1 else 0)) / tp
+            compute = flops / (peak * eff)
+            elementwise = float(sum(x.bytes[~x.gemm].sum() for x in (fwd, bwd))) / dev.mem_bw
+            host = layers * dev.layer_overhead
+            # a CPU core runs its host work and its kernels one after the other
+            overhead = host if dev.contention else max(0.0, host - compute - elementwise)
+            achieved = eff
         n_ar = 4 * layers + (TP_EXTRA_ALLREDUCES if s in (0, pp - 1) else 0)
         tp_comm = n_ar * dev.collective(tp, act_bytes, False) * shared(tp)
-        host = layers * dev.layer_overhead
-        # a GPU runs the launches ahead of its kernels (exposed only beyond them); a CPU core does both
-        overhead = host if dev.contention else max(0.0, host - compute - elementwise)
         if compute + elementwise + overhead + tp_comm > slot:
             slot = compute + elementwise + overhead + tp_comm
-            stage_terms = (compute, elementwise, overhead, tp_comm, s)
-    compute, elementwise, overhead, tp_comm, worst = stage_terms
+            stage_terms = (compute, elementwise, overhead, tp_comm, s, achieved)
+    compute, elementwise, overhead, tp_comm, worst, eff = stage_terms
+    parts = opcost.parts(ops, plans[worst].layers, worst == 0, worst == pp - 1, recompute, price)
     work = (compute + elementwise + overhead) * share    # with every rank of the node busy
     busy = work * ga
     # 1F1B's critical path, a stage alone at full speed (an idle stage's core serves the others)
@@ -224,6 +272,8 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     elif dev.first_touch_bw:
         fresh = grad_bytes + (4 * owned if zero >= 1 else 0) + (grad_bytes if dp > 1 else 0)   # + the flat copy
         first_touch = fresh / dev.first_touch_bw * share
+    tensors = ops.param_tensors_layer * plans[worst].layers + (ops.param_tensors_rest if worst in (0, pp - 1) else 0)
+    accumulate = accumulation_seconds(dev, cfg, params / (dp if zero == 2 else 1), tensors) * (ga - 1) * share
     hides = 0.0     # what ZeRO 1/2's overlap_comm hides: all buckets but the last, behind the last backward
     if zero in (1, 2) and pp == 1 and dp > 1 and not dev.contention:
         backward = 2 / 3 * compute                       # the last micro-batch's backward
@@ -236,19 +286,20 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
              "overhead": overhead * share * ga,
              "tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),
              "pp_p2p": p2p + tied, "dp_comm": dp_comm, "reduce_copies": reduce_copies, "zero_gather": zero_gather,
-             "optimizer": optimizer,
-             "first_touch": first_touch}
+             "grad_accum": accumulate, "optimizer": optimizer, "first_touch": first_touch}
     return StepTime(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={ga}", terms,
                     cfg.data.batch_size * m.tgt_len, world, step_flops(m, cfg.data.batch_size),
-                    model_flops(m, cfg.data.batch_size), peak, width, eff, overlap_hides=hides, overlapped=overlapped)
+                    model_flops(m, cfg.data.batch_size), peak, width, eff, overlap_hides=hides, overlapped=overlapped,
+                    parts=parts, stage=worst, launch=dev.launch or 0.0)
 
 
 def explain(st: StepTime, kind) -> list[str]:
-    """The breakdown of one layout, one line a term."""
+    """The breakdown of one layout, one line a term, and the slowest stage's micro-batch part by part."""
     dev = kind if isinstance(kind, Device) else device(kind)
+    how = ("achieved over the op trace's GEMMs" if dev.launch is not None else
+           "narrowest dense-GEMM dimension on a rank")
     out = [f"predicted step ({dev.kind}): {st.layout}",
-           f"  GEMM width {st.width:g} (narrowest dense-GEMM dimension on a rank) -> {st.efficiency:.0%} of peak "
-           f"{st.peak / 1e12:g} TFLOP/s"]
+           f"  GEMM width {st.width:g} -> {st.efficiency:.0%} of peak {st.peak / 1e12:g} TFLOP/s ({how})"]
     for name, s in st.terms.items():
         if s:
             out.append(f"  {name:<12}{s * 1e3:10.1f} ms  {s / st.seconds:6.1%}")
@@ -258,5 +309,32 @@ def explain(st: StepTime, kind) -> list[str]:
     if st.overlap_hides:
         out.append(f"  (parallel.overlap_comm {'hides' if st.overlapped else 'would hide'} "
                    f"{st.overlap_hides * 1e3:.1f} ms of dp_comm behind the backward pass)")
+    out += explain_parts(st)
     out.append(f"  calibration: {dev.source}")
+    return out
+
+
+def explain_parts(st: StepTime) -> list[str]:
+    """One micro-batch of the slowest stage, forward + backward, part by part (megamemo/plan/optrace.py)."""
+    if not st.parts:
+        return []
+    out = [f"  one micro-batch of stage {st.stage}, forward + backward, by the model's op trace (each):",
+           f"    {'part':<14}{'GEMM ms':>9}{'elementwise ms':>16}{'kernels':>9}{'GB moved':>10}{'TFLOP':>8}"
+           f"  largest elementwise ops (ms)"]
+    total = [0.0] * 5
+    for p in st.parts:
+        label = {"input": "input side", "layer": f"layer (x{p.repeat})", "top": "top layer",
+                 "output": "output side"}[p.name]
+        ops = ", ".join(f"{name} {s * 1e3:.2f}" for name, s in p.top_ops if s > 0)
+        out.append(f"    {label:<14}{p.gemm_s * 1e3:9.2f}{p.other_s * 1e3:16.2f}{p.kernels:9.0f}{p.bytes / 1e9:10.2f}"
+                   f"{p.flops / 1e12:8.3f}  {ops}")
+        for i, x in enumerate((p.gemm_s, p.other_s, p.kernels, p.bytes, p.flops)):
+            total[i] += x * p.repeat
+    out.append(f"    {'micro-batch':<14}{total[0] * 1e3:9.2f}{total[1] * 1e3:16.2f}{total[2]:9.0f}"
+               f"{total[3] / 1e9:10.2f}{total[4] / 1e12:8.3f}  elementwise / GEMM {total[1] / total[0]:.2f}"
+               if total[0] else "")
+    if st.launch:
+        out.append(f"    launches: {total[2]:,.0f} kernels x {st.launch * 1e6:g} us = "
+                   f"{total[2] * st.launch * 1e3:.1f} ms of host time a micro-batch (exposed beyond the kernels: the "
+                   f"overhead term)")
     return out
