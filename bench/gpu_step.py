@@ -151,7 +151,7 @@ def run_form(form, base, cfg, args, device, dtype, data, peak):
         timer.uninstall()
     tokens = B * Lt
     hfu_flops = flops.step_flops(cfg, B)
-    mfu_flops = flops.step_model_flops(cfg, B) if hasattr(flops, "step_model_flops") else float("nan")
+    mfu_flops = flops.model_flops(cfg, B)
     row = {"form": form, "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
            "first_loss": float(losses[0]), "warmup_s": t_warm,
            "hfu": hfu_flops / dt / peak.flops if peak.flops else None,

@@ -22,8 +22,14 @@ flex_attention (TorchDynamo must be on: megamemo.kernels.compiler.enable_compile
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:                     # torch < 2.9
+    AuxRequest = None
 
 from megamemo.model.attention import _drops, _rows, causal_attention, lookahead_attention
 
@@ -58,8 +64,13 @@ def flex_relative(q, k, v, r_rows, u, vb, s0, mask, scale):
         return torch.where(mask[i, j], float("-inf"), score + pos.to(score.dtype))
 
     flex = _flex_call(q.device.type)
-    out, lse = flex(q + u[:, None, None].to(q.dtype), k, v, score_mod=score_mod, scale=scale, return_lse=True)
-    return out, lse
+    query = q + u[:, None, None].to(q.dtype)
+    with warnings.catch_warnings():     # the CPU's reference form says it is not the fused kernel: known
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        if AuxRequest is not None:      # torch >= 2.9's form; return_lse is deprecated there
+            out, aux = flex(query, k, v, score_mod=score_mod, scale=scale, return_aux=AuxRequest(lse=True))
+            return out, aux.lse
+        return flex(query, k, v, score_mod=score_mod, scale=scale, return_lse=True)
 
 
 def _finish(out, lse, want):

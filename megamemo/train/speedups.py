@@ -75,7 +75,11 @@ def apply_speedups(cfg: RunConfig, model, device, micro: int, log) -> dict:
         raise ConfigError(str(e)) from None
     attention = choose_attention(cfg, model, device, micro, log)
     compiled = 0
-    if resolve_compile(cfg.train.compile, device):
+    if resolve_compile(cfg.train.compile, device) and cfg.parallel.tp > 1:
+        log(f"[train] compile: off under tensor parallelism (parallel.tp={cfg.parallel.tp}): megatron-core's parallel "
+            f"linears all-reduce with async_op=True, which torch.compile cannot trace, so each layer would break "
+            f"into several graphs, recompiled per memory length")
+    elif resolve_compile(cfg.train.compile, device):
         try:
             compiled = compile_layers(model, cfg.train.compile_backend)
         except CompilerUnavailable as e:
