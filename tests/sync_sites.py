@@ -20,7 +20,7 @@ def attribute(stack, root: str) -> tuple[str, str | None]:
     sync (None for megamemo's own or when no megamemo frame is on the stack)."""
     def own(frame) -> str | None:
         path = os.path.realpath(frame.filename)
-        if not path.startswith(root) or f"{os.sep}site-packages{os.sep}" in path[len(root):]:
+        if not path.startswith(root) or f"{os.sep}site-packages{os.sep}" in os.sep + path[len(root):]:
             return None
         return f"{os.path.relpath(path, root)}:{frame.name}"
 

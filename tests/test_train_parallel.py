@@ -75,3 +75,13 @@ def test_parallel_layout_equals_one_process_then_resumes_bit_exact(layout, tiny_
     assert "resumed from" in logs(crash)
     assert losses(crash) == got                                         # bit for bit after the resume
     assert_no_corrupt_checkpoint(crash)
+
+
+def test_pipeline_stages_compile_and_equal_one_process(tiny_cfg, shards, single, tmp_path):
+    """train.compile under a pipeline: each stage's decoder layers are compiled (aot_eager: dynamo's capture and
+    AOT autograd, without generating code, to keep the suite short) and the run equals one process."""
+    run_dir = tmp_path / "run"
+    run(2, tiny_cfg, shards, run_dir, "--pp", "2", *EXACT, "--set", "train.compile=on",
+        "--set", "train.compile_backend=aot_eager", timeout=300)
+    assert "| compiled layers |" in logs(run_dir) and "graphs compiled" in logs(run_dir), logs(run_dir)[-2000:]
+    check_equals_single(run_dir, single, "pp2 compiled")
