@@ -1,6 +1,7 @@
 """The multi-GPU scenarios of tests/test_multigpu.py rehearsed on the CPU (gloo, bf16), so that their logic - the
-runs' arguments, the kill and resume, the conversion and eval commands, the bounds - has run before they first meet
-GPUs: the same functions, given CPU devices. What only GPUs can show (NCCL, cuBLAS's kernels, fp16 on hardware that
+runs' arguments and the bounds - has run before they first meet GPUs: the same functions, given CPU devices (the
+kill -9 / resume and convert / eval scenarios are left to the GPU run: their CPU forms are tests/test_train_runs.py
+and tests/test_convert_parallel.py, and two more minutes of the suite were not worth the repetition). What only GPUs can show (NCCL, cuBLAS's kernels, fp16 on hardware that
 has it) stays in the GPU run. Also: which half precision a compute capability gets, and conftest's 4-GPU marker."""
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import sys
 import pytest
 
 from fixture_data import REPO
-from test_multigpu import (NO_SAVES, ONE_PROCESS_EXACT, Devices, converted_eval_equals_one_device, half_bound,
-                           half_layout_tracks_one_device, half_precision, kill9_then_resume_is_bit_exact)
+from test_multigpu import (NO_SAVES, ONE_PROCESS_EXACT, Devices, half_bound, half_layout_tracks_one_device,
+                           half_precision)
 from test_train_runs import losses
 
 CPU = Devices("cpu", "bf16")
@@ -37,16 +38,6 @@ def test_half_precision_zero1_on_two_ranks_tracks_one(layout, one_cpu_half, one_
     got = half_layout_tracks_one_device(CPU, layout, one_cpu_half, losses(one_cpu_exact), tiny_cfg, shards,
                                         tmp_path / "run")
     assert got != losses(one_cpu_exact)                     # bf16 did round: not two fp32 runs compared
-
-
-@pytest.mark.multiproc
-def test_kill9_of_every_rank_then_resume_is_bit_exact(tiny_cfg, shards, tmp_path):
-    kill9_then_resume_is_bit_exact(CPU, ["--tp", "2"], tiny_cfg, shards, tmp_path, steps=12)   # CPU steps: slow
-
-
-@pytest.mark.multiproc
-def test_two_rank_run_converts_and_evaluates_as_the_one_process_run(one_cpu_exact, tiny_cfg, shards, tmp_path):
-    converted_eval_equals_one_device(CPU, one_cpu_exact, tiny_cfg, shards, tmp_path)
 
 
 @pytest.mark.parametrize("capability, half", [((6, 0), "fp16"), ((7, 0), "fp16"), ((7, 5), "fp16"),
