@@ -9,6 +9,8 @@ protocol, where a kill from outside would land only by luck (the windows are mil
         removal    rank 0: an old checkpoint's COMMITTED removed, its files not yet
     MEGAMEMO_FAULT_FAIL_WRITE="STEP:RANK"   that rank's write of its tensor file of that step fails with ENOSPC
                                             (the save must fail on every rank, nothing committed)
+    MEGAMEMO_FAULT_CRASH_AT="STEP:RANK"     that rank raises an error as it begins training that step, in every
+                                            start (a deterministic failure: the supervisor must give up on it)
 Unset (always, outside tests and the soak), each check is one comparison.
 """
 from __future__ import annotations
@@ -34,6 +36,13 @@ class FaultPoints:
         self.passed: dict[str, int] = {}
         failing = env.get("MEGAMEMO_FAULT_FAIL_WRITE", "")
         self.fail_write_at = tuple(int(x) for x in failing.split(":")) if failing else None
+        crash = env.get("MEGAMEMO_FAULT_CRASH_AT", "")
+        self.crash_at = tuple(int(x) for x in crash.split(":")) if crash else None
+
+    def step(self, step: int) -> None:
+        """As this rank begins training step `step`: the injected crash when asked for."""
+        if self.crash_at == (step, self.rank):
+            raise RuntimeError(f"rank {self.rank}: crash injected at step {step} (MEGAMEMO_FAULT_CRASH_AT)")
 
     def write(self, step: int, path: Path) -> None:
         """Before this rank writes `path` of step `step`: an injected write error when asked for."""
