@@ -215,6 +215,48 @@ def test_usr1_saves_requeues_resumes_with_same_losses(slurm, shards, local_losse
     assert read_losses(run_dir) == local_losses
 
 
+def _rank_pid(job_id: str, rank: int) -> int | None:
+    """The pid of the training process of that rank of that Slurm job (its environment says which), or None."""
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in env and f"SLURM_PROCID={rank}".encode() in env and \
+                b"train" in cmd and not any(c.endswith(b"task.sh") for c in cmd):
+            return int(p.name)
+    return None
+
+
+def test_a_killed_rank_on_the_second_node_requeues_the_job_which_finishes_bit_exact(slurm, shards, local_losses,
+                                                                                     tmp_path):
+    """kill -9 of rank 1 (node2) mid-run: train.sbatch records the crash, finds node2 healthy, requeues the job
+    (excluding nothing, released at once) and the requeued job resumes from the step-10 checkpoint and ends with the
+    losses of the uninterrupted run (launch/local.sh), bit for bit."""
+    run_dir = tmp_path / "run"
+    job_id = _submit(slurm, tmp_path, train_args(shards, run_dir) + ["--save-every", "10", "--set",
+                                                                     "checkpoint.probe=false"])
+    metrics = run_dir / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 14):
+        assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, \
+            _job_logs(slurm, tmp_path, job_id)
+        time.sleep(0.05)
+    pid = _rank_pid(job_id, 1)
+    assert pid is not None, _job_logs(slurm, tmp_path, job_id)
+    os.kill(pid, 9)
+    info = slurm.wait(job_id)
+    logs = _job_logs(slurm, tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", f"{info}\n{logs}"
+    assert info.get("ExcNodeList") in ("(null)", ""), info
+    recs = [json.loads(x) for x in (run_dir / "interruptions.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["rank"], r["node"], r["signal"], r["launcher"], r["job"]) for r in recs] == \
+        [("crash", 1, "node2", "SIGKILL", "slurm", job_id)], recs
+    assert "rank 1's node node2 is healthy (Slurm: " in logs and "excluding no node" in logs, logs
+    assert read_losses(run_dir) == local_losses
+
+
 def test_dev_cluster_start_is_idempotent_and_stop_leaves_nothing(slurm):
     pids = [int(line.split()[1]) for line in (slurm.dir / "pids").read_text().splitlines()]
     assert len(pids) == 4                                   # munged, slurmctld, two slurmd
