@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 # ---- the cause of a failed start ----------------------------------------------------------------------------------
 def test_the_culprit_is_the_first_failure_that_no_other_caused():
     killed = Exit(1, -signal.SIGKILL, 10.0)
-    peer = Exit(0, EXIT_PEER_LOST, 10.01)               # saw its peer vanish
+    peer = Exit(0, EXIT_PEER_LOST, 10.0)                # saw its peer vanish: seen in the same poll, a lower rank
     assert culprit([peer, killed]) == killed
     # seen in the same poll, the abort of a peer (gloo) and the kill of the rest by the supervisor are consequences
     aborted = Exit(0, -signal.SIGABRT, 9.0)

@@ -98,8 +98,11 @@ def test_a_rank_killed_mid_step_restarts_the_job_bit_exact(tiny_cfg, shards, ref
                         f"{rec['step']} (last committed: {rec['committed']}; {rec['seconds_lost']:.1f} s lost); "
                         f"starting the 2 worker(s) again from the newest committed checkpoint"], out[-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_{rec['committed']:08d}" in out
-    good = re.findall(r"^\[train\] goodput (\d+\.\d)%: .* \(2 starts, .*; 1 interruption, ", out, flags=re.M)
-    assert len(good) == 1, out[-3000:]
+    [good] = re.findall(r"^\[train\] goodput (\d+\.\d)%: ([\d.]+) s of training steps in ([\d.]+) s since the "
+                        r"first start \(2 starts, .*; 1 interruption, ", out, flags=re.M)
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    seconds = sum(r["seconds"] for r in steps if r["kind"] == "train")
+    assert 0 < float(good[0]) < 100 and float(good[1]) == pytest.approx(seconds, abs=0.06), (good, seconds)
 
 
 def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_finishes(tiny_cfg, shards, reference, tmp_path):
