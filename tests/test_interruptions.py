@@ -184,6 +184,20 @@ def test_the_watchdog_fires_past_the_timeout_outside_pauses_and_names_the_silent
     assert mine["hung"]["stuck"] == [1] and mine["hung"]["step"] == 5 and mine["node"] == "node1"
 
 
+def test_overflowing_attempts_are_progress(tmp_path):
+    """fp16 overflows retried on the same batch (up to precision.max_consecutive_skips) do not move the step, and
+    are no hang."""
+    clock, codes = Clock(), []
+    wd = Watchdog(tmp_path, 0, 1, 10.0, 120.0, clock=clock, wall=clock, exit=codes.append, out=io.StringIO())
+    wd.step_done(1, 1.0)
+    for t in (6.0, 12.0, 18.0):
+        clock.t = t
+        wd.attempted()
+        assert not wd.check()
+    clock.t = 28.5
+    assert wd.check() and codes == [EXIT_HUNG]
+
+
 HANGING = textwrap.dedent("""
     import sys, threading, time
     from megamemo.runtime.watchdog import Watchdog

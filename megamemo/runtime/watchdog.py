@@ -1,9 +1,9 @@
 """Hang detection: each rank's watchdog thread checks that its step counter moves.
 
-The training loop tells it each applied step and how long the step took (`step_done`), and pauses it around
-what has time bounds of its own (`paused`: evaluation, whose collectives end at parallel.collective_timeout_s;
-checkpoint saves, whose commit ends at checkpoint.commit_timeout_s). When no step ends for longer than the
-timeout, the watchdog
+The training loop tells it each applied step and how long the step took (`step_done`; a skipped attempt, an fp16
+overflow retried, counts as progress: `attempted`), and pauses it around what has time bounds of its own
+(`paused`: evaluation, whose collectives end at parallel.collective_timeout_s; checkpoint saves, whose commit ends
+at checkpoint.commit_timeout_s). When no step ends for longer than the timeout, the watchdog
   * writes every thread's Python stack to the rank's log (faulthandler: what the main thread waits in),
   * names, in one line, this rank, the step, the frame the main thread is stuck in and the rank it waits for:
     a peer whose heartbeat went stale (a stopped process, one stuck in a call that holds the interpreter) or,
@@ -12,9 +12,9 @@ timeout, the watchdog
     with exit code 3 (interruptions.EXIT_HUNG), which the supervisor retries (launch/local.sh --max-restarts,
     train.sbatch).
 
-The timeout is train.hang_timeout_s when set (0: no watchdog); by default (auto) 5 x train.hang_floor_s over the
-first steps of a process (start-up, compilation, warm-up: WARMUP_STEPS of them), then 10 x the slowest step seen
-since, at least train.hang_floor_s.
+The timeout is train.hang_timeout_s when set (0: no watchdog; a fixed value holds from the first step on, so it must
+leave room for compilation); by default (auto) 5 x train.hang_floor_s over the first steps of a process (start-up,
+compilation, warm-up: WARMUP_STEPS of them), then 10 x the slowest step seen since, at least train.hang_floor_s.
 
 Heartbeats: every `interval` seconds (a fifth of the floor or fixed timeout, within 0.5-5 s) the thread writes
 `<run_dir>/heartbeats/rank<N>.json`: rank, node (Slurm's name for it under Slurm), pid, step, the time the step last
@@ -103,6 +103,10 @@ class Watchdog:
         if self.done > WARMUP_STEPS:
             self.slowest = max(self.slowest, seconds)
         self.step, self.last, self.last_wall = step, self.clock(), self.wall()
+
+    def attempted(self) -> None:
+        """A step attempted and not applied (an fp16 overflow, retried): progress, though the step does not move."""
+        self.last, self.last_wall = self.clock(), self.wall()
 
     @contextlib.contextmanager
     def paused(self, phase: str):

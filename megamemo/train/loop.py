@@ -195,6 +195,8 @@ class Trainer:
                 self.watchdog.step_done(self.counters.step, seconds)
         else:
             self._held = (inp, tgt)
+            if self.watchdog is not None:
+                self.watchdog.attempted()
             self._consecutive_skips += 1
             self.counters.skipped += 1
             self.metrics.skipped({"step": self.counters.step + 1, "loss": loss, "old_scale": self._scale_before,
