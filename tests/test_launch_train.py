@@ -1,7 +1,8 @@
 """launch/: the same tiny training through launch/local.sh (torchrun), through the real sbatch script on a real
 local two-node Slurm cluster (launch/slurm/dev-cluster.sh, 2 nodes x 1 task) and through launch/mpi/train.sh
 (mpirun -np 2) gives the same per-step losses; a Slurm job signalled with USR1 mid-run saves, requeues itself,
-resumes from its checkpoint and finishes with the losses of the uninterrupted run.
+resumes from its checkpoint and finishes with the losses of the uninterrupted run; one whose rank on the second
+node is killed with -9 requeues itself too (excluding no node: node2 is healthy) and finishes with them.
 
 The dev cluster installs slurm-wlm and munge with apt-get when they are missing (CI runs as root on a fresh
 Debian machine); the Slurm tests skip only when that install is impossible."""
