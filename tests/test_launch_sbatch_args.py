@@ -251,3 +251,22 @@ def test_no_restart_past_the_failure_cap_nor_after_the_same_step_three_times(stu
                               STUB_RUN_DIR=str(run_dir_at_step(stubs / "b")), MEGAMEMO_MAX_FAILURES="2", **TWO_NODES)
     assert rc == 137 and "not restarting: 3 failures (MEGAMEMO_MAX_FAILURES=2)" in out, out
     assert not any("requeue" in c for c in calls), calls
+
+
+def test_a_start_that_died_with_its_node_is_recorded_by_the_next(stubs):
+    """Slurm requeues a job itself when a node of it fails (NODE_FAIL), batch script included: the next start finds
+    job.txt's last start without an end, records the lost start (kind node) and counts it as a failure."""
+    run_dir = run_dir_at_step(stubs)
+    logdir = stubs / "logs" / "slurm" / "t-4242"
+    logdir.mkdir(parents=True)
+    (logdir / "job.txt").write_text("start 2030-01-01T10:00:00+00:00 restart=0 nodes=node1,node2 ntasks=2\n")
+    (logdir / ".run-dir").write_text(f"{run_dir}\n")
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_RUN_DIR=str(run_dir),
+                              SLURM_RESTART_COUNT="1", MEGAMEMO_MAX_FAILURES="0", STUB_SRUN_RCS="1:0:node1",
+                              **TWO_NODES)
+    assert "start 0 of job 4242 ended without its batch script (its node lost?)" in out, out
+    [lost, crash] = records(run_dir)
+    assert (lost["kind"], lost["restart"], lost["started"], lost["step"], lost["committed"]) == \
+        ("node", 0, 1893492000.0, 7, 6), lost
+    assert "ended without its batch script" in lost["node_fault"]
+    assert crash["restart"] == 1 and rc == 1 and "not restarting: 2 failures (MEGAMEMO_MAX_FAILURES=0)" in out, out

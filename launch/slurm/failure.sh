@@ -15,6 +15,8 @@
 #       Sets `action`: stop | here (restart inside the allocation without the nodes at fault: MEGAMEMO_SPARE_NODES
 #       allows that many to drop out; the run resumes under the smaller world size through the checkpoint's
 #       relayout) | requeue (with the nodes at fault in `exclude`); `healthy`: the nodes left for `here`.
+#   megamemo_lost_start   at the start of a requeued job: when job.txt's last start has no end, that start died
+#       with its batch script (its node was lost, and Slurm requeued the job itself): record it (kind node)
 #   megamemo_requeue [NODE...]   requeue this job, adding the NODEs to its ExcNodeList, and release it at once
 #                                (Slurm holds a requeued job for about two minutes otherwise)
 
@@ -97,6 +99,23 @@ megamemo_after_failure() {
   exclude=("${faulty[@]}")
   log "node(s) at fault: ${reasons[*]}; requeueing job $SLURM_JOB_ID with ${faulty[*]} excluded"
   action=requeue
+}
+
+megamemo_lost_start() {
+  local last n iso started py
+  last="$(grep -E '^(start|end) ' "$logdir/job.txt" 2>/dev/null | tail -n1)"
+  [[ "$last" == start* ]] || return 0
+  n="$(grep -oP 'restart=\K[0-9]+' <<<"$last" || echo 0)"
+  iso="$(awk '{print $2}' <<<"$last")"
+  started="$(date -d "$iso" +%s 2>/dev/null || echo 0)"
+  echo "end unknown restart=$n rc=255 usr1=0 (no end written: the batch script died, its node lost)" >>"$logdir/job.txt"
+  log "start $n of job $SLURM_JOB_ID ended without its batch script (its node lost?): recorded as an interruption"
+  py="$(megamemo_python)"
+  [ -n "$py" ] && "$py" -I "$MEGAMEMO_ROOT/megamemo/runtime/interruptions.py" slurm record \
+    --exits "$logdir/.exits-$n" --run-dir-file "$MEGAMEMO_RUN_DIR_FILE" --started "$started" --rc 255 \
+    --restart "$n" --node-fault "start $n ended without its batch script (a lost node)" --job "$SLURM_JOB_ID" \
+    >/dev/null 2>>"$logdir/job.txt"
+  return 0
 }
 
 megamemo_requeue() {
