@@ -258,6 +258,35 @@ def test_a_killed_rank_on_the_second_node_requeues_the_job_which_finishes_bit_ex
     assert read_losses(run_dir) == local_losses
 
 
+def test_a_spare_node_takes_over_inside_the_allocation_under_a_smaller_world(slurm, shards, tmp_path, monkeypatch):
+    """MEGAMEMO_SPARE_NODES=1 and a node check that fails on node2: after rank 1 (node2) is killed, the batch script
+    records a node fault and restarts the step at once on node1 alone (no requeue, nothing excluded), and the run
+    resumes its step-4 (or later) checkpoint under world size 1 through the relayout on load."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setitem(slurm.env, "MEGAMEMO_SPARE_NODES", "1")
+    monkeypatch.setitem(slurm.env, "MEGAMEMO_NODE_CHECK", '[ "$SLURMD_NODENAME" != node2 ]')
+    job_id = _submit(slurm, tmp_path, train_args(shards, run_dir) + ["--max-steps", "24", "--save-every", "4",
+                                                                     "--set", "checkpoint.probe=false"])
+    metrics = run_dir / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 7):
+        assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, \
+            _job_logs(slurm, tmp_path, job_id)
+        time.sleep(0.05)
+    pid = _rank_pid(job_id, 1)
+    assert pid is not None, _job_logs(slurm, tmp_path, job_id)
+    os.kill(pid, 9)
+    info = slurm.wait(job_id)
+    logs = _job_logs(slurm, tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", f"{info}\n{logs}"
+    assert "restarting inside the allocation on node1 (1 of MEGAMEMO_SPARE_NODES=1 spare nodes used)" in logs, logs
+    [rec] = [json.loads(x) for x in (run_dir / "interruptions.jsonl").read_text().splitlines()]
+    assert (rec["kind"], rec["rank"], rec["node"]) == ("node", 1, "node2") and rec["committed"] >= 4, rec
+    rank0 = next((tmp_path / "logs" / "slurm").glob(f"*-{job_id}/rank0.log")).read_text()
+    assert "world 1 (slurm)" in rank0 and "resuming under tp=1 pp=1 dp=1 (1 ranks" in rank0, rank0[-3000:]
+    assert sorted(read_losses(run_dir)) == list(range(1, 25))
+
+
 def test_dev_cluster_start_is_idempotent_and_stop_leaves_nothing(slurm):
     pids = [int(line.split()[1]) for line in (slurm.dir / "pids").read_text().splitlines()]
     assert len(pids) == 4                                   # munged, slurmctld, two slurmd
