@@ -135,6 +135,14 @@ def test_the_slurm_helper_prints_shell_assignments(tmp_path):
     rec = interruptions.history(d)[-1]
     assert got == f"retry|crash|7|{interruptions.summary(rec)}"
     assert (rec["rank"], rec["node"], rec["job"], rec["launcher"]) == (1, "node2", "7", "slurm")
+    # rank 1 stopped, rank 0's collective timed out (exit 4), srun killed rank 1 (no exit written): rank 1 hung
+    (exits / "1").unlink()
+    beat(d, 1, "node2", 7, 100.0)
+    out = subprocess.run([*helper, "culprit", *common], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["c_rank=1", "c_node=node2"]
+    subprocess.run([*helper, "record", *common, "--rc", "4"], capture_output=True, text=True, check=True)
+    rec = interruptions.history(d)[-1]
+    assert (rec["kind"], rec["rank"], rec["node"], rec["signal"]) == ("hang", 1, "node2", None), rec
 
 
 # ---- the watchdog ---------------------------------------------------------------------------------------------------

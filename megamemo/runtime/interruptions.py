@@ -177,26 +177,31 @@ def append(run_dir: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def at_fault(exits: list[Exit], beats: dict[int, dict]) -> tuple[str, int | None]:
+    """(kind, rank) of a failed start: the rank a watchdog named hung (its heartbeat's verdict); else the culprit
+    among the exits; else, when every rank that ended did so because of a peer, one that never ended by itself
+    (stopped, or stuck in a call that holds the interpreter, until its supervisor killed it): a hang."""
+    named = [r for b in beats.values() for r in (b.get("hung") or {}).get("stuck", [])]
+    if named:
+        return "hang", min(named)
+    first = culprit(exits)
+    if first is None:
+        return "crash", None
+    silent = sorted(e.rank for e in exits if e.killed)
+    if first.consequence() and silent:
+        return "hang", silent[0]
+    kind = kind_of(first.code)
+    return ("crash" if kind == "peer-lost" else kind), first.rank
+
+
 # ---- one failure -------------------------------------------------------------------------------------------------
 def record(run_dir: Path | None, exits: list[Exit], *, started: float, now: float | None = None, restart: int = 0,
            launcher: str = "local", node_fault: str = "", node: str | None = None, **extra) -> dict:
-    """The record of a failed start (see the module's doc). The rank at fault: the one a watchdog named hung, else
-    the culprit among the exits, else (every rank that exited did so because of a peer) one that never exited by
-    itself (stopped, hung in a call that holds the interpreter): a hang."""
+    """The record of a failed start (see the module's doc; the rank at fault: at_fault), appended to the run
+    directory's interruptions.jsonl when there is one."""
     now = time.time() if now is None else now
     beats = read_heartbeats(run_dir, since=started) if run_dir else {}
-    first = culprit(exits)
-    kind = kind_of(first.code) if first else "crash"
-    rank = first.rank if first else None
-    named = [r for b in beats.values() for r in (b.get("hung") or {}).get("stuck", [])]
-    if named:
-        kind, rank = "hang", min(named)
-    elif first is not None and first.consequence():
-        silent = sorted(e.rank for e in exits if e.killed)
-        if silent:
-            kind, rank = "hang", silent[0]
-    if kind == "peer-lost":
-        kind = "crash"
+    kind, rank = at_fault(exits, beats)
     code = next((e.code for e in exits if e.rank == rank and not e.killed), None)
     where = node or (beats.get(rank, {}).get("node") if rank is not None else None) or \
         next((e.node for e in exits if e.rank == rank), None)
@@ -271,11 +276,13 @@ def read_run_dir(path: str | None) -> Path | None:
 def _slurm(a) -> int:
     exits = task_exits(Path(a.exits)) if a.exits else []
     run_dir = read_run_dir(a.run_dir_file)
+    beats = read_heartbeats(run_dir, since=a.started) if run_dir else {}
+    if exits:                               # a rank that beat and left no exit was ended by srun (--kill-on-bad-exit)
+        t = max(e.time for e in exits)
+        exits += [Exit(r, -signal.SIGKILL, t, b.get("node"), killed=True) for r, b in beats.items()
+                  if r not in {e.rank for e in exits}]
     if a.what == "culprit":
-        beats = read_heartbeats(run_dir, since=a.started) if run_dir else {}
-        first = culprit(exits)
-        named = [r for b in beats.values() for r in (b.get("hung") or {}).get("stuck", [])]
-        rank = min(named) if named else (first.rank if first else None)
+        _, rank = at_fault(exits, beats)
         node = (beats.get(rank, {}).get("node") if rank is not None else None) or \
             next((e.node for e in exits if e.rank == rank), "")
         print(f"c_rank={shlex.quote('' if rank is None else str(rank))} c_node={shlex.quote(node or '')}")
