@@ -1,24 +1,26 @@
-"""Kill-and-requeue soak: a job killed with -9 at random moments (seeded), restarted each time with the same command as
-Slurm's requeue does, must end as if it had never been interrupted.
+"""Kill-and-restart soak: a job whose ranks are killed with -9 at random moments (seeded) and which restarts itself
+each time (launch/local.sh --max-restarts, megamemo/runtime/launcher.py) must end as if it had never been interrupted.
 
     python bench/soak.py [--kills 100] [--seed N] [--minutes 15] [--world 2] [--steps S] [--out runs/soak]
                          [--config FILE --data SHARDS]     (default: the tests' tiny config on the enwik8 fixture)
 
 1. An uninterrupted run (`python -m megamemo.runtime.launcher N` = launch/local.sh without its shell) gives every step's loss.
-2. The same command under a supervisor, checkpointing every step with asynchronous saves on (keep_last 2, so that
-   retention removes checkpoints all the time). Each round draws a moment from the seeded generator:
-     start-up    kill -9 of the launcher and every worker at a random time before the first new step is logged;
+2. The same command with `--max-restarts K` (K = the kills), checkpointing every step with asynchronous saves on
+   (keep_last 2, so that retention removes checkpoints all the time). Each start of the job is one round; the round
+   draws a moment from the seeded generator:
+     start-up    kill -9 of one rank (drawn) at a random time before the start's first step is logged;
      step        after 1-2 new steps, at a random point of the next one (a background save is often in flight);
      save / commit / retention / removal
-                 a rank SIGKILLs itself at that point of the checkpoint protocol, the N-th time it gets there
-                 (megamemo/checkpoint/faults.py; the windows are milliseconds long, a kill from outside would land
-                 there only by luck); the launcher then kills the other ranks.
-   The killed workers are orphans of this process (a child subreaper, as a container's init is) and are reaped
-   only after the restart has ended, so each restart meets its predecessor's zombies (rank 0 among them, named in
-   the LOCK), as under a PID 1 that never reaps. A restart must train again: resume from the newest committed checkpoint (or start afresh when none was
-   committed yet); one that is refused counts as a failed restart.
+                 a rank SIGKILLs itself at that point of the checkpoint protocol, the N-th time it gets there in
+                 that start (megamemo/checkpoint/faults.py, a plan for the job's starts: MEGAMEMO_FAULT_KILL_AT
+                 "POINT:N@START,..."; the windows are milliseconds long, a kill from outside would land there only
+                 by luck).
+   The launcher kills the other ranks, records the interruption and starts the job again by itself. A restart must
+   train again: resume from the newest committed checkpoint (or start afresh when none was committed yet); one
+   that is refused counts as a failed restart.
 3. After the last kill (or when --minutes are used up) the job runs to the end; every step's loss must equal the
-   uninterrupted run's bit for bit, each step logged once.
+   uninterrupted run's bit for bit, each step logged once. The run's goodput (megamemo/runtime/goodput.py) and its
+   interruption records are reported.
 
 Prints one line per kill and a summary; writes OUT/summary.json. Exit 0 when every restart resumed and every loss
 is equal. Run it under `flock /tmp/megamemo-cpu.lock` on a shared machine.
@@ -26,7 +28,6 @@ is equal. Run it under `flock /tmp/megamemo-cpu.lock` on a shared machine.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
@@ -50,8 +51,11 @@ log: {every: 1, tensorboard: false}
 """
 
 
-def job_command(world: int, cfg: Path, shards: Path, run_dir: Path, steps: int, keep_last: int = 2) -> list[str]:
-    return [sys.executable, "-m", "megamemo.runtime.launcher", str(world), "--config", str(cfg), "--data", str(shards),
+def job_command(world: int, cfg: Path, shards: Path, run_dir: Path, steps: int, keep_last: int = 2,
+                max_restarts: int = 0) -> list[str]:
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    return [sys.executable, "-m", "megamemo.runtime.launcher", *restarts, str(world), "--config", str(cfg),
+            "--data", str(shards),
             "--run-dir", str(run_dir), "--max-steps", str(steps), "--save-every", "1",
             "--set", f"checkpoint.keep_last={keep_last}", "--set", "checkpoint.async_save=true",
             "--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]
@@ -93,12 +97,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 def committed(run_dir: Path) -> list[int]:
     from megamemo.checkpoint.store import list_checkpoints
     return [s for s, _, c in list_checkpoints(Path(run_dir) / "checkpoints") if c]
-
-
-def subreaper(on: bool) -> None:
-    """Orphaned workers become this process's children (PR_SET_CHILD_SUBREAPER), as they would be PID 1's."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)
 
 
 def children(pid: int) -> list[int]:
@@ -160,6 +158,42 @@ class Job:
             time.sleep(0.02)
         return rc
 
+    def kill_rank(self, rank: int, start: int, timeout: float = 120) -> None:
+        """kill -9 of the worker of `rank` in the job's start number `start` (MEGAMEMO_RESTART), once it exists; the
+        launcher then stops the others and starts the job again."""
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            for w in children(self.p.pid):
+                try:
+                    env = Path(f"/proc/{w}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if f"RANK={rank}".encode() in env and f"MEGAMEMO_RESTART={start}".encode() in env:
+                    try:
+                        os.kill(w, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    return
+            time.sleep(0.01)
+
+    def wait_for_start(self, start: int, timeout: float) -> int | None:
+        """Wait for the launcher's line announcing restart number `start` -> the log offset after it; None when the
+        job ended instead."""
+        line = f"[launch] restart {start}/".encode()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            data = self.log.read_bytes()
+            k = data.find(line)
+            if k >= 0:
+                end = data.find(b"\n", k)
+                if end >= 0:
+                    return end + 1
+            if self.p.poll() is not None:
+                return None
+            time.sleep(0.02)
+        self.kill9()
+        raise AssertionError(f"the job did not restart nor end within {timeout:.0f}s")
+
     def reap(self) -> None:
         for w in self.workers:
             try:
@@ -179,19 +213,12 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
          keep_last: int = 2, finish: bool = True, nth: tuple[int, int] = (1, 2), say=print) -> dict:
     """Run the soak (see the module's doc); returns the summary. `kinds`: the moments in this order (cycled) instead
     of drawn at random; `reference`: the uninterrupted run's losses when the caller has them; `finish=False` leaves
-    the last run to the caller (the test damages checkpoints first); `nth`: the range the N of a kill is drawn from
-    (the N-th new step, or the N-th pass of a checkpoint point): from 2 up, every start commits a step before it is
-    killed."""
-    subreaper(True)
-    try:
-        return _soak(cfg, shards, out, kills=kills, seed=seed, steps=steps, world=world, minutes=minutes, kinds=kinds,
-                     reference=reference, keep_last=keep_last, finish=finish, nth=nth, say=say)
-    finally:
-        subreaper(False)
+    the last run to the caller (the job gets one restart fewer than kills and ends after the last; the test damages
+    checkpoints first); `nth`: the range the N of a kill is drawn from (the N-th new step, or the N-th pass of a
+    checkpoint point): from 2 up, every start commits a step before it is killed."""
+    from megamemo.runtime import goodput
+    from megamemo.runtime.interruptions import history
 
-
-def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, reference, keep_last, finish, nth,
-          say) -> dict:
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -200,86 +227,78 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
         shutil.rmtree(ref_dir, ignore_errors=True)
         job = Job(job_command(world, cfg, shards, ref_dir, steps, keep_last), job_env(), out / "reference.log")
         assert job.end(900) == 0, _text(out / "reference.log", 0)[-3000:]
-        job.reap()
         reference = losses(ref_dir)
     run_dir, log = out / "run", out / "run.log"
     shutil.rmtree(run_dir, ignore_errors=True)
     log.write_text("")
-    cmd = job_command(world, cfg, shards, run_dir, steps, keep_last)
+    # the rounds, drawn first: the in-process kills are a plan for the job's starts (MEGAMEMO_FAULT_KILL_AT)
+    rounds = []
+    for i in range(kills):
+        kind = kinds[i % len(kinds)] if kinds else rng.choice(KINDS)
+        rounds.append((kind, rng.randint(*nth), rng.randrange(world)))
+    plan = ",".join(f"{k}:{n}@{i}" for i, (k, n, _) in enumerate(rounds) if k not in ("start-up", "step"))
+    cmd = job_command(world, cfg, shards, run_dir, steps, keep_last, max_restarts=kills if finish else kills - 1)
+    job = Job(cmd, job_env(**({"MEGAMEMO_FAULT_KILL_AT": plan} if plan else {})), log)
     records, resumed, refused = [], 0, []
     startup_s = 3.0                 # the time to the first logged step, and a step's: learnt from the runs
     step_s = 0.3
-    previous: Job | None = None
     deadline = t_start + minutes * 60
-    for i in range(kills):
+    began, at = job.t_wall, 0       # this start's wall-clock time and its first byte in the log
+    for i, (kind, nth_here, rank) in enumerate(rounds):
         if time.monotonic() > deadline:
             say(f"[soak] {minutes:g} min used up after {i} kills")
             break
-        kind = (kinds[i % len(kinds)] if kinds else rng.choice(KINDS))
-        env = job_env()
-        nth_here = rng.randint(*nth)
-        if kind in ("save", "commit", "retention", "removal"):
-            env["MEGAMEMO_FAULT_KILL_AT"] = f"{kind}:{nth_here}"
         had = committed(run_dir)
-        log_at = log.stat().st_size
-        job = Job(cmd, env, log)
-        where = kind
+        t0, where = time.monotonic(), kind
         if kind == "start-up":
             time.sleep(rng.uniform(0.0, 0.9 * startup_s))
-            if new_steps(run_dir, job.t_wall):
+            if new_steps(run_dir, began):
                 where = "step (meant start-up)"
-            job.kill9()
+            job.kill_rank(rank, i)
         elif kind == "step":
             first = None
-            while new_steps(run_dir, job.t_wall) < nth_here and job.alive():
-                if first is None and new_steps(run_dir, job.t_wall):
+            while new_steps(run_dir, began) < nth_here and job.alive():
+                if first is None and new_steps(run_dir, began):
                     first = time.monotonic()
                 time.sleep(0.01)
             now = time.monotonic()
-            startup_s = max(1.0, (first or now) - job.t0) if i < 2 else min(startup_s, (first or now) - job.t0)
+            startup_s = max(1.0, (first or now) - t0) if i < 2 else min(startup_s, (first or now) - t0)
             if first is not None:
                 step_s = max(0.05, now - first)
             time.sleep(rng.uniform(0.0, step_s))
-            job.kill9()
-        rc = job.end(600)
-        if previous is not None:
-            previous.reap()         # the previous job's zombies lived through this whole restart
-        text = _text(log, log_at)
+            job.kill_rank(rank, i)
+        nxt = job.wait_for_start(i + 1, 600)        # the launcher's restart, or the job's end
+        text = _text(log, at)[:None if nxt is None else nxt - at]
+        rc = job.p.returncode if nxt is None else None
         started = "fresh start" in text or "resuming at step" in text
         if i > 0:                   # a restart: refused (the lock, a checkpoint), or not training, is a failure
-            ok = rc != 2 and "another trainer is running" not in text and (started or kind == "start-up")
+            ok = "another trainer is running" not in text and (started or kind == "start-up")
             resumed += ok
             if not ok:
                 refused.append(i + 1)
-        if rc == 0 and "[fault]" not in text and kind not in ("start-up", "step"):
+        if nxt is None and rc == 0 and "[fault]" not in text and kind not in ("start-up", "step"):
             where = f"none ({kind} #{nth_here} never reached: the run ended)"
         rec = {"kill": i + 1, "kind": kind, "where": where, "rc": rc, "committed_before": had[-1] if had else None,
                "steps_logged": len(train_records(run_dir)), "restart_trained": started,
                "log": "\n".join(x for x in text.splitlines() if "terminate called" in x or "[launch]" in x)}
         records.append(rec)
         this = "trained" if started else ("was killed in start-up" if kind == "start-up" else "DID NOT TRAIN")
-        say(f"[soak] kill {i + 1}: {where} (exit {rc}); this start {this}; newest committed "
-            f"{committed(run_dir)[-1:] or 'none'}")
-        previous = job
-        if rc == 0:
-            break                   # the run reached its end between kills: no more to kill
+        say(f"[soak] kill {i + 1}: {where}; this start {this}; newest committed {committed(run_dir)[-1:] or 'none'}")
+        if nxt is None:
+            break                   # the job ended: the run reached its end between kills, or no restart was left
+        began, at = time.time(), nxt
     summary = {"seed": seed, "world": world, "steps": steps, "kills": len(records),
                "aborts": sum("terminate called" in r.get("log", "") for r in records),
                "by_kind": {k: sum(r["where"] == k for r in records) for k in KINDS},
                "restarts": max(0, len(records) - 1) + (1 if finish else 0), "records": records}
+    rc = job.end(900)
+    summary["restarts_trained"], summary["refused"] = resumed, refused
+    summary["interruptions"] = history(run_dir)
+    g = goodput.of_run(run_dir)
+    summary["goodput"] = g
     if not finish:
-        if previous is not None:
-            previous.reap()
-        summary["restarts_trained"] = resumed
-        summary["refused"] = refused
         return summary
-    log_at = log.stat().st_size
-    last = Job(cmd, job_env(), log)
-    rc = last.end(900)
-    last.reap()
-    if previous is not None:
-        previous.reap()
-    text = _text(log, log_at)
+    text = _text(log, at)
     resumed += ("resuming at step" in text or "fresh start" in text) and "another trainer is running" not in text
     got = losses(run_dir)
     differ = sorted(s for s in reference if got.get(s) != reference[s])
@@ -292,7 +311,10 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
     say(f"[soak] {summary['kills']} kills ({', '.join(f'{k} {v}' for k, v in summary['by_kind'].items())}); "
         f"{resumed}/{summary['restarts']} restarts trained; {len(reference) - len(differ)}/{len(reference)} steps' "
         f"losses bit-equal to the uninterrupted run; {summary['aborts']} surviving ranks aborted (SIGABRT) when a "
-        f"peer was killed; {summary['seconds']:.0f}s; seed {seed}")
+        f"peer was killed; {len(summary['interruptions'])} interruptions recorded; {summary['seconds']:.0f}s; "
+        f"seed {seed}")
+    if g is not None:
+        say(f"[soak] {goodput.describe(g)}")
     return summary
 
 

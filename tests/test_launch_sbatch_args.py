@@ -1,10 +1,15 @@
 """The batch scripts' own logic, with Slurm's commands replaced by recorders (no cluster, no training): what the
-preset scripts and train.sbatch hand to srun (MEGAMEMO_PRECISION, arguments with spaces kept whole), and when they
-requeue (after a SIGUSR1 and a clean save, up to MEGAMEMO_MAX_REQUEUES; never after a failure). The real Slurm runs
-are in test_launch_train.py (a dev cluster, where one can be started)."""
+preset scripts and train.sbatch hand to srun (MEGAMEMO_PRECISION, arguments with spaces kept whole), when they
+requeue (after a SIGUSR1 and a clean save, up to MEGAMEMO_MAX_REQUEUES; after a crash, up to MEGAMEMO_MAX_FAILURES;
+never after exit 2 or the same step failing three times), which node they exclude (one Slurm reports down, one
+MEGAMEMO_NODE_CHECK fails on; none for a crash on a healthy node) and the restart inside the allocation on the
+healthy nodes (MEGAMEMO_SPARE_NODES). The real Slurm runs are in test_launch_train.py (a dev cluster, where one can
+be started)."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,10 +22,25 @@ SLURM = REPO / "launch" / "slurm"
 
 # srun: records its arguments (NUL-separated, so spaces stay visible), marks every task ready, then exits with
 # $STUB_SRUN_RC, or waits for scancel's USR1 (recorded by scancel) and exits with $STUB_SRUN_RC_AFTER_USR1.
+# A node check (`srun ... --nodelist=NODE ... bash -c CHECK`) runs CHECK with SLURMD_NODENAME=NODE. A training step
+# with $STUB_SRUN_RCS ("CODE:RANK:NODE ..." per step, "0" for a clean one) writes that rank's exit as task.sh does
+# and ends with CODE; $STUB_RUN_DIR is what rank 0 announces as its run directory.
 SRUN = r"""#!/bin/bash
+printf '%s ' "$@" >> "$STUB_DIR/srun.log"; echo "MEGAMEMO_RESTART=${MEGAMEMO_RESTART:-}" >> "$STUB_DIR/srun.log"
+if [ "${*: -2:1}" = "-c" ]; then
+  for a in "$@"; do case "$a" in --nodelist=*) export SLURMD_NODENAME="${a#*=}" ;; esac; done
+  exec bash -c "${*: -1}"
+fi
 printf '%s\0' "$@" > "$STUB_DIR/srun.args"
 for ((i = 0; i < SLURM_NTASKS; i++)); do touch "$MEGAMEMO_TASKS_READY/task$i"; done
 echo $$ > "$STUB_DIR/srun.pid"
+[ -n "${STUB_RUN_DIR:-}" ] && echo "$STUB_RUN_DIR" > "$MEGAMEMO_RUN_DIR_FILE"
+if [ -n "${STUB_SRUN_RCS:-}" ]; then
+  n=$(( $(cat "$STUB_DIR/srun.n" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$STUB_DIR/srun.n"
+  IFS=: read -r code rank node <<<"$(echo $STUB_SRUN_RCS | cut -d' ' -f"$n")"
+  [ -n "$rank" ] && echo "$code $node $(date +%s.%N)" > "$MEGAMEMO_TASK_EXITS/$rank"
+  exit "$code"
+fi
 if [ -n "${STUB_SRUN_WAIT:-}" ]; then
   trap 'exit "${STUB_SRUN_RC_AFTER_USR1:-0}"' USR1
   for ((i = 0; i < 600; i++)); do sleep 0.1; done
@@ -31,9 +51,10 @@ exit "${STUB_SRUN_RC:-0}"
 SCONTROL = r"""#!/bin/bash
 echo "scontrol $*" >> "$STUB_DIR/calls"
 case "$1 $2" in
-  "show job") echo "JobId=$SLURM_JOB_ID JobName=t Command=$STUB_COMMAND" ;;
-  "show hostnames") echo node1 ;;
-  "show node") echo "NodeName=node1 NodeAddr=127.0.0.1" ;;
+  "show job") echo "JobId=$SLURM_JOB_ID JobName=t Command=$STUB_COMMAND ExcNodeList=${STUB_EXCLUDED:-(null)}" ;;
+  "show hostnames") printf '%s\n' ${STUB_HOSTNAMES:-node1} ;;
+  "show node") state=IDLE; [[ " ${STUB_DOWN:-} " == *" $4 "* ]] && state=DOWN+NOT_RESPONDING
+               echo "NodeName=$4 NodeAddr=127.0.0.1 State=$state" ;;
   "requeue "*) ;;
 esac
 """
@@ -61,7 +82,8 @@ def batch(stubs: Path, script: str, *args: str, usr1_after: float | None = None,
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEGAMEMO_", "DS_ACCELERATOR"))}
     e.update(PATH=f"{stubs / 'bin'}:{e['PATH']}", STUB_DIR=str(stubs), STUB_COMMAND=str(SLURM / script),
              SLURM_JOB_ID="4242", SLURM_JOB_NAME="t", SLURM_JOB_NODELIST="node1", SLURM_NTASKS="2",
-             SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(stubs), MEGAMEMO_VENV=str(stubs / "no-venv"), **env)
+             SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(stubs), MEGAMEMO_VENV=str(stubs / "no-venv"))
+    e.update(env)
     p = subprocess.Popen(["bash", str(SLURM / script), *args], env=e, cwd=stubs, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     if usr1_after is not None:
@@ -140,3 +162,111 @@ def test_no_requeue_after_a_failure(stubs):
     rc, out, srun, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RC="2")
     assert rc == 2 and "training finished with exit code 2" in out, out
     assert not any("requeue" in c or "scancel" in c for c in calls), calls
+
+
+# ---- failures: requeue, node exclusion, spares ------------------------------------------------------------------
+TWO_NODES = {"SLURM_JOB_NODELIST": "node[1-2]", "STUB_HOSTNAMES": "node1 node2", "SLURM_NTASKS": "2",
+             "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "1"}
+
+
+def run_dir_at_step(stubs: Path, step: int = 7, committed: int = 6, past: list[int] = ()) -> Path:
+    """A run directory as a failed start leaves it: steps 1..step logged, `committed` committed, and earlier
+    interruption records at the steps in `past`."""
+    d = stubs / "run"
+    (d / "checkpoints" / f"step_{committed:08d}").mkdir(parents=True)
+    (d / "checkpoints" / f"step_{committed:08d}" / "COMMITTED").write_text("{}")
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "time": 1.7e9 + s}) + "\n"
+                                             for s in range(1, step + 1)))
+    (d / "interruptions.jsonl").write_text("".join(json.dumps({"kind": "crash", "step": s, "time": 1.7e9})
+                                                   + "\n" for s in past))
+    return d
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "interruptions.jsonl").read_text().splitlines()]
+
+
+def test_a_crash_on_a_healthy_node_requeues_at_once_excluding_nothing(stubs):
+    run_dir = run_dir_at_step(stubs)
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
+                              STUB_RUN_DIR=str(run_dir), MEGAMEMO_NODE_CHECK="true", **TWO_NODES)
+    assert rc == 0, out
+    assert "training failed (failure 1 of this job): crash of rank 1 on node2 (signal SIGKILL) after step 7 (last " \
+           "committed: 6;" in out, out
+    assert "rank 1's node node2 is healthy (Slurm: IDLE, MEGAMEMO_NODE_CHECK passed): requeueing job 4242, excluding " \
+           "no node" in out, out
+    assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now"], calls
+    [rec] = records(run_dir)
+    assert (rec["kind"], rec["rank"], rec["node"], rec["signal"], rec["launcher"], rec["job"]) == \
+        ("crash", 1, "node2", "SIGKILL", "slurm", "4242")
+    assert "--nodelist=node2" in (stubs / "srun.log").read_text()         # the check ran on the failed rank's node
+
+
+@pytest.mark.parametrize("why", ["down", "check"])
+def test_a_node_at_fault_is_excluded_before_the_requeue(stubs, why):
+    run_dir = run_dir_at_step(stubs)
+    env = {"STUB_DOWN": "node2"} if why == "down" else {"MEGAMEMO_NODE_CHECK": '[ "$SLURMD_NODENAME" != node2 ]'}
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
+                              STUB_RUN_DIR=str(run_dir), STUB_EXCLUDED="node7", **env, **TWO_NODES)
+    assert rc == 0, out
+    reason = "Slurm reports it DOWN+NOT_RESPONDING" if why == "down" else "MEGAMEMO_NODE_CHECK failed there"
+    assert f"node(s) at fault: node2: {reason}" in out and "requeueing job 4242 with node2 excluded" in out, out
+    assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now ExcNodeList=node7,node2"]
+    [rec] = records(run_dir)
+    assert (rec["kind"], rec["node"]) == ("node", "node2") and reason in rec["node_fault"], rec
+
+
+def test_spare_nodes_restart_inside_the_allocation_without_the_node_at_fault(stubs):
+    run_dir = run_dir_at_step(stubs)
+    rc, out, srun, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2 0",
+                                 STUB_RUN_DIR=str(run_dir), STUB_DOWN="node2", MEGAMEMO_SPARE_NODES="1", **TWO_NODES)
+    assert rc == 0, out
+    assert "restarting inside the allocation on node1 (1 of MEGAMEMO_SPARE_NODES=1 spare nodes used)" in out, out
+    assert not any("requeue" in c or "update" in c for c in calls), calls
+    i = srun.index("bash")
+    assert srun[i - 3:i] == ["--nodes=1", "--ntasks=1", "--nodelist=node1"], srun   # the second start: one node
+    steps = [x for x in (stubs / "srun.log").read_text().splitlines() if "task.sh" in x]
+    assert [x.rsplit(" ", 1)[1] for x in steps] == ["MEGAMEMO_RESTART=0", "MEGAMEMO_RESTART=1"], steps
+    job = (stubs / "logs" / "slurm" / "t-4242" / "job.txt").read_text()
+    assert re.findall(r"^start .* restart=(\d+) nodes=(\S+) ntasks=(\d+)", job, flags=re.M) == \
+        [("0", "node1,node2", "2"), ("1", "node1", "1")], job
+    # no spare left (or none allowed): requeued with the node excluded instead
+    (stubs / "srun.n").unlink()
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2 0",
+                              STUB_RUN_DIR=str(run_dir), STUB_DOWN="node2", **TWO_NODES)
+    assert rc == 0 and calls[-1] == "scontrol update JobId=4242 StartTime=now ExcNodeList=node2", (out, calls)
+
+
+def test_no_restart_past_the_failure_cap_nor_after_the_same_step_three_times(stubs):
+    run_dir = run_dir_at_step(stubs, past=[7, 7])
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="1:0:node1",
+                              STUB_RUN_DIR=str(run_dir), **TWO_NODES)
+    assert rc == 1 and "not restarting: failed 3 times in a row after step 7: a deterministic failure" in out, out
+    assert not any("requeue" in c for c in calls), calls
+    logdir = stubs / "logs" / "slurm" / "t-4242"
+    (logdir / "job.txt").write_text("end x restart=0 rc=137 usr1=0\nend x restart=1 rc=0 usr1=1\n"
+                                    "end x restart=2 rc=1 usr1=0\n")       # 2 failures and a preemption before
+    (stubs / "srun.n").unlink()
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
+                              STUB_RUN_DIR=str(run_dir_at_step(stubs / "b")), MEGAMEMO_MAX_FAILURES="2", **TWO_NODES)
+    assert rc == 137 and "not restarting: 3 failures (MEGAMEMO_MAX_FAILURES=2)" in out, out
+    assert not any("requeue" in c for c in calls), calls
+
+
+def test_a_start_that_died_with_its_node_is_recorded_by_the_next(stubs):
+    """Slurm requeues a job itself when a node of it fails (NODE_FAIL), batch script included: the next start finds
+    job.txt's last start without an end, records the lost start (kind node) and counts it as a failure."""
+    run_dir = run_dir_at_step(stubs)
+    logdir = stubs / "logs" / "slurm" / "t-4242"
+    logdir.mkdir(parents=True)
+    (logdir / "job.txt").write_text("start 2030-01-01T10:00:00+00:00 restart=0 nodes=node1,node2 ntasks=2\n")
+    (logdir / ".run-dir").write_text(f"{run_dir}\n")
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_RUN_DIR=str(run_dir),
+                              SLURM_RESTART_COUNT="1", MEGAMEMO_MAX_FAILURES="0", STUB_SRUN_RCS="1:0:node1",
+                              **TWO_NODES)
+    assert "start 0 of job 4242 ended without its batch script (its node lost?)" in out, out
+    [lost, crash] = records(run_dir)
+    assert (lost["kind"], lost["restart"], lost["started"], lost["step"], lost["committed"]) == \
+        ("node", 0, 1893492000.0, 7, 6), lost
+    assert "ended without its batch script" in lost["node_fault"]
+    assert crash["restart"] == 1 and rc == 1 and "not restarting: 2 failures (MEGAMEMO_MAX_FAILURES=0)" in out, out

@@ -1,7 +1,8 @@
 """launch/: the same tiny training through launch/local.sh (torchrun), through the real sbatch script on a real
 local two-node Slurm cluster (launch/slurm/dev-cluster.sh, 2 nodes x 1 task) and through launch/mpi/train.sh
 (mpirun -np 2) gives the same per-step losses; a Slurm job signalled with USR1 mid-run saves, requeues itself,
-resumes from its checkpoint and finishes with the losses of the uninterrupted run.
+resumes from its checkpoint and finishes with the losses of the uninterrupted run; one whose rank on the second
+node is killed with -9 requeues itself too (excluding no node: node2 is healthy) and finishes with them.
 
 The dev cluster installs slurm-wlm and munge with apt-get when they are missing (CI runs as root on a fresh
 Debian machine); the Slurm tests skip only when that install is impossible."""
@@ -213,6 +214,77 @@ def test_usr1_saves_requeues_resumes_with_same_losses(slurm, shards, local_losse
     first = 3 if when == "mid-run" else 1
     assert len(resumed) == 1 and first <= int(resumed[0]) < STEPS, f"the requeued start did not resume mid-run\n{rank0}"
     assert read_losses(run_dir) == local_losses
+
+
+def _rank_pid(job_id: str, rank: int) -> int | None:
+    """The pid of the training process of that rank of that Slurm job (its environment says which), or None."""
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in env and f"SLURM_PROCID={rank}".encode() in env and \
+                b"train" in cmd and not any(c.endswith(b"task.sh") for c in cmd):
+            return int(p.name)
+    return None
+
+
+def test_a_killed_rank_on_the_second_node_requeues_the_job_which_finishes_bit_exact(slurm, shards, local_losses,
+                                                                                     tmp_path):
+    """kill -9 of rank 1 (node2) mid-run: train.sbatch records the crash, finds node2 healthy, requeues the job
+    (excluding nothing, released at once) and the requeued job resumes from the step-10 checkpoint and ends with the
+    losses of the uninterrupted run (launch/local.sh), bit for bit."""
+    run_dir = tmp_path / "run"
+    job_id = _submit(slurm, tmp_path, train_args(shards, run_dir) + ["--save-every", "10", "--set",
+                                                                     "checkpoint.probe=false"])
+    metrics = run_dir / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 14):
+        assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, \
+            _job_logs(slurm, tmp_path, job_id)
+        time.sleep(0.05)
+    pid = _rank_pid(job_id, 1)
+    assert pid is not None, _job_logs(slurm, tmp_path, job_id)
+    os.kill(pid, 9)
+    info = slurm.wait(job_id)
+    logs = _job_logs(slurm, tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", f"{info}\n{logs}"
+    assert info.get("ExcNodeList") in ("(null)", ""), info
+    recs = [json.loads(x) for x in (run_dir / "interruptions.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["rank"], r["node"], r["signal"], r["launcher"], r["job"]) for r in recs] == \
+        [("crash", 1, "node2", "SIGKILL", "slurm", job_id)], recs
+    assert "rank 1's node node2 is healthy (Slurm: " in logs and "excluding no node" in logs, logs
+    assert read_losses(run_dir) == local_losses
+
+
+def test_a_spare_node_takes_over_inside_the_allocation_under_a_smaller_world(slurm, shards, tmp_path, monkeypatch):
+    """MEGAMEMO_SPARE_NODES=1 and a node check that fails on node2: after rank 1 (node2) is killed, the batch script
+    records a node fault and restarts the step at once on node1 alone (no requeue, nothing excluded), and the run
+    resumes its step-4 (or later) checkpoint under world size 1 through the relayout on load."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setitem(slurm.env, "MEGAMEMO_SPARE_NODES", "1")
+    monkeypatch.setitem(slurm.env, "MEGAMEMO_NODE_CHECK", '[ "$SLURMD_NODENAME" != node2 ]')
+    job_id = _submit(slurm, tmp_path, train_args(shards, run_dir) + ["--max-steps", "24", "--save-every", "4",
+                                                                     "--set", "checkpoint.probe=false"])
+    metrics = run_dir / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 7):
+        assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, \
+            _job_logs(slurm, tmp_path, job_id)
+        time.sleep(0.05)
+    pid = _rank_pid(job_id, 1)
+    assert pid is not None, _job_logs(slurm, tmp_path, job_id)
+    os.kill(pid, 9)
+    info = slurm.wait(job_id)
+    logs = _job_logs(slurm, tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", f"{info}\n{logs}"
+    assert "restarting inside the allocation on node1 (1 of MEGAMEMO_SPARE_NODES=1 spare nodes used)" in logs, logs
+    [rec] = [json.loads(x) for x in (run_dir / "interruptions.jsonl").read_text().splitlines()]
+    assert (rec["kind"], rec["rank"], rec["node"]) == ("node", 1, "node2") and rec["committed"] >= 4, rec
+    rank0 = next((tmp_path / "logs" / "slurm").glob(f"*-{job_id}/rank0.log")).read_text()
+    assert "world 1 (slurm)" in rank0 and "resuming under tp=1 pp=1 dp=1 (1 ranks" in rank0, rank0[-3000:]
+    assert sorted(read_losses(run_dir)) == list(range(1, 25))
 
 
 def test_dev_cluster_start_is_idempotent_and_stop_leaves_nothing(slurm):

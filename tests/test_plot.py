@@ -166,3 +166,35 @@ def test_registered_command(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megamemo", "plot", str(d)], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and (d / "metrics.png").is_file(), r.stderr
+
+
+def test_interruptions_are_marked_and_goodput_reported(tmp_path, capsys):
+    """make_run's run with a first start at t0 = 1.7e9 - 9 (process start; training from t0 + 4), each step 0.5 s of
+    its own, and two interruptions after it (at steps 5 and 9); a third one, older than the first start, belongs to
+    an earlier run in the directory and is neither drawn nor counted. By hand: 12 steps x 0.5 s = 6 s productive over
+    1.7e9 + 12 - t0 = 21 s: goodput 28.6 %."""
+    d, recs = make_run(tmp_path, "lamemo")
+    t0 = 1.7e9 - 9
+    recs = [{"kind": "start", "time": t0, "ready": t0 + 4, "step": 0}] + [dict(r, seconds=0.5) if r["kind"] == "train"
+                                                                          else r for r in recs]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    fails = [{"time": t0 - 100, "step": 3, "kind": "crash", "seconds_lost": 1.0},
+             {"time": 1.7e9 + 5.5, "step": 5, "kind": "crash", "seconds_lost": 2.0},
+             {"time": 1.7e9 + 9.5, "step": 9, "kind": "hang", "seconds_lost": 1.5}]
+    (d / "interruptions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fails))
+    run = plot.load_run(d)
+    assert [r["step"] for r in run.interruptions] == [5, 9]
+    assert run.goodput["goodput"] == pytest.approx(6 / 21) and run.goodput["lost_s"] == 3.5
+    fig, drawn = plot.figure([run], "steps")
+    assert [ln.get_xdata()[0] for ln in drawn[run.name, "interruption"]] == [5, 9]
+    assert [ln.get_linestyle() for ln in drawn[run.name, "interruption"]] == ["--", "--"]
+    assert "dashed: interrupted" in fig.axes[0].get_title()
+    assert drawn[run.name, "train"].get_label() == "lamemo train (goodput 28.6%)"
+    cum = dict(zip([r["step"] for r in of(recs, "train")], accumulate(r["tokens"] for r in of(recs, "train"))))
+    fig, drawn = plot.figure([run], "tokens")
+    assert [ln.get_xdata()[0] for ln in drawn[run.name, "interruption"]] == [cum[5], cum[9]]
+    assert plot.main([str(d), "--out", str(tmp_path / "g.png")]) == 0
+    out = capsys.readouterr().out
+    assert "[plot] lamemo: 12 steps, 3 evaluations, 1 resumes, 1 skipped steps, 2 interruptions;" in out
+    assert "[plot] lamemo: goodput 28.6%: 6.0 s of training steps in 21.0 s since the first start (1 start, " \
+           "start-ups 4.0 s; 2 interruptions, 3.5 s lost;" in out, out

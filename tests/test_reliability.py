@@ -267,8 +267,8 @@ def _soak():
 
 def test_fault_injection_kills_flips_and_truncations(tiny_cfg, shards, reference, tmp_path):
     """bench/soak.py's short version: five kill -9s, one at each kind of moment (start-up, mid-step, inside a rank's
-    save, at rank 0's commit, between the commit and retention), each followed by the same command at once (the
-    killed workers still zombies), asynchronous saves on; then a byte flip and a truncation in the two newest
+    save, at rank 0's commit, between the commit and retention), each followed by the job's own restart (the
+    launcher's --max-restarts), asynchronous saves on; then a byte flip and a truncation in the two newest
     committed checkpoints. Every restart trains again, the damaged ones are moved aside, and the run ends with the
     uninterrupted run's losses, bit for bit. The seed is printed; MEGAMEMO_FAULT_SEED replays a failure."""
     seed = int(os.environ.get("MEGAMEMO_FAULT_SEED", time.time_ns() % 10_000))

@@ -66,6 +66,28 @@ def test_another_hosts_lock_is_stale_only_without_heartbeat(tmp_path):
     lock.release()
 
 
+def test_an_earlier_start_of_the_same_slurm_job_is_dead_at_once(tmp_path, monkeypatch):
+    """A job requeued after a failure may start on other nodes: the lock its previous start left (a fresh heartbeat,
+    another host) is that start's, which Slurm ended, so it is taken over at once; the same start's or another job's
+    is not."""
+    record = {"host": "gpu-node-17", "pid": 4242, "slurm_job": "991", "restart": 2, "token": "t4",
+              "heartbeat": time.time()}
+    monkeypatch.setenv("SLURM_JOB_ID", "991")
+    monkeypatch.setenv("MEGAMEMO_RESTART", "2")
+    for holder in (record, {**record, "slurm_job": "990", "restart": 1}):
+        (tmp_path / LOCK).write_text(json.dumps(holder))
+        with pytest.raises(RunLockedError, match="another trainer is running"):
+            RunLock(tmp_path, stale_after_s=600).acquire()
+    monkeypatch.setenv("MEGAMEMO_RESTART", "3")
+    (tmp_path / LOCK).write_text(json.dumps(record))
+    said = []
+    lock = RunLock(tmp_path, stale_after_s=600, log=said.append)
+    lock.acquire()
+    assert "an earlier start (restart 2) of this Slurm job, which has ended" in said[0], said
+    assert json.loads((tmp_path / LOCK).read_text())["restart"] == 3
+    lock.release()
+
+
 def test_a_zombie_holder_is_dead_and_taken_over(tmp_path):
     """A trainer killed with -9 whose parent has not reaped it yet (under a container's PID 1 that never reaps, for
     ever) is a zombie: its /proc entry stays, in state Z. Its lock is taken over, and the take-over says why."""

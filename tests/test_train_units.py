@@ -88,6 +88,10 @@ def test_paper_configs_have_paper_shapes():
     ("data.fetch_threads=0", "data.fetch_threads"),
     ("checkpoint.commit_timeout_s=0", "checkpoint.commit_timeout_s: must be > 0 seconds"),
     ("checkpoint.commit_timeout_s=soon", "checkpoint.commit_timeout_s"),
+    ("parallel.collective_timeout_s=0", "parallel.collective_timeout_s: must be > 0 seconds"),
+    ("train.hang_timeout_s=-5", "train.hang_timeout_s: must be >= 0 seconds"),
+    ("train.hang_timeout_s=soon", "train.hang_timeout_s: expected float"),
+    ("train.hang_floor_s=0", "train.hang_floor_s: must be > 0 seconds"),
 ])
 def test_bad_config_values_name_the_field(override, names):
     with pytest.raises(C.ConfigError, match=names.replace(".", r"\.")):
@@ -289,13 +293,14 @@ print("main returned", cli.main(["--config", "unused.yaml"]), flush=True)
 """
 
 
-def test_a_rank_whose_peer_is_gone_exits_1_without_interpreter_shutdown():
-    """A collective that failed because the peer vanished: exit code 1, quietly, and without the interpreter's
-    shutdown (no atexit handler runs, main never returns). Under that shutdown a gloo worker thread finishing the
-    queued collectives calls std::terminate ("terminate called without an active exception", SIGABRT; README, When
-    things go wrong), so this is what keeps the surviving rank from aborting."""
+def test_a_rank_whose_peer_is_gone_exits_4_without_interpreter_shutdown():
+    """A collective that failed because the peer vanished: exit code 4 (a consequence, which a supervisor does not
+    take for the failure's cause: runtime/interruptions.py), quietly, and without the interpreter's shutdown (no
+    atexit handler runs, main never returns). Under that shutdown a gloo worker thread finishing the queued
+    collectives calls std::terminate ("terminate called without an active exception", SIGABRT; README, When things
+    go wrong), so this is what keeps the surviving rank from aborting."""
     r = subprocess.run([sys.executable, "-c", PEER_LOST], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == 4, r.stdout + r.stderr
     assert "interpreter shutdown ran" not in r.stdout and "main returned" not in r.stdout, r.stdout
     assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr
 

@@ -18,6 +18,12 @@ runtime="${MEGAMEMO_CONTAINER_RUNTIME:-apptainer}"
 image="${MEGAMEMO_CONTAINER:-}"
 
 ready() { [ -n "${MEGAMEMO_TASKS_READY:-}" ] && touch "$MEGAMEMO_TASKS_READY/${SLURM_PROCID:-0}" 2>/dev/null || true; }
+# How the training ended, for the batch script's failure handling (launch/slurm/failure.sh): "CODE NODE TIME" in
+# $MEGAMEMO_TASK_EXITS/<rank> (128 + N for signal N), written as soon as it ended: the first failure is the cause.
+ended() {
+  [ -n "${MEGAMEMO_TASK_EXITS:-}" ] || return 0
+  echo "$1 ${SLURMD_NODENAME:-$(hostname)} $(date +%s.%N)" >"$MEGAMEMO_TASK_EXITS/${SLURM_PROCID:-0}" 2>/dev/null || true
+}
 
 if [ -n "$image" ] && [ "$runtime" != pyxis ]; then
   # The container runtime (apptainer's starter, docker's CLI) catches and relays signals to the container itself.
@@ -77,3 +83,6 @@ while kill -0 "$child" 2>/dev/null; do
   fi
 done
 wait "$child"
+rc=$?
+ended "$rc"
+exit "$rc"

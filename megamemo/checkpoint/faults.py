@@ -7,8 +7,12 @@ protocol, where a kill from outside would land only by luck (the windows are mil
         commit     rank 0: every rank's files are in, COMMITTED not yet written
         retention  rank 0: the step is committed, older checkpoints not yet removed
         removal    rank 0: an old checkpoint's COMMITTED removed, its files not yet
+      "POINT:N@K,POINT:N@K,..."               the same, each in the start with MEGAMEMO_RESTART=K only (a plan for
+                                              a job that restarts itself: launch/local.sh --max-restarts)
     MEGAMEMO_FAULT_FAIL_WRITE="STEP:RANK"   that rank's write of its tensor file of that step fails with ENOSPC
                                             (the save must fail on every rank, nothing committed)
+    MEGAMEMO_FAULT_CRASH_AT="STEP:RANK"     that rank raises an error as it begins training that step, in every
+                                            start (a deterministic failure: the supervisor must give up on it)
 Unset (always, outside tests and the soak), each check is one comparison.
 """
 from __future__ import annotations
@@ -21,19 +25,37 @@ from pathlib import Path
 POINTS = ("save", "commit", "retention", "removal")
 
 
+def for_this_start(value: str, env) -> str:
+    """The entry of a plan "SPEC@K,SPEC@K,..." for this start of the job (MEGAMEMO_RESTART=K, set by the launcher;
+    an entry without @K holds for every start); "" when none."""
+    start = int(env.get("MEGAMEMO_RESTART") or 0)
+    for item in filter(None, value.split(",")):
+        spec, _, k = item.partition("@")
+        if not k or int(k) == start:
+            return spec
+    return ""
+
+
 class FaultPoints:
     def __init__(self, rank: int, environ=None):
         env = os.environ if environ is None else environ
         self.rank = rank
         legacy = env.get("MEGAMEMO_FAULT_KILL_IN_SAVE", "")
         self.kill_in_save = tuple(int(x) for x in legacy.split(":")) if legacy else None
-        point = env.get("MEGAMEMO_FAULT_KILL_AT", "")
+        point = for_this_start(env.get("MEGAMEMO_FAULT_KILL_AT", ""), env)
         self.kill_at = (point.split(":")[0], int(point.split(":")[1])) if point else None
         if self.kill_at is not None and self.kill_at[0] not in POINTS:
             raise ValueError(f"MEGAMEMO_FAULT_KILL_AT: unknown point {self.kill_at[0]!r} (one of {', '.join(POINTS)})")
         self.passed: dict[str, int] = {}
         failing = env.get("MEGAMEMO_FAULT_FAIL_WRITE", "")
         self.fail_write_at = tuple(int(x) for x in failing.split(":")) if failing else None
+        crash = env.get("MEGAMEMO_FAULT_CRASH_AT", "")
+        self.crash_at = tuple(int(x) for x in crash.split(":")) if crash else None
+
+    def step(self, step: int) -> None:
+        """As this rank begins training step `step`: the injected crash when asked for."""
+        if self.crash_at == (step, self.rank):
+            raise RuntimeError(f"rank {self.rank}: crash injected at step {step} (MEGAMEMO_FAULT_CRASH_AT)")
 
     def write(self, step: int, path: Path) -> None:
         """Before this rank writes `path` of step `step`: an injected write error when asked for."""

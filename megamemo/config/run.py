@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from megamemo.config.data import check_data_source
 from megamemo.config.zero import problems as reduction_problems
 from megamemo.util.typed import Switch, build
 from megamemo.util.precision import NAMES as PRECISIONS
@@ -97,6 +98,9 @@ class ParallelConfig:
     # from the same weights; needs host memory for the whole model per process); shard: each rank initialises only
     # its own shard (same distributions, weights depend on the layout); auto: full up to 5e8 parameters
     init: str = "auto"
+    # a collective (the training's and evaluation's, DeepSpeed's and megatron-core's groups) that does not complete
+    # within this fails: a hung or dead peer ends the job in minutes (the checkpoint commit has its own timeout)
+    collective_timeout_s: float = 300.0
 
 
 @dataclass
@@ -124,6 +128,12 @@ class TrainConfig:
     # backend (inductor; aot_eager traces without generating code, for debugging).
     compile: Switch = "auto"
     compile_backend: str = "inductor"
+    # Hang detection (runtime/watchdog.py): a rank whose step does not move for this long writes its threads' stacks
+    # to its log, names the rank it waits for and exits with code 3 (retried by launch/local.sh --max-restarts and
+    # train.sbatch). null: auto, 5 x hang_floor_s over a process's first steps (start-up, compilation), then 10 x
+    # the slowest step seen, at least hang_floor_s; 0: no watchdog
+    hang_timeout_s: float | None = None
+    hang_floor_s: float = 120.0
 
 
 @dataclass
@@ -200,7 +210,7 @@ class RunConfig:
 
         if self.data.batch_size < 1:
             bad("data.batch_size", "must be >= 1")
-        _check_data_source(self.data)
+        check_data_source(self.data, ConfigError)
         if self.optim.name not in ("adam", "adamw"):
             bad("optim.name", "must be 'adam' or 'adamw'")
         if self.optim.lr <= 0:
@@ -272,8 +282,11 @@ class RunConfig:
             bad("checkpoint.save_every", "must be >= 0")
         if self.checkpoint.keep_last < 1:
             bad("checkpoint.keep_last", "must be >= 1")
-        if not self.checkpoint.commit_timeout_s > 0:
-            bad("checkpoint.commit_timeout_s", "must be > 0 seconds")
+        for name in ("checkpoint.commit_timeout_s", "parallel.collective_timeout_s", "train.hang_floor_s"):
+            if not _get(self, name) > 0:
+                bad(name, "must be > 0 seconds")
+        if self.train.hang_timeout_s is not None and not self.train.hang_timeout_s >= 0:
+            bad("train.hang_timeout_s", "must be >= 0 seconds (0: no watchdog; null: auto)")
         if self.log.every < 1:
             bad("log.every", "must be >= 1")
         if self.eval.every < 0:
@@ -307,34 +320,6 @@ class RunConfig:
             raise ConfigError(f"eval.batch_size: {self.eval.batch_size} streams do not split over {dp} "
                               f"data-parallel ranks")
         return dp, self.data.batch_size // per
-
-
-def _check_data_source(d: DataConfig) -> None:
-    """data.cache_size, data.retries, ... and data.blend's entries (the directories themselves are checked by
-    megamemo.train.data when the run starts)."""
-    from data_pipeline.shards import _parse_size
-
-    try:
-        if _parse_size(d.cache_size) < 0:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(f"data.cache_size: expected a size like 50G or 800M, got {d.cache_size!r}") from None
-    if d.retries < 0:
-        raise ConfigError(f"data.retries: must be >= 0 (got {d.retries})")
-    if d.retry_backoff_s < 0:
-        raise ConfigError(f"data.retry_backoff_s: must be >= 0 (got {d.retry_backoff_s})")
-    if d.fetch_threads < 1:
-        raise ConfigError(f"data.fetch_threads: must be >= 1 (got {d.fetch_threads})")
-    if d.blend and d.dir:
-        raise ConfigError("data.blend: give either data.dir (--data) or data.blend, not both")
-    for i, e in enumerate(d.blend):
-        if set(e) != {"dir", "weight"}:
-            raise ConfigError(f"data.blend[{i}]: expected {{dir, weight}}, got keys {sorted(e)}")
-        if not isinstance(e["dir"], str) or not e["dir"]:
-            raise ConfigError(f"data.blend[{i}].dir: expected a directory or URL, got {e['dir']!r}")
-        w = e["weight"]
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
-            raise ConfigError(f"data.blend[{i}].weight: expected a positive number, got {w!r}")
 
 
 def remote_options(d: DataConfig):

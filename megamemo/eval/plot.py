@@ -3,9 +3,12 @@
     megamemo plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--x steps|tokens] [--metric bpc|ppl]
 
 Per run (labelled by its directory name, one colour each): the training curve (every applied step), the
-validation points (kind "eval"), a dotted vertical line where the run resumed (kind "resume") and a mark at the
-foot of the axes for each skipped step (kind "skip": an fp16 overflow, not applied). --x tokens puts the tokens
-trained so far (summed over the applied steps) on the x axis instead of the step.
+validation points (kind "eval"), a dotted vertical line where the run resumed (kind "resume"), a mark at the
+foot of the axes for each skipped step (kind "skip": an fp16 overflow, not applied) and a dashed vertical line at
+the step each interruption reached (a crash, a hang, a lost node: <run_dir>/interruptions.jsonl). --x tokens puts
+the tokens trained so far (summed over the applied steps) on the x axis instead of the step. Each run's goodput
+(productive step time over wall time since its first start: megamemo/runtime/goodput.py) is printed and shown in
+the legend.
 
 The metric is bpc for byte/character corpora and perplexity for word-level and subword ones (log scale), as
 training logs it (subword runs, whose records carry bits_per_byte, get a second panel of bits per byte beside it): from the shard manifest of config.yaml's data.dir when that directory exists (relative paths are read from
@@ -24,6 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megamemo.runtime import goodput, interruptions
 from megamemo.util.units import metric_value
 
 WORD_LEVEL_NATS = 2.0   # records-only guess: characters sit below this (bpc < 2.9), words above (ppl > 7.4)
@@ -41,6 +45,8 @@ class Run:
     evals: list[dict] = field(default_factory=list)
     skips: list[dict] = field(default_factory=list)
     resumes: list[dict] = field(default_factory=list)
+    interruptions: list[dict] = field(default_factory=list)    # interruptions.jsonl, in the run's history
+    goodput: dict | None = None
     metric: str = "bpc"
     metric_from: str = ""
     _cum: tuple | None = field(default=None, repr=False)
@@ -83,7 +89,8 @@ def load_run(run_dir: str | Path) -> Run:
     path = run_dir / "metrics.jsonl"
     run = Run(name=run_dir.resolve().name, path=path)
     lists = {"train": run.train, "eval": run.evals, "skip": run.skips, "resume": run.resumes}
-    for i, rec in read_records(path):
+    records = read_records(path)
+    for i, rec in records:
         kind = rec.get("kind", "train")
         if kind not in lists:
             continue                                  # a kind this version does not draw
@@ -93,6 +100,10 @@ def load_run(run_dir: str | Path) -> Run:
         lists[kind].append(rec)
     if not run.train and not run.evals:
         raise PlotError(f"{path}: no training or evaluation records")
+    failures = interruptions.history(run_dir)
+    run.goodput = goodput.compute([rec for _, rec in records], failures)
+    since = run.goodput["first_start"] if run.goodput else float("-inf")
+    run.interruptions = [r for r in failures if isinstance(r.get("step"), int) and float(r.get("time", 0)) >= since]
     run.metric, run.metric_from = infer_metric(run_dir, run)
     return run
 
@@ -144,7 +155,8 @@ def has_bits_per_byte(runs: list[Run]) -> bool:
 
 
 def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
-    """The figure and its artists: {(run name, "train" | "eval" | "resume" | "skip"): Line2D or list of them}."""
+    """The figure and its artists: {(run name, "train" | "eval" | "resume" | "skip" | "interruption"): Line2D or list
+    of them}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,9 +183,10 @@ def _draw(ax, runs: list[Run], x: str, metric: str, drawn: dict, plt, blended_tr
     for i, run in enumerate(runs):
         c = colours[i % len(colours)]
         if run.train:
+            good = f" (goodput {run.goodput['goodput']:.1%})" if run.goodput else ""
             (drawn[run.name, "train"],) = ax.plot(xs(run, [r["step"] for r in run.train]),
                                                   [value(r, metric) for r in run.train], color=c,
-                                                  lw=0.8, alpha=0.6, label=f"{run.name} train")
+                                                  lw=0.8, alpha=0.6, label=f"{run.name} train{good}")
         if run.evals:
             split = run.evals[0].get("split", "valid")
             (drawn[run.name, "eval"],) = ax.plot(xs(run, [r["step"] for r in run.evals]),
@@ -181,6 +194,8 @@ def _draw(ax, runs: list[Run], x: str, metric: str, drawn: dict, plt, blended_tr
                                                  marker="o", ms=4, label=f"{run.name} {split}")
         drawn[run.name, "resume"] = [ax.axvline(xv, color=c, ls=":", lw=1.2)
                                      for xv in xs(run, [r["step"] for r in run.resumes])]
+        drawn[run.name, "interruption"] = [ax.axvline(xv, color=c, ls="--", lw=1.2, alpha=0.8)
+                                           for xv in xs(run, [r["step"] for r in run.interruptions])]
         if run.skips:   # at the step attempted; by tokens, where that attempt began (it trained none)
             at = [r["step"] for r in run.skips] if x == "steps" else [run.tokens_at(r["step"] - 1) for r in run.skips]
             (drawn[run.name, "skip"],) = ax.plot(at, [0.02] * len(at), ls="none", marker="x", color=c,
@@ -190,6 +205,8 @@ def _draw(ax, runs: list[Run], x: str, metric: str, drawn: dict, plt, blended_tr
     if metric == "ppl":
         ax.set_yscale("log")
     marks = []
+    if any(r.interruptions for r in runs):
+        marks.append("dashed: interrupted")
     if any(r.resumes for r in runs):
         marks.append("dotted: resumed")
     if any(r.skips for r in runs):
@@ -235,6 +252,9 @@ def main(argv: list[str]) -> int:
         plt.close(fig)
     for r in runs:
         print(f"[plot] {r.name}: {len(r.train)} steps, {len(r.evals)} evaluations, {len(r.resumes)} resumes, "
-              f"{len(r.skips)} skipped steps; {a.metric or r.metric} ({'--metric' if a.metric else r.metric_from})")
+              f"{len(r.skips)} skipped steps, {len(r.interruptions)} interruptions; {a.metric or r.metric} "
+              f"({'--metric' if a.metric else r.metric_from})")
+        if r.goodput:
+            print(f"[plot] {r.name}: {goodput.describe(r.goodput)}")
     print(f"[plot] wrote {out}")
     return 0

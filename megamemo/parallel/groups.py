@@ -4,6 +4,7 @@ tracker, on CPU a tracker over torch's CPU generator (megatron's needs CUDA)."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,9 @@ def _mcore():
     return parallel_state, tensor_parallel
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1) -> None:
-    """Create the TP x PP x DP groups (torch.distributed must be initialised). Idempotent for the same sizes."""
+def init_model_parallel(tp: int = 1, pp: int = 1, timeout_s: float | None = None) -> None:
+    """Create the TP x PP x DP groups (torch.distributed must be initialised). Idempotent for the same sizes.
+    timeout_s: their collectives' timeout (parallel.collective_timeout_s; None: megatron-core's 30 minutes)."""
     ps, _ = _mcore()
     world = dist.get_world_size()
     if world % (tp * pp):
@@ -28,7 +30,8 @@ def init_model_parallel(tp: int = 1, pp: int = 1) -> None:
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (tp, pp):
             return
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))}
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **minutes)
 
 
 def destroy_model_parallel() -> None:

@@ -169,9 +169,10 @@ def _skip_shm_comm_build() -> None:
     mod.build_shm_op = lambda: None
 
 
-def init(timeout_s: int = 600) -> DistEnv:
+def init(timeout_s: float = 300.0) -> DistEnv:
     """Discover the ranks, export them, choose the device (device.py) and start torch.distributed through
-    DeepSpeed (gloo or NCCL)."""
+    DeepSpeed (gloo or NCCL). timeout_s (parallel.collective_timeout_s): how long a collective of the default group
+    waits for a peer before it fails (a hung or dead rank)."""
     import torch
 
     from megamemo.runtime import device

@@ -14,19 +14,29 @@ restarts and rendezvous are not needed on one machine. This launcher:
     so a `kill -9` of this launcher makes them save and stop instead of training on as orphans;
   * when a worker fails, kills the others at once (they cannot go on without it: their collectives would fail with
     messages of their own) and exits with the failed worker's exit code (2 for bad usage, config, data or checkpoint,
-    as megamemo prints it, in one line).
+    as megamemo prints it, in one line);
+  * records the failure in <run_dir>/interruptions.jsonl (runtime/interruptions.py: rank 0 tells it the run
+    directory) and, with --max-restarts N (torchrun's meaning), starts all the workers again, at most N times, after
+    a retryable failure: they resume from the newest committed checkpoint. One line per restart says its cause.
+    Never after exit 2 (bad usage, config, data, a refused checkpoint), nor after a stop signal, nor after failing
+    SAME_STEP_LIMIT times in a row at the same step (deterministic: one line says so). Each start gets a fresh
+    MASTER_PORT (unless the environment fixes one) and MEGAMEMO_RESTART = the restarts before it.
 """
 from __future__ import annotations
 
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from megamemo.runtime import interruptions
 from megamemo.runtime.dist import free_port
+from megamemo.runtime.interruptions import Exit
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
@@ -43,23 +53,32 @@ def handles(pid: int, sig: int) -> bool:
 
 
 class Launcher:
-    def __init__(self, n: int, cmd: list[str], log=lambda m: print(m, file=sys.stderr, flush=True)):
+    def __init__(self, n: int, cmd: list[str], log=lambda m: print(m, file=sys.stderr, flush=True),
+                 max_restarts: int = 0, run_dir_file: str | None = None):
         self.n, self.cmd, self.log = n, cmd, log
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.run_dir_file = run_dir_file        # where rank 0 writes its run directory
         self.procs: list[subprocess.Popen] = []
         self.pending: list[set[int]] = []
+        self.exits: dict[int, Exit] = {}        # rank -> how it ended, in this start
         self.interrupts = 0
+        self.stopping = False                   # a stop signal was passed on: the job is not started again
+        self.started = 0.0
 
     def start(self) -> None:
         port = os.environ.get("MASTER_PORT") or str(free_port())
         threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // self.n))
+        self.procs, self.pending, self.exits, self.started = [], [], {}, time.time()
+        extra = {interruptions.RUN_DIR_FILE: self.run_dir_file} if self.run_dir_file else {}
         for r in range(self.n):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(self.n),
                        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=port,
-                       OMP_NUM_THREADS=threads)
+                       OMP_NUM_THREADS=threads, MEGAMEMO_RESTART=str(self.restarts), **extra)
             self.procs.append(subprocess.Popen(self.cmd, env=env, process_group=0))
             self.pending.append(set())
 
     def on_signal(self, sig, _frame) -> None:
+        self.stopping = True
         if sig == signal.SIGINT:
             self.interrupts += 1
             if self.interrupts > 1:
@@ -83,9 +102,15 @@ class Launcher:
                     pending.discard(sig)
 
     def kill(self) -> None:
-        for p in self.procs:
+        for r, p in enumerate(self.procs):
             if p.poll() is None:
                 p.kill()
+                self.exits.setdefault(r, Exit(r, -signal.SIGKILL, time.time(), socket.gethostname(), killed=True))
+
+    def _note_exits(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is not None and r not in self.exits:
+                self.exits[r] = Exit(r, p.returncode, time.time(), socket.gethostname())
 
     def wait(self) -> int:
         """Until every worker ended -> 0, or the exit code of the failure: 2 when a worker explained it (megamemo's
@@ -94,12 +119,14 @@ class Launcher:
         stopped = False
         while any(p.poll() is None for p in self.procs):
             self.deliver()
+            self._note_exits()
             if first is None:
                 first = _first_failure(self.procs)
                 if first is not None:
                     self.kill()             # the others cannot go on without it
                     stopped = True
             time.sleep(0.05)
+        self._note_exits()
         codes = [p.returncode for p in self.procs]
         if 2 in codes:
             return 2
@@ -109,37 +136,98 @@ class Launcher:
         self.log(f"[launch] worker {r} exited with {_describe(c)}" + (": the others were stopped" if stopped else ""))
         return c if c > 0 else 128 - c
 
+    def supervise(self, early: list[str] = ()) -> int:
+        """Start the workers, and again after each retryable failure while restarts are left -> the exit code.
+        early: signals (TERM, USR1, ...) that arrived before the first start, passed on once it began."""
+        while True:
+            self.start()
+            for name in early:
+                self.on_signal(signal.Signals[f"SIG{name}"], None)
+            early = ()
+            rc = self.wait()
+            if rc == 0 or self.stopping:
+                return rc
+            retry, why, rec = self.record()
+            if not retry:
+                if self.max_restarts and why:
+                    self.log(f"[launch] not restarting: {why}" + (f" ({interruptions.summary(rec)})" if rec else ""))
+                return rc
+            self.restarts += 1
+            self.log(f"[launch] restart {self.restarts}/{self.max_restarts}: "
+                     + (interruptions.summary(rec) if rec else interruptions.describe(rc))
+                     + f"; starting the {self.n} worker(s) again from the newest committed checkpoint")
+
+    def record(self) -> tuple[bool, str, dict | None]:
+        """The failure's record in the run directory (when rank 0 said which) -> (start again?, why not, record)."""
+        run_dir = interruptions.read_run_dir(self.run_dir_file)
+        exits = list(self.exits.values())
+        first = interruptions.culprit(exits)
+        left = self.max_restarts - self.restarts
+        if first is not None and first.code == interruptions.EXIT_USAGE and (
+                run_dir is None or not interruptions.read_heartbeats(run_dir, since=self.started)):
+            return False, interruptions.USAGE, None   # refused before training (config, data, the lock): no record
+        if run_dir is None or first is None:            # failed before rank 0 named its run directory
+            return left > 0, "" if left > 0 else "no restarts left", None
+        past = interruptions.history(run_dir)
+        rec = interruptions.record(run_dir, exits, started=self.started, restart=self.restarts, launcher="local")
+        retry, why = interruptions.decide(rec, past, left)
+        return retry, why, rec
+
 
 def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
-    """(rank, exit code) of a failed worker, or None. Several failed since the last look: a SIGABRT is a peer's
-    consequence (gloo aborting a rank whose peer vanished mid-collective), not the cause; else the lowest rank."""
+    """(rank, exit code) of a failed worker, or None. Several failed since the last look: a SIGABRT (gloo aborting a
+    rank whose peer vanished mid-collective) and exit 4 (a rank that saw its peer vanish) are a peer's consequence,
+    not the cause; else the lowest rank."""
     failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-    return min(failed, key=lambda rc: (rc[1] == -signal.SIGABRT, rc[0])) if failed else None
+    return min(failed, key=lambda rc: (rc[1] in (-signal.SIGABRT, interruptions.EXIT_PEER_LOST), rc[0])) \
+        if failed else None
 
 
 def _describe(rc: int) -> str:
     return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+USAGE = ("usage: python -m megamemo.runtime.launcher [--max-restarts K] N [megamemo train args...]   (N: number of "
+         "processes; K: restarts after failures, default 0)")
+
+
+def parse(argv: list[str]) -> tuple[int, int, list[str]] | None:
+    """(N, max restarts, train args) from `[--max-restarts K | --max-restarts=K] N ARGS...`, or None."""
+    restarts = 0
+    if argv and argv[0].startswith("--max-restarts"):
+        flag, _, value = argv[0].partition("=")
+        if flag != "--max-restarts":
+            return None
+        if not value:
+            if len(argv) < 2:
+                return None
+            value, argv = argv[1], argv[1:]
+        if not value.isdigit():
+            return None
+        restarts, argv = int(value), argv[1:]
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
-        print("usage: python -m megamemo.runtime.launcher N [megamemo train args...]   (N: number of processes)",
-              file=sys.stderr)
+        return None
+    return int(argv[0]), restarts, argv[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = parse(list(sys.argv[1:] if argv is None else argv))
+    if parsed is None:
+        print(USAGE, file=sys.stderr)
         return 2
-    n, args = int(argv[0]), argv[1:]
+    n, max_restarts, args = parsed
     train = shlex.split(os.environ.get("MEGAMEMO_TRAIN_CMD", "")) or [sys.executable, "-m", "megamemo", "train"]
-    launcher = Launcher(n, train + args)
+    fd, run_dir_file = tempfile.mkstemp(prefix="megamemo-run-dir-")
+    os.close(fd)
+    launcher = Launcher(n, train + args, max_restarts=max_restarts, run_dir_file=run_dir_file)
     for sig in FORWARDED:
         signal.signal(sig, launcher.on_signal)
     early = os.environ.pop("MEGAMEMO_PENDING_SIGNALS", "").split()     # caught by launch/local.sh before us
-    launcher.start()
-    for name in early:
-        launcher.on_signal(signal.Signals[f"SIG{name}"], None)
     try:
-        return launcher.wait()
+        return launcher.supervise(early)
     finally:
         launcher.kill()
+        os.unlink(run_dir_file)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ every `heartbeat_s`, and a random token. A second trainer started on the same ru
 the old one still runs, a requeue racing a straggler) is refused with the holder named. A dead holder's lock is
 taken over with one line saying so: on the same host when its process is gone (or a zombie: killed and not yet
 reaped, which under a PID 1 that never reaps lasts for ever); from another host when its
-heartbeat is older than `stale_after_s` (clocks of a cluster's nodes agree to well within that).
+heartbeat is older than `stale_after_s` (clocks of a cluster's nodes agree to well within that); at once, from any
+host, when it was an earlier start of the same Slurm job (its restart count lower than this start's: Slurm ended
+that start's processes before it started this one, and a requeue after a failure may land on other nodes).
 
 Works on a shared file system across nodes: creation is O_CREAT|O_EXCL, the heartbeat is written to a temporary
 file and renamed over the lock, and a take-over renames the stale lock away under a name that carries its token,
@@ -22,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from megamemo.runtime.interruptions import restart_count
 from megamemo.util.files import write_text_atomic
 
 LOCK = "LOCK"
@@ -88,7 +91,8 @@ class RunLock:
 
     def _record(self) -> dict:
         return {"host": socket.gethostname(), "pid": self.pid, "pid_start": _proc_start(self.pid),
-                "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "slurm_job": os.environ.get("SLURM_JOB_ID"), "restart": restart_count(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "heartbeat": time.time(), "token": self.token}
 
     def _read(self, path: Path | None = None) -> dict | None:
@@ -103,6 +107,10 @@ class RunLock:
         """Why the holder is dead, or None if it may be alive."""
         if not holder:
             return "unreadable lock file"
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and holder.get("slurm_job") == job and isinstance(holder.get("restart"), int) \
+                and holder["restart"] < restart_count():
+            return f"an earlier start (restart {holder['restart']}) of this Slurm job, which has ended"
         if holder.get("host") == socket.gethostname():
             return None if _alive_here(holder) else "its process is gone"
         age = time.time() - float(holder.get("heartbeat", 0))

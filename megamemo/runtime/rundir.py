@@ -11,6 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from megamemo.runtime.interruptions import EXIT_PEER_LOST
 from megamemo.runtime.lock import RunLock, RunLockedError
 
 
@@ -49,14 +50,15 @@ def report(error: BaseException, rank: int, everyone: bool, world_size: int = 1,
 
 
 def peer_lost(error: BaseException) -> int | None:
-    """A collective that failed because another rank is gone: the rank that failed said why (and the launcher
-    names a rank that died without a word), so this one exits quietly with 1; None when `error` is something
-    else."""
+    """A collective that failed because another rank is gone (or hung past parallel.collective_timeout_s): the rank
+    that failed said why (and the launcher names a rank that died without a word), so this one exits quietly with
+    4 (interruptions.EXIT_PEER_LOST: a consequence, which a supervisor does not take for the cause); None when
+    `error` is something else."""
     if not isinstance(error, RuntimeError) or not _PEER_LOST.search(str(error)):
         return None
     if os.environ.get("MEGAMEMO_DEBUG") == "1":
         traceback.print_exception(error)
-    return 1
+    return EXIT_PEER_LOST
 
 
 def leave_without_finalizing(code: int) -> None:
@@ -85,10 +87,14 @@ def tear_down(trainer) -> None:
     An interpreter that shuts down with the gloo process group still up, or with a thread inside C++ code, may abort
     ("terminate called without an active exception", exit 134): gloo's worker threads still hold work whose
     tensors need the interpreter that is going away, and a daemon thread that comes back from C++ code is killed
-    by the exit. So, in this order: a background checkpoint write in flight is abandoned and waited for (never
-    committed; the next start removes it), the metrics are closed, the run directory's lock is released (its
-    heartbeat thread joined), and every process group (DeepSpeed's and megatron-core's too) is destroyed."""
+    by the exit. So, in this order: the watchdog thread is stopped, a background checkpoint write in flight is
+    abandoned and waited for (never committed; the next start removes it), the metrics are closed, the run
+    directory's lock is released (its heartbeat thread joined), and every process group (DeepSpeed's and
+    megatron-core's too) is destroyed."""
     if trainer is not None:
+        watchdog = getattr(trainer, "watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
         store = getattr(trainer, "store", None)
         if store is not None:
             store.abandon()

@@ -4,7 +4,8 @@
                    [--set key=value ...] [--tp N --pp M] [--resume auto|never|PATH]
 
 A start in a run directory that holds a committed checkpoint resumes from the newest one (checkpoint.resume).
-Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, data or checkpoint; 1 other errors.
+Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, data or checkpoint (never retried);
+1 other errors; 3 hung (the watchdog, runtime/watchdog.py); 4 a peer is gone (runtime/interruptions.py).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def parallel_ranks(cfg: RunConfig, de) -> dict:
 
     from megamemo.parallel.groups import init_model_parallel
 
-    init_model_parallel(tp, pp)
+    init_model_parallel(tp, pp, timeout_s=cfg.parallel.collective_timeout_s)
     return {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
             "pp_rank": ps.get_pipeline_model_parallel_rank()}
 
@@ -103,29 +104,33 @@ def build_model(cfg: RunConfig):
     return model, None, None
 
 
-def build(cfg: RunConfig, log=print, stop=None):
-    """Start the process group, take the run directory and build everything a run needs: (trainer, dist env)."""
+def build(cfg: RunConfig, log=print, stop=None, started: float | None = None):
+    """Start the process group, take the run directory and build everything a run needs: (trainer, dist env).
+    started: when this process started (wall clock; goodput's start-up), default now."""
     from megamemo.runtime import dist
     from megamemo.runtime.rundir import RunDirectory
     from megamemo.runtime.signals import StopRequest
 
     stop = stop or StopRequest()            # from the start: a signal during start-up stops after step one
-    de = dist.init()
+    started = time.time() if started is None else started
+    de = dist.init(cfg.parallel.collective_timeout_s)
     dp, micro = cfg.layout(de.world_size)
     ranks = parallel_ranks(cfg, de)         # dp/tp/pp ranks; TP and PP ranks of one DP group read the same streams
     run_dir = Path(cfg.train.run_dir)
     rundir = RunDirectory(run_dir, de.rank, cfg.train.lock_stale_s, log=log)
     rundir.open(dist.broadcast)             # one trainer per run directory
     try:
-        trainer = _build(cfg, de, dp, micro, ranks, run_dir, stop, log)
+        trainer = _build(cfg, de, dp, micro, ranks, run_dir, stop, log, started)
     except BaseException:
         rundir.close()
         raise
     trainer.rundir = rundir
+    from megamemo.runtime.watchdog import Watchdog
+    trainer.watchdog = Watchdog(run_dir, de.rank, de.world_size, cfg.train.hang_timeout_s, cfg.train.hang_floor_s)
     return trainer, de
 
 
-def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, stop, log):
+def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, stop, log, started: float):
     from megamemo.checkpoint.store import CheckpointStore
     from megamemo.model.flops import flops_per_token, model_flops_per_token
     from megamemo.runtime.peak import device_peak, format_flops
@@ -135,6 +140,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     from megamemo.train.engine import Engine
     from megamemo.train.loop import Trainer
     from megamemo.runtime import rss
+    from megamemo.runtime.interruptions import restart_count
     from megamemo.train.metrics import Metrics
     from megamemo.train.validate import Evaluator, PipelineEvaluator, eval_lengths
 
@@ -195,7 +201,9 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                       tensorboard=cfg.log.tensorboard, start_step=start_step, config_yaml=cfg.to_yaml(),
                       flops_per_token=fpt, model_flops_per_token=mfpt, peak_flops=peak.flops,
                       world_size=de.world_size,
-                      bytes_per_token=bytes_per_token(cfg), splits=(cfg.data.split, cfg.eval.split))
+                      bytes_per_token=bytes_per_token(cfg), splits=(cfg.data.split, cfg.eval.split),
+                      start={"time": round(started, 3), "step": start_step, "world_size": de.world_size,
+                             "restart": restart_count()})
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)
@@ -233,6 +241,8 @@ def main(argv: list[str]) -> int:
 
     stop = StopRequest()                    # first: a stop signal held since the process started is handled now
     die_with_parent()                       # a worker never outlives its launcher
+    from megamemo.runtime.goodput import process_started
+    started = process_started()
     args = parse_args(argv)
     # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/runtime/quiet.py)
     from megamemo.runtime import device
@@ -243,6 +253,8 @@ def main(argv: list[str]) -> int:
     lost = None                             # the exit code when a peer is gone
     try:
         cfg = resolve_config(args)
+        from megamemo.runtime.interruptions import announce_run_dir
+        announce_run_dir(cfg.train.run_dir, rank)   # to a supervisor that restarts failed runs (launch/)
         device.resolve()                    # cuda or cpu, before DeepSpeed picks its accelerator
         from megamemo.train.data import check_data_dir
         check_data_dir(cfg)
@@ -255,9 +267,10 @@ def main(argv: list[str]) -> int:
         from megamemo.runtime import dist
 
         t0 = time.time()
-        trainer, de = build(cfg, stop=stop)
+        trainer, de = build(cfg, stop=stop, started=started)
         rank, world, starting = de.rank, de.world_size, False
         outcome = trainer.run()
+        trainer.metrics.end(trainer.step, outcome)
         trainer.metrics.close()
         from megamemo.runtime import rss
         rss.write(de.rank)
@@ -267,6 +280,10 @@ def main(argv: list[str]) -> int:
                 from megamemo.kernels.compiler import compile_stats
                 compiled = ", {graphs} graphs compiled ({recompiles} recompiles)".format(**compile_stats())
             print(f"[train] {outcome} at step {trainer.step} ({time.time() - t0:.1f}s{compiled})", flush=True)
+            from megamemo.runtime import goodput
+            g = goodput.of_run(Path(cfg.train.run_dir))
+            if g is not None:
+                print(f"[train] {goodput.describe(g)}", flush=True)
             import torch
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 print(f"[train] peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "

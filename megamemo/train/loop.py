@@ -12,6 +12,7 @@ The loss reported for a step is the mean NLL over the global batch (all ranks, a
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
 from megamemo.checkpoint.store import CheckpointStore
 from megamemo.config.run import RunConfig
@@ -100,6 +102,8 @@ class Trainer:
         self._held = None           # a batch whose step was skipped: retried next
         self.started = False        # a step was applied in this process (errors are then this rank's own)
         self.rundir = None          # the run directory's lock holder (runtime/rundir.py), set by build()
+        self.watchdog = None        # this rank's hang detection (runtime/watchdog.py), set by build()
+        self.faults = FaultPoints(rank)     # injected crashes: tests and bench/soak.py only (checkpoint/faults.py)
         self._consecutive_skips = 0
         self._scale_before = engine.loss_scale()
 
@@ -145,6 +149,8 @@ class Trainer:
         return inp.to(self.engine.device, non_blocking=True), tgt.to(self.engine.device, non_blocking=True)
 
     def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        self.faults.step(self.counters.step + 1)
         inp, tgt = self._next_batch()
         b = self.micro_batch
         if inp.size(1) != b * self.n_micro:
@@ -181,11 +187,16 @@ class Trainer:
             self.counters.step += 1
             self.counters.tokens += tokens
             self.started = True
+            seconds = time.perf_counter() - t0
             self.metrics.train_step({"step": self.counters.step, "loss": loss, "lr": res["lr"],
                                      "grad_norm": res["grad_norm"], "loss_scale": res["loss_scale"],
-                                     "skipped": self.counters.skipped, "tokens": tokens})
+                                     "skipped": self.counters.skipped, "tokens": tokens, "seconds": seconds})
+            if self.watchdog is not None:
+                self.watchdog.step_done(self.counters.step, seconds)
         else:
             self._held = (inp, tgt)
+            if self.watchdog is not None:
+                self.watchdog.attempted()
             self._consecutive_skips += 1
             self.counters.skipped += 1
             self.metrics.skipped({"step": self.counters.step + 1, "loss": loss, "old_scale": self._scale_before,
@@ -260,28 +271,41 @@ class Trainer:
         return seed_streams(self.cfg, self._layout(), self.engine.device, step_salt=step)
 
     def run(self) -> str:
-        """Train to train.max_steps or a stop signal. Returns "done" or "stopped"."""
+        """Train to train.max_steps or a stop signal. Returns "done" or "stopped". The watchdog watches the steps;
+        evaluation and saves, which have time bounds of their own, pause it."""
         cfg = self.cfg
         self.engine.module.train()
         self.metrics.start_window()
         every = cfg.checkpoint.save_every
-        while self.counters.step < cfg.train.max_steps:
-            r = self.train_step()
-            if r.applied:
-                s = self.counters.step
-                if self.evaluator is not None and cfg.eval.every and s % cfg.eval.every == 0:
-                    _eagerly(self.evaluator.run, s)
-                    self.engine.module.train()
-                if every and s % every == 0 and not r.stop:
+        wd = self.watchdog
+        paused = wd.paused if wd is not None else (lambda phase: contextlib.nullcontext())
+        if wd is not None:
+            wd.start(self.counters.step)
+        try:
+            while self.counters.step < cfg.train.max_steps:
+                r = self.train_step()
+                if r.applied:
+                    s = self.counters.step
+                    if self.evaluator is not None and cfg.eval.every and s % cfg.eval.every == 0:
+                        with paused("eval"):
+                            _eagerly(self.evaluator.run, s)
+                        self.engine.module.train()
+                    if every and s % every == 0 and not r.stop:
+                        with paused("save"):
+                            self.save()
+                if r.stop:
+                    with paused("save"):
+                        self.save()
+                        self._finish_saves()
+                    return "stopped"
+            with paused("save"):
+                if cfg.checkpoint.save_at_end:
                     self.save()
-            if r.stop:
-                self.save()
                 self._finish_saves()
-                return "stopped"
-        if cfg.checkpoint.save_at_end:
-            self.save()
-        self._finish_saves()
-        return "done"
+            return "done"
+        finally:
+            if wd is not None:
+                wd.stop()
 
     def _finish_saves(self) -> None:
         if self.store is not None:

@@ -53,7 +53,7 @@ class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, every: int, unit: str, tensorboard: bool,
                  start_step: int, config_yaml: str | None = None, *, flops_per_token: float | None = None,
                  model_flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1, bytes_per_token: dict | None = None,
-                 splits: tuple[str, str] = ("train", "valid")):
+                 splits: tuple[str, str] = ("train", "valid"), start: dict | None = None):
         self.enabled = enabled
         self.every = every
         self.unit = unit                 # "bpc" or "ppl": what the log line shows
@@ -71,6 +71,9 @@ class Metrics:
         self._tb = None
         self._window_tokens = 0
         self._window_t0 = time.perf_counter()
+        # this start, for goodput (runtime/goodput.py): {time: the process's start, step, world_size, restart}; its
+        # "start" record (with `ready`, when training began) goes out with the first step
+        self.start, self._ready = start, None
 
     def _open(self) -> None:
         """The run directory's files appear with the first record (the first step): a start that fails before it
@@ -85,11 +88,15 @@ class Metrics:
             tmp.replace(self.run_dir / "config.yaml")
         if self.start_step > 0:
             trim_jsonl(self.path, self.start_step)
+        elif self.start is not None and self.start.get("restart", 0) > 0:
+            trim_jsonl(self.path, 0)        # a restart before the first commit: the earlier starts stay (goodput)
         elif self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a", buffering=1)
         if self.start_step > 0:
             self._write({"kind": "resume", "step": self.start_step, "time": time.time()})
+        if self.start is not None:
+            self._write({"kind": "start", **self.start, "ready": self._ready or time.time()})
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -100,6 +107,7 @@ class Metrics:
     def start_window(self) -> None:
         """Start the tokens/s clock (the loop calls this when training starts, after start-up)."""
         self._window_tokens, self._window_t0 = 0, time.perf_counter()
+        self._ready = self._ready or time.time()
 
     def derived(self, loss: float, split: str | None = None) -> dict:
         """bpc and ppl of a mean per-token loss (nats); on a subword corpus also bits_per_byte, the loss over the
@@ -132,7 +140,8 @@ class Metrics:
             self._file.write(json.dumps(rec) + "\n")
 
     def train_step(self, rec: dict) -> None:
-        """rec: step, loss, lr, grad_norm, loss_scale, skipped, tokens (this step's, all ranks)."""
+        """rec: step, loss, lr, grad_norm, loss_scale, skipped, tokens (this step's, all ranks), seconds (the step's
+        time on rank 0: goodput's productive time)."""
         self._window_tokens += rec["tokens"]
         if not self.enabled:
             return
@@ -182,6 +191,11 @@ class Metrics:
             self._tb.add_scalar(f"{rec['split']}/{self.unit}", rec[self.unit], rec["step"])
             if "bits_per_byte" in rec:
                 self._tb.add_scalar(f"{rec['split']}/bits_per_byte", rec["bits_per_byte"], rec["step"])
+
+    def end(self, step: int, outcome: str) -> None:
+        """The run ended (done, or stopped by a signal after saving): the "end" record goodput's wall time ends at."""
+        if self._file is not None:         # (a start that trained no step leaves the files as they were)
+            self._write({"kind": "end", "step": step, "time": time.time(), "outcome": outcome})
 
     def close(self) -> None:
         if self._file is not None:
