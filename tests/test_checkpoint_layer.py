@@ -484,14 +484,23 @@ def _failing_rank_in_processes(rank, world, root):
                                 f"rank_00001.safetensors: No space left on device (injected: "
                                 f"MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
         assert [s for s, _, c in list_checkpoints(where)] == [2]
-    store.faults.write = lambda step, path: time.sleep(8) if rank == 1 else None    # a hung file system
+    # a hung file system: rank 1's write of step 6 ends only once rank 0 has given up on it (or after 120 s)
+    released = Path(root) / "rank-1-write-released"
+
+    def hung(step, path):
+        end = time.monotonic() + 120
+        while rank == 1 and not released.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+    store.faults.write = hung
     t0 = time.monotonic()
     with pytest.raises(SaveFailed, match=r"checkpoint step 6: the ranks' save outcomes did not all arrive .* "
                                          r"checkpoint.commit_timeout_s=3 s"):
         store.save(6, _registry(rank, world, 6))
         store.wait()
     if rank == 0:
-        assert time.monotonic() - t0 < 7                    # the timeout, not rank 1's write
+        waited = time.monotonic() - t0
+        released.touch()
+        assert 3 <= waited < 60, waited                     # the timeout, not rank 1's write (120 s)
     assert (Path(root) / "async" / MARKER).exists() is False and newest_complete(Path(root) / "async").name == \
         tag_for(2)
 

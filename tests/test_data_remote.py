@@ -105,11 +105,12 @@ def test_cache_limit_evicts_least_recently_used(local_shards, remote_shards, tmp
     store = RemoteShards(remote_shards, opts(tmp_path, cache_size=limit))
     try:
         path = lambda e: tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar"  # noqa: E731
-        for e in entries[:3]:
+        past = time.time() - 3600
+        for k, e in enumerate(entries[:3]):     # used in this order, an hour ago: explicit times, no clock races
             os.close(store.open(e, "test"))
-            time.sleep(0.01)
+            os.utime(path(e), (past + k, past + k))
         os.close(store.open(entries[0], "test"))           # used again: now the most recent
-        time.sleep(0.01)
+        assert path(entries[0]).stat().st_mtime > past + 2
         os.close(store.open(entries[3], "test"))           # over the limit: entries[1], least recently used, goes
         assert [path(e).exists() for e in entries] == [True, False, True, True]
         total = sum(p.stat().st_size for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
