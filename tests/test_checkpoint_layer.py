@@ -400,7 +400,7 @@ def test_the_merged_index_is_committed_and_read_instead_of_the_headers(tmp_path,
     old = {k: v for k, v in info.items() if k != "index"}
     old["format"], old["files"] = 2, {k: v for k, v in info["files"].items() if k != INDEX_FILE}
     (step / MARKER).write_text(json.dumps(old))
-    verify(step)
+    assert verify(step)["format"] == 2
     assert torch.equal(open_reader(step).read("t"), torch.full((4, 3), 2.0))
 
 
@@ -417,7 +417,7 @@ def test_half_written_flipped_or_truncated_checkpoints_are_never_resumed(tmp_pat
     truncated.write_bytes(truncated.read_bytes()[:-5])
     with pytest.raises(CheckpointError, match=r"rank_00000.safetensors: sha256 differs"):
         verify(root / tag_for(6))
-    verify(root / tag_for(6), checksums=False)                     # sizes alone cannot see it
+    assert verify(root / tag_for(6), checksums=False)["step"] == 6   # sizes alone cannot see it
 
     store = _store(root, keep=9)
     store.log = print

@@ -152,7 +152,7 @@ def test_a_stop_signal_during_start_up_is_held_then_saves_and_exits_0(tiny_cfg, 
     out = logs(run_dir)
     assert out.count("[signal] received SIGUSR1") == 2 and "stopped at step 1" in out, out[-3000:]
     assert committed_steps(run_dir) == [1]
-    verify(run_dir / "checkpoints" / "step_00000001")
+    assert verify(run_dir / "checkpoints" / "step_00000001")["step"] == 1     # committed, every file as recorded
 
 
 def test_a_refused_start_on_two_ranks_ends_cleanly_on_both(tiny_cfg, shards, tmp_path):
