@@ -221,6 +221,11 @@ def test_bits_per_byte_by_hand():
     out = evaluate(Half(), [(tgt, tgt)], token_bytes=torch.tensor([0, 1, 2, 3]))
     # 4 tokens x 0.5 bits = 2 bits; bytes 1 + 2 + 3 + 0 = 6
     assert out["bytes"] == 6 and out["bits_per_byte"] == pytest.approx(2 / 6)
+    # inputs and targets that differ, over two segments: the bytes are the scored targets' (1+2+3+0 + 2+2 = 10), not
+    # the inputs' (4 x 3 + 2 x 1 = 14); 6 tokens x 0.5 bits = 3 bits
+    batches = [(torch.tensor([[3, 3], [3, 3]]), tgt), (torch.tensor([[1, 1]]), torch.tensor([[2, 2]]))]
+    out = evaluate(Half(), batches, token_bytes=torch.tensor([0, 1, 2, 3]))
+    assert (out["tokens"], out["bytes"]) == (6, 10) and out["bits_per_byte"] == pytest.approx(3 / 10)
     m = Metrics("/nonexistent", enabled=False, every=1, unit="ppl", tensorboard=False, start_step=0,
                 bytes_per_token={"train": 4.0, "valid": 2.0})
     # 2 bits per token, 4 bytes per token on train -> 0.5; 2 bytes per token on valid -> 1.0
@@ -283,7 +288,13 @@ def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(b
     r = _megamemo("eval", "--ckpt", run, "--data", data, "--split", "test", "--json", tmp_path / "e.json")
     assert r.returncode == 0, r.stderr[-3000:]
     e = json.loads((tmp_path / "e.json").read_text())
-    assert e["metric"] == "ppl" and 0 < e["bytes"] <= m["splits"]["test"]["n_bytes"]
+    # by hand: the test split in eval's 10 contiguous columns (spec 4.3), every token of a column but its first a
+    # scored target, each standing for its UTF-8 bytes
+    test_ids = read_split(data, "test")
+    columns = test_ids[:test_ids.size // 10 * 10].reshape(10, -1)
+    table = SubwordTokenizer.from_file(data / "tokenizer.json").token_bytes()
+    assert e["metric"] == "ppl" and e["tokens"] == columns[:, 1:].size
+    assert e["bytes"] == int(table[columns[:, 1:]].sum()) != int(table[columns[:, :-1]].sum())
     assert e["bits_per_byte"] == pytest.approx(e["nll"] * e["tokens"] / math.log(2) / e["bytes"], rel=1e-12)
     assert f"bits_per_byte {e['bits_per_byte']:.4f}" in r.stdout
 
