@@ -6,13 +6,17 @@ Slurm's requeue does, must end as if it had never been interrupted.
 
 1. An uninterrupted run (`python -m megamemo.runtime.launcher N` = launch/local.sh without its shell) gives every step's loss.
 2. The same command under a supervisor, checkpointing every step with asynchronous saves on (keep_last 2, so that
-   retention removes checkpoints all the time). Each round draws a moment from the seeded generator:
-     start-up    kill -9 of the launcher and every worker at a random time before the first new step is logged;
-     step        after 1-2 new steps, at a random point of the next one (a background save is often in flight);
+   retention removes checkpoints all the time). Each round draws a moment from the seeded generator, always a point
+   of the program and a count, never a time (megamemo/checkpoint/faults.py), so a seed replays the same kills on
+   any host under any load:
+     start-up    a rank drawn at random stops itself (SIGSTOP) when built and resumed, before its first step; then
+                 kill -9 of the launcher and every worker;
+     step        the same in the middle of the (N+1)-th new step, N drawn from 1-2 (its forward, backward and
+                 optimizer step done, the step not yet committed; a background save is often in flight);
      save / commit / retention / removal
                  a rank SIGKILLs itself at that point of the checkpoint protocol, the N-th time it gets there
-                 (megamemo/checkpoint/faults.py; the windows are milliseconds long, a kill from outside would land
-                 there only by luck); the launcher then kills the other ranks.
+                 (the windows are milliseconds long, a kill from outside would land there only by luck); the
+                 launcher then kills the other ranks.
    The killed workers are orphans of this process (a child subreaper, as a container's init is) and are reaped
    only after the restart has ended, so each restart meets its predecessor's zombies (rank 0 among them, named in
    the LOCK), as under a PID 1 that never reaps. A restart must train again: resume from the newest committed checkpoint (or start afresh when none was
@@ -74,12 +78,6 @@ def train_records(run_dir: Path) -> list[dict]:
     return out
 
 
-def new_steps(run_dir: Path, since: float) -> int:
-    """Steps logged at or after wall-clock time `since` (a restart trims what it redoes, so counting lines would
-    not do)."""
-    return sum(r["time"] >= since for r in train_records(run_dir))
-
-
 def losses(run_dir: Path) -> dict[int, float]:
     """Every step's loss; a step logged twice is an error (a restart must trim what it redoes)."""
     out: dict[int, float] = {}
@@ -130,6 +128,14 @@ class Job:
         if self.p.poll() is None:
             self.workers = sorted(set(self.workers) | set(children(self.p.pid)))
             return True
+        return False
+
+    def stopped(self) -> bool:
+        """Wait until a worker has stopped itself at its fault point (True) or the job has ended (False)."""
+        while self.alive():
+            if any(state(w) == "T" for w in self.workers):
+                return True
+            time.sleep(0.01)
         return False
 
     def kill9(self) -> None:
@@ -207,8 +213,6 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
     log.write_text("")
     cmd = job_command(world, cfg, shards, run_dir, steps, keep_last)
     records, resumed, refused = [], 0, []
-    startup_s = 3.0                 # the time to the first logged step, and a step's: learnt from the runs
-    step_s = 0.3
     previous: Job | None = None
     deadline = t_start + minutes * 60
     for i in range(kills):
@@ -220,26 +224,14 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
         nth_here = rng.randint(*nth)
         if kind in ("save", "commit", "retention", "removal"):
             env["MEGAMEMO_FAULT_KILL_AT"] = f"{kind}:{nth_here}"
+        else:                       # a rank stops at the point, then the whole job is killed from outside
+            rank = rng.randrange(world)
+            env["MEGAMEMO_FAULT_STOP_AT"] = f"start-up:1:{rank}" if kind == "start-up" else f"step:{nth_here + 1}:{rank}"
         had = committed(run_dir)
         log_at = log.stat().st_size
         job = Job(cmd, env, log)
         where = kind
-        if kind == "start-up":
-            time.sleep(rng.uniform(0.0, 0.9 * startup_s))
-            if new_steps(run_dir, job.t_wall):
-                where = "step (meant start-up)"
-            job.kill9()
-        elif kind == "step":
-            first = None
-            while new_steps(run_dir, job.t_wall) < nth_here and job.alive():
-                if first is None and new_steps(run_dir, job.t_wall):
-                    first = time.monotonic()
-                time.sleep(0.01)
-            now = time.monotonic()
-            startup_s = max(1.0, (first or now) - job.t0) if i < 2 else min(startup_s, (first or now) - job.t0)
-            if first is not None:
-                step_s = max(0.05, now - first)
-            time.sleep(rng.uniform(0.0, step_s))
+        if kind in ("start-up", "step") and job.stopped():
             job.kill9()
         rc = job.end(600)
         if previous is not None:
@@ -251,7 +243,7 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
             resumed += ok
             if not ok:
                 refused.append(i + 1)
-        if rc == 0 and "[fault]" not in text and kind not in ("start-up", "step"):
+        if rc == 0 and "[fault]" not in text:
             where = f"none ({kind} #{nth_here} never reached: the run ended)"
         rec = {"kill": i + 1, "kind": kind, "where": where, "rc": rc, "committed_before": had[-1] if had else None,
                "steps_logged": len(train_records(run_dir)), "restart_trained": started,

@@ -508,3 +508,37 @@ def _failing_rank_in_processes(rank, world, root):
 @pytest.mark.multiproc
 def test_a_failing_rank_fails_the_save_on_every_process(tmp_path):
     run_distributed(_failing_rank_in_processes, 2, str(tmp_path), timeout=120)
+
+
+# ---- fault points (checkpoint/faults.py): what the crash tests and bench/soak.py replay ------------------------
+@pytest.mark.parametrize("env, rank, dies_at", [
+    ({"MEGAMEMO_FAULT_KILL_AT": "step:3"}, 1, ("step", 3, "SIGKILL")),          # any rank, its 3rd pass
+    ({"MEGAMEMO_FAULT_KILL_AT": "step:3:0"}, 1, None),                          # only rank 0
+    ({"MEGAMEMO_FAULT_KILL_AT": "step:3:0"}, 0, ("step", 3, "SIGKILL")),
+    ({"MEGAMEMO_FAULT_STOP_AT": "start-up:1:1"}, 1, ("start-up", 1, "SIGSTOP")),
+    ({"MEGAMEMO_FAULT_KILL_AT": "commit:2", "MEGAMEMO_FAULT_STOP_AT": "step:2:1"}, 1, ("step", 2, "SIGSTOP")),
+    ({}, 0, None)])
+def test_a_fault_point_fires_at_its_count_on_its_rank_only(env, rank, dies_at, monkeypatch, capsys):
+    """Each point counts its own passes in the process; with a rank, only that rank acts; KILL_AT kills, STOP_AT stops
+    (the soak then kills the whole job from outside)."""
+    import signal
+
+    from megamemo.checkpoint import faults
+
+    sent = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(signal.Signals(sig).name))
+    points = FaultPoints(rank, env)
+    seen = None
+    for n in range(1, 6):
+        for point in ("start-up", "step", "save"):
+            if point == "start-up" and n > 1:
+                continue
+            points.at(point, step=n)
+            if sent and seen is None:
+                seen = (point, n, sent[0])
+    assert seen == dies_at and len(sent) == (dies_at is not None)
+    if dies_at:
+        verb = "kills" if dies_at[2] == "SIGKILL" else "stops"
+        assert capsys.readouterr().out == f"[fault] rank {rank} {verb} itself at {dies_at[0]} #{dies_at[1]}\n"
+    with pytest.raises(ValueError, match="MEGAMEMO_FAULT_STOP_AT: unknown point 'lunch'"):
+        FaultPoints(0, {"MEGAMEMO_FAULT_STOP_AT": "lunch:1"})
