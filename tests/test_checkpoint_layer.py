@@ -175,6 +175,17 @@ def test_registry_round_trip_is_exact_and_pickle_free(tmp_path):
     torch.manual_seed(9)                                  # another layout: rank-scope state is left alone
     reg2.load(tmp_path, 0, lambda reader: LoadContext(reader, same_layout=False, marker={}))
     assert torch.equal(torch.rand(3), (torch.manual_seed(9), torch.rand(3))[1])
+    # a rank the saved layout did not have (rank 2 of 3): the global state from rank 0's file, its own streams alone
+    box3, c3 = Box(None), Counters(step=0, skipped=0)
+    reg3 = StateRegistry()
+    reg3.register("box", box3)
+    reg3.register("rng", RNGState(), scope="rank")
+    reg3.register("counters", c3)
+    reg3.register_sharded("t", Sharded(0, 1, None))
+    torch.manual_seed(9)
+    reg3.load(tmp_path, 2, lambda reader: LoadContext(reader, same_layout=False, marker={}))
+    assert c3.state_dict() == {"step": 12, "skipped": 1} and box3.value["cursor"] == value["cursor"]
+    assert torch.equal(torch.rand(3), (torch.manual_seed(9), torch.rand(3))[1])
 
 
 def test_snapshots_reuse_their_host_buffers_and_share_nothing_with_the_live_state():
