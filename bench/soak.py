@@ -226,7 +226,8 @@ def _soak(cfg, shards, out, *, kills, seed, steps, world, minutes, kinds, refere
             env["MEGAMEMO_FAULT_KILL_AT"] = f"{kind}:{nth_here}"
         else:                       # a rank stops at the point, then the whole job is killed from outside
             rank = rng.randrange(world)
-            env["MEGAMEMO_FAULT_STOP_AT"] = f"start-up:1:{rank}" if kind == "start-up" else f"step:{nth_here + 1}:{rank}"
+            point = "start-up:1" if kind == "start-up" else f"step:{nth_here + 1}"
+            env["MEGAMEMO_FAULT_STOP_AT"] = f"{point}:{rank}"
         had = committed(run_dir)
         log_at = log.stat().st_size
         job = Job(cmd, env, log)

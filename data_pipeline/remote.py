@@ -4,13 +4,13 @@ cache.
 Design: every shard is fetched WHOLE into ``cache_dir`` (one streaming GET per shard, hashed while it is written
 to a temporary file; used only after its sha256 equals the manifest's, then renamed into place atomically), and
 the reader then reads it exactly like a local shard. Cached files are named by their sha256, so two corpora
-never collide; a process hashes each cached file again the first time it uses it (a file damaged in place keeps
-its size: it is fetched again, with a line saying so), then trusts it; the cache is shared by the ranks of a node (a lock
-file per shard: one download, the others wait) and kept under ``cache_bytes`` by evicting the least recently
-used files (mtime = last use). Why not range reads: the manifest's sha256 covers whole shards, so a range
-read could not be verified before use; the B columns of a batch read B far-apart places of the split, which as
-range requests would be B small latency-bound GETs per step instead of one large GET per shard; and a cache
-serves every later epoch and every rank of the node from local disk.
+never collide; a process hashes each cached file again the first time it uses it (a file damaged in place
+keeps its size: it is fetched again, with a line saying so), then trusts it; the cache is shared by the ranks of
+a node (a lock file per shard: one download, the others wait) and kept under ``cache_bytes`` by evicting the
+least recently used files (mtime = last use). Why not range reads: the manifest's sha256 covers whole shards, so
+a range read could not be verified before use; the B columns of a batch read B far-apart places of the split,
+which as range requests would be B small latency-bound GETs per step instead of one large GET per shard; and a
+cache serves every later epoch and every rank of the node from local disk.
 
 Read-ahead: ``prefetch(i)`` queues shard i on a small thread pool; the reader asks for the next shard of every
 column as soon as it opens one (SplitSource) and for the shards its next block needs (StreamReader), so in
