@@ -8,13 +8,16 @@ each time (launch/local.sh --max-restarts, megamemo/runtime/launcher.py) must en
 2. The same command with `--max-restarts K` (K = the kills), checkpointing every step with asynchronous saves on
    (keep_last 2, so that retention removes checkpoints all the time). Each start of the job is one round; the round
    draws a moment from the seeded generator:
-     start-up    kill -9 of one rank (drawn) at a random time before the start's first step is logged;
-     step        after 1-2 new steps, at a random point of the next one (a background save is often in flight);
+     start-up    a rank (drawn) SIGKILLs itself when built and resumed, before its first step;
+     step        a rank (drawn) SIGKILLs itself in the middle of the (N+1)-th new step, N drawn from 1-2 (its
+                 forward, backward and optimizer step done, the step not yet committed; a background save is
+                 often in flight);
      save / commit / retention / removal
                  a rank SIGKILLs itself at that point of the checkpoint protocol, the N-th time it gets there in
-                 that start (megamemo/checkpoint/faults.py, a plan for the job's starts: MEGAMEMO_FAULT_KILL_AT
-                 "POINT:N@START,..."; the windows are milliseconds long, a kill from outside would land there only
-                 by luck).
+                 that start (the windows are milliseconds long, a kill from outside would land there only by luck).
+   Every kill is a point of the program and a count, never a time (megamemo/checkpoint/faults.py; the whole plan
+   is one MEGAMEMO_FAULT_KILL_AT "POINT:N[:RANK]@START,..." for the job's starts), so a seed replays the same kills
+   on any host under any load.
    The launcher kills the other ranks, records the interruption and starts the job again by itself. A restart must
    train again: resume from the newest committed checkpoint (or start afresh when none was committed yet); one
    that is refused counts as a failed restart.
@@ -236,12 +239,11 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
     for i in range(kills):
         kind = kinds[i % len(kinds)] if kinds else rng.choice(KINDS)
         rounds.append((kind, rng.randint(*nth), rng.randrange(world)))
-    plan = ",".join(f"{k}:{n}@{i}" for i, (k, n, _) in enumerate(rounds) if k not in ("start-up", "step"))
+    point = {"start-up": lambda n, r: f"start-up:1:{r}", "step": lambda n, r: f"step:{n + 1}:{r}"}
+    plan = ",".join(point.get(k, lambda n, r: f"{k}:{n}")(n, r) + f"@{i}" for i, (k, n, r) in enumerate(rounds))
     cmd = job_command(world, cfg, shards, run_dir, steps, keep_last, max_restarts=kills if finish else kills - 1)
     job = Job(cmd, job_env(**({"MEGAMEMO_FAULT_KILL_AT": plan} if plan else {})), log)
     records, resumed, refused = [], 0, []
-    startup_s = 3.0                 # the time to the first logged step, and a step's: learnt from the runs
-    step_s = 0.3
     deadline = t_start + minutes * 60
     began, at = job.t_wall, 0       # this start's wall-clock time and its first byte in the log
     for i, (kind, nth_here, rank) in enumerate(rounds):
@@ -249,24 +251,7 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
             say(f"[soak] {minutes:g} min used up after {i} kills")
             break
         had = committed(run_dir)
-        t0, where = time.monotonic(), kind
-        if kind == "start-up":
-            time.sleep(rng.uniform(0.0, 0.9 * startup_s))
-            if new_steps(run_dir, began):
-                where = "step (meant start-up)"
-            job.kill_rank(rank, i)
-        elif kind == "step":
-            first = None
-            while new_steps(run_dir, began) < nth_here and job.alive():
-                if first is None and new_steps(run_dir, began):
-                    first = time.monotonic()
-                time.sleep(0.01)
-            now = time.monotonic()
-            startup_s = max(1.0, (first or now) - t0) if i < 2 else min(startup_s, (first or now) - t0)
-            if first is not None:
-                step_s = max(0.05, now - first)
-            time.sleep(rng.uniform(0.0, step_s))
-            job.kill_rank(rank, i)
+        where = kind
         nxt = job.wait_for_start(i + 1, 600)        # the launcher's restart, or the job's end
         text = _text(log, at)[:None if nxt is None else nxt - at]
         rc = job.p.returncode if nxt is None else None
@@ -276,7 +261,7 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
             resumed += ok
             if not ok:
                 refused.append(i + 1)
-        if nxt is None and rc == 0 and "[fault]" not in text and kind not in ("start-up", "step"):
+        if nxt is None and rc == 0 and "[fault]" not in text:
             where = f"none ({kind} #{nth_here} never reached: the run ended)"
         rec = {"kill": i + 1, "kind": kind, "where": where, "rc": rc, "committed_before": had[-1] if had else None,
                "steps_logged": len(train_records(run_dir)), "restart_trained": started,

@@ -4,12 +4,13 @@ cache.
 Design: every shard is fetched WHOLE into ``cache_dir`` (one streaming GET per shard, hashed while it is written
 to a temporary file; used only after its sha256 equals the manifest's, then renamed into place atomically), and
 the reader then reads it exactly like a local shard. Cached files are named by their sha256, so two corpora
-never collide and a file's name is the proof of its content; the cache is shared by the ranks of a node (a lock
-file per shard: one download, the others wait) and kept under ``cache_bytes`` by evicting the least recently
-used files (mtime = last use). Why not range reads: the manifest's sha256 covers whole shards, so a range
-read could not be verified before use; the B columns of a batch read B far-apart places of the split, which as
-range requests would be B small latency-bound GETs per step instead of one large GET per shard; and a cache
-serves every later epoch and every rank of the node from local disk.
+never collide; a process hashes each cached file again the first time it uses it (a file damaged in place
+keeps its size: it is fetched again, with a line saying so), then trusts it; the cache is shared by the ranks of
+a node (a lock file per shard: one download, the others wait) and kept under ``cache_bytes`` by evicting the
+least recently used files (mtime = last use). Why not range reads: the manifest's sha256 covers whole shards, so
+a range read could not be verified before use; the B columns of a batch read B far-apart places of the split,
+which as range requests would be B small latency-bound GETs per step instead of one large GET per shard; and a
+cache serves every later epoch and every rank of the node from local disk.
 
 Read-ahead: ``prefetch(i)`` queues shard i on a small thread pool; the reader asks for the next shard of every
 column as soon as it opens one (SplitSource) and for the shards its next block needs (StreamReader), so in
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
-from megamemo.util.files import write_atomic, write_bytes_atomic
+from megamemo.util.files import file_sha256, write_atomic, write_bytes_atomic
 
 from .shards import MANIFEST, ManifestError, ShardError, _parse_size, load_manifest
 
@@ -55,6 +56,8 @@ class StoreUnavailableError(ShardError):
 # trainer's readers, the checkpoint probe's and the evaluator's agree, and a save needs no request to the store)
 _STAGED: dict[str, dict] = {}
 _LISTED: dict[str, dict] = {}      # URL -> {object name: size} of its one listing
+# cached files this process has hashed (or downloaded and hashed as they streamed): trusted from then on
+_VERIFIED: set[str] = set()
 
 
 def is_remote(data_dir) -> bool:
@@ -281,12 +284,18 @@ class RemoteShards:
 
     def _fetch(self, entry: dict) -> Path:
         dst = self.cached_path(entry)
+        url = self.object_url(entry["name"])
         with _locked(self.shard_dir / f".{entry['sha256']}.lock"):
             if self._cached(entry):
-                os.utime(dst)                                   # least recently used = oldest mtime
-                return dst
-            url = self.object_url(entry["name"])
+                if str(dst) in _VERIFIED or file_sha256(dst) == entry["sha256"]:
+                    _VERIFIED.add(str(dst))
+                    os.utime(dst)                               # least recently used = oldest mtime
+                    return dst
+                self.opts.log(f"[data] cache {dst}: its sha256 does not match {url}'s in manifest.json (damaged "
+                              f"in place); fetching it again")
+                dst.unlink()
             self.retry(url, lambda: self._download(entry, url, dst))
+            _VERIFIED.add(str(dst))
         self._evict(keep=dst)
         return dst
 

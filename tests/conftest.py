@@ -8,6 +8,7 @@ that need 4 (`@pytest.mark.gpu4`, beside multigpu) where it sees fewer than 4. T
 many tests ran, passed, failed and skipped.
 """
 import os
+import time
 
 import pytest
 
@@ -63,6 +64,10 @@ def reference_runs(tmp_path_factory):
 
 
 def pytest_configure(config):
+    # the fault-injection test's seed: drawn once per test run (the pytest-xdist workers, started later, inherit it),
+    # printed in the summary; MEGAMEMO_FAULT_SEED=N replays that run's kills anywhere (they fall at points of the
+    # program and counts, never at times: megamemo/checkpoint/faults.py)
+    os.environ.setdefault("MEGAMEMO_FAULT_SEED", str(time.time_ns() % 10_000))
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run with `pytest -m gpu`)")
     config.addinivalue_line("markers", "multigpu: needs 2 or more CUDA devices (run with `pytest -m multigpu`)")
     config.addinivalue_line("markers", "gpu4: needs 4 or more CUDA devices (a multigpu test: `pytest -m multigpu` "
@@ -115,7 +120,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     gpu = getattr(config, "_megamemo_gpu_deselected", 0)
     terminalreporter.write_line(
         f"megamemo: {ran} tests ran ({count['passed']} passed, {count['failed']} failed, {count['error']} errors), "
-        f"{count['skipped']} skipped" + (f", {gpu} GPU tests deselected (too few CUDA devices)" if gpu else ""))
+        f"{count['skipped']} skipped" + (f", {gpu} GPU tests deselected (too few CUDA devices)" if gpu else "")
+        + f"; fault injection seed {os.environ['MEGAMEMO_FAULT_SEED']} (MEGAMEMO_FAULT_SEED replays it)")
 
 
 def _forbid_skips(session):

@@ -49,8 +49,7 @@ def test_check_precision_refuses_bf16_below_compute_capability_8(fake_gpu, gpu):
     assert GPUS[gpu][1] in msg and "%d.%d" % GPUS[gpu][0] in msg, msg
     assert "fp16 preset" in msg and "launch/slurm/v100-fp16.sbatch" in msg and "precision.dtype=fp16" in msg, msg
     assert (REPO / "launch/slurm/v100-fp16.sbatch").read_text().count('MEGAMEMO_PRECISION:-fp16') == 1  # what it names
-    check_precision("fp16")                 # the preset's precision passes on the same GPU
-    check_precision("fp32")
+    assert check_precision("fp16") is None and check_precision("fp32") is None   # the preset passes: no capability
 
 
 @pytest.mark.parametrize("gpu", ["a100", "h100"])
@@ -58,7 +57,7 @@ def test_check_precision_passes_bf16_from_compute_capability_8(fake_gpu, gpu):
     from megamemo.train.engine import check_precision
 
     fake_gpu(gpu)
-    check_precision("bf16")
+    assert check_precision("bf16") == GPUS[gpu][0] >= (8, 0)     # checked against this GPU's capability, passed
 
 
 @pytest.mark.parametrize("gpu, refused", [("v100", True), ("a100", False)])

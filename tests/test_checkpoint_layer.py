@@ -175,6 +175,17 @@ def test_registry_round_trip_is_exact_and_pickle_free(tmp_path):
     torch.manual_seed(9)                                  # another layout: rank-scope state is left alone
     reg2.load(tmp_path, 0, lambda reader: LoadContext(reader, same_layout=False, marker={}))
     assert torch.equal(torch.rand(3), (torch.manual_seed(9), torch.rand(3))[1])
+    # a rank the saved layout did not have (rank 2 of 3): the global state from rank 0's file, its own streams alone
+    box3, c3 = Box(None), Counters(step=0, skipped=0)
+    reg3 = StateRegistry()
+    reg3.register("box", box3)
+    reg3.register("rng", RNGState(), scope="rank")
+    reg3.register("counters", c3)
+    reg3.register_sharded("t", Sharded(0, 1, None))
+    torch.manual_seed(9)
+    reg3.load(tmp_path, 2, lambda reader: LoadContext(reader, same_layout=False, marker={}))
+    assert c3.state_dict() == {"step": 12, "skipped": 1} and box3.value["cursor"] == value["cursor"]
+    assert torch.equal(torch.rand(3), (torch.manual_seed(9), torch.rand(3))[1])
 
 
 def test_snapshots_reuse_their_host_buffers_and_share_nothing_with_the_live_state():
@@ -400,7 +411,7 @@ def test_the_merged_index_is_committed_and_read_instead_of_the_headers(tmp_path,
     old = {k: v for k, v in info.items() if k != "index"}
     old["format"], old["files"] = 2, {k: v for k, v in info["files"].items() if k != INDEX_FILE}
     (step / MARKER).write_text(json.dumps(old))
-    verify(step)
+    assert verify(step)["format"] == 2
     assert torch.equal(open_reader(step).read("t"), torch.full((4, 3), 2.0))
 
 
@@ -417,7 +428,7 @@ def test_half_written_flipped_or_truncated_checkpoints_are_never_resumed(tmp_pat
     truncated.write_bytes(truncated.read_bytes()[:-5])
     with pytest.raises(CheckpointError, match=r"rank_00000.safetensors: sha256 differs"):
         verify(root / tag_for(6))
-    verify(root / tag_for(6), checksums=False)                     # sizes alone cannot see it
+    assert verify(root / tag_for(6), checksums=False)["step"] == 6   # sizes alone cannot see it
 
     store = _store(root, keep=9)
     store.log = print
@@ -484,14 +495,23 @@ def _failing_rank_in_processes(rank, world, root):
                                 f"rank_00001.safetensors: No space left on device (injected: "
                                 f"MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
         assert [s for s, _, c in list_checkpoints(where)] == [2]
-    store.faults.write = lambda step, path: time.sleep(8) if rank == 1 else None    # a hung file system
+    # a hung file system: rank 1's write of step 6 ends only once rank 0 has given up on it (or after 120 s)
+    released = Path(root) / "rank-1-write-released"
+
+    def hung(step, path):
+        end = time.monotonic() + 120
+        while rank == 1 and not released.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+    store.faults.write = hung
     t0 = time.monotonic()
     with pytest.raises(SaveFailed, match=r"checkpoint step 6: the ranks' save outcomes did not all arrive .* "
                                          r"checkpoint.commit_timeout_s=3 s"):
         store.save(6, _registry(rank, world, 6))
         store.wait()
     if rank == 0:
-        assert time.monotonic() - t0 < 7                    # the timeout, not rank 1's write
+        waited = time.monotonic() - t0
+        released.touch()
+        assert 3 <= waited < 60, waited                     # the timeout, not rank 1's write (120 s)
     assert (Path(root) / "async" / MARKER).exists() is False and newest_complete(Path(root) / "async").name == \
         tag_for(2)
 
@@ -499,3 +519,37 @@ def _failing_rank_in_processes(rank, world, root):
 @pytest.mark.multiproc
 def test_a_failing_rank_fails_the_save_on_every_process(tmp_path):
     run_distributed(_failing_rank_in_processes, 2, str(tmp_path), timeout=120)
+
+
+# ---- fault points (checkpoint/faults.py): what the crash tests and bench/soak.py replay ------------------------
+@pytest.mark.parametrize("env, rank, dies_at", [
+    ({"MEGAMEMO_FAULT_KILL_AT": "step:3"}, 1, ("step", 3, "SIGKILL")),          # any rank, its 3rd pass
+    ({"MEGAMEMO_FAULT_KILL_AT": "step:3:0"}, 1, None),                          # only rank 0
+    ({"MEGAMEMO_FAULT_KILL_AT": "step:3:0"}, 0, ("step", 3, "SIGKILL")),
+    ({"MEGAMEMO_FAULT_STOP_AT": "start-up:1:1"}, 1, ("start-up", 1, "SIGSTOP")),
+    ({"MEGAMEMO_FAULT_KILL_AT": "commit:2", "MEGAMEMO_FAULT_STOP_AT": "step:2:1"}, 1, ("step", 2, "SIGSTOP")),
+    ({}, 0, None)])
+def test_a_fault_point_fires_at_its_count_on_its_rank_only(env, rank, dies_at, monkeypatch, capsys):
+    """Each point counts its own passes in the process; with a rank, only that rank acts; KILL_AT kills, STOP_AT stops
+    (the soak then kills the whole job from outside)."""
+    import signal
+
+    from megamemo.checkpoint import faults
+
+    sent = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(signal.Signals(sig).name))
+    points = FaultPoints(rank, env)
+    seen = None
+    for n in range(1, 6):
+        for point in ("start-up", "step", "save"):
+            if point == "start-up" and n > 1:
+                continue
+            points.at(point, step=n)
+            if sent and seen is None:
+                seen = (point, n, sent[0])
+    assert seen == dies_at and len(sent) == (dies_at is not None)
+    if dies_at:
+        verb = "kills" if dies_at[2] == "SIGKILL" else "stops"
+        assert capsys.readouterr().out == f"[fault] rank {rank} {verb} itself at {dies_at[0]} #{dies_at[1]}\n"
+    with pytest.raises(ValueError, match="MEGAMEMO_FAULT_STOP_AT: unknown point 'lunch'"):
+        FaultPoints(0, {"MEGAMEMO_FAULT_STOP_AT": "lunch:1"})

@@ -283,3 +283,58 @@ def test_to_single_reports_progress_tensor_by_tensor(tp2, tmp_path):
     assert len(got) == len(sd) and all(got), lines
     assert [m.group(3) for m in got] == list(sd)                    # in file order, one line per tensor
     assert got[-1].group(1) == got[-1].group(2) == f"{total / 1e6:,.1f}"
+
+
+def _rng_of(step: Path, rank: int) -> dict:
+    """The RNG streams rank `rank` saved in a checkpoint (its `rng` state: python, numpy, torch, the TP stream)."""
+    from megamemo.checkpoint.pieces import read_local
+    from megamemo.checkpoint.state import join_tensors, rank_files, read_json
+
+    st, js = rank_files(rank)
+    return join_tensors(read_json(step / js)["state"]["rng"], read_local(step / st), str(step / js))
+
+
+def _seed_of(generator_state: torch.Tensor) -> int:
+    """The seed a torch CPU generator state was started from (its state carries it, however far it has drawn)."""
+    g = torch.Generator()
+    g.set_state(generator_state)
+    return g.initial_seed()
+
+
+def test_a_resume_under_another_layout_with_dropout_reseeds_every_stream(tiny_cfg, shards, reference_runs, tmp_path):
+    """With dropout on (TINY's 0.1): the 2-rank data-parallel reference cut back to its step-3 checkpoint, resumed in
+    place under TP 2. A new layout cannot replay the old ranks' masks, so (README, Checkpoints: "Dropout streams are
+    re-seeded") each rank seeds its streams as a fresh start does, salted with the step (train.loop.seed_streams,
+    parallel.groups.dropout_seeds(seed, dp, tp, pp, step)): the default streams (torch, python, numpy) shared by the
+    TP ranks of the group, the TP stream its own. What each rank saved at step 4 shows the seeds it drew from; the
+    step-3 checkpoint shows the old ranks' (salt 0, one per DP rank), none of them reused."""
+    import random
+
+    import numpy as np
+
+    from megamemo.config.run import load
+    from megamemo.parallel.groups import TP_RNG, dropout_seeds
+    from runs_cache import TWO_RANKS_12_STEPS
+
+    src = reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_12_STEPS)
+    new = tmp_path / "run"
+    shutil.copytree(src, new)
+    for s in (6, 9, 12):
+        shutil.rmtree(step_dir(new, s))
+    run(2, tiny_cfg, shards, new, "--tp", "2", "--max-steps", "4", "--save-every", "1", "--set",
+        "log.tensorboard=false")
+    assert "resharding on load" in logs(new) and f"resumed from {step_dir(new, 3)}" in logs(new)
+    seed = load(tiny_cfg).train.seed
+    assert load(tiny_cfg).model.dropout == 0.1
+    old = [_seed_of(_rng_of(step_dir(src, 3), r)["torch"]) for r in (0, 1)]
+    assert old == [dropout_seeds(seed, dp, 0, 0)[0] for dp in (0, 1)]          # the fresh start's, per DP rank
+    for tp in (0, 1):
+        rng = _rng_of(step_dir(new, 4), tp)
+        default, tp_seed = dropout_seeds(seed, 0, tp, 0, 3)                   # dp 0, pp 0, salted with step 3
+        assert _seed_of(rng["torch"]) == default and default not in old
+        assert _seed_of(rng["tensor_parallel"][TP_RNG]) == tp_seed != default
+        random.seed(default)                                                   # python's and numpy's: seeded,
+        assert tuple(rng["python"]["state"]) == random.getstate()[1]           # not drawn from since
+        np.random.seed(default % 2**32)
+        keys, pos = np.random.get_state()[1:3]
+        assert rng["numpy"]["keys"] == keys.tolist() and rng["numpy"]["pos"] == pos

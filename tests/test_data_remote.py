@@ -105,17 +105,85 @@ def test_cache_limit_evicts_least_recently_used(local_shards, remote_shards, tmp
     store = RemoteShards(remote_shards, opts(tmp_path, cache_size=limit))
     try:
         path = lambda e: tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar"  # noqa: E731
-        for e in entries[:3]:
+        past = time.time() - 3600
+        for k, e in enumerate(entries[:3]):     # used in this order, an hour ago: explicit times, no clock races
             os.close(store.open(e, "test"))
-            time.sleep(0.01)
+            os.utime(path(e), (past + k, past + k))
         os.close(store.open(entries[0], "test"))           # used again: now the most recent
-        time.sleep(0.01)
+        assert path(entries[0]).stat().st_mtime > past + 2
         os.close(store.open(entries[3], "test"))           # over the limit: entries[1], least recently used, goes
         assert [path(e).exists() for e in entries] == [True, False, True, True]
         total = sum(p.stat().st_size for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
         assert total <= limit
     finally:
         store.close()
+
+
+def test_a_cached_shard_damaged_in_place_is_fetched_again(local_shards, remote_shards, tmp_path, monkeypatch):
+    """A cached file keeps its size when damaged in place (a bad disk block, a stray write): a process hashes every
+    cached file the first time it uses it, so a later process finds the damage, says so in one line and fetches the
+    shard again; the reader gets the shard's true bytes."""
+    from data_pipeline import remote
+
+    lines: list[str] = []
+    store = RemoteShards(remote_shards, opts(tmp_path, lines))
+    entry = store.manifest["splits"]["train"]["shards"][1]
+    want = (local_shards / entry["name"]).read_bytes()
+    cached = tmp_path / "cache" / "sha256" / f"{entry['sha256']}.tar"
+    try:
+        os.close(store.open(entry, "test"))
+        assert cached.read_bytes() == want and store.fetched_bytes == entry["bytes"]
+        os.close(store.open(entry, "test"))                 # verified: used again without a fetch or a line
+        assert store.fetched_bytes == entry["bytes"] and not lines
+    finally:
+        store.close()
+    damaged = bytearray(want)
+    damaged[len(damaged) // 2] ^= 0x01
+    cached.write_bytes(bytes(damaged))                      # same size, one bit off
+    monkeypatch.setattr(remote, "_VERIFIED", set())         # a new process: nothing of the cache verified yet
+    store = RemoteShards(remote_shards, opts(tmp_path, lines))
+    try:
+        fd = store.open(entry, "test")
+        try:
+            assert os.pread(fd, len(want) + 1, 0) == want
+        finally:
+            os.close(fd)
+        assert store.fetched_bytes == entry["bytes"]        # fetched again, once
+    finally:
+        store.close()
+    assert cached.read_bytes() == want
+    assert len(lines) == 1 and lines[0] == (f"[data] cache {cached}: its sha256 does not match "
+                                            f"{remote_shards}/{entry['name']}'s in manifest.json (damaged in place); "
+                                            f"fetching it again"), lines
+
+
+@pytest.mark.parametrize("corpus", ["bytes", "subword"])
+def test_a_damaged_vocabulary_or_tokenizer_file_is_named(corpus, s3_server, local_shards, tmp_path):
+    """The vocabulary file (vocab.file: the byte vocabulary, a subword corpus's tokenizer.json) is fetched with the
+    manifest and checked against its sha256 before anything reads it: a flipped byte is one error naming the object."""
+    import json
+
+    from data_pipeline import ManifestError
+    from data_pipeline.cli import prepare_main
+
+    src = local_shards
+    if corpus == "subword":
+        raw = tmp_path / "docs.jsonl"
+        raw.write_text("".join(json.dumps({"text": f"document {i}: " + "words and more words " * (i % 9 + 1)}) + "\n"
+                               for i in range(200)))
+        src = tmp_path / "subword"
+        assert prepare_main(["text", "--raw", str(raw), "--tokenizer", "bpe:300", "--out", str(src), "--quiet"]) == 0
+    vocab = json.loads((src / "manifest.json").read_text())["vocab"]
+    assert vocab["file"] == ("tokenizer.json" if corpus == "subword" else vocab["file"]) and vocab["sha256"]
+    url = upload(src, f"vocab-{corpus}", flip_a_byte(vocab["file"]))
+    with pytest.raises(ManifestError) as e:
+        RemoteShards(url, opts(tmp_path))
+    assert str(e.value) == f"{url}/{vocab['file']}: sha256 does not match manifest.json field vocab.sha256"
+    assert not list((tmp_path / "cache" / "meta").rglob(vocab["file"]))        # never staged
+    good = upload(src, f"vocab-{corpus}-good")
+    store = RemoteShards(good, opts(tmp_path))                                  # the control: the same, undamaged
+    store.close()
+    assert (store.meta_dir / vocab["file"]).read_bytes() == (src / vocab["file"]).read_bytes()
 
 
 def flip_a_byte(target: str):

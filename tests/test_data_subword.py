@@ -98,6 +98,54 @@ def test_whole_documents_split_by_seed_and_decoded_exactly(bpe_dirs):
         assert sp["documents"]["n_documents"] == len(mine)
 
 
+def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
+    """3.3 MB of documents: several of the 1 MiB blocks the reader cuts the input into (whole documents each,
+    data_pipeline/documents.py), tokenized by 1, 2 and 3 worker processes. The shards are the same bytes, and every
+    document - the last of a block and the first of the next among them - is in the split its index in the whole
+    stream draws (the running index across blocks), decoded exactly, starting where the document index says, some of
+    them across chunk and shard boundaries."""
+    from data_pipeline.documents import BLOCK_BYTES
+
+    rng = np.random.default_rng(36)
+    words = [f"w{i}" for i in range(500)] + ["caf\u00e9", "\u65e5\u672c", "\U0001F600", "a\tb", "\n"]
+    texts, size = [], 0
+    while size < 3.3e6:
+        texts.append(" ".join(rng.choice(words, int(rng.integers(1, 3000)))))
+        size += len(json.dumps({"text": texts[-1]})) + 1
+    raw = tmp_path / "big.jsonl"
+    raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert raw.stat().st_size > 3 * BLOCK_BYTES
+    tok_file = tmp_path / "t.json"
+    tok_file.write_bytes(train_bpe(iter(texts[:40]), 300).data)
+    outs = [tmp_path / f"w{w}" for w in (1, 2, 3)]
+    for w, out in zip((1, 2, 3), outs):
+        assert prepare("--raw", raw, "--tokenizer", tok_file, "--workers", w, "--out", out, "--chunk-tokens", 4096,
+                       "--shard-size", "256K") == 0
+    names = sorted(p.name for p in outs[0].iterdir())
+    for out in outs[1:]:
+        assert sorted(p.name for p in out.iterdir()) == names
+        for name in names:
+            assert (out / name).read_bytes() == (outs[0] / name).read_bytes(), (out.name, name)
+    m = json.loads((outs[0] / "manifest.json").read_text())
+    tok = SubwordTokenizer.from_file(tok_file)
+    # a BPE is trained on the documents of the train split: the same running index picks them
+    from data_pipeline.documents import DocumentSplit, list_sources
+    from data_pipeline.subword import _train_texts
+    assert list(_train_texts(list_sources([raw]), "text", DocumentSplit(), [str(raw)])) == \
+        [t for i, t in enumerate(texts) if expected_split(i) == "train"]
+    for split in ("train", "valid", "test"):
+        mine = [t for i, t in enumerate(texts) if expected_split(i) == split]
+        ids = read_split(outs[0], split)
+        starts = np.frombuffer((outs[0] / m["splits"][split]["documents"]["file"]).read_bytes(), "<u8").astype(int)
+        assert m["splits"][split]["n_documents"] == len(mine) == starts.size
+        ends = np.append(starts[1:], ids.size)
+        for t, a, b in zip(mine, starts, ends):
+            assert tok.decode(ids[a:b]) == t + EOD
+        if split == "train":
+            shard_ends = np.cumsum([sh["n_tokens"] for sh in m["splits"][split]["shards"]])[:-1]
+            assert len(shard_ends) >= 3 and all(((starts < e) & (e < ends)).any() for e in shard_ends[:3])
+
+
 def test_given_tokenizer_json_parquet_and_directory_agree(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -221,6 +269,11 @@ def test_bits_per_byte_by_hand():
     out = evaluate(Half(), [(tgt, tgt)], token_bytes=torch.tensor([0, 1, 2, 3]))
     # 4 tokens x 0.5 bits = 2 bits; bytes 1 + 2 + 3 + 0 = 6
     assert out["bytes"] == 6 and out["bits_per_byte"] == pytest.approx(2 / 6)
+    # inputs and targets that differ, over two segments: the bytes are the scored targets' (1+2+3+0 + 2+2 = 10), not
+    # the inputs' (4 x 3 + 2 x 1 = 14); 6 tokens x 0.5 bits = 3 bits
+    batches = [(torch.tensor([[3, 3], [3, 3]]), tgt), (torch.tensor([[1, 1]]), torch.tensor([[2, 2]]))]
+    out = evaluate(Half(), batches, token_bytes=torch.tensor([0, 1, 2, 3]))
+    assert (out["tokens"], out["bytes"]) == (6, 10) and out["bits_per_byte"] == pytest.approx(3 / 10)
     m = Metrics("/nonexistent", enabled=False, every=1, unit="ppl", tensorboard=False, start_step=0,
                 bytes_per_token={"train": 4.0, "valid": 2.0})
     # 2 bits per token, 4 bytes per token on train -> 0.5; 2 bytes per token on valid -> 1.0
@@ -283,7 +336,13 @@ def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(b
     r = _megamemo("eval", "--ckpt", run, "--data", data, "--split", "test", "--json", tmp_path / "e.json")
     assert r.returncode == 0, r.stderr[-3000:]
     e = json.loads((tmp_path / "e.json").read_text())
-    assert e["metric"] == "ppl" and 0 < e["bytes"] <= m["splits"]["test"]["n_bytes"]
+    # by hand: the test split in eval's 10 contiguous columns (spec 4.3), every token of a column but its first a
+    # scored target, each standing for its UTF-8 bytes
+    test_ids = read_split(data, "test")
+    columns = test_ids[:test_ids.size // 10 * 10].reshape(10, -1)
+    table = SubwordTokenizer.from_file(data / "tokenizer.json").token_bytes()
+    assert e["metric"] == "ppl" and e["tokens"] == columns[:, 1:].size
+    assert e["bytes"] == int(table[columns[:, 1:]].sum()) != int(table[columns[:, :-1]].sum())
     assert e["bits_per_byte"] == pytest.approx(e["nll"] * e["tokens"] / math.log(2) / e["bytes"], rel=1e-12)
     assert f"bits_per_byte {e['bits_per_byte']:.4f}" in r.stdout
 

@@ -89,11 +89,14 @@ def test_loglikelihood_and_generate_until_agree_with_megamemo(tmp_path):
     greedy = generate(lm.model, ids, 30, greedy=True)
     cont = lm.vocab.decode(greedy)
     other = lm.vocab.decode([(greedy[0] + 1) % len(t8)] + greedy[1:])
-    assert lm.encode(cont) == greedy
-    (ll, is_greedy), (ll_other, not_greedy) = lm.loglikelihood([Req(context, cont), Req(context, other)])
+    # greedy for its first 10 tokens, then one token that is not the most likely (is_greedy is about every token)
+    late = greedy[:10] + [(greedy[10] + 1) % len(t8)]
+    assert lm.encode(cont) == greedy and lm.encode(lm.vocab.decode(late)) == late
+    (ll, is_greedy), (ll_other, not_greedy), (_, late_greedy) = lm.loglikelihood(
+        [Req(context, cont), Req(context, other), Req(context, lm.vocab.decode(late))])
     nll, _ = lm.score(ids + greedy)
     assert ll == pytest.approx(-float(nll[len(ids) - 1:].sum()), rel=1e-9)
-    assert is_greedy and not not_greedy
+    assert is_greedy and not not_greedy and not late_greedy
     stop = cont[12:15]
     out = lm.generate_until([Req(context, {"until": [stop], "max_gen_toks": 30})])
     assert out == [cont[:cont.index(stop)]]

@@ -1,6 +1,8 @@
 """megamemo/kernels/: the switch between the model's plain PyTorch path and the CPU kernels. (Each path's dropout
 law: tests/test_model_properties.py; the golden and spec tests run on both paths: tests/test_model_reference.py,
 tests/test_model_spec.py.)"""
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -113,3 +115,51 @@ def test_cpu_dropout_leaves_the_cpu_to_torch():
     state = torch.get_rng_state()
     assert CpuDropout(0.5).train()(x).shape == (4, 8)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+# ---- FlexAttention (kernels/flex.py) and the compiler switch (kernels/compiler.py) ------------------------------
+@pytest.mark.parametrize("same_length", [False, True])
+def test_flex_attention_forward_equals_the_eager_form_on_the_cpu(same_length):
+    """Both of LaMemo's attentions through FlexAttention's CPU reference form (forward only: torch 2.13 has no CPU
+    backward) against the eager functions that state the maths: the causal one over memory + segment (with
+    same_length's window too) and the look-ahead one of the memory rows, context and log-normaliser."""
+    from megamemo.kernels.flex import flex_causal_attention, flex_lookahead_attention
+    from megamemo.model.attention import causal_attention, lookahead_attention
+    from megamemo.model.positions import causal_mask, lookahead_mask
+
+    g = torch.Generator().manual_seed(3)
+    n, B, L, M, dh = 2, 3, 6, 5, 8
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    q, k, v, r = rnd(n, B, L, dh), rnd(n, B, M + L, dh), rnd(n, B, M + L, dh), rnd(n, M + L + 1, dh)
+    u, vb = rnd(n, dh), rnd(n, dh)
+    mask = causal_mask(L, M, 4 if same_length else M, same_length)
+    want = causal_attention(q, k, v, r, u, vb, mask, 0.3, lse="value")
+    got = flex_causal_attention(q, k, v, r, u, vb, mask, 0.3, lse="value")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    nk = 4                                  # look-ahead: the M memory rows over the next nk rows
+    qm, kf, vf_, rf = rnd(n, B, M, dh), rnd(n, B, nk, dh), rnd(n, B, nk, dh), rnd(n, M + 1, dh)
+    lmask = lookahead_mask(M, nk)
+    want = lookahead_attention(qm, kf, vf_, rf, u, vb, lmask, 0.3, lse="value")
+    got = flex_lookahead_attention(qm, kf, vf_, rf, u, vb, lmask, 0.3, lse="value")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiler_switch_lifts_megamemos_own_dynamo_off_only(monkeypatch):
+    """megamemo's command turns TorchDynamo off unless the user chose (cli.py); a run that compiles lifts megamemo's
+    own setting, never the user's (one line naming it); train.compile auto compiles on CUDA only."""
+    from megamemo.kernels.compiler import CompilerUnavailable, enable_compiler, resolve_compile
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    monkeypatch.setenv("MEGAMEMO_SET_TORCHDYNAMO_DISABLE", "1")
+    enable_compiler()
+    assert "TORCHDYNAMO_DISABLE" not in os.environ
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")             # the user's own
+    with pytest.raises(CompilerUnavailable, match="TORCHDYNAMO_DISABLE=1 is set in the environment"):
+        enable_compiler()
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "1"
+    assert (resolve_compile("auto", "cuda"), resolve_compile("auto", "cpu"), resolve_compile("on", "cpu"),
+            resolve_compile("off", "cuda")) == (True, False, True, False)
+    with pytest.raises(ValueError, match="train.compile: must be one of auto, on, off"):
+        resolve_compile("yes", "cpu")

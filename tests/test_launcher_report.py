@@ -1,33 +1,82 @@
-"""megamemo/runtime/launcher.py names the worker whose failure stopped the job, not a peer that died of it: workers here are
-small Python programs (MEGAMEMO_TRAIN_CMD), no training."""
+"""megamemo/runtime/launcher.py names the worker whose failure stopped the job, not a peer that died of it, and stops
+the others as soon as one fails, whichever its rank: workers here are small Python programs (MEGAMEMO_TRAIN_CMD), no
+training."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
+from megamemo.runtime.launcher import _first_failure
+
+# Rank 1 is killed with -9 (the cause); rank 0, the lowest rank, aborts right after it (the consequence, as gloo
+# aborts a rank whose peer vanished). Rank 0 learns of rank 1's death through a lock rank 1 holds until it dies, so
+# it aborts within a millisecond of it: the launcher (polling every 50 ms) sees both failed at one look about 98% of
+# the time, where only the rule "a SIGABRT is a consequence" names rank 1; the other 2% it sees rank 1 first.
 WORKER = textwrap.dedent("""
-    import os, signal, sys, time
-    rank = int(os.environ["RANK"])
-    time.sleep(0.5)
-    if rank == 0:
+    import fcntl, os, signal, sys, time
+    rank, lock = int(os.environ["RANK"]), sys.argv[1]
+    f = open(lock, "a")
+    if rank == 1:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        open(lock + ".held", "w").close()
+        time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)        # the cause: killed with -9
-    time.sleep(0.02)
-    os.abort()                                      # the consequence, as gloo aborts a rank whose peer vanished
+    while not os.path.exists(lock + ".held"):
+        time.sleep(0.005)
+    fcntl.flock(f, fcntl.LOCK_EX)                   # free once rank 1 is dead
+    os.abort()                                      # the consequence
+""")
+
+# Rank 1 fails; rank 0 would wait for it for 30 s (as a rank waits in a collective for a peer that is gone)
+HANGS = textwrap.dedent("""
+    import os, sys, time
+    if os.environ["RANK"] == "1":
+        time.sleep(0.3)
+        sys.exit(3)
+    time.sleep(30)
 """)
 
 
 def launch(tmp_path, worker: str, n: int = 2) -> subprocess.CompletedProcess:
     script = tmp_path / "worker.py"
     script.write_text(worker)
-    env = dict(os.environ, MEGAMEMO_TRAIN_CMD=f"{sys.executable} {script}")
+    env = dict(os.environ, MEGAMEMO_TRAIN_CMD=f"{sys.executable} {script} {tmp_path / 'lock'}")
     return subprocess.run([sys.executable, "-m", "megamemo.runtime.launcher", str(n)], env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=120)
 
 
-def test_the_first_failure_is_reported_not_the_peer_that_aborted_after_it(tmp_path):
+def test_the_first_failure_is_reported_not_the_lower_rank_that_aborted_after_it(tmp_path):
     r = launch(tmp_path, WORKER)
     assert r.returncode == 128 + 9, r.stderr
-    assert "worker 0 exited with signal SIGKILL" in r.stderr and "SIGABRT" not in r.stderr, r.stderr
+    assert "[launch] worker 1 exited with signal SIGKILL" in r.stderr and "SIGABRT" not in r.stderr, r.stderr
+
+
+def test_a_higher_rank_that_fails_stops_the_lower_ones_at_once(tmp_path):
+    t0 = time.monotonic()
+    r = launch(tmp_path, HANGS)
+    took = time.monotonic() - t0
+    assert r.returncode == 3, r.stderr
+    assert "[launch] worker 1 exited with exit code 3: the others were stopped" in r.stderr, r.stderr
+    assert took < 15, took                          # not rank 0's 30 s
+
+
+class Ended:
+    def __init__(self, returncode):
+        self.returncode = returncode
+
+
+def test_a_sigabrt_is_a_consequence_whatever_the_ranks():
+    """The rule itself, without processes: among the workers seen failed at one look, a SIGABRT is a peer's
+    consequence; otherwise (or among several of one kind) the lowest rank."""
+    abort, kill = -signal.SIGABRT, -signal.SIGKILL
+    assert _first_failure([Ended(abort), Ended(kill)]) == (1, kill)
+    assert _first_failure([Ended(kill), Ended(abort)]) == (0, kill)
+    assert _first_failure([Ended(abort), Ended(None), Ended(2)]) == (2, 2)
+    assert _first_failure([Ended(0), Ended(abort), Ended(abort)]) == (1, abort)
+    assert _first_failure([Ended(None), Ended(1), Ended(kill)]) == (1, 1)
+    assert _first_failure([Ended(0), Ended(None)]) is None
 
 
 def test_a_worker_that_explains_its_error_gives_exit_2(tmp_path):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megamemo.runtime.lock import LOCK, RunLock, RunLockedError
+from megamemo.runtime.lock import LOCK, RunLock, RunLockedError, _proc_start
 
 
 def test_a_live_holder_refuses_a_second_trainer_and_release_frees_it(tmp_path):
@@ -29,6 +29,8 @@ def test_a_live_holder_refuses_a_second_trainer_and_release_frees_it(tmp_path):
     assert not (tmp_path / "run" / LOCK).exists()
     second = RunLock(tmp_path / "run")
     second.acquire()
+    now = json.loads((tmp_path / "run" / LOCK).read_text())
+    assert second.held and now["token"] == second.token != holder["token"] and now["pid"] == os.getpid()
     second.release()
 
 
@@ -48,8 +50,14 @@ def test_a_reused_pid_is_not_the_holder(tmp_path):
     """The holder's pid now belongs to another process (this one): its recorded start time tells them apart."""
     (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": "1",
                                              "token": "t2", "heartbeat": time.time()}))
-    lock = RunLock(tmp_path, log=lambda m: None)
+    said = []
+    lock = RunLock(tmp_path, log=said.append)
     lock.acquire()
+    assert len(said) == 1 and "took over" in said[0] and "its process is gone" in said[0], said
+    assert f"pid {os.getpid()} on {socket.gethostname()}" in said[0], said      # the old holder, named
+    now = json.loads((tmp_path / LOCK).read_text())
+    assert lock.held and now["token"] == lock.token != "t2"
+    assert (now["pid"], now["pid_start"]) == (os.getpid(), _proc_start(os.getpid())) and now["pid_start"] != "1"
     lock.release()
 
 
@@ -62,7 +70,9 @@ def test_another_hosts_lock_is_stale_only_without_heartbeat(tmp_path):
     said = []
     lock = RunLock(tmp_path, stale_after_s=60, log=said.append)
     lock.acquire()
-    assert "no heartbeat for 12" in said[0] and "gpu-node-17" in said[0]
+    assert len(said) == 1 and "took over" in said[0] and "no heartbeat for 12" in said[0] and "gpu-node-17" in said[0]
+    now = json.loads((tmp_path / LOCK).read_text())
+    assert now["token"] == lock.token != "t3" and (now["host"], now["pid"]) == (socket.gethostname(), os.getpid())
     lock.release()
 
 

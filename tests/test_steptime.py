@@ -154,6 +154,51 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1():
     assert st.terms["pp_p2p"] == pytest.approx(2 * (m + p - 1) * send + tied)
 
 
+def test_the_tp_all_reduces_of_an_idle_slot_are_in_the_bubble():
+    """tp 2 x pp 2 on one node of 4, 4 micro-batches of 2 streams: each of the p - 1 idle slots of the slowest stage
+    (the last: 2 layers and the output side) costs its compute and its TP all-reduces - 4 a layer + 3 (embedding,
+    cross-entropy) of the [32, 2, 64] fp32 activations, latency + 2 (tp-1)/tp of the bytes at 10 GB/s each."""
+    cfg = rpe("parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=0", "train.grad_accum=4")
+    st = step_time(cfg, 4, TOY, 4, plan)
+    m, p = 4, 2
+    per_slot = (4 * 2 + 3) * (1e-5 + 32 * 2 * 64 * 4 / 1e10)
+    assert st.terms["tp_comm"] == pytest.approx(m * per_slot)
+    work = (st.terms["compute"] + st.terms["elementwise"] + st.terms["overhead"]) / m
+    assert st.terms["pp_bubble"] == pytest.approx((p - 1) * (work + per_slot))
+
+
+def test_pipeline_stages_on_two_nodes_send_over_the_slower_link():
+    """pp 2 over 2 nodes of 1 device: the stage boundary is between nodes, so each send (the [64, 2, 64] activations
+    and memory rows forward, their gradient back, per slot) and the tied table's all-reduce take the inter-node
+    link: 100 us + bytes / 1 GB/s."""
+    cfg = rpe("parallel.tp=1", "parallel.pp=2", "parallel.zero_stage=0", "train.grad_accum=4")
+    m, p, B = 4, 2, 2
+    apart, together = step_time(cfg, 2, TOY, 1, plan), step_time(cfg, 2, TOY, 2, plan)
+    send = 1e-4 + (32 + 32) * B * 64 * 4 / 1e9
+    tied = 1e-4 + 256 * 64 * 4 / 1e9
+    assert apart.terms["pp_p2p"] == pytest.approx(2 * (m + p - 1) * send + tied)
+    assert together.terms["pp_p2p"] == pytest.approx(2 * (m + p - 1) * (1e-5 + (32 + 32) * B * 64 * 4 / 1e10)
+                                                     + 1e-5 + 256 * 64 * 4 / 1e10)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_gpu_host_that_launches_slower_than_the_kernels_run_is_the_overhead(pp):
+    """A GPU whose host takes 1 s to launch a kernel (its kernels take microseconds): the device waits on the host,
+    so each micro-batch's wall is its kernels' launches, K x 1 s (K: the stage with the most kernels), and the
+    overhead term is what that exceeds the kernels' own time by, for the 2 micro-batches of the step. A host that
+    launches in 1 ps leaves none."""
+    cfg = rpe("parallel.tp=1", f"parallel.pp={pp}", "parallel.zero_stage=0", "train.grad_accum=2")
+    slow = Device("slow-host", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test", launch=1.0)
+    fast = Device("fast-host", TOY.peak, TOY.efficiency, TOY.mem_bw, TOY.link, TOY.latency, "test", launch=1e-12)
+    st = step_time(cfg, pp, slow, pp, plan)
+    stages = [trace(cfg.model, 4, 1, "fp32").stage(4 // pp, s == 0, s == pp - 1) for s in range(pp)]
+    kernels = max(float(fwd.launches.sum() + bwd.launches.sum()) for fwd, bwd in stages)   # the slowest stage's
+    assert kernels > 100
+    assert st.terms["overhead"] == pytest.approx(2 * kernels * 1.0 - st.terms["compute"] - st.terms["elementwise"],
+                                                 rel=1e-6)
+    assert step_time(cfg, pp, fast, pp, plan).terms["overhead"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_cpu_ranks_sharing_cores_hide_the_bubble():
     """Two stages that compute half as fast while both do (measured contention 2 at 2 ranks, one core's worth):
     each rank's work takes twice as long, and the idle stage's core serves the other: the step is

@@ -32,10 +32,16 @@ def committed_steps(run_dir: Path) -> list[int]:
     return [s for s, _, c in list_checkpoints(run_dir / "checkpoints") if c]
 
 
-def assert_no_corrupt_checkpoint(run_dir: Path) -> None:
+def assert_no_corrupt_checkpoint(run_dir: Path) -> list[int]:
+    """Every committed checkpoint has all its files at their recorded sizes and sha256, and its marker names its own
+    step; -> the steps checked."""
+    checked = []
     for step, path, committed in list_checkpoints(run_dir / "checkpoints"):
         if committed:
-            verify(path)            # every committed checkpoint has all its files, at their recorded sizes
+            info = verify(path)
+            assert info["step"] == step and info["files"], (path, info)
+            checked.append(step)
+    return checked
 
 
 def checkpoint_memory(step_dir: Path):
@@ -174,7 +180,7 @@ def test_sigusr1_saves_a_complete_checkpoint_and_exits_cleanly(tiny_cfg, shards,
     assert wait(procs, 120) == [0, 0], logs(run_dir)[-3000:]
     last = max(losses(run_dir))
     assert committed_steps(run_dir) == [last]
-    verify(run_dir / "checkpoints" / f"step_{last:08d}")
+    assert verify(run_dir / "checkpoints" / f"step_{last:08d}")["step"] == last   # every file as recorded
     assert f"stopped at step {last}" in logs(run_dir)
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "config.yaml").read_text().count("max_steps: 100000") == 1

@@ -281,28 +281,71 @@ def test_adam_step_tensor_helper_follows_the_parameter_off_the_cpu():
 
 
 # ---- a rank whose peer is gone -------------------------------------------------------------------------------
+# `megamemo train`'s main with a trainer whose step fails as gloo fails when the peer vanished; its parts, the process
+# group's destruction and the interpreter's shutdown each print a line when they run: the order they ran in.
 PEER_LOST = """
-import atexit
+import atexit, datetime, os, sys, tempfile
+from types import SimpleNamespace as NS
+import torch.distributed as dist
 import megamemo.train.cli as cli
+import megamemo.train.data as data
 
-atexit.register(lambda: print("interpreter shutdown ran", flush=True))
-def peer_gone(args):
+atexit.register(lambda: print("interpreter shutdown", flush=True))
+said = lambda what: (lambda *a, **k: print(what, flush=True))   # noqa: E731
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda *a, **k: (print("process groups destroyed", flush=True), destroy(*a, **k))
+
+def peer_gone():
+    print("step", flush=True)
     raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
-cli.resolve_config = peer_gone
+
+def build(cfg, stop=None, **kw):
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    if sys.argv[1] == "refused":            # an anticipated error in start-up, the process group up
+        from megamemo.runtime.lock import RunLockedError
+        raise RunLockedError("another trainer is running in this run directory")
+    trainer = NS(run=peer_gone, store=NS(abandon=said("checkpoint write abandoned")),
+                 metrics=NS(close=said("metrics closed")), rundir=NS(close=said("run directory released")))
+    return trainer, NS(rank=0, world_size=1)
+
+cli.resolve_config = lambda args: NS(train=NS(deterministic=False, run_dir=tempfile.mkdtemp()),
+                                    precision=NS(allow_tf32=False, dtype="fp32"))
+data.check_data_dir = lambda cfg: None
+cli.build = build
 print("main returned", cli.main(["--config", "unused.yaml"]), flush=True)
 """
 
 
-def test_a_rank_whose_peer_is_gone_exits_4_without_interpreter_shutdown():
+def test_a_rank_whose_peer_is_gone_tears_down_in_order_and_exits_4_without_interpreter_shutdown():
     """A collective that failed because the peer vanished: exit code 4 (a consequence, which a supervisor does not
-    take for the failure's cause: runtime/interruptions.py), quietly, and without the interpreter's shutdown (no
-    atexit handler runs, main never returns). Under that shutdown a gloo worker thread finishing the queued
-    collectives calls std::terminate ("terminate called without an active exception", SIGABRT; README, When things
-    go wrong), so this is what keeps the surviving rank from aborting."""
-    r = subprocess.run([sys.executable, "-c", PEER_LOST], capture_output=True, text=True, timeout=120, cwd=REPO)
+    take for the failure's cause: runtime/interruptions.py), quietly, after the tear-down in its order - the
+    background checkpoint write abandoned, the metrics closed, the run directory's lock released, the process groups
+    destroyed - and then nothing: no interpreter shutdown (no atexit handler runs, main never returns). Under that
+    shutdown a gloo worker thread finishing the queued collectives calls std::terminate ("terminate called without an
+    active exception", SIGABRT; README, When things go wrong): whether a run aborted was a race, so this checks the
+    mechanism that prevents it, deterministically, through the order its parts ran in."""
+    r = _main_with_hooks("peer")
     assert r.returncode == 4, r.stdout + r.stderr
-    assert "interpreter shutdown ran" not in r.stdout and "main returned" not in r.stdout, r.stdout
+    assert r.stdout.splitlines() == ["step", "checkpoint write abandoned", "metrics closed", "run directory released",
+                                     "process groups destroyed"], r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr
+
+
+def test_a_refused_start_destroys_the_process_groups_before_the_interpreter_shuts_down():
+    """An anticipated error in start-up (the run directory's lock refused) with the process group up: one line, exit
+    2 through main's return, the process groups destroyed before it returns, and only then the interpreter's
+    shutdown (a group left to it made rank 1 of a refused 2-rank start abort, now and then)."""
+    r = _main_with_hooks("refused")
+    assert r.returncode == 0, r.stdout + r.stderr       # the script's own exit: main returned
+    assert r.stdout.splitlines() == ["process groups destroyed", "main returned 2", "interpreter shutdown"], r.stdout
+    assert r.stderr.strip().splitlines() == [
+        "megamemo train: error: another trainer is running in this run directory"], r.stderr
+
+
+def _main_with_hooks(how: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PEER_LOST, how], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu", "MEGAMEMO_DEVICE": "cpu"})
 
 
 @pytest.mark.multiproc   # starts a training process and two importing ones (`-m 'not multiproc'`: the fast subset)

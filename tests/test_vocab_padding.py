@@ -76,7 +76,7 @@ def test_an_explicit_n_token_wins(text8_shards, tmp_path):
     cfg = load(config_file(tmp_path, data=text8_shards), ["model.n_token=27"])
     assert (cfg.model.n_token, cfg.model.n_vocab, cfg.n_token_auto) == (27, None, False)
     from megamemo.train.data import check_data_dir
-    check_data_dir(cfg)
+    assert check_data_dir(cfg)["vocab"]["size"] == 27          # the corpus's 27 symbols fit n_token 27 exactly
 
 
 def test_a_too_small_explicit_n_token_is_one_line(text8_shards, tmp_path, capsys):

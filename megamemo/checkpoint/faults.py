@@ -1,12 +1,19 @@
 """Fault injection for the crash tests and bench/soak.py: a rank SIGKILLs itself at a named moment of the checkpoint
-protocol, where a kill from outside would land only by luck (the windows are milliseconds long).
+protocol, where a kill from outside would land only by luck (the windows are milliseconds long), or of training,
+so that a seed replays the same kills on any host under any load (never a moment measured in time).
 
     MEGAMEMO_FAULT_KILL_IN_SAVE="STEP:RANK"   that rank, while saving that step: its tensors written, not its JSON
-    MEGAMEMO_FAULT_KILL_AT="POINT:N"          the rank that passes POINT for the N-th time (counted per process):
+    MEGAMEMO_FAULT_KILL_AT="POINT:N[:RANK]"   the rank that passes POINT for the N-th time (counted per process;
+                                              with RANK, only that rank):
         save       a rank's files written but its rank JSON not yet (a half-written checkpoint)
         commit     rank 0: every rank's files are in, COMMITTED not yet written
         retention  rank 0: the step is committed, older checkpoints not yet removed
         removal    rank 0: an old checkpoint's COMMITTED removed, its files not yet
+        start-up   every rank: built, resumed, about to train its first step
+        step       every rank, mid-step: its forward, backward and optimizer step done, the step's all-reduce and
+                   commit (memory, data cursor, counters) not yet
+    MEGAMEMO_FAULT_STOP_AT="POINT:N[:RANK]"   the same points, but the rank stops itself (SIGSTOP): bench/soak.py
+                                              then kills the whole job with -9 from outside, launcher first
       "POINT:N@K,POINT:N@K,..."               the same, each in the start with MEGAMEMO_RESTART=K only (a plan for
                                               a job that restarts itself: launch/local.sh --max-restarts)
     MEGAMEMO_FAULT_FAIL_WRITE="STEP:RANK"   that rank's write of its tensor file of that step fails with ENOSPC
@@ -22,7 +29,18 @@ import os
 import signal
 from pathlib import Path
 
-POINTS = ("save", "commit", "retention", "removal")
+POINTS = ("save", "commit", "retention", "removal", "start-up", "step")
+
+
+def _point(env, key: str) -> tuple[str, int, int | None] | None:
+    """(point, N, rank or None) of POINT:N[:RANK] in env[key]; None when unset."""
+    value = for_this_start(env.get(key, ""), env)     # a plan per start: launch/local.sh --max-restarts
+    if not value:
+        return None
+    name, n, *rank = value.split(":")
+    if name not in POINTS:
+        raise ValueError(f"{key}: unknown point {name!r} (one of {', '.join(POINTS)})")
+    return name, int(n), int(rank[0]) if rank else None
 
 
 def for_this_start(value: str, env) -> str:
@@ -42,10 +60,9 @@ class FaultPoints:
         self.rank = rank
         legacy = env.get("MEGAMEMO_FAULT_KILL_IN_SAVE", "")
         self.kill_in_save = tuple(int(x) for x in legacy.split(":")) if legacy else None
-        point = for_this_start(env.get("MEGAMEMO_FAULT_KILL_AT", ""), env)
-        self.kill_at = (point.split(":")[0], int(point.split(":")[1])) if point else None
-        if self.kill_at is not None and self.kill_at[0] not in POINTS:
-            raise ValueError(f"MEGAMEMO_FAULT_KILL_AT: unknown point {self.kill_at[0]!r} (one of {', '.join(POINTS)})")
+        self.kill_at = _point(env, "MEGAMEMO_FAULT_KILL_AT")
+        self.stop_at = _point(env, "MEGAMEMO_FAULT_STOP_AT")
+        self.points = {p[0] for p in (self.kill_at, self.stop_at) if p}
         self.passed: dict[str, int] = {}
         failing = env.get("MEGAMEMO_FAULT_FAIL_WRITE", "")
         self.fail_write_at = tuple(int(x) for x in failing.split(":")) if failing else None
@@ -66,12 +83,14 @@ class FaultPoints:
     def at(self, point: str, step: int | None = None) -> None:
         if point == "save" and self.kill_in_save == (step, self.rank):
             self._die(f"while saving step {step}")
-        if self.kill_at is None or self.kill_at[0] != point:
+        if point not in self.points:
             return
-        self.passed[point] = self.passed.get(point, 0) + 1
-        if self.passed[point] == self.kill_at[1]:
-            self._die(f"at {point} #{self.passed[point]}")
+        n = self.passed[point] = self.passed.get(point, 0) + 1
+        for (name, nth, rank), sig in ((self.kill_at or ("", 0, None), signal.SIGKILL),
+                                       (self.stop_at or ("", 0, None), signal.SIGSTOP)):
+            if name == point and n == nth and rank in (None, self.rank):
+                self._die(f"at {point} #{n}", sig)
 
-    def _die(self, where: str) -> None:
-        print(f"[fault] rank {self.rank} kills itself {where}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    def _die(self, where: str, sig: int = signal.SIGKILL) -> None:
+        print(f"[fault] rank {self.rank} {'kills' if sig == signal.SIGKILL else 'stops'} itself {where}", flush=True)
+        os.kill(os.getpid(), sig)

@@ -117,7 +117,9 @@ class Launcher:
         one line for bad usage, config, data or checkpoint), else the first failed worker's (128 + N for signal N)."""
         first: tuple[int, int] | None = None        # the first worker seen failing: the cause
         stopped = False
-        while any(p.poll() is None for p in self.procs):
+        # every worker polled each round (not any()'s first running one: a higher rank's failure would go unseen
+        # while a lower one runs, or hangs in a collective waiting for it)
+        while [p.poll() for p in self.procs].count(None):
             self.deliver()
             self._note_exits()
             if first is None:

@@ -101,9 +101,10 @@ BF16_MIN_CAPABILITY = (8, 0)
 FP16_PRESET = "launch/slurm/v100-fp16.sbatch, or --set precision.dtype=fp16"
 
 
-def check_precision(dtype: str) -> None:
+def check_precision(dtype: str) -> tuple[int, int] | None:
     """fp16 needs an accelerator DeepSpeed supports it on (not this kind of CPU), bf16 a GPU that has it in hardware
-    (compute capability 8.0 or newer); say so before starting."""
+    (compute capability 8.0 or newer); say so before starting. -> the compute capability bf16 was checked against
+    (None where no capability applies)."""
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
@@ -119,6 +120,8 @@ def check_precision(dtype: str) -> None:
             raise ConfigError(f"precision.dtype: bf16 needs a GPU of compute capability 8.0 or newer; this "
                               f"{torch.cuda.get_device_name()} is {major}.{minor} and would emulate it without "
                               f"tensor cores, several times slower: use the fp16 preset ({FP16_PRESET})")
+        return major, minor
+    return None
 
 
 class Engine:

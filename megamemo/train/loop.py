@@ -82,6 +82,7 @@ class Trainer:
         self.n_micro = cfg.train.grad_accum
         self.metrics = metrics
         self.store = store
+        self.faults = store.faults if store is not None else FaultPoints(rank)   # the crash tests' and soak's
         self.evaluator = evaluator
         self.stop = stop
         self.rank_extra = rank_extra or {}
@@ -162,6 +163,7 @@ class Trainer:
             loss_sum, res = self._pipeline_step(inp, tgt, new_epoch)
         else:
             loss_sum, res, new_mems = self._micro_steps(inp, tgt, new_epoch)
+        self.faults.at("step")
         stop_local = 1.0 if (self.stop is not None and self.stop.requested) else 0.0
         save_failed = 1.0 if (self.store is not None and self.store.failed()) else 0.0
         # the step's signals in one tensor: the loss (on the device) and three host values copied in one go (from
@@ -276,6 +278,7 @@ class Trainer:
         cfg = self.cfg
         self.engine.module.train()
         self.metrics.start_window()
+        self.faults.at("start-up")
         every = cfg.checkpoint.save_every
         wd = self.watchdog
         paused = wd.paused if wd is not None else (lambda phase: contextlib.nullcontext())

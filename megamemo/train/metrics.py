@@ -3,7 +3,9 @@ TensorBoard events in <run_dir>/tb. Only rank 0 writes.
 
 metrics.jsonl objects carry `kind`: "train" (one per applied step: step, loss, bpc, ppl, lr, grad_norm,
 (on subword corpora bits_per_byte: the loss over the split's average UTF-8 bytes per token),
-loss_scale, skipped, tokens, time (wall clock, s); on log lines also tokens_per_s, hfu_flops_per_s, hfu,
+loss_scale, skipped, tokens, time (wall clock, s), cpu_s (rank 0's process CPU seconds since it started, all its
+threads: beside time it tells a step's own work from a wait for cores that other jobs hold; tests/
+test_plan_measured.py); on log lines also tokens_per_s, hfu_flops_per_s, hfu,
 mfu_flops_per_s and mfu),
 "skip" (an overflowing attempt that was not applied), "eval", "resume" (step, time: a run resumed there).
 On resume from step S the file keeps only what happened up to S, so it reads like one uninterrupted run; the
@@ -146,7 +148,7 @@ class Metrics:
         if not self.enabled:
             return
         now = time.perf_counter()
-        rec = {"kind": "train", **rec, **self.derived(rec["loss"]), "time": time.time()}
+        rec = {"kind": "train", **rec, **self.derived(rec["loss"]), "time": time.time(), "cpu_s": time.process_time()}
         if rec["step"] % self.every == 0:
             dt = max(now - self._window_t0, 1e-9)
             rec["tokens_per_s"] = self._window_tokens / dt

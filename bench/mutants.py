@@ -1,0 +1,349 @@
+"""Mutation score: named mutations of the product code, each a bug someone could plausibly write (an off-by-one in a
+window, a skipped check, a wrong dtype, a stream shared across ranks, a reversed order), each with the tests that
+must catch it. A mutation that survives its tests is a hole in the suite, to be closed with a test, not a line to
+delete from this list.
+
+    python bench/mutants.py --list                 # the mutations, one a line: name, file, tests
+    python bench/mutants.py [NAME ...] [--keep]    # each applied alone in a temporary copy of the tree, its tests run
+
+A mutation is a file, one line of it (compared without its indentation; it must occur there exactly once), the line
+that replaces it, and pytest node ids. The copy holds the repository's files (git ls-files: tracked and untracked
+but not ignored); the tests run there with PYTHONPATH pointing at it (so the copy's code wins over an installed
+megamemo, also in the processes the tests start), one mutation at a time, stopping at the first failure. Killed:
+the tests fail (or time out). Survived: they pass. Error: pytest could not run them (a bad node id: exit code 4 or
+5) - a defect of this list. Prints one line a mutation, then killed / total, the survivors and the time taken.
+Exit code 0 when every mutation is killed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str               # relative to the repository
+    original: str           # one line of `file` (indentation aside)
+    mutated: str            # what replaces it (indented as the original)
+    tests: tuple[str, ...]  # pytest node ids that must fail
+
+
+M = Mutation
+SUBWORD = "tests/test_data_subword.py"
+REMOTE = "tests/test_data_remote.py"
+LAUNCHER = "tests/test_launcher_report.py"
+STEPTIME = "tests/test_steptime.py"
+MUTATIONS = [
+    # ---- megamemo/util ---------------------------------------------------------------------------------------
+    M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
+      'return total_nll_nats / LN2 / n_bytes if n_bytes > 0 else float("nan")',
+      'return total_nll_nats / n_bytes if n_bytes > 0 else float("nan")',
+      ("tests/test_util.py::test_units_by_hand",)),
+    M("util-numpy-stream-not-seeded", "megamemo/util/seeding.py",
+      "np.random.seed(seed % 2**32)", "pass",
+      ("tests/test_util.py::test_seeding_makes_every_default_stream_repeat",)),
+    # ---- data_pipeline -----------------------------------------------------------------------------------------
+    M("subword-document-index-restarts-each-block", "data_pipeline/subword.py",
+      "doc += lengths.size", "doc = lengths.size",
+      (f"{SUBWORD}::test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers",)),
+    M("subword-bpe-pass-index-restarts-each-block", "data_pipeline/subword.py",
+      "doc += len(texts)", "doc = len(texts)",
+      (f"{SUBWORD}::test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers",)),
+    M("subword-workers-blocks-reversed", "data_pipeline/subword.py",
+      "pending.append((nb, pool.apply_async(_encode_in_worker, (block,))))",
+      "pending.appendleft((nb, pool.apply_async(_encode_in_worker, (block,))))",
+      (f"{SUBWORD}::test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers",)),
+    M("documents-split-slot-off-by-one", "data_pipeline/documents.py",
+      's = self._cache[g] = np.searchsorted(self.bounds, perm, side="right")',
+      's = self._cache[g] = np.searchsorted(self.bounds, perm, side="left")',
+      (f"{SUBWORD}::test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers",)),
+    M("remote-vocabulary-sha256-unchecked", "data_pipeline/remote.py",
+      "if sha and hashlib.sha256(vdata).hexdigest() != sha:", "if False:",
+      (f"{REMOTE}::test_a_damaged_vocabulary_or_tokenizer_file_is_named",)),
+    M("remote-cached-shard-trusted-by-size", "data_pipeline/remote.py",
+      'if str(dst) in _VERIFIED or file_sha256(dst) == entry["sha256"]:', "if True:",
+      (f"{REMOTE}::test_a_cached_shard_damaged_in_place_is_fetched_again",)),
+    M("remote-cache-use-not-recorded", "data_pipeline/remote.py",
+      "os.utime(dst)                               # least recently used = oldest mtime", "pass",
+      (f"{REMOTE}::test_cache_limit_evicts_least_recently_used",)),
+    M("stream-roll-ignores-the-epoch", "data_pipeline/stream.py",
+      "rng = np.random.default_rng([self.seed, epoch])", "rng = np.random.default_rng([self.seed, 0])",
+      ("tests/test_data_stream.py::test_roll_is_a_seeded_per_epoch_column_rotation",)),
+    M("stats-unigram-unsmoothed", "data_pipeline/stats.py",
+      "fit = _counts(fit_ids, n_symbols) + smoothing", "fit = _counts(fit_ids, n_symbols) + 1e-9",
+      ("tests/test_data_stats.py",)),
+    M("doc-index-starts-one-document-late", "data_pipeline/doc_index.py",
+      "starts = first_token + np.concatenate(([0], np.cumsum(lengths[:-1])))",
+      "starts = first_token + np.cumsum(lengths)",
+      (f"{SUBWORD}::test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers",)),
+    # ---- megamemo/model --------------------------------------------------------------------------------------
+    M("model-causal-mask-hides-the-query-itself", "megamemo/model/positions.py",
+      "mask = j > i", "mask = j >= i",
+      ("tests/test_model_reference.py::test_eval_nll_and_memory_over_segments[txl_tgt8_mem8-plain]",)),
+    M("model-same-length-window-one-key-wider", "megamemo/model/positions.py",
+      "mask = mask | (j <= i - mem_len)", "mask = mask | (j < i - mem_len)",
+      ("tests/test_model_spec.py::test_matches_naive_spec[xl-6-12-None-True-5]",)),
+    M("model-lookahead-sees-its-own-position", "megamemo/model/positions.py",
+      "return p <= i", "return p < i",
+      ("tests/test_model_reference.py::test_eval_nll_and_memory_over_segments[lamemo_at3_tgt8_mem8-plain]",)),
+    M("model-clamp-one-too-far", "megamemo/model/positions.py",
+      "pos = pos.clamp(max=clamp_len)", "pos = pos.clamp(max=clamp_len + 1)",
+      ("tests/test_model_spec.py::test_matches_naive_spec[rpe-6-6-None-True-4]",)),
+    M("positions-angles-in-half-precision", "megamemo/model/positions.py",
+      "angles = pos.float()[:, None] * freq[None, :]", "angles = (pos[:, None] * freq[None, :]).to(dtype).float()",
+      ("tests/test_half_positions.py::test_load_single_and_eval_half",)),
+    M("flops-causal-scores-counted-twice-not-thrice", "megamemo/model/flops.py",
+      "+ 3 * 2 * L * klen * H * B          # causal: content, position, values",
+      "+ 2 * 2 * L * klen * H * B          # causal: content, position, values",
+      ("tests/test_flops.py::test_analytic_count_matches_torch_flop_counter",)),
+    M("mfu-memory-keys-left-out", "megamemo/model/flops.py",
+      "return 6 * total_params(cfg) + 18 * cfg.n_layer * cfg.n_head * cfg.d_head * (M + L)",
+      "return 6 * total_params(cfg) + 18 * cfg.n_layer * cfg.n_head * cfg.d_head * L",
+      ("tests/test_mfu.py::test_model_flops_by_hand",)),
+    # ---- megamemo/kernels ------------------------------------------------------------------------------------
+    M("kernels-dropout-last-digit-strict", "megamemo/kernels/dropout.py",
+      "return torch.ge(b, digits[0], out=out)", "return torch.gt(b, digits[0], out=out)",
+      ("tests/test_model_properties.py::test_dropout_mask_is_a_32_bit_comparison_drawn_digit_by_digit",)),
+    M("kernels-dropout-unscaled", "megamemo/kernels/dropout.py",
+      "return (_ReluKeepScale if relu else _KeepScale).apply(x, keep, 1.0 / (1.0 - p))",
+      "return (_ReluKeepScale if relu else _KeepScale).apply(x, keep, 1.0)",
+      ("tests/test_model_properties.py::test_dropout_mask_has_the_right_law_and_replays",)),
+    M("flex-position-index-off-by-one", "megamemo/kernels/flex.py",
+      "pos = bd[b, h, i, (s0 - i + j).clamp(0, W - 1)]", "pos = bd[b, h, i, (s0 - i + j + 1).clamp(0, W - 1)]",
+      ("tests/test_kernels.py::test_flex_attention_forward_equals_the_eager_form_on_the_cpu",)),
+    M("compiler-overrides-the-users-dynamo-off", "megamemo/kernels/compiler.py",
+      'if os.environ.get(SET_BY_MEGAMEMO) == "1":', "if True:",
+      ("tests/test_kernels.py::test_the_compiler_switch_lifts_megamemos_own_dynamo_off_only",)),
+    # ---- megamemo/parallel -----------------------------------------------------------------------------------
+    M("parallel-tp-stream-shared-by-the-tp-ranks", "megamemo/parallel/groups.py",
+      "tp = seed + 1 + 2 * _pair(_pair(group, tp_rank), step_salt) + 1",
+      "tp = seed + 1 + 2 * _pair(group, step_salt) + 1",
+      ("tests/test_gpu_path.py::test_dropout_seeds_are_unique_over_the_tp_dp_pp_grid",)),
+    M("parallel-qkv-box-not-per-head", "megamemo/parallel/tensor.py",
+      "per = shape[0] // 3", "per = shape[0]",
+      ("tests/test_checkpoint_layer.py::test_qkv_shards_move_between_tensor_parallel_sizes",)),
+    # ---- megamemo/config -------------------------------------------------------------------------------------
+    M("config-vocab-pads-a-full-multiple", "megamemo/config/vocab.py",
+      "n = -(-vocab // step) * step", "n = (vocab // step + 1) * step",
+      ("tests/test_vocab_padding.py::test_padded_vocab_by_hand",)),
+    M("config-overlap-where-deepspeed-ignores-it", "megamemo/config/zero.py",
+      "return cfg.parallel.overlap_comm and overlap_problem(cfg) is None", "return cfg.parallel.overlap_comm",
+      (f"{STEPTIME}::test_overlap_comm_hides_it_where_deepspeed_overlaps_and_bucket_size_sets_the_buckets",)),
+    # ---- megamemo/checkpoint ---------------------------------------------------------------------------------
+    M("checkpoint-sha256-not-checked", "megamemo/checkpoint/store.py",
+      'if checksum and file_sha256(p) != entry["sha256"]:', "if False:",
+      ("tests/test_checkpoint_layer.py::test_half_written_flipped_or_truncated_checkpoints_are_never_resumed",)),
+    M("checkpoint-retention-keeps-the-marker-to-the-end", "megamemo/checkpoint/store.py",
+      "marker.unlink()", "pass",
+      ("tests/test_checkpoint_layer.py::test_retention_removes_the_marker_first",)),
+    M("checkpoint-global-state-from-the-ranks-own-file", "megamemo/checkpoint/state.py",
+      "own_rank = rank if ctx.same_layout else 0", "own_rank = rank",
+      ("tests/test_checkpoint_layer.py::test_registry_round_trip_is_exact_and_pickle_free",)),
+    M("checkpoint-rank-streams-restored-under-another-layout", "megamemo/checkpoint/state.py",
+      "if ctx.same_layout:", "if True:",
+      ("tests/test_checkpoint_layer.py::test_registry_round_trip_is_exact_and_pickle_free",)),
+    M("faults-kill-any-rank", "megamemo/checkpoint/faults.py",
+      "if name == point and n == nth and rank in (None, self.rank):", "if name == point and n == nth:",
+      ("tests/test_checkpoint_layer.py::test_a_fault_point_fires_at_its_count_on_its_rank_only",)),
+    M("probe-bound-tp-roundings-uncounted", "megamemo/checkpoint/probe_bound.py",
+      "return 4 * (max(int(tp), 1) - 1) * model.cfg.n_layer", "return 0",
+      ("tests/test_probe_bound.py",)),
+    # ---- megamemo/runtime ------------------------------------------------------------------------------------
+    M("launcher-blames-the-lowest-rank", "megamemo/runtime/launcher.py",
+      "return min(failed, key=lambda rc: (rc[1] == -signal.SIGABRT, rc[0])) if failed else None",
+      "return min(failed, key=lambda rc: rc[0]) if failed else None",
+      (f"{LAUNCHER}::test_a_sigabrt_is_a_consequence_whatever_the_ranks",)),
+    M("launcher-polls-the-first-running-worker-only", "megamemo/runtime/launcher.py",
+      "while [p.poll() for p in self.procs].count(None):", "while any(p.poll() is None for p in self.procs):",
+      (f"{LAUNCHER}::test_a_higher_rank_that_fails_stops_the_lower_ones_at_once",)),
+    M("rundir-process-groups-left-to-interpreter-shutdown", "megamemo/runtime/rundir.py",
+      "dist.destroy_process_group()", "pass",
+      ("tests/test_train_units.py::test_a_refused_start_destroys_the_process_groups_before_the_interpreter_"
+       "shuts_down",)),
+    M("lock-reused-pid-taken-for-the-holder", "megamemo/runtime/lock.py",
+      'return holder.get("pid_start") in (None, start)', "return True",
+      ("tests/test_run_lock.py::test_a_reused_pid_is_not_the_holder",)),
+    M("lock-zombie-taken-for-alive", "megamemo/runtime/lock.py",
+      "if fields is not None and fields[0] in DEAD_STATES:", "if False:",
+      ("tests/test_run_lock.py::test_a_zombie_holder_is_dead_and_taken_over",)),
+    # ---- megamemo/interop ------------------------------------------------------------------------------------
+    M("reference-import-k-v-before-q", "megamemo/interop/reference.py",
+      'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.q_net.weight"), take(f"{a}.kv_net.weight")], 0)',
+      'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.kv_net.weight"), take(f"{a}.q_net.weight")], 0)',
+      ("tests/test_convert_reference.py::test_imported_reference_reproduces_the_reference_nll",)),
+    # ---- megamemo/train --------------------------------------------------------------------------------------
+    M("train-no-reseed-under-another-layout", "megamemo/train/loop.py",
+      'self._reseed(int(info["step"]))', "pass",
+      ("tests/test_convert_parallel.py::test_a_resume_under_another_layout_with_dropout_reseeds_every_stream",)),
+    M("train-peer-lost-runs-interpreter-shutdown", "megamemo/train/cli.py",
+      "leave_without_finalizing(lost)", "pass",
+      ("tests/test_train_units.py::test_a_rank_whose_peer_is_gone_tears_down_in_order_and_exits_1_without_"
+       "interpreter_shutdown",)),
+    M("train-bf16-on-a-v100", "megamemo/train/engine.py",
+      "if (major, minor) < BF16_MIN_CAPABILITY:", "if False:",
+      ("tests/test_bf16_capability.py::test_check_precision_refuses_bf16_below_compute_capability_8",)),
+    M("train-warmup-off-by-one", "megamemo/train/engine.py",
+      "return (step + 1) / warmup", "return step / warmup",
+      ("tests/test_train_units.py::test_lr_schedule_matches_torch_cosine_and_warms_up",)),
+    M("metrics-bits-per-byte-of-the-train-split-always", "megamemo/train/metrics.py",
+      "ratio = self.bytes_per_token.get(split or self.train_split)",
+      "ratio = self.bytes_per_token.get(self.train_split)",
+      (f"{SUBWORD}::test_bits_per_byte_by_hand",)),
+    # ---- megamemo/eval ---------------------------------------------------------------------------------------
+    M("eval-bytes-of-the-inputs", "megamemo/eval/evaluate.py",
+      "n_bytes += int(token_bytes[tgt.cpu()].sum())", "n_bytes += int(token_bytes[inp.cpu()].sum())",
+      (f"{SUBWORD}::test_bits_per_byte_by_hand",)),
+    M("generate-nucleus-drops-the-crossing-token", "megamemo/eval/generate.py",
+      "keep_sorted = before < top_p                     # the token that crosses top_p is kept; the first always is",
+      "keep_sorted = before + sorted_p <= top_p",
+      ("tests/test_generate.py::test_nucleus_keeps_the_smallest_set_reaching_top_p",)),
+    # ---- megamemo/plan ---------------------------------------------------------------------------------------
+    M("steptime-tp-comm-not-in-the-bubble", "megamemo/plan/steptime.py",
+      '"tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),',
+      '"tp_comm": tp_comm * ga, "pp_bubble": bubble,',
+      (f"{STEPTIME}::test_the_tp_all_reduces_of_an_idle_slot_are_in_the_bubble",)),
+    M("steptime-stage-boundary-inside-a-node", "megamemo/plan/steptime.py",
+      "spans = world > gpus_per_node", "spans = False",
+      (f"{STEPTIME}::test_pipeline_stages_on_two_nodes_send_over_the_slower_link",)),
+    M("steptime-gpu-host-overhead-dropped", "megamemo/plan/steptime.py",
+      "overhead = max(0.0, wall - compute - elementwise)", "overhead = 0.0",
+      (f"{STEPTIME}::test_a_gpu_host_that_launches_slower_than_the_kernels_run_is_the_overhead",)),
+    M("opcost-unaligned-gemms-at-full-speed", "megamemo/plan/opcost.py",
+      "gemm[i] = max(seg.flops[i] / rate, by_bw[i]) * (1.0 if seg.aligned[i] else dev.unaligned)",
+      "gemm[i] = max(seg.flops[i] / rate, by_bw[i])",
+      ("tests/test_opcost.py",)),
+    # ---- megamemo/export -------------------------------------------------------------------------------------
+    M("harness-is-greedy-looks-at-the-first-token", "megamemo/export/harness.py",
+      "out.append((-float(nll.sum()), bool(hit.all())))", "out.append((-float(nll.sum()), bool(hit[0])))",
+      ("tests/test_harness.py::test_loglikelihood_and_generate_until_agree_with_megamemo",)),
+    M("hf-byte-table-shift-starts-at-1", "megamemo/export/hf.py",
+      "out, shift = [], 0", "out, shift = [], 1",
+      ("tests/test_export_hf.py::test_byte_tokenizer_maps_every_byte_to_its_id",)),
+    # ---- megamemo (the dispatcher) ---------------------------------------------------------------------------
+    M("cli-exit-code-lost", "megamemo/cli.py", "return int(rc or 0)", "return 0",
+      ("tests/test_cli.py::test_a_subcommands_exit_code_is_the_commands",)),
+    M("cli-overrides-the-users-dynamo-choice", "megamemo/cli.py",
+      'if "TORCHDYNAMO_DISABLE" not in os.environ:', "if True:",
+      ("tests/test_cli.py::test_the_users_torchdynamo_choice_is_kept",)),
+]
+
+
+def _line_index(lines: list[str], original: str) -> list[int]:
+    return [i for i, line in enumerate(lines) if line.strip() == original.strip()]
+
+
+def problems(m: Mutation, root: Path = REPO) -> list[str]:
+    """What is wrong with a mutation's entry (its line not found exactly once, no tests, a test file missing)."""
+    out = []
+    path = root / m.file
+    if not path.is_file():
+        return [f"{m.name}: {m.file} does not exist"]
+    found = _line_index(path.read_text().splitlines(), m.original)
+    if len(found) != 1:
+        out.append(f"{m.name}: the original line occurs {len(found)} times in {m.file}: {m.original!r}")
+    if m.mutated.strip() == m.original.strip():
+        out.append(f"{m.name}: the mutated line is the original")
+    if not m.tests:
+        out.append(f"{m.name}: no tests")
+    for t in m.tests:
+        if not (root / t.split("::")[0]).is_file():
+            out.append(f"{m.name}: test file {t.split('::')[0]} does not exist")
+    return out
+
+
+def apply(m: Mutation, root: Path) -> str:
+    """Mutate the copy at `root`; returns the file's original text (to restore)."""
+    path = root / m.file
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    (i,) = _line_index([ln.rstrip("\n") for ln in lines], m.original)
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    lines[i] = indent + m.mutated.strip() + "\n"
+    path.write_text("".join(lines))
+    return text
+
+
+def copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def run_one(m: Mutation, root: Path, timeout: float) -> tuple[str, float, str]:
+    """('killed' | 'survived' | 'error', seconds, the tail of pytest's output)."""
+    original = apply(m, root)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-x", "-q",
+                            "--timeout", str(int(timeout)), *m.tests], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=timeout + 60)
+        rc, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired:
+        rc, out = -1, "timed out"
+    finally:
+        (root / m.file).write_text(original)
+    seconds = time.monotonic() - t0
+    verdict = "survived" if rc == 0 else "error" if rc in (4, 5) else "killed"
+    return verdict, seconds, "\n".join(out.strip().splitlines()[-5:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help="run only these mutations (default: all)")
+    p.add_argument("--list", action="store_true", help="print the mutations, one a line")
+    p.add_argument("--timeout", type=float, default=600, help="seconds a mutation's tests may take")
+    p.add_argument("--keep", action="store_true", help="keep the temporary copy of the tree")
+    a = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not a.names or m.name in a.names]
+    unknown = sorted(set(a.names) - {m.name for m in MUTATIONS})
+    if unknown:
+        print(f"unknown mutations: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    if a.list:
+        for m in chosen:
+            print(f"{m.name}  {m.file}  {' '.join(m.tests)}")
+        return 0
+    bad = [x for m in chosen for x in problems(m)]
+    if bad:
+        print("\n".join(bad), file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="megamemo-mutants-"))
+    results = []
+    try:
+        copy_tree(root)
+        for k, m in enumerate(chosen, 1):
+            verdict, seconds, tail = run_one(m, root, a.timeout)
+            results.append((m, verdict))
+            print(f"[{k}/{len(chosen)}] {verdict:<8} {seconds:6.1f}s  {m.name}  ({m.file})", flush=True)
+            if verdict != "killed":
+                print("    " + tail.replace("\n", "\n    "), flush=True)
+    finally:
+        if a.keep:
+            print(f"the copy: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    killed = sum(v == "killed" for _, v in results)
+    others = [f"{m.name} ({v})" for m, v in results if v != "killed"]
+    print(f"killed {killed} / {len(results)} mutations in {time.monotonic() - t0:.0f} s"
+          + (f"; not killed: {', '.join(others)}" if others else ""))
+    return 0 if killed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
