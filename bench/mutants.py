@@ -160,8 +160,8 @@ MUTATIONS = [
       ("tests/test_probe_bound.py",)),
     # ---- megamemo/runtime ------------------------------------------------------------------------------------
     M("launcher-blames-the-lowest-rank", "megamemo/runtime/launcher.py",
-      "return min(failed, key=lambda rc: (rc[1] == -signal.SIGABRT, rc[0])) if failed else None",
-      "return min(failed, key=lambda rc: rc[0]) if failed else None",
+      "return min(failed, key=lambda rc: (rc[1] in (-signal.SIGABRT, interruptions.EXIT_PEER_LOST), rc[0])) \\",
+      "return min(failed, key=lambda rc: rc[0]) \\",
       (f"{LAUNCHER}::test_a_sigabrt_is_a_consequence_whatever_the_ranks",)),
     M("launcher-polls-the-first-running-worker-only", "megamemo/runtime/launcher.py",
       "while [p.poll() for p in self.procs].count(None):", "while any(p.poll() is None for p in self.procs):",

@@ -125,7 +125,9 @@ def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_finishes(tiny_cfg, 
                      rf"in \w+ \(.*\), called from \w+ \(megamemo/.*\); rank 1 \(.*, pid {stopped}\) not heard from "
                      rf"for \d+ s .*; exiting with code 3$", line), line
     stacks = out[out.index("[watchdog] rank 0: every thread's stack"):out.index(line)]
-    assert "(most recent call first)" in stacks and "in train_step" in stacks and "in all_reduce" in stacks, stacks
+    # every thread's stack, the main thread's in megamemo's loop (where it waits depends on the moment: the step's
+    # collectives, or a save's; under load both were seen)
+    assert "(most recent call first)" in stacks and re.search(r"megamemo/train/(loop|engine)\.py", stacks), stacks
     assert "[launch] restart 1/2: hang of rank 1 on" in out and losses(run_dir) == reference
 
 
