@@ -187,7 +187,7 @@ MUTATIONS = [
       ("tests/test_convert_parallel.py::test_a_resume_under_another_layout_with_dropout_reseeds_every_stream",)),
     M("train-peer-lost-runs-interpreter-shutdown", "megamemo/train/cli.py",
       "leave_without_finalizing(lost)", "pass",
-      ("tests/test_train_units.py::test_a_rank_whose_peer_is_gone_tears_down_in_order_and_exits_1_without_"
+      ("tests/test_train_units.py::test_a_rank_whose_peer_is_gone_tears_down_in_order_and_exits_4_without_"
        "interpreter_shutdown",)),
     M("train-bf16-on-a-v100", "megamemo/train/engine.py",
       "if (major, minor) < BF16_MIN_CAPABILITY:", "if False:",
