@@ -16,7 +16,7 @@ that counter at level d (byte j = bits 8(j%4) .. 8(j%4)+7 of output word j//4). 
 and the element is kept when U >= T = round(p * 2^32): today's CPU kernel's test (kernels/dropout.py), exact to
 2^-32. Two ways to compute the same mask:
   * `keep_bytes` (CPU, eager): the CPU kernel's byte-digit trick - level 0 for every element (one Philox output
-    serves 16 elements), the next level only where the digits so far tie with T's (1/256 of them, and so on);
+    serves 16 elements), levels 1-3 only where the first digit ties with T's (1/256 of them);
   * `keep_full` (any device, traceable: torch.compile fuses it): all four levels, U built and compared: one
     32-bit number per element, no data-dependent shapes.
 Under tensor parallelism a rank's features (the feed-forward's inner activation) or heads (attention) are a slice
@@ -150,24 +150,15 @@ def keep_full(shape, p: float, base, row, column, head, f0: int, k0, k1, device)
     return u >= threshold(p)
 
 
-def _tie_bytes(level: int, c0, c1, c2, c3, j, k0: int, k1: int) -> torch.Tensor:
-    """The bytes at digit `level` of single elements: counters (c0..c3 1-D, c3 without the level) and byte j."""
-    words = philox_words32(c0, c1, c2, c3 | (level << LEVEL_SHIFT), k0, k1)
-    w = torch.stack(torch.broadcast_tensors(*words), -1).view(torch.uint8)           # [k, 16]
-    return w.gather(1, j.unsqueeze(1)).squeeze(1)
-
-
-def _fill_ties(dtype, level: int, coords, dig: tuple[int, ...], k0: int, k1: int) -> torch.Tensor:
-    """Keep values (dtype) of tied elements from their digits at `level` onwards (recursing on further ties)."""
-    b = _tie_bytes(level, *coords, k0, k1)
-    out = torch.empty(b.numel(), dtype=dtype)
-    if len(dig) == 1:
-        return torch.ge(b, dig[0], out=out)
-    torch.gt(b, dig[0], out=out)
-    sub = (b == dig[0]).nonzero().view(-1)
-    if sub.numel():
-        out[sub] = _fill_ties(dtype, level + 1, [c[sub] for c in coords], dig[1:], k0, k1)
-    return out
+def _tie_keep(dtype, T: int, c0, c1, c2, c3, j, k0: int, k1: int) -> torch.Tensor:
+    """Keep values (dtype) of elements whose first digit ties with T's: their digits at levels 1-3 (one Philox
+    call for the three levels; counters c0..c3 1-D, c3 without the level; j the byte in the group) against T's."""
+    levels = (torch.arange(1, 4) << LEVEL_SHIFT).view(3, 1)
+    words = philox_words32(c0, c1, c2, c3 | levels, k0, k1)
+    w = torch.stack(torch.broadcast_tensors(*words), -1).view(torch.uint8)            # [3, k, 16]
+    b = w.gather(2, j.view(1, -1, 1).expand(3, -1, 1)).squeeze(2).to(torch.int32)   # [3, k]
+    rest = (b[0] << 16) | (b[1] << 8) | b[2]
+    return torch.ge(rest, T & 0xFFFFFF, out=torch.empty(rest.shape, dtype=dtype))
 
 
 def keep_bytes(shape, p: float, base: int, row, column, head, f0: int, k0: int, k1: int,
@@ -190,8 +181,7 @@ def keep_bytes(shape, p: float, base: int, row, column, head, f0: int, k0: int, 
     if idx.numel():
         f, li = idx % Fl + f0, idx // Fl
         flat = [torch.as_tensor(t).expand(*lead).reshape(-1)[li] for t in (row, column, head)]
-        coords = [f // GROUP, flat[0], flat[1], flat[2] | base, f % GROUP]
-        out.view(-1)[idx] = _fill_ties(dtype, 1, coords, dig[1:], k0, k1)
+        out.view(-1)[idx] = _tie_keep(dtype, T, f // GROUP, flat[0], flat[1], flat[2] | base, f % GROUP, k0, k1)
     return out
 
 
