@@ -238,3 +238,36 @@ def test_the_config_key_and_what_keyed_masks_allow():
     with pytest.raises(ConfigError, match="train.activation_checkpointing: with parallel.tp > 1"):
         cfg("train.activation_checkpointing=true", "parallel.tp=2")
     assert cfg("train.activation_checkpointing=true", "parallel.tp=2", "train.dropout_masks=keyed").parallel.tp == 2
+
+
+def test_a_compiled_layer_draws_the_eager_masks_and_compiles_once():
+    """train.compile: a decoder layer compiled (backend aot_eager: TorchDynamo and AOTAutograd trace the layer,
+    keyed masks as integer ops on the key's tensor words; no code generated) drops what the eager byte-digit path
+    drops: same NLL and gradients over three steps of two micro-batches, and no graph is added once the step and
+    micro-batch change (they are tensor inputs, not constants of the graph)."""
+    from torch._dynamo.utils import counters
+
+    from megamemo.kernels.compiler import compile_layers
+
+    x = torch.randint(0, 40, (7, 4), generator=torch.Generator().manual_seed(1))
+    base = _model("lamemo")
+    runs = {}
+    for form in ("eager", "compiled"):
+        model, key = copy.deepcopy(base), DropoutKey(7, columns=[0, 2])
+        apply_dropout_masks(model, "keyed", key)
+        if form == "compiled":
+            compile_layers(model, "aot_eager")
+        out, graphs = [], []
+        for step in range(3):
+            for k in range(2):
+                key.set(step=step, micro_batch=k)
+                nll, _ = model(x[:6, 2 * k:2 * k + 2], x[1:, 2 * k:2 * k + 2])
+                nll.sum().backward()
+                out.append(nll.detach())
+            graphs.append(int(counters["stats"].get("unique_graphs", 0)))
+        runs[form] = (torch.cat(out), {n: p.grad for n, p in model.named_parameters()}, graphs)
+    torch.testing.assert_close(runs["compiled"][0], runs["eager"][0], rtol=0, atol=1e-6)
+    for n, g in runs["eager"][1].items():
+        torch.testing.assert_close(runs["compiled"][1][n], g, rtol=1e-5, atol=1e-7)
+    graphs = runs["compiled"][2]
+    assert graphs[0] > 0 and graphs[1] == graphs[2], graphs     # compiled at step 0; steps 1 and 2 reuse it
