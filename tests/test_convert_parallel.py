@@ -3,7 +3,8 @@
     from the converted memory of the same streams, equals what the sharded model computed during training (1e-5);
   * `megamemo train` started in a run directory under another layout resumes in place, resharding on load:
     N ranks -> 1 (TP=2, DP=2, PP=2, TP=2 x PP=2), 1 -> N (TP=2, DP=2) and TP=2 -> PP=2; the next steps' losses and
-    the final weights equal those of the run that stayed in its layout (1e-5); `convert relayout` copies a checkpoint
+    the final weights equal those of the run that stayed in its layout (1e-5), dropout 0.1 and dropatt 0.1 with keyed
+    masks (tests/runs_cache.py KEYED: the resumed layout drops what the original one would have); `convert relayout` copies a checkpoint
     into a new run directory that resumes the same way;
   * a different global batch resumes at the same fraction of the epoch with empty memory (checked by hand);
   * broken checkpoints (missing, truncated or flipped file, wrong config, a piece written twice, memory of the wrong
@@ -22,11 +23,12 @@ from safetensors.torch import load_file
 from megamemo.interop import convert
 from megamemo.util.files import file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from runs_cache import KEYED
 from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
-EXACT = ["--max-steps", "6", "--set", "model.dropout=0.0", "--set", "log.tensorboard=false"]
+EXACT = ["--max-steps", "6", *KEYED, "--set", "log.tensorboard=false"]
 
 
 def _train(tmp_path_factory, tiny_cfg, shards, name, n, *args):
