@@ -151,13 +151,13 @@ def test_masks_differ_across_seeds_and_never_repeat_across_steps_or_micro_batche
     """A site's masks at 8 steps x 4 micro-batches (columns 0, 8, 16, 24) and 2 seeds: no two alike, and each
     pair agrees on p^2 + (1-p)^2 of its elements, as independent masks do (within 6 sigma)."""
     shape, p = (64, 8, 256), 0.1
-    masks = [_mask(step=s, column=c, seed=seed, shape=shape) for s in range(8) for c in (0, 8, 16, 24)
-             for seed in (1111, 2024)]
-    n, agree = math.prod(shape), p * p + (1 - p) * (1 - p)
-    for i in range(len(masks)):
-        for j in range(i + 1, len(masks)):
-            same = float((masks[i] == masks[j]).sum())
-            assert abs(same - n * agree) <= 6 * math.sqrt(n * agree * (1 - agree)), (i, j)
+    m = torch.stack([_mask(step=s, column=c, seed=seed, shape=shape, p=p).reshape(-1) for s in range(8)
+                     for c in (0, 8, 16, 24) for seed in (1111, 2024)]).double()
+    same = m @ m.T + (1 - m) @ (1 - m).T                    # elements each pair agrees on
+    n, agree = m.size(1), p * p + (1 - p) * (1 - p)
+    off = ~torch.eye(len(m), dtype=torch.bool)
+    worst = float((same - n * agree).abs()[off].max())
+    assert worst <= 6 * math.sqrt(n * agree * (1 - agree)), worst
 
 
 # ---- what keyed masks buy -----------------------------------------------------------------------------------
@@ -271,3 +271,29 @@ def test_a_compiled_layer_draws_the_eager_masks_and_compiles_once():
         torch.testing.assert_close(runs["compiled"][1][n], g, rtol=1e-5, atol=1e-7)
     graphs = runs["compiled"][2]
     assert graphs[0] > 0 and graphs[1] == graphs[2], graphs     # compiled at step 0; steps 1 and 2 reuse it
+
+
+def test_a_checkpoint_records_its_masks_and_a_switch_on_resume_is_one_line(tmp_path):
+    """Old runs: a checkpoint from before train.dropout_masks existed (no record) was drawn from the streams: it
+    resumes in stream mode without a word, and under keyed masks with one line saying so; a keyed checkpoint
+    resumed with stream masks says that too."""
+    from megamemo.checkpoint.state import Counters, StateRegistry
+    from megamemo.checkpoint.store import CheckpointStore, read_marker, tag_for
+
+    def store(**extra):
+        meta = {"model": {"n_layer": 2}, "layout": {"world_size": 1, "dp": 1, "batch_size": 4}, "precision": "fp32",
+                **extra}
+        return CheckpointStore(tmp_path / "ckpt", 0, 1, 3, meta, barrier=lambda: None, async_save=False,
+                               commit_timeout_s=30, log=lambda m: None)
+
+    for step, extra in ((2, {}), (4, {"dropout_masks": "keyed"})):
+        reg = StateRegistry()
+        reg.register("counters", Counters(step=step))
+        store(**extra).save(step, reg)
+    old, keyed = tmp_path / "ckpt" / tag_for(2), tmp_path / "ckpt" / tag_for(4)
+    assert "dropout_masks" not in read_marker(old) and read_marker(keyed)["dropout_masks"] == "keyed"
+    assert store(dropout_masks="stream").check_compatible(old)[2] == ""
+    assert store(dropout_masks="keyed").check_compatible(old)[2] == "dropout masks stream -> keyed (train.dropout_masks)"
+    assert store(dropout_masks="stream").check_compatible(keyed)[2] == \
+        "dropout masks keyed -> stream (train.dropout_masks)"
+    assert store(dropout_masks="keyed").check_compatible(keyed)[2] == ""

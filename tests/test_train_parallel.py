@@ -44,12 +44,15 @@ def check_equals_single(run_dir, single, what):
     for s in ref_eval:
         assert got_eval[s][1] == ref_eval[s][1] == 5 * 8 * 4, (what, s, got_eval, ref_eval)   # every token once
         assert abs(got_eval[s][0] - ref_eval[s][0]) < 1e-5, (what, s, got_eval, ref_eval)
-    # the memory after the last step, from every rank's pieces (TP head shards, PP stages), is the one-process one
+    # the memory after the last step, from every rank's pieces (TP head shards, PP stages), is the one-process one;
+    # LaMemo's emb FIFO holds embedding rows times sqrt(d_model) / (1 - dropout) = 6.3: the layouts' fp32 sums leave
+    # the embedding weights up to 2e-6 apart after 8 Adam steps (rarely seen rows: Adam's normalised update of a
+    # near-zero gradient), so the memory is compared within 2e-5
     want = checkpoint_memory(newest_complete(single / "checkpoints"))
     have = checkpoint_memory(newest_complete(run_dir / "checkpoints"))
     assert sorted(have.tensors) == sorted(want.tensors) and have.batch_size == want.batch_size == 4
     for name, t in want.tensors.items():
-        assert torch.allclose(have[name], t, atol=1e-5), (what, name)
+        assert torch.allclose(have[name], t, atol=2e-5), (what, name, float((have[name] - t).abs().max()))
     return got
 
 

@@ -140,13 +140,13 @@ def keep_full(shape, p: float, base, row, column, head, f0: int, k0, k1, device)
     *lead, Fl = shape
     g0, G, s = _groups(f0, Fl)
     c0 = torch.arange(g0, g0 + G, device=device)
-    level = (torch.arange(4, device=device) << LEVEL_SHIFT).view(4, *([1] * (len(lead) + 1)))
-    c3 = level | _last(head) | base
-    words = philox(c0, _last(row), _last(column), c3, k0, k1)
-    w = torch.stack(torch.broadcast_tensors(*words), -1)                  # [4, *lead, G, 4 words]
-    b = (w.unsqueeze(-1) >> (8 * torch.arange(4, device=device))) & 255   # [..., G, 4 words, 4 bytes]
-    b = b.flatten(-3)[..., s:s + Fl]                                      # [4 levels, *lead, Fl]
-    u = (b[0] << 24) | (b[1] << 16) | (b[2] << 8) | b[3]
+    shifts = 8 * torch.arange(4, device=device)
+    u = None
+    for level in range(4):                          # level by level: a few bytes per element held at a time
+        words = philox(c0, _last(row), _last(column), _last(head) | base | (level << LEVEL_SHIFT), k0, k1)
+        w = torch.stack(torch.broadcast_tensors(*words), -1)             # [*lead, G, 4 words]
+        b = ((w.unsqueeze(-1) >> shifts) & 255).flatten(-3)[..., s:s + Fl]   # [*lead, Fl]: byte j of its group
+        u = b if u is None else (u << 8) | b
     return u >= threshold(p)
 
 
@@ -163,9 +163,17 @@ def _tie_keep(dtype, T: int, c0, c1, c2, c3, j, k0: int, k1: int) -> torch.Tenso
 
 def keep_bytes(shape, p: float, base: int, row, column, head, f0: int, k0: int, k1: int,
                dtype=torch.bool) -> torch.Tensor:
-    """keep_full's mask on the CPU in eager mode, written in `dtype` (1 keep, 0 drop), by the byte-digit trick."""
-    *lead, Fl = shape
+    """keep_full's mask on the CPU in eager mode, written in `dtype` (1 keep, 0 drop), by the byte-digit trick.
+    The integer work runs in inference mode (no autograd bookkeeping per operation) into an ordinary tensor, which
+    a backward may then save."""
     out = torch.empty(shape, dtype=dtype)
+    with torch.inference_mode():
+        return _fill_bytes(out, p, base, row, column, head, f0, k0, k1)
+
+
+def _fill_bytes(out, p: float, base: int, row, column, head, f0: int, k0: int, k1: int) -> torch.Tensor:
+    *lead, Fl = out.shape
+    dtype = out.dtype
     T = threshold(p)
     if T <= 0 or T >= 2 ** 32:
         return out.fill_(T <= 0)
