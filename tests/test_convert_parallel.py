@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megamemo.interop import convert
+from megamemo.kernels import DropoutKey, apply_dropout_masks
 from megamemo.util.files import file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from runs_cache import KEYED
@@ -156,12 +157,14 @@ def test_another_global_batch_restarts_streams_with_empty_memory(tp2, tiny_cfg, 
 
     new = _resume_in_place(tp2, tmp_path, tiny_cfg, shards, 1, "--set", "data.batch_size=2")
     assert "global batch 4 -> 2 streams" in logs(new)
-    # by hand: the step-3 weights, the same fraction of the epoch in the 2-column cut, empty memory
+    # by hand: the step-3 weights, the same fraction of the epoch in the 2-column cut, empty memory, and the masks
+    # keyed dropout draws at step 3 (train.seed 1111) for global columns 0 and 1
     old = StreamReader(shards, "train", 4, 16).steps_per_epoch
     reader = StreamReader(shards, "train", 2, 16, roll=True, seed=1111, epochs=None)
     pos = 3 * reader.steps_per_epoch // old
     x, y = reader.get_batch(0, pos)
     model, _ = convert.load_model(step_dir(tp2, 3))
+    apply_dropout_masks(model.train(), "keyed", DropoutKey(1111).set(step=3))
     with torch.no_grad():
         nll, _ = model(x, y, None)
     assert abs(float(nll.mean()) - losses(new)[4]) < 1e-5
