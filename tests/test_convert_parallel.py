@@ -124,7 +124,8 @@ def _resume_in_place(src, tmp_path, tiny_cfg, shards, n, *args):
 
 
 @pytest.mark.parametrize("layout,n,extra", [
-    ("dp2", 1, ["--set", "train.grad_accum=2"]), ("tp2pp2", 1, []),          # N -> 1 (TP and PP joined at once)
+    ("dp2", 1, ["--set", "train.grad_accum=2"]), ("tp2", 1, []),              # N -> 1
+    ("tp2pp2", 1, []),                                                       # N -> 1 (TP and PP joined at once)
     ("one", 2, ["--tp", "2"]), ("one", 2, ["--set", "train.grad_accum=2"]), ("one", 2, ["--pp", "2"]),  # 1 -> N
     ("tp2", 2, ["--pp", "2"])])                                                                         # TP -> PP
 def test_resume_in_place_under_another_layout_continues_the_run(layout, n, extra, request, tiny_cfg, shards, tmp_path):

@@ -34,8 +34,9 @@ class MemTransformerLM(nn.Module):
                                        cfg.tie_weight, cfg.tie_projs, n_vocab=cfg.n_vocab)
         self.check_inputs = True  # token-range checks cost a host sync: a training loop on GPU may turn them off
         # train.activation_checkpointing: in training, each layer's activations are recomputed in the backward
-        # (torch.utils.checkpoint; dropout masks are replayed from the saved RNG state, memory is built from
-        # tensors outside the recomputed calls, so nothing advances twice)
+        # (torch.utils.checkpoint; dropout masks are replayed from the saved RNG state, or recomputed from their
+        # coordinates when keyed, memory is built from tensors outside the recomputed calls, so nothing advances
+        # twice)
         self.recompute_layers = False
         self.reset_parameters()
 
