@@ -5,8 +5,9 @@ and Transformer-XL, at one config, side by side in one process.
     python bench/model_step.py --threads 1 --precision fp32 --steps 6 --warmup 1 --profile
     python bench/model_step.py --device cuda --gpu-batch 16      # on a GPU machine (also the configs' shapes)
 
-Default config: 4L, d 256, 4x64 heads, d_inner 1024, vocab 256, B 8, L = M = 128, dropout 0.1; 1 and 2 threads;
-fp32 and bf16 (autocast). Every model steps through its own random tokens with its memory carried; the step is
+Default config: 4L, d 256, 4x64 heads, d_inner 1024, vocab 256, B 8, L = M = 128, dropout 0.1 (dropatt 0: --dropatt);
+1 and 2 threads; fp32 and bf16 (autocast); every megamemo model with stream dropout masks and, beside it, keyed ones
+(train.dropout_masks: keyed, megamemo/kernels/keyed.py; "-keyed" rows, the key's step advanced every step). Every model steps through its own random tokens with its memory carried; the step is
 what training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/runtime/allocator.py;
 --default-malloc to compare). Rounds step every model once, in an order reversed every other round so that none
 always runs first (each reference model steps next to its megamemo counterpart); a model's time is its best
@@ -16,7 +17,7 @@ fractions of the peak: HFU (the executed FLOPs, LaMemo's memory-row recompute an
 (flops.py model_flops: PaLM's 6 N + attention over mem_len + tgt_len keys, the same for LaMemo and XL of one
 shape); then time ratios from the best steps and as the
 median of the rounds' own ratios (the steadier of the two on a shared machine): lamemo/xl against their FLOP
-ratio, and megamemo/reference tokens/s for lamemo and xl.
+ratio, keyed/stream masks per variant, and megamemo/reference tokens/s for lamemo and xl.
 
 Reference code (--reference-code DIR, a checkout of thu-coai/LaMemo; not part of megamemo): its pytorch/ and
 pytorch/utils go on sys.path and `mem_transformer.MemTransformerLM` is built with the same config (attn_type 3 =
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from megamemo.kernels import KERNELS, apply_kernels
+from megamemo.kernels import KERNELS, DropoutKey, apply_dropout_masks, apply_kernels
 from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.flops import model_flops, step_flops
@@ -74,7 +75,7 @@ def sync(device):
 class Runner:
     """One model (megamemo's, or the reference's with `ref`), its optimizer and its memory."""
 
-    def __init__(self, name, cfg: ModelConfig, batch, device, precision, ref=None, kernels="auto"):
+    def __init__(self, name, cfg: ModelConfig, batch, device, precision, ref=None, kernels="auto", masks="stream"):
         self.name, self.cfg, self.batch, self.device, self.precision = name, cfg, batch, device, precision
         torch.manual_seed(0)
         if ref is None:
@@ -90,8 +91,12 @@ class Runner:
                     p.normal_(0.0, 0.02)
         self.ref = ref is not None
         self.model.to(device).train()
+        self.key = None
         if ref is None:
             apply_kernels(self.model, kernels, device)  # as training does (train.kernels; megamemo/kernels/)
+            if masks == "keyed":                         # as training does (train.dropout_masks: keyed)
+                self.key = DropoutKey(0, (0,), device)
+                apply_dropout_masks(self.model, "keyed", self.key)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, fused=True)  # as training (optim.fused)
         self.mem, self.s = (tuple() if self.ref else None), 0
         self.flops = step_flops(cfg, batch)              # executed, HFU's (megamemo/model/flops.py)
@@ -102,6 +107,8 @@ class Runner:
         c = self.cfg
         x = torch.randint(0, c.n_token, (c.tgt_len + 1, self.batch), generator=torch.Generator().manual_seed(self.s))
         x = x.to(self.device)
+        if self.key is not None:
+            self.key.set(step=self.s)
         self.s += 1
         sync(self.device)
         t0 = time.perf_counter()
@@ -185,6 +192,9 @@ def ratios(runners, times) -> None:
         print(ratio_line("lamemo/xl", "lamemo", "xl", times, lambda t, p: (
             f", analytic FLOP ratio {f_ratio:.3f}; time/FLOP ratio {t / f_ratio:.3f} (median {p / f_ratio:.3f}; "
             f"1.0 = same efficiency)")))
+    for v in list(times):
+        if f"{v}-keyed" in times:
+            print(ratio_line(f"{v} keyed/stream masks", f"{v}-keyed", v, times, lambda t, p: ""))
     for ref, (ours, _) in REFERENCE.items():
         if ref in times and ours in times:   # tokens/s ratio = reference time / megamemo time
             t = min(times[ref]) / min(times[ours])
@@ -196,21 +206,23 @@ def ratios(runners, times) -> None:
 def model_config(args, variant) -> ModelConfig:
     return ModelConfig(variant=variant, n_token=args.vocab, n_layer=args.layers, d_model=args.d_model,
                        n_head=args.heads, d_head=args.d_head, d_inner=args.d_inner, dropout=args.dropout,
-                       tgt_len=args.tgt_len, mem_len=args.mem_len)
+                       dropatt=args.dropatt, tgt_len=args.tgt_len, mem_len=args.mem_len)
 
 
 def side_by_side(args, device, ref_module, w) -> None:
     names = []                # each reference model next to its megamemo counterpart, lamemo next to xl
     for v in args.variants:
         pair = {"lamemo": ["ref-lamemo", "lamemo"], "xl": ["xl", "ref-xl"]}.get(v) if ref_module else None
-        names += pair or [v]
+        for n in pair or [v]:                       # each megamemo model with its masks' forms side by side
+            names += [n] if n in REFERENCE else [n if m == "stream" else f"{n}-keyed" for m in args.dropout_masks]
     for threads in (args.threads if device.type == "cpu" else [torch.get_num_threads()]):
         torch.set_num_threads(threads)
         print(f"\n== {device.type}" + (f", {threads} thread(s)" if device.type == "cpu" else
                                        f" ({torch.cuda.get_device_name(device)})"))
         for precision in args.precision:
-            runners = {v: Runner(v, model_config(args, REFERENCE.get(v, (v,))[0]), args.batch, device, precision,
-                                 ref=ref_module if v in REFERENCE else None, kernels=args.kernels) for v in names}
+            runners = {v: Runner(v, model_config(args, REFERENCE.get(v, (v.removesuffix("-keyed"),))[0]), args.batch,
+                                 device, precision, ref=ref_module if v in REFERENCE else None, kernels=args.kernels,
+                                 masks="keyed" if v.endswith("-keyed") else "stream") for v in names}
             probe = PeakProbe(runners[names[0]].cfg, args.batch, precision) if device.type == "cpu" else None
             times = interleaved(runners, args.steps, args.warmup, probe)
             if probe is not None:
@@ -279,6 +291,9 @@ def main():
     ap.add_argument("--tgt-len", type=int, default=128)
     ap.add_argument("--mem-len", type=int, default=128)
     ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--dropatt", type=float, default=0.0)
+    ap.add_argument("--dropout-masks", nargs="+", choices=["stream", "keyed"], default=["stream", "keyed"],
+                    help="megamemo's dropout masks, side by side (train.dropout_masks)")
     ap.add_argument("--steps", type=int, default=16, help="rounds (each model steps once per round)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="CPU thread counts")
@@ -304,10 +319,10 @@ def main():
         sys.exit("model_step: --device cuda: torch sees no CUDA device")
     ref = load_reference(args.reference_code) if args.reference_code else None
     tuned = not args.default_malloc and tune_cpu_allocator()
-    w = max(12, 2 + max(map(len, args.variants)))
+    w = max(12, 2 + max(len(v) + 6 * ("keyed" in args.dropout_masks) for v in args.variants))
     print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
           f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
-          f"dropout {args.dropout}; step = forward + backward + Adam, best of {args.steps} interleaved rounds; "
+          f"dropout {args.dropout} dropatt {args.dropatt}; step = forward + backward + Adam, best of {args.steps} interleaved rounds; "
           f"malloc {'tuned (megamemo.runtime.allocator)' if tuned else 'glibc default'}; kernels {args.kernels}")
     print("reference code: " + (f"{args.reference_code} (ref-lamemo: attn_type 3, ref-xl: attn_type 0)" if ref
                                 else "not given (--reference-code DIR to time thu-coai/LaMemo beside megamemo)"))

@@ -2,6 +2,11 @@
 enwik8 prefix, validation bpc side by side (the LaMemo paper's ordering is rpe > xl > lamemo in bpc).
 
     python bench/quality.py [--steps 400] [--threads 1] [--variants rpe,xl,lamemo] [--seed S] [--json OUT]
+    python bench/quality.py --variants lamemo --dropout 0.1 --dropatt 0.1 --dropout-masks stream keyed
+
+--dropout-masks stream keyed trains each variant twice, with dropout masks from the RNG stream (the default) and
+keyed ones (train.dropout_masks: keyed, megamemo/kernels/keyed.py: the key's step advanced every step): the same
+law of masks, other masks, so the two valid bpc differ by run-to-run noise only (compare with another --seed).
 
 Each model: the same initial RNG seed, the same byte-level shards (built from ../shared/data/enwik8/enwik8_prefix
 into .cache/bench/enwik8-prefix on first use), the same B contiguous training streams read in the same order, the
@@ -52,14 +57,20 @@ def shard_dir(args) -> Path:
     return out
 
 
-def train_one(variant: str, args, data: Path) -> dict:
+def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
     from data_pipeline import StreamReader
+    from megamemo.kernels import DropoutKey, apply_dropout_masks
 
     torch.manual_seed(args.seed)
     cfg = ModelConfig(variant=variant, n_token=256, n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
                       d_head=args.d_model // args.heads, d_inner=4 * args.d_model, dropout=args.dropout,
-                      tgt_len=args.tgt_len, mem_len=args.mem_len)
+                      dropatt=args.dropatt, tgt_len=args.tgt_len, mem_len=args.mem_len)
     model = MemTransformerLM(cfg)
+    key = None
+    if masks == "keyed":
+        key = DropoutKey(args.seed)
+        apply_dropout_masks(model, "keyed", key)
+    name = variant if masks == "stream" else f"{variant}-keyed"
     n_param = sum(p.numel() for p in model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -71,6 +82,8 @@ def train_one(variant: str, args, data: Path) -> dict:
     for step, (inp, tgt) in enumerate(reader):
         if step >= args.steps:
             break
+        if key is not None:
+            key.set(step=step)
         nll, mem = model(inp, tgt, mem)
         loss = nll.mean()
         opt.zero_grad(set_to_none=True)
@@ -82,7 +95,7 @@ def train_one(variant: str, args, data: Path) -> dict:
         tokens += nll.numel()
         if (step + 1) % args.log_every == 0:
             dt = time.perf_counter() - t0
-            print(f"[quality] {variant:>6} step {step + 1:>5}/{args.steps} | loss {sum(losses[-args.log_every:]) / args.log_every:.4f} "
+            print(f"[quality] {name:>6} step {step + 1:>5}/{args.steps} | loss {sum(losses[-args.log_every:]) / args.log_every:.4f} "
                   f"| bpc {sum(losses[-args.log_every:]) / args.log_every / math.log(2):.3f} | {tokens / dt:,.0f} tok/s",
                   flush=True)
     train_s = time.perf_counter() - t0
@@ -91,13 +104,13 @@ def train_one(variant: str, args, data: Path) -> dict:
         from megamemo.interop.convert import data_meta
         from megamemo.checkpoint.single import save_single
 
-        save_single(Path(args.save) / variant, cfg, model.state_dict(),
+        save_single(Path(args.save) / name, cfg, model.state_dict(),
                     meta={"source": "bench/quality.py", "steps": args.steps, "seed": args.seed, **data_meta(data)})
     valid = open_batches(data, "valid", args.eval_batch_size, args.tgt_len)
     ev = evaluate(model, valid, max_segments=args.eval_segments)
     valid.close()
     tail = losses[-min(len(losses), 50):]
-    return {"variant": variant, "params": n_param, "train_tokens": tokens, "train_seconds": train_s,
+    return {"variant": name, "params": n_param, "train_tokens": tokens, "train_seconds": train_s,
             "train_tokens_per_s": tokens / train_s, "train_bpc_last50": sum(tail) / len(tail) / math.log(2),
             "valid_bpc": ev["nll"] / math.log(2), "valid_nll": ev["nll"], "valid_tokens": ev["tokens"],
             "eval_seconds": ev["seconds"]}
@@ -115,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--dropatt", type=float, default=0.0)
+    p.add_argument("--dropout-masks", nargs="+", choices=["stream", "keyed"], default=["stream"],
+                   help="train each variant with these dropout masks (train.dropout_masks)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--clip", type=float, default=0.25)
@@ -129,15 +145,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = shard_dir(args)
-    results = [train_one(v, args, data) for v in args.variants.split(",")]
+    results = [train_one(v, args, data, m) for v in args.variants.split(",") for m in args.dropout_masks]
     base = results[0]
     print(f"\n[quality] {args.steps} steps x {args.batch_size} streams x {args.tgt_len} tokens, mem {args.mem_len}, "
-          f"{args.layers}L d{args.d_model}, seed {args.seed}, {args.threads} thread(s); valid = "
+          f"{args.layers}L d{args.d_model}, dropout {args.dropout} dropatt {args.dropatt}, seed {args.seed}, "
+          f"{args.threads} thread(s); valid = "
           f"{results[0]['valid_tokens']:,} tokens")
-    print(f"{'variant':>8} {'params':>9} {'train tok/s':>12} {'train bpc':>10} {'valid bpc':>10} "
+    print(f"{'variant':>12} {'params':>9} {'train tok/s':>12} {'train bpc':>10} {'valid bpc':>10} "
           f"{'vs ' + base['variant']:>9}")
     for r in results:
-        print(f"{r['variant']:>8} {r['params']:>9,} {r['train_tokens_per_s']:>12,.0f} {r['train_bpc_last50']:>10.4f} "
+        print(f"{r['variant']:>12} {r['params']:>9,} {r['train_tokens_per_s']:>12,.0f} {r['train_bpc_last50']:>10.4f} "
               f"{r['valid_bpc']:>10.4f} {r['valid_bpc'] / base['valid_bpc']:>9.4f}")
     order = " > ".join(r["variant"] for r in sorted(results, key=lambda r: -r["valid_bpc"]))
     print(f"ordering by valid bpc (worst first): {order}   (paper: rpe > xl > lamemo)")

@@ -34,12 +34,16 @@ checkpoint: {save_every: 3, keep_last: 10}
 log: {every: 1, tensorboard: false}
 """
 
+# Dropout 0.1 and attention dropout 0.1 with keyed masks (train.dropout_masks: keyed, megamemo/kernels/keyed.py):
+# every layout drops what one process drops, so the layouts' equality tests run with dropout on (with stream masks,
+# TINY's default, each layout draws its own masks and the runs part ways at the first step)
+KEYED = ("--set", "model.dropout=0.1", "--set", "model.dropatt=0.1", "--set", "train.dropout_masks=keyed")
 # The shared references (arguments after TINY's; with the session's `tiny_cfg` and `shards`):
-# two ranks of TINY as it is (dropout on), 12 steps, checkpoints at steps 3, 6, 9 and 12
+# two ranks of TINY as it is (stream dropout), 12 steps, checkpoints at steps 3, 6, 9 and 12
 TWO_RANKS_12_STEPS = ("--max-steps", "12", "--set", "log.tensorboard=false")
-# one process, no dropout, 6 steps (checkpoints at 3 and 6), validation at step 6 at its own lengths: 6 segments
-# of 8 tokens in 4 columns, 24 tokens of memory
-ONE_PROCESS_EXACT = ("--set", "model.dropout=0.0", "--max-steps", "6", "--set", "log.tensorboard=false",
+# one process, keyed dropout, 6 steps (checkpoints at 3 and 6), validation at step 6 at its own lengths: 6
+# segments of 8 tokens in 4 columns, 24 tokens of memory
+ONE_PROCESS_EXACT = (*KEYED, "--max-steps", "6", "--set", "log.tensorboard=false",
                      "--set", "eval.every=6", "--set", "eval.tgt_len=8", "--set", "eval.mem_len=24",
                      "--set", "eval.batch_size=4", "--set", "eval.max_segments=6")
 # two ranks of ONE_PROCESS_EXACT's run, each with 2 micro-batches of 1 stream (4 memories, the same global batch),

@@ -11,6 +11,7 @@ import torch
 
 from fixture_data import REPO
 from megamemo.config.run import ConfigError, load
+from megamemo.kernels import DropoutKey, apply_dropout_masks
 from megamemo.model import MemTransformerLM
 from megamemo.plan.layouts import plan
 
@@ -22,27 +23,37 @@ def _cfg(variant, recompute, dropout=0.2, extra=()):
     return load(REPO / "configs/tiny-cpu.yaml", sets)
 
 
-def _two_segments(cfg, recompute):
-    """Train-mode forward of two segments (the second with memory), backward: (nll, grads, memory)."""
+def _two_segments(cfg, recompute, masks="stream"):
+    """Train-mode forward of two segments (the second with memory), backward: (nll, grads, memory). masks:
+    train.dropout_masks (keyed: at steps 0 and 1 of seed 5)."""
     torch.manual_seed(0)
     model = MemTransformerLM(cfg.model).train()
     model.recompute_layers = recompute
+    key = None
+    if masks == "keyed":
+        key = DropoutKey(5)
+        apply_dropout_masks(model, "keyed", key)
     x = torch.randint(0, cfg.model.n_token, (2 * cfg.model.tgt_len + 1, cfg.data.batch_size),
                       generator=torch.Generator().manual_seed(1))
     L = cfg.model.tgt_len
     torch.manual_seed(5)                                       # the dropout masks of both runs
     _, mem = model(x[:L], x[1:L + 1])
+    if key is not None:
+        key.set(step=1)
     nll, mem = model(x[L:2 * L], x[L + 1:2 * L + 1], mem)
     nll.mean().backward()
     return nll.detach(), {n: p.grad for n, p in model.named_parameters()}, mem
 
 
-@pytest.mark.parametrize("variant", ["lamemo", "xl"])
-def test_recomputed_layers_train_exactly_like_kept_ones(variant):
-    """Same NLL, gradients and new memory, bit for bit, with dropout on: the recomputation replays the dropout
-    masks and does not advance memory a second time."""
-    kept = _two_segments(_cfg(variant, False), False)
-    redo = _two_segments(_cfg(variant, True), True)
+@pytest.mark.parametrize("variant,masks", [("lamemo", "stream"), ("xl", "stream"), ("lamemo", "keyed"),
+                                           ("xl", "keyed")])
+def test_recomputed_layers_train_exactly_like_kept_ones(variant, masks):
+    """Same NLL, gradients and new memory, bit for bit, with dropout 0.2 (and dropatt 0.2): the recomputation
+    replays the dropout masks (stream: from the saved RNG state; keyed: they are functions of coordinates) and
+    does not advance memory a second time."""
+    extra = ("model.dropatt=0.2",)
+    kept = _two_segments(_cfg(variant, False, extra=extra), False, masks)
+    redo = _two_segments(_cfg(variant, True, extra=extra), True, masks)
     assert torch.equal(kept[0], redo[0])
     for n, g in kept[1].items():
         assert torch.equal(g, redo[1][n]), n
@@ -81,6 +92,9 @@ def test_plan_counts_activation_checkpointing(variant):
     assert measured < 0.5 and 0.75 <= planned / measured <= 1.25, (planned, measured)
 
 
-def test_checkpointing_with_tensor_parallel_dropout_is_a_config_error():
+def test_checkpointing_with_tensor_parallel_dropout_is_a_config_error_with_stream_masks():
+    """The TP stream is not replayed by the recomputation; keyed masks are (tests/test_train_parallel.py trains
+    TP 2 with recomputation and keyed dropout to the one-process losses)."""
     with pytest.raises(ConfigError, match="train.activation_checkpointing: with parallel.tp > 1 and model.dropout"):
         _cfg("lamemo", True, 0.1, ("parallel.tp=2",))
+    assert _cfg("lamemo", True, 0.1, ("parallel.tp=2", "train.dropout_masks=keyed")).train.activation_checkpointing

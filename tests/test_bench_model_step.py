@@ -30,10 +30,12 @@ def test_tiny_run_prints_consistent_rows():
     r = bench(*TINY)
     assert r.returncode == 0, r.stderr
     peak = float(re.search(r"matmul peak ([\d.]+) GFLOP/s", r.stdout).group(1))
-    rows = re.findall(r"^(lamemo|xl|rpe)\s+fp32\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)%$",
-                      r.stdout, re.M)
-    assert [row[0] for row in rows] == ["lamemo", "xl", "rpe"], r.stdout
-    for variant, tok_s, ms, gflop, gflops, hfu, mfu in rows:
+    rows = re.findall(r"^((?:lamemo|xl|rpe)(?:-keyed)?)\s+fp32\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+"
+                      r"([\d.]+)%$", r.stdout, re.M)
+    # every variant with stream dropout masks and, beside it, keyed ones (train.dropout_masks)
+    assert [row[0] for row in rows] == ["lamemo", "lamemo-keyed", "xl", "xl-keyed", "rpe", "rpe-keyed"], r.stdout
+    for name, tok_s, ms, gflop, gflops, hfu, mfu in rows:
+        variant = name.removesuffix("-keyed")
         cfg = ModelConfig(variant=variant, n_token=256, n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=256,
                           tgt_len=32, mem_len=32)
         assert float(gflop) == round(step_flops(cfg, 8) / 1e9, 2)           # the flops module's count
@@ -44,6 +46,9 @@ def test_tiny_run_prints_consistent_rows():
         # MFU: the same step time over the model FLOPs (printed rounding of the time and the HFU: 2%)
         assert float(mfu) == pytest.approx(float(hfu) * model_flops(cfg, 8) / step_flops(cfg, 8), rel=0.02, abs=0.1)
     assert "lamemo/xl: time ratio" in r.stdout
+    for variant in ("lamemo", "xl", "rpe"):
+        assert re.search(rf"^{variant} keyed/stream masks: time ratio [\d.]+ \(median of the rounds' ratios [\d.]+\)$",
+                         r.stdout, re.M), r.stdout
     assert "reference code: not given" in r.stdout
 
 

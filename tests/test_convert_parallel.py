@@ -3,7 +3,8 @@
     from the converted memory of the same streams, equals what the sharded model computed during training (1e-5);
   * `megamemo train` started in a run directory under another layout resumes in place, resharding on load:
     N ranks -> 1 (TP=2, DP=2, PP=2, TP=2 x PP=2), 1 -> N (TP=2, DP=2) and TP=2 -> PP=2; the next steps' losses and
-    the final weights equal those of the run that stayed in its layout (1e-5); `convert relayout` copies a checkpoint
+    the final weights equal those of the run that stayed in its layout (1e-5), dropout 0.1 and dropatt 0.1 with keyed
+    masks (tests/runs_cache.py KEYED: the resumed layout drops what the original one would have); `convert relayout` copies a checkpoint
     into a new run directory that resumes the same way;
   * a different global batch resumes at the same fraction of the epoch with empty memory (checked by hand);
   * broken checkpoints (missing, truncated or flipped file, wrong config, a piece written twice, memory of the wrong
@@ -20,13 +21,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megamemo.interop import convert
+from megamemo.kernels import DropoutKey, apply_dropout_masks
 from megamemo.util.files import file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from runs_cache import KEYED
 from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
-EXACT = ["--max-steps", "6", "--set", "model.dropout=0.0", "--set", "log.tensorboard=false"]
+EXACT = ["--max-steps", "6", *KEYED, "--set", "log.tensorboard=false"]
 
 
 def _train(tmp_path_factory, tiny_cfg, shards, name, n, *args):
@@ -121,7 +124,8 @@ def _resume_in_place(src, tmp_path, tiny_cfg, shards, n, *args):
 
 
 @pytest.mark.parametrize("layout,n,extra", [
-    ("dp2", 1, ["--set", "train.grad_accum=2"]), ("tp2pp2", 1, []),          # N -> 1 (TP and PP joined at once)
+    ("dp2", 1, ["--set", "train.grad_accum=2"]), ("tp2", 1, []),              # N -> 1
+    ("tp2pp2", 1, []),                                                       # N -> 1 (TP and PP joined at once)
     ("one", 2, ["--tp", "2"]), ("one", 2, ["--set", "train.grad_accum=2"]), ("one", 2, ["--pp", "2"]),  # 1 -> N
     ("tp2", 2, ["--pp", "2"])])                                                                         # TP -> PP
 def test_resume_in_place_under_another_layout_continues_the_run(layout, n, extra, request, tiny_cfg, shards, tmp_path):
@@ -154,12 +158,14 @@ def test_another_global_batch_restarts_streams_with_empty_memory(tp2, tiny_cfg, 
 
     new = _resume_in_place(tp2, tmp_path, tiny_cfg, shards, 1, "--set", "data.batch_size=2")
     assert "global batch 4 -> 2 streams" in logs(new)
-    # by hand: the step-3 weights, the same fraction of the epoch in the 2-column cut, empty memory
+    # by hand: the step-3 weights, the same fraction of the epoch in the 2-column cut, empty memory, and the masks
+    # keyed dropout draws at step 3 (train.seed 1111) for global columns 0 and 1
     old = StreamReader(shards, "train", 4, 16).steps_per_epoch
     reader = StreamReader(shards, "train", 2, 16, roll=True, seed=1111, epochs=None)
     pos = 3 * reader.steps_per_epoch // old
     x, y = reader.get_batch(0, pos)
     model, _ = convert.load_model(step_dir(tp2, 3))
+    apply_dropout_masks(model.train(), "keyed", DropoutKey(1111).set(step=3))
     with torch.no_grad():
         nll, _ = model(x, y, None)
     assert abs(float(nll.mean()) - losses(new)[4]) < 1e-5

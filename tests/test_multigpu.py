@@ -175,7 +175,7 @@ def kill9_then_resume_is_bit_exact(devs: Devices, layout: list[str], cfg, shards
 
 
 def converted_eval_equals_one_device(devs: Devices, one_fp32_dir: Path, cfg, shards, tmp: Path) -> dict:
-    """A TP 2 run (ONE_PROCESS_EXACT: fp32, dropout 0, validation at step 6 at its own lengths, checkpoints at 3 and
+    """A TP 2 run (ONE_PROCESS_EXACT: fp32, keyed dropout, validation at step 6 at its own lengths, checkpoints at 3 and
     6 with their probes) converted to one device: `convert to-single` passes its probe (the converted model replays
     the NLLs the sharded model recorded), and `eval` of it on one device scores the validation segments as the TP 2
     run logged them (1e-5 relative: the same weights, only TP's split sums differ) and as the one-device run did (1e-4: that

@@ -1,6 +1,8 @@
 """`megamemo train` under tensor (TP=2), pipeline (PP=2) and both (TP=2 x PP=2) parallelism, with real processes: the same per-step
 losses as one process (with gradient accumulation: a memory per micro-batch), the same memory once the ranks'
-shards are put together, and bit-exact resume after a rank is killed while saving."""
+shards are put together, and bit-exact resume after a rank is killed while saving. Dropout 0.1 and dropatt 0.1 with
+keyed masks (tests/runs_cache.py KEYED): every layout drops what the one process drops (with stream masks it would
+not: each TP rank and each pipeline stage draws from streams of its own)."""
 from __future__ import annotations
 
 import json
@@ -10,12 +12,13 @@ import pytest
 import torch
 
 from megamemo.checkpoint.store import newest_complete
+from runs_cache import KEYED
 from test_train_runs import (assert_no_corrupt_checkpoint, checkpoint_memory, committed_steps, launch, logs,  # noqa
                              losses, run, wait)
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
-EXACT = ["--set", "model.dropout=0.0", "--set", "train.grad_accum=2",   # dropout differs per TP rank by design
+EXACT = [*KEYED, "--set", "train.grad_accum=2",
          # periodic validation at its own lengths (memory 16 + 16 - 8 = 24 rows), through the stages under PP
          "--set", "eval.every=4", "--set", "eval.tgt_len=8", "--set", "eval.max_segments=5", "--set", "eval.batch_size=4"]
 
@@ -41,12 +44,15 @@ def check_equals_single(run_dir, single, what):
     for s in ref_eval:
         assert got_eval[s][1] == ref_eval[s][1] == 5 * 8 * 4, (what, s, got_eval, ref_eval)   # every token once
         assert abs(got_eval[s][0] - ref_eval[s][0]) < 1e-5, (what, s, got_eval, ref_eval)
-    # the memory after the last step, from every rank's pieces (TP head shards, PP stages), is the one-process one
+    # the memory after the last step, from every rank's pieces (TP head shards, PP stages), is the one-process one;
+    # LaMemo's emb FIFO holds embedding rows times sqrt(d_model) / (1 - dropout) = 6.3: the layouts' fp32 sums leave
+    # the embedding weights up to 2e-6 apart after 8 Adam steps (rarely seen rows: Adam's normalised update of a
+    # near-zero gradient), so the memory is compared within 2e-5
     want = checkpoint_memory(newest_complete(single / "checkpoints"))
     have = checkpoint_memory(newest_complete(run_dir / "checkpoints"))
     assert sorted(have.tensors) == sorted(want.tensors) and have.batch_size == want.batch_size == 4
     for name, t in want.tensors.items():
-        assert torch.allclose(have[name], t, atol=1e-5), (what, name)
+        assert torch.allclose(have[name], t, atol=2e-5), (what, name, float((have[name] - t).abs().max()))
     return got
 
 
@@ -61,17 +67,19 @@ def test_tp2_x_pp2_on_four_ranks_equals_one_process(tiny_cfg, shards, single, tm
 
 @pytest.mark.parametrize("layout", ["--tp", "--pp"])
 def test_parallel_layout_equals_one_process_then_resumes_bit_exact(layout, tiny_cfg, shards, single, tmp_path):
+    """TP 2 recomputes its layers (train.activation_checkpointing: torch's checkpoint per layer), which stream masks
+    cannot do under TP (a config error) and keyed masks do: the one process keeps its activations."""
+    args = [layout, "2", *EXACT] + (["--set", "train.activation_checkpointing=true"] if layout == "--tp" else [])
     run_dir = tmp_path / "run"
-    run(2, tiny_cfg, shards, run_dir, layout, "2", *EXACT)
+    run(2, tiny_cfg, shards, run_dir, *args)
     got = check_equals_single(run_dir, single, layout)
 
     # a rank killed while writing the step-6 checkpoint; the same command again resumes from step 3
     crash = tmp_path / "crash"
-    rcs = wait(launch(2, tiny_cfg, shards, crash, layout, "2", *EXACT,
-                      env_extra={"MEGAMEMO_FAULT_KILL_IN_SAVE": "6:1"}))
+    rcs = wait(launch(2, tiny_cfg, shards, crash, *args, env_extra={"MEGAMEMO_FAULT_KILL_IN_SAVE": "6:1"}))
     assert rcs[1] == -signal.SIGKILL, logs(crash)[-3000:]
     assert committed_steps(crash) == [3]
-    run(2, tiny_cfg, shards, crash, layout, "2", *EXACT)
+    run(2, tiny_cfg, shards, crash, *args)
     assert "resumed from" in logs(crash)
     assert losses(crash) == got                                         # bit for bit after the resume
     assert_no_corrupt_checkpoint(crash)

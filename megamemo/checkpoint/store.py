@@ -384,6 +384,9 @@ class CheckpointStore:
             if old.get("batch_size") != new.get("batch_size"):
                 notes.append(f"global batch {old.get('batch_size')} -> {new.get('batch_size')} streams: every stream "
                              f"restarts with empty memory")
+        masks = (info.get("dropout_masks", "stream"), self.meta.get("dropout_masks", "stream"))
+        if masks[0] != masks[1]:        # a checkpoint from before the key existed was drawn from the streams
+            notes.append(f"dropout masks {masks[0]} -> {masks[1]} (train.dropout_masks)")
         if info.get("precision") != self.meta.get("precision"):
             notes.append(f"precision {info.get('precision')} -> {self.meta.get('precision')} (from the fp32 masters)")
         return info, same, "; ".join(notes)

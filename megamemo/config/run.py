@@ -134,6 +134,8 @@ class TrainConfig:
     # the slowest step seen, at least hang_floor_s; 0: no watchdog
     hang_timeout_s: float | None = None
     hang_floor_s: float = 120.0
+    # stream: masks from each rank's RNG streams | keyed: every layout drops the same (megamemo/kernels/keyed.py)
+    dropout_masks: str = "stream"
 
 
 @dataclass
@@ -235,9 +237,14 @@ class RunConfig:
                 and self.parallel.zero_stage == 0):
             bad("precision.grad_accum_dtype", "fp32 accumulation of bf16/fp16 gradients needs ZeRO 1 or 2 in "
                 "DeepSpeed 0.19.8 (parallel.zero_stage=0); use auto or model")
-        if self.train.activation_checkpointing and self.parallel.tp > 1 and self.model.dropout > 0:
-            bad("train.activation_checkpointing", "with parallel.tp > 1 and model.dropout > 0 is not supported: the "
-                "recomputed forward would draw other tensor-parallel dropout masks (set model.dropout: 0 or tp 1)")
+        if self.train.dropout_masks not in ("stream", "keyed"):
+            bad("train.dropout_masks", "must be stream or keyed")
+        keyed = self.train.dropout_masks == "keyed"
+        if self.train.activation_checkpointing and self.parallel.tp > 1 and self.model.dropout > 0 and not keyed:
+            bad("train.activation_checkpointing", "with parallel.tp > 1 and model.dropout > 0 needs train.dropout_masks:"
+                " keyed (recomputation would draw other TP masks from the stream), or model.dropout: 0, or tp 1")
+        if keyed and not (0 <= self.train.seed < 2 ** 32 and self.model.n_layer <= 1024):
+            bad("train.seed", "keyed dropout masks take a seed in [0, 2^32) and model.n_layer <= 1024")
         if self.precision.max_consecutive_skips < 1:
             bad("precision.max_consecutive_skips", "must be >= 1")
         if self.parallel.tp < 1:

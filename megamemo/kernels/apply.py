@@ -14,6 +14,7 @@ from megamemo.model.attention import causal_attention, lookahead_attention, mask
 from megamemo.model.layers import RelAttention, ReluDropout
 
 from .dropout import CpuDropout
+from .keyed import KeyedDropout
 from .flex import flex_causal_attention, flex_lookahead_attention
 from .masking import add_mask_bias
 
@@ -62,8 +63,10 @@ def apply_kernels(model: nn.Module, choice: str = "auto", device="cpu") -> str:
 
 
 def kernels_in_use(model: nn.Module) -> str:
-    """"cpu", "plain" or "mixed": which form the model's dropouts and attention masking are in."""
-    forms = {isinstance(m, CpuDropout) for m in model.modules() if isinstance(m, nn.Dropout)}
+    """"cpu", "plain" or "mixed": which form the model's dropouts and attention masking are in (keyed dropouts,
+    megamemo/kernels/keyed.py, are the same on both paths and not counted)."""
+    forms = {isinstance(m, CpuDropout) for m in model.modules()
+             if isinstance(m, nn.Dropout) and not isinstance(m, KeyedDropout)}     # keyed ones: either path
     forms |= {m.masking is add_mask_bias for m in model.modules() if isinstance(m, RelAttention)}
     return "mixed" if len(forms) > 1 else ("cpu" if forms == {True} else "plain")
 

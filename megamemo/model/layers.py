@@ -62,7 +62,10 @@ class RelAttention(nn.Module):
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
         self.layer_norm = nn.LayerNorm(d_model)
         self.drop = nn.Dropout(dropout)
-        self.dropatt = nn.Dropout(dropatt)  # on attention probabilities (per head: split across ranks under TP)
+        # on attention probabilities (per head: split across ranks under TP): the current queries' attention, and
+        # LaMemo's look-ahead of the memory queries (a site of its own: keyed masks tell the two apart)
+        self.dropatt = nn.Dropout(dropatt)
+        self.dropatt_ahead = nn.Dropout(dropatt)
         self.masking = mask_scores  # how scores are masked (attention.mask_scores; megamemo.kernels may swap it)
         # the attention functions (attention.py's eager ones; megamemo.kernels may swap in fused forms with the
         # same signatures and results, e.g. FlexAttention: model.attention)
@@ -100,10 +103,12 @@ def _time_major(ctx, lse):
 
 
 class XLLayer(nn.Module):
-    """Transformer-XL layer: memory = this layer's input at previous segments."""
+    """Transformer-XL layer: memory = this layer's input at previous segments. `index`: its place in the model
+    (0 = the lowest layer), a coordinate of its dropout masks in keyed mode (megamemo/kernels/keyed.py)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, index: int = 0):
         super().__init__()
+        self.index = index
         self.attn = RelAttention(cfg.d_model, cfg.n_head, cfg.d_head, cfg.dropout, cfg.dropatt, cfg.pre_lnorm)
         self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
 
@@ -124,10 +129,11 @@ class XLLayer(nn.Module):
 
 class LaMemoLayer(nn.Module):
     """LaMemo layer: recomputes the memory rows' states from the layer below, refreshes their context with
-    look-ahead attention and merges it with the cached context (memory interpolation)."""
+    look-ahead attention and merges it with the cached context (memory interpolation). `index`: as XLLayer's."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, index: int = 0):
         super().__init__()
+        self.index = index
         self.attn = RelAttention(cfg.d_model, cfg.n_head, cfg.d_head, cfg.dropout, cfg.dropatt, cfg.pre_lnorm)
         self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
         self.variant = cfg.variant
@@ -162,7 +168,7 @@ class LaMemoLayer(nn.Module):
                 nk = min(M, L)
                 a, s_la = self.attn.lookahead(q_mem, k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
                                               r[:, klen:], u, vf, lookahead_mask(M, nk, dev), self.attn.scale,
-                                              self.attn.dropatt, masking=self.attn.masking)
+                                              self.attn.dropatt_ahead, masking=self.attn.masking)
                 a, s_la = _time_major(a, s_la)
                 if self.variant == "lamemo_no_interp":
                     c_mem, s_mem = a, s_la

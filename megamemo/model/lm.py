@@ -19,19 +19,24 @@ class MemTransformerLM(nn.Module):
         self.cfg = cfg.validate()
         d, n, dh = cfg.d_model, cfg.n_head, cfg.d_head
         self.word_emb = AdaptiveEmbedding(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val)
+        # dropout on the word embeddings, the position table and the top layer's output: three modules, so that
+        # each is a site of its own for keyed masks (megamemo/kernels/keyed.py); drawn in this order either way
         self.drop = nn.Dropout(cfg.dropout)
+        self.drop_pos = nn.Dropout(cfg.dropout)
+        self.drop_out = nn.Dropout(cfg.dropout)
         self.r_w_bias = nn.Parameter(torch.empty(n, dh))
         self.r_r_bias = nn.Parameter(torch.empty(n, dh))
         if cfg.future_bias:
             self.r_r_bias_future = nn.Parameter(torch.empty(n, dh))
         layer = LaMemoLayer if cfg.lamemo else XLLayer
-        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(layer(cfg, l) for l in range(cfg.n_layer))
         self.crit = AdaptiveLogSoftmax(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val,
                                        cfg.tie_weight, cfg.tie_projs, n_vocab=cfg.n_vocab)
         self.check_inputs = True  # token-range checks cost a host sync: a training loop on GPU may turn them off
         # train.activation_checkpointing: in training, each layer's activations are recomputed in the backward
-        # (torch.utils.checkpoint; dropout masks are replayed from the saved RNG state, memory is built from
-        # tensors outside the recomputed calls, so nothing advances twice)
+        # (torch.utils.checkpoint; dropout masks are replayed from the saved RNG state, or recomputed from their
+        # coordinates when keyed, memory is built from tensors outside the recomputed calls, so nothing advances
+        # twice)
         self.recompute_layers = False
         self.reset_parameters()
 
@@ -133,7 +138,7 @@ class MemTransformerLM(nn.Module):
         M = mem.length
         klen = M + L
         pos = position_sequence(klen, M, clamp_len, cfg.future_positions, h0.device)
-        pos_emb = self.drop(sinusoid(pos, cfg.d_model, h0.dtype))
+        pos_emb = self.drop_pos(sinusoid(pos, cfg.d_model, h0.dtype))
         mask = causal_mask(L, M, mem_len, same_length, h0.device)
         hooks = [((attend(l, layer) if attend is not None else None),
                   (functools.partial(observe, layer=l) if observe is not None else None))
@@ -160,7 +165,7 @@ class MemTransformerLM(nn.Module):
             with torch.no_grad():
                 for l, x in enumerate(hids):
                     new[f"hid.{l}"] = xl_update(mem.get(f"hid.{l}"), x, mem_len)
-        return self.drop(h), Memory(new, batch_size=h0.size(1))
+        return self.drop_out(h), Memory(new, batch_size=h0.size(1))
 
     def _encode_lamemo(self, h0, mem, pos_emb, mask, mem_len, hooks):
         vf = self.r_r_bias_future if self.cfg.future_bias else self.r_r_bias
@@ -175,4 +180,4 @@ class MemTransformerLM(nn.Module):
                 *hooks[l], mem_rows_out=l < top)  # the top layer's memory rows would be thrown away
         with torch.no_grad():
             new["emb"] = xl_update(emb, h0, mem_len)
-        return self.drop(rows[rows.size(0) - h0.size(0):]), Memory(new, batch_size=h0.size(1))
+        return self.drop_out(rows[rows.size(0) - h0.size(0):]), Memory(new, batch_size=h0.size(1))

@@ -147,7 +147,7 @@ class _Causal:
             full = torch.cat([index, cur], -1)
             kk, vv = _gather_rows(k, full), _gather_rows(v, full)
             pos = position_sequence(mlen + L, mlen, self.clamp_len, None, k.device)
-            r = attn.rel(m.drop(sinusoid(pos, m.cfg.d_model, q_cur.dtype)))
+            r = attn.rel(m.drop_pos(sinusoid(pos, m.cfg.d_model, q_cur.dtype)))
             mask = causal_mask(L, mlen, self.select.attend, self.same_length, k.device)
         ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, attn.scale, attn.dropatt,
                                     lse="grad" if m.cfg.lamemo else "none", masking=attn.masking)  # as the layer

@@ -20,8 +20,11 @@ Memory: each stage holds a StageMemory with the memory of its own layers (XL: hi
 on the first stage), one set per micro-batch (each micro-batch is a fixed group of streams). Forward passes write
 into `pending`; the loop calls `commit()` once the step is complete, so recomputation (activation checkpointing)
 or a replayed forward never advances memory twice.
-With dropout > 0, positional-encoding dropout is drawn per layer under pipelining (one draw per forward on a
-single device); everything else is the single-device model.
+With dropout > 0 and stream masks, positional-encoding dropout is drawn per layer under pipelining (one draw per
+forward on a single device); with keyed masks (train.dropout_masks: keyed) every layer's draw is the single
+device's one, and every other mask is the single device's too: the stage layers tell the key which micro-batch
+they compute (StageContext.dropout_key, megamemo/kernels/keyed.py), including when a layer is recomputed.
+Everything else is the single-device model.
 """
 from __future__ import annotations
 
@@ -86,6 +89,16 @@ class StageContext:
         self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
         self.tp, self.tp_rank = tp, tp_rank
         self._meta = None                   # (meta tensor, its values as ints): see meta_ints
+        # keyed dropout masks: the run's DropoutKey (megamemo/kernels/keyed.py), told the micro-batch each pipe
+        # layer computes; None with stream masks
+        self.dropout_key = None
+
+    def micro_batch(self, meta: torch.Tensor) -> tuple[int, int, int]:
+        """meta_ints(meta), and the micro-batch made the one keyed dropout masks are drawn for."""
+        values = self.meta_ints(meta)
+        if self.dropout_key is not None:
+            self.dropout_key.set(micro_batch=values[0])
+        return values
 
     def meta_ints(self, meta: torch.Tensor) -> tuple[int, int, int]:
         """(micro-batch, M, L) of a meta tensor. The layers of a stage pass the same tensor object along, so its
@@ -116,7 +129,8 @@ class EmbedPipe(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.n_token // ctx.tp, cfg.d_model))   # vocab rows of this TP rank
         self.scale = cfg.d_model ** 0.5
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)         # the embedding's (first stage)
+        self.drop_out = nn.Dropout(cfg.dropout)     # the top layer's output (last stage: output_logits)
         self.ctx = ctx
 
     def forward(self, inputs):
@@ -127,7 +141,7 @@ class EmbedPipe(nn.Module):
         if tokens.is_floating_point():
             return output_logits(self, inputs)
         ctx = self.ctx
-        mb, L = ctx.meta_ints(meta)[0], tokens.size(0)
+        mb, L = ctx.micro_batch(meta)[0], tokens.size(0)
         h0 = self.drop(self._lookup(tokens) * self.scale)
         emb = ctx.bank.get(mb, "emb") if ctx.cfg.lamemo else None
         out = h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)
@@ -149,8 +163,8 @@ class EmbedPipe(nn.Module):
 def output_logits(module: EmbedPipe, inputs):
     """The tied embedding on the last stage: final dropout, then hidden @ table^T."""
     rows, meta = inputs
-    L = module.ctx.meta_ints(meta)[2]
-    h = module.drop(rows[rows.size(0) - L:])
+    L = module.ctx.micro_batch(meta)[2]
+    h = module.drop_out(rows[rows.size(0) - L:])
     if module.ctx.tp > 1:
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
         h = copy_to_tensor_model_parallel_region(h)
@@ -176,23 +190,23 @@ class RelBiasPipe(nn.Module):
 class LayerPipe(nn.Module):
     def __init__(self, cfg, ctx: StageContext, index: int):
         super().__init__()
-        self.layer = LaMemoLayer(cfg) if cfg.lamemo else XLLayer(cfg)
+        self.layer = LaMemoLayer(cfg, index) if cfg.lamemo else XLLayer(cfg, index)
         if ctx.tp > 1:
             from .tensor import parallelize_layer
             parallelize_layer(self.layer, cfg, ctx.tp, torch.float32)
         self.index, self.ctx, self.cfg = index, ctx, cfg
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop_pos = nn.Dropout(cfg.dropout)     # the position table's (the single model's drop_pos)
 
     def forward(self, inputs):
         rows, meta = inputs
-        mb, M, L = self.ctx.meta_ints(meta)
+        mb, M, L = self.ctx.micro_batch(meta)
         cfg, bank, l, b = self.cfg, self.ctx.bank, self.index, self.ctx.rel_bias
         mem_len = self.ctx.mem_len
         if not cfg.lamemo:
             mem = bank.get(mb, f"hid.{l}")
             M = 0 if mem is None else mem.size(0)
         pos = position_sequence(M + L, M, self.ctx.clamp_len, cfg.future_positions, rows.device)
-        pos_emb = self.drop(sinusoid(pos, cfg.d_model, rows.dtype))
+        pos_emb = self.drop_pos(sinusoid(pos, cfg.d_model, rows.dtype))
         mask = causal_mask(L, M, mem_len, self.ctx.same_length, rows.device)
         if cfg.lamemo:
             vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias

@@ -141,7 +141,9 @@ def shard_state_dict(sd, rank, tp):
 class ForkedDropout(nn.Module):
     """Dropout on activations split across TP ranks: `inner` (the model's dropout module, plain or a CPU kernel)
     drawn from the per-rank stream, so masks differ between ranks yet replay exactly; the default stream (used
-    for replicated activations) is left untouched."""
+    for replicated activations) is left untouched. A keyed inner dropout (train.dropout_masks: keyed,
+    megamemo/kernels/keyed.py) draws from no stream: its mask is a function of the global feature index, so the
+    ranks' slices are the single device's mask; it runs without the fork."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -152,7 +154,7 @@ class ForkedDropout(nn.Module):
         return self.inner.p
 
     def forward(self, x):
-        if not self.training or self.inner.p == 0:
+        if not self.training or self.inner.p == 0 or getattr(self.inner, "keyed", False):
             return self.inner(x)
         with rng_tracker().fork(TP_RNG):
             return self.inner(x)
@@ -250,7 +252,7 @@ def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
     a.qkv, a.o_net = QKVColumn(d, 3 * nd, False), Row(nd, d, False)
     a.r_net = HeadRows(d, nd // tp, bias=False, dtype=dtype)    # the position table needs no gradient
     a.n_head = cfg.n_head // tp
-    a.dropatt = ForkedDropout(a.dropatt)
+    a.dropatt, a.dropatt_ahead = ForkedDropout(a.dropatt), ForkedDropout(a.dropatt_ahead)
     f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
     f.drop_inner = ForkedDropout(f.drop_inner)
 

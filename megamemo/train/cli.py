@@ -150,7 +150,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
             "layout": {"world_size": de.world_size, "dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
                        "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum,
                        "zero_stage": cfg.parallel.zero_stage},
-            "precision": cfg.precision.dtype}
+            "precision": cfg.precision.dtype, "dropout_masks": cfg.train.dropout_masks}
     store = CheckpointStore(run_dir / "checkpoints", de.rank, de.world_size, cfg.checkpoint.keep_last, meta,
                             barrier=dist.barrier, async_save=cfg.checkpoint.async_save,
                             commit_timeout_s=cfg.checkpoint.commit_timeout_s, log=log)
@@ -175,8 +175,14 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     model, mpu, stage = build_model(cfg)
     engine = Engine(cfg, model, micro, dp, mpu=mpu)
     from megamemo.train.speedups import apply_speedups
-    # CPU kernels (train.kernels), the attention form (model.attention) and compiled layers (train.compile)
-    speed = apply_speedups(cfg, model, engine.device, micro, log if de.rank == 0 else (lambda *a, **k: None))
+    # CPU kernels (train.kernels), dropout masks (train.dropout_masks: keyed ones are told each micro-batch's first
+    # global column), the attention form (model.attention) and compiled layers (train.compile)
+    per_rank = cfg.data.batch_size // dp
+    first = dp_rank * per_rank
+    speed = apply_speedups(cfg, model, engine.device, micro, log if de.rank == 0 else (lambda *a, **k: None),
+                           tp_rank=ranks["tp_rank"], columns=[first + k * micro for k in range(cfg.train.grad_accum)])
+    if stage is not None:
+        stage.dropout_key = speed["dropout_key"]        # the stage's pipe layers tell it their micro-batch
     rss.mark("built")
     if getattr(engine.device, "type", str(engine.device)) == "cuda" and hasattr(model, "check_inputs"):
         model.check_inputs = False          # ids were checked against the manifest's vocabulary at start-up; on a
@@ -186,9 +192,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     from megamemo.train.loop import seed_streams
     seed_streams(cfg, ranks, engine.device)
 
-    per_rank = cfg.data.batch_size // dp
     reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
-    first = dp_rank * per_rank
     rank_extra = {"layout": {"rank": de.rank, "world_size": de.world_size, "dp_rank": dp_rank, "dp": dp,
                              "tp_rank": ranks["tp_rank"], "tp": cfg.parallel.tp, "pp_rank": ranks["pp_rank"],
                              "pp": cfg.parallel.pp,
@@ -216,7 +220,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                                           metrics)
     trainer = Trainer(cfg, engine, reader, rank=de.rank, world_size=de.world_size, micro_batch=micro,
                       metrics=metrics, store=store, evaluator=evaluator, stop=stop, rank_extra=rank_extra,
-                      stage=stage)
+                      stage=stage, dropout_key=speed["dropout_key"])
     trainer.speed = speed
     if resume_dir is not None:
         trainer.resume(resume_dir)
@@ -226,6 +230,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
             f"dp {dp} x {cfg.train.grad_accum} micro-batches of {micro} streams | {cfg.precision.dtype} | "
             f"{tf32_state()} | "
             f"ZeRO {cfg.parallel.zero_stage}{engine.reduction()} | {speed['kernels']} kernels | "
+            f"{cfg.train.dropout_masks} dropout masks | "
             f"{speed['attention']} attention | {'compiled layers' if speed['compiled'] else 'eager layers'} | "
             f"run dir {run_dir} | "
             + (f"resuming at step {trainer.step}" if resume_dir else "fresh start")

@@ -4,7 +4,8 @@ One step on one rank:
     batch = this rank's B/W streams, [tgt_len, B/W] (the data reader), cut into grad_accum micro-batches of
             contiguous columns; micro-batch k always holds the same streams, so it has its own memory mem[k]
     for k: nll, new[k] = model(input_k, target_k, mem[k]); backward(mean nll)      (DeepSpeed averages over
-                                                                                   micro-batches and ranks)
+                                                                                   micro-batches and ranks;
+           keyed dropout masks are told the step and k first: megamemo/kernels/keyed.py DropoutKey)
     engine step: clip, Adam, schedule (or skip on fp16 overflow)
     applied  -> mem = new, the data cursor moves past the batch, step += 1
     skipped  -> nothing moves: the same batch is retried with the lowered loss scale, from the same memory
@@ -72,7 +73,7 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, reader, *, rank: int, world_size: int, micro_batch: int,
                  metrics: Metrics, store: CheckpointStore | None = None, evaluator=None,
-                 stop: StopRequest | None = None, rank_extra: dict | None = None, stage=None):
+                 stop: StopRequest | None = None, rank_extra: dict | None = None, stage=None, dropout_key=None):
         self.cfg = cfg
         self.engine = engine
         self.reader = reader
@@ -88,6 +89,7 @@ class Trainer:
         self.rank_extra = rank_extra or {}
         self.loss_factor = 0.5 if cfg.optim.half_loss else 1.0
         self.stage = stage          # pipeline parallel: the memory lives in this stage's bank, per micro-batch
+        self.dropout_key = dropout_key  # keyed dropout masks (train.dropout_masks: keyed): their step, micro-batch
         self.memory = MicroBatchMemories(self.n_micro, micro_batch, engine.device) if stage is None else stage.bank
         self.model_parallel = cfg.parallel.tp * cfg.parallel.pp   # ranks that hold the same streams
         self.cursor = DataCursor(reader, log=print if rank == 0 else (lambda *a, **k: None))
@@ -218,6 +220,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=inp.device)
         for k in range(self.n_micro):
             cols = slice(k * b, (k + 1) * b)
+            if self.dropout_key is not None:
+                self.dropout_key.set(step=self.counters.step, micro_batch=k)
             nll, mem = self.engine.forward(inp[:, cols], tgt[:, cols], mems_in[k])
             nll = nll.float()
             self.engine.backward(nll.mean() * self.loss_factor)
@@ -236,6 +240,8 @@ class Trainer:
             raise RuntimeError("optim.half_loss is not supported with pipeline parallelism")
         if new_epoch:
             self.stage.bank.replace({})
+        if self.dropout_key is not None:                # each pipe layer sets the micro-batch it computes
+            self.dropout_key.set(step=self.counters.step)
         b = self.micro_batch
         batches = [((inp[:, k * b:(k + 1) * b], torch.tensor([k, 0, 0])), tgt[:, k * b:(k + 1) * b])
                    for k in range(self.n_micro)]

@@ -1,6 +1,7 @@
 """How a training run's model computes, chosen once it is built on its device: the CPU kernels (train.kernels),
-the attention form (model.attention) and compiled layers (train.compile). None of them changes a weight or the
-model's identity; each says in the start-up line what it chose, and a fallback says why in one line.
+how dropout masks are drawn (train.dropout_masks), the attention form (model.attention) and compiled layers
+(train.compile). None of them changes a weight or the model's identity; each says in the start-up line what it
+chose, and a fallback says why in one line.
 
 model.attention: auto trains with FlexAttention only on CUDA, without attention dropout, and after the start-up
 check (megamemo/kernels/flex_check.py: one layer of the run, its shapes and dtype, forward and backward against
@@ -63,9 +64,26 @@ def choose_attention(cfg: RunConfig, model, device, micro: int, log) -> str:
     return apply_attention(model, "flex")
 
 
-def apply_speedups(cfg: RunConfig, model, device, micro: int, log) -> dict:
-    """Kernels, attention form and compiled layers for the built model on its device:
-    {"kernels": "cpu"|"plain", "attention": "eager"|"flex", "compiled": layers compiled (0: none)}."""
+def keyed_dropout(cfg: RunConfig, model, device, tp_rank: int = 0, columns=(0,)):
+    """train.dropout_masks: keyed -> the run's DropoutKey, every dropout of the model keyed by it (this rank's
+    TP rank offsets the split sites; columns: the first global column of each of its micro-batches); stream ->
+    None, the model's dropouts as they are."""
+    from megamemo.kernels import DropoutKey, apply_dropout_masks
+
+    if cfg.train.dropout_masks != "keyed":
+        return None
+    key = DropoutKey(cfg.train.seed, columns, device)
+    try:
+        apply_dropout_masks(model, "keyed", key, tp_rank)
+    except ValueError as e:
+        raise ConfigError(f"train.dropout_masks: {e}") from None
+    return key
+
+
+def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int = 0, columns=(0,)) -> dict:
+    """Kernels, dropout masks, attention form and compiled layers for the built model on its device:
+    {"kernels": "cpu"|"plain", "dropout_key": the DropoutKey of keyed masks (None: stream), "attention":
+    "eager"|"flex", "compiled": layers compiled (0: none)}. tp_rank, columns: see keyed_dropout."""
     from megamemo.kernels import apply_kernels
     from megamemo.kernels.compiler import CompilerUnavailable, compile_layers, resolve_compile
 
@@ -73,6 +91,7 @@ def apply_speedups(cfg: RunConfig, model, device, micro: int, log) -> dict:
         kernels = apply_kernels(model, cfg.train.kernels, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    key = keyed_dropout(cfg, model, device, tp_rank, columns)
     attention = choose_attention(cfg, model, device, micro, log)
     compiled = 0
     if resolve_compile(cfg.train.compile, device) and cfg.parallel.tp > 1:
@@ -86,4 +105,4 @@ def apply_speedups(cfg: RunConfig, model, device, micro: int, log) -> dict:
             if cfg.train.compile == "on":
                 raise ConfigError(f"train.compile: on: {e}") from None
             log(f"[train] compile: off ({e})")
-    return {"kernels": kernels, "attention": attention, "compiled": compiled}
+    return {"kernels": kernels, "dropout_key": key, "attention": attention, "compiled": compiled}
