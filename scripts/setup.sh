@@ -59,7 +59,7 @@ else
   fi
   echo "torch==$have" > "$constraints"
   echo "[setup] installing megamemo and its dependencies (torch held at $have)"
-  "$py" -m pip install -q -c "$constraints" -e "$here[dev,parquet,eval,s3,gcs]"
+  "$py" -m pip install -q -c "$constraints" -e "$here[dev,parquet,eval,s3,gcs,docs]"
   read -r after after_cuda <<<"$(torch_build)"
   [ "$after" = "$have" ] \
     || die "installing the dependencies changed torch from $have (CUDA $have_cuda) to $after (CUDA $after_cuda)"
