@@ -84,7 +84,7 @@ def _first_sentence(text: str) -> str:
 # keys whose allowed values are a constant of the code (module:name -> a tuple, list or dict of them)
 ALLOWED = {"model.variant": "megamemo.model.config:VARIANTS", "model.attention": "megamemo.kernels:ATTENTIONS",
            "train.kernels": "megamemo.kernels:KERNELS", "train.compile": "megamemo.kernels.compiler:COMPILE",
-           "precision.dtype": "megamemo.util.precision:NAMES"}
+           "precision.dtype": "megamemo.util.precision:NAMES", "train.dropout_masks": "megamemo.kernels:DROPOUT_MASKS"}
 
 
 def _allowed(key: str, comment: str, typ: str) -> str:
@@ -92,7 +92,8 @@ def _allowed(key: str, comment: str, typ: str) -> str:
         mod, name = ALLOWED[key].split(":")
         values = getattr(importlib.import_module(mod), name)
         return ", ".join(map(str, values)) + (" (YAML's on/off booleans too)" if typ == "Switch" else "")
-    m = re.search(r"(?<![\w(])([\w.-]+(?:\s*\|\s*[\w.-]+)+)", comment)
+    # else a list "a | b | c" that opens the comment or follows its colon, each choice one word
+    m = re.search(r"(?:^|: )([\w-]+(?:\s*\|\s*[\w-]+)+)(?=[\s.(;,]|$)", comment)
     return ", ".join(x.strip() for x in m.group(1).split("|")) if m else ""
 
 

@@ -70,7 +70,7 @@ def test_train_start_up_refuses_bf16_on_a_v100(fake_gpu, monkeypatch, capsys, tm
     class Built(Exception):
         pass
 
-    def build(cfg, log=print, stop=None):
+    def build(cfg, log=print, stop=None, **kw):
         raise Built()
     fake_gpu(gpu)
     monkeypatch.setattr(cli, "build", build)

@@ -405,7 +405,7 @@ def test_train_sets_tf32_as_the_config_allows(monkeypatch, tmp_path, sets, want)
     class Stop(Exception):
         pass
 
-    def stop(cfg, log=print, stop=None):
+    def stop(cfg, log=print, stop=None, **kw):
         raise Stop()
     monkeypatch.setattr(cli, "build", stop)
     monkeypatch.setattr(device, "resolve", lambda env=None: "cpu")

@@ -286,7 +286,8 @@ def test_a_fault_plan_holds_for_the_start_it_names():
     from megamemo.checkpoint.faults import FaultPoints
 
     plan = {"MEGAMEMO_FAULT_KILL_AT": "save:2@0,commit:1@2"}
-    assert FaultPoints(0, plan).kill_at == ("save", 2)                           # the first start
+    assert FaultPoints(0, plan).kill_at == ("save", 2, None)               # the first start
     assert FaultPoints(0, {**plan, "MEGAMEMO_RESTART": "1"}).kill_at is None     # no fault planned for it
-    assert FaultPoints(1, {**plan, "MEGAMEMO_RESTART": "2"}).kill_at == ("commit", 1)
-    assert FaultPoints(0, {"MEGAMEMO_FAULT_KILL_AT": "removal:3", "MEGAMEMO_RESTART": "5"}).kill_at == ("removal", 3)
+    assert FaultPoints(1, {**plan, "MEGAMEMO_RESTART": "2"}).kill_at == ("commit", 1, None)
+    every_start = {"MEGAMEMO_FAULT_KILL_AT": "removal:3", "MEGAMEMO_RESTART": "5"}
+    assert FaultPoints(0, every_start).kill_at == ("removal", 3, None)

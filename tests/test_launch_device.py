@@ -308,7 +308,7 @@ def test_setup_installs_the_targets_torch_first_then_holds_it(tmp_path, target, 
     first, second = (out / "pip.log").read_text().splitlines()
     assert first.split()[4:] == ["torch==2.13.0"] + (["--index-url", index] if index else [])
     constraints = tmp_path / "venv" / ".megamemo-constraints.txt"
-    assert f"-c {constraints} -e {REPO}[dev,parquet,eval,s3,gcs]" in second
+    assert f"-c {constraints} -e {REPO}[dev,parquet,eval,s3,gcs,docs]" in second
     assert (out / "hook.log").read_text().split() == ["-m", "megamemo.export.lm_eval_plugin", "install"]
     assert constraints.read_text().strip() == f"torch=={build}"
     again, _ = _setup(tmp_path, **({"MEGAMEMO_TARGET": target} if target else {}))

@@ -237,7 +237,8 @@ class RunConfig:
                 and self.parallel.zero_stage == 0):
             bad("precision.grad_accum_dtype", "fp32 accumulation of bf16/fp16 gradients needs ZeRO 1 or 2 in "
                 "DeepSpeed 0.19.8 (parallel.zero_stage=0); use auto or model")
-        if self.train.dropout_masks not in ("stream", "keyed"):
+        from megamemo.kernels import DROPOUT_MASKS
+        if self.train.dropout_masks not in DROPOUT_MASKS:
             bad("train.dropout_masks", "must be stream or keyed")
         keyed = self.train.dropout_masks == "keyed"
         if self.train.activation_checkpointing and self.parallel.tp > 1 and self.model.dropout > 0 and not keyed:
