@@ -264,6 +264,7 @@ def test_broken_checkpoint_is_refused_by_name(damage, tp2, tmp_path, capsys):
         err = capsys.readouterr().err
         assert expect in err, (cmd, err)
         assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
+        assert not list(tmp_path.glob(f".{out.name}.*"))       # util.files.atomic_directory's temporary name
 
 
 def test_bf16_tensor_parallel_checkpoint_checks_within_the_bf16_tolerance(tiny_cfg, shards, tmp_path):

@@ -286,6 +286,7 @@ def test_a_recorded_subword_tokenizer_is_copied_and_checked(tmp_path):
     with pytest.raises(hf.ExportError, match="tokenizer.json: sha256 differs"):
         hf.export_hf(ck, tmp_path / "out2")
     assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".export-*"))
+    assert not list(tmp_path.glob(".out2.*"))                  # nor the new directory under its temporary name
 
 
 def test_the_modeling_code_ships_as_package_data():

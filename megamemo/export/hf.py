@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from megamemo.checkpoint.single import SingleCheckpointError
+from megamemo.util.files import atomic_directory
 
 CODE = Path(__file__).with_name("hf_code")
 CODE_FILES = ("configuration_megamemo.py", "modeling_megamemo.py")
@@ -83,7 +84,7 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
     from transformers import PreTrainedTokenizerFast
 
-    from megamemo.util.files import file_sha256
+    from megamemo.util.files import entry_mismatch, file_sha256
     from megamemo.eval.generate import vocab_for
 
     rec = meta.get("tokenizer") or {}
@@ -95,8 +96,10 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
         if src is None:
             raise ExportError(f"{dirs[0] / 'config.json'}: tokenizer file {rec['file']!r} not found in "
                               f"{' or '.join(str(p.parent) for p in where)}")
-        if rec.get("sha256") and file_sha256(src) != rec["sha256"]:
-            raise ExportError(f"{src}: sha256 differs from the one the checkpoint records (corrupt or replaced)")
+        problem = entry_mismatch({"sha256": rec.get("sha256")}, src.stat().st_size, lambda: file_sha256(src),
+                                 recorded="the checkpoint's tokenizer.sha256")
+        if problem:
+            raise ExportError(f"{src}: {problem} (corrupt or replaced)")
         tok = PreTrainedTokenizerFast(tokenizer_file=str(src))
         tok.save_pretrained(str(out))
         return f"subword tokenizer {src.name} ({rec.get('kind', '?')}, {len(tok)} entries)"
@@ -143,8 +146,8 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
         raise ExportError(f"{out}: already exists (pass --overwrite to replace it)")
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: not a directory")
+    # a training checkpoint is converted into a work directory beside DIR first, deleted afterwards
     work = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent if out.parent.is_dir() else None))
-    tmp = work / out.name
     try:
         single = ckpt
         if convert.is_single(ckpt):
@@ -157,27 +160,18 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
         model, meta = load_single(single)
         sd = {k: v.contiguous() for k, v in model.state_dict().items()}
         dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-        tmp.mkdir()
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for name in CODE_FILES:
-            shutil.copyfile(CODE / name, tmp / name)
-        import transformers
-        cfg = hf_config(model.cfg.to_dict(), dtype, str(ckpt))
-        cfg["transformers_version"] = transformers.__version__
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(
-            json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n")
-        tok = write_tokenizer(meta, list(dict.fromkeys([single, ckpt])), tmp, data)
-        if out.exists():                      # --overwrite: the old directory goes only once the new one is in
-            old = work / (out.name + ".old")
-            out.rename(old)
-            try:
-                tmp.rename(out)
-            except BaseException:
-                old.rename(out)
-                raise
-        else:
-            tmp.rename(out)
+        # --overwrite: the old directory goes only once the new one is in (util.files.atomic_directory)
+        with atomic_directory(out, replace=overwrite) as tmp:
+            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            for name in CODE_FILES:
+                shutil.copyfile(CODE / name, tmp / name)
+            import transformers
+            cfg = hf_config(model.cfg.to_dict(), dtype, str(ckpt))
+            cfg["transformers_version"] = transformers.__version__
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            (tmp / "generation_config.json").write_text(
+                json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n")
+            tok = write_tokenizer(meta, list(dict.fromkeys([single, ckpt])), tmp, data)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     n = sum(t.numel() for t in sd.values())

@@ -42,6 +42,7 @@ from megamemo.checkpoint.single import (FORMAT, SingleCheckpointError, load_sing
 from megamemo.checkpoint.state import rank_files
 from megamemo.checkpoint.store import MARKER, CheckpointError, newest_complete, step_of, tag_for, verify
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.util.files import atomic_directory
 from megamemo.util.progress import Progress
 from megamemo.util.precision import NAMES as PRECISIONS, torch_dtype
 
@@ -247,47 +248,47 @@ def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = No
         raise ConvertError(f"--data {data}: no manifest.json")
     c = Checkpoint(p, log)
     meta = c.meta()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        specs = [(k, torch_dtype(dtype), shape) for k, shape in c.shapes.items()]
-        total = sum(math.prod(shape) for _, _, shape in specs)
-        with Progress("[convert] to-single", total=total, unit="param", scale=True, every=progress_every,
-                      log=log,
-                      line=lambda q: f"[convert] {q.n / 1e6:,.1f}M of {q.total / 1e6:,.1f}M parameters written, "
-                                     f"{q.info.get('tensor', '')}") as progress:
-            def produce(k):
-                t = c.weight(k).to(torch_dtype(dtype))
-                progress.update(t.numel(), tensor=k)
-                return t
-            write_streaming(tmp / "model.safetensors", specs, produce)
-        if memory:
-            mem = c.memory()
-            if mem is None:
-                raise ConvertError(f"--memory {memory}: {c.dir} holds no memory (saved at the start of an epoch)")
-            cols = parse_columns(memory, mem.batch_size)
-            from safetensors.torch import save_file
-            save_file({k: v.contiguous() for k, v in mem.select_batch(torch.tensor(cols)).state_dict().items()},
-                      str(tmp / "memory.safetensors"))
-            meta["memory_columns"] = cols
-        if check:
-            from safetensors.torch import load_file
-            model = model_from_state_dict(c.cfg, {k: v.float() for k, v in
-                                                  load_file(str(tmp / "model.safetensors")).items()})
-            meta["check"] = c.self_check(model, log)
-            del model
-        meta.update(data_meta(data) if data else _run_data_meta(c.dir))
-        copy_tokenizer(meta, tmp)
-        write_config(tmp, c.cfg, meta)
-        tmp.replace(out)
+        with atomic_directory(out) as tmp:
+            _write_single(c, tmp, meta, dtype, data, memory, check, log, progress_every)
     except ProbeError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise ConvertError(str(e)) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
+
+
+def _write_single(c: Checkpoint, tmp: Path, meta: dict, dtype: str, data, memory: str | None, check: bool, log,
+                  progress_every: float) -> None:
+    """The single-device checkpoint of `c` into the directory `tmp`: weights tensor by tensor, the chosen streams'
+    memory, the self-check on the probe, the vocabulary and the config."""
+    specs = [(k, torch_dtype(dtype), shape) for k, shape in c.shapes.items()]
+    total = sum(math.prod(shape) for _, _, shape in specs)
+    with Progress("[convert] to-single", total=total, unit="param", scale=True, every=progress_every,
+                  log=log,
+                  line=lambda q: f"[convert] {q.n / 1e6:,.1f}M of {q.total / 1e6:,.1f}M parameters written, "
+                                 f"{q.info.get('tensor', '')}") as progress:
+        def produce(k):
+            t = c.weight(k).to(torch_dtype(dtype))
+            progress.update(t.numel(), tensor=k)
+            return t
+        write_streaming(tmp / "model.safetensors", specs, produce)
+    if memory:
+        mem = c.memory()
+        if mem is None:
+            raise ConvertError(f"--memory {memory}: {c.dir} holds no memory (saved at the start of an epoch)")
+        cols = parse_columns(memory, mem.batch_size)
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in mem.select_batch(torch.tensor(cols)).state_dict().items()},
+                  str(tmp / "memory.safetensors"))
+        meta["memory_columns"] = cols
+    if check:
+        from safetensors.torch import load_file
+        model = model_from_state_dict(c.cfg, {k: v.float() for k, v in
+                                              load_file(str(tmp / "model.safetensors")).items()})
+        meta["check"] = c.self_check(model, log)
+        del model
+    meta.update(data_meta(data) if data else _run_data_meta(c.dir))
+    copy_tokenizer(meta, tmp)
+    write_config(tmp, c.cfg, meta)
 
 
 def relayout(ckpt, out, log=print) -> Path:
@@ -296,17 +297,12 @@ def relayout(ckpt, out, log=print) -> Path:
     if out.exists():
         raise ConvertError(f"{out}: already exists; refusing to overwrite")
     step_dir, marker = resolve_committed(ckpt, log)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dst = tmp / "checkpoints" / tag_for(int(marker["step"]))
-    try:
+    name = tag_for(int(marker["step"]))
+    with atomic_directory(out) as tmp:
+        dst = tmp / "checkpoints" / name
         shutil.copytree(step_dir, dst, ignore=shutil.ignore_patterns(MARKER))
         shutil.copyfile(step_dir / MARKER, dst / MARKER)          # the marker last
-        tmp.replace(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out / "checkpoints" / dst.name
+    return out / "checkpoints" / name
 
 
 def main(argv: list[str]) -> int:
