@@ -146,11 +146,11 @@ def lamemo_13b_consumption() -> tuple[float, str]:
     datasheet peak (an upper bound; a node has 8 GPUs)."""
     from megamemo.config.run import load
     from megamemo.model.flops import flops_per_token
-    from megamemo.runtime.peak import PEAK_TFLOPS
+    from megamemo.runtime.gpus import GPUS
 
     cfg = load(REPO / "configs/lamemo-1.3b.yaml")
     fpt = flops_per_token(cfg.model, cfg.data.batch_size // cfg.train.grad_accum)
-    peak = PEAK_TFLOPS["V100 SXM2"]["fp16"] * 1e12
+    peak = GPUS["v100-32g"].peak_tflops["fp16"] * 1e12
     return peak / fpt, f"{fpt / 1e9:.1f} GFLOP/token executed at {peak / 1e12:.0f} TFLOP/s: 100% HFU"
 
 

@@ -27,10 +27,10 @@ import sys
 from dataclasses import dataclass
 
 from megamemo.config.zero import DS_REDUCE_BUCKET, overlaps_reduction, reduce_bucket
+from megamemo.runtime.gpus import PLANNED, gpu, unknown_kind
 from megamemo.model.params import bias_params, input_params, layer_params, output_params, total_params
 from megamemo.util.precision import HALF
 
-GPUS = {"v100-16g": 16, "v100-32g": 32, "a100-40g": 40, "a100-80g": 80, "h100-80g": 80}
 GiB = 1024 ** 3
 HEADROOM = 0.9  # keep 10% for the allocator, communication buffers and the framework
 # resident memory of one training process before its model exists: python, torch, DeepSpeed, megatron-core, gloo
@@ -161,7 +161,7 @@ def _capacity(args) -> tuple[float, str]:
             raise ValueError("--device cpu needs --host-mem-gib (the node's memory, shared by its ranks)")
         return (args.host_mem_gib / args.gpus_per_node,
                 f"{args.nodes} node(s) x {args.gpus_per_node} CPU processes sharing {args.host_mem_gib:g} GiB")
-    return GPUS[args.gpu], f"{args.nodes} node(s) x {args.gpus_per_node} {args.gpu}"
+    return gpu(args.gpu).memory_gib, f"{args.nodes} node(s) x {args.gpus_per_node} {args.gpu}"
 
 
 def main(argv: list[str]) -> int:
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--nodes", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, required=True, help="devices (or CPU processes) per node")
-    ap.add_argument("--gpu", default="a100-80g", help=f"device kind: {', '.join(GPUS)}")
+    ap.add_argument("--gpu", default="a100-80g", help=f"device kind: {', '.join(PLANNED)}")
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                     help="cpu: ranks are CPU processes sharing the node's --host-mem-gib")
     ap.add_argument("--host-mem-gib", type=float)
@@ -194,11 +194,8 @@ def main(argv: list[str]) -> int:
             return 2
     from megamemo.plan import recommend as rec
     from megamemo.plan.steptime import explain, step_time
-    if args.device == "gpu" and args.gpu not in GPUS:
-        import difflib
-        near = difflib.get_close_matches(args.gpu, GPUS, n=1)
-        print(f"megamemo plan: --gpu: unknown device kind {args.gpu!r}" + (f" (nearest: {near[0]})" if near else "")
-              + f"; known: {', '.join(GPUS)}", file=sys.stderr)
+    if args.device == "gpu" and args.gpu not in PLANNED:
+        print(f"megamemo plan: --gpu: {unknown_kind(args.gpu, PLANNED)}", file=sys.stderr)
         return 2
     world = args.nodes * args.gpus_per_node
     given = bool(args.tp or args.pp)
