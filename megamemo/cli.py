@@ -14,7 +14,7 @@ SUBCOMMANDS = {
     "eval": ("megamemo.eval.evaluate:main", "evaluate a checkpoint: bpc / perplexity"),
     "generate": ("megamemo.eval.generate:main", "sample text with memory carried"),
     "convert": ("megamemo.interop.convert:main", "convert a sharded checkpoint to single-GPU form"),
-    "plan": ("megamemo.plan.layouts:main", "per-rank memory plan for a config and cluster"),
+    "plan": ("megamemo.plan.layouts:main", "per-rank memory and step time of a layout, and the layouts that fit"),
     "analyze": ("megamemo.eval.analyze:main", "memorizing coefficient and attention-by-distance plots"),
     "export": ("megamemo.export.hf:main", "export a checkpoint: `export hf` writes a transformers directory"),
     "harness": ("megamemo.export.harness:main", "lm-evaluation-harness rolling loglikelihood over text files"),

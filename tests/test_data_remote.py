@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from data_pipeline import ShardError, StreamReader, build, corpora
-from data_pipeline.loopback_s3 import LoopbackS3, upload as upload_to
+from loopback_s3 import LoopbackS3, upload as upload_to
 from data_pipeline.remote import RemoteOptions, RemoteShards, StoreUnavailableError
 from fixture_data import ENWIK8
 
@@ -356,7 +356,7 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
     """gs:// through gcsfs against a GCS emulator on 127.0.0.1 (gcp-storage-emulator; STORAGE_EMULATOR_HOST)."""
     import json
 
-    from data_pipeline.loopback_gcs import LoopbackGCS, upload as upload_gs
+    from loopback_gcs import LoopbackGCS, upload as upload_gs
 
     with serving(LoopbackGCS):
         url = upload_gs(local_shards, BUCKET, "enwik8")

@@ -14,7 +14,8 @@ whatever TP x PP x DP layout and ZeRO stage wrote it, and writes it into model.s
 to round to the module's copies. A missing shard, a piece that does not fit, weights whose shapes do not fit the
 recorded model config: an error naming the file, and nothing at --out (outputs appear by an atomic rename).
 
-Self-check: the converted model replays the checkpoint's probe (probe.py) from the memory of the probe's columns.
+Self-check: the converted model replays the checkpoint's probe (checkpoint/probe_replay.py, recorded by
+train/probe_record.py) from the memory of the probe's columns.
 --no-check skips it; a checkpoint without a probe (checkpoint.probe: false) is converted with shape and
 consistency checks only, which is said. --memory chooses streams (global columns: `all`, `0-3,7`) whose memory goes
 to memory.safetensors (Memory state_dict form, the chosen columns in order; their list in config.json's meta).
