@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import tarfile
 import tempfile
 import time
@@ -54,7 +55,8 @@ def s3_rates(data_dir: Path, tmp: Path, a) -> dict:
     import os
 
     from data_pipeline import StreamReader
-    from data_pipeline.loopback_s3 import LoopbackS3, upload
+    sys.path.insert(0, str(REPO / "tests"))          # the loopback servers are test support (tests/loopback*.py)
+    from loopback_s3 import LoopbackS3, upload
     from data_pipeline.remote import RemoteOptions
 
     runs = iter(range(1_000_000))
@@ -144,7 +146,7 @@ def range_reads(data_dir: Path, split: str) -> int:
 def lamemo_13b_consumption() -> tuple[float, str]:
     """Tokens/s one GPU would consume training configs/lamemo-1.3b.yaml at 100% of the V100 SXM2's fp16
     datasheet peak (an upper bound; a node has 8 GPUs)."""
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     from megamemo.model.flops import flops_per_token
     from megamemo.runtime.gpus import GPUS
 

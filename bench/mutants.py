@@ -142,10 +142,13 @@ MUTATIONS = [
       "per = shape[0] // 3", "per = shape[0]",
       ("tests/test_checkpoint_layer.py::test_qkv_shards_move_between_tensor_parallel_sizes",)),
     # ---- megamemo/config -------------------------------------------------------------------------------------
-    M("config-vocab-pads-a-full-multiple", "megamemo/config/vocab.py",
+    M("config-override-value-taken-as-text", "megamemo/config/run.py",
+      'value = yaml.safe_load(raw) if raw.strip() else ""', "value = raw",
+      ("tests/test_train_units.py::test_overrides_and_round_trip",)),
+    M("train-vocab-pads-a-full-multiple", "megamemo/train/vocab.py",
       "n = -(-vocab // step) * step", "n = (vocab // step + 1) * step",
       ("tests/test_vocab_padding.py::test_padded_vocab_by_hand",)),
-    M("config-overlap-where-deepspeed-ignores-it", "megamemo/config/zero.py",
+    M("parallel-overlap-where-deepspeed-ignores-it", "megamemo/parallel/zero.py",
       "return cfg.parallel.overlap_comm and overlap_problem(cfg) is None", "return cfg.parallel.overlap_comm",
       (f"{STEPTIME}::test_overlap_comm_hides_it_where_deepspeed_overlaps_and_bucket_size_sets_the_buckets",)),
     # ---- megamemo/checkpoint ---------------------------------------------------------------------------------

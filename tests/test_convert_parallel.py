@@ -319,7 +319,7 @@ def test_a_resume_under_another_layout_with_dropout_reseeds_every_stream(tiny_cf
 
     import numpy as np
 
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     from megamemo.parallel.groups import TP_RNG, dropout_seeds
     from runs_cache import TWO_RANKS_12_STEPS
 

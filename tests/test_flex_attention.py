@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
-from megamemo.config.run import ConfigError, from_dict as load_dict
+from megamemo.config.run import ConfigError
+from megamemo.train.config import from_dict as load_dict
 from megamemo.kernels import apply_attention, attention_in_use, resolve_attention
 from megamemo.kernels import apply as kernels_apply
 from megamemo.kernels import flex as flex_module

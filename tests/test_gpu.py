@@ -237,7 +237,7 @@ def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
 # ---- plan vs measured ---------------------------------------------------------------------------------------------
 MEASURE_SCRIPT = r"""
 import sys, torch
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.train.cli import build
 cfg = load(sys.argv[1], sys.argv[2:])
 trainer, _ = build(cfg)
@@ -340,7 +340,7 @@ SYNC_SCRIPT = r"""
 import sys, traceback, warnings, torch
 sys.path.insert(0, sys.argv[1])                 # tests/: sync_sites
 from sync_sites import attribute, package_root
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.train.cli import build
 cfg = load(sys.argv[2], sys.argv[3:])
 trainer, _ = build(cfg)

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from fixture_data import REPO
-from megamemo.config.run import ConfigError, load
+from megamemo.config.run import ConfigError
+from megamemo.train.config import load
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.runtime import device
 from megamemo.runtime.dist import discover, slurm_tasks_on_node

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fixture_data import REPO
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.plan import opcost
 from megamemo.plan.devices import Device
 from megamemo.plan.layouts import plan

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fixture_data import REPO
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.model import MemTransformerLM
 from megamemo.plan.layouts import GiB, main, plan
 from megamemo.runtime.gpus import GPUS

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fixture_data import REPO
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.plan.layouts import main, plan
 from megamemo.plan.devices import Device
 from megamemo.plan.optrace import trace

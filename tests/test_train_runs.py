@@ -223,7 +223,7 @@ import json, sys
 from deepspeed.accelerator import get_accelerator
 type(get_accelerator()).is_fp16_supported = lambda self: True     # this CPU has no fp16 support in DeepSpeed's eyes
 import torch
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.train.cli import build
 
 cfg_path, shards, run_dir = sys.argv[1:4]
@@ -288,7 +288,7 @@ def test_new_epoch_starts_from_empty_memory(tiny_cfg, tmp_path):
     elsewhere): it must be scored with empty memory, as the reference's per-epoch train() does."""
     from data_pipeline import StreamReader
     from data_pipeline.cli import prepare_main
-    from megamemo.config.run import load
+    from megamemo.train.config import load
 
     raw = tmp_path / "small.txt"
     raw.write_bytes(ENWIK8.read_bytes()[:400])

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from fixture_data import TEXT8
-from megamemo.config.run import ConfigError, load
-from megamemo.config.vocab import adopt_checkpoint_vocab, padded_vocab
+from megamemo.config.run import ConfigError
+from megamemo.train.config import load
+from megamemo.train.vocab import adopt_checkpoint_vocab, padded_vocab
 from megamemo.model import MemTransformerLM, ModelConfig
 
 SMALL = dict(n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, dropout=0.0, tgt_len=6, mem_len=6)

@@ -16,7 +16,7 @@ layer's input plus one layer's activations (recomputed in the backward, one laye
 DeepSpeed's BF16_Optimizer, which adds a full fp32 gradient buffer per rank. Beyond weights,
 gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp32 weights), its flat fp32
 gradient partition and reduction bucket (parallel.reduce_bucket_size elements; two of them with
-parallel.overlap_comm: config/zero.py), the new memory state held until the step commits, and on a CPU layout
+parallel.overlap_comm: parallel/zero.py), the new memory state held until the step commits, and on a CPU layout
 the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
 copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
 """
@@ -26,7 +26,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from megamemo.config.zero import DS_REDUCE_BUCKET, overlaps_reduction, reduce_bucket
+from megamemo.parallel.zero import DS_REDUCE_BUCKET, overlaps_reduction, reduce_bucket
 from megamemo.runtime.gpus import PLANNED, gpu, unknown_kind
 from megamemo.model.params import bias_params, input_params, layer_params, output_params, total_params
 from megamemo.util.precision import HALF
@@ -165,7 +165,8 @@ def _capacity(args) -> tuple[float, str]:
 
 
 def main(argv: list[str]) -> int:
-    from megamemo.config.run import ConfigError, load
+    from megamemo.config.run import ConfigError
+    from megamemo.train.config import load
 
     ap = argparse.ArgumentParser(prog="megamemo plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)

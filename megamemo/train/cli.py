@@ -13,7 +13,8 @@ import argparse
 import time
 from pathlib import Path
 
-from megamemo.config.run import ConfigError, RunConfig, load
+from megamemo.config.run import ConfigError
+from megamemo.train.config import RunConfig, load
 from megamemo.util.seeding import seed_default_streams
 
 
@@ -157,7 +158,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     resume_dir = store.select(cfg.checkpoint.resume)        # collective: the newest that verifies
     if resume_dir is not None and cfg.n_token_auto:         # the checkpoint's padded tables, under any layout
         from megamemo.checkpoint.store import read_marker
-        from megamemo.config.vocab import adopt_checkpoint_vocab
+        from megamemo.train.vocab import adopt_checkpoint_vocab
         said = adopt_checkpoint_vocab(cfg, read_marker(resume_dir).get("model") or {})
         if said:
             meta.update(model=cfg.model.to_dict(), model_fingerprint=cfg.model_fingerprint())

@@ -8,18 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megamemo.config.run import RunConfig
+from megamemo.train.config import RunConfig
 
 
 class DataError(ValueError):
     """A missing or unusable data directory; the message names it."""
-
-
-def remote_options(cfg: RunConfig):
-    """How s3:// gs:// https:// shard directories are read (data.cache_dir, data.cache_size, data.retries, ...)."""
-    from megamemo.config.run import remote_options as of_data
-
-    return of_data(cfg.data)
 
 
 def _remote_manifest(cfg: RunConfig, url: str, field: str) -> dict:
@@ -27,7 +20,7 @@ def _remote_manifest(cfg: RunConfig, url: str, field: str) -> dict:
     from data_pipeline.remote import RemoteShards
 
     try:
-        remote = RemoteShards(url, remote_options(cfg))
+        remote = RemoteShards(url, cfg.data.remote_options())
         try:                        # one listing: missing or wrong-sized objects named before the model is built
             used = {cfg.data.split} | ({cfg.eval.split} if cfg.eval.every else set())
             remote.check_listing([e for name, sp in remote.manifest["splits"].items() if name in used
@@ -129,10 +122,10 @@ def stream(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, world_size
     if cfg.data.blend and split == cfg.data.split and epochs is None:
         return BlendReader([(e["dir"], e["weight"]) for e in cfg.data.blend], split, batch_size, tgt_len,
                            world_size, rank, seed=cfg.data.seed, mix_every=mix_every,
-                           log=lambda m: print(m, flush=True), remote_options=remote_options(cfg))
+                           log=lambda m: print(m, flush=True), remote_options=cfg.data.remote_options())
     return StreamReader(_sources(cfg)[0][1], split, batch_size, tgt_len, world_size, rank, roll=roll,
                         seed=cfg.data.seed, epochs=epochs, prefetch=prefetch, block_tokens=block_tokens,
-                        remote_options=remote_options(cfg))
+                        remote_options=cfg.data.remote_options())
 
 
 def open_reader(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, dp: int, dp_rank: int, *, train: bool):

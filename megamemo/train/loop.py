@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
 from megamemo.checkpoint.store import CheckpointStore
-from megamemo.config.run import RunConfig
+from megamemo.train.config import RunConfig
 from megamemo.model import Memory
 from megamemo.train.metrics import Metrics
 from megamemo.train.resumable import DataCursor, EngineState, MemoryState

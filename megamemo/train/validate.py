@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megamemo.config.run import RunConfig
+from megamemo.train.config import RunConfig
 from megamemo.model.scoring import score_segments
 
 
