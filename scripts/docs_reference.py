@@ -10,7 +10,7 @@ the committed pages are what this writes):
 * cli.md: every `megamemo` subcommand (megamemo.cli.SUBCOMMANDS) and flag, read from the commands' own argparse
   parsers (each command is started with --help under a hook that takes its parser instead of parsing).
 * errors.md: the one-line errors megamemo prints for bad input - the exceptions its commands report in one line
-  (megamemo.train.cli.anticipated_errors and the commands' own), the config checks (`bad(...)`), argparse's
+  (megamemo.train.run.anticipated_errors and the commands' own), the config checks (`bad(...)`), argparse's
   `error(...)` and the commands' `error:` lines - each with the module and line it is raised at, the condition
   that raises it, and its message (which names the fix), read from the source with `ast`.
 """

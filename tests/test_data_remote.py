@@ -383,7 +383,7 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     import json
 
     from eval_fixtures import tiny_checkpoint
-    from megamemo.eval import analyze, evaluate
+    from megamemo.commands import analyze, eval as evaluate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")
@@ -418,7 +418,7 @@ def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
 
 
 def test_train_names_a_missing_object_before_building_anything(local_shards, s3_server, tmp_path, capsys):
-    from megamemo.train.cli import main
+    from megamemo.commands.train import main
     from test_train_runs import TINY
 
     url = upload(local_shards, "missing-cli", lambda n, d: None if n == "train-000002.tar" else d)

@@ -117,7 +117,7 @@ def test_positions_check_fails_with_bf16_inv_freq(tmp_path, monkeypatch):
 RESUMED_ADAM_SCRIPT = r"""
 import json, sys, torch
 from megamemo.train.config import load
-from megamemo.train.cli import build
+from megamemo.train.build import build
 cfg = load(sys.argv[1], sys.argv[2:])
 trainer, _ = build(cfg)                          # resumes from the run directory's newest committed checkpoint
 

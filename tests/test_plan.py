@@ -10,7 +10,8 @@ import torch
 from fixture_data import REPO
 from megamemo.train.config import load
 from megamemo.model import MemTransformerLM
-from megamemo.plan.layouts import GiB, main, plan
+from megamemo.commands.plan import main
+from megamemo.plan.layouts import GiB, plan
 from megamemo.runtime.gpus import GPUS
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

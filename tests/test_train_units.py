@@ -281,14 +281,15 @@ def test_adam_step_tensor_helper_follows_the_parameter_off_the_cpu():
 
 
 # ---- a rank whose peer is gone -------------------------------------------------------------------------------
-# `megamemo train`'s main with a trainer whose step fails as gloo fails when the peer vanished; its parts, the process
+# `megamemo train`'s main (train/run.py) with a trainer whose step fails as gloo fails when the peer vanished; its parts, the process
 # group's destruction and the interpreter's shutdown each print a line when they run: the order they ran in.
 PEER_LOST = """
 import atexit, datetime, os, sys, tempfile
 from types import SimpleNamespace as NS
 import torch.distributed as dist
-import megamemo.train.cli as cli
+import megamemo.commands.train as cli
 import megamemo.train.data as data
+import megamemo.train.run as run
 
 atexit.register(lambda: print("interpreter shutdown", flush=True))
 said = lambda what: (lambda *a, **k: print(what, flush=True))   # noqa: E731
@@ -309,10 +310,10 @@ def build(cfg, stop=None, **kw):
                  metrics=NS(close=said("metrics closed")), rundir=NS(close=said("run directory released")))
     return trainer, NS(rank=0, world_size=1)
 
-cli.resolve_config = lambda args: NS(train=NS(deterministic=False, run_dir=tempfile.mkdtemp()),
-                                    precision=NS(allow_tf32=False, dtype="fp32"))
+run.load = lambda config, sets: NS(train=NS(deterministic=False, run_dir=tempfile.mkdtemp()),
+                                  precision=NS(allow_tf32=False, dtype="fp32"))
 data.check_data_dir = lambda cfg: None
-cli.build = build
+run.build = build
 print("main returned", cli.main(["--config", "unused.yaml"]), flush=True)
 """
 
