@@ -155,7 +155,8 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     from megamemo.train.loop import seed_streams
     seed_streams(cfg, ranks, engine.device)
 
-    reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
+    reader = open_reader(cfg.data, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True,
+                         mix_every=10 * cfg.log.every if dp_rank == 0 else 0)
     rank_extra = {"layout": {"rank": de.rank, "world_size": de.world_size, "dp_rank": dp_rank, "dp": dp,
                              "tp_rank": ranks["tp_rank"], "tp": cfg.parallel.tp, "pp_rank": ranks["pp_rank"],
                              "pp": cfg.parallel.pp,
@@ -164,17 +165,17 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                                                for k in range(cfg.train.grad_accum)]}}
     peak = device_peak(engine.device, cfg.precision.dtype)               # for HFU and MFU (model/flops.py)
     fpt, mfpt = flops_per_token(cfg.model, micro), model_flops_per_token(cfg.model)
-    metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
+    metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg.data),
                       tensorboard=cfg.log.tensorboard, start_step=start_step, config_yaml=cfg.to_yaml(),
                       flops_per_token=fpt, model_flops_per_token=mfpt, peak_flops=peak.flops,
                       world_size=de.world_size,
-                      bytes_per_token=bytes_per_token(cfg), splits=(cfg.data.split, cfg.eval.split),
+                      bytes_per_token=bytes_per_token(cfg.data), splits=(cfg.data.split, cfg.eval.split),
                       start={"time": round(started, 3), "step": start_step, "world_size": de.world_size,
                              "restart": restart_count()})
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)
-        make_reader = lambda: open_reader(cfg, cfg.eval.split, cfg.eval.batch_size, L["tgt_len"], dp,  # noqa: E731
+        make_reader = lambda: open_reader(cfg.data, cfg.eval.split, cfg.eval.batch_size, L["tgt_len"], dp,  # noqa: E731
                                           dp_rank, train=False)
         if stage is None:
             evaluator = Evaluator(cfg, make_reader, lambda: engine.module, engine.device, de.world_size, metrics)
