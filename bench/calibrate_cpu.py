@@ -164,7 +164,7 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
     data-parallel ranks do."""
     import deepspeed
 
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     from megamemo.train.engine import Engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

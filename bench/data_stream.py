@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import tarfile
 import tempfile
 import time
@@ -54,7 +55,8 @@ def s3_rates(data_dir: Path, tmp: Path, a) -> dict:
     import os
 
     from data_pipeline import StreamReader
-    from data_pipeline.loopback_s3 import LoopbackS3, upload
+    sys.path.insert(0, str(REPO / "tests"))          # the loopback servers are test support (tests/loopback*.py)
+    from loopback_s3 import LoopbackS3, upload
     from data_pipeline.remote import RemoteOptions
 
     runs = iter(range(1_000_000))
@@ -144,13 +146,13 @@ def range_reads(data_dir: Path, split: str) -> int:
 def lamemo_13b_consumption() -> tuple[float, str]:
     """Tokens/s one GPU would consume training configs/lamemo-1.3b.yaml at 100% of the V100 SXM2's fp16
     datasheet peak (an upper bound; a node has 8 GPUs)."""
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     from megamemo.model.flops import flops_per_token
-    from megamemo.runtime.peak import PEAK_TFLOPS
+    from megamemo.runtime.gpus import GPUS
 
     cfg = load(REPO / "configs/lamemo-1.3b.yaml")
     fpt = flops_per_token(cfg.model, cfg.data.batch_size // cfg.train.grad_accum)
-    peak = PEAK_TFLOPS["V100 SXM2"]["fp16"] * 1e12
+    peak = GPUS["v100-32g"].peak_tflops["fp16"] * 1e12
     return peak / fpt, f"{fpt / 1e9:.1f} GFLOP/token executed at {peak / 1e12:.0f} TFLOP/s: 100% HFU"
 
 

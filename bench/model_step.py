@@ -241,7 +241,7 @@ def side_by_side(args, device, ref_module, w) -> None:
 
 def config_shapes(args, device) -> None:
     """megamemo's tokens/s, HFU and MFU at the configs' model shapes (GPU only)."""
-    from megamemo.config.run import load
+    from megamemo.train.config import load
 
     print(f"\n== {device.type}: megamemo at the configs' model shapes ({torch.cuda.get_device_name(device)})")
     print(f"{'config':<20}{'variant':<9}{'batch':>6}{'prec':>6}{'tokens/s':>11}{'TFLOP/s':>9}{'HFU':>7}{'MFU':>7}"

@@ -44,7 +44,7 @@ def rank_stage(rank: int, tp: int, pp: int, world: int) -> int:
 
 
 def main() -> int:
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     from megamemo.plan.layouts import Plan, plan
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

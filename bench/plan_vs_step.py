@@ -50,7 +50,7 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
 
 
 def main() -> int:
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     from megamemo.plan.layouts import plan
     from megamemo.plan.devices import CPU_CALIBRATION, cpu_device
     from megamemo.plan.steptime import explain, gemm_width, step_time

@@ -101,7 +101,7 @@ def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
     train_s = time.perf_counter() - t0
     reader.close()
     if args.save:
-        from megamemo.interop.convert import data_meta
+        from megamemo.interop.vocabulary import data_meta
         from megamemo.checkpoint.single import save_single
 
         save_single(Path(args.save) / name, cfg, model.state_dict(),

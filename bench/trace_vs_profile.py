@@ -44,7 +44,7 @@ SMALL = dict(n_token=256, n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1
 
 
 def shapes():
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     out = []
     for variant in ("lamemo", "xl", "rpe"):
         for dtype in ("bf16", "fp32"):

@@ -35,7 +35,7 @@ def plain_loop(config: str, data: str, steps: int, warmup: int, sets: list[str])
     import torch
 
     from data_pipeline import StreamReader
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     from megamemo.kernels import apply_kernels
     from megamemo.model import MemTransformerLM
     from megamemo.train.engine import make_optimizer, schedule
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             raw = REPO.parent / "shared" / "data" / "enwik8" / "enwik8_prefix"
             if prepare_main(["enwik8", "--raw", str(raw), "--out", data, "--quiet"]):
                 raise SystemExit(f"could not prepare {raw}")
-        from megamemo.config.run import load
+        from megamemo.train.config import load
 
         cfg = load(a.config, [f"data.dir={data}", *a.set])
         print(f"config {a.config}: {cfg.model.variant} {cfg.model.n_layer}L/{cfg.model.d_model}d, global batch "

@@ -16,12 +16,11 @@ directories prepared before it existed) have no document boundaries, and readers
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 
-from megamemo.util.files import AtomicFile
+from megamemo.util.files import AtomicFile, HashingWriter, bytes_sha256, entry_mismatch
 
 DTYPE = "<u8"
 CONTENT = "token offset of each document's first token in the split's stream, ascending, the first 0"
@@ -47,7 +46,8 @@ class DocumentStartsWriter:
         self.name = file_name(split)
         self.path = Path(out_dir) / self.name
         self._f: AtomicFile | None = None
-        self.sha, self.n = hashlib.sha256(), 0
+        self._hash: HashingWriter | None = None
+        self.n = 0
 
     def add(self, first_token: int, lengths) -> None:
         """Documents of the given token counts, the first starting at token `first_token` (empty ones skipped)."""
@@ -57,24 +57,26 @@ class DocumentStartsWriter:
             return
         starts = first_token + np.concatenate(([0], np.cumsum(lengths[:-1])))
         data = starts.astype(DTYPE).tobytes()
-        if self._f is None:
-            self._f = AtomicFile(self.path)
-        self._f.file.write(data)
-        self.sha.update(data)
+        self._open()
+        self._hash.write(data)
         self.n += lengths.size
 
-    def close(self) -> dict:
-        if self._f is None:                       # no documents at all: an empty split (an error elsewhere)
+    def _open(self) -> None:
+        if self._f is None:
             self._f = AtomicFile(self.path)
+            self._hash = HashingWriter(self._f.file)
+
+    def close(self) -> dict:
+        self._open()                              # no documents at all: an empty split (an error elsewhere)
         self._f.commit()
-        self._f = None
+        sha256, self._f, self._hash = self._hash.hexdigest(), None, None
         return {"file": self.name, "n_documents": self.n, "dtype": DTYPE, "bytes": 8 * self.n,
-                "sha256": self.sha.hexdigest(), "content": CONTENT}
+                "sha256": sha256, "content": CONTENT}
 
     def abort(self) -> None:
         if self._f is not None:
             self._f.abort()
-            self._f = None
+            self._f = self._hash = None
         self.path.unlink(missing_ok=True)
 
 
@@ -103,13 +105,10 @@ def check_entry(entry, split: str, n_documents: int | None = None) -> str | None
 
 def parse(data: bytes, entry: dict, n_tokens: int, where) -> np.ndarray:
     """The verified start offsets (int64) from the bytes of the file `where`."""
-    if len(data) != entry["bytes"]:
-        raise DocumentIndexError(where, f"the document index is {len(data)} bytes, manifest.json says "
-                                        f"{entry['bytes']}" + (" (truncated?)" if len(data) < entry["bytes"] else ""))
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != entry["sha256"]:
-        raise DocumentIndexError(where, f"document index: sha256 {digest} does not match manifest.json "
-                                        f"({entry['sha256']})")
+    problem = entry_mismatch(entry, len(data), lambda: bytes_sha256(data), recorded="manifest.json",
+                             what="the document index")
+    if problem:
+        raise DocumentIndexError(where, problem if problem.startswith("the ") else f"document index: {problem}")
     starts = np.frombuffer(data, dtype=DTYPE).astype(np.int64)
     if starts[0] != 0 or (starts.size > 1 and not np.all(np.diff(starts) > 0)) or starts[-1] >= n_tokens:
         raise DocumentIndexError(where, f"document index: offsets are not ascending from 0 below the split's "

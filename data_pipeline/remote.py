@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import threading
 import time
@@ -37,7 +36,8 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
-from megamemo.util.files import file_sha256, write_atomic, write_bytes_atomic
+from megamemo.util.files import (HashingWriter, bytes_sha256, entry_mismatch, file_sha256, write_atomic,
+                                 write_bytes_atomic)
 
 from .shards import MANIFEST, ManifestError, ShardError, _parse_size, load_manifest
 
@@ -171,7 +171,7 @@ class RemoteShards:
         self.retry = Retry(self.opts.retries, self.opts.retry_backoff_s, self.opts.log)
         cache = Path(self.opts.cache_dir or default_cache_dir())
         self.shard_dir = cache / "sha256"
-        self.meta_dir = cache / "meta" / hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        self.meta_dir = cache / "meta" / bytes_sha256(self.url.encode())[:16]
         try:
             self.shard_dir.mkdir(parents=True, exist_ok=True)
             self.meta_dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +226,7 @@ class RemoteShards:
             raise ManifestError(f"{self.object_url(vocab)}: missing (listed in manifest.json as vocab.file)") \
                 from None
         sha = m["vocab"].get("sha256")
-        if sha and hashlib.sha256(vdata).hexdigest() != sha:
+        if sha and bytes_sha256(vdata) != sha:
             raise ManifestError(f"{self.object_url(vocab)}: sha256 does not match manifest.json field vocab.sha256")
         write_bytes_atomic(self.meta_dir / vocab, vdata, durable=False)
         return m
@@ -305,25 +305,22 @@ class RemoteShards:
         fetched = {}
 
         def fetch(tmp: Path) -> None:
-            h, n = hashlib.sha256(), 0
             with open(tmp, "wb") as out:
                 try:
                     src = self.fs.open(self._path(entry["name"]), "rb", block_size=8 << 20, cache_type="none")
                 except FileNotFoundError:
                     raise ShardError(url, "missing (listed in manifest.json)") from None
+                got = HashingWriter(out)
                 with src:
                     while block := src.read(8 << 20):
-                        h.update(block)
-                        out.write(block)
-                        n += len(block)
-                        if n > entry["bytes"]:
+                        got.write(block)
+                        if got.n > entry["bytes"]:
                             raise ShardError(url, f"the object is larger than manifest.json's {entry['bytes']} "
                                                   f"bytes")
-            if n != entry["bytes"]:
-                raise ShardError(url, f"truncated: the object is {n} bytes, manifest.json says {entry['bytes']}")
-            if h.hexdigest() != entry["sha256"]:
-                raise ShardError(url, f"sha256 {h.hexdigest()} does not match manifest.json ({entry['sha256']})")
-            fetched["bytes"] = n
+            problem = entry_mismatch(entry, got.n, got.hexdigest, recorded="manifest.json", what="the object")
+            if problem:
+                raise ShardError(url, problem)
+            fetched["bytes"] = got.n
 
         write_atomic(dst, fetch, durable=False)
         self.fetched_bytes += fetched["bytes"]

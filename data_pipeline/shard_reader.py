@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import zstandard
 
-from megamemo.util.files import fd_sha256, file_sha256
+from megamemo.util.files import entry_mismatch, fd_sha256, file_sha256
 
 from .doc_index import DocumentIndexError, parse as parse_document_index
 from .remote import RemoteOptions, RemoteShards, is_remote
@@ -87,12 +87,11 @@ class ShardFile:
         try:
             members = scan_tar(self.fd, size, path)
         except ShardError as err:
-            if size != e["bytes"]:
-                raise ShardError(path, f"{err.detail}; the file is {size} bytes, "
-                                       f"manifest.json says {e['bytes']}", err.offset) from None
+            if wrong_size := entry_mismatch(e, size, recorded="manifest.json"):
+                raise ShardError(path, f"{err.detail}; {wrong_size}", err.offset) from None
             raise
-        if size != e["bytes"]:
-            raise ShardError(path, f"the file is {size} bytes, manifest.json says {e['bytes']}")
+        if wrong_size := entry_mismatch(e, size, recorded="manifest.json"):
+            raise ShardError(path, wrong_size)
         self.index = np.empty((e["n_chunks"], 2), dtype=np.int64)
         k = 0
         for name, off, n in members:
@@ -107,10 +106,8 @@ class ShardFile:
             k += 1
         if k != e["n_chunks"]:
             raise ShardError(path, f"holds {k} chunks, manifest.json says {e['n_chunks']}")
-        if check_sha:
-            digest = fd_sha256(self.fd)
-            if digest != e["sha256"]:
-                raise ShardError(path, f"sha256 {digest} does not match manifest.json ({e['sha256']})")
+        if check_sha and (wrong_sha := entry_mismatch(e, size, lambda: fd_sha256(self.fd), recorded="manifest.json")):
+            raise ShardError(path, wrong_sha)
 
     def chunk_count(self, k: int) -> int:
         return min(self.chunk_tokens, self.entry["n_tokens"] - k * self.chunk_tokens)

@@ -9,7 +9,6 @@ so a token offset maps to (shard, chunk) from the manifest alone. Everything rea
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -21,7 +20,7 @@ import webdataset as wds
 import zstandard
 
 from megamemo.util.progress import Progress
-from megamemo.util.files import AtomicFile, write_text_atomic
+from megamemo.util.files import AtomicFile, HashingWriter, write_text_atomic
 
 from .corpora import Corpus
 from .doc_index import DocumentStartsWriter, check_entry
@@ -69,22 +68,6 @@ def dtype_name(dt) -> str:
 
 
 # ================================================================================================ writing
-class _HashingFile:
-    """File wrapper that hashes and counts what is written (so a shard is never read back to hash it)."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.n = f, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.f.write(b)
-        self.sha.update(b)
-        self.n += len(b)
-        return len(b)
-
-    def flush(self):
-        self.f.flush()
-
-
 class SplitWriter:
     """Streams one split's token ids into shards: ``write(ids)`` any number of times, then ``close()`` (or
     ``abort()``: nothing it wrote stays). With ``documents``, every ``write`` gives the token counts of the whole
@@ -134,7 +117,7 @@ class SplitWriter:
     def _open_shard(self):
         name = f"{self.split}-{len(self.shards):06d}.tar"
         self._file = AtomicFile(self.out / name)
-        self._hash = _HashingFile(self._file.file)
+        self._hash = HashingWriter(self._file.file)   # a shard is never read back to hash it
         self._tar = wds.TarWriter(self._hash, mtime=0)   # fixed mtime: same input, same shard bytes
         self.shards.append({"name": name, "offset": self.n_tokens, "n_tokens": 0, "n_chunks": 0})
 
@@ -158,7 +141,7 @@ class SplitWriter:
         self._tar.close()
         entry = self.shards[-1]
         entry["bytes"] = self._hash.n
-        entry["sha256"] = self._hash.sha.hexdigest()
+        entry["sha256"] = self._hash.hexdigest()
         self._file.commit()
         self._tar = self._file = self._hash = None
 

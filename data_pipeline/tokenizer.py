@@ -20,13 +20,14 @@ The library is the field's standard (Rust, fast, deterministic training); Senten
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+from megamemo.util.files import bytes_sha256
 
 KIND = "subword"
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
@@ -62,7 +63,7 @@ class SubwordTokenizer:
 
     def __init__(self, library: str, impl, data: bytes, where: str, origin: str = ""):
         self.library, self.impl, self.data, self.where, self.origin = library, impl, data, where, origin
-        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.sha256 = bytes_sha256(data)
         self.file_name = HF_FILE if library == "tokenizers" else SPM_FILE
         if library == "tokenizers":
             self.vocab_size = impl.get_vocab_size(with_added_tokens=True)

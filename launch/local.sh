@@ -38,7 +38,7 @@ source "$here/scripts/env.sh"      # the repo's venv on PATH
 # DS_ACCELERATOR=cpu, e.g. from scripts/env.sh on a machine whose nvidia-smi is not on PATH, does not choose)
 megamemo_select_device "${MEGAMEMO_DEVICE:-auto}" || { rc=$?; [ "$rc" = 2 ] && usage; exit "$rc"; }
 
-if ! (cd / && python -c "import megamemo.runtime.launcher, megamemo.train.cli") 2>/dev/null; then
+if ! (cd / && python -c "import megamemo.runtime.launcher, megamemo.commands.train") 2>/dev/null; then
   echo "launch/local.sh: megamemo (with its train command) is not installed in $(command -v python || echo 'any python on PATH')." >&2
   echo "  Set up the environment first: bash scripts/setup.sh   (or point MEGAMEMO_VENV at one that has it)" >&2
   exit 1

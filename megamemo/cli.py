@@ -1,5 +1,6 @@
-"""The `megamemo` command: a thin dispatcher. Each subcommand lives in its own module as
-`main(argv: list[str]) -> int | None`, imported only when used (so `megamemo prepare` never imports DeepSpeed)."""
+"""The `megamemo` command: a thin dispatcher. Each subcommand lives in its own module (megamemo/commands/; prepare
+and verify-shards: data_pipeline/cli.py) as `main(argv: list[str]) -> int | None`, imported only when used (so
+`megamemo prepare` never imports DeepSpeed)."""
 from __future__ import annotations
 
 import importlib
@@ -9,16 +10,17 @@ import sys
 SUBCOMMANDS = {
     "prepare": ("data_pipeline.cli:prepare_main", "build zstd webdataset shards from a raw corpus"),
     "verify-shards": ("data_pipeline.cli:verify_main", "check every shard of a directory against its manifest"),
-    "reference-score": ("megamemo.interop.score:main", "score a reference-format .pt file with the megamemo model"),
-    "train": ("megamemo.train.cli:main", "train (one process per device; see launch/)"),
-    "eval": ("megamemo.eval.evaluate:main", "evaluate a checkpoint: bpc / perplexity"),
-    "generate": ("megamemo.eval.generate:main", "sample text with memory carried"),
-    "convert": ("megamemo.interop.convert:main", "convert a sharded checkpoint to single-GPU form"),
-    "plan": ("megamemo.plan.layouts:main", "per-rank memory plan for a config and cluster"),
-    "analyze": ("megamemo.eval.analyze:main", "memorizing coefficient and attention-by-distance plots"),
-    "export": ("megamemo.export.hf:main", "export a checkpoint: `export hf` writes a transformers directory"),
-    "harness": ("megamemo.export.harness:main", "lm-evaluation-harness rolling loglikelihood over text files"),
-    "plot": ("megamemo.eval.plot:main", "training/validation bpc or perplexity of runs (PNG), resumes marked"),
+    "reference-score": ("megamemo.commands.reference_score:main",
+                        "score a reference-format .pt file with the megamemo model"),
+    "train": ("megamemo.commands.train:main", "train (one process per device; see launch/)"),
+    "eval": ("megamemo.commands.eval:main", "evaluate a checkpoint: bpc / perplexity"),
+    "generate": ("megamemo.commands.generate:main", "sample text with memory carried"),
+    "convert": ("megamemo.commands.convert:main", "convert a sharded checkpoint to single-GPU form"),
+    "plan": ("megamemo.commands.plan:main", "per-rank memory and step time of a layout, and the layouts that fit"),
+    "analyze": ("megamemo.commands.analyze:main", "memorizing coefficient and attention-by-distance plots"),
+    "export": ("megamemo.commands.export:main", "export a checkpoint: `export hf` writes a transformers directory"),
+    "harness": ("megamemo.commands.harness:main", "lm-evaluation-harness rolling loglikelihood over text files"),
+    "plot": ("megamemo.commands.plot:main", "training/validation bpc or perplexity of runs (PNG), resumes marked"),
 }
 
 

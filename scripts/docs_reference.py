@@ -4,13 +4,13 @@ the committed pages are what this writes):
     python scripts/docs_reference.py            # (re)write docs/reference/{config,cli,errors}.md
     python scripts/docs_reference.py --check    # exit 1 naming the pages that differ from the code
 
-* config.md: every key of a run config (the sections of megamemo.config.run.SECTIONS and the model section,
-  megamemo.model.ModelConfig): its type, default, allowed values and a one-line meaning, all read from the
+* config.md: every key of a run config (the model section, megamemo.model.ModelConfig, and the others of
+  megamemo.train.config.SECTIONS, each where the package that uses it defines it): its type, default, allowed values and a one-line meaning, all read from the
   dataclasses and the comments beside their fields.
 * cli.md: every `megamemo` subcommand (megamemo.cli.SUBCOMMANDS) and flag, read from the commands' own argparse
   parsers (each command is started with --help under a hook that takes its parser instead of parsing).
 * errors.md: the one-line errors megamemo prints for bad input - the exceptions its commands report in one line
-  (megamemo.train.cli.anticipated_errors and the commands' own), the config checks (`bad(...)`), argparse's
+  (megamemo.train.run.anticipated_errors and the commands' own), the config checks (`bad(...)`), argparse's
   `error(...)` and the commands' `error:` lines - each with the module and line it is raised at, the condition
   that raises it, and its message (which names the fix), read from the source with `ast`.
 """
@@ -106,7 +106,7 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def config_page() -> str:
-    from megamemo.config.run import SECTIONS
+    from megamemo.train.config import SECTIONS
     from megamemo.model import ModelConfig
 
     out = [HEADER, "# Config reference\n\n",

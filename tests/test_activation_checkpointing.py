@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fixture_data import REPO
-from megamemo.config.run import ConfigError, load
+from megamemo.config.run import ConfigError
+from megamemo.train.config import load
 from megamemo.kernels import DropoutKey, apply_dropout_masks
 from megamemo.model import MemTransformerLM
 from megamemo.plan.layouts import plan

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from megamemo.commands import analyze as analyze_cmd
 from megamemo.eval import analyze
 from megamemo.model.positions import sinusoid
 
@@ -85,7 +86,7 @@ def test_cli_writes_plots_and_json(tmp_path):
     a, _ = tiny_checkpoint(tmp_path / "lamemo", "lamemo")
     b, _ = tiny_checkpoint(tmp_path / "xl", "xl")
     out = tmp_path / "an"
-    assert analyze.main(["--ckpt", str(a), "--ckpt", str(b), "--data", str(data), "--segments", "6",
+    assert analyze_cmd.main(["--ckpt", str(a), "--ckpt", str(b), "--data", str(data), "--segments", "6",
                          "--batch-size", "4", "--out", str(out)]) == 0
     for f in ("attention_by_distance.png", "alpha.png"):
         assert (out / f).read_bytes()[:4] == b"\x89PNG"
@@ -95,4 +96,4 @@ def test_cli_writes_plots_and_json(tmp_path):
     assert xl["variant"] == "xl" and "alpha" not in xl
     assert len(xl["attention_by_distance"]["mean"]) == 24 and 0.0 < xl["memory_mass"]["layer_0"] < 1.0
     rpe, _ = tiny_checkpoint(tmp_path / "rpe", "rpe")
-    assert analyze.main(["--ckpt", str(rpe), "--data", str(data), "--out", str(out)]) == 2
+    assert analyze_cmd.main(["--ckpt", str(rpe), "--data", str(data), "--out", str(out)]) == 2

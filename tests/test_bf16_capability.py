@@ -65,7 +65,8 @@ def test_train_start_up_refuses_bf16_on_a_v100(fake_gpu, monkeypatch, capsys, tm
     """The call site: `megamemo train` with precision.dtype=bf16 stops with exit code 2 and the one line on a V100;
     on an A100 it goes on to build the trainer (replaced here by one that raises: nothing trains)."""
     from megamemo.runtime import device
-    from megamemo.train import cli
+    from megamemo.commands import train as cli
+    from megamemo.train import run
 
     class Built(Exception):
         pass
@@ -73,7 +74,7 @@ def test_train_start_up_refuses_bf16_on_a_v100(fake_gpu, monkeypatch, capsys, tm
     def build(cfg, log=print, stop=None, **kw):
         raise Built()
     fake_gpu(gpu)
-    monkeypatch.setattr(cli, "build", build)
+    monkeypatch.setattr(run, "build", build)
     monkeypatch.setattr(device, "resolve", lambda env=None: "cuda")
     monkeypatch.setattr("megamemo.train.data.check_data_dir", lambda cfg: None)
     monkeypatch.setattr("megamemo.runtime.rundir.die_with_parent", lambda: None)

@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from megamemo.config.run import ConfigError, from_dict
+from megamemo.config.run import ConfigError
+from megamemo.train.config import from_dict
 from megamemo.kernels import compiler
 from megamemo.model import MemTransformerLM, ModelConfig
 from runs_cache import REPO, logs, losses, run

@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from megamemo.interop import convert
+from megamemo.commands import convert as convert_cmd
+from megamemo.interop import convert, load
 from megamemo.kernels import DropoutKey, apply_dropout_masks
 from megamemo.util.files import file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
@@ -74,7 +75,7 @@ def recorded_probe(step):
 def test_sharded_checkpoint_converts_to_the_same_model(layout, request, tmp_path):
     run_dir = request.getfixturevalue(layout)
     out = tmp_path / "single"
-    assert convert.main(["to-single", "--ckpt", str(run_dir), "--out", str(out), "--memory", "all"]) == 0
+    assert convert_cmd.main(["to-single", "--ckpt", str(run_dir), "--out", str(out), "--memory", "all"]) == 0
     meta, segments = recorded_probe(step_dir(run_dir, 6))
     assert meta["layout"] == {"dp": 1, "tp": 2 if "tp2" in layout else 1, "pp": 2 if "pp2" in layout else 1}
     assert len(segments) == 3 and not meta["empty_start"]
@@ -100,7 +101,7 @@ def test_sharded_checkpoint_converts_to_the_same_model(layout, request, tmp_path
     assert doc["meta"]["check"]["max_abs_diff"] < 1e-5
 
     # eval / generate read the run directory directly: the same weights
-    in_memory, _ = convert.load_model(run_dir)
+    in_memory, _ = load.load_model(run_dir)
     sd = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(in_memory.state_dict()[k], v) for k, v in sd.items())
 
@@ -137,15 +138,15 @@ def test_resume_in_place_under_another_layout_continues_the_run(layout, n, extra
     want, got = losses(src), losses(new)
     assert sorted(got) == list(range(1, 7))
     assert max(abs(got[s] - want[s]) for s in (4, 5, 6)) < 1e-5, (got, want)
-    a, _ = convert.load_model(step_dir(src, 6))
-    b, _ = convert.load_model(step_dir(new, 6))
+    a, _ = load.load_model(step_dir(src, 6))
+    b, _ = load.load_model(step_dir(new, 6))
     sa, sb = a.state_dict(), b.state_dict()
     assert max(float((sa[k] - sb[k]).abs().max()) for k in sa) < 1e-5
 
 
 def test_relayout_copies_a_checkpoint_that_resumes_under_any_layout(tp2, tiny_cfg, shards, tmp_path):
     new = tmp_path / "relaid"
-    assert convert.main(["relayout", "--ckpt", str(step_dir(tp2, 3)), "--out", str(new)]) == 0
+    assert convert_cmd.main(["relayout", "--ckpt", str(step_dir(tp2, 3)), "--out", str(new)]) == 0
     assert sorted(p.name for p in (new / "checkpoints").iterdir()) == ["step_00000003"]
     run(1, tiny_cfg, shards, new, *EXACT)
     assert "resharding on load" in logs(new)
@@ -164,7 +165,7 @@ def test_another_global_batch_restarts_streams_with_empty_memory(tp2, tiny_cfg, 
     reader = StreamReader(shards, "train", 2, 16, roll=True, seed=1111, epochs=None)
     pos = 3 * reader.steps_per_epoch // old
     x, y = reader.get_batch(0, pos)
-    model, _ = convert.load_model(step_dir(tp2, 3))
+    model, _ = load.load_model(step_dir(tp2, 3))
     apply_dropout_masks(model.train(), "keyed", DropoutKey(1111).set(step=3))
     with torch.no_grad():
         nll, _ = model(x, y, None)
@@ -260,17 +261,18 @@ def test_broken_checkpoint_is_refused_by_name(damage, tp2, tmp_path, capsys):
     checksum_level = damage in (_damage_missing, _damage_truncated, _damage_flipped)
     for cmd in ("to-single", "relayout") if checksum_level else ("to-single",):
         out = tmp_path / f"out-{cmd}"
-        assert convert.main([cmd, "--ckpt", str(s), "--out", str(out)]) == 2
+        assert convert_cmd.main([cmd, "--ckpt", str(s), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert expect in err, (cmd, err)
         assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
+        assert not list(tmp_path.glob(f".{out.name}.*"))       # util.files.atomic_directory's temporary name
 
 
 def test_bf16_tensor_parallel_checkpoint_checks_within_the_bf16_tolerance(tiny_cfg, shards, tmp_path):
     run_dir = tmp_path / "run"
     run(2, tiny_cfg, shards, run_dir, "--tp", "2", "--set", "precision.dtype=bf16", *EXACT, "--max-steps", "3")
     out = tmp_path / "single"
-    assert convert.main(["to-single", "--ckpt", str(run_dir), "--out", str(out)]) == 0
+    assert convert_cmd.main(["to-single", "--ckpt", str(run_dir), "--out", str(out)]) == 0
     check = json.loads((out / "config.json").read_text())["meta"]["check"]
     assert check["precision"] == "bf16" and check["max_abs_diff"] <= 0.1 and check["mean_abs_diff"] <= 0.01
     # the fp32 masters, not the bf16 copies: conversion gathered them from the ZeRO optimizer files
@@ -318,7 +320,7 @@ def test_a_resume_under_another_layout_with_dropout_reseeds_every_stream(tiny_cf
 
     import numpy as np
 
-    from megamemo.config.run import load
+    from megamemo.train.config import load
     from megamemo.parallel.groups import TP_RNG, dropout_seeds
     from runs_cache import TWO_RANKS_12_STEPS
 

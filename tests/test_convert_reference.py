@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megamemo.interop import convert
+from megamemo.commands import convert
 from megamemo.checkpoint.single import load_single
 from fixture_data import reference_file
 

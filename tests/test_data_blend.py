@@ -173,7 +173,7 @@ def test_sources_with_another_tokenizer_are_refused(two_sources, tmp_path):
 
 
 def test_train_refuses_a_blend_of_two_tokenizers_by_name(two_sources, tmp_path, capsys):
-    from megamemo.train.cli import main
+    from megamemo.commands.train import main
     from test_train_runs import TINY
 
     a, _ = two_sources

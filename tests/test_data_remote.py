@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from data_pipeline import ShardError, StreamReader, build, corpora
-from data_pipeline.loopback_s3 import LoopbackS3, upload as upload_to
+from loopback_s3 import LoopbackS3, upload as upload_to
 from data_pipeline.remote import RemoteOptions, RemoteShards, StoreUnavailableError
 from fixture_data import ENWIK8
 
@@ -356,7 +356,7 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
     """gs:// through gcsfs against a GCS emulator on 127.0.0.1 (gcp-storage-emulator; STORAGE_EMULATOR_HOST)."""
     import json
 
-    from data_pipeline.loopback_gcs import LoopbackGCS, upload as upload_gs
+    from loopback_gcs import LoopbackGCS, upload as upload_gs
 
     with serving(LoopbackGCS):
         url = upload_gs(local_shards, BUCKET, "enwik8")
@@ -383,7 +383,7 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     import json
 
     from eval_fixtures import tiny_checkpoint
-    from megamemo.eval import analyze, evaluate
+    from megamemo.commands import analyze, eval as evaluate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")
@@ -418,7 +418,7 @@ def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
 
 
 def test_train_names_a_missing_object_before_building_anything(local_shards, s3_server, tmp_path, capsys):
-    from megamemo.train.cli import main
+    from megamemo.commands.train import main
     from test_train_runs import TINY
 
     url = upload(local_shards, "missing-cli", lambda n, d: None if n == "train-000002.tar" else d)

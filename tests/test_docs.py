@@ -36,7 +36,7 @@ def test_the_site_builds_strict(tmp_path):
 
 
 def config_keys() -> set[str]:
-    from megamemo.config.run import SECTIONS as CONFIG_SECTIONS
+    from megamemo.train.config import SECTIONS as CONFIG_SECTIONS
     from megamemo.model import ModelConfig
 
     return {f"{name}.{f.name}" for name, cls in [("model", ModelConfig), *CONFIG_SECTIONS.items()]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data_pipeline import read_split
-from megamemo.eval import evaluate
+from megamemo.commands import eval as evaluate
 from megamemo.checkpoint.single import load_single
 from megamemo.model import MemTransformerLM
 

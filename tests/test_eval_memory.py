@@ -20,7 +20,8 @@ from data_pipeline.corpora import from_arrays
 from data_pipeline.vocab import Vocab
 from fixture_data import ENWIK8
 from megamemo.checkpoint.single import save_single
-from megamemo.eval import evaluate, generate
+from megamemo.commands import eval as evaluate, generate
+from megamemo.model import generation
 from megamemo.model import Memory
 
 from eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
@@ -76,7 +77,7 @@ def test_eval_from_the_saved_memory_continues_the_streams(streams, tmp_path, var
 def test_generate_from_one_streams_memory_continues_it(tmp_path):
     _, model = tiny_checkpoint(tmp_path / "weights", "lamemo")
     past, prompt = list(b"<page>\n  <title>Anarchism</title>\n"[:2 * L]), list(b"  <id>12</id>\n")
-    mem_len = generate.default_mem_len(model)
+    mem_len = generation.default_mem_len(model)
     mem = None
     with torch.no_grad():            # the decoder's own steps over the past: segments of tgt_len, its memory length
         for i in range(0, len(past), L):

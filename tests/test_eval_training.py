@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megamemo.eval import evaluate
-from megamemo.interop import convert
+from megamemo.commands import convert as convert_cmd, eval as evaluate
+from megamemo.interop import load as convert
 
 from eval_fixtures import enwik8_slice_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
@@ -59,7 +59,7 @@ def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     assert got["bpc"] == pytest.approx(val["bpc"], rel=1e-7)
 
     single = tmp_path / "single"
-    assert convert.main(["to-single", "--ckpt", str(run), "--out", str(single)]) == 0
+    assert convert_cmd.main(["to-single", "--ckpt", str(run), "--out", str(single)]) == 0
     assert run_eval(single, shards, "--batch-size", "8")["nll"] == got["nll"]
     meta = json.loads((single / "config.json").read_text())["meta"]
     assert meta["step"] == 6 and meta["vocab"]["kind"] == "bytes" and meta["tokenizer"]["kind"] == "bytes"
@@ -77,7 +77,7 @@ def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     with pytest.raises(convert.ConvertError, match="COMMITTED"):
         convert.load_model(broken)
     assert evaluate.main(["--ckpt", str(broken), "--data", str(shards)]) == 2
-    assert convert.main(["to-single", "--ckpt", str(broken), "--out", str(tmp_path / "x")]) == 2
+    assert convert_cmd.main(["to-single", "--ckpt", str(broken), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
     # the run directory still resolves to the newest *committed* checkpoint
     assert convert.resolve_committed(run)[0] == step_dir

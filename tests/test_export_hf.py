@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from data_pipeline.vocab import Vocab
-from megamemo.eval import generate as generate_cmd
-from megamemo.interop.convert import load_model
+from megamemo.commands import generate as generate_cmd
+from megamemo.interop.load import load_model
 from megamemo.eval.evaluate import evaluate, open_batches
+from megamemo.commands import export as export_cmd
 from megamemo.export import hf
 
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
@@ -105,7 +106,7 @@ def exported(run_dir, shards, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
     cases = {}
     out = tmp / "hf_run"
-    assert hf.main(["hf", "--ckpt", str(run_dir), "--out", str(out)]) == 0     # converted through to-single
+    assert export_cmd.main(["hf", "--ckpt", str(run_dir), "--out", str(out)]) == 0     # converted through to-single
     model, meta = load_model(run_dir)
     nll, stream = eval_per_token(model, open_batches(shards, "test", 1, model.cfg.tgt_len))
     cases["run"] = (run_dir, model, Vocab.identity_bytes(), {"dir": str(out), "tokens": stream, "ref_nll": nll,
@@ -115,7 +116,7 @@ def exported(run_dir, shards, tmp_path_factory):
         vocab = vocab or Vocab.identity_bytes()
         ck, m = tiny_checkpoint(tmp / f"ck_{name}", variant, meta={"vocab": {"kind": vocab.kind,
                                                                              "symbols": vocab.symbols}}, **kw)
-        assert hf.main(["hf", "--ckpt", str(ck), "--out", str(tmp / f"hf_{name}")]) == 0
+        assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp / f"hf_{name}")]) == 0
         ids = torch.from_numpy(rng.integers(0, len(vocab), 300))
         L = m.cfg.tgt_len
         batches = [(ids[s:s + n, None], ids[s + 1:s + 1 + n, None]) for s in range(0, 299, L) for n in [min(L, 299 - s)]]
@@ -143,7 +144,7 @@ def test_exported_models_load_without_megamemo_and_score_as_megamemo_eval(export
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_the_run_scored_with_its_cache_equals_megamemo_eval_batch_1(exported, shards, tmp_path):
-    from megamemo.eval import evaluate as eval_cmd
+    from megamemo.commands import eval as eval_cmd
 
     run_dir, _, _, case, _, res = exported["run"]
     out = tmp_path / "eval.json"
@@ -177,7 +178,7 @@ def test_labels_give_the_mean_next_token_nll_of_the_call(exported):
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_exported_tokenizers_give_megamemos_ids(exported):
-    from megamemo.eval.generate import encode_prompt
+    from megamemo.interop.vocabulary import encode_prompt
 
     for name, (ck, model, vocab, case, job, res) in exported.items():
         assert res["encoded"] == encode_prompt(vocab, job["text"].encode(), "text"), name
@@ -207,7 +208,7 @@ def run_export(*args) -> subprocess.CompletedProcess:
 
 
 def export_in_process(capsys, *args) -> subprocess.CompletedProcess:
-    rc = hf.main(["hf", *map(str, args)])
+    rc = export_cmd.main(["hf", *map(str, args)])
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, rc, out.out, out.err)
 
@@ -279,13 +280,14 @@ def test_a_recorded_subword_tokenizer_is_copied_and_checked(tmp_path):
     rec = {"kind": "bpe", "vocab_size": tok.get_vocab_size(), "file": "tokenizer.json", "sha256": file_sha256(src)}
     ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=tok.get_vocab_size(), meta={"tokenizer": rec})
     shutil.copyfile(src, ck / "tokenizer.json")
-    assert hf.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "out")]) == 0
+    assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "out")]) == 0
     got = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "out"))
     assert got("<title>Anarchism</title>")["input_ids"] == tok.encode("<title>Anarchism</title>").ids
     (ck / "tokenizer.json").write_text((ck / "tokenizer.json").read_text().replace("<unk>", "<UNK>"))
     with pytest.raises(hf.ExportError, match="tokenizer.json: sha256 differs"):
         hf.export_hf(ck, tmp_path / "out2")
     assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".export-*"))
+    assert not list(tmp_path.glob(".out2.*"))                  # nor the new directory under its temporary name
 
 
 def test_the_modeling_code_ships_as_package_data():

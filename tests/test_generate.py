@@ -5,8 +5,10 @@ import json
 import pytest
 import torch
 
-from megamemo.eval import generate as gen_mod
-from megamemo.eval.generate import Decoder, encode_prompt, generate, nucleus_probs
+from megamemo.commands import generate as generate_cmd
+from megamemo.model import generation as gen_mod
+from megamemo.interop.vocabulary import encode_prompt
+from megamemo.model.generation import Decoder, generate, nucleus_probs
 
 from eval_fixtures import one_thread, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 
@@ -80,7 +82,7 @@ def test_cli_uses_the_checkpoint_vocabulary_and_is_reproducible(tmp_path, capsys
     outs = []
     for k in range(2):
         js = tmp_path / f"g{k}.json"
-        assert gen_mod.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "prompt.txt"),
+        assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "prompt.txt"),
                              "--max-new-tokens", "30", "--top-p", "0.95", "--seed", "5", "--json", str(js)]) == 0
         outs.append(json.loads(js.read_text()))
         printed = capsys.readouterr().out
@@ -99,8 +101,8 @@ def test_word_vocabulary_from_the_shards_and_errors(tmp_path, capsys):
                                                            v.unk_id, 0, v.sym2idx["w4"]]
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=50)
     (tmp_path / "p.txt").write_text("w1 w2 w3\n")
-    assert gen_mod.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "5",
+    assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "5",
                          "--data", str(data)]) == 0
     assert len(capsys.readouterr().out.split()) >= 1
-    assert gen_mod.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt")]) == 2
+    assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt")]) == 2
     assert "--data" in capsys.readouterr().err

@@ -237,8 +237,8 @@ def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
 # ---- plan vs measured ---------------------------------------------------------------------------------------------
 MEASURE_SCRIPT = r"""
 import sys, torch
-from megamemo.config.run import load
-from megamemo.train.cli import build
+from megamemo.train.config import load
+from megamemo.train.build import build
 cfg = load(sys.argv[1], sys.argv[2:])
 trainer, _ = build(cfg)
 torch.cuda.reset_peak_memory_stats()
@@ -340,8 +340,8 @@ SYNC_SCRIPT = r"""
 import sys, traceback, warnings, torch
 sys.path.insert(0, sys.argv[1])                 # tests/: sync_sites
 from sync_sites import attribute, package_root
-from megamemo.config.run import load
-from megamemo.train.cli import build
+from megamemo.train.config import load
+from megamemo.train.build import build
 cfg = load(sys.argv[2], sys.argv[3:])
 trainer, _ = build(cfg)
 trainer.train_step()                       # warm-up: allocations, lazy inits

@@ -116,8 +116,8 @@ def test_positions_check_fails_with_bf16_inv_freq(tmp_path, monkeypatch):
 # ---- the resumed optimizer's Adam step, at the call site --------------------------------------------------------------
 RESUMED_ADAM_SCRIPT = r"""
 import json, sys, torch
-from megamemo.config.run import load
-from megamemo.train.cli import build
+from megamemo.train.config import load
+from megamemo.train.build import build
 cfg = load(sys.argv[1], sys.argv[2:])
 trainer, _ = build(cfg)                          # resumes from the run directory's newest committed checkpoint
 

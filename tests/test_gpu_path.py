@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from fixture_data import REPO
-from megamemo.config.run import ConfigError, load
+from megamemo.config.run import ConfigError
+from megamemo.train.config import load
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.runtime import device
 from megamemo.runtime.dist import discover, slurm_tasks_on_node
@@ -175,7 +176,7 @@ def test_dropout_seeds_are_unique_over_the_tp_dp_pp_grid():
 
 
 def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatch):
-    """Both paths that seed dropout - a fresh start (train/cli.py) and a resume under another layout
+    """Both paths that seed dropout - a fresh start (train/build.py) and a resume under another layout
     (Trainer._reseed) - go through train.loop.seed_streams, on one process for every rank of a dp x tp x pp grid:
     the default stream is shared by exactly the TP ranks of a (dp, pp) group, every TP stream is its rank's own,
     and a resume's streams are none of the fresh start's (megatron's seed + 2718 + tp_rank, which _reseed used,
@@ -400,14 +401,15 @@ def test_deepspeed_builds_the_optimizer_that_accumulates_as_configured():
 def test_train_sets_tf32_as_the_config_allows(monkeypatch, tmp_path, sets, want):
     """The call site (`megamemo train` start-up): TF32 products exactly for fp32 runs that allow them. The run is
     stopped right after (build is replaced by one that raises), before anything needs a GPU."""
-    from megamemo.train import cli
+    from megamemo.commands import train as cli
+    from megamemo.train import run
 
     class Stop(Exception):
         pass
 
     def stop(cfg, log=print, stop=None, **kw):
         raise Stop()
-    monkeypatch.setattr(cli, "build", stop)
+    monkeypatch.setattr(run, "build", stop)
     monkeypatch.setattr(device, "resolve", lambda env=None: "cpu")
     monkeypatch.setattr("megamemo.train.data.check_data_dir", lambda cfg: None)
     monkeypatch.setattr("megamemo.train.engine.check_precision", lambda dtype: None)

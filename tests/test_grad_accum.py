@@ -21,7 +21,7 @@ import torch
 
 from distributed import run_distributed
 from fixture_data import REPO
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.model import MemTransformerLM
 from test_train_runs import losses, run
 

@@ -165,7 +165,7 @@ def path_model():
 def test_load_single_and_eval_half(tmp_path, name):
     """load_single (eval and generate on a bf16/fp16 single checkpoint) and load_for_eval(--dtype)."""
     from megamemo.checkpoint.single import load_single, save_single
-    from megamemo.eval.evaluate import load_for_eval
+    from megamemo.interop.load import open_model as load_for_eval
 
     cfg, model, x = path_model()
     dtype = HALF[name]

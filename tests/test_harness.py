@@ -18,9 +18,10 @@ from data_pipeline import build
 from data_pipeline.corpora import from_arrays
 from data_pipeline.vocab import Vocab
 from fixture_data import ENWIK8
-from megamemo.eval import evaluate as eval_cmd
-from megamemo.export import harness, hf
-from megamemo.eval.generate import generate
+from megamemo.commands import eval as eval_cmd
+from megamemo.commands import export as export_cmd, harness as harness_cmd
+from megamemo.export import harness
+from megamemo.model.generation import generate
 
 from eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
 
@@ -50,7 +51,7 @@ def test_harness_bits_per_byte_equals_megamemo_eval_of_the_same_bytes(ckpt, tmp_
     (tmp_path / "doc.txt").write_bytes(text)
     assert eval_cmd.main(["--ckpt", str(ckpt), "--data", str(data), "--split", "test", "--batch-size", "1",
                           "--json", str(tmp_path / "eval.json")]) == 0
-    assert harness.main(["--ckpt", str(ckpt), "--text", str(tmp_path / "doc.txt"),
+    assert harness_cmd.main(["--ckpt", str(ckpt), "--text", str(tmp_path / "doc.txt"),
                          "--json", str(tmp_path / "h.json")]) == 0
     ev, h = json.loads((tmp_path / "eval.json").read_text()), json.loads((tmp_path / "h.json").read_text())
     assert ev["tokens"] == len(text) - 1 and h["bytes"] == len(text)
@@ -66,7 +67,7 @@ def test_harness_bits_per_byte_equals_megamemo_eval_of_the_same_bytes(ckpt, tmp_
 @pytest.mark.parametrize("content", [b"", b" \n\t\n"])
 def test_an_empty_text_is_refused(ckpt, tmp_path, capsys, content):
     (tmp_path / "empty.txt").write_bytes(content)
-    assert harness.main(["--ckpt", str(ckpt), "--text", str(tmp_path / "empty.txt"),
+    assert harness_cmd.main(["--ckpt", str(ckpt), "--text", str(tmp_path / "empty.txt"),
                          "--json", str(tmp_path / "h.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megamemo harness: error:") and "empty.txt: empty text" in err[0]
@@ -127,7 +128,7 @@ def test_lm_eval_command_runs_model_megamemo(ckpt, tmp_path):
     _task(tmp_path, text.decode())
     bpb = _lm_eval(tmp_path, "--model", "megamemo", "--model_args", f"ckpt={ckpt}")
     (tmp_path / "doc.txt").write_bytes(text)
-    assert harness.main(["--ckpt", str(ckpt), "--text", str(tmp_path / "doc.txt"),
+    assert harness_cmd.main(["--ckpt", str(ckpt), "--text", str(tmp_path / "doc.txt"),
                          "--json", str(tmp_path / "h.json")]) == 0
     assert bpb == pytest.approx(json.loads((tmp_path / "h.json").read_text())["bits_per_byte"], rel=1e-9)
 
@@ -135,7 +136,7 @@ def test_lm_eval_command_runs_model_megamemo(ckpt, tmp_path):
 def test_the_export_runs_under_lm_eval_model_hf(ckpt, tmp_path):
     """lm-eval's HFLM scores the document in one window after a prefix token: the exported model carries its memory
     over the window's segments, so that is megamemo's streaming eval of prefix + document."""
-    assert hf.main(["hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    assert export_cmd.main(["hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
     text = utf8_text(30_000, 1500)
     _task(tmp_path, text.decode())
     bpb = _lm_eval(tmp_path, "--model", "hf", "--device", "cpu", "--model_args",

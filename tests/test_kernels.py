@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from megamemo.config.run import ConfigError, from_dict
+from megamemo.config.run import ConfigError
+from megamemo.train.config import from_dict
 from megamemo.kernels import apply_kernels, kernels_in_use, resolve_kernels
 from megamemo.kernels.dropout import CpuDropout
 from megamemo.kernels.masking import add_mask_bias

@@ -19,7 +19,8 @@ import math
 import pytest
 import torch
 
-from megamemo.config.run import ConfigError, load
+from megamemo.config.run import ConfigError
+from megamemo.train.config import load
 from megamemo.kernels import DropoutKey, apply_dropout_masks, dropout_masks_in_use
 from megamemo.kernels.keyed import SITES, KeyedDropout, coordinates, keep_bytes, keep_full, site_word
 from megamemo.kernels.philox import philox, philox_words32

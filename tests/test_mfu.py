@@ -160,6 +160,25 @@ def test_table_rows_and_dtypes():
     assert matmul_dtype("bf16", "high") == "bf16"
 
 
+def test_one_gpu_catalogue_serves_the_peak_and_the_planner():
+    """runtime/gpus.py is the one table: the peak a device name gets and the planner's row of the same kind are its
+    entry's figures, and an unknown kind is one message wherever it is asked for."""
+    from megamemo.plan.devices import DEVICES, device
+    from megamemo.runtime.gpus import GPUS, PLANNED, gpu
+
+    assert PLANNED == ("v100-16g", "v100-32g", "a100-40g", "a100-80g", "h100-80g")
+    for kind in PLANNED:
+        g, d = GPUS[kind], DEVICES[kind]
+        assert d.peak == {k: v * 1e12 for k, v in g.peak_tflops.items()} and d.mem_bw == g.mem_bw
+        assert d.link == tuple(x * 1e9 for x in g.link) and g.fabric in d.source and g.memory_gib > 0
+    assert peak_flops("NVIDIA A100-SXM4-40GB", "bf16") == GPUS["a100-40g"].peak_tflops["bf16"] * 1e12
+    for ask in (lambda: device("a100-81g"), lambda: gpu("a100-81g")):
+        with pytest.raises(ValueError, match=r"^unknown device kind 'a100-81g' \(nearest: a100-80g\); known: v100-16g"):
+            ask()
+    with pytest.raises(ValueError, match="unknown device kind 'h100-nvl'"):
+        gpu("h100-nvl")                     # a peak-only entry: not a kind the planner takes
+
+
 def test_cpu_peak_and_override():
     p = device_peak("cpu", "fp32", environ={})
     assert p.flops is None and p.source.startswith("n/a")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fixture_data import REPO
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.plan import opcost
 from megamemo.plan.devices import Device
 from megamemo.plan.layouts import plan
@@ -159,7 +159,7 @@ def test_under_a_pipeline_the_planner_weighs_the_bubble_against_launches_and_acc
 def test_plan_names_a_layouts_fastest_micro_batch(capsys):
     """`megamemo plan` of a given layout says which micro-batch the planner would take for it, when not the
     config's (lamemo-1.3b at tp 2 on 4 x 8 A100-80G: 4 streams, no accumulation, against 1 x 4)."""
-    from megamemo.plan.layouts import main
+    from megamemo.commands.plan import main
     from megamemo.plan.recommend import fastest_micro_batch
     path = REPO / "configs" / "lamemo-1.3b.yaml"
     cluster = ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "a100-80g"]

@@ -93,15 +93,14 @@ def test_no_import_cycles():
 # The layers, lowest first. A module imports from its own package and from packages of LOWER layers only: nothing
 # low imports something high, and packages of one layer know nothing of each other. Every package has a layer.
 LAYERS = (
-    ("megamemo.util",),                     # typed config building, progress lines: imports nothing of megamemo
-    ("data_pipeline", "megamemo.model"),    # shards and tokenizers; the single-device model, plain PyTorch
-    ("megamemo.parallel", "megamemo.kernels"),  # the model's TP / PP forms; the CPU kernels swapped into a built model
-    ("megamemo.config",),                   # the run's typed config (composes the model's and the layouts' checks)
+    ("megamemo.util",),                     # typed building, atomic files, digests, progress: nothing of megamemo
+    ("megamemo.config",),                   # composes a run's config from its sections: YAML, --set, their checks
+    ("data_pipeline", "megamemo.model"),    # shards and tokenizers (the data section); the single-device model
+    ("megamemo.parallel", "megamemo.kernels"),  # the model's TP / PP forms (the parallel section); its CPU kernels
     ("megamemo.checkpoint",),               # the checkpoint format only
-    ("megamemo.runtime",),                  # processes, devices, signals, the run directory, exits
-    ("megamemo.interop",),                  # checkpoints between forms: sharded -> single, reference -> single
-    ("megamemo.train", "megamemo.eval", "megamemo.plan"),   # the commands that run a model or a layout
-    ("megamemo.export",),                   # a trained model out of megamemo (transformers, lm-eval: uses eval)
+    ("megamemo.runtime", "megamemo.interop"),   # processes, devices, the run directory; checkpoints as models
+    ("megamemo.train", "megamemo.eval", "megamemo.plan", "megamemo.export"),   # what runs a model or plans a layout
+    ("megamemo.commands",),                 # one module per subcommand: its flags and a call into the library
     ("megamemo",),                          # the top: __init__, __main__ and the `megamemo` dispatcher (cli.py)
 )
 

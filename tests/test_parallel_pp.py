@@ -63,7 +63,8 @@ def _check_variant(world, variant):
 
     def gathered():
         banks = [None] * world
-        dist.all_gather_object(banks, ctx.bank.state_dict())
+        dist.all_gather_object(banks, {f"mb{mb}/{name}": t.clone() for mb, d in ctx.bank.current.items()
+                                       for name, t in d.items()})
         return {k: v for b in banks for k, v in b.items()}
 
     losses = []

@@ -34,10 +34,26 @@ def _gather(t):
     return parts
 
 
+def merge_tensors(key, parts):
+    """The single-device tensor `key` from its TP ranks' shards, each placed where global_box (the layout-free form
+    checkpoints hold) puts it; a replicated tensor must be the same on every rank."""
+    from megamemo.parallel.tensor import global_box
+
+    tp = len(parts)
+    shape = global_box(key, parts[0].shape, 0, tp)[0]
+    out = torch.empty(shape, dtype=parts[0].dtype)
+    for r, p in enumerate(parts):
+        _, box, view = global_box(key, p.shape, r, tp)
+        if box == tuple((0, n) for n in shape) and not torch.equal(p, parts[0]):
+            raise ValueError(f"{key}: replicated tensor differs between tensor-parallel rank 0 and rank {r}")
+        out[tuple(slice(a, b) for a, b in box)] = p.reshape(view)
+    return out.reshape(-1, *parts[0].shape[1:]) if len(shape) > len(parts[0].shape) else out
+
+
 def _tp_worker(rank, world):
     from megamemo.model import MemTransformerLM
     from megamemo.parallel.groups import dropout_seeds, init_model_parallel, install_tp_stream, rng_tracker
-    from megamemo.parallel.tensor import merge_tensors, parallelize_tensor
+    from megamemo.parallel.tensor import parallelize_tensor
 
     init_model_parallel(tp=world)
     install_tp_stream(dropout_seeds(1234, 0, rank, 0)[1])      # this rank's TP dropout stream
@@ -159,7 +175,7 @@ def _layer_step(model, layer, cat, M, ctx_old, lse_old, weight, cfg):
 def _rnet_worker(rank, world):
     from megamemo.model import MemTransformerLM
     from megamemo.parallel.groups import init_model_parallel
-    from megamemo.parallel.tensor import HeadRows, _mcore_layers, merge_tensors, parallelize_tensor
+    from megamemo.parallel.tensor import HeadRows, _mcore_layers, parallelize_tensor
 
     init_model_parallel(tp=world)
     M, Lq, Bq = 5, 4, 2

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from fixture_data import REPO
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.model import MemTransformerLM
-from megamemo.plan.layouts import GPUS, GiB, main, plan
+from megamemo.commands.plan import main
+from megamemo.plan.layouts import GiB, plan
+from megamemo.runtime.gpus import GPUS
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -120,7 +122,7 @@ def test_the_large_configs_run_the_planners_fastest_zero_1_layout(name, nodes, g
     would run DeepSpeed's DDP_BFLOAT16). A change to the step-time model that moves them fails here: re-plan."""
     from megamemo.plan.recommend import recommend
     cfg = load(REPO / "configs" / f"{name}.yaml")
-    fits, _ = recommend(cfg, nodes, 8, GPUS[gpu], "gpu", gpu, plan)
+    fits, _ = recommend(cfg, nodes, 8, GPUS[gpu].memory_gib, "gpu", gpu, plan)
     first = next(f for f in fits if " zero=1 " in f.desc)
     p = cfg.parallel
     assert first.desc == (f"tp={p.tp} pp={p.pp} dp={nodes * 8 // (p.tp * p.pp)} zero=1 micro_batch="

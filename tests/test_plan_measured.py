@@ -15,7 +15,7 @@ import statistics
 
 import pytest
 
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.plan.layouts import plan
 from megamemo.plan.steptime import step_time
 from runs_cache import run

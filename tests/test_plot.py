@@ -14,6 +14,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from megamemo.commands import plot as plot_cmd
 from megamemo.eval import plot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,12 +75,12 @@ def test_plotted_data_are_the_records(tmp_path):
 def test_command_writes_a_png(tmp_path, capsys):
     d, _ = make_run(tmp_path, "xl")
     out = tmp_path / "curves.png"
-    assert plot.main([str(d), "--out", str(out), "--x", "tokens"]) == 0
+    assert plot_cmd.main([str(d), "--out", str(out), "--x", "tokens"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     h, w = matplotlib.image.imread(out).shape[:2]
     assert 800 <= w <= 2000 and 500 <= h <= 1500
     assert f"[plot] wrote {out}" in capsys.readouterr().out
-    assert plot.main([str(d)]) == 0 and (d / "metrics.png").is_file()      # default: inside the run
+    assert plot_cmd.main([str(d)]) == 0 and (d / "metrics.png").is_file()      # default: inside the run
 
 
 def test_several_runs_one_line_each(tmp_path):
@@ -119,9 +120,9 @@ def test_metric_without_a_manifest(tmp_path, config, loss0, metric):
 def test_runs_that_disagree_need_metric(tmp_path, capsys):
     a, _ = make_run(tmp_path, "chars")
     b, _ = make_run(tmp_path, "words", config="model: {n_token: 50000}\n")
-    assert plot.main([str(a), str(b), "--out", str(tmp_path / "x.png")]) == 2
+    assert plot_cmd.main([str(a), str(b), "--out", str(tmp_path / "x.png")]) == 2
     assert "--metric" in capsys.readouterr().err
-    assert plot.main([str(a), str(b), "--out", str(tmp_path / "x.png"), "--metric", "bpc"]) == 0
+    assert plot_cmd.main([str(a), str(b), "--out", str(tmp_path / "x.png"), "--metric", "bpc"]) == 0
 
 
 def bad_runs(tmp_path):
@@ -151,7 +152,7 @@ def bad_runs(tmp_path):
 def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
     good, _ = make_run(tmp_path, "good")
     for run, msg in bad_runs(tmp_path):
-        assert plot.main([str(good), str(run), "--out", str(tmp_path / "x.png")]) == 2
+        assert plot_cmd.main([str(good), str(run), "--out", str(tmp_path / "x.png")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("megamemo plot: error: ") and msg in err, err
     assert not (tmp_path / "x.png").exists()
@@ -193,7 +194,7 @@ def test_interruptions_are_marked_and_goodput_reported(tmp_path, capsys):
     cum = dict(zip([r["step"] for r in of(recs, "train")], accumulate(r["tokens"] for r in of(recs, "train"))))
     fig, drawn = plot.figure([run], "tokens")
     assert [ln.get_xdata()[0] for ln in drawn[run.name, "interruption"]] == [cum[5], cum[9]]
-    assert plot.main([str(d), "--out", str(tmp_path / "g.png")]) == 0
+    assert plot_cmd.main([str(d), "--out", str(tmp_path / "g.png")]) == 0
     out = capsys.readouterr().out
     assert "[plot] lamemo: 12 steps, 3 evaluations, 1 resumes, 1 skipped steps, 2 interruptions;" in out
     assert "[plot] lamemo: goodput 28.6%: 6.0 s of training steps in 21.0 s since the first start (1 start, " \

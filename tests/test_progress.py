@@ -18,6 +18,7 @@ from data_pipeline import build, corpora
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from fixture_data import ENWIK8
 from megamemo.eval import evaluate
+from megamemo.interop.load import open_model
 from megamemo.util.progress import BAR_REDRAW_S, Progress
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +159,7 @@ def ckpt_and_shards(tmp_path_factory):
 
 def test_eval_progress_lines(ckpt_and_shards):
     ckpt, shards = ckpt_and_shards
-    model, _ = evaluate.load_for_eval(ckpt, "cpu")
+    model, _ = open_model(ckpt, "cpu")
     lines = []
     reader = evaluate.open_batches(shards, "valid", 4, 12)
     out = evaluate.evaluate(model, reader, log=lines.append, log_every=0, total_segments=reader.steps_per_epoch)

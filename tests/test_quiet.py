@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megamemo.runtime import quiet
-from megamemo.config.run import load
+from megamemo.train.config import load
 from megamemo.model.flops import flops_per_token, model_flops_per_token
 from megamemo.runtime.dist import free_port
 from test_train_runs import TINY as TRAIN_TINY

@@ -7,8 +7,9 @@ import math
 import pytest
 
 from fixture_data import REPO
-from megamemo.config.run import load
-from megamemo.plan.layouts import main, plan
+from megamemo.train.config import load
+from megamemo.commands.plan import main
+from megamemo.plan.layouts import plan
 from megamemo.plan.devices import Device
 from megamemo.plan.optrace import trace
 from megamemo.plan.steptime import explain, step_time

@@ -46,14 +46,14 @@ def assert_no_corrupt_checkpoint(run_dir: Path) -> list[int]:
 
 def checkpoint_memory(step_dir: Path):
     """The memory of every global stream [M, B, ...] in a committed checkpoint (its ranks' pieces joined)."""
-    from megamemo.interop.convert import Checkpoint
+    from megamemo.interop.load import Checkpoint
 
     return Checkpoint(step_dir).memory()
 
 
 def checkpoint_model(step_dir: Path):
     """The single-device model holding a committed checkpoint's weights."""
-    from megamemo.interop.convert import load_model
+    from megamemo.interop.load import load_model
 
     return load_model(step_dir)[0]
 
@@ -188,7 +188,7 @@ def test_sigusr1_saves_a_complete_checkpoint_and_exits_cleanly(tiny_cfg, shards,
 
 # ---- errors ----------------------------------------------------------------------------------------------------
 def test_bad_config_field_and_missing_data_are_named(tiny_cfg, shards, tmp_path, capsys):
-    from megamemo.train.cli import main
+    from megamemo.commands.train import main
 
     assert main(["--config", str(tiny_cfg), "--data", str(shards), "--set", "optim.lrate=1"]) == 2
     assert "optim.lrate: unknown field" in capsys.readouterr().err
@@ -223,8 +223,8 @@ import json, sys
 from deepspeed.accelerator import get_accelerator
 type(get_accelerator()).is_fp16_supported = lambda self: True     # this CPU has no fp16 support in DeepSpeed's eyes
 import torch
-from megamemo.config.run import load
-from megamemo.train.cli import build
+from megamemo.train.config import load
+from megamemo.train.build import build
 
 cfg_path, shards, run_dir = sys.argv[1:4]
 cfg = load(cfg_path, [f"data.dir={shards}", f"train.run_dir={run_dir}", "precision.dtype=fp16",
@@ -288,7 +288,7 @@ def test_new_epoch_starts_from_empty_memory(tiny_cfg, tmp_path):
     elsewhere): it must be scored with empty memory, as the reference's per-epoch train() does."""
     from data_pipeline import StreamReader
     from data_pipeline.cli import prepare_main
-    from megamemo.config.run import load
+    from megamemo.train.config import load
 
     raw = tmp_path / "small.txt"
     raw.write_bytes(ENWIK8.read_bytes()[:400])

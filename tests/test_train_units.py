@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamemo.config import run as C
+from megamemo.train import config as C
 from megamemo.runtime import dist
 from megamemo.train.engine import lr_factor
 
@@ -115,7 +115,7 @@ def test_bad_config_values_name_the_field(override, names):
 def test_reduction_settings_deepspeed_would_not_apply_are_refused_by_name(overrides, names, why):
     """DeepSpeed 0.19.8 ignores overlap_comm and reduce_bucket_size where its ZeRO 1/2 optimizer does not run
     (ZeRO 0; bf16 on ZeRO 1 with fp32 accumulation: its BF16_Optimizer) and turns overlap off under its pipeline
-    engine, without an error (megamemo/config/zero.py): megamemo says so in one line naming the key."""
+    engine, without an error (megamemo/parallel/zero.py): megamemo says so in one line naming the key."""
     with pytest.raises(C.ConfigError) as e:
         C.load(REPO / "configs" / "tiny-cpu.yaml", ["model.n_layer=2", *overrides])
     msg = str(e.value)
@@ -131,7 +131,7 @@ def test_overlap_and_bucket_size_reach_deepspeeds_zero_config(overrides):
     """Where they take effect, both keys go into zero_optimization, and DeepSpeed's own config model reads them."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from megamemo.config.zero import overlaps_reduction, reduce_bucket
+    from megamemo.parallel.zero import overlaps_reduction, reduce_bucket
     from megamemo.train.engine import ds_config
 
     cfg = C.load(REPO / "configs" / "tiny-cpu.yaml",
@@ -281,14 +281,15 @@ def test_adam_step_tensor_helper_follows_the_parameter_off_the_cpu():
 
 
 # ---- a rank whose peer is gone -------------------------------------------------------------------------------
-# `megamemo train`'s main with a trainer whose step fails as gloo fails when the peer vanished; its parts, the process
+# `megamemo train`'s main (train/run.py) with a trainer whose step fails as gloo fails when the peer vanished; its parts, the process
 # group's destruction and the interpreter's shutdown each print a line when they run: the order they ran in.
 PEER_LOST = """
 import atexit, datetime, os, sys, tempfile
 from types import SimpleNamespace as NS
 import torch.distributed as dist
-import megamemo.train.cli as cli
+import megamemo.commands.train as cli
 import megamemo.train.data as data
+import megamemo.train.run as run
 
 atexit.register(lambda: print("interpreter shutdown", flush=True))
 said = lambda what: (lambda *a, **k: print(what, flush=True))   # noqa: E731
@@ -309,10 +310,10 @@ def build(cfg, stop=None, **kw):
                  metrics=NS(close=said("metrics closed")), rundir=NS(close=said("run directory released")))
     return trainer, NS(rank=0, world_size=1)
 
-cli.resolve_config = lambda args: NS(train=NS(deterministic=False, run_dir=tempfile.mkdtemp()),
-                                    precision=NS(allow_tf32=False, dtype="fp32"))
+run.load = lambda config, sets: NS(train=NS(deterministic=False, run_dir=tempfile.mkdtemp()),
+                                  precision=NS(allow_tf32=False, dtype="fp32"))
 data.check_data_dir = lambda cfg: None
-cli.build = build
+run.build = build
 print("main returned", cli.main(["--config", "unused.yaml"]), flush=True)
 """
 

@@ -23,6 +23,16 @@ def tiny(variant, **kw):
 VARIANTS = ["xl", "lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "rpe"]
 
 
+def from_reference(mem_len: int, topk_num: int, remain_mem_num: int, metric: str = "code") -> TramsConfig:
+    """The TramsConfig of the TRAMS scripts' arguments (mem_len 400, topk_num 50, remain_mem_num 150 by default). The
+    reference selects only when topk_num != 0 (spec §6.2); with topk_num 0 (its baseline scripts: mem_len 200, topk 0,
+    remain_mem_num left at 150) it takes the plain Transformer-XL path over all mem_len memory rows, whatever
+    remain_mem_num says: every pool row attended (attend = recent = pool, topk 0)."""
+    if topk_num == 0:
+        return TramsConfig(pool=mem_len, attend=mem_len, recent=mem_len, metric=metric).validate()
+    return TramsConfig(pool=mem_len, attend=topk_num + remain_mem_num, recent=remain_mem_num, metric=metric).validate()
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_forward_without_selection_is_the_model_bit_for_bit(variant):
     """The inspectable forward (used by TRAMS and analyze) is the model's forward, memory included."""
@@ -62,11 +72,11 @@ def test_reference_arguments_with_topk_zero_attend_every_memory_row():
     remain_mem_num left at its default 150) is the plain Transformer-XL over all mem_len rows. So
     from_reference(pool, 0, remain) is the plain model with mem_len = pool bit for bit - not a window of the
     `remain` newest rows, which scores differently here once the memory holds more than `remain` rows."""
-    assert (lambda c: (c.pool, c.attend, c.recent, c.topk))(TramsConfig.from_reference(400, 50, 150)) == \
+    assert (lambda c: (c.pool, c.attend, c.recent, c.topk))(from_reference(400, 50, 150)) == \
         (400, 200, 150, 50)
-    assert TramsConfig.from_reference(200, 0, 150).attend == 200
+    assert from_reference(200, 0, 150).attend == 200
     model = tiny("xl", init_std=0.3)
-    baseline, window = TramsConfig.from_reference(12, 0, 5), TramsConfig(pool=12, attend=5, recent=5)
+    baseline, window = from_reference(12, 0, 5), TramsConfig(pool=12, attend=5, recent=5)
     assert (baseline.pool, baseline.attend, baseline.topk) == (12, 12, 0)
     data = torch.randint(0, 40, (40, 2), generator=torch.Generator().manual_seed(6))
     m1 = m2 = m3 = None

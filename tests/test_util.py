@@ -99,3 +99,75 @@ def test_a_file_written_over_time_appears_whole_or_not_at_all(tmp_path):
     with files.AtomicFile(tmp_path / "other.bin", durable=False) as h:
         h.file.write(b"y")
     assert (tmp_path / "other.bin").read_bytes() == b"y"
+
+
+def test_a_directory_appears_whole_or_not_at_all_and_its_clean_up_on_error(tmp_path):
+    target = tmp_path / "ckpt"
+    with files.atomic_directory(target) as d:
+        (d / "model.bin").write_bytes(b"weights")
+        assert not target.exists() and d.parent == tmp_path and d.name.startswith(".ckpt.")   # hidden meanwhile
+        os.mkdir(d / "sub")
+    assert sorted(os.listdir(target)) == ["model.bin", "sub"] and os.listdir(tmp_path) == ["ckpt"]
+
+    # an error inside the block: nothing new, nothing left behind, the old directory untouched
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with files.atomic_directory(target, replace=True) as d:
+            (d / "model.bin").write_bytes(b"half")
+            raise RuntimeError("interrupted")
+    assert os.listdir(tmp_path) == ["ckpt"] and (target / "model.bin").read_bytes() == b"weights"
+
+    # an existing directory is refused unless replaced; replaced, the old one goes once the new one is in
+    with pytest.raises(FileExistsError, match="ckpt: already exists"):
+        with files.atomic_directory(target):
+            raise AssertionError("never entered")
+    assert os.listdir(tmp_path) == ["ckpt"]
+    with files.atomic_directory(target, replace=True) as d:
+        (d / "new.bin").write_bytes(b"new")
+        assert (target / "model.bin").exists()                    # the old one stays until the block is done
+    assert os.listdir(target) == ["new.bin"] and os.listdir(tmp_path) == ["ckpt"]
+
+    # a failed rename of the new directory into place removes it and puts the old one back
+    original = os.rename
+
+    def failing(src, dst, *a, **k):
+        if str(dst) == str(target) and str(src).endswith(".partial"):
+            raise OSError("rename refused")
+        return original(src, dst, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "rename", failing)
+        with pytest.raises(OSError, match="rename refused"):
+            with files.atomic_directory(target, replace=True) as d:
+                (d / "newer.bin").write_bytes(b"newer")
+    assert os.listdir(tmp_path) == ["ckpt"] and os.listdir(target) == ["new.bin"]
+
+
+def test_the_hashing_writer_and_the_manifest_entry_check(tmp_path):
+    data = bytes(range(256)) * 40_000
+    out = open(tmp_path / "f", "wb")
+    w = files.HashingWriter(out)
+    for i in range(0, len(data), 1 << 20):
+        w.write(data[i:i + (1 << 20)])
+    out.close()
+    assert w.n == len(data) and w.hexdigest() == hashlib.sha256(data).hexdigest() == files.bytes_sha256(data)
+    assert (tmp_path / "f").read_bytes() == data and files.HashingWriter().write(b"abc") == 3
+
+    digest = hashlib.sha256(data).hexdigest()
+    entry = {"bytes": len(data), "sha256": digest}
+    calls = []
+
+    def sha():
+        calls.append(1)
+        return digest
+
+    assert files.entry_mismatch(entry, len(data), sha, recorded="manifest.json") is None and calls == [1]
+    # the size first: the digest is not computed when the size already differs
+    assert files.entry_mismatch(entry, 100, sha, recorded="manifest.json", what="the shard") == (
+        f"the shard is 100 bytes, manifest.json says {len(data)} (truncated?)") and calls == [1]
+    assert files.entry_mismatch(entry, len(data) + 1, sha, recorded="COMMITTED") == (
+        f"the file is {len(data) + 1} bytes, COMMITTED says {len(data)}")
+    assert files.entry_mismatch(dict(entry, sha256="0" * 64), len(data), sha, recorded="manifest.json") == (
+        f"sha256 differs: {digest} does not match manifest.json ({'0' * 64})")
+    # what the entry does not record, or the caller does not ask for, is not checked
+    assert files.entry_mismatch({"sha256": "0" * 64}, 7, None, recorded="x") is None
+    assert files.entry_mismatch({"sha256": digest}, 7, sha, recorded="x") is None

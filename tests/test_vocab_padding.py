@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from fixture_data import TEXT8
-from megamemo.config.run import ConfigError, load
-from megamemo.config.vocab import adopt_checkpoint_vocab, padded_vocab
+from megamemo.config.run import ConfigError
+from megamemo.train.config import load
+from megamemo.train.vocab import adopt_checkpoint_vocab, padded_vocab
 from megamemo.model import MemTransformerLM, ModelConfig
 
 SMALL = dict(n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, dropout=0.0, tgt_len=6, mem_len=6)
@@ -80,7 +81,7 @@ def test_an_explicit_n_token_wins(text8_shards, tmp_path):
 
 
 def test_a_too_small_explicit_n_token_is_one_line(text8_shards, tmp_path, capsys):
-    from megamemo.train import cli
+    from megamemo.commands import train as cli
 
     cfg_file = config_file(tmp_path, n_token=20, data=text8_shards)
     assert cli.main(["--config", str(cfg_file), "--run-dir", str(tmp_path / "run")]) == 2
@@ -199,7 +200,7 @@ def test_pipeline_output_bias_masks_the_padding():
 
 # ---- generation -------------------------------------------------------------------------------------------------
 def test_generation_never_emits_a_padding_id():
-    from megamemo.eval.generate import generate
+    from megamemo.model.generation import generate
 
     V = 27
     _, big = padded_pair(V)
@@ -250,8 +251,9 @@ def test_an_auto_run_converts_evaluates_generates_and_resumes_under_another_tp(t
 
     from data_pipeline import read_split
     from eval_fixtures import reference_nll
-    from megamemo.eval import evaluate as eval_cmd, generate as generate_cmd
-    from megamemo.interop import convert
+    from megamemo.commands import eval as eval_cmd, generate as generate_cmd
+    from megamemo.commands import convert
+    from megamemo.interop import load
     from test_train_runs import logs, losses, run
 
     cfg_file = tmp_path / "t8.yaml"
@@ -266,7 +268,7 @@ def test_an_auto_run_converts_evaluates_generates_and_resumes_under_another_tp(t
     assert convert.main(["to-single", "--ckpt", str(run_dir), "--out", str(single)]) == 0
     doc = json.loads((single / "config.json").read_text())
     assert (doc["model"]["n_token"], doc["model"]["n_vocab"]) == (256, 27)
-    padded, _ = convert.load_model(single)
+    padded, _ = load.load_model(single)
 
     # eval: the converted model's test-split NLL is that of its unpadded restatement (its first 27 rows), by the
     # evaluation's spec written out

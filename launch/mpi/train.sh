@@ -28,7 +28,7 @@ megamemo_select_device "${MEGAMEMO_DEVICE:-auto}" || { rc=$?; [ "$rc" = 2 ] && u
 
 train_cmd="${MEGAMEMO_TRAIN_CMD:-megamemo train}"
 read -r -a cmd <<<"$train_cmd"
-if [ "$train_cmd" = "megamemo train" ] && ! (cd / && python -c "import megamemo.train.cli, mpi4py") 2>/dev/null; then
+if [ "$train_cmd" = "megamemo train" ] && ! (cd / && python -c "import megamemo.commands.train, mpi4py") 2>/dev/null; then
   echo "launch/mpi/train.sh: megamemo (with its train command) and mpi4py are not installed in $(command -v python || echo 'any python on PATH')." >&2
   echo "  Set up the environment first: bash scripts/setup.sh   (or point MEGAMEMO_VENV at one that has them)" >&2
   exit 1

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megamemo.checkpoint.state import read_json
-from megamemo.util.files import file_sha256
+from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 
 FORMAT, VERSION = "megamemo-single", 1
@@ -33,22 +33,19 @@ class SingleCheckpointError(ValueError):
 
 def save_single(out_dir, model_cfg: ModelConfig, state_dict: dict, memory: Memory | None = None,
                 meta: dict | None = None, dtype: torch.dtype | None = None) -> Path:
-    """Write atomically: into DIR.tmp, then rename to DIR (an existing DIR is an error, nothing is overwritten)."""
+    """Write atomically (util.files.atomic_directory: DIR appears whole or not at all; an existing DIR is an error,
+    nothing is overwritten)."""
     out = Path(out_dir)
     if out.exists():
         raise SingleCheckpointError(f"{out}: already exists; refusing to overwrite")
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        for f in tmp.iterdir():
-            f.unlink()
-    tmp.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
                for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
-    if memory is not None:
-        save_file({k: v.contiguous().cpu() for k, v in memory.state_dict().items()}, str(tmp / "memory.safetensors"))
-    write_config(tmp, model_cfg, meta or {})
-    os.replace(tmp, out)
+    with atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        if memory is not None:
+            save_file({k: v.contiguous().cpu() for k, v in memory.state_dict().items()},
+                      str(tmp / "memory.safetensors"))
+        write_config(tmp, model_cfg, meta or {})
     return out
 
 
@@ -74,9 +71,9 @@ def verify_file(path: Path) -> Path:
     entry = (doc.get("files") or {}).get(path.name)
     if not path.is_file():
         raise SingleCheckpointError(f"{path}: missing")
-    if entry is not None and (path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]):
-        raise SingleCheckpointError(f"{path}: size or sha256 differs from what {path.parent / 'config.json'} "
-                                    f"recorded: the file changed after it was written (corrupt)")
+    if entry is not None and (problem := entry_mismatch(entry, path.stat().st_size, lambda: file_sha256(path),
+                                                        recorded=str(path.parent / "config.json"), what="size")):
+        raise SingleCheckpointError(f"{path}: {problem}: the file changed after it was written (corrupt)")
     return path
 
 

@@ -35,7 +35,7 @@ from megamemo.checkpoint.commit import (Collectives, OutcomeTimeout, check_and_i
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
 from megamemo.checkpoint.state import LateFiles, LoadContext, Snapshot, StateRegistry, read_json
-from megamemo.util.files import file_sha256, fsync_dir, write_json_atomic
+from megamemo.util.files import entry_mismatch, file_sha256, fsync_dir, write_json_atomic
 
 MARKER = "COMMITTED"
 FORMAT = 3                  # 3: with the merged piece index (index.json); 2: without (read through the headers)
@@ -68,11 +68,11 @@ def check_file(step_dir: Path, rel: str, entry: dict, checksum: bool = True) -> 
     p = Path(step_dir) / rel
     if not p.is_file():
         raise CheckpointError(f"{p}: listed in {Path(step_dir) / MARKER} but missing")
-    if p.stat().st_size != entry["bytes"]:
-        raise CheckpointError(f"{p}: size {p.stat().st_size} differs from the committed {entry['bytes']} (truncated?)")
-    if checksum and file_sha256(p) != entry["sha256"]:
-        raise CheckpointError(f"{p}: sha256 differs from the one committed in {Path(step_dir) / MARKER}: the file "
-                              f"changed after it was written (corrupt)")
+    problem = entry_mismatch(entry, p.stat().st_size, (lambda: file_sha256(p)) if checksum else None,
+                             recorded=str(Path(step_dir) / MARKER), what="size")
+    if problem:
+        raise CheckpointError(f"{p}: {problem}" + (": the file changed after it was written (corrupt)"
+                                                    if problem.startswith("sha256") else ""))
 
 
 def verify(step_dir: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> dict:

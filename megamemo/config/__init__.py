@@ -1,2 +1,3 @@
-"""The run's typed, validated configuration (run.py: one YAML per run, `--set` overrides, the presets' checks). Above
-model and parallel, whose own configs and support checks it composes; below everything that runs."""
+"""A run's configuration, composed (run.py): one YAML file per run, `--set` overrides, typed sections and each
+section's checks. The sections belong to the packages that use them (the model's, the data's, the parallel
+layout's, training's); this package imports none of them: it sits right above util, below everything else."""

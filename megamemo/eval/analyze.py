@@ -1,4 +1,5 @@
-"""`megamemo analyze`: what the memory does, as plots and numbers (the LaMemo paper's Figures 1 and 6).
+"""What `megamemo analyze` does (megamemo/commands/analyze.py): what the memory does, as plots and numbers (the
+LaMemo paper's Figures 1 and 6).
 
     megamemo analyze --ckpt CKPT [--ckpt CKPT ...] --data DIR [--split valid] [--out DIR] [--segments N]
                      [--batch-size B] [--tgt-len N] [--mem-len N]
@@ -15,9 +16,7 @@ Writes DIR/attention_by_distance.png, DIR/alpha.png (when a LaMemo checkpoint is
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -152,55 +151,43 @@ def plot_alpha(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-# ---- the command -----------------------------------------------------------------------------------------------
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megamemo analyze", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", action="append", required=True, help="checkpoint (repeatable: LaMemo and XL)")
-    p.add_argument("--data", required=True, help="shard directory, or an s3:// gs:// https:// URL of one")
-    p.add_argument("--split", default="valid")
-    p.add_argument("--out", default="analysis", help="output directory")
-    p.add_argument("--segments", type=int, default=50, help="segments to run (the first mem_len/tgt_len warm up)")
-    p.add_argument("--batch-size", type=int, default=10)
-    p.add_argument("--tgt-len", type=int, help="default: the checkpoint's")
-    p.add_argument("--mem-len", type=int, help="default: the checkpoint's")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a = p.parse_args(argv)
-    from data_pipeline import ManifestError, ShardError
-    from megamemo.interop.convert import load_model
-    from megamemo.checkpoint.single import SingleCheckpointError
+# ---- the runs ------------------------------------------------------------------------------------------------
+def analyze_checkpoints(ckpts: list, data, split: str = "valid", *, segments: int = 50, batch_size: int = 10,
+                        tgt_len: int | None = None, mem_len: int | None = None, device="cpu", log=print) -> list[dict]:
+    """Each checkpoint over the first `segments` segments of the split (lengths None: the checkpoint's), a line or
+    two to `log` each -> the results (write_analysis writes them). A bad checkpoint or data directory raises the
+    one-line error that names it."""
     from megamemo.eval.evaluate import open_batches
-    from megamemo.kernels import apply_kernels
+    from megamemo.interop.load import open_model
 
     results = []
-    try:
-        for ckpt in a.ckpt:
-            model, _ = load_model(ckpt)
-            model = model.to(a.device)
-            apply_kernels(model, "auto", a.device)
-            L = a.tgt_len or model.cfg.tgt_len
-            M = model.cfg.mem_len if a.mem_len is None else a.mem_len
-            reader = open_batches(a.data, a.split, a.batch_size, L)
-            try:
-                r = analyze(model, reader, tgt_len=L, mem_len=M, segments=a.segments, device=a.device)
-            finally:
-                reader.close()
-            r["ckpt"], r["name"] = str(ckpt), Path(ckpt).name
-            results.append(r)
-            mass = ", ".join(f"{v:.3f}" for v in r["memory_mass"].values())
-            print(f"[analyze] {ckpt}: {r['variant']} tgt {L} mem {M}, {r['segments_recorded']} segments; attention "
-                  f"mass on memory per layer: {mass}", flush=True)
-            if "alpha" in r:
-                print("[analyze]   mean alpha per layer: "
-                      + ", ".join(f"{sum(v) / len(v):.3f}" for v in r["alpha"].values()), flush=True)
-    except (ValueError, OSError, ManifestError, ShardError, SingleCheckpointError) as e:
-        print(f"megamemo analyze: error: {e}", file=sys.stderr)
-        return 2
-    out = Path(a.out)
+    for ckpt in ckpts:
+        model, _ = open_model(ckpt, device, attention=None)
+        L = tgt_len or model.cfg.tgt_len
+        M = model.cfg.mem_len if mem_len is None else mem_len
+        reader = open_batches(data, split, batch_size, L)
+        try:
+            r = analyze(model, reader, tgt_len=L, mem_len=M, segments=segments, device=device)
+        finally:
+            reader.close()
+        r["ckpt"], r["name"] = str(ckpt), Path(ckpt).name
+        results.append(r)
+        mass = ", ".join(f"{v:.3f}" for v in r["memory_mass"].values())
+        log(f"[analyze] {ckpt}: {r['variant']} tgt {L} mem {M}, {r['segments_recorded']} segments; attention "
+            f"mass on memory per layer: {mass}")
+        if "alpha" in r:
+            log("[analyze]   mean alpha per layer: " + ", ".join(f"{sum(v) / len(v):.3f}" for v in r["alpha"].values()))
+    return results
+
+
+def write_analysis(results: list[dict], out, split: str, batch_size: int, log=print) -> Path:
+    """DIR/attention_by_distance.png, DIR/alpha.png (when a LaMemo checkpoint is among them), DIR/analysis.json."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plot_attention(results, out / "attention_by_distance.png")
     if any("alpha" in r for r in results):
         plot_alpha(results, out / "alpha.png")
-    (out / "analysis.json").write_text(json.dumps({"split": a.split, "batch_size": a.batch_size,
+    (out / "analysis.json").write_text(json.dumps({"split": split, "batch_size": batch_size,
                                                    "models": results}, indent=1) + "\n")
-    print(f"[analyze] wrote {out}/", flush=True)
-    return 0
+    log(f"[analyze] wrote {out}/")
+    return out

@@ -1,4 +1,5 @@
-"""`megamemo plot`: training and validation curves of one or more runs, from their metrics.jsonl, as a PNG.
+"""What `megamemo plot` does (megamemo/commands/plot.py): training and validation curves of one or more runs, from
+their metrics.jsonl, as a PNG.
 
     megamemo plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--x steps|tokens] [--metric bpc|ppl]
 
@@ -19,11 +20,9 @@ Exit codes: 0 written; 2 a missing, empty or malformed metrics.jsonl (the messag
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import itertools
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,45 +215,39 @@ def _draw(ax, runs: list[Run], x: str, metric: str, drawn: dict, plt, blended_tr
     ax.legend(fontsize=8)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="megamemo plot", description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="training run directories (with metrics.jsonl)")
-    p.add_argument("--out", help="PNG file (default RUN_DIR/metrics.png for one run, ./metrics.png for several)")
-    p.add_argument("--x", choices=("steps", "tokens"), default="steps", help="x axis (default steps)")
-    p.add_argument("--metric", choices=("bpc", "ppl"), help="override the metric read from the run")
-    return p.parse_args(argv)
+def load_runs(run_dirs: list, metric: str | None = None) -> list[Run]:
+    """The runs to draw; PlotError when two share a name, or (without `metric`) they disagree on the metric."""
+    runs = [load_run(r) for r in run_dirs]
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise PlotError(f"run directories share a name, the plot could not tell them apart: {run_dirs}")
+    if metric is None and len({r.metric for r in runs}) > 1:
+        raise PlotError("runs disagree on the metric (" + ", ".join(f"{r.name}: {r.metric} from "
+                        f"{r.metric_from}" for r in runs) + "); pass --metric bpc or --metric ppl")
+    return runs
 
 
-def main(argv: list[str]) -> int:
-    a = parse_args(argv)
-    try:
-        runs = [load_run(r) for r in a.runs]
-        names = [r.name for r in runs]
-        if len(set(names)) != len(names):
-            raise PlotError(f"run directories share a name, the plot could not tell them apart: {a.runs}")
-        metrics = {r.metric for r in runs}
-        if a.metric is None and len(metrics) > 1:
-            raise PlotError("runs disagree on the metric (" + ", ".join(f"{r.name}: {r.metric} from "
-                            f"{r.metric_from}" for r in runs) + "); pass --metric bpc or --metric ppl")
-    except PlotError as e:
-        print(f"megamemo plot: error: {e}", file=sys.stderr)
-        return 2
-    out = Path(a.out) if a.out else (Path(a.runs[0]) / "metrics.png" if len(runs) == 1 else Path("metrics.png"))
-    fig, _ = figure(runs, a.x, a.metric)
+def default_out(run_dirs: list) -> Path:
+    """RUN_DIR/metrics.png for one run, ./metrics.png for several."""
+    return Path(run_dirs[0]) / "metrics.png" if len(run_dirs) == 1 else Path("metrics.png")
+
+
+def save(runs: list[Run], out: Path, x: str = "steps", metric: str | None = None, log=print) -> Path:
+    """The figure of `runs` written to `out` (PlotError naming the file if it cannot be), and a line per run."""
+    import matplotlib.pyplot as plt
+
+    fig, _ = figure(runs, x, metric)
     try:
         fig.savefig(out, dpi=120)
     except OSError as e:
-        print(f"megamemo plot: error: {out}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        raise PlotError(f"{out}: {e.strerror or e}") from None
     finally:
-        import matplotlib.pyplot as plt
-
         plt.close(fig)
     for r in runs:
-        print(f"[plot] {r.name}: {len(r.train)} steps, {len(r.evals)} evaluations, {len(r.resumes)} resumes, "
-              f"{len(r.skips)} skipped steps, {len(r.interruptions)} interruptions; {a.metric or r.metric} "
-              f"({'--metric' if a.metric else r.metric_from})")
+        log(f"[plot] {r.name}: {len(r.train)} steps, {len(r.evals)} evaluations, {len(r.resumes)} resumes, "
+            f"{len(r.skips)} skipped steps, {len(r.interruptions)} interruptions; {metric or r.metric} "
+            f"({'--metric' if metric else r.metric_from})")
         if r.goodput:
-            print(f"[plot] {r.name}: {goodput.describe(r.goodput)}")
-    print(f"[plot] wrote {out}")
-    return 0
+            log(f"[plot] {r.name}: {goodput.describe(r.goodput)}")
+    log(f"[plot] wrote {out}")
+    return out

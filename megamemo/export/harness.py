@@ -1,12 +1,12 @@
-"""lm-evaluation-harness (lm-eval 0.4.x, `pip install megamemo[eval]`): the registered model `megamemo` and the
-offline command `megamemo harness`.
+"""lm-evaluation-harness (lm-eval 0.4.x, `pip install megamemo[eval]`): the registered model `megamemo` and what the
+offline command `megamemo harness` runs (megamemo/commands/harness.py).
 
     lm_eval --model megamemo --model_args ckpt=CKPT[,device=cpu,dtype=fp32,mem_len=N,max_gen_toks=256] --tasks ...
     megamemo harness --ckpt CKPT --text FILE... [--json OUT] [--device D] [--mem-len N]
 
 CKPT is what `megamemo eval` takes (a single-device checkpoint, a run or checkpoint directory). Text is encoded with
 the checkpoint's vocabulary as `megamemo generate` encodes a prompt (bytes/chars: the UTF-8 bytes; words: whitespace
-words, <eos> closing each line). Every score goes through megamemo's evaluation loop (megamemo/eval/evaluate.py,
+words, <eos> closing each line). Every score goes through megamemo's evaluation loop (megamemo/model/scoring.py,
 `evaluate`): segments of the training tgt_len, batch 1, memory carried from segment to segment, so
 `loglikelihood_rolling` of a document is megamemo's streaming evaluation of it: its first token is not predicted
 (no BOS exists in these vocabularies) and every later one is, once, with the memory of all before it (no
@@ -19,9 +19,6 @@ hub, no download) and reports lm-eval's `word_perplexity`, `byte_perplexity` and
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,9 +26,11 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from megamemo.eval.evaluate import evaluate, load_for_eval
-from megamemo.eval.generate import encode_prompt, generate, vocab_for
-from megamemo.util.files import write_text_atomic
+from megamemo.interop.load import open_model
+from megamemo.interop.vocabulary import encode_prompt, vocab_for
+from megamemo.model.generation import generate
+from megamemo.model.scoring import evaluate
+from megamemo.runtime.device import torch_device
 
 TASK = "megamemo_text"
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -42,11 +41,12 @@ class MegamemoLM(LM):
     def __init__(self, ckpt: str, device: str | None = None, dtype: str = "checkpoint", mem_len: int | None = None,
                  max_gen_toks: int = 256, data: str | None = None, **_ignored):
         super().__init__()
-        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
-            if device is not None:      # lm_eval passes --device (default cuda) to every model; HFLM falls back too
-                print(f"[lm-eval] megamemo: device {device!r} is not available here, using the CPU", file=sys.stderr)
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model, meta = load_for_eval(ckpt, device, dtype)
+        if device not in (None, "auto") and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm_eval passes --device (default cuda) to every model; HFLM falls back too
+            print(f"[lm-eval] megamemo: device {device!r} is not available here, using the CPU", file=sys.stderr)
+            device = "auto"
+        device = torch_device(device)
+        self.model, meta = open_model(ckpt, device, dtype)
         self.vocab = vocab_for(meta, data)
         if len(self.vocab) > self.model.cfg.vocab_size:
             raise ValueError(f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit the model's "
@@ -168,29 +168,3 @@ def run_harness(ckpt, files: list[str], device=None, mem_len=None) -> dict:
                 "tgt_len": lm.model.cfg.tgt_len, "mem_len": lm.mem_len, "lm_eval": lm_eval.__version__,
                 "bytes": sum(len(d["text"].encode("utf-8")) for d in docs)})
     return out
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megamemo harness", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="single-device checkpoint, run directory or checkpoint directory")
-    p.add_argument("--text", nargs="+", required=True, help="UTF-8 text files, one document each")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--device", help="default: cuda when available, else cpu")
-    p.add_argument("--mem-len", type=int, help="memory length (default: the checkpoint's mem_len)")
-    a = p.parse_args(argv)
-    from data_pipeline import ManifestError
-    from megamemo.checkpoint.single import SingleCheckpointError
-
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        os.environ.setdefault(var, "1")
-    try:
-        r = run_harness(a.ckpt, a.text, a.device, a.mem_len)
-    except (ValueError, OSError, ManifestError, SingleCheckpointError) as e:
-        print(f"megamemo harness: error: {e}", file=sys.stderr)
-        return 2
-    print(f"{r['ckpt']}: {len(r['files'])} file(s), {r['bytes']:,} bytes | word_perplexity "
-          f"{r['word_perplexity']:.4f} byte_perplexity {r['byte_perplexity']:.4f} bits_per_byte "
-          f"{r['bits_per_byte']:.4f} | lm-eval {r['lm_eval']}", flush=True)
-    if a.json:
-        write_text_atomic(Path(a.json), json.dumps(r, indent=1) + "\n", durable=False)
-    return 0

@@ -1,4 +1,5 @@
-"""`megamemo export hf`: a trained model as a Hugging Face transformers directory that loads without megamemo.
+"""What `megamemo export hf` does (megamemo/commands/export.py): a trained model as a Hugging Face transformers
+directory that loads without megamemo.
 
     megamemo export hf --ckpt CKPT --out DIR [--overwrite] [--data SHARD_DIR]
 
@@ -19,14 +20,12 @@ DIR appears by an atomic rename; an existing DIR is refused unless --overwrite, 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-from megamemo.checkpoint.single import SingleCheckpointError
+from megamemo.util.files import atomic_directory
 
 CODE = Path(__file__).with_name("hf_code")
 CODE_FILES = ("configuration_megamemo.py", "modeling_megamemo.py")
@@ -83,8 +82,8 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
     from transformers import PreTrainedTokenizerFast
 
-    from megamemo.util.files import file_sha256
-    from megamemo.eval.generate import vocab_for
+    from megamemo.util.files import entry_mismatch, file_sha256
+    from megamemo.interop.vocabulary import vocab_for
 
     rec = meta.get("tokenizer") or {}
     if isinstance(rec, dict) and rec.get("file") and not data:
@@ -95,8 +94,10 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
         if src is None:
             raise ExportError(f"{dirs[0] / 'config.json'}: tokenizer file {rec['file']!r} not found in "
                               f"{' or '.join(str(p.parent) for p in where)}")
-        if rec.get("sha256") and file_sha256(src) != rec["sha256"]:
-            raise ExportError(f"{src}: sha256 differs from the one the checkpoint records (corrupt or replaced)")
+        problem = entry_mismatch({"sha256": rec.get("sha256")}, src.stat().st_size, lambda: file_sha256(src),
+                                 recorded="the checkpoint's tokenizer.sha256")
+        if problem:
+            raise ExportError(f"{src}: {problem} (corrupt or replaced)")
         tok = PreTrainedTokenizerFast(tokenizer_file=str(src))
         tok.save_pretrained(str(out))
         return f"subword tokenizer {src.name} ({rec.get('kind', '?')}, {len(tok)} entries)"
@@ -135,75 +136,42 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
     """-> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or directory."""
     from safetensors.torch import save_file
 
-    from megamemo.interop import convert
     from megamemo.checkpoint.single import load_single
+    from megamemo.interop.convert import to_single
+    from megamemo.interop.load import is_single
 
     ckpt, out = Path(ckpt), Path(out)
     if out.exists() and not overwrite:
         raise ExportError(f"{out}: already exists (pass --overwrite to replace it)")
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: not a directory")
+    # a training checkpoint is converted into a work directory beside DIR first, deleted afterwards
     work = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent if out.parent.is_dir() else None))
-    tmp = work / out.name
     try:
         single = ckpt
-        if convert.is_single(ckpt):
+        if is_single(ckpt):
             _check_variant(ckpt)
         else:
             single = work / "single"
             log(f"[export] {ckpt} is a training checkpoint: converting it to a single-device one first")
-            convert.to_single(ckpt, single, log=log)
+            to_single(ckpt, single, log=log)
             _check_variant(single)
         model, meta = load_single(single)
         sd = {k: v.contiguous() for k, v in model.state_dict().items()}
         dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-        tmp.mkdir()
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for name in CODE_FILES:
-            shutil.copyfile(CODE / name, tmp / name)
-        import transformers
-        cfg = hf_config(model.cfg.to_dict(), dtype, str(ckpt))
-        cfg["transformers_version"] = transformers.__version__
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(
-            json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n")
-        tok = write_tokenizer(meta, list(dict.fromkeys([single, ckpt])), tmp, data)
-        if out.exists():                      # --overwrite: the old directory goes only once the new one is in
-            old = work / (out.name + ".old")
-            out.rename(old)
-            try:
-                tmp.rename(out)
-            except BaseException:
-                old.rename(out)
-                raise
-        else:
-            tmp.rename(out)
+        # --overwrite: the old directory goes only once the new one is in (util.files.atomic_directory)
+        with atomic_directory(out, replace=overwrite) as tmp:
+            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            for name in CODE_FILES:
+                shutil.copyfile(CODE / name, tmp / name)
+            import transformers
+            cfg = hf_config(model.cfg.to_dict(), dtype, str(ckpt))
+            cfg["transformers_version"] = transformers.__version__
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            (tmp / "generation_config.json").write_text(
+                json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n")
+            tok = write_tokenizer(meta, list(dict.fromkeys([single, ckpt])), tmp, data)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     n = sum(t.numel() for t in sd.values())
     return {"out": str(out), "variant": model.cfg.variant, "parameters": n, "dtype": dtype, "tokenizer": tok}
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megamemo export", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    h = sub.add_parser("hf", help="a Hugging Face transformers directory (trust_remote_code) that needs no megamemo")
-    h.add_argument("--ckpt", required=True, help="single-device checkpoint, run directory or checkpoint directory")
-    h.add_argument("--out", required=True, help="the new directory")
-    h.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    h.add_argument("--data", help="shard directory whose vocabulary to use (default: the checkpoint's)")
-    a = p.parse_args(argv)
-    from megamemo.checkpoint.store import CheckpointError
-    from megamemo.checkpoint.pieces import PieceError
-
-    notes: list[str] = []             # what the conversion said: shown once it succeeded, so an error is one line
-    try:
-        r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=notes.append)
-    except (ValueError, CheckpointError, PieceError, OSError) as e:    # ExportError, SingleCheckpointError too
-        print(f"megamemo export hf: error: {e}", file=sys.stderr)
-        return 2
-    for m in notes:
-        print(m, file=sys.stderr, flush=True)
-    print(f"[export] wrote {r['out']}: {r['variant']}, {r['parameters']:,} parameters ({r['dtype']}), "
-          f"{r['tokenizer']}", flush=True)
-    return 0

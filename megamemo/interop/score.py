@@ -1,13 +1,11 @@
-"""`megamemo reference-score FILE.pt --out OUT.pt`: score a reference-format file with the megamemo model.
+"""What `megamemo reference-score FILE.pt --out OUT.pt` does (megamemo/commands/reference_score.py): score a
+reference-format file with the megamemo model.
 
 The file holds `state_dict`, `config`, `inputs`, `targets` (see ../shared/reference/README.md). The model is built
 through the importer and the segments run in order, in eval mode, with memory carried. Output:
 {"nll": [float32 tensor [L, B] per segment, in position order]}.
 """
 from __future__ import annotations
-
-import argparse
-import sys
 
 import torch
 
@@ -41,20 +39,3 @@ def score(g: dict) -> list[torch.Tensor]:
     out = []
     score_segments(model, zip(g["inputs"], g["targets"]), on_segment=lambda s, x, y, nll: out.append(nll.float()))
     return out
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="megamemo reference-score", description=__doc__.splitlines()[0])
-    ap.add_argument("file", help="reference-format .pt file")
-    ap.add_argument("--out", required=True, help="where to write {'nll': [...]}")
-    args = ap.parse_args(argv)
-    try:
-        g = load_reference_file(args.file)
-        nll = score(g)
-    except (ReferenceFormatError, ValueError) as e:
-        print(f"megamemo reference-score: error: {e}", file=sys.stderr)
-        return 2
-    torch.save({"nll": nll}, args.out)
-    total = sum(float(t.sum()) for t in nll) / sum(t.numel() for t in nll)
-    print(f"scored {len(nll)} segments, mean NLL {total:.6f} nats -> {args.out}")
-    return 0

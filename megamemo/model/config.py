@@ -1,4 +1,6 @@
-"""The model's typed configuration. One dataclass; `from_dict` rejects unknown or ill-typed fields by name."""
+"""The model's typed configuration, the `model` section of a run config: one dataclass; `from_dict` rejects unknown
+or ill-typed fields by name and `validate` checks the model itself (what a checkpoint records); `check` adds what a
+training run asks of it."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +23,7 @@ VARIANTS = {
 class ModelConfig:
     variant: str = "lamemo"
     n_token: int = 256              # rows of the embedding and softmax tables (a run config may say `auto`: see
-                                    # megamemo/config/vocab.py)
+                                    # megamemo/train/vocab.py)
     # The vocabulary's symbols when the tables are padded beyond it (ids n_vocab .. n_token-1 are padding: masked
     # out of the softmax, never input, target or sampled); None: every row is a symbol (n_vocab = n_token)
     n_vocab: int | None = None
@@ -121,6 +123,13 @@ class ModelConfig:
         if self.attention not in ("auto", "eager", "flex"):
             bad("attention", "must be one of auto, eager, flex")
         return self
+
+    def check(self, run, bad) -> None:
+        """The run's checks of the model section (megamemo/config/run.py), beyond validate's: FlexAttention, which a
+        training run with attention flex uses, cannot drop attention weights."""
+        if self.attention == "flex" and self.dropatt > 0:
+            bad("model.attention", f"flex cannot drop attention weights (model.dropatt={self.dropatt}): "
+                                   f"use auto or eager, or dropatt 0")
 
     def to_dict(self) -> dict:
         """Every field; n_vocab only where the vocabulary is padded, so an unpadded model's dict (its identity in

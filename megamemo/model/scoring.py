@@ -1,7 +1,8 @@
-"""The memory-carrying segment scorer: the one loop that scores a model over consecutive segments.
+"""The memory-carrying segment scorer: the one loop that scores a model over consecutive segments (score_segments),
+and the evaluation pass over a split built on it (evaluate: progress, TRAMS, per-token hits, bytes).
 
-Validation (train/validate.py, pipeline included), `megamemo eval` with or without TRAMS (eval/evaluate.py, and
-through it the lm-eval harness), the probe a checkpoint records and its replay after conversion
+Validation (train/validate.py, pipeline included), `megamemo eval` with or without TRAMS and the lm-eval harness
+(through evaluate), the probe a checkpoint records and its replay after conversion
 (train/probe_record.py, checkpoint/probe_replay.py), `megamemo analyze` and `reference-score` all run it:
   * eval mode, no gradients, the model's training mode restored afterwards (also on an error);
   * memory carried from one segment to the next, starting from `memory` (None: empty);
@@ -14,12 +15,16 @@ that scores nothing (a pipeline stage before the last): it adds nothing.
 """
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
 from .memory import Memory
+from .trams import TramsConfig
+from .trams import forward as trams_forward
 
 
 @dataclass
@@ -66,3 +71,66 @@ def score_segments(model, segments: Iterable, *, memory: Memory | None = None, f
     finally:
         model.train(was_training)
     return scores
+
+
+def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, trams: TramsConfig | None = None,
+             max_segments: int = 0, device=None, log=None, total_segments: int | None = None,
+             log_every: float = 10.0, bar: bool | None = False, token_bytes: torch.Tensor | None = None,
+             on_segment=None, memory: Memory | None = None) -> dict:
+    """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried from
+    `memory` (None: empty), through the one scorer (score_segments, above).
+    Progress: a line to `log` every `log_every` seconds, or a tqdm bar (bar=True; None: on a terminal).
+    token_bytes (int64 [V], subword corpora): also the UTF-8 bytes of the scored target tokens ("bytes").
+    on_segment(nll [L, B], hit [L, B] bool): told each segment's per-token NLL and whether each target was the
+    most likely token (the harness's loglikelihood; without TRAMS).
+    -> {"nll", "tokens", "segments", "seconds"[, "bytes", "bits_per_byte"]}."""
+    from megamemo.util.progress import Progress
+
+    if trams is not None and on_segment is not None:
+        raise ValueError("on_segment is not available with TRAMS")
+    lengths = {"mem_len": mem_len, "same_length": same_length, "clamp_len": clamp_len}
+    forward = None
+    if trams is not None:
+        del lengths["mem_len"]                  # the TRAMS pool is the memory length
+        forward = functools.partial(trams_forward, select=trams)
+    elif on_segment is not None:
+        forward = functools.partial(_forward_with_hits, on_segment)
+    n_bytes = 0
+    t0 = time.perf_counter()
+    n_seg = min(total_segments, max_segments or total_segments) if total_segments else (max_segments or None)
+    show = log is not None or bool(bar)
+    progress = Progress("[eval]", total=n_seg, unit="seg", every=log_every if show else float("inf"),
+                        bar=bar if show else False, log=log, line=_progress_line)
+
+    def counted(scores, inp, tgt, nll):
+        nonlocal n_bytes
+        if token_bytes is not None:
+            n_bytes += int(token_bytes[tgt.cpu()].sum())
+        progress.update(1, tokens=scores.tokens, nll=lambda: scores.mean)  # nll: a device sync, when shown
+
+    try:
+        scores = score_segments(model, batches, memory=memory, forward=forward, max_segments=max_segments or None,
+                                device=device, on_segment=counted, **lengths)
+    finally:
+        progress.close()
+    out = {"nll": scores.mean, "tokens": scores.tokens, "segments": scores.segments,
+           "seconds": time.perf_counter() - t0}
+    if token_bytes is not None:
+        from megamemo.util.units import bits_per_byte
+
+        out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(scores.nll), n_bytes)
+    return out
+
+
+def _forward_with_hits(on_segment, model, inp, tgt, mem, **lengths):
+    """The model's log-probs: the targets' NLL, and whether each target was the most likely token (on_segment)."""
+    logp, mem = model(inp, None, mem, **lengths)
+    nll = -logp.gather(2, tgt.long()[..., None]).squeeze(2)
+    on_segment(nll, logp.argmax(2) == tgt)
+    return nll, mem
+
+
+def _progress_line(p) -> str:
+    of = f"/{p.total}" if p.total else ""
+    return (f"[eval] segment {p.n}{of}: {p.info['tokens']:,} tokens, {p.info['tokens'] / p.elapsed:,.0f} tokens/s, "
+            f"running nll {p.info['nll']:.4f}")

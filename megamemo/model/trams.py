@@ -63,15 +63,6 @@ class TramsConfig:
             raise ValueError(f"trams.metric: must be one of {METRICS}, got {self.metric!r}")
         return self
 
-    @classmethod
-    def from_reference(cls, mem_len: int, topk_num: int, remain_mem_num: int, metric: str = "code"):
-        """The TRAMS scripts' arguments (mem_len 400, topk_num 50, remain_mem_num 150 by default). The reference
-        selects only when topk_num != 0 (spec §6.2); with topk_num 0 (its baseline scripts: mem_len 200, topk 0,
-        remain_mem_num left at 150) it takes the plain Transformer-XL path over all mem_len memory rows, whatever
-        remain_mem_num says: every pool row attended (attend = recent = pool, topk 0)."""
-        if topk_num == 0:
-            return cls(pool=mem_len, attend=mem_len, recent=mem_len, metric=metric).validate()
-        return cls(pool=mem_len, attend=topk_num + remain_mem_num, recent=remain_mem_num, metric=metric).validate()
 
 
 # ---- the metric and the selection ------------------------------------------------------------------------------

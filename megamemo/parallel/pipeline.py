@@ -63,15 +63,6 @@ class StageMemory:
     def discard(self) -> None:
         self.pending.clear()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"mb{mb}/{name}": t.clone() for mb, d in self.current.items() for name, t in d.items()}
-
-    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
-        self.current, self.pending = {}, {}
-        for key, t in d.items():
-            mb, name = key.split("/", 1)
-            self.current.setdefault(int(mb[2:]), {})[name] = t.clone()
-
     def replace(self, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
         """The committed memory becomes `tensors` ({micro-batch: {name: tensor}}); nothing pending."""
         self.current, self.pending = {k: dict(v) for k, v in tensors.items()}, {}

@@ -3,7 +3,8 @@ megatron-core's column/row-parallel layers, its embedding and softmax for vocab-
 per-head parameter, so each rank holds n_head / tp heads. The model code itself is unchanged: attention runs on
 whatever number of heads a module holds, and LaMemo's per-head caches (ctx.*, lse.*) come out sharded with them.
 
-Layout of the shards (the same rules serve `shard_state_dict` / `merge_state_dicts` for conversion):
+Layout of the shards (the same rules serve `shard_tensor`, a single-device weight -> this rank's shard, and
+`global_box`, where a shard sits in the layout-free global tensor a checkpoint holds):
   qkv.weight [3·n·dh, d]   rank r holds [Q; K; V] of its heads       (column parallel)
   r_net.weight [n·dh, d]   rows of its heads                         (a local product: see HeadRows)
   o_net.weight [d, n·dh]   columns of its heads                      (row parallel)
@@ -73,19 +74,6 @@ def shard_tensor(key, t, rank, tp, rules=_RULES):
     if qkv:
         return torch.cat([part.chunk(tp, 0)[rank] for part in t.chunk(3, 0)], 0)
     return t.chunk(tp, dim)[rank]
-
-
-def merge_tensors(key, parts, rules=_RULES):
-    rule = _rule(key, rules)
-    if rule is None or len(parts) == 1:
-        for i, p in enumerate(parts[1:], 1):
-            if p.shape != parts[0].shape or not torch.equal(p, parts[0]):
-                raise ValueError(f"{key}: replicated tensor differs between tensor-parallel rank 0 and rank {i}")
-        return parts[0]
-    dim, qkv = rule
-    if qkv:
-        return torch.cat([torch.cat([p.chunk(3, 0)[j] for p in parts], 0) for j in range(3)], 0)
-    return torch.cat(parts, dim)
 
 
 def global_box(key, local_shape, rank, tp):

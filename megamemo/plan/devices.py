@@ -1,17 +1,17 @@
 """DEVICES, the calibration table `megamemo plan`'s step-time model (steptime.py) reads: one row per device kind,
 with its source.
 
-The CPU row is measured on this machine (bench/calibrate_cpu.py: CPU_CALIBRATION); the GPU rows take peak FLOP/s
-and memory bandwidth from NVIDIA's datasheets (megamemo/runtime/peak.py), GEMM efficiency by width from published
-measurements where they exist and otherwise are stated assumptions (see GPU_EFFICIENCY), never measured here: no
-GPU was available to this work.
+The CPU row is measured on this machine (bench/calibrate_cpu.py: CPU_CALIBRATION); the GPU rows take peak FLOP/s,
+memory bandwidth and links from the GPU catalogue (megamemo/runtime/gpus.py: NVIDIA's datasheets), GEMM efficiency
+by width from published measurements where they exist and otherwise are stated assumptions (see GPU_EFFICIENCY), and
+the host and elementwise figures measured on an H100 host (GPU_LAUNCH, GPU_ELEMENTWISE_BW, GPU_UNALIGNED_SLOWDOWN).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from megamemo.runtime.peak import PEAK_TFLOPS
+from megamemo.runtime.gpus import GPUS, PLANNED, Gpu, unknown_kind
 
 ZERO_REDUCE_OLD_PARAMS = 8 * 2048 * 2048    # the one size calibrations before the size axis measured (33.6 M)
 
@@ -145,11 +145,12 @@ class Device:
         return self.latency[across_nodes] + nbytes / self.link[across_nodes]
 
 
-def _gpu(kind, row, mem_bw, link, note):
-    return Device(kind, {k: v * 1e12 for k, v in PEAK_TFLOPS[row].items()}, GPU_EFFICIENCY, mem_bw,
+def _gpu(kind: str, g: Gpu) -> Device:
+    link = g.link
+    return Device(kind, {k: v * 1e12 for k, v in g.peak_tflops.items()}, GPU_EFFICIENCY, g.mem_bw,
                   tuple(x * 1e9 for x in link), (15e-6, 30e-6),
-                  f"{row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "
-                  f"(inside / between nodes: {note}); GEMM efficiency by width: GPU_EFFICIENCY (published anchors, "
+                  f"{g.row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "
+                  f"(inside / between nodes: {g.fabric}); GEMM efficiency by width: GPU_EFFICIENCY (published anchors, "
                   f"assumed shape); NCCL latency 15 / 30 us, {GPU_LAUNCH * 1e6:g} us of host time a kernel "
                   f"(GPU_LAUNCH, measured on an H100 host); elementwise kernels at {GPU_ELEMENTWISE_BW:g} of the "
                   f"bandwidth, unaligned GEMMs {GPU_UNALIGNED_SLOWDOWN:g}x slower (measured on an H100)",
@@ -216,22 +217,10 @@ def _sizes(ns) -> tuple:
 
 
 CPU = cpu_device(CPU_CALIBRATION)
-# Memory bandwidth, datasheets: NVIDIA Tesla V100 (SXM2, 16 and 32 GB HBM2) 900 GB/s; NVIDIA A100 Tensor Core GPU
-# (40GB SXM HBM2 1,555 GB/s, 80GB SXM HBM2e 2,039 GB/s); NVIDIA H100 Tensor Core GPU (H100 SXM 80GB HBM3 3.35 TB/s)
-DEVICES = {
-    "v100-16g": _gpu("v100-16g", "V100 SXM2", 900e9, (130, 12.5), "NVLink 2 hybrid cube mesh, 100 Gb/s IB"),
-    "v100-32g": _gpu("v100-32g", "V100 SXM2", 900e9, (130, 12.5), "NVLink 2 hybrid cube mesh, 100 Gb/s IB"),
-    "a100-40g": _gpu("a100-40g", "A100", 1555e9, (230, 25), "NVSwitch, 200 Gb/s HDR IB"),
-    "a100-80g": _gpu("a100-80g", "A100", 2039e9, (230, 25), "NVSwitch, 200 Gb/s HDR IB"),
-    "h100-80g": _gpu("h100-80g", "H100 SXM", 3350e9, (370, 50), "NVSwitch, 400 Gb/s NDR IB"),
-    "cpu": CPU,
-}
+DEVICES = {**{kind: _gpu(kind, GPUS[kind]) for kind in PLANNED}, "cpu": CPU}
 
 
 def device(kind: str) -> Device:
     if kind not in DEVICES:
-        import difflib
-        near = difflib.get_close_matches(kind, DEVICES, n=1)
-        raise ValueError(f"unknown device kind {kind!r}" + (f" (did you mean {near[0]}?)" if near else "")
-                         + f"; known: {', '.join(DEVICES)}")
+        raise unknown_kind(kind, DEVICES)
     return DEVICES[kind]

@@ -1,4 +1,5 @@
-"""`megamemo plan`: per-rank memory of a run before launching it - parameters, gradients, optimizer state
+"""What `megamemo plan` counts (megamemo/commands/plan.py; the report: report.py): per-rank memory of a run before
+launching it - parameters, gradients, optimizer state
 (by ZeRO stage), activations and recurrence-memory state for the chosen TP/PP/DP layout - and whether it fits.
 
     megamemo plan --config configs/lamemo-7b.yaml --nodes 4 --gpus-per-node 8 --gpu a100-80g [--tp 4 --pp 2]
@@ -16,21 +17,18 @@ layer's input plus one layer's activations (recomputed in the backward, one laye
 DeepSpeed's BF16_Optimizer, which adds a full fp32 gradient buffer per rank. Beyond weights,
 gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp32 weights), its flat fp32
 gradient partition and reduction bucket (parallel.reduce_bucket_size elements; two of them with
-parallel.overlap_comm: config/zero.py), the new memory state held until the step commits, and on a CPU layout
+parallel.overlap_comm: parallel/zero.py), the new memory state held until the step commits, and on a CPU layout
 the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
 copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 
-from megamemo.config.zero import DS_REDUCE_BUCKET, overlaps_reduction, reduce_bucket
-from megamemo.model.params import bias_params, input_params, layer_params, output_params, total_params
+from megamemo.parallel.zero import DS_REDUCE_BUCKET, overlaps_reduction, reduce_bucket
+from megamemo.model.params import bias_params, input_params, layer_params, output_params
 from megamemo.util.precision import HALF
 
-GPUS = {"v100-16g": 16, "v100-32g": 32, "a100-40g": 40, "a100-80g": 80, "h100-80g": 80}
 GiB = 1024 ** 3
 HEADROOM = 0.9  # keep 10% for the allocator, communication buffers and the framework
 # resident memory of one training process before its model exists: python, torch, DeepSpeed, megatron-core, gloo
@@ -152,130 +150,3 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
 def stage_plans(cfg, world: int, gib: float, device: str = "gpu") -> list[Plan]:
     """One plan per pipeline stage (every rank of a stage holds the same)."""
     return [plan(cfg, world, gib, stage, device) for stage in range(cfg.parallel.pp)]
-
-
-def _capacity(args) -> tuple[float, str]:
-    """(GiB one rank may use, words for the cluster)."""
-    if args.device == "cpu":
-        if not args.host_mem_gib:
-            raise ValueError("--device cpu needs --host-mem-gib (the node's memory, shared by its ranks)")
-        return (args.host_mem_gib / args.gpus_per_node,
-                f"{args.nodes} node(s) x {args.gpus_per_node} CPU processes sharing {args.host_mem_gib:g} GiB")
-    return GPUS[args.gpu], f"{args.nodes} node(s) x {args.gpus_per_node} {args.gpu}"
-
-
-def main(argv: list[str]) -> int:
-    from megamemo.config.run import ConfigError, load
-
-    ap = argparse.ArgumentParser(prog="megamemo plan", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--nodes", type=int, required=True)
-    ap.add_argument("--gpus-per-node", type=int, required=True, help="devices (or CPU processes) per node")
-    ap.add_argument("--gpu", default="a100-80g", help=f"device kind: {', '.join(GPUS)}")
-    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
-                    help="cpu: ranks are CPU processes sharing the node's --host-mem-gib")
-    ap.add_argument("--host-mem-gib", type=float)
-    ap.add_argument("--tp", type=int)
-    ap.add_argument("--pp", type=int)
-    ap.add_argument("--recommend", action="store_true",
-                    help="list the layouts that fit, best first (the default when neither --tp nor --pp is given)")
-    ap.add_argument("--explain", action="store_true",
-                    help="the predicted step time's breakdown of the layout (--tp/--pp, else the first ranked)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    def one_line(message):      # argparse's error: one line (no usage block), exit 2
-        print(f"megamemo plan: {message}", file=sys.stderr)
-        raise SystemExit(2)
-    ap.error = one_line
-    args = ap.parse_args(argv)
-    for flag, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node), ("--tp", args.tp),
-                    ("--pp", args.pp)):
-        if v is not None and v < 1:
-            print(f"megamemo plan: {flag} must be at least 1 (got {v})", file=sys.stderr)
-            return 2
-    from megamemo.plan import recommend as rec
-    from megamemo.plan.steptime import explain, step_time
-    if args.device == "gpu" and args.gpu not in GPUS:
-        import difflib
-        near = difflib.get_close_matches(args.gpu, GPUS, n=1)
-        print(f"megamemo plan: --gpu: unknown device kind {args.gpu!r}" + (f" (nearest: {near[0]})" if near else "")
-              + f"; known: {', '.join(GPUS)}", file=sys.stderr)
-        return 2
-    world = args.nodes * args.gpus_per_node
-    given = bool(args.tp or args.pp)
-    layout = [f"parallel.{k}={v}" for k, v in (("tp", args.tp), ("pp", args.pp)) if v]
-    try:
-        base = load(args.config, list(args.set))
-        gib, cluster = _capacity(args)
-        rec.check_device(base, rec.device_kind(args.device, args.gpu))
-        try:
-            cfg = load(args.config, [*args.set, *layout])
-            why = rec.layout_problem(cfg, world, args.gpus_per_node) if given else None
-        except ConfigError as e:
-            if not given:
-                raise
-            cfg, why = None, str(e).removeprefix("parallel: ")
-        if why:
-            tp, pp = args.tp or base.parallel.tp, args.pp or base.parallel.pp
-            print(f"megamemo plan: tp={tp} pp={pp} cannot run on {cluster}: {why}; "
-                  + rec.nearest_words(base, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan, tp, pp,
-                                      "runs"), file=sys.stderr)
-            return 2
-        plans = stage_plans(cfg, world, gib, args.device)
-    except (ConfigError, ValueError) as e:
-        print(f"megamemo plan: {e}", file=sys.stderr)
-        return 2
-    kind = rec.device_kind(args.device, args.gpu)
-    fits = None
-    if args.recommend or not given:
-        fits, fails = rec.recommend(cfg, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan)
-        if not fits:
-            print("megamemo plan: " + rec.no_fit_line(cfg, args.nodes, args.gpus_per_node, gib, args.device,
-                                                      args.gpu, plan, fails), file=sys.stderr)
-            return 1
-    m = cfg.model
-    n_params = total_params(m)
-    print(f"model: {m.variant} {m.n_layer}L d_model {m.d_model} {m.n_head}x{m.d_head} d_inner {m.d_inner} "
-          f"vocab {m.n_token}: {n_params / 1e9:.2f} B parameters; tgt_len {m.tgt_len} mem_len {m.mem_len}; "
-          f"{cfg.precision.dtype}")
-    if fits is not None:
-        rec.print_recommendations(cfg, args.nodes, args.gpus_per_node, gib, args.device, args.gpu, plan,
-                                  fits_fails=(fits, fails))
-        print()
-    p = plans[0]
-    print(f"cluster: {cluster}; layout {p.layout}")
-    terms = [t for t in Plan.TERMS if any(getattr(q, t) for q in plans)]
-    print("per-rank memory (GiB), by pipeline stage:" if len(plans) > 1 else "per-rank memory:")
-    print(f"  {'':<16}" + "".join(f"{f'stage {q.stage}':>10}" for q in plans))
-    for name in terms:
-        note = "" if name != "snapshot" or p.on_host else "  (host memory, not counted)"
-        print(f"  {name:<16}" + "".join(f"{getattr(q, name) / GiB:>10.2f}" for q in plans) + note)
-    top = max(plans, key=lambda q: q.total)
-    if len(plans) > 1:
-        print(f"  {'stage total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans))
-    print(f"  {'total':<16}{top.total / GiB:>10.2f} GiB of {p.capacity / GiB:.1f} GiB"
-          + (f" (stage {top.stage}, the largest)" if len(plans) > 1 else ""))
-    ok = all(q.fits for q in plans)
-    print(f"-> {'FITS' if ok else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
-    runs = rec.layout_problem(cfg, world, args.gpus_per_node) is None
-    if runs:
-        st = step_time(cfg, world, kind, args.gpus_per_node, plan)
-        print(f"   predicted step {st.seconds * 1e3:.1f} ms: {st.tokens_per_s_per_device:,.1f} tokens/s per device, "
-              f"HFU {st.hfu:.1%}, MFU {st.mfu:.1%}, dominant: {st.dominant} ({kind}; megamemo/plan/steptime.py)")
-        best, _ = rec.fastest_micro_batch(cfg, world, args.gpus_per_node, gib, args.device, kind, plan,
-                                          cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage)
-        if best is not None and best[1] != cfg.train.grad_accum:
-            c, ga, _, fast = best
-            print(f"   this layout's fastest micro-batch: {c.layout(world)[1]} x grad_accum {ga} (--set "
-                  f"train.grad_accum={ga}): {fast.seconds * 1e3:.1f} ms, {fast.tokens_per_s_per_device:,.1f} tokens/s "
-                  f"per device")
-    if not ok and given:
-        print(f"megamemo plan: {p.layout} needs {top.total / GiB:.1f} GiB on a rank of stage {top.stage} (of "
-              f"{p.capacity / GiB:.1f}); " + rec.nearest_words(cfg, args.nodes, args.gpus_per_node, gib, args.device,
-                                                            args.gpu, plan, cfg.parallel.tp, cfg.parallel.pp, "fits"),
-              file=sys.stderr)
-    if args.explain:
-        show = fits[0].step if fits and not given else (st if runs else None)
-        if show is not None:
-            print()
-            print("\n".join(explain(show, kind)))
-    return 0 if ok else 1

@@ -32,10 +32,10 @@ On a device without a launch figure (the CPU):
   pp_p2p        per micro-batch slot, the activations and memory rows forward and their gradient back; and
                 DeepSpeed's all-reduce of the tied embedding's gradient between the first and last stage.
   dp_comm       the gradient reduction over dp: DeepSpeed's ZeRO 0/1/2 all-reduce whole buckets (stage_1_and_2.py,
-                use_multi_rank_bucket_allreduce) of parallel.reduce_bucket_size elements (config/zero.py), 2 (dp-1)/dp
+                use_multi_rank_bucket_allreduce) of parallel.reduce_bucket_size elements (parallel/zero.py), 2 (dp-1)/dp
                 bytes, once per step at the accumulation boundary (ZeRO 2: every micro-batch). DeepSpeed overlaps it
                 with the backward pass, bucket by bucket, only with parallel.overlap_comm (off by default) and only
-                where it takes effect (ZeRO 1/2 without a pipeline, not bf16's BF16_Optimizer: config/zero.py
+                where it takes effect (ZeRO 1/2 without a pipeline, not bf16's BF16_Optimizer: parallel/zero.py
                 overlaps_reduction): then all buckets but the last reduce behind the last micro-batch's backward (2/3
                 of its compute) and only the rest is exposed; on a CPU whose ranks share its cores nothing hides.
                 `overlap_hides` is what overlap hides (overlapped) or would hide (not).
@@ -73,7 +73,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from megamemo.config.zero import overlaps_reduction, reduce_bucket
+from megamemo.parallel.zero import overlaps_reduction, reduce_bucket
 from megamemo.model.flops import forward_flops, model_flops, step_flops
 from megamemo.plan import opcost, optrace
 from megamemo.plan.devices import Device, device, nearest_group

@@ -120,6 +120,16 @@ def resolve(env=None) -> str:
     return kind
 
 
+def torch_device(name: str) -> str:
+    """The device an evaluating command runs on (eval, generate, analyze, harness: --device): "auto" is cuda where
+    torch sees a CUDA device, else cpu, decided when the command runs; any other name is taken as given."""
+    if name not in ("auto", None):
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 # ---- determinism (train.deterministic) ------------------------------------------------------------------------
 DETERMINISTIC_ENV = {
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",   # cuBLAS reuses workspaces in a fixed order (needed by torch below)

@@ -62,6 +62,8 @@ def kind_of(code: int) -> str:
 
 
 def retryable(code: int) -> bool:
+    """Whether a start that ended with `code` may be started again: not a success, not a usage error (bad config,
+    data or a locked run directory, which a restart would meet again)."""
     return code not in (0, EXIT_USAGE)
 
 

@@ -165,7 +165,7 @@ class Launcher:
         exits = list(self.exits.values())
         first = interruptions.culprit(exits)
         left = self.max_restarts - self.restarts
-        if first is not None and first.code == interruptions.EXIT_USAGE and (
+        if first is not None and not interruptions.retryable(first.code) and (
                 run_dir is None or not interruptions.read_heartbeats(run_dir, since=self.started)):
             return False, interruptions.USAGE, None   # refused before training (config, data, the lock): no record
         if run_dir is None or first is None:            # failed before rank 0 named its run directory

@@ -1,60 +1,25 @@
-"""Peak FLOP/s of a device for MFU (model FLOPs utilisation): a table of NVIDIA datasheet figures by device name.
-
-Sources (dense figures; NVIDIA's datasheets print the tensor-core numbers "with sparsity" for A100 as a second
-figure and for H100/H200 only, so the dense figure used here is half of that one):
-  - NVIDIA Tesla V100 GPU Accelerator datasheet (SXM2 / PCIe; V100S PCIe datasheet): single precision and
-    "Tensor Performance" (fp16 in, fp32 accumulate). V100 has no bf16 or tf32 tensor cores.
-  - NVIDIA A100 Tensor Core GPU datasheet (40GB/80GB, SXM and PCIe alike): FP32, TF32, BF16 and FP16 tensor core.
-  - NVIDIA H100 Tensor Core GPU datasheet (H100 SXM, H100 NVL; the earlier PCIe edition for H100 PCIe) and the
-    NVIDIA H200 datasheet (H200 SXM / NVL: the H100 SXM / NVL compute figures).
+"""Peak FLOP/s of a device for MFU (model FLOPs utilisation): the datasheet figure of the GPU catalogue's entry
+(megamemo/runtime/gpus.py) that the device's name matches.
 
 The dtype key is what the matmuls run in: "fp32" unless torch lets fp32 matmuls use TF32
 (torch.get_float32_matmul_precision() != "highest"; off by default), then "tf32"; "bf16" and "fp16" for those
-precisions. A device or dtype not in the table has no peak (MFU "n/a"); MEGAMEMO_PEAK_TFLOPS=<per-device TFLOP/s>
-sets one (another GPU, a CPU figure you measured).
+precisions. A device or dtype not in the catalogue has no peak (MFU "n/a"); MEGAMEMO_PEAK_TFLOPS=<per-device
+TFLOP/s> sets one (another GPU, a CPU figure you measured).
 """
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
-# TFLOP/s per device, dense
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "V100 SXM2": {"fp32": 15.7, "fp16": 125.0},
-    "V100 PCIe": {"fp32": 14.0, "fp16": 112.0},
-    "V100S PCIe": {"fp32": 16.4, "fp16": 130.0},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-    "H100 SXM": {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},
-    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5},
-    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
-}
-PEAK_TFLOPS["H200 SXM"] = PEAK_TFLOPS["H100 SXM"]
-PEAK_TFLOPS["H200 NVL"] = PEAK_TFLOPS["H100 NVL"]
-
-# torch.cuda.get_device_name() -> table row; first match wins (e.g. "Tesla V100-SXM2-32GB", "NVIDIA A100-SXM4-80GB",
-# "NVIDIA A100 80GB PCIe", "NVIDIA H100 80GB HBM3" (SXM5), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200")
-_NAMES = [
-    (r"V100S", "V100S PCIe"),
-    (r"V100.*PCIE", "V100 PCIe"),
-    (r"V100", "V100 SXM2"),                 # SXM2, DGXS
-    (r"A100", "A100"),
-    (r"H100.*NVL", "H100 NVL"),
-    (r"H100.*(PCIE|HBM2E)", "H100 PCIe"),
-    (r"H100", "H100 SXM"),
-    (r"H200.*NVL", "H200 NVL"),
-    (r"H200", "H200 SXM"),
-]
+from megamemo.runtime.gpus import by_device_name
 
 ENV = "MEGAMEMO_PEAK_TFLOPS"
 
 
 def table_row(device_name: str) -> str | None:
-    """The PEAK_TFLOPS row of a CUDA device name, or None for a device not in the table."""
-    for pattern, row in _NAMES:
-        if re.search(pattern, device_name, re.IGNORECASE):
-            return row
-    return None
+    """The catalogue row (the datasheet's name) of a CUDA device name, or None for a device not in it."""
+    g = by_device_name(device_name)
+    return None if g is None else g.row
 
 
 def matmul_dtype(precision: str, fp32_matmul_precision: str = "highest") -> str:
@@ -66,8 +31,8 @@ def matmul_dtype(precision: str, fp32_matmul_precision: str = "highest") -> str:
 
 def peak_flops(device_name: str, dtype: str) -> float | None:
     """Per-device peak FLOP/s for a CUDA device name and a table dtype, or None when unknown."""
-    row = table_row(device_name)
-    tflops = PEAK_TFLOPS.get(row, {}).get(dtype) if row else None
+    g = by_device_name(device_name)
+    tflops = None if g is None else g.peak_tflops.get(dtype)
     return None if tflops is None else tflops * 1e12
 
 
@@ -99,7 +64,7 @@ def device_peak(device, precision: str, environ=None) -> Peak:
     dtype = matmul_dtype(precision, torch.get_float32_matmul_precision())
     flops = peak_flops(name, dtype)
     if flops is None:
-        why = "not in megamemo/runtime/peak.py" if table_row(name) is None else f"no {dtype} figure"
+        why = "not in megamemo/runtime/gpus.py" if table_row(name) is None else f"no {dtype} figure"
         return Peak(None, f"n/a ({name}: {why}; set {ENV})")
     return Peak(flops, f"{flops / 1e12:g} TFLOP/s ({name} as {table_row(name)}, {dtype}, datasheet)")
 

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from megamemo.runtime.interruptions import EXIT_HUNG, HEARTBEATS, read_heartbeats
+from megamemo.util.files import write_text_atomic
 
 WARMUP_STEPS = 2          # steps of a process not counted in its slowest (compilation, allocator warm-up)
 FIRST_STEPS_FACTOR = 5    # the auto timeout over the warm-up: 5 x the floor
@@ -135,9 +136,7 @@ class Watchdog:
                **({"hung": self.hung} if self.hung else {})}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.dir / f".rank{self.rank}.json.tmp"
-            tmp.write_text(json.dumps(rec))
-            tmp.replace(self.dir / f"rank{self.rank}.json")
+            write_text_atomic(self.dir / f"rank{self.rank}.json", json.dumps(rec), durable=False)
         except OSError:
             pass                                # a full or flaky file system must not stop the training
 

@@ -1,4 +1,6 @@
-"""The trainer's side of data_pipeline: checks of the shard directories before start-up, and readers.
+"""The trainer's side of data_pipeline: checks of the shard directories before start-up, and readers. Each function
+takes the data section (data_pipeline/config.py) alone, but the start-up check, which holds the data against the
+run's model and validation.
 
 Each data-parallel rank reads its own B/W contiguous columns with data_pipeline.StreamReader (data.dir: a local
 directory or an s3:// gs:// https:// URL) or data_pipeline.blend.BlendReader (data.blend); its state is the data
@@ -8,29 +10,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megamemo.config.run import RunConfig
+from data_pipeline.config import DataConfig
+from megamemo.train.config import RunConfig
 
 
 class DataError(ValueError):
     """A missing or unusable data directory; the message names it."""
 
 
-def remote_options(cfg: RunConfig):
-    """How s3:// gs:// https:// shard directories are read (data.cache_dir, data.cache_size, data.retries, ...)."""
-    from megamemo.config.run import remote_options as of_data
-
-    return of_data(cfg.data)
-
-
-def _remote_manifest(cfg: RunConfig, url: str, field: str) -> dict:
+def _remote_manifest(data: DataConfig, splits: list[str], url: str, field: str) -> dict:
     from data_pipeline import ManifestError, ShardError
     from data_pipeline.remote import RemoteShards
 
     try:
-        remote = RemoteShards(url, remote_options(cfg))
+        remote = RemoteShards(url, data.remote_options())
         try:                        # one listing: missing or wrong-sized objects named before the model is built
-            used = {cfg.data.split} | ({cfg.eval.split} if cfg.eval.every else set())
-            remote.check_listing([e for name, sp in remote.manifest["splits"].items() if name in used
+            remote.check_listing([e for name, sp in remote.manifest["splits"].items() if name in splits
                                   for e in sp["shards"]])
         finally:
             remote.close()
@@ -41,21 +36,21 @@ def _remote_manifest(cfg: RunConfig, url: str, field: str) -> dict:
     return remote.manifest
 
 
-def _sources(cfg: RunConfig) -> list[tuple[str, str]]:
+def _sources(data: DataConfig) -> list[tuple[str, str]]:
     """(config field, directory or URL) of every data source: data.dir, or each data.blend entry."""
-    if cfg.data.blend:
-        return [(f"data.blend[{i}].dir", str(e["dir"])) for i, e in enumerate(cfg.data.blend)]
-    return [("data.dir", cfg.data.dir)]
+    if data.blend:
+        return [(f"data.blend[{i}].dir", str(e["dir"])) for i, e in enumerate(data.blend)]
+    return [("data.dir", data.dir)]
 
 
-def _manifest_of(cfg: RunConfig, field: str, d: str) -> dict:
+def _manifest_of(data: DataConfig, splits: list[str], field: str, d: str) -> dict:
     from data_pipeline import ManifestError, load_manifest
     from data_pipeline.remote import is_remote
 
     if not d:
         raise DataError("data.dir: no shard directory given (--data DIR or data.dir in the config)")
     if is_remote(d):
-        return _remote_manifest(cfg, d, field)
+        return _remote_manifest(data, splits, d, field)
     if not Path(d).is_dir():
         raise DataError(f"{field}: {d} does not exist (build it with `megamemo prepare CORPUS --raw PATH --out {d}`)")
     try:
@@ -64,20 +59,22 @@ def _manifest_of(cfg: RunConfig, field: str, d: str) -> dict:
         raise DataError(f"{field}: {e}") from None
 
 
-def _manifest(cfg: RunConfig) -> dict:
+def _manifest(data: DataConfig) -> dict:
     """The manifest of data.dir (of the first source of a blend)."""
-    return _manifest_of(cfg, *_sources(cfg)[0])
+    return _manifest_of(data, [data.split], *_sources(data)[0])
 
 
 def check_data_dir(cfg: RunConfig) -> dict:
     """The manifest of data.dir (the first blend source) after checking the splits, vocabulary and, for a blend,
-    the one tokenizer that the run needs."""
+    the one tokenizer that the run needs (the run's data against its model and validation)."""
     from data_pipeline.blend import tokenizer_identity
 
+    data = cfg.data
+    used = [data.split] + ([cfg.eval.split] if cfg.eval.every else [])
     first = None
-    for i, (field, d) in enumerate(_sources(cfg)):
-        m = _manifest_of(cfg, field, d)
-        splits = [cfg.data.split] + ([cfg.eval.split] if cfg.eval.every and i == 0 else [])
+    for i, (field, d) in enumerate(_sources(data)):
+        m = _manifest_of(data, used, field, d)
+        splits = [data.split] + ([cfg.eval.split] if cfg.eval.every and i == 0 else [])
         for s in splits:
             if s not in m["splits"]:
                 raise DataError(f"{field}: {d} has no split {s!r} (has {sorted(m['splits'])})")
@@ -97,10 +94,10 @@ def check_data_dir(cfg: RunConfig) -> dict:
     return first
 
 
-def unit_for(cfg: RunConfig) -> str:
+def unit_for(data: DataConfig) -> str:
     """bpc for character/byte-level corpora, perplexity for word-level and subword ones."""
     try:
-        kind = _manifest(cfg)["tokenizer"].get("kind", "")
+        kind = _manifest(data)["tokenizer"].get("kind", "")
     except DataError:
         return "bpc"
     from data_pipeline.vocab import unit_of
@@ -108,43 +105,45 @@ def unit_for(cfg: RunConfig) -> str:
     return unit_of(kind)
 
 
-def bytes_per_token(cfg: RunConfig) -> dict[str, float]:
+def bytes_per_token(data: DataConfig) -> dict[str, float]:
     """Per split, the UTF-8 bytes of its text over its tokens (subword corpora record n_bytes): training and
     validation lines report bits per byte = loss / ln 2 / this ratio. {} for other corpora."""
     try:
-        m = _manifest(cfg)
+        m = _manifest(data)
     except DataError:
         return {}
     return {s: sp["n_bytes"] / sp["n_tokens"] for s, sp in m["splits"].items()
             if isinstance(sp.get("n_bytes"), int) and sp["n_bytes"] > 0 and sp["n_tokens"] > 0}
 
 
-def stream(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, world_size: int, rank: int, *, roll: bool,
+def stream(data: DataConfig, split: str, batch_size: int, tgt_len: int, world_size: int, rank: int, *, roll: bool,
            epochs: int | None, prefetch: int = 0, block_tokens: int = 1 << 20, mix_every: int = 0):
     """The reader of a run's data: a StreamReader of data.dir, or for data.blend (training split) a
     BlendReader. Evaluation of a blend reads the first source's split."""
     from data_pipeline import StreamReader
     from data_pipeline.blend import BlendReader
 
-    if cfg.data.blend and split == cfg.data.split and epochs is None:
-        return BlendReader([(e["dir"], e["weight"]) for e in cfg.data.blend], split, batch_size, tgt_len,
-                           world_size, rank, seed=cfg.data.seed, mix_every=mix_every,
-                           log=lambda m: print(m, flush=True), remote_options=remote_options(cfg))
-    return StreamReader(_sources(cfg)[0][1], split, batch_size, tgt_len, world_size, rank, roll=roll,
-                        seed=cfg.data.seed, epochs=epochs, prefetch=prefetch, block_tokens=block_tokens,
-                        remote_options=remote_options(cfg))
+    if data.blend and split == data.split and epochs is None:
+        return BlendReader([(e["dir"], e["weight"]) for e in data.blend], split, batch_size, tgt_len,
+                           world_size, rank, seed=data.seed, mix_every=mix_every,
+                           log=lambda m: print(m, flush=True), remote_options=data.remote_options())
+    return StreamReader(_sources(data)[0][1], split, batch_size, tgt_len, world_size, rank, roll=roll,
+                        seed=data.seed, epochs=epochs, prefetch=prefetch, block_tokens=block_tokens,
+                        remote_options=data.remote_options())
 
 
-def open_reader(cfg: RunConfig, split: str, batch_size: int, tgt_len: int, dp: int, dp_rank: int, *, train: bool):
+def open_reader(data: DataConfig, split: str, batch_size: int, tgt_len: int, dp: int, dp_rank: int, *, train: bool,
+                mix_every: int = 0):
+    """This data-parallel rank's reader of the training split (train) or the validation split; mix_every: how often
+    a blend reports its token mix (steps; 0: never)."""
     from data_pipeline.blend import BlendError
 
     if batch_size % dp:
         where = "data.batch_size" if train else "eval.batch_size"
         raise DataError(f"{where}: {batch_size} streams do not split over {dp} data-parallel ranks")
     try:
-        return stream(cfg, split, batch_size, tgt_len, dp, dp_rank, roll=cfg.data.roll and train,
-                      epochs=None if train else 1, prefetch=cfg.data.prefetch if train else 0,
-                      mix_every=10 * cfg.log.every if dp_rank == 0 else 0)
+        return stream(data, split, batch_size, tgt_len, dp, dp_rank, roll=data.roll and train,
+                      epochs=None if train else 1, prefetch=data.prefetch if train else 0, mix_every=mix_every)
     except BlendError as e:
         raise DataError(f"data.blend: {e}") from None
     except ValueError as e:         # e.g. a split too short for the batch

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from megamemo.config.run import ConfigError, RunConfig
+from megamemo.config.run import ConfigError
+from megamemo.train.config import RunConfig
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -55,7 +56,7 @@ def grad_accum_dtype(cfg: RunConfig) -> str | None:
 
 def zero_optimization(cfg: RunConfig) -> dict:
     """DeepSpeed's zero_optimization section: the stage and, where the config sets them, the reduction's overlap
-    with the backward pass and its bucket size (validated against what DeepSpeed applies: config/zero.py)."""
+    with the backward pass and its bucket size (validated against what DeepSpeed applies: parallel/zero.py)."""
     out = {"stage": cfg.parallel.zero_stage}
     if cfg.parallel.overlap_comm:
         out["overlap_comm"] = True

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
 from megamemo.checkpoint.store import CheckpointStore
-from megamemo.config.run import RunConfig
+from megamemo.train.config import RunConfig
 from megamemo.model import Memory
 from megamemo.train.metrics import Metrics
 from megamemo.train.resumable import DataCursor, EngineState, MemoryState
@@ -70,6 +70,32 @@ class StepResult:
     stop: bool
 
 
+@dataclass
+class StepSignals:
+    """What every rank learns at the end of a step, summed over all ranks in one all-reduce, so that all decide
+    alike: the step's summed token NLL (nats) and its tokens (the TP/PP ranks of a data-parallel group count the same
+    streams: the ratio is unchanged), whether a stop signal reached some rank, whether a background save failed on
+    some rank."""
+    loss_sum: float
+    tokens: float
+    stop: bool
+    save_failed: bool
+
+    @classmethod
+    def all_reduced(cls, loss_sum: torch.Tensor, tokens: int, stop: bool, save_failed: bool,
+                    world_size: int) -> "StepSignals":
+        """loss_sum: float64 on the device. The three host values cross in one copy (from pinned memory on a GPU: no
+        host sync; the only one of the step is the .tolist() here)."""
+        host = torch.tensor([float(tokens), float(stop), float(save_failed)], dtype=torch.float64)
+        if loss_sum.device.type == "cuda":
+            host = host.pin_memory()
+        signals = torch.cat([loss_sum.reshape(1), host.to(loss_sum.device, non_blocking=True)])
+        if world_size > 1:
+            dist.all_reduce(signals)
+        loss_sum, tokens, stop, save_failed = signals.tolist()
+        return cls(loss_sum, tokens, stop > 0, save_failed > 0)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, reader, *, rank: int, world_size: int, micro_batch: int,
                  metrics: Metrics, store: CheckpointStore | None = None, evaluator=None,
@@ -83,7 +109,6 @@ class Trainer:
         self.n_micro = cfg.train.grad_accum
         self.metrics = metrics
         self.store = store
-        self.faults = store.faults if store is not None else FaultPoints(rank)   # the crash tests' and soak's
         self.evaluator = evaluator
         self.stop = stop
         self.rank_extra = rank_extra or {}
@@ -109,6 +134,11 @@ class Trainer:
         self.faults = FaultPoints(rank)     # injected crashes: tests and bench/soak.py only (checkpoint/faults.py)
         self._consecutive_skips = 0
         self._scale_before = engine.loss_scale()
+        self.probe = None               # the conversion probe recorded with each checkpoint (checkpoint.probe)
+        if cfg.checkpoint.probe:
+            from megamemo.train.probe_record import Probe
+            self.probe = Probe(cfg.data, cfg.model.tgt_len, micro_batch, self.rank_extra.get("layout", {}),
+                               cfg.precision.dtype)
 
     @property
     def step(self) -> int:
@@ -166,20 +196,13 @@ class Trainer:
         else:
             loss_sum, res, new_mems = self._micro_steps(inp, tgt, new_epoch)
         self.faults.at("step")
-        stop_local = 1.0 if (self.stop is not None and self.stop.requested) else 0.0
-        save_failed = 1.0 if (self.store is not None and self.store.failed()) else 0.0
-        # the step's signals in one tensor: the loss (on the device) and three host values copied in one go (from
-        # pinned memory on a GPU: no host sync; the only one of the step is the .tolist() below)
-        host = torch.tensor([float(tgt.numel()), stop_local, save_failed], dtype=torch.float64)
-        if inp.device.type == "cuda":
-            host = host.pin_memory()
-        stats = torch.cat([loss_sum.reshape(1), host.to(inp.device, non_blocking=True)])
-        if self.world_size > 1:
-            dist.all_reduce(stats)          # TP/PP ranks of one DP group count the same streams: ratio unchanged
-        stats = stats.tolist()
-        if stats[3] > 0:                    # a background save failed: every rank raises its SaveFailed here
+        signals = StepSignals.all_reduced(
+            loss_sum, tgt.numel(), stop=self.stop is not None and self.stop.requested,
+            save_failed=self.store is not None and self.store.failed(), world_size=self.world_size)
+        if signals.save_failed:             # a background save failed: every rank raises its SaveFailed here
             self.store.wait(timeout_s=self.cfg.checkpoint.commit_timeout_s)
-        loss, tokens, stop = stats[0] / stats[1], int(stats[1]) // self.model_parallel, stats[2] > 0
+        loss, tokens, stop = (signals.loss_sum / signals.tokens, int(signals.tokens) // self.model_parallel,
+                              signals.stop)
         if self.stage is not None:
             self.stage.bank.commit() if res["applied"] else self.stage.bank.discard()
         if res["applied"]:
@@ -242,9 +265,9 @@ class Trainer:
             self.stage.bank.replace({})
         if self.dropout_key is not None:                # each pipe layer sets the micro-batch it computes
             self.dropout_key.set(step=self.counters.step)
+        from megamemo.parallel.pipeline import stage_input
         b = self.micro_batch
-        batches = [((inp[:, k * b:(k + 1) * b], torch.tensor([k, 0, 0])), tgt[:, k * b:(k + 1) * b])
-                   for k in range(self.n_micro)]
+        batches = [(stage_input(inp[:, k * b:(k + 1) * b], k), tgt[:, k * b:(k + 1) * b]) for k in range(self.n_micro)]
         res = self.engine.pipeline_step(iter(batches))
         loss_sum = torch.tensor(res["loss"] * tgt.numel(), dtype=torch.float64, device=inp.device)
         return loss_sum, res
@@ -254,9 +277,9 @@ class Trainer:
         if self.store is None:
             return None
         files = {}
-        if self.cfg.checkpoint.probe:           # collective: every rank runs its first streams (train/probe_record.py),
-            from megamemo.train.probe_record import record_probe     # after the snapshot, while the files are written
-            files = lambda: _eagerly(record_probe, self)  # noqa: E731
+        if self.probe is not None:      # collective: every rank runs its first streams (train/probe_record.py),
+            files = lambda: _eagerly(self.probe.record, self.engine, self.stage, self.memory,   # noqa: E731
+                                     self.cursor.state, self.counters.step)   # after the snapshot, as files are written
         return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
 
     def resume(self, step_dir: Path) -> dict:
@@ -315,6 +338,8 @@ class Trainer:
         finally:
             if wd is not None:
                 wd.stop()
+            if self.probe is not None:
+                self.probe.close()      # its reader, kept from save to save
 
     def _finish_saves(self) -> None:
         if self.store is not None:

@@ -29,6 +29,7 @@ import math
 import time
 from pathlib import Path
 
+from megamemo.util.files import write_text_atomic
 from megamemo.util.units import bits, bits_per_byte, perplexity
 from megamemo.runtime.peak import format_flops
 
@@ -46,9 +47,7 @@ def trim_jsonl(path: Path, last_step: int) -> None:
             continue                                  # a line cut by a crash
         if rec.get("step", 0) <= last_step and not (rec.get("kind") == "resume" and rec["step"] == last_step):
             keep.append(line)                         # (a resume at last_step is written again by the new run)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(k + "\n" for k in keep), durable=False)
 
 
 class Metrics:
@@ -85,9 +84,7 @@ class Metrics:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.config_yaml is not None:
-            tmp = self.run_dir / "config.yaml.tmp"
-            tmp.write_text(self.config_yaml)
-            tmp.replace(self.run_dir / "config.yaml")
+            write_text_atomic(self.run_dir / "config.yaml", self.config_yaml, durable=False)
         if self.start_step > 0:
             trim_jsonl(self.path, self.start_step)
         elif self.start is not None and self.start.get("restart", 0) > 0:

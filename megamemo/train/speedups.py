@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from megamemo.config.run import ConfigError, RunConfig
+from megamemo.config.run import ConfigError
+from megamemo.train.config import RunConfig
 
 
 def _all_agree(ok: bool, device) -> bool:

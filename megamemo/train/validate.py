@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megamemo.config.run import RunConfig
+from megamemo.train.config import RunConfig
 from megamemo.model.scoring import score_segments
 
 
@@ -63,13 +63,10 @@ class Evaluator:
 
 
 class PipelineEvaluator(Evaluator):
-    """Validation through the pipeline stages, forward only, outside DeepSpeed's schedule: each stage runs its
-    layers on a segment and hands (rows, meta) to the next with DeepSpeed's stage-to-stage p2p (a shape header
-    first: memory rows make the rows' length vary); the last stage scores the tokens. Each stage keeps the
-    validation memory of its layers in a bank of its own, with the validation lengths, and gives the training
-    bank and lengths back afterwards. Only the last stage's first TP rank counts, so the all-reduced sums hold
-    every data-parallel replica's tokens once. Every tensor handed to p2p is made on the engine's device (NCCL
-    takes no CPU tensor): the header, the receive buffers, and the stage's (rows, meta) output."""
+    """Validation through the pipeline stages, forward only, outside DeepSpeed's schedule
+    (parallel/stage_scoring.py): each stage keeps the validation memory of its layers in a bank of its own, at the
+    validation lengths, and gives the training bank and lengths back afterwards. Only the last stage's first TP rank
+    counts, so the all-reduced sums hold every data-parallel replica's tokens once."""
 
     def __init__(self, cfg, make_reader, engine_fn, stage, device, world_size: int, metrics):
         super().__init__(cfg, make_reader, lambda: engine_fn().module, device, world_size, metrics)
@@ -77,50 +74,12 @@ class PipelineEvaluator(Evaluator):
         self.replicas = 1
 
     def score(self) -> torch.Tensor:
-        from megamemo.parallel.pipeline import StageMemory
+        from megamemo.parallel.stage_scoring import scoring_bank, stage_forward
 
-        ctx, L = self.stage, self.lengths
-        saved = ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length
-        ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = (StageMemory(), L["mem_len"], L["clamp_len"],
-                                                                 L["same_length"])
-        try:
+        L = self.lengths
+        with scoring_bank(self.stage, mem_len=L["mem_len"], clamp_len=L["clamp_len"], same_length=L["same_length"]):
             return _totals(score_segments(self.module_fn(), self.segments(), device=self.device,
-                                          forward=self._stage_forward))
-        finally:
-            ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length = saved
-
-    def _stage_forward(self, module, inp, tgt, mem):
-        """One segment through this stage (the scorer's forward): -> (the NLL this rank counts, None). The memory
-        is the stage's bank, not a value: only the last stage's first TP rank counts tokens, the others return no
-        elements."""
-        from deepspeed.runtime.pipe import p2p
-
-        from megamemo.parallel.pipeline import stage_input, token_nll
-
-        ds, ctx = self.engine_fn(), self.stage
-        if ds.is_first_stage():
-            x = stage_input(inp, 0)                                         # micro-batch 0
-        else:
-            shape = torch.empty(3, dtype=torch.long, device=self.device)
-            p2p.recv(shape, ds.prev_stage)
-            rows = torch.empty(*shape.tolist(), dtype=next(module.parameters()).dtype, device=self.device)
-            meta = torch.empty(3, dtype=torch.long, device=self.device)
-            p2p.recv(rows, ds.prev_stage)
-            p2p.recv(meta, ds.prev_stage)
-            x = (rows, meta)
-        out = module(x)
-        counted = torch.zeros(0, device=self.device)
-        if not ds.is_last_stage():
-            rows, meta = out
-            p2p.send(torch.tensor(rows.shape, dtype=torch.long, device=self.device), ds.next_stage)
-            p2p.send(rows.contiguous(), ds.next_stage)
-            p2p.send(meta, ds.next_stage)
-        else:
-            nll = token_nll(out, tgt, vocab_parallel=ctx.tp > 1)    # collective over TP ranks
-            if ctx.tp_rank == 0:
-                counted = nll
-        ctx.bank.commit()
-        return counted, None
+                                          forward=stage_forward(self.engine_fn(), self.stage, self.device)))
 
 
 def _totals(scores) -> torch.Tensor:

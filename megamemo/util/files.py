@@ -1,10 +1,14 @@
-"""Files that are either whole or absent, and their sha256: the one atomic-write helper and the one file digest.
+"""Files and directories that are either whole or absent, and their sha256: the one atomic write of a file and of
+a directory, the one digest of bytes, of a file and of a stream, and the one check of a file against the size and
+sha256 a manifest records.
 
 A write goes to a temporary file beside the target (a unique name, so concurrent writers never share one), is
 flushed to disk with fsync when `durable` (checkpoints, manifests: what a crash must not leave half-written under
 its final name), then renamed over the target; on any error the temporary file is removed and the target is as
 it was. `fsync_dir` makes a rename itself durable (the directory entry). `write_atomic` fills the file in one
 call; `AtomicFile` is the same for a file written over time (a shard, a download): `commit()` or `abort()`.
+`atomic_directory` is the same for a directory (a single-device checkpoint, an export): filled under a temporary
+name beside it, renamed into place when complete, removed on any error.
 """
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 BLOCK = 1 << 22
 
@@ -106,7 +112,46 @@ def write_json_atomic(path: Path, obj: Any, *, durable: bool = True, indent: int
     write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys), durable=durable)
 
 
+@contextlib.contextmanager
+def atomic_directory(path: Path, *, replace: bool = False) -> Iterator[Path]:
+    """A directory that appears whole or not at all. Yields a new, empty directory beside `path` under a temporary
+    name (hidden, unique) to fill; when the block ends, it takes `path`'s name in one rename. With `replace` an
+    existing `path` is moved aside only then, and deleted once the new one is in place. On any error - in the block
+    or in the renames - the temporary directory is deleted and `path` is as it was. An existing `path` without
+    `replace` is a FileExistsError before anything is made."""
+    path = Path(path)
+    if path.exists() and not replace:
+        raise FileExistsError(f"{path}: already exists")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _unique_beside(path, "partial")
+    tmp.mkdir()
+    old = None
+    try:
+        yield tmp
+        if path.exists():
+            old = _unique_beside(path, "old")
+            path.rename(old)
+            try:
+                tmp.rename(path)
+            except BaseException:
+                old.rename(path)
+                old = None
+                raise
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _unique_beside(path: Path, suffix: str) -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.{suffix}")
+
+
 def bytes_sha256(data: bytes) -> str:
+    """sha256 of bytes in memory, hex."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -123,3 +168,43 @@ def fd_sha256(fd: int) -> str:
         h.update(block)
         pos += len(block)
     return h.hexdigest()
+
+
+class HashingWriter:
+    """A stream's sha256 and byte count as it goes by: write(b) passes b on to `file` (if any) and hashes it, so a
+    file written or fetched is never read back to hash it. `n` bytes so far; hexdigest() their sha256."""
+
+    def __init__(self, file=None):
+        self.file, self.n, self._sha = file, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        if self.file is not None:
+            self.file.write(data)
+        self._sha.update(data)
+        self.n += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def entry_mismatch(entry: dict, size: int, sha256: Callable[[], str] | None = None, *, recorded: str,
+                   what: str = "the file") -> str | None:
+    """What differs between a file and the manifest entry that records it ({"bytes": N, "sha256": hex}; either may
+    be absent, and is then not checked), in one line, or None when nothing does. The size comes first (cheap);
+    `sha256()` (the file's digest, computed on demand; None: not checked here) only once the size agrees.
+    `recorded`: where the entry is (named in the line), `what`: what the file is.
+        {what} is 100 bytes, {recorded} says 108 (truncated?)
+        sha256 differs: {digest} does not match {recorded} ({the recorded digest})"""
+    expected = entry.get("bytes")
+    if expected is not None and size != expected:
+        return f"{what} is {size} bytes, {recorded} says {expected}" + (" (truncated?)" if size < expected else "")
+    if sha256 is not None and entry.get("sha256") is not None:
+        digest = sha256()
+        if digest != entry["sha256"]:
+            return f"sha256 differs: {digest} does not match {recorded} ({entry['sha256']})"
+    return None

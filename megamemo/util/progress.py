@@ -78,7 +78,7 @@ class Progress:
         delta, self.n = n - self.n, n
         self._raw.update(info)
         now = self._clock()
-        if self._bar is not None:
+        if self.is_bar:
             if now - self._last >= BAR_REDRAW_S and self._raw:
                 self._last = now
                 self._bar.set_postfix_str(self._postfix(self._evaluate()), refresh=False)
@@ -93,7 +93,7 @@ class Progress:
         return self.info
 
     def close(self) -> None:
-        if self._bar is not None:
+        if self.is_bar:
             if self._raw:
                 self._bar.set_postfix_str(self._postfix(self._evaluate()), refresh=False)
             self._bar.close()

@@ -1,51 +1,14 @@
-"""`megamemo train`: one process per device (see launch/ for local.sh, srun and mpirun).
-
-    megamemo train --config FILE [--data SHARD_DIR] [--run-dir DIR] [--max-steps N] [--save-every N]
-                   [--set key=value ...] [--tp N --pp M] [--resume auto|never|PATH]
-
-A start in a run directory that holds a committed checkpoint resumes from the newest one (checkpoint.resume).
-Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, data or checkpoint (never retried);
-1 other errors; 3 hung (the watchdog, runtime/watchdog.py); 4 a peer is gone (runtime/interruptions.py).
-"""
+"""Everything a training run needs, built in order on every rank (`build`): the process group, the run directory's
+lock, the checkpoint store and the checkpoint to resume from, the model in its parallel form (parallel.init: full or
+sharded), the DeepSpeed engine, the speed switches, the dropout streams, the data reader, metrics, validation and the
+Trainer (loop.py) with the checkpoint's state restored. docs/architecture.md lists the order and why."""
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
-from megamemo.config.run import ConfigError, RunConfig, load
+from megamemo.train.config import RunConfig
 from megamemo.util.seeding import seed_default_streams
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="megamemo train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="run config YAML (see configs/)")
-    p.add_argument("--data", help="shard directory or s3://, gs://, https:// URL of one (sets data.dir)")
-    p.add_argument("--run-dir", help="run directory: config, metrics, TensorBoard, checkpoints (train.run_dir)")
-    p.add_argument("--max-steps", type=int, help="train.max_steps")
-    p.add_argument("--save-every", type=int, help="checkpoint.save_every")
-    p.add_argument("--resume", help="checkpoint.resume: auto | never | a checkpoint or run directory")
-    p.add_argument("--tp", type=int, help="parallel.tp (tensor parallel size)")
-    p.add_argument("--pp", type=int, help="parallel.pp (pipeline parallel size)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set optim.lr=1e-4 (repeatable)")
-    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
-    return p.parse_args(argv)
-
-
-def resolve_config(args: argparse.Namespace) -> RunConfig:
-    sets = list(args.set)
-    for flag, key in (("data", "data.dir"), ("run_dir", "train.run_dir"), ("max_steps", "train.max_steps"),
-                      ("save_every", "checkpoint.save_every"), ("resume", "checkpoint.resume"),
-                      ("tp", "parallel.tp"), ("pp", "parallel.pp")):
-        v = getattr(args, flag)
-        if v is not None:
-            sets.append(f"{key}={v}" if not isinstance(v, str) else f"{key}={_yaml_str(v)}")
-    return load(args.config, sets)
-
-
-def _yaml_str(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
 
 
 def parallel_ranks(cfg: RunConfig, de) -> dict:
@@ -157,7 +120,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     resume_dir = store.select(cfg.checkpoint.resume)        # collective: the newest that verifies
     if resume_dir is not None and cfg.n_token_auto:         # the checkpoint's padded tables, under any layout
         from megamemo.checkpoint.store import read_marker
-        from megamemo.config.vocab import adopt_checkpoint_vocab
+        from megamemo.train.vocab import adopt_checkpoint_vocab
         said = adopt_checkpoint_vocab(cfg, read_marker(resume_dir).get("model") or {})
         if said:
             meta.update(model=cfg.model.to_dict(), model_fingerprint=cfg.model_fingerprint())
@@ -192,7 +155,8 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
     from megamemo.train.loop import seed_streams
     seed_streams(cfg, ranks, engine.device)
 
-    reader = open_reader(cfg, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True)
+    reader = open_reader(cfg.data, cfg.data.split, cfg.data.batch_size, cfg.model.tgt_len, dp, dp_rank, train=True,
+                         mix_every=10 * cfg.log.every if dp_rank == 0 else 0)
     rank_extra = {"layout": {"rank": de.rank, "world_size": de.world_size, "dp_rank": dp_rank, "dp": dp,
                              "tp_rank": ranks["tp_rank"], "tp": cfg.parallel.tp, "pp_rank": ranks["pp_rank"],
                              "pp": cfg.parallel.pp,
@@ -201,17 +165,17 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                                                for k in range(cfg.train.grad_accum)]}}
     peak = device_peak(engine.device, cfg.precision.dtype)               # for HFU and MFU (model/flops.py)
     fpt, mfpt = flops_per_token(cfg.model, micro), model_flops_per_token(cfg.model)
-    metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg),
+    metrics = Metrics(run_dir, enabled=de.rank == 0, every=cfg.log.every, unit=unit_for(cfg.data),
                       tensorboard=cfg.log.tensorboard, start_step=start_step, config_yaml=cfg.to_yaml(),
                       flops_per_token=fpt, model_flops_per_token=mfpt, peak_flops=peak.flops,
                       world_size=de.world_size,
-                      bytes_per_token=bytes_per_token(cfg), splits=(cfg.data.split, cfg.eval.split),
+                      bytes_per_token=bytes_per_token(cfg.data), splits=(cfg.data.split, cfg.eval.split),
                       start={"time": round(started, 3), "step": start_step, "world_size": de.world_size,
                              "restart": restart_count()})
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)
-        make_reader = lambda: open_reader(cfg, cfg.eval.split, cfg.eval.batch_size, L["tgt_len"], dp,  # noqa: E731
+        make_reader = lambda: open_reader(cfg.data, cfg.eval.split, cfg.eval.batch_size, L["tgt_len"], dp,  # noqa: E731
                                           dp_rank, train=False)
         if stage is None:
             evaluator = Evaluator(cfg, make_reader, lambda: engine.module, engine.device, de.world_size, metrics)
@@ -237,93 +201,3 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
             + f" | {format_flops(fpt)}/token executed (HFU), {format_flops(mfpt)}/token model (MFU), "
               f"peak {peak.source}")
     return trainer
-
-
-def main(argv: list[str]) -> int:
-    from megamemo.runtime.dist import launcher_rank_size
-    from megamemo.runtime.rundir import die_with_parent, leave_without_finalizing, peer_lost, report, tear_down
-    from megamemo.runtime.signals import StopRequest
-
-    stop = StopRequest()                    # first: a stop signal held since the process started is handled now
-    die_with_parent()                       # a worker never outlives its launcher
-    from megamemo.runtime.goodput import process_started
-    started = process_started()
-    args = parse_args(argv)
-    # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/runtime/quiet.py)
-    from megamemo.runtime import device
-
-    (rank, size), trainer, expected = launcher_rank_size(), None, anticipated_errors()
-    world = size or 1
-    starting = True                         # until training runs, every rank meets the same errors
-    lost = None                             # the exit code when a peer is gone
-    try:
-        cfg = resolve_config(args)
-        from megamemo.runtime.interruptions import announce_run_dir
-        announce_run_dir(cfg.train.run_dir, rank)   # to a supervisor that restarts failed runs (launch/)
-        device.resolve()                    # cuda or cpu, before DeepSpeed picks its accelerator
-        from megamemo.train.data import check_data_dir
-        check_data_dir(cfg)
-        if cfg.train.deterministic:
-            device.make_deterministic()
-        device.set_tf32(cfg.precision.allow_tf32 and cfg.precision.dtype == "fp32")
-        if cfg.precision.dtype != "fp32":
-            from megamemo.train.engine import check_precision
-            check_precision(cfg.precision.dtype)
-        from megamemo.runtime import dist
-
-        t0 = time.time()
-        trainer, de = build(cfg, stop=stop, started=started)
-        rank, world, starting = de.rank, de.world_size, False
-        outcome = trainer.run()
-        trainer.metrics.end(trainer.step, outcome)
-        trainer.metrics.close()
-        from megamemo.runtime import rss
-        rss.write(de.rank)
-        if de.rank == 0:
-            compiled = ""
-            if trainer.speed["compiled"] or trainer.speed["attention"] == "flex":
-                from megamemo.kernels.compiler import compile_stats
-                compiled = ", {graphs} graphs compiled ({recompiles} recompiles)".format(**compile_stats())
-            print(f"[train] {outcome} at step {trainer.step} ({time.time() - t0:.1f}s{compiled})", flush=True)
-            from megamemo.runtime import goodput
-            g = goodput.of_run(Path(cfg.train.run_dir))
-            if g is not None:
-                print(f"[train] {goodput.describe(g)}", flush=True)
-            import torch
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                print(f"[train] peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
-                      f"(torch.cuda.max_memory_allocated, rank 0)", flush=True)
-        dist.barrier()
-        dist.shutdown()
-        return 0
-    except expected as e:
-        # while starting every rank meets the same error (but its node's devices): rank 0 says it; in training it
-        # is this rank's own
-        from megamemo.train.loop import DivergedError
-        everyone = (starting and not isinstance(e, device.DeviceError)) or getattr(e, "same_on_every_rank", False)
-        return report(e, rank, everyone=everyone, world_size=world, code=1 if isinstance(e, DivergedError) else 2)
-    except RuntimeError as e:
-        lost = peer_lost(e)
-        if lost is None:
-            raise
-        return lost
-    finally:
-        tear_down(trainer)                  # on every path: no thread mid-write, the lock freed, the group destroyed
-        stop.restore()                      # the caller's handlers back (main called in-process: tests, notebooks)
-        if lost is not None:                # gloo's worker threads may still hold work: no interpreter shutdown
-            leave_without_finalizing(lost)
-
-
-def anticipated_errors() -> tuple[type[BaseException], ...]:
-    """Errors megamemo explains in one line (bad config, data, shard, checkpoint, a locked run directory, a
-    diverged run); anything else is a bug and shows its traceback."""
-    from data_pipeline import ManifestError, ShardError
-    from megamemo.runtime.lock import RunLockedError
-    from megamemo.checkpoint.pieces import PieceError
-    from megamemo.checkpoint.store import CheckpointError
-    from megamemo.train.data import DataError
-    from megamemo.runtime.device import DeviceError
-    from megamemo.train.loop import DivergedError
-
-    return (ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError, ManifestError,
-            DivergedError, DeviceError)

@@ -1,7 +1,7 @@
 """What DeepSpeed 0.19.8 does with a run's gradient-reduction settings (parallel.overlap_comm and
 parallel.reduce_bucket_size): which of its optimizers reduces the gradients, in buckets of how many elements, and
-whether the reduction overlaps the backward pass. The config's validation (run.py), the DeepSpeed config
-(train/engine.py ds_config) and `megamemo plan` (plan/steptime.py, plan/layouts.py) all ask here.
+whether the reduction overlaps the backward pass. The parallel section's checks (parallel/config.py), the DeepSpeed
+config (train/engine.py ds_config) and `megamemo plan` (plan/steptime.py, plan/layouts.py) all ask here.
 
 Read from DeepSpeed 0.19.8 (runtime/engine.py, runtime/zero/stage_1_and_2.py, runtime/zero/config.py):
   - ZeRO 1 and 2 run its ZeRO optimizer (stage_1_and_2.py), which reads zero_optimization.reduce_bucket_size

@@ -12,6 +12,8 @@ first layout) is taken when it holds the same vocabulary and splits over the new
 """
 from __future__ import annotations
 
+from megamemo.config.run import ConfigError
+
 PAD_MULTIPLE = 128          # rows per TP rank a padded vocabulary is a multiple of
 
 
@@ -23,23 +25,23 @@ def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
     return n, (vocab if n != vocab else None)
 
 
-def manifest_vocab(data, error, options=None) -> int:
-    """The vocabulary size recorded in the manifest of data.dir (data.blend[0].dir; options: how a remote one is
-    read); `error` (the ConfigError class) names model.n_token and the directory when there is none."""
+def manifest_vocab(data) -> int:
+    """The vocabulary size recorded in the manifest of data.dir (data.blend[0].dir; a remote one read as the data
+    section says); a ConfigError names model.n_token and the directory when there is none."""
     from data_pipeline import ManifestError
     from data_pipeline.remote import manifest_of
 
     where, d = (("data.blend[0].dir", data.blend[0].get("dir")) if data.blend else ("data.dir", data.dir))
     if not d:
-        raise error("model.n_token: auto takes the vocabulary from the data's manifest, but no data directory is "
+        raise ConfigError("model.n_token: auto takes the vocabulary from the data's manifest, but no data directory is "
                     "given (--data DIR or data.dir; or set model.n_token to a number)")
     try:
-        m = manifest_of(d, options)
+        m = manifest_of(d, data.remote_options())
     except (ManifestError, OSError) as e:
-        raise error(f"model.n_token: auto: cannot read the vocabulary from {where} {d}: {e}") from None
+        raise ConfigError(f"model.n_token: auto: cannot read the vocabulary from {where} {d}: {e}") from None
     size = (m.get("vocab") or {}).get("size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise error(f"model.n_token: auto: the manifest of {where} {d} records no vocabulary size (vocab.size "
+        raise ConfigError(f"model.n_token: auto: the manifest of {where} {d} records no vocabulary size (vocab.size "
                     f"{size!r})")
     return size
 
@@ -48,14 +50,14 @@ def is_auto(model) -> bool:
     return isinstance(model, dict) and model.get("n_token") == "auto"
 
 
-def resolve_auto(model: dict, data, tp: int, error, options=None) -> dict:
+def resolve_auto(model: dict, data, tp: int) -> dict:
     """The model section (n_token: auto) with n_token the padded vocabulary (and n_vocab) of the data."""
     if model.get("n_vocab") is not None:
-        raise error("model.n_vocab: set by model.n_token: auto (the manifest's vocabulary); give n_vocab only "
+        raise ConfigError("model.n_vocab: set by model.n_token: auto (the manifest's vocabulary); give n_vocab only "
                     "with an explicit n_token")
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         tp = 1                  # parallel.tp's own check names it
-    n_token, n_vocab = padded_vocab(manifest_vocab(data, error, options), tp)
+    n_token, n_vocab = padded_vocab(manifest_vocab(data), tp)
     out = {**model, "n_token": n_token}
     out.pop("n_vocab", None)
     return out if n_vocab is None else {**out, "n_vocab": n_vocab}

@@ -1,0 +1,65 @@
+"""The data section of a run config (`data.*`): where the shards are, the global batch, the roll, the remote
+cache and blends. Checked here without reading the data (the directories themselves are checked by
+megamemo/train/data.py when the run starts)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megamemo.config.run import ConfigError
+
+from .shards import _parse_size
+
+
+@dataclass
+class DataConfig:
+    dir: str = ""                   # shard directory written by `megamemo prepare` (holds manifest.json)
+    split: str = "train"
+    batch_size: int = 22            # global batch B: contiguous streams (columns) over all data-parallel ranks
+    roll: bool = False              # LaMemo's per-epoch, per-column seeded rotation of the streams
+    seed: int = 1111                # seed of the roll offsets
+    prefetch: int = 0               # background prefetch depth of the reader (0: none)
+    # dir may be s3://bucket/prefix, gs://bucket/prefix or https://host/path (fsspec; pip install megamemo[s3] /
+    # megamemo[gcs]); credentials only from the storage library's standard environment/config. Remote shards are
+    # fetched whole into cache_dir ("" = $XDG_CACHE_HOME/megamemo/shards), verified against the manifest's sha256,
+    # and evicted least-recently-used beyond cache_size (data_pipeline/remote.py)
+    cache_dir: str = ""
+    cache_size: str = "50G"
+    retries: int = 5                # retries of a transient storage error (backoff doubling from retry_backoff_s)
+    retry_backoff_s: float = 1.0
+    fetch_threads: int = 4          # concurrent shard downloads of the read-ahead
+    # weighted blend of shard directories (local and remote mixed) instead of dir: [{dir: ..., weight: ...}, ...]
+    blend: list[dict] = field(default_factory=list)
+
+    def check(self, run, bad) -> None:
+        """data.batch_size, data.cache_size, data.retries, ... and data.blend's entries."""
+        if self.batch_size < 1:
+            bad("data.batch_size", "must be >= 1")
+        try:
+            if _parse_size(self.cache_size) < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"data.cache_size: expected a size like 50G or 800M, got {self.cache_size!r}") from None
+        if self.retries < 0:
+            raise ConfigError(f"data.retries: must be >= 0 (got {self.retries})")
+        if self.retry_backoff_s < 0:
+            raise ConfigError(f"data.retry_backoff_s: must be >= 0 (got {self.retry_backoff_s})")
+        if self.fetch_threads < 1:
+            raise ConfigError(f"data.fetch_threads: must be >= 1 (got {self.fetch_threads})")
+        if self.blend and self.dir:
+            raise ConfigError("data.blend: give either data.dir (--data) or data.blend, not both")
+        for i, e in enumerate(self.blend):
+            if set(e) != {"dir", "weight"}:
+                raise ConfigError(f"data.blend[{i}]: expected {{dir, weight}}, got keys {sorted(e)}")
+            if not isinstance(e["dir"], str) or not e["dir"]:
+                raise ConfigError(f"data.blend[{i}].dir: expected a directory or URL, got {e['dir']!r}")
+            w = e["weight"]
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+                raise ConfigError(f"data.blend[{i}].weight: expected a positive number, got {w!r}")
+
+    def remote_options(self):
+        """How s3:// gs:// https:// shard directories are read (data.cache_dir, data.cache_size, data.retries, ...)."""
+        from .remote import RemoteOptions
+
+        return RemoteOptions(cache_dir=self.cache_dir, cache_size=self.cache_size, retries=self.retries,
+                             retry_backoff_s=self.retry_backoff_s, fetch_threads=self.fetch_threads,
+                             log=lambda m: print(m, flush=True))

@@ -1,0 +1,42 @@
+"""`megamemo harness`: one lm-eval rolling-loglikelihood task over the given files (one document per file, no hub,
+no download), reporting lm-eval's word_perplexity, byte_perplexity and bits_per_byte (megamemo/export/harness.py).
+
+    megamemo harness --ckpt CKPT --text FILE... [--json OUT] [--device D] [--mem-len N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from megamemo.commands import flags
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megamemo harness", description=__doc__.split("\n\n")[0])
+    flags.add(p, "ckpt")
+    p.add_argument("--text", nargs="+", required=True, help="UTF-8 text files, one document each")
+    p.add_argument("--json", help="write the results here")
+    flags.add(p, "device")
+    flags.add(p, "mem-len")
+    a = p.parse_args(argv)
+    from data_pipeline import ManifestError
+    from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.util.files import write_text_atomic
+
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    try:
+        from megamemo.export.harness import run_harness         # imports lm-eval (megamemo[eval])
+        r = run_harness(a.ckpt, a.text, a.device, a.mem_len)
+    except (ValueError, OSError, ManifestError, SingleCheckpointError) as e:
+        print(f"megamemo harness: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{r['ckpt']}: {len(r['files'])} file(s), {r['bytes']:,} bytes | word_perplexity "
+          f"{r['word_perplexity']:.4f} byte_perplexity {r['byte_perplexity']:.4f} bits_per_byte "
+          f"{r['bits_per_byte']:.4f} | lm-eval {r['lm_eval']}", flush=True)
+    if a.json:
+        write_text_atomic(Path(a.json), json.dumps(r, indent=1) + "\n", durable=False)
+    return 0
