@@ -276,8 +276,10 @@ def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, re
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_path):
-    """The server stops mid-run; a cache of one byte makes the next checkpoint's probe fetch again: retries, one
-    line each, then one error line naming the object and chunk, no traceback, the committed checkpoints intact."""
+    """The server stops after the first commit; with a cache of one byte nothing is kept on disk, so the next fetch
+    (the training reader's, when the next epoch starts again at the first chunk; the probe keeps its reader from
+    save to save) meets the stopped store: retries, one line each, then one error line naming the object and chunk,
+    no traceback, the committed checkpoints intact."""
     from test_train_runs import TINY, assert_no_corrupt_checkpoint, committed_steps, launch, logs, wait
 
     with serving() as server:
