@@ -78,6 +78,14 @@ def _tp_worker(rank, world):
             assert torch.allclose(merged[k], t, atol=1e-5), (variant, k, (merged[k] - t).abs().max(), t.abs().max())
         if variant == "lamemo":
             assert tp_mem["ctx.0"].shape[2] == cfg.n_head // world  # caches live with their heads
+        # without targets, the log-probabilities over the whole vocabulary (gathered from the ranks' rows; a padded
+        # vocabulary's rows at -inf on both), on the CPU as on a GPU
+        with torch.no_grad():
+            ref_lp, _ = single.eval()(data[:L], None, ref_mem)
+            tp_lp, _ = model.eval()(data[:L], None, tp_mem)
+        single.train(), model.train()
+        assert tp_lp.shape == ref_lp.shape == (L, B, cfg.n_token), (variant, tp_lp.shape)
+        assert torch.allclose(tp_lp, ref_lp, atol=1e-5), (variant, (tp_lp - ref_lp).abs().max())
         sd = model.state_dict()
         for k, v in single.state_dict().items():
             assert torch.allclose(merge_tensors(k, _gather(sd[k])), v, atol=1e-5), (variant, k)

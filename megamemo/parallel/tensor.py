@@ -227,8 +227,14 @@ class VocabParallelSoftmax(nn.Module):
         return vocab_parallel_cross_entropy(self._logits(h, emb).float().clone(), target)
 
     def log_probs(self, h, emb):
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-        return F.log_softmax(gather_from_tensor_model_parallel_region(self._logits(h, emb)).float(), dim=-1)
+        """Log-probabilities over the whole vocabulary: the TP ranks' logits gathered in rank order (their ids are
+        consecutive), on the logits' device - megatron's gather allocates on the current CUDA device, which a CPU run
+        has not; torch's gather carries the gradient back to each rank's rows."""
+        from megatron.core import parallel_state as ps
+        from torch.distributed.nn.functional import all_gather
+
+        parts = all_gather(self._logits(h, emb).contiguous(), group=ps.get_tensor_model_parallel_group())
+        return F.log_softmax(torch.cat(parts, dim=-1).float(), dim=-1)
 
 
 def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
