@@ -182,6 +182,9 @@ MUTATIONS = [
       (f"{LAUNCHER}::test_a_sigabrt_is_a_consequence_whatever_the_ranks",)),
     # (was: the wait loop polling with any(), which stops at the first running worker; since the launcher notes
     # every worker's exit each round (_note_exits, #40) that mutation changes nothing, so this one takes its place)
+    M("launcher-kills-rank-0-before-it-says-the-error", "megamemo/runtime/launcher.py",
+      "grace = EXPLAINED_GRACE_S if first[1] == interruptions.EXIT_USAGE else 0.0", "grace = 0.0",
+      (f"{LAUNCHER}::test_after_an_explained_error_rank_0_may_still_say_it",)),
     M("launcher-leaves-the-others-running-after-a-failure", "megamemo/runtime/launcher.py",
       "self.kill()             # the others cannot go on without it", "pass",
       (f"{LAUNCHER}::test_a_higher_rank_that_fails_stops_the_lower_ones_at_once",)),

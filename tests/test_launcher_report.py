@@ -82,3 +82,28 @@ def test_a_sigabrt_is_a_consequence_whatever_the_ranks():
 def test_a_worker_that_explains_its_error_gives_exit_2(tmp_path):
     r = launch(tmp_path, "import os, sys\nsys.exit(2 if os.environ['RANK'] == '1' else 0)\n")
     assert r.returncode == 2, r.stderr
+
+
+# A bad config met by every rank at start-up: rank 1 gets there first and leaves with exit 2 without a word (rank 0
+# alone says it), rank 0 a second later (still importing torch, on loaded cores) says the line and leaves with 2
+RANK0_SAYS_IT_LATER = textwrap.dedent("""
+    import os, sys, time
+    if os.environ["RANK"] == "1":
+        sys.exit(2)
+    time.sleep(1.0)
+    print("megamemo train: error: optim.lr: must be > 0", file=sys.stderr, flush=True)
+    sys.exit(2)
+""")
+
+
+def test_after_an_explained_error_rank_0_may_still_say_it():
+    """Exit 2 is an error every rank meets at start-up and rank 0 says: the launcher gives the others time to end on
+    their own (EXPLAINED_GRACE_S) before it kills them, so the line is not lost when another rank was quicker."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        r = launch(Path(d), RANK0_SAYS_IT_LATER)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("megamemo train: error: optim.lr: must be > 0") == 1, r.stderr
+    assert "the others were stopped" not in r.stderr, r.stderr     # (the launcher adds no line of its own to a 2)

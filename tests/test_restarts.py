@@ -62,12 +62,18 @@ def worker(launcher: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank}")
 
 
-def wait_for_step(run_dir, step, p, timeout=180) -> None:
+def wait_for_step(run_dir, step, p, timeout=180, committed: int | None = None) -> None:
+    """Until training has logged `step` (and, given `committed`, that step's checkpoint is committed: a save is
+    asynchronous, and on loaded cores its commit can come after the next steps)."""
+    from megamemo.checkpoint.store import list_checkpoints
+
     metrics = Path(run_dir) / "metrics.jsonl"
     end = time.time() + timeout
     while time.time() < end:
         if metrics.exists() and any(json.loads(x).get("kind") == "train" and json.loads(x)["step"] >= step
-                                    for x in metrics.read_text().splitlines() if x.endswith("}")):
+                                    for x in metrics.read_text().splitlines() if x.endswith("}")) and \
+                (committed is None or any(s == committed and c for s, _, c in
+                                          list_checkpoints(Path(run_dir) / "checkpoints"))):
             return
         assert p.poll() is None, text(run_dir)[-3000:]
         time.sleep(0.05)
@@ -83,7 +89,7 @@ def reference(tiny_cfg, shards, reference_runs):
 def test_a_rank_killed_mid_step_restarts_the_job_bit_exact(tiny_cfg, shards, reference, tmp_path):
     run_dir = tmp_path / "run"
     p = start(tiny_cfg, shards, run_dir, "--max-steps", "12")
-    wait_for_step(run_dir, 4, p)                         # past the step-3 checkpoint
+    wait_for_step(run_dir, 4, p, committed=3)            # past the step-3 checkpoint, committed
     os.kill(worker(p, 1), signal.SIGKILL)
     assert finish(p) == 0, text(run_dir)[-3000:]
     out = text(run_dir)

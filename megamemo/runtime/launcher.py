@@ -14,7 +14,8 @@ restarts and rendezvous are not needed on one machine. This launcher:
     so a `kill -9` of this launcher makes them save and stop instead of training on as orphans;
   * when a worker fails, kills the others at once (they cannot go on without it: their collectives would fail with
     messages of their own) and exits with the failed worker's exit code (2 for bad usage, config, data or checkpoint,
-    as megamemo prints it, in one line);
+    as megamemo prints it, in one line); after an exit 2 the others first get EXPLAINED_GRACE_S to end on their own,
+    so that rank 0 can print the line of an error every rank met;
   * records the failure in <run_dir>/interruptions.jsonl (runtime/interruptions.py: rank 0 tells it the run
     directory) and, with --max-restarts N (torchrun's meaning), starts all the workers again, at most N times, after
     a retryable failure: they resume from the newest committed checkpoint. One line per restart says its cause.
@@ -39,6 +40,11 @@ from megamemo.runtime.dist import free_port
 from megamemo.runtime.interruptions import Exit
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+# After a worker's exit 2 (an error megamemo explains in one line), how long the others may take to end on their own
+# before they are killed: a bad config or data directory is met by every rank at start-up and rank 0 alone says it,
+# so killing them at once could kill rank 0 before its line (rank 1 is often the first to fail); a rank still in a
+# collective with the one that left ends on its own with exit 4 (interruptions.EXIT_PEER_LOST)
+EXPLAINED_GRACE_S = 10.0
 
 
 def handles(pid: int, sig: int) -> bool:
@@ -117,6 +123,7 @@ class Launcher:
         one line for bad usage, config, data or checkpoint), else the first failed worker's (128 + N for signal N)."""
         first: tuple[int, int] | None = None        # the first worker seen failing: the cause
         stopped = False
+        kill_at = None                              # when the others are killed (after an explained error: a grace)
         # every worker polled each round (not any()'s first running one: a higher rank's failure would go unseen
         # while a lower one runs, or hangs in a collective waiting for it)
         while [p.poll() for p in self.procs].count(None):
@@ -125,8 +132,11 @@ class Launcher:
             if first is None:
                 first = _first_failure(self.procs)
                 if first is not None:
-                    self.kill()             # the others cannot go on without it
-                    stopped = True
+                    grace = EXPLAINED_GRACE_S if first[1] == interruptions.EXIT_USAGE else 0.0
+                    kill_at = time.time() + grace
+            if kill_at is not None and not stopped and time.time() >= kill_at:
+                self.kill()             # the others cannot go on without it
+                stopped = True
             time.sleep(0.05)
         self._note_exits()
         codes = [p.returncode for p in self.procs]
