@@ -74,8 +74,7 @@ def check_data_dir(cfg: RunConfig) -> dict:
     first = None
     for i, (field, d) in enumerate(_sources(data)):
         m = _manifest_of(data, used, field, d)
-        splits = [data.split] + ([cfg.eval.split] if cfg.eval.every and i == 0 else [])
-        for s in splits:
+        for s in used if i == 0 else [data.split]:      # validation reads the first source
             if s not in m["splits"]:
                 raise DataError(f"{field}: {d} has no split {s!r} (has {sorted(m['splits'])})")
         v = int(m["vocab"]["size"])
