@@ -176,6 +176,9 @@ MUTATIONS = [
       "return 4 * (max(int(tp), 1) - 1) * model.cfg.n_layer", "return 0",
       ("tests/test_probe_bound.py",)),
     # ---- megamemo/runtime ------------------------------------------------------------------------------------
+    M("free-port-from-the-ephemeral-range", "megamemo/runtime/dist.py",
+      "for _ in range(tries if low > PORTS_FROM else 0):", "for _ in range(0):",
+      ("tests/test_launch_cluster_env.py::test_a_free_port_is_drawn_below_the_ephemeral_range_and_skips_a_taken_one",)),
     M("launcher-blames-the-lowest-rank", "megamemo/runtime/launcher.py",
       "return min(failed, key=lambda rc: (rc[1] in (-signal.SIGABRT, interruptions.EXIT_PEER_LOST), rc[0])) \\",
       "return min(failed, key=lambda rc: rc[0]) \\",

@@ -8,11 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megamemo.runtime.dist import free_port
 
 
 class LoopbackServer:

@@ -149,3 +149,26 @@ def test_a_port_in_use_on_the_first_node_is_skipped(fakes):
         got, said = _sbatch_port(bin_dir, out, job)
     assert got != want and got % 10 == want % 10, (want, got)
     assert f"port {want} (from job id {job}) is in use on 127.0.0.1: using {got}" in said, said
+
+
+def test_a_free_port_is_drawn_below_the_ephemeral_range_and_skips_a_taken_one(tmp_path, monkeypatch):
+    """A rendezvous port the kernel never hands out by itself: the gloo connections of other jobs on the host (each
+    on a port of the ephemeral range) cannot take it before rank 0 listens (a test once failed with EADDRINUSE at
+    rank 0's TCPStore). A taken port is skipped; with no room below the range, the kernel chooses."""
+    from megamemo.runtime import dist
+
+    low, high = dist.ephemeral_ports()
+    ports = {dist.free_port() for _ in range(16)}
+    assert len(ports) > 1 and all(dist.PORTS_FROM <= p < low for p in ports), (ports, low)
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    assert dist.ephemeral_ports(str(f)) == (40000, 50000)
+    assert dist.ephemeral_ports(str(tmp_path / "missing")) == (32768, 60999)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("", 0 if low <= dist.PORTS_FROM else dist.PORTS_FROM + 7))
+        busy = taken.getsockname()[1]
+        draws = iter([busy, busy, busy + 1])
+        monkeypatch.setattr(dist.random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+        assert dist.free_port() == busy + 1
+    monkeypatch.setattr(dist, "ephemeral_ports", lambda: (1024, 65535))     # nothing below: the kernel's choice
+    assert low <= dist.free_port() <= high

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import re
 import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 
 @dataclass
@@ -37,7 +39,33 @@ class DistEnv:
                           MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
 
 
-def free_port() -> int:
+PORTS_FROM = 20000          # free_port draws from here up to the kernel's ephemeral range
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The range the kernel picks a socket's port from when none is asked for (Linux; elsewhere its default)."""
+    try:
+        low, high = map(int, Path(path).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(tries: int = 64) -> int:
+    """A TCP port free now for a job's rendezvous (rank 0 listens on it once it has started), drawn from below the
+    kernel's ephemeral range: a port the kernel never hands out by itself, so that the connections other jobs on the
+    host open in the seconds before rank 0 listens (gloo's, each on a port of that range) cannot take it. Falls back
+    to a port the kernel chooses when none below is free (or the range starts too low)."""
+    low, _ = ephemeral_ports()
+    draw = random.SystemRandom()            # not the `random` module's stream, which a run may have seeded
+    for _ in range(tries if low > PORTS_FROM else 0):
+        port = draw.randrange(PORTS_FROM, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
