@@ -31,15 +31,8 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+def prepare_process() -> None:
+    """What every subcommand's process sets up before it imports torch, DeepSpeed or megatron-core (idempotent)."""
     # Most commands compile nothing, but DeepSpeed's ZeRO imports its Muon optimizer whatever the optimizer
     # (deepspeed/runtime/zero/utils.py is_zero_supported_optimizer), and its kernels are decorated with torch.compile,
     # which loads inductor: about 1 s of every rank's start-up. torch's own switch makes the decoration a no-op. A run
@@ -49,13 +42,25 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TORCHDYNAMO_DISABLE"] = os.environ["MEGAMEMO_SET_TORCHDYNAMO_DISABLE"] = "1"
     from megamemo.runtime.extensions import use_writable_extensions_dir
     use_writable_extensions_dir()   # DeepSpeed's JIT op builds go where this user can write (containers: --user, apptainer)
-    if name == "train":     # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
-        from megamemo.runtime.signals import hold
-        hold()
     from megamemo.runtime import quiet
     quiet.install()         # third-party start-up warnings off the terminal; other ranks quiet (megamemo/runtime/quiet.py)
     from megamemo.runtime.allocator import tune_cpu_allocator
     tune_cpu_allocator()  # before any tensor exists; see megamemo/runtime/allocator.py
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if name == "train":     # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
+        from megamemo.runtime.signals import hold
+        hold()
+    prepare_process()
     target = SUBCOMMANDS[name][0]
     mod_name, func_name = target.split(":")
     try:

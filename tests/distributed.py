@@ -8,6 +8,9 @@ fails the test naming the function and the ranks that hung; each of those ranks 
 Each rank ends by destroying its process groups and leaving with os._exit: what DeepSpeed and megatron-core keep of
 their groups is then never destroyed by the interpreter's shutdown (where gloo's threads can abort the process,
 "terminate called without an active exception", long after the test's own work passed).
+
+The ranks are forked from the warm server of tests/forked.py (torch, DeepSpeed and megatron-core imported once) with
+the test process's environment, or spawned where that server may not serve (CUDA, MEGAMEMO_TEST_FORK=0).
 """
 from __future__ import annotations
 
@@ -26,13 +29,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import forked
 from megamemo.runtime.dist import free_port
 
 TIMEOUT_S = float(os.environ.get("MEGAMEMO_TEST_DIST_TIMEOUT_S", "300"))
 PEER_GRACE_S = 5.0          # after a rank failed, how long the others get to end (with their own error) on their own
 
 
-def _entry(rank, world, port, fn, args, errors, timeout, stacks):
+def _entry(rank, world, port, fn, args, errors, timeout, stacks, env):
+    os.environ.clear()                      # the test process's environment (a forked rank has the server's)
+    os.environ.update(env)
     stack_file = open(stacks, "w")
     faulthandler.dump_traceback_later(timeout, file=stack_file)    # a hang: every thread's stack, for the parent
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -70,12 +76,13 @@ def _describe(code: int | None) -> str:
 
 
 def run_distributed(fn, world: int, *args, timeout: float = TIMEOUT_S):
-    ctx = mp.get_context("spawn")
+    ctx = forked.context() if forked.for_functions() else mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
     stack_dir = tempfile.mkdtemp(prefix="run_distributed-")
     stacks = [os.path.join(stack_dir, f"rank{r}.stacks") for r in range(world)]
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errors, timeout, stacks[r]),
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errors, timeout, stacks[r], env),
                          name=f"rank{r}") for r in range(world)]
     for p in procs:
         p.start()

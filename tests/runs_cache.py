@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 from megamemo.runtime.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,18 +52,25 @@ ONE_PROCESS_EXACT = (*KEYED, "--max-steps", "6", "--set", "log.tensorboard=false
 TWO_RANKS_ACCUM = (*ONE_PROCESS_EXACT, "--set", "train.grad_accum=2")
 
 
-def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None):
-    """Start n ranks of `megamemo train`; each rank logs to run_dir/../<name>.rank<r>.log."""
+def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None,
+           fresh: bool = False):
+    """Start n ranks of `megamemo train`; each rank logs to run_dir/../<name>.rank<r>.log. A rank is forked from the
+    warm server of tests/forked.py (its imports done once) unless `fresh` (a new interpreter: the tests of start-up)
+    or its environment differs from the server's in what imports read (env_extra of the GPU tests)."""
     port = free_port()
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
         env.update(env_extra or {})             # e.g. DS_ACCELERATOR=cuda for the GPU tests
-        log = open(run_dir.parent / f"{run_dir.name}.rank{r}.log", "a")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megamemo", "train", "--config", str(cfg), "--data", str(shards),
-             "--run-dir", str(run_dir), *args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        argv = ["train", "--config", str(cfg), "--data", str(shards), "--run-dir", str(run_dir), *args]
+        log_path = run_dir.parent / f"{run_dir.name}.rank{r}.log"
+        if not fresh and forked.usable(env):
+            procs.append(forked.ForkedRank(argv, env, log_path, REPO))
+            continue
+        with open(log_path, "a") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "megamemo", *argv], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, cwd=REPO))
     return procs
 
 
@@ -88,8 +96,8 @@ def logs(run_dir: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(run_dir.parent.glob(f"{run_dir.name}.rank*.log")))
 
 
-def run(n, cfg, shards, run_dir, *args, timeout=180, env_extra=None) -> None:
-    rcs = wait(launch(n, cfg, shards, run_dir, *args, env_extra=env_extra), timeout)
+def run(n, cfg, shards, run_dir, *args, timeout=180, env_extra=None, fresh=False) -> None:
+    rcs = wait(launch(n, cfg, shards, run_dir, *args, env_extra=env_extra, fresh=fresh), timeout)
     assert rcs == [0] * n, logs(run_dir)[-4000:]
 
 

@@ -20,6 +20,7 @@ import pytest
 from data_pipeline import read_split
 from data_pipeline.cli import prepare_main
 from data_pipeline.tokenizer import SubwordTokenizer, train_bpe
+import forked
 from fixture_data import TEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,8 +294,7 @@ def _env() -> dict:
 
 
 def _megamemo(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "megamemo", *map(str, args)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return forked.run_megamemo(args, _env(), REPO, timeout)
 
 
 def _one_error_line(r, rc: int, message: str) -> None:

@@ -23,6 +23,7 @@ from megamemo.eval.evaluate import evaluate, open_batches
 from megamemo.commands import export as export_cmd
 from megamemo.export import hf
 
+import forked
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,8 +204,7 @@ def test_byte_tokenizer_maps_every_byte_to_its_id():
 
 # ---- bad input -------------------------------------------------------------------------------------------------
 def run_export(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megamemo", "export", "hf", *map(str, args)], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    return forked.run_megamemo(["export", "hf", *args], ENV, REPO, timeout=300)
 
 
 def export_in_process(capsys, *args) -> subprocess.CompletedProcess:

@@ -277,7 +277,7 @@ for step in range(int(sys.argv[2])):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 print(applied, *faults)
 """
-WARM_UP, STEADY = 6, 12
+WARM_UP, STEADY = 4, 8
 
 
 @pytest.mark.multiproc   # starts 3 training processes, one after another (`-m 'not multiproc'`: the fast subset)
@@ -286,7 +286,7 @@ def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
     widths, at half its segment and batch: 64 tokens, 64 of memory, 4 streams) touches no fresh page in most steps,
     where glibc without it faults thousands of pages a step (here: a median of 24k a step against 1).
 
-    Measured over 12 steps after 6 of warm-up (the heap reaches its peak in the first few). The control is glibc
+    Measured over 8 steps after 4 of warm-up (the heap reaches its peak in the first few). The control is glibc
     at its starting settings held fixed (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ = 128 KiB, which also
     stops the threshold from adapting): every large block is a fresh mmap, so it faults every step. glibc's own
     adaptive default lies between the two and is not a stable control: on this machine it faulted 35k-75k pages
@@ -303,7 +303,7 @@ def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
 
     def faults(mode, **env):
         out = subprocess.run([sys.executable, "-c", _FAULTS, mode, str(WARM_UP + STEADY)], capture_output=True,
-                             text=True, check=True, env={**os.environ, **env})
+                             text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
         applied, *counts = out.stdout.split()
         return applied == "True", [int(c) for c in counts][WARM_UP:]
 

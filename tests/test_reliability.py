@@ -138,7 +138,7 @@ def test_a_stop_signal_during_start_up_is_held_then_saves_and_exits_0(tiny_cfg, 
     torch: no handler is installed yet (SigCgt), the signal is blocked (SigBlk) and stays pending; once the trainer's
     handler is in place it is handled like any other: one step, a committed checkpoint, exit 0 on both ranks."""
     run_dir = tmp_path / "early"
-    procs = launch(2, tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0")
+    procs = launch(2, tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0", fresh=True)
     deadline = time.time() + 30
     for p in procs:                                     # wait until each worker holds the stop signals
         while not _signal_state(p.pid)[0]:
@@ -170,7 +170,7 @@ def test_a_refused_start_on_two_ranks_ends_cleanly_on_both(tiny_cfg, shards, tmp
         from megamemo.runtime.lock import LOCK, _proc_start
         (run_dir / LOCK).write_text(json.dumps({"host": _socket.gethostname(), "pid": holder.pid, "token": "h",
                                                 "pid_start": _proc_start(holder.pid), "heartbeat": time.time()}))
-        rcs = wait(launch(2, tiny_cfg, shards, run_dir, "--max-steps", "3"), 120)
+        rcs = wait(launch(2, tiny_cfg, shards, run_dir, "--max-steps", "3", fresh=True), 120)   # their shutdown
         out = logs(run_dir)
         assert rcs == [2, 2], (rcs, out[-3000:])
         assert out.count("megamemo train: error:") == 1 and f"pid {holder.pid}" in out, out[-3000:]

@@ -209,7 +209,8 @@ def test_checkpoint_from_a_different_model_is_refused(tiny_cfg, shards, fp32_ref
 
     run_dir = tmp_path / "other"
     shutil.copytree(fp32_reference, run_dir)
-    procs = launch(2, tiny_cfg, shards, run_dir, "--set", "model.d_inner=48", "--max-steps", "12")
+    procs = launch(2, tiny_cfg, shards, run_dir, "--set", "model.d_inner=48", "--max-steps", "12",
+                   fresh=True)                  # an error's way out includes the interpreter's shutdown
     assert wait(procs) == [2, 2]
     out = logs(run_dir)
     assert out.count("megamemo train: error:") == 1 and "terminate called" not in out, out[-3000:]

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import forked
 
 from megamemo.util.files import file_sha256
 from megamemo.checkpoint.store import MARKER
@@ -43,8 +44,7 @@ def megamemo(*args, timeout=180) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1")
     env.pop("MEGAMEMO_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "megamemo", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=timeout)
+    return forked.run_megamemo(args, env, REPO, timeout)
 
 
 def one_line_error(out: subprocess.CompletedProcess, *names: str) -> str:
