@@ -2,7 +2,7 @@
 
 A fresh `python -m megamemo train` spends 3-4 s of CPU importing torch, TorchDynamo, DeepSpeed, megatron-core and
 megamemo before its first step, more than the tests' tiny runs spend training; on the 2 cores of CI that was about
-a third of the suite. `start_rank` forks a rank from a fork server (multiprocessing's forkserver, one per pytest
+a third of the suite. `ForkedRank` forks a rank from a fork server (multiprocessing's forkserver, one per pytest
 process) that imported all that once (tests/warm_imports.py), then runs `megamemo.cli.main` with the rank's own
 environment, working directory and log, as `python -m megamemo` would, and returns a handle with Popen's methods.
 
@@ -26,13 +26,17 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}     # tests/warm_imports.py sets the same
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}     # set by tests/warm_imports.py
 _context = None
+
+
+def _enabled() -> bool:
+    return os.environ.get("MEGAMEMO_TEST_FORK", "1") != "0"
 
 
 def usable(env: dict) -> bool:
     """Whether a rank with this environment may be forked from the warm server."""
-    return os.environ.get("MEGAMEMO_TEST_FORK", "1") != "0" and all(env.get(k) == v for k, v in SERVER_ENV.items())
+    return _enabled() and all(env.get(k) == v for k, v in SERVER_ENV.items())
 
 
 def for_functions() -> bool:
@@ -40,21 +44,17 @@ def for_functions() -> bool:
     read DS_ACCELERATOR=cpu), nor with MEGAMEMO_TEST_FORK=0."""
     import torch
 
-    return os.environ.get("MEGAMEMO_TEST_FORK", "1") != "0" and not torch.cuda.is_available()
+    return _enabled() and not torch.cuda.is_available()
 
 
 def context():
-    """The multiprocessing context whose processes are forked from the warm server."""
-    return _server()
-
-
-def _server():
-    """multiprocessing's fork server, started once with tests/warm_imports.py imported. Python 3.11's server does not
-    take the test process's sys.path, so it finds that module through PYTHONPATH, set while it starts."""
+    """The multiprocessing context whose processes are forked from the warm server: multiprocessing's fork server,
+    started once with tests/warm_imports.py imported. Python 3.11's server does not take the test process's
+    sys.path, so it finds that module through PYTHONPATH, set while it starts."""
     global _context
     if _context is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["warm_imports"])
+        server = multiprocessing.get_context("forkserver")
+        server.set_forkserver_preload(["warm_imports"])
         before = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *([before] if before else [])])
         try:
@@ -64,7 +64,7 @@ def _server():
                 del os.environ["PYTHONPATH"]
             else:
                 os.environ["PYTHONPATH"] = before
-        _context = context
+        _context = server
     return _context
 
 
@@ -93,7 +93,7 @@ class ForkedRank:
 
     def __init__(self, argv: list[str], env: dict, log_path, cwd, err_path=None):
         self.args = [sys.executable, "-m", "megamemo", *argv]
-        self._process = _server().Process(target=_rank_main,
+        self._process = context().Process(target=_rank_main,
                                           args=(argv, env, str(log_path), str(err_path or log_path), str(cwd)))
         self._process.start()
         self.pid = self._process.pid

@@ -5,7 +5,9 @@ with DeepSpeed's Muon module, and a TP or pipeline rank with megatron-core): tor
 compile call, so a rank that compiles still lifts it for itself."""
 import os
 
-os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+from forked import SERVER_ENV
+
+os.environ.update(SERVER_ENV)
 
 from megamemo.cli import prepare_process  # noqa: E402
 
