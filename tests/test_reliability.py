@@ -25,54 +25,17 @@ from pathlib import Path
 import pytest
 
 from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
+import local_launch
+from local_launch import start, text, wait_for_step
 from test_train_runs import TWO_RANKS_12_STEPS, committed_steps, launch, logs, losses, wait
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]
-
-
-def start(cfg, shards, run_dir, *args, n=2, env=None):
-    """launch/local.sh n ... in a session of its own (its pid is its process group); output to run_dir.log."""
-    log = open(f"{run_dir}.log", "a")
-    e = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
-    p = subprocess.Popen(["bash", str(REPO / "launch/local.sh"), str(n), "--config", str(cfg), "--data",
-                          str(shards), "--run-dir", str(run_dir), *FAST, *args],
-                         env=e, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-    p.started = time.time()         # wait_for_step counts only the steps this start logs
-    return p
 
 
 def finish(p, timeout=240) -> int:
-    """The launcher's exit code within `timeout` seconds; past it its whole process group is killed and the test
-    fails naming the command that hung."""
-    try:
-        return p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        raise AssertionError(f"still running after {timeout}s (its process group killed): "
-                             f"{' '.join(map(str, p.args))}") from None
-
-
-def text(run_dir) -> str:
-    return Path(f"{run_dir}.log").read_text() if Path(f"{run_dir}.log").exists() else ""
-
-
-def wait_for_step(run_dir, step, p, timeout=180):
-    """Until the start `p` has logged step `step` or a later one (what earlier starts logged does not count: a
-    restart's kill must land in its own training, not in its start-up)."""
-    metrics = Path(run_dir) / "metrics.jsonl"
-    end = time.time() + timeout
-    while time.time() < end:
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")] \
-            if metrics.exists() else []
-        if any(r.get("kind") == "train" and r["step"] >= step and r["time"] >= p.started for r in records):
-            return
-        assert p.poll() is None, text(run_dir)[-3000:]
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached: {text(run_dir)[-2000:]}")
+    return local_launch.finish(p, timeout)
 
 
 def workers_of(run_dir) -> list[int]:

@@ -20,34 +20,18 @@ from pathlib import Path
 import pytest
 
 from megamemo.runtime.interruptions import history
+import local_launch
+from local_launch import text, wait_for_step
 from runs_cache import TWO_RANKS_12_STEPS, losses
 
 pytestmark = pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 
-REPO = Path(__file__).resolve().parents[1]
-FAST = ["--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]
-
-
 def start(cfg, shards, run_dir, *args, n=2, restarts=2, env=None) -> subprocess.Popen:
-    """launch/local.sh --max-restarts R n ... in a session of its own; output to run_dir.log."""
-    log = open(f"{run_dir}.log", "a")
-    e = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.Popen(["bash", str(REPO / "launch/local.sh"), "--max-restarts", str(restarts), str(n),
-                             "--config", str(cfg), "--data", str(shards), "--run-dir", str(run_dir), *FAST, *args],
-                            env=e, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    return local_launch.start(cfg, shards, run_dir, *args, n=n, restarts=restarts, env=env)
 
 
 def finish(p, timeout=300) -> int:
-    try:
-        return p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        raise AssertionError(f"still running after {timeout}s (killed): {' '.join(map(str, p.args))}") from None
-
-
-def text(run_dir) -> str:
-    return Path(f"{run_dir}.log").read_text()
+    return local_launch.finish(p, timeout)
 
 
 def worker(launcher: subprocess.Popen, rank: int) -> int:
@@ -60,24 +44,6 @@ def worker(launcher: subprocess.Popen, rank: int) -> int:
         if f"RANK={rank}".encode() in env:
             return int(child)
     raise AssertionError(f"no worker of rank {rank}")
-
-
-def wait_for_step(run_dir, step, p, timeout=180, committed: int | None = None) -> None:
-    """Until training has logged `step` (and, given `committed`, that step's checkpoint is committed: a save is
-    asynchronous, and on loaded cores its commit can come after the next steps)."""
-    from megamemo.checkpoint.store import list_checkpoints
-
-    metrics = Path(run_dir) / "metrics.jsonl"
-    end = time.time() + timeout
-    while time.time() < end:
-        if metrics.exists() and any(json.loads(x).get("kind") == "train" and json.loads(x)["step"] >= step
-                                    for x in metrics.read_text().splitlines() if x.endswith("}")) and \
-                (committed is None or any(s == committed and c for s, _, c in
-                                          list_checkpoints(Path(run_dir) / "checkpoints"))):
-            return
-        assert p.poll() is None, text(run_dir)[-3000:]
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached: {text(run_dir)[-2000:]}")
 
 
 @pytest.fixture
