@@ -187,13 +187,16 @@ def train_section(ctx):
     for line in text.splitlines():
         if line.startswith("[train] attention:"):
             res["attention_check"] = line
-    # kill -9 after a committed checkpoint, then resume: bit-equal losses
+    # kill -9 after a committed checkpoint, then resume: bit-equal losses (a save is asynchronous: under load its
+    # commit can come after later steps, so the kill waits for both)
+    from megamemo.checkpoint.store import list_checkpoints
+
     p = train(crash, background=True)
     deadline = time.time() + ctx.left("train")
     while time.time() < deadline and p.poll() is None:
         if (crash / "metrics.jsonl").exists() and any(
                 json.loads(line).get("step", 0) >= kill_after for line in (crash / "metrics.jsonl").read_text()
-                .splitlines() if line.endswith("}")):
+                .splitlines() if line.endswith("}")) and any(c for _, _, c in list_checkpoints(crash / "checkpoints")):
             break
         time.sleep(0.05)
     os.killpg(p.pid, signal.SIGKILL)
