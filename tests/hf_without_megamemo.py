@@ -4,7 +4,7 @@ transformers alone, in a Python where `import megamemo` fails, and writes what t
 JOB: a list of {"dir", "tokens": [ids], "segment": L, "prompt": [ids], "new": N, "text": str} ->
 OUT: per job {"nll": per-token NLL of tokens[1:] scored segment by segment with the cache, "greedy": N token ids
 greedily generated after prompt, "encoded": the exported tokenizer's ids of text, "loss": labels' loss of the
-first segment, "nll_first": that segment's mean NLL as read off the logits; with "bf16": whether the model loaded
+first segment, "nll_first": that segment's mean NLL as read off the logits, "vocab" and "targets": the sizes of its two reductions; with "bf16": whether the model loaded
 in bf16 computes its position sinusoids in fp32}."""
 import importlib.abc
 import json
@@ -45,6 +45,7 @@ def run(job: dict) -> dict:
         o = model(first, labels=first)
         out["loss"] = float(o.loss)
         out["nll_first"] = float(-o.logits[:, :-1].log_softmax(-1).gather(2, first[:, 1:, None]).mean())
+        out["vocab"], out["targets"] = o.logits.size(-1), first.size(1) - 1
         if job.get("new"):
             g = model.generate(torch.tensor(job["prompt"])[None], max_new_tokens=job["new"], do_sample=False)
             out["greedy"] = g[0, len(job["prompt"]):].tolist()
