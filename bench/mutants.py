@@ -43,6 +43,7 @@ SUBWORD = "tests/test_data_subword.py"
 REMOTE = "tests/test_data_remote.py"
 LAUNCHER = "tests/test_launcher_report.py"
 STEPTIME = "tests/test_steptime.py"
+FUSED = "tests/test_fused_attention.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -133,6 +134,29 @@ MUTATIONS = [
     M("compiler-overrides-the-users-dynamo-off", "megamemo/kernels/compiler.py",
       'if os.environ.get(SET_BY_MEGAMEMO) == "1":', "if True:",
       ("tests/test_kernels.py::test_the_compiler_switch_lifts_megamemos_own_dynamo_off_only",)),
+    # the fused Triton attention (kernels/relattn_triton.py, kernels/fused.py), run in Triton's interpreter
+    M("fused-skew-off-by-one", "megamemo/kernels/relattn_triton.py",
+      "skew = (BM - 1) - tl.arange(0, BM)[:, None] + tl.arange(0, BN)[None, :]                  # in [0, BM+BN-2]",
+      "skew = BM - tl.arange(0, BM)[:, None] + tl.arange(0, BN)[None, :]",
+      (FUSED + "::test_causal_fp32_equals_the_naive_spec",)),
+    M("fused-lse-gradient-ignored", "megamemo/kernels/fused.py",
+      "delta = delta - g_lse.float()", "pass",
+      (FUSED + "::test_lookahead_fp32_equals_the_naive_spec",)),
+    M("fused-odd-r-bands-at-the-even-offset", "megamemo/kernels/fused.py",
+      "buf[:, bn:bn + odd.size(1)] += odd", "buf[:, :odd.size(1)] += odd",
+      (FUSED + "::test_causal_fp32_equals_the_naive_spec",)),
+    M("fused-tile-table-hides-the-diagonal", "megamemo/kernels/fused.py",
+      "return padded.view(n_qt, block, n_kt, block).any(3).any(1).to(torch.int32).contiguous()",
+      "return padded.view(n_qt, block, n_kt, block).all(3).all(1).to(torch.int32).contiguous()",
+      (FUSED + "::test_hidden_tiles_are_skipped", FUSED + "::test_causal_fp32_equals_the_naive_spec")),
+    M("fused-online-softmax-not-rescaled", "megamemo/kernels/relattn_triton.py",
+      "acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC, UPCAST)",
+      "acc = acc + _mm(p.to(v.dtype), v, PREC, UPCAST)",
+      (FUSED + "::test_causal_fp32_equals_the_naive_spec",)),
+    M("fused-du-takes-the-position-part", "megamemo/kernels/fused.py",
+      "du, dvb = dqc.sum((1, 2)).to(u.dtype), dqp.sum((1, 2)).to(vb.dtype)",
+      "du, dvb = dqp.sum((1, 2)).to(u.dtype), dqc.sum((1, 2)).to(vb.dtype)",
+      (FUSED + "::test_without_a_gradient_of_the_lse",)),
     # ---- megamemo/parallel -----------------------------------------------------------------------------------
     M("parallel-tp-stream-shared-by-the-tp-ranks", "megamemo/parallel/groups.py",
       "tp = seed + 1 + 2 * _pair(_pair(group, tp_rank), step_salt) + 1",

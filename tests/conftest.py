@@ -27,6 +27,12 @@ def cuda_available() -> bool:
     return cuda_count() > 0
 
 
+# Triton's interpreter for the fused attention kernels (megamemo/kernels/fused.py) on CPU tensors: it must be on
+# before triton is imported (here, before any test imports it), and is inherited by every process the tests start.
+# Not where there is a GPU: there the kernels are compiled.
+if not cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # marker -> CUDA devices its tests need
 DEVICE_MARKERS = {"gpu": 1, "multigpu": 2, "gpu4": 4}
 

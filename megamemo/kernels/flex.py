@@ -31,7 +31,7 @@ try:
 except ImportError:                     # torch < 2.9
     AuxRequest = None
 
-from megamemo.model.attention import _drops, _rows, causal_attention, lookahead_attention
+from megamemo.model.attention import _drops, _rows, causal_attention, lookahead_attention, select_lse
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,12 +73,6 @@ def flex_relative(q, k, v, r_rows, u, vb, s0, mask, scale):
         return flex(query, k, v, score_mod=score_mod, scale=scale, return_lse=True)
 
 
-def _finish(out, lse, want):
-    if want == "grad":
-        return out, lse
-    return out, (lse.detach() if want == "value" else None)
-
-
 def flex_causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad", masking=None):
     """causal_attention (megamemo/model/attention.py) through FlexAttention; `masking` is not used (the mask is
     applied in the kernel). With attention dropout active it is causal_attention itself."""
@@ -87,7 +81,7 @@ def flex_causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad",
         return causal_attention(q, k, v, r, u, vb, mask, scale, drop, lse, **kw)
     L, klen = q.size(2), k.size(2)
     out, norm = flex_relative(q, k, v, _rows(r, klen + 1), u, vb, L - 1, mask, scale)
-    return _finish(out, norm, lse)
+    return select_lse(out, norm, lse)
 
 
 def flex_lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="grad", masking=None):
@@ -97,4 +91,4 @@ def flex_lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse
         return lookahead_attention(qm, k, v, r_fut, u, vf, mask, scale, drop, lse, **kw)
     M, nk = qm.size(2), k.size(2)
     out, norm = flex_relative(qm, k, v, _rows(r_fut, M + 1), u, vf, M - nk, mask, scale)
-    return _finish(out, norm, lse)
+    return select_lse(out, norm, lse)

@@ -98,6 +98,14 @@ def _normalise(score, mask, v, drop, lse, masking=mask_scores):
     return prob @ v, norm
 
 
+def select_lse(out, lse, want):
+    """(out, the log-normaliser as a call asked for it): "grad" as computed, "value" detached, "none" None. For the
+    fused forms (megamemo/kernels), which always compute it."""
+    if want == "grad":
+        return out, lse
+    return out, (lse.detach() if want == "value" else None)
+
+
 def causal_attention(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad", masking=mask_scores):
     """Transformer-XL relative attention of L current queries over klen = M + L keys.
 
