@@ -4,7 +4,7 @@ its backward is checked on a GPU, bench/flex_check.py and the training start-up 
 
   * the whole model's NLL and memory, every variant, with same_length and clamp_len, over segments with memory;
   * `megamemo eval --attention flex`, `megamemo generate --attention flex` and the conversion probe's replay;
-  * the start-up check (kernels/flex_check.py): it names what it saw and the training run falls back to eager in
+  * the start-up check (kernels/form_check.py): it names what it saw and the training run falls back to eager in
     one line; an explicit `model.attention: flex` that cannot train is a config error;
   * the config: model.attention is not part of the model's identity (a checkpoint resumes under any form)."""
 from __future__ import annotations
@@ -112,8 +112,8 @@ def test_inference_auto_is_eager_on_the_cpu_and_for_generation():
     assert resolve_attention("auto", "cpu") == "eager"
     assert resolve_attention("auto", "cuda", generating=True) == "eager"
     assert resolve_attention("flex", "cpu") == "flex"
-    with pytest.raises(ValueError, match="--attention: must be one of auto, eager, flex"):
-        resolve_attention("fused", "cpu")
+    with pytest.raises(ValueError, match="--attention: must be one of auto, eager, flex, fused"):
+        resolve_attention("triton", "cpu")
 
 
 # ---- the start-up check ----------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def _layer_and_cfg(variant="lamemo"):
 def test_start_up_check_compares_forward_and_backward(variant, monkeypatch):
     """With a "flex" that is eager itself the check agrees; with one whose position term is off by a little, it
     disagrees naming the worst quantity; the layer is left eager and in training mode either way."""
-    from megamemo.kernels.flex_check import flex_matches_eager
+    from megamemo.kernels.form_check import flex_matches_eager
 
     layer, cfg = _layer_and_cfg(variant)
     monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "flex", (causal_attention, lookahead_attention))
@@ -144,44 +144,47 @@ def test_start_up_check_compares_forward_and_backward(variant, monkeypatch):
     assert attention_in_use(layer) == "eager" and layer.training
 
 
-def test_flex_cannot_train_on_the_cpu_so_auto_falls_back_in_one_line():
-    """The real FlexAttention on the CPU refuses a backward: the check says so, and a run whose auto form would be
-    flex (a CUDA device) logs one line and trains eager; an explicit flex is a config error naming the key."""
-    from megamemo.kernels.flex_check import flex_matches_eager
-    from megamemo.train.speedups import choose_attention
+def test_flex_cannot_train_on_the_cpu_so_auto_skips_it_in_one_line(monkeypatch):
+    """The real FlexAttention on the CPU refuses a backward: the check says so; a run whose auto would time flex (a
+    CUDA device of sm90, faked) skips it, naming why, and trains another form; an explicit flex is a config error
+    naming the key."""
+    from megamemo.kernels.form_check import flex_matches_eager
+    from megamemo.train import forms
 
     layer, cfg = _layer_and_cfg()
     ok, line = flex_matches_eager(layer, cfg, 2, 8, 8)
     assert not ok and "flex failed at B=2 L=8 M=8 float32: NotImplementedError" in line, line
-    run = load_dict({"model": cfg.to_dict() | {"dropout": 0.1}})
+    monkeypatch.setattr(forms, "capability", lambda device: (9, 0))
+    run = load_dict({"model": cfg.to_dict() | {"dropout": 0.1}, "train": {"compile": "off"}})
     model = MemTransformerLM(cfg)
     lines = []
-    assert choose_attention(run, model, "cuda", 2, lines.append) == "eager"    # the model itself is on the CPU
-    assert len(lines) == 1 and lines[0].startswith("[train] attention: eager (FlexAttention's start-up check "
-                                                   "failed on this rank: flex failed"), lines
-    assert attention_in_use(model) == "eager"
+    chosen = forms.choose_form(run, model, "cuda", 2, lines.append)     # the model itself is on the CPU
+    assert chosen.attention in ("eager", "fused") and not chosen.compiled
+    assert len(lines) == 1 and "skipped flex failed at B=2 L=8 M=8 float32: NotImplementedError" in lines[0], lines
+    assert attention_in_use(model) == chosen.attention
     run.model.attention = "flex"
     with pytest.raises(ConfigError, match="model.attention: flex does not match eager here: flex failed"):
-        choose_attention(run, model, "cuda", 2, lines.append)
+        forms.choose_form(run, model, "cuda", 2, lines.append)
 
 
-def test_auto_keeps_eager_with_attention_dropout_or_determinism():
-    from megamemo.train.speedups import choose_attention
+def test_auto_keeps_eager_with_attention_dropout_and_leaves_flex_out_under_determinism(monkeypatch):
+    from megamemo.train import forms
 
+    monkeypatch.setattr(forms, "capability", lambda device: (9, 0))
     cfg = _layer_and_cfg()[1]
-    for extra, why in (({"model": {"dropatt": 0.1}}, "model.dropatt=0.1"),
-                       ({"train": {"deterministic": True}}, "train.deterministic")):
-        d = {"model": cfg.to_dict() | extra.get("model", {}), "train": extra.get("train", {})}
-        run, lines = load_dict(d), []
-        assert choose_attention(run, MemTransformerLM(run.model), "cuda", 2, lines.append) == "eager"
-        assert len(lines) == 1 and why in lines[0], lines
+    run, lines = load_dict({"model": cfg.to_dict() | {"dropatt": 0.1}, "train": {"compile": "off"}}), []
+    assert forms.choose_form(run, MemTransformerLM(run.model), "cuda", 2, lines.append).attention == "eager"
+    assert len(lines) == 1 and "model.dropatt=0.1" in lines[0], lines
+    run, lines = load_dict({"model": cfg.to_dict(), "train": {"deterministic": True, "compile": "off"}}), []
+    assert forms.choose_form(run, MemTransformerLM(run.model), "cuda", 2, lines.append).attention != "flex"
+    assert len(lines) == 1 and "skipped flex: train.deterministic" in lines[0], lines
 
 
 # ---- config -----------------------------------------------------------------------------------------------------
 def test_attention_config_is_validated_and_not_part_of_the_identity():
     base = ModelConfig(variant="lamemo", n_token=40, mem_len=8, tgt_len=8).to_dict()
-    with pytest.raises(ValueError, match="model.attention: must be one of auto, eager, flex"):
-        ModelConfig.from_dict(base | {"attention": "fused"})
+    with pytest.raises(ValueError, match="model.attention: must be one of auto, eager, flex, fused"):
+        ModelConfig.from_dict(base | {"attention": "triton"})
     with pytest.raises(ConfigError, match="model.attention: flex cannot drop attention weights"):
         load_dict({"model": base | {"attention": "flex", "dropatt": 0.1}})
     fingerprints = {load_dict({"model": base | {"attention": a}}).model_fingerprint() for a in ("auto", "eager", "flex")}

@@ -44,8 +44,9 @@ def parse_args(argv):
     p.add_argument("--memory", help="start every column from this memory (memory.safetensors of `megamemo convert "
                                     "to-single --memory`, or its directory; its streams must be --batch-size)")
     flags.add(p, "device")
-    p.add_argument("--attention", choices=("auto", "eager", "flex"), default="auto",
-                   help="attention form: auto (flex on CUDA, eager on the CPU), eager, flex (FlexAttention)")
+    p.add_argument("--attention", choices=("auto", "eager", "flex", "fused"), default="auto",
+                   help="attention form: auto (flex on CUDA, eager on the CPU), eager, flex (FlexAttention), fused "
+                        "(the Triton kernels; on the CPU only in Triton's interpreter, TRITON_INTERPRET=1)")
     flags.add(p, "dtype", extra_choices=("checkpoint",), default="checkpoint",
               help="run the model in this dtype (default: as stored)")
     return p.parse_args(argv)

@@ -31,8 +31,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", help="write the continuation here instead of stdout")
     p.add_argument("--json", help="write prompt/new token ids and the text here")
     flags.add(p, "device")
-    p.add_argument("--attention", choices=("auto", "eager", "flex"), default="auto",
-                   help="attention form: auto (eager: one query a step), eager, flex (FlexAttention)")
+    p.add_argument("--attention", choices=("auto", "eager", "flex", "fused"), default="auto",
+                   help="attention form: auto (eager: one query a step), eager, flex (FlexAttention), fused (the "
+                        "Triton kernels; on the CPU only in Triton's interpreter, TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
     from data_pipeline import ManifestError
     from megamemo.checkpoint.single import SingleCheckpointError

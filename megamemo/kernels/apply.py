@@ -16,12 +16,14 @@ from megamemo.model.layers import RelAttention, ReluDropout
 from .dropout import CpuDropout
 from .keyed import KeyedDropout
 from .flex import flex_causal_attention, flex_lookahead_attention
+from .fused import FusedUnavailable, check_device, fused_causal_attention, fused_lookahead_attention
 from .masking import add_mask_bias
 
 KERNELS = ("auto", "plain", "cpu")
-ATTENTIONS = ("auto", "eager", "flex")     # model.attention
+ATTENTIONS = ("auto", "eager", "flex", "fused")     # model.attention
 _ATTENTION_FUNCTIONS = {"eager": (causal_attention, lookahead_attention),
-                        "flex": (flex_causal_attention, flex_lookahead_attention)}
+                        "flex": (flex_causal_attention, flex_lookahead_attention),
+                        "fused": (fused_causal_attention, fused_lookahead_attention)}
 _DROPOUTS = (nn.Dropout, ReluDropout, CpuDropout)  # exactly these types (no other library's subclass is touched)
 
 
@@ -72,12 +74,18 @@ def kernels_in_use(model: nn.Module) -> str:
 
 
 def resolve_attention(choice: str, device, generating: bool = False) -> str:
-    """"eager" or "flex" for an inference `--attention` choice (eval, generate, the probe): auto is flex on CUDA
-    (where dynamo can run) and eager on the CPU (flex's CPU form is a reference implementation, forward only),
+    """"eager", "flex" or "fused" for an inference `--attention` choice (eval, generate, the probe): auto is flex on
+    CUDA (where dynamo can run) and eager on the CPU (flex's CPU form is a reference implementation, forward only),
     and eager for generation (one query a step: a compiled kernel per new length would cost more than it saves).
-    Training resolves auto itself (megamemo/train/speedups.py: a start-up check)."""
+    fused runs on CUDA, or on the CPU in Triton's interpreter (a ValueError naming --attention otherwise).
+    Training resolves auto itself (megamemo/train/forms.py: a start-up check and timing)."""
     if choice not in ATTENTIONS:
         raise ValueError(f"--attention: must be one of {', '.join(ATTENTIONS)} (got {choice!r})")
+    if choice == "fused":
+        try:
+            check_device(device)
+        except FusedUnavailable as e:
+            raise ValueError(f"--attention: {str(e).removeprefix('model.attention: ')}") from None
     if choice != "auto":
         return choice
     if generating or torch.device(device).type != "cuda":
@@ -92,10 +100,11 @@ def resolve_attention(choice: str, device, generating: bool = False) -> str:
 
 def apply_attention(model: nn.Module, form: str) -> str:
     """In place: every RelAttention of the model computes its attention in `form` ("eager": attention.py's
-    functions; "flex": FlexAttention, megamemo/kernels/flex.py). Weights and results are unchanged (flex within
-    rounding). "auto" is resolved by the caller (train: a start-up check on CUDA; eval/generate: flex on CUDA)."""
+    functions; "flex": FlexAttention, megamemo/kernels/flex.py; "fused": the Triton kernels, kernels/fused.py).
+    Weights and results are unchanged (flex and fused within rounding). "auto" is resolved by the caller (train: a
+    start-up check and timing on CUDA; eval/generate: flex on CUDA)."""
     if form not in _ATTENTION_FUNCTIONS:
-        raise ValueError(f"model.attention: apply_attention takes eager or flex (got {form!r})")
+        raise ValueError(f"model.attention: apply_attention takes eager, flex or fused (got {form!r})")
     causal, lookahead = _ATTENTION_FUNCTIONS[form]
     for m in model.modules():
         if isinstance(m, RelAttention):
@@ -104,7 +113,7 @@ def apply_attention(model: nn.Module, form: str) -> str:
 
 
 def attention_in_use(model: nn.Module) -> str:
-    """"eager", "flex" or "mixed": which form the model's attention modules compute in."""
+    """"eager", "flex", "fused" or "mixed": which form the model's attention modules compute in."""
     forms = {name for m in model.modules() if isinstance(m, RelAttention)
              for name, fns in _ATTENTION_FUNCTIONS.items() if m.causal is fns[0]}
     return "mixed" if len(forms) != 1 else forms.pop()

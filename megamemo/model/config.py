@@ -50,8 +50,10 @@ class ModelConfig:
     # (~15x the scale of r_r_bias). "xavier" reproduces that; "normal" uses N(0, init_std) like the other biases.
     future_bias_init: str = "xavier"
     # How attention is computed: eager (megamemo/model/attention.py) | flex (FlexAttention, one fused kernel;
-    # megamemo/kernels/flex.py) | auto (training: flex on CUDA after a start-up check against eager on the run's
-    # own shapes, else eager; eval/generate: flex on CUDA). Attention dropout (dropatt > 0) keeps eager in training.
+    # megamemo/kernels/flex.py) | fused (Triton kernels with the rel-shifted position term on chip;
+    # megamemo/kernels/fused.py) | auto (training on CUDA: the fastest of the forms that pass a start-up check
+    # against eager, timed on one layer at the run's own shapes, megamemo/train/forms.py; on the CPU eager;
+    # eval/generate: flex on CUDA). Attention dropout (dropatt > 0) keeps eager in training.
     # Not part of the model's identity (RUNTIME_FIELDS): a checkpoint resumes and converts under any form.
     attention: str = "auto"
 
@@ -120,15 +122,15 @@ class ModelConfig:
             bad("div_val", "d_embed must be divisible by div_val ** len(cutoffs)")
         if self.future_bias_init not in ("xavier", "normal"):
             bad("future_bias_init", "must be 'xavier' or 'normal'")
-        if self.attention not in ("auto", "eager", "flex"):
-            bad("attention", "must be one of auto, eager, flex")
+        if self.attention not in ("auto", "eager", "flex", "fused"):
+            bad("attention", "must be one of auto, eager, flex, fused")
         return self
 
     def check(self, run, bad) -> None:
-        """The run's checks of the model section (megamemo/config/run.py), beyond validate's: FlexAttention, which a
-        training run with attention flex uses, cannot drop attention weights."""
-        if self.attention == "flex" and self.dropatt > 0:
-            bad("model.attention", f"flex cannot drop attention weights (model.dropatt={self.dropatt}): "
+        """The run's checks of the model section (megamemo/config/run.py), beyond validate's: FlexAttention and the
+        fused kernels, which a training run with attention flex or fused uses, cannot drop attention weights."""
+        if self.attention in ("flex", "fused") and self.dropatt > 0:
+            bad("model.attention", f"{self.attention} cannot drop attention weights (model.dropatt={self.dropatt}): "
                                    f"use auto or eager, or dropatt 0")
 
     def to_dict(self) -> dict:
