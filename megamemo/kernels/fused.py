@@ -29,11 +29,11 @@ class FusedUnavailable(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    try:
-        from . import relattn_triton
+    try:        # triton only when the kernels are used: the CPU wheel of torch does not bring it
+        import megamemo.kernels.relattn_triton as kernels
     except ImportError as e:
         raise FusedUnavailable(f"model.attention: fused needs triton ({e})") from None
-    return relattn_triton
+    return kernels
 
 
 def interpreted() -> bool:
