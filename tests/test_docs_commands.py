@@ -26,10 +26,6 @@ def option(words: list[str], name: str) -> str | None:
     return next((words[i + 1] for i, w in enumerate(words[:-1]) if w == name), None)
 
 
-def sets(words: list[str]) -> dict[str, str]:
-    return dict(words[i + 1].split("=", 1) for i, w in enumerate(words[:-1]) if w == "--set")
-
-
 QUICK_START = fenced_commands(REPO / "README.md", "## Quick start on a cluster")
 
 
@@ -48,3 +44,23 @@ def test_the_readme_cluster_quick_start_resubmission_resumes_where_step_5_conver
         run_dirs.append(option(train_args(srun), "--run-dir"))
     convert = next(shlex.split(c) for c in QUICK_START if c.startswith("megamemo convert to-single"))
     assert run_dirs[0] == run_dirs[1] == option(convert, "--ckpt"), (run_dirs, convert)
+
+
+def test_the_readme_cluster_quick_start_plans_the_precision_the_job_trains_with(stubs, capsys):  # noqa: F811
+    """`plan` prices the config under its --set overrides; the job trains the config under the preset's
+    precision (and the sbatch line's --set): the two must be one precision."""
+    from megamemo.commands import plan
+    from megamemo.train.config import load
+
+    words = next(shlex.split(c) for c in QUICK_START if c.startswith("megamemo plan "))
+    assert plan.main(words[2:]) == 0
+    planned = re.search(r"; (fp32|bf16|fp16)$", capsys.readouterr().out.splitlines()[0]).group(1)
+    submit = next(shlex.split(c) for c in QUICK_START if c.startswith("sbatch "))
+    script = next(w for w in submit if w.endswith(".sbatch"))
+    rc, out, srun, _ = batch(stubs, Path(script).name, *submit[submit.index(script) + 1:], MEGAMEMO_GPU_PROBE="echo 8")
+    assert rc == 0, out
+    trained = train_args(srun)
+    assert option(trained, "--config") == option(words, "--config")
+    overrides = [trained[i + 1] for i, w in enumerate(trained[:-1]) if w == "--set"]
+    dtype = load(REPO / option(trained, "--config"), overrides).precision.dtype
+    assert planned == dtype, f"plan prices {planned}, the job trains {dtype}"
