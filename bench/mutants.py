@@ -257,6 +257,10 @@ MUTATIONS = [
     M("hf-byte-table-shift-starts-at-1", "megamemo/export/hf.py",
       "out, shift = [], 0", "out, shift = [], 1",
       ("tests/test_export_hf.py::test_byte_tokenizer_maps_every_byte_to_its_id",)),
+    M("harness-lm-eval-device-passed-twice", "megamemo/export/harness.py",
+      "extra = {k: v for k, v in (lm_eval_config or {}).items() if v is not None and k not in model_args}",
+      "extra = {k: v for k, v in (lm_eval_config or {}).items() if v is not None}",
+      ("tests/test_harness.py::test_the_documented_lm_eval_command_builds_the_model_with_lm_evals_device",)),
     # ---- megamemo/commands -----------------------------------------------------------------------------------
     M("commands-train-drops-the-set-overrides", "megamemo/commands/train.py",
       "sets = list(args.set)", "sets = []",
