@@ -261,6 +261,9 @@ MUTATIONS = [
       "extra = {k: v for k, v in (lm_eval_config or {}).items() if v is not None and k not in model_args}",
       "extra = {k: v for k, v in (lm_eval_config or {}).items() if v is not None}",
       ("tests/test_harness.py::test_the_documented_lm_eval_command_builds_the_model_with_lm_evals_device",)),
+    M("hf-start-token-matched-in-text", "megamemo/export/hf.py",
+      "specials.update(start, split_special_tokens=bool(start))", "specials.update(start)",
+      ("tests/test_export_hf.py::test_exported_tokenizers_carry_the_start_token_as_bos_and_eos",)),
     # ---- megamemo/commands -----------------------------------------------------------------------------------
     M("commands-train-drops-the-set-overrides", "megamemo/commands/train.py",
       "sets = list(args.set)", "sets = []",

@@ -134,13 +134,17 @@ def test_lm_eval_command_runs_model_megamemo(ckpt, tmp_path):
 
 
 def test_the_export_runs_under_lm_eval_model_hf(ckpt, tmp_path):
-    """lm-eval's HFLM scores the document in one window after a prefix token: the exported model carries its memory
-    over the window's segments, so that is megamemo's streaming eval of prefix + document."""
+    """docs/export.md's `lm_eval --model hf` line: HFLM scores the document in one window after a prefix token, the
+    tokenizer's BOS (a newline; without one a traceback, issue 50). The exported model carries its memory over the
+    window's segments, so that is megamemo's streaming eval of prefix + document."""
     assert export_cmd.main(["hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
     text = utf8_text(30_000, 1500)
     _task(tmp_path, text.decode())
-    bpb = _lm_eval(tmp_path, "--model", "hf", "--device", "cpu", "--model_args",
-                   f"pretrained={tmp_path / 'hf'},trust_remote_code=True,prefix_token_id=10")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    [line] = [x for x in page.splitlines() if x.startswith("lm_eval --model hf --model_args pretrained=hf/tiny")]
+    words = line.split("#")[0].split()
+    model_args = words[words.index("--model_args") + 1].replace("pretrained=hf/tiny", f"pretrained={tmp_path / 'hf'}")
+    bpb = _lm_eval(tmp_path, "--model", "hf", "--device", "cpu", "--model_args", model_args)
     lm = harness.MegamemoLM(str(ckpt), device="cpu")
     nll, _ = lm.score([10] + lm.encode(text.decode()))
     assert bpb == pytest.approx(float(nll.sum()) / math.log(2) / len(text), rel=1e-5)

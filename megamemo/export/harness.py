@@ -27,7 +27,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from megamemo.interop.load import open_model
-from megamemo.interop.vocabulary import encode_prompt, vocab_for
+from megamemo.interop.vocabulary import encode_prompt, start_symbol, vocab_for
 from megamemo.model.generation import generate
 from megamemo.model.scoring import evaluate
 from megamemo.runtime.device import torch_device
@@ -80,10 +80,8 @@ class MegamemoLM(LM):
 
     def start_token(self) -> int:
         """The context of a request whose context is empty."""
-        for sym in ("<eos>", "10", "_", "32"):
-            if sym in self.vocab.sym2idx:
-                return self.vocab.sym2idx[sym]
-        return 0
+        sym = start_symbol(self.vocab)
+        return 0 if sym is None else self.vocab.sym2idx[sym]
 
     # ---- scoring through megamemo's evaluation loop --------------------------------------------------------
     def score(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

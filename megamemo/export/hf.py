@@ -77,6 +77,19 @@ def word_tokenizer(vocab):
     return tok
 
 
+def start_tokens(vocab) -> dict:
+    """BOS = EOS = the token a stream with no context starts from (megamemo.interop.vocabulary.start_symbol: <eos>,
+    else a newline, else a space), as the tokenizer spells it: lm-eval's `--model hf` prefixes every rolling window
+    with the BOS, and generate() pads with the EOS. {} for a vocabulary with none of them."""
+    from megamemo.interop.vocabulary import start_symbol
+
+    sym = start_symbol(vocab)
+    if sym is None:
+        return {}
+    token = sym if vocab.kind == "words" else _bytes_to_unicode()[vocab.symbol_byte(sym)]
+    return {"bos_token": token, "eos_token": token}
+
+
 def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     """The tokenizer files for the checkpoint's vocabulary into `out`; -> what was written, in words. A subword
     tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
@@ -98,7 +111,8 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
                                  recorded="the checkpoint's tokenizer.sha256")
         if problem:
             raise ExportError(f"{src}: {problem} (corrupt or replaced)")
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(src))
+        eod = {"bos_token": rec["eod"], "eos_token": rec["eod"]} if rec.get("eod") else {}
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(src), **eod)
         tok.save_pretrained(str(out))
         return f"subword tokenizer {src.name} ({rec.get('kind', '?')}, {len(tok)} entries)"
     try:
@@ -107,6 +121,9 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
         raise ExportError(f"{dirs[0]}: {e}") from None
     tok = byte_tokenizer(vocab) if vocab.kind in ("bytes", "chars") else word_tokenizer(vocab)
     specials = {"unk_token": "<unk>"} if vocab.kind == "words" and "<unk>" in vocab.sym2idx else {}
+    start = start_tokens(vocab)
+    # split_special_tokens: the text's own "Ċ" (U+010A) stays its two UTF-8 bytes, not the newline BOS it spells
+    specials.update(start, split_special_tokens=bool(start))
     PreTrainedTokenizerFast(tokenizer_object=tok, **specials).save_pretrained(str(out))
     return f"{vocab.kind} tokenizer ({len(vocab)} symbols)"
 
