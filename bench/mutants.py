@@ -235,6 +235,9 @@ MUTATIONS = [
       "keep_sorted = before < top_p                     # the token that crosses top_p is kept; the first always is",
       "keep_sorted = before + sorted_p <= top_p",
       ("tests/test_generate.py::test_nucleus_keeps_the_smallest_set_reaching_top_p",)),
+    M("eval-lengths-unchecked", "megamemo/eval/evaluate.py",
+      'model.cfg.check_lengths(**{"--tgt-len": a.tgt_len, "--mem-len": a.mem_len, "--clamp-len": a.clamp_len})',
+      "pass", ("tests/test_eval_loop.py::test_lengths_are_held_to_the_training_configs_rules",)),
     # ---- megamemo/plan ---------------------------------------------------------------------------------------
     M("steptime-tp-comm-not-in-the-bubble", "megamemo/plan/steptime.py",
       '"tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),',

@@ -65,6 +65,7 @@ class MegamemoLM(LM):
             device = "auto"
         device = torch_device(device)
         self.model, meta = open_model(ckpt, device, dtype)
+        self.model.cfg.check_lengths(**{"--mem-len": None if mem_len is None else int(mem_len)})
         self.vocab = vocab_for(meta, data)
         if len(self.vocab) > self.model.cfg.vocab_size:
             raise ValueError(f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit the model's "
