@@ -61,6 +61,9 @@ MUTATIONS = [
       ("tests/test_util.py::test_the_hashing_writer_and_the_manifest_entry_check",
        "tests/test_checkpoint_layer.py::test_half_written_flipped_or_truncated_checkpoints_are_never_resumed",
        "tests/test_data_prepare.py::test_jsonl_records_are_documents_in_a_document_index")),
+    M("util-saved-tensors-keep-safetensors-0600", "megamemo/util/files.py",
+      "os.chmod(path, mode)", "pass",
+      ("tests/test_export_hf.py::test_the_weights_are_as_readable_as_the_other_files",)),
     # ---- data_pipeline -----------------------------------------------------------------------------------------
     M("subword-document-index-restarts-each-block", "data_pipeline/subword.py",
       "doc += lengths.size", "doc = lengths.size",

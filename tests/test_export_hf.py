@@ -223,6 +223,21 @@ def test_exported_tokenizers_carry_the_start_token_as_bos_and_eos(tmp_path, voca
         assert tok.decode(tok(text).input_ids) == text
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_weights_are_as_readable_as_the_other_files(tmp_path, umask):
+    """safetensors writes 0600; the export and a converted checkpoint give their weights the mode of every other new
+    file (0666 less the umask), so colleagues on a shared cluster can read them (issue 50)."""
+    old = os.umask(umask)
+    try:
+        ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", meta=BYTES)
+        assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    for d in (ck, tmp_path / "hf"):
+        modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir() if p.is_file()}
+        assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask, (d, modes)
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 def run_export(*args) -> subprocess.CompletedProcess:
     return forked.run_megamemo(["export", "hf", *args], ENV, REPO, timeout=300)

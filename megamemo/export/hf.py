@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from megamemo.util.files import atomic_directory
+from megamemo.util.files import atomic_directory, save_tensors
 
 CODE = Path(__file__).with_name("hf_code")
 CODE_FILES = ("configuration_megamemo.py", "modeling_megamemo.py")
@@ -151,8 +151,6 @@ def _check_variant(single: Path) -> None:
 
 def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
     """-> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or directory."""
-    from safetensors.torch import save_file
-
     from megamemo.checkpoint.single import load_single
     from megamemo.interop.convert import to_single
     from megamemo.interop.load import is_single
@@ -178,7 +176,7 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
         dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
         # --overwrite: the old directory goes only once the new one is in (util.files.atomic_directory)
         with atomic_directory(out, replace=overwrite) as tmp:
-            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_tensors(sd, tmp / "model.safetensors", metadata={"format": "pt"})
             for name in CODE_FILES:
                 shutil.copyfile(CODE / name, tmp / name)
             import transformers
