@@ -64,3 +64,20 @@ def test_the_readme_cluster_quick_start_plans_the_precision_the_job_trains_with(
     overrides = [trained[i + 1] for i, w in enumerate(trained[:-1]) if w == "--set"]
     dtype = load(REPO / option(trained, "--config"), overrides).precision.dtype
     assert planned == dtype, f"plan prices {planned}, the job trains {dtype}"
+
+
+def test_the_tiny_run_writes_only_where_git_ignores():
+    """getting-started.md's first tiny run: every file a command writes (--out, --json, --run-dir, a `>` redirect)
+    lies under a directory .gitignore lists, not in the repository's root (issue 50)."""
+    ignored = {line.strip().strip("/") for line in (REPO / ".gitignore").read_text().splitlines()
+               if line.strip().endswith("/")}
+    page = REPO / "docs" / "getting-started.md"
+    commands = fenced_commands(page, "## A first tiny run") + fenced_commands(page, "**Convert, evaluate, sample, plot.**")
+    written = []
+    for command in commands:
+        words = shlex.split(command)
+        written += [option(words, flag) for flag in ("--out", "--json", "--run-dir") if option(words, flag)]
+        written += [words[i + 1] for i, w in enumerate(words[:-1]) if w == ">"]
+    assert len(written) >= 7, commands
+    outside = [w for w in written if Path(w).parts[0] not in ignored]
+    assert not outside, f"written where git sees them: {outside}"
