@@ -62,6 +62,9 @@ MUTATIONS = [
       ("tests/test_util.py::test_the_hashing_writer_and_the_manifest_entry_check",
        "tests/test_checkpoint_layer.py::test_half_written_flipped_or_truncated_checkpoints_are_never_resumed",
        "tests/test_data_prepare.py::test_jsonl_records_are_documents_in_a_document_index")),
+    M("util-saved-tensors-keep-safetensors-0600", "megamemo/util/files.py",
+      "os.chmod(path, mode)", "pass",
+      ("tests/test_export_hf.py::test_the_weights_are_as_readable_as_the_other_files",)),
     # ---- data_pipeline -----------------------------------------------------------------------------------------
     M("subword-document-index-restarts-each-block", "data_pipeline/subword.py",
       "doc += lengths.size", "doc = lengths.size",
@@ -96,6 +99,9 @@ MUTATIONS = [
       "starts = first_token + np.concatenate(([0], np.cumsum(lengths[:-1])))",
       "starts = first_token + np.cumsum(lengths)",
       (f"{SUBWORD}::test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers",)),
+    M("text-plain-corpus-utf8-unchecked", "data_pipeline/corpora.py",
+      "_check_utf8(p)          # the other files are decoded line by line", "pass",
+      ("tests/test_data_prepare.py::test_a_bad_text_corpus_exits_2_naming_its_line_and_column",)),
     # ---- megamemo/model --------------------------------------------------------------------------------------
     M("model-causal-mask-hides-the-query-itself", "megamemo/model/positions.py",
       "mask = j > i", "mask = j >= i",
@@ -274,6 +280,9 @@ MUTATIONS = [
       "keep_sorted = before < top_p                     # the token that crosses top_p is kept; the first always is",
       "keep_sorted = before + sorted_p <= top_p",
       ("tests/test_generate.py::test_nucleus_keeps_the_smallest_set_reaching_top_p",)),
+    M("eval-lengths-unchecked", "megamemo/eval/evaluate.py",
+      'model.cfg.check_lengths(**{"--tgt-len": a.tgt_len, "--mem-len": a.mem_len, "--clamp-len": a.clamp_len})',
+      "pass", ("tests/test_eval_loop.py::test_lengths_are_held_to_the_training_configs_rules",)),
     # ---- megamemo/plan ---------------------------------------------------------------------------------------
     M("steptime-tp-comm-not-in-the-bubble", "megamemo/plan/steptime.py",
       '"tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),',
@@ -296,6 +305,13 @@ MUTATIONS = [
     M("hf-byte-table-shift-starts-at-1", "megamemo/export/hf.py",
       "out, shift = [], 0", "out, shift = [], 1",
       ("tests/test_export_hf.py::test_byte_tokenizer_maps_every_byte_to_its_id",)),
+    M("harness-lm-eval-device-passed-twice", "megamemo/export/harness.py",
+      "extra = {k: v for k, v in (lm_eval_config or {}).items() if v is not None and k not in model_args}",
+      "extra = {k: v for k, v in (lm_eval_config or {}).items() if v is not None}",
+      ("tests/test_harness.py::test_the_documented_lm_eval_command_builds_the_model_with_lm_evals_device",)),
+    M("hf-start-token-matched-in-text", "megamemo/export/hf.py",
+      "specials.update(start, split_special_tokens=bool(start))", "specials.update(start)",
+      ("tests/test_export_hf.py::test_exported_tokenizers_carry_the_start_token_as_bos_and_eos",)),
     # ---- megamemo/commands -----------------------------------------------------------------------------------
     M("commands-train-drops-the-set-overrides", "megamemo/commands/train.py",
       "sets = list(args.set)", "sets = []",

@@ -98,7 +98,7 @@ def prepare_main(argv: list[str]) -> int:
               bar=False if a.quiet else None)           # a progress bar on a terminal, else periodic lines
     except (ValueError, OSError, ShardError) as e:
         print(f"megamemo prepare: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

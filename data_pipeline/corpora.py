@@ -18,13 +18,13 @@ Supported corpora (see `megamemo prepare --help`):
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
+from .documents import located, record_text
 from .vocab import Vocab, frequency_order
 
 SPLITS = ("train", "valid", "test")
@@ -233,6 +233,39 @@ def _is_jsonl(p: Path) -> bool:
     return p.suffix in (".jsonl", ".json")
 
 
+def _line_number(path: Path, offset: int) -> int:
+    """The 1-based number of the line that starts at byte `offset` of `path` (an error's location)."""
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(min(1 << 20, offset - f.tell())) or None,
+                                                        None)) + 1
+
+
+def _check_utf8(path: Path, chunk: int = 1 << 24) -> None:
+    """A byte-level plain-text file must be UTF-8 text (docs/corpus.md): a Latin-1 file is refused naming the line
+    and column of its first bad byte, not stored as bytes no UTF-8 tokenizer or prompt gives."""
+    import codecs
+
+    decoder, line, line_start, pos = codecs.getincrementaldecoder("utf-8")(), 1, 0, 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                bad = max(e.start - len(e.object) + len(data), 0)      # the bad byte in this chunk
+                line += data.count(b"\n", 0, bad)
+                nl = data.rfind(b"\n", 0, bad)
+                column = bad - nl if nl >= 0 else pos + bad - line_start + 1
+                raise located(path, line, ValueError(f"column {column}: not UTF-8 (byte 0x{data[bad]:02x}; the "
+                                                     f"corpus must be UTF-8 text)")) from None
+            if not data:
+                return
+            line += data.count(b"\n")
+            nl = data.rfind(b"\n")
+            line_start = pos + nl + 1 if nl >= 0 else line_start
+            pos += len(data)
+
+
 def _iter_lines(files: list[Path], a: int, b: int) -> Iterator[tuple[Path, int, bytes]]:
     """Lines of the concatenated files that *start* in [a, b) of the concatenation: (file, offset, line)."""
     base = 0
@@ -276,17 +309,12 @@ def text(files: list[str | Path], valid: list[str | Path] | None = None, test: l
         def it():
             for p, off, line in _iter_lines(fs, a, b):
                 where = f"{p} (byte {off})"
+                if _is_jsonl(p) and not line.strip():
+                    continue
                 try:
-                    s = line.decode("utf-8")
-                    if _is_jsonl(p):
-                        if not line.strip():
-                            continue
-                        obj = json.loads(s)
-                        s = obj[jsonl_field]
-                        if not isinstance(s, str):
-                            raise TypeError(f"field {jsonl_field!r} is not a string")
-                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
+                    s = record_text(line, jsonl_field if _is_jsonl(p) else None)
+                except ValueError as e:
+                    raise located(p, _line_number(p, off), e) from None
                 yield where, s, len(line), _is_jsonl(p)
         return it
 
@@ -326,6 +354,8 @@ def text(files: list[str | Path], valid: list[str | Path] | None = None, test: l
             return _word_stream(vocab, word_lines(fs, a, b), "text", documents)
         return byte_gen(fs, a, b, exact)
 
+    for p in {p for fs in groups.values() for p in fs if not vocab_file and not _is_jsonl(p)}:
+        _check_utf8(p)          # the other files are decoded line by line
     sizes = {s: sum(p.stat().st_size for p in fs) for s, fs in groups.items()}
     documents = all(_is_jsonl(p) for fs in groups.values() for p in fs)   # jsonl records: documents
     splits, input_bytes = {}, {}

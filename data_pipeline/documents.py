@@ -85,7 +85,10 @@ def iter_blocks(sources: list[Source], field: str, block_bytes: int = BLOCK_BYTE
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{s.path}: not UTF-8 text (byte {e.start})") from None
+                line = data[:e.start].count(b"\n") + 1
+                column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+                raise located(s.path, line, ValueError(f"column {column}: not UTF-8 (byte 0x{data[e.start]:02x}; "
+                                                       f"the corpus must be UTF-8 text)")) from None
             if first is None:
                 first = s.path
             texts.append(text)
@@ -134,8 +137,35 @@ def _parquet_blocks(path: Path, field: str, block_bytes: int):
         yield round(len(texts) * per_row), ("docs", str(path), first, texts)
 
 
+def record_text(line: bytes, field: str | None) -> str:
+    """A plain-text line's text (field None) or a jsonl record's `field`. ValueError says why, beginning with
+    `column C: ` where a column is at fault; the caller puts the file and line in front (located)."""
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"column {e.start + 1}: not UTF-8 (byte 0x{line[e.start]:02x}; the corpus must be UTF-8 "
+                         f"text)") from None
+    if field is None:
+        return s
+    try:
+        obj = json.loads(s)
+    except ValueError as e:
+        raise ValueError(f"column {getattr(e, 'colno', 1)}: not a JSON object ({getattr(e, 'msg', e)})") from None
+    if not isinstance(obj, dict) or field not in obj:
+        raise ValueError(f"no field {field!r} in this jsonl record (choose the field with --jsonl-field)")
+    if not isinstance(obj[field], str):
+        raise ValueError(f"field {field!r} is {type(obj[field]).__name__}, not a string")
+    return obj[field]
+
+
+def located(path, line_no: int, e: ValueError) -> ValueError:
+    """record_text's error as one line naming the file, line and column: `f.jsonl: line 3, column 7: why`."""
+    why = str(e)
+    return ValueError(f"{path}: line {line_no}{', ' if why.startswith('column ') else ': '}{why}")
+
+
 def parse_block(block: tuple) -> list[str]:
-    """The documents' texts of a block; a malformed jsonl line is an error naming the file and line."""
+    """The documents' texts of a block; a malformed jsonl line is an error naming the file, line and column."""
     if block[0] == "docs":
         return block[3]
     _, path, first, raw, field = block
@@ -144,16 +174,9 @@ def parse_block(block: tuple) -> list[str]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            texts.append(record_text(line, field))
         except ValueError as e:
-            raise ValueError(f"{path}:{first + k}: not a JSON object ({e})") from None
-        if not isinstance(obj, dict) or field not in obj:
-            raise ValueError(f"{path}:{first + k}: no field {field!r} in this jsonl record "
-                             f"(choose the field with --jsonl-field)")
-        text = obj[field]
-        if not isinstance(text, str):
-            raise ValueError(f"{path}:{first + k}: field {field!r} is {type(text).__name__}, not a string")
-        texts.append(text)
+            raise located(path, first + k, e) from None
     return texts
 
 

@@ -225,9 +225,9 @@ def test_an_error_mid_split_leaves_nothing_behind(tmp_path, capsys):
     for args in ([], ["--vocab", tmp_path / "v.txt"]):      # byte-level and word-level, each split in sequence
         (tmp_path / "v.txt").write_text("<eos>\n<unk>\ndocument\n")
         assert prepare_main(["text", "--raw", str(raw), "--out", str(out), "--chunk-tokens", "256",
-                             "--shard-size", "1K", "--quiet", *map(str, args)]) == 1
+                             "--shard-size", "1K", "--quiet", *map(str, args)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "late.jsonl (byte" in err[0] and "JSONDecodeError" in err[0], err
+        assert len(err) == 1 and "late.jsonl: line 301, column 2: not a JSON object" in err[0], err
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
@@ -285,7 +285,7 @@ def test_python_m_data_pipeline_and_errors(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[prepare] train:" in r.stderr and "tokens" in r.stderr  # progress / throughput lines
     # an existing output is not overwritten silently
-    assert prepare_main(["text8", "--raw", str(raw), "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    assert prepare_main(["text8", "--raw", str(raw), "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert prepare_main(["text8", "--raw", str(raw), "--out", str(tmp_path / "o"), "--quiet", "--overwrite"]) == 0
     # a byte outside the text8 alphabet is an error naming the file and offset
     bad = tmp_path / "bad"
@@ -293,3 +293,21 @@ def test_python_m_data_pipeline_and_errors(tmp_path):
     with pytest.raises(ValueError, match=r"bad.*0x0a at byte offset 7"):
         from data_pipeline import build, corpora
         build(corpora.text8(bad), tmp_path / "bad_out", log=lambda m: None)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("latin1.txt", "caf\u00e9 au lait\nna\u00efve\n".encode("latin-1"), "latin1.txt: line 1, column 4: not UTF-8 (byte 0xe9"),
+    ("late.txt", b"ok\n" * 5000 + b"fine then \xff\n", "late.txt: line 5001, column 11: not UTF-8 (byte 0xff"),
+    ("latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "latin1.jsonl: line 2, column 14: not UTF-8"),
+    ("fields.jsonl", b'{"text": "ok"}\n\n{"body": "b"}\n', "fields.jsonl: line 3: no field 'text'"),
+    ("typed.jsonl", b'{"text": 5}\n', "typed.jsonl: line 1: field 'text' is int, not a string")])
+@pytest.mark.parametrize("tokenizer", [[], ["--tokenizer", "bpe:300"]], ids=["bytes", "bpe"])
+def test_a_bad_text_corpus_exits_2_naming_its_line_and_column(tmp_path, capsys, name, content, message, tokenizer):
+    """docs/corpus.md: UTF-8 text, jsonl records with the field; anything else is exit 2 and one line naming the
+    file, the line and the column (a Latin-1 text was stored as bytes, a jsonl error said "byte 0", issue 50)."""
+    (tmp_path / name).write_bytes(content)
+    assert prepare_main(["text", "--raw", str(tmp_path / name), "--out", str(tmp_path / "out"), "--quiet",
+                         *tokenizer]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megamemo prepare: error:") and message in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -215,7 +215,7 @@ def _bad_inputs(tmp_path):
                                       "300 symbols does not fit the token dtype <u1"),
         "no documents": (["--raw", tmp_path / "empty.jsonl", "--tokenizer", "bpe:300"], "no documents"),
         "jsonl line without the field": (["--raw", tmp_path / "nofield.jsonl", "--tokenizer", "bpe:300"],
-                                         "nofield.jsonl:2: no field 'text'"),
+                                         "nofield.jsonl: line 2: no field 'text'"),
         "parquet without the column": (["--raw", tmp_path / "nocol.parquet", "--tokenizer", "bpe:300"],
                                        "has no column 'text'"),
     }
@@ -227,7 +227,7 @@ def _bad_inputs(tmp_path):
 def test_bad_input_is_one_line_and_leaves_nothing(case, tmp_path, capsys):
     args, message = _bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
-    assert prepare(*args, "--out", out) == 1
+    assert prepare(*args, "--out", out) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megamemo prepare: error:") and message in err[0], err
     assert not out.exists()
@@ -242,9 +242,9 @@ def test_bad_document_in_a_worker_is_one_line_and_leaves_nothing(tmp_path, capsy
     tok = tmp_path / "t.json"
     tok.write_bytes(train_bpe(iter(docs()[:50]), 300).data)
     assert prepare("--raw", raw, "--tokenizer", tok, "--workers", 2, "--out", out, "--shard-size", "16K",
-                   "--chunk-tokens", 1024) == 1
+                   "--chunk-tokens", 1024) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"late.jsonl:{len(lines)}: no field 'text'" in err[0], err
+    assert len(err) == 1 and f"late.jsonl: line {len(lines)}: no field 'text'" in err[0], err
     assert not out.exists()
 
 

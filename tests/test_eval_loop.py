@@ -140,3 +140,24 @@ def test_errors_name_the_bad_input(shards, tmp_path, capsys):
     (ckpt / "model.safetensors").write_bytes(b"garbage")
     assert evaluate.main(["--ckpt", str(ckpt), "--data", str(shards)]) == 2
     assert "model.safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, error", [(["--mem-len", "-5"], "--mem-len: must be >= 0 (got -5)"),
+                                          (["--tgt-len", "-3"], "--tgt-len: must be >= 1 (got -3)"),
+                                          (["--mem-len", "0"], "--mem-len: LaMemo needs a memory")])
+def test_lengths_are_held_to_the_training_configs_rules(shards, tmp_path, capsys, flags, error):
+    """eval, generate and the harness refuse lengths a training config would (a negative --mem-len scored as 0,
+    issue 50): exit 2, one line naming the flag."""
+    from megamemo.commands import generate as generate_cmd, harness as harness_cmd
+
+    ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")
+    (tmp_path / "p.txt").write_text("some text\n")
+    runs = [(evaluate.main, ["--ckpt", str(ckpt), "--data", str(shards), "--max-segments", "1"])]
+    if "--mem-len" in flags:
+        runs += [(generate_cmd.main, ["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt"),
+                                      "--max-new-tokens", "2"]),
+                 (harness_cmd.main, ["--ckpt", str(ckpt), "--text", str(tmp_path / "p.txt")])]
+    for main, argv in runs:
+        assert main(argv + flags) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and error in err[0], (argv, err)

@@ -207,6 +207,42 @@ def test_byte_tokenizer_maps_every_byte_to_its_id():
     assert t8.encode("ab z").ids == [1, 2, 0, 26]
 
 
+@pytest.mark.parametrize("vocab", [Vocab.identity_bytes(), TEXT8, WORDS], ids=["bytes", "chars", "words"])
+def test_exported_tokenizers_carry_the_start_token_as_bos_and_eos(tmp_path, vocab):
+    """lm-eval's `--model hf` prefixes with the tokenizer's BOS (a traceback without one, issue 50) and generate()
+    pads with its EOS: both are the token megamemo starts an empty context from (<eos>, a newline, a space), and
+    text that spells it ("Ċ" is the newline's byte-level character) still encodes to megamemo's ids."""
+    from transformers import AutoTokenizer
+
+    from megamemo.interop.vocabulary import encode_prompt, start_symbol
+
+    ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=len(vocab),
+                            meta={"vocab": {"kind": vocab.kind, "symbols": vocab.symbols}})
+    assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "hf")]) == 0
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    start = vocab.sym2idx[start_symbol(vocab)]
+    assert tok.bos_token_id == tok.eos_token_id == start, (tok.bos_token, tok.eos_token)
+    text = {"bytes": "a\u010ab\nc <eos>", "chars": "the cat", "words": "the <eos> cat\nsat"}[vocab.kind]
+    assert tok(text).input_ids == encode_prompt(vocab, text.encode(), "text")
+    if vocab.kind == "bytes":
+        assert tok.decode(tok(text).input_ids) == text
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_weights_are_as_readable_as_the_other_files(tmp_path, umask):
+    """safetensors writes 0600; the export and a converted checkpoint give their weights the mode of every other new
+    file (0666 less the umask), so colleagues on a shared cluster can read them (issue 50)."""
+    old = os.umask(umask)
+    try:
+        ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", meta=BYTES)
+        assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    for d in (ck, tmp_path / "hf"):
+        modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir() if p.is_file()}
+        assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask, (d, modes)
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 def run_export(*args) -> subprocess.CompletedProcess:
     return forked.run_megamemo(["export", "hf", *args], ENV, REPO, timeout=300)
@@ -279,15 +315,18 @@ def test_a_recorded_subword_tokenizer_is_copied_and_checked(tmp_path):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([PROMPT.decode() * 20], trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
+    tok.train_from_iterator([PROMPT.decode() * 20], trainers.BpeTrainer(vocab_size=60, special_tokens=[
+        "<|endoftext|>", "<unk>"]))
     src = tmp_path / "tokenizer.json"
     tok.save(str(src))
-    rec = {"kind": "bpe", "vocab_size": tok.get_vocab_size(), "file": "tokenizer.json", "sha256": file_sha256(src)}
+    rec = {"kind": "bpe", "vocab_size": tok.get_vocab_size(), "file": "tokenizer.json", "sha256": file_sha256(src),
+           "eod": "<|endoftext|>", "eod_id": 0}
     ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=tok.get_vocab_size(), meta={"tokenizer": rec})
     shutil.copyfile(src, ck / "tokenizer.json")
     assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "out")]) == 0
     got = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "out"))
     assert got("<title>Anarchism</title>")["input_ids"] == tok.encode("<title>Anarchism</title>").ids
+    assert got.bos_token_id == got.eos_token_id == 0          # the record's end of document (lm-eval's prefix)
     (ck / "tokenizer.json").write_text((ck / "tokenizer.json").read_text().replace("<unk>", "<UNK>"))
     with pytest.raises(hf.ExportError, match="tokenizer.json: sha256 differs"):
         hf.export_hf(ck, tmp_path / "out2")

@@ -134,13 +134,17 @@ def test_lm_eval_command_runs_model_megamemo(ckpt, tmp_path):
 
 
 def test_the_export_runs_under_lm_eval_model_hf(ckpt, tmp_path):
-    """lm-eval's HFLM scores the document in one window after a prefix token: the exported model carries its memory
-    over the window's segments, so that is megamemo's streaming eval of prefix + document."""
+    """docs/export.md's `lm_eval --model hf` line: HFLM scores the document in one window after a prefix token, the
+    tokenizer's BOS (a newline; without one a traceback, issue 50). The exported model carries its memory over the
+    window's segments, so that is megamemo's streaming eval of prefix + document."""
     assert export_cmd.main(["hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
     text = utf8_text(30_000, 1500)
     _task(tmp_path, text.decode())
-    bpb = _lm_eval(tmp_path, "--model", "hf", "--device", "cpu", "--model_args",
-                   f"pretrained={tmp_path / 'hf'},trust_remote_code=True,prefix_token_id=10")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    [line] = [x for x in page.splitlines() if x.startswith("lm_eval --model hf --model_args pretrained=hf/tiny")]
+    words = line.split("#")[0].split()
+    model_args = words[words.index("--model_args") + 1].replace("pretrained=hf/tiny", f"pretrained={tmp_path / 'hf'}")
+    bpb = _lm_eval(tmp_path, "--model", "hf", "--device", "cpu", "--model_args", model_args)
     lm = harness.MegamemoLM(str(ckpt), device="cpu")
     nll, _ = lm.score([10] + lm.encode(text.decode()))
     assert bpb == pytest.approx(float(nll.sum()) / math.log(2) / len(text), rel=1e-5)
@@ -167,3 +171,26 @@ def test_the_pth_hook_registers_megamemo_beside_lm_evals_own_models(tmp_path):
     assert runs[0].returncode == 0, runs[0].stderr[-2000:]
     assert runs[0].stdout.split() == ["megamemo.export.harness", "MegamemoLM", "True"]
     assert runs[1].returncode != 0 and "Attempted to load model 'megamemo'" in runs[1].stderr     # without the hook
+
+
+def test_the_documented_lm_eval_command_builds_the_model_with_lm_evals_device(ckpt):
+    """docs/export.md's `lm_eval --model megamemo` line as lm_eval builds the model from it: --model_args plus what
+    lm_eval adds to every model (its --device, `cuda:0` unless given). A device in --model_args too was a TypeError
+    (issue 50); it is the same setting and wins."""
+    from lm_eval.api.registry import get_model
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    [line] = [x for x in page.splitlines() if x.startswith("lm_eval --model megamemo --model_args ckpt=runs/x-single")]
+    words = line.split()
+    model_args = re.sub(r"ckpt=[^,]+", f"ckpt={ckpt}", words[words.index("--model_args") + 1])
+    given = words[words.index("--device") + 1] if "--device" in words else "cuda:0"
+    for args, device in ((model_args, given), (model_args + ",device=cpu", "cuda:0"), (f"ckpt={ckpt}", "cpu")):
+        lm = get_model("megamemo").create_from_arg_string(args, {"batch_size": 1, "max_batch_size": None,
+                                                                 "device": device})
+        assert lm._device.type == "cpu" and lm.ckpt == str(ckpt)
+    lm = get_model("megamemo").create_from_arg_obj({"ckpt": str(ckpt), "device": "cpu", "mem_len": 5},
+                                                   {"batch_size": 1, "device": "cuda:0"})
+    assert lm._device.type == "cpu" and lm.mem_len == 5
+    assert harness.lm_eval_arguments({"ckpt": "c", "device": "cpu"}, {"batch_size": 1, "max_batch_size": None,
+                                                                      "device": "cuda:0"}) == \
+        {"ckpt": "c", "device": "cpu", "batch_size": 1}

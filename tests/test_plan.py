@@ -284,3 +284,18 @@ def test_recommends_only_layouts_that_fit_fastest_first():
     assert fits and all(" dp=1 " in f.desc and f.plan.fits for f in fits)
     speeds = [f.step.tokens_per_s for f in fits]
     assert speeds == sorted(speeds, reverse=True)
+
+
+@pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_the_gpus_the_project_measured_on_can_be_planned(device_name, capsys):
+    """The GPU figures of docs/benchmarks.md come from an H100 SXM and an H200: `megamemo plan --gpu` takes the
+    kind each device name matches (the H200 was refused, issue 50), with its datasheet memory and bandwidth."""
+    from megamemo.commands import plan as plan_cmd
+    from megamemo.runtime.gpus import GPUS, PLANNED, by_device_name
+
+    entry = by_device_name(device_name)
+    [kind] = [k for k, g in GPUS.items() if g is entry]
+    assert kind in PLANNED and entry.memory_gib and entry.mem_bw
+    assert plan_cmd.main(["--config", str(REPO / "configs" / "lamemo-1.3b.yaml"), "--nodes", "1",
+                          "--gpus-per-node", "8", "--gpu", kind]) == 0
+    assert f"on 1 x 8 {kind}" in capsys.readouterr().out

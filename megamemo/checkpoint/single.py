@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from megamemo.checkpoint.state import read_json
-from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256
+from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256, save_tensors
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 
 FORMAT, VERSION = "megamemo-single", 1
@@ -41,10 +41,10 @@ def save_single(out_dir, model_cfg: ModelConfig, state_dict: dict, memory: Memor
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
                for k, v in state_dict.items()}
     with atomic_directory(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"))
+        save_tensors(tensors, tmp / "model.safetensors")
         if memory is not None:
-            save_file({k: v.contiguous().cpu() for k, v in memory.state_dict().items()},
-                      str(tmp / "memory.safetensors"))
+            save_tensors({k: v.contiguous().cpu() for k, v in memory.state_dict().items()},
+                         tmp / "memory.safetensors")
         write_config(tmp, model_cfg, meta or {})
     return out
 

@@ -167,6 +167,7 @@ def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
     results = []
     for ckpt in ckpts:
         model, meta = open_model(ckpt, a.device, a.dtype, a.attention)
+        model.cfg.check_lengths(**{"--tgt-len": a.tgt_len, "--mem-len": a.mem_len, "--clamp-len": a.clamp_len})
         check_tokenizer(meta, manifest, ckpt, a.data)
         for ratio in [None] if a.mem_ratios is None else a.mem_ratios:
             mem_len = None

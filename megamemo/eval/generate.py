@@ -47,6 +47,7 @@ def prepare(ckpt, prompt_file, *, max_new_tokens: int, top_p: float, temperature
     from megamemo.interop.vocabulary import encode_prompt, vocab_for
 
     model, meta = open_model(ckpt, device, attention=attention, generating=True)
+    model.cfg.check_lengths(**{"--mem-len": mem_len})
     vocab = vocab_for(meta, data, ckpt)
     if len(vocab) > model.cfg.vocab_size:
         raise ValueError(f"vocabulary of {len(vocab)} symbols does not fit the model's "

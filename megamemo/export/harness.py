@@ -1,7 +1,7 @@
 """lm-evaluation-harness (lm-eval 0.4.x, `pip install megamemo[eval]`): the registered model `megamemo` and what the
 offline command `megamemo harness` runs (megamemo/commands/harness.py).
 
-    lm_eval --model megamemo --model_args ckpt=CKPT[,device=cpu,dtype=fp32,mem_len=N,max_gen_toks=256] --tasks ...
+    lm_eval --model megamemo --model_args ckpt=CKPT[,dtype=fp32,mem_len=N,max_gen_toks=256] [--device D] --tasks ...
     megamemo harness --ckpt CKPT --text FILE... [--json OUT] [--device D] [--mem-len N]
 
 CKPT is what `megamemo eval` takes (a single-device checkpoint, a run or checkpoint directory). Text is encoded with
@@ -27,7 +27,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from megamemo.interop.load import open_model
-from megamemo.interop.vocabulary import encode_prompt, vocab_for
+from megamemo.interop.vocabulary import encode_prompt, start_symbol, vocab_for
 from megamemo.model.generation import generate
 from megamemo.model.scoring import evaluate
 from megamemo.runtime.device import torch_device
@@ -36,8 +36,26 @@ TASK = "megamemo_text"
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 
 
+def lm_eval_arguments(model_args: dict, lm_eval_config: dict | None) -> dict:
+    """The constructor's arguments from lm_eval's two sources: `--model_args` and what lm_eval adds to every model
+    (batch_size, max_batch_size, device: its --device, `cuda:0` unless given). The device is lm_eval's --device; a
+    `device` in --model_args is the same setting and wins (LM.create_from_arg_* would pass it twice: a TypeError)."""
+    extra = {k: v for k, v in (lm_eval_config or {}).items() if v is not None and k not in model_args}
+    return {**model_args, **extra}
+
+
 @register_model("megamemo")
 class MegamemoLM(LM):
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls(**lm_eval_arguments(simple_parse_args_string(arg_string), additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        return cls(**lm_eval_arguments(dict(arg_dict), additional_config))
+
     def __init__(self, ckpt: str, device: str | None = None, dtype: str = "checkpoint", mem_len: int | None = None,
                  max_gen_toks: int = 256, data: str | None = None, **_ignored):
         super().__init__()
@@ -47,6 +65,7 @@ class MegamemoLM(LM):
             device = "auto"
         device = torch_device(device)
         self.model, meta = open_model(ckpt, device, dtype)
+        self.model.cfg.check_lengths(**{"--mem-len": None if mem_len is None else int(mem_len)})
         self.vocab = vocab_for(meta, data)
         if len(self.vocab) > self.model.cfg.vocab_size:
             raise ValueError(f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit the model's "
@@ -62,10 +81,8 @@ class MegamemoLM(LM):
 
     def start_token(self) -> int:
         """The context of a request whose context is empty."""
-        for sym in ("<eos>", "10", "_", "32"):
-            if sym in self.vocab.sym2idx:
-                return self.vocab.sym2idx[sym]
-        return 0
+        sym = start_symbol(self.vocab)
+        return 0 if sym is None else self.vocab.sym2idx[sym]
 
     # ---- scoring through megamemo's evaluation loop --------------------------------------------------------
     def score(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from megamemo.util.files import atomic_directory
+from megamemo.util.files import atomic_directory, save_tensors
 
 CODE = Path(__file__).with_name("hf_code")
 CODE_FILES = ("configuration_megamemo.py", "modeling_megamemo.py")
@@ -77,6 +77,19 @@ def word_tokenizer(vocab):
     return tok
 
 
+def start_tokens(vocab) -> dict:
+    """BOS = EOS = the token a stream with no context starts from (megamemo.interop.vocabulary.start_symbol: <eos>,
+    else a newline, else a space), as the tokenizer spells it: lm-eval's `--model hf` prefixes every rolling window
+    with the BOS, and generate() pads with the EOS. {} for a vocabulary with none of them."""
+    from megamemo.interop.vocabulary import start_symbol
+
+    sym = start_symbol(vocab)
+    if sym is None:
+        return {}
+    token = sym if vocab.kind == "words" else _bytes_to_unicode()[vocab.symbol_byte(sym)]
+    return {"bos_token": token, "eos_token": token}
+
+
 def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     """The tokenizer files for the checkpoint's vocabulary into `out`; -> what was written, in words. A subword
     tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
@@ -98,7 +111,8 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
                                  recorded="the checkpoint's tokenizer.sha256")
         if problem:
             raise ExportError(f"{src}: {problem} (corrupt or replaced)")
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(src))
+        eod = {"bos_token": rec["eod"], "eos_token": rec["eod"]} if rec.get("eod") else {}
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(src), **eod)
         tok.save_pretrained(str(out))
         return f"subword tokenizer {src.name} ({rec.get('kind', '?')}, {len(tok)} entries)"
     try:
@@ -107,6 +121,9 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
         raise ExportError(f"{dirs[0]}: {e}") from None
     tok = byte_tokenizer(vocab) if vocab.kind in ("bytes", "chars") else word_tokenizer(vocab)
     specials = {"unk_token": "<unk>"} if vocab.kind == "words" and "<unk>" in vocab.sym2idx else {}
+    start = start_tokens(vocab)
+    # split_special_tokens: the text's own "Ċ" (U+010A) stays its two UTF-8 bytes, not the newline BOS it spells
+    specials.update(start, split_special_tokens=bool(start))
     PreTrainedTokenizerFast(tokenizer_object=tok, **specials).save_pretrained(str(out))
     return f"{vocab.kind} tokenizer ({len(vocab)} symbols)"
 
@@ -134,8 +151,6 @@ def _check_variant(single: Path) -> None:
 
 def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
     """-> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or directory."""
-    from safetensors.torch import save_file
-
     from megamemo.checkpoint.single import load_single
     from megamemo.interop.convert import to_single
     from megamemo.interop.load import is_single
@@ -161,7 +176,7 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
         dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
         # --overwrite: the old directory goes only once the new one is in (util.files.atomic_directory)
         with atomic_directory(out, replace=overwrite) as tmp:
-            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_tensors(sd, tmp / "model.safetensors", metadata={"format": "pt"})
             for name in CODE_FILES:
                 shutil.copyfile(CODE / name, tmp / name)
             import transformers

@@ -103,3 +103,13 @@ def encode_prompt(vocab, raw: bytes, where: str) -> list[int]:
         got, _ = vocab.encode_words(words, where=where)
         ids += got
     return ids
+
+
+# What starts a stream that has no context of its own (an empty lm-eval context, the BOS/EOS of an exported
+# tokenizer): <eos> for words, else a newline, else a space (text8's "_").
+START_SYMBOLS = ("<eos>", "10", "_", "32")
+
+
+def start_symbol(vocab) -> str | None:
+    """The first of START_SYMBOLS the vocabulary has; None for a vocabulary with none of them."""
+    return next((s for s in START_SYMBOLS if s in vocab.sym2idx), None)

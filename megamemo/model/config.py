@@ -133,6 +133,20 @@ class ModelConfig:
             bad("model.attention", f"{self.attention} cannot drop attention weights (model.dropatt={self.dropatt}): "
                                    f"use auto or eager, or dropatt 0")
 
+    def check_lengths(self, **flags) -> "ModelConfig":
+        """An evaluation's lengths (eval, generate, harness): flags {"--mem-len": M, ...} (None: the checkpoint's)
+        applied and held to validate's rules, as a training config's; -> the config they make. An error names the
+        flag: `--mem-len: must be >= 0 (got -5)`."""
+        given = {flag: v for flag, v in flags.items() if v is not None}
+        fields = {flag: flag.removeprefix("--").replace("-", "_") for flag in given}
+        try:
+            return dataclasses.replace(self, **{fields[f]: v for f, v in given.items()}).validate()
+        except ValueError as e:
+            for flag, name in fields.items():
+                if str(e).startswith(f"model.{name}:"):
+                    raise ValueError(flag + str(e)[len(f"model.{name}"):]) from None
+            raise
+
     def to_dict(self) -> dict:
         """Every field; n_vocab only where the vocabulary is padded, so an unpadded model's dict (its identity in
         checkpoints and fingerprints) is what it was before the field existed."""

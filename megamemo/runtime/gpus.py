@@ -10,9 +10,11 @@ and for H100/H200 only, so the dense figure used here is half of that one):
   - NVIDIA H100 Tensor Core GPU datasheet (H100 SXM, H100 NVL; the earlier PCIe edition for H100 PCIe) and the
     NVIDIA H200 datasheet (H200 SXM / NVL: the H100 SXM / NVL compute figures).
 Memory bandwidth, datasheets: NVIDIA Tesla V100 (SXM2, 16 and 32 GB HBM2) 900 GB/s; NVIDIA A100 Tensor Core GPU
-(40GB SXM HBM2 1,555 GB/s, 80GB SXM HBM2e 2,039 GB/s); NVIDIA H100 Tensor Core GPU (H100 SXM 80GB HBM3 3.35 TB/s).
-The links are per device, inside a node and between nodes (the fabric named beside them). An entry without memory
-(the PCIe and NVL forms, H200) gives its peak only: `megamemo plan` offers the kinds with memory (PLANNED).
+(40GB SXM HBM2 1,555 GB/s, 80GB SXM HBM2e 2,039 GB/s); NVIDIA H100 Tensor Core GPU (H100 SXM 80GB HBM3 3.35 TB/s);
+NVIDIA H200 Tensor Core GPU (H200 SXM 141GB HBM3e 4.8 TB/s, NVLink 900 GB/s as H100 SXM's: the H100 SXM links; 140
+GiB is what torch reports of it, 143,771 MiB). The links are per device, inside a node and between nodes (the fabric
+named beside them). An entry without memory (the PCIe and NVL forms) gives its peak only: `megamemo plan` offers the
+kinds with memory (PLANNED).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ GPUS: dict[str, Gpu] = {
     "h100-pcie": Gpu("H100 PCIe", r"H100.*(PCIE|HBM2E)", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5}),
     "h100-80g": Gpu("H100 SXM", r"H100", H100_SXM, 80, 3350e9, (370, 50), H100_FABRIC),
     "h200-nvl": Gpu("H200 NVL", r"H200.*NVL", H100_NVL),
-    "h200": Gpu("H200 SXM", r"H200", H100_SXM),
+    "h200": Gpu("H200 SXM", r"H200", H100_SXM, 140, 4800e9, (370, 50), H100_FABRIC),
 }
 PLANNED = tuple(kind for kind, g in GPUS.items() if g.memory_gib is not None)   # what `megamemo plan --gpu` takes
 

@@ -150,6 +150,23 @@ def _unique_beside(path: Path, suffix: str) -> Path:
     return path.with_name(f".{path.name}.{secrets.token_hex(4)}.{suffix}")
 
 
+def save_tensors(tensors: dict, path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, but the file gets the mode any new file gets here (0666 less the umask, as the
+    config.json beside it): save_file writes 0600, which colleagues on a shared file system cannot read."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    save_file(tensors, str(path), metadata=metadata)
+    probe = _unique_beside(path, "mode")
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        mode = os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
+    os.chmod(path, mode)
+
+
 def bytes_sha256(data: bytes) -> str:
     """sha256 of bytes in memory, hex."""
     return hashlib.sha256(data).hexdigest()
