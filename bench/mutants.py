@@ -201,6 +201,13 @@ MUTATIONS = [
     M("lock-zombie-taken-for-alive", "megamemo/runtime/lock.py",
       "if fields is not None and fields[0] in DEAD_STATES:", "if False:",
       ("tests/test_run_lock.py::test_a_zombie_holder_is_dead_and_taken_over",)),
+    M("launcher-one-restart-fewer-than-asked", "megamemo/runtime/launcher.py",
+      "left = self.max_restarts - self.restarts", "left = self.max_restarts - self.restarts - 1",
+      (f"{LAUNCHER}::test_max_restarts_are_used_up_each_start_numbered_then_the_failure_is_the_exit_code",)),
+    M("launcher-restart-number-is-the-start-number", "megamemo/runtime/launcher.py",
+      "OMP_NUM_THREADS=threads, MEGAMEMO_RESTART=str(self.restarts), **extra)",
+      "OMP_NUM_THREADS=threads, MEGAMEMO_RESTART=str(self.restarts + 1), **extra)",
+      (f"{LAUNCHER}::test_max_restarts_are_used_up_each_start_numbered_then_the_failure_is_the_exit_code",)),
     # ---- megamemo/interop ------------------------------------------------------------------------------------
     M("reference-import-k-v-before-q", "megamemo/interop/reference.py",
       'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.q_net.weight"), take(f"{a}.kv_net.weight")], 0)',
