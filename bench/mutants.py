@@ -43,6 +43,7 @@ SUBWORD = "tests/test_data_subword.py"
 REMOTE = "tests/test_data_remote.py"
 LAUNCHER = "tests/test_launcher_report.py"
 STEPTIME = "tests/test_steptime.py"
+SBATCH = "tests/test_launch_sbatch_args.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -278,6 +279,15 @@ MUTATIONS = [
     M("cli-overrides-the-users-dynamo-choice", "megamemo/cli.py",
       'if "TORCHDYNAMO_DISABLE" not in os.environ:', "if True:",
       ("tests/test_cli.py::test_the_users_torchdynamo_choice_is_kept",)),
+    # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
+    M("slurm-one-failure-fewer-than-max-failures", "launch/slurm/failure.sh",
+      "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))", "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures ))",
+      (f"{SBATCH}::test_a_failure_at_the_failure_cap_is_still_requeued",)),
+    M("slurm-drained-and-draining-nodes-taken-for-healthy", "launch/slurm/failure.sh",
+      """case "$1" in *DOWN*|*DRAIN*|*FAIL*|*NOT_RESPONDING*|*'*'*|*POWER*) return 0 ;; esac""",
+      """case "$1" in *DOWN*|*DRAINED*|*FAIL*|*NOT_RESPONDING*|*'*'*|*POWER*) return 0 ;; esac""",
+      (f"{SBATCH}::test_drained_draining_down_failed_and_unresponsive_nodes_are_at_fault_busy_ones_are_not",
+       f"{SBATCH}::test_a_node_at_fault_is_excluded_before_the_requeue[draining]")),
 ]
 
 
