@@ -43,6 +43,7 @@ SUBWORD = "tests/test_data_subword.py"
 REMOTE = "tests/test_data_remote.py"
 LAUNCHER = "tests/test_launcher_report.py"
 STEPTIME = "tests/test_steptime.py"
+INTERRUPTIONS = "tests/test_interruptions.py"
 SBATCH = "tests/test_launch_sbatch_args.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
@@ -209,6 +210,31 @@ MUTATIONS = [
       "OMP_NUM_THREADS=threads, MEGAMEMO_RESTART=str(self.restarts), **extra)",
       "OMP_NUM_THREADS=threads, MEGAMEMO_RESTART=str(self.restarts + 1), **extra)",
       (f"{LAUNCHER}::test_max_restarts_are_used_up_each_start_numbered_then_the_failure_is_the_exit_code",)),
+    M("culprit-the-lowest-rank-before-the-earliest", "megamemo/runtime/interruptions.py",
+      "return min(causes, key=lambda e: (e.time, e.rank)) if causes else None",
+      "return min(causes, key=lambda e: (e.rank, e.time)) if causes else None",
+      (f"{INTERRUPTIONS}::test_the_culprit_is_the_first_failure_that_no_other_caused",)),
+    M("watchdog-peers-at-its-own-step-taken-for-behind", "megamemo/runtime/watchdog.py",
+      'behind = sorted(r for r, b in beats.items() if b.get("step", 0) == low and low < self.step)',
+      'behind = sorted(r for r, b in beats.items() if b.get("step", 0) == low)',
+      (f"{INTERRUPTIONS}::test_the_watchdog_blames_no_fresh_peer_at_its_step_and_a_silent_one_only_past_the_stale_"
+       "limit",)),
+    M("watchdog-stale-at-the-limit-itself", "megamemo/runtime/watchdog.py",
+      'silent = sorted(r for r, b in beats.items() if now - float(b["beat"]) > stale)',
+      'silent = sorted(r for r, b in beats.items() if now - float(b["beat"]) >= stale)',
+      (f"{INTERRUPTIONS}::test_the_watchdog_blames_no_fresh_peer_at_its_step_and_a_silent_one_only_past_the_stale_"
+       "limit",)),
+    M("goodput-wall-ends-at-an-earlier-starts-end", "megamemo/runtime/goodput.py",
+      'ends = [r for r in records if r.get("kind") == "end" and float(r["time"]) >= float(starts[-1]["time"])]',
+      'ends = [r for r in records if r.get("kind") == "end"]',
+      (f"{INTERRUPTIONS}::test_goodput_of_a_running_restart_after_an_ended_start_and_with_older_interruptions",)),
+    M("goodput-counts-an-earlier-historys-interruptions", "megamemo/runtime/goodput.py",
+      'lost = [r for r in interruptions if float(r.get("time", 0)) >= t0]', "lost = list(interruptions)",
+      (f"{INTERRUPTIONS}::test_goodput_of_a_running_restart_after_an_ended_start_and_with_older_interruptions",)),
+    M("goodput-process-start-from-the-wrong-stat-field", "megamemo/runtime/goodput.py",
+      'ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])',
+      'ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[21])',
+      (f"{INTERRUPTIONS}::test_the_process_start_is_read_from_proc_as_wall_clock_time",)),
     # ---- megamemo/interop ------------------------------------------------------------------------------------
     M("reference-import-k-v-before-q", "megamemo/interop/reference.py",
       'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.q_net.weight"), take(f"{a}.kv_net.weight")], 0)',
