@@ -143,6 +143,10 @@ MUTATIONS = [
     M("parallel-qkv-box-not-per-head", "megamemo/parallel/tensor.py",
       "per = shape[0] // 3", "per = shape[0]",
       ("tests/test_checkpoint_layer.py::test_qkv_shards_move_between_tensor_parallel_sizes",)),
+    M("parallel-mcore-timeout-given-in-seconds-for-minutes", "megamemo/parallel/groups.py",
+      'minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))}',
+      'minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s))}',
+      ("tests/test_train_units.py::test_the_collective_timeout_reaches_every_group_in_its_unit",)),
     # ---- megamemo/config -------------------------------------------------------------------------------------
     M("config-override-value-taken-as-text", "megamemo/config/run.py",
       'value = yaml.safe_load(raw) if raw.strip() else ""', "value = raw",
@@ -235,6 +239,10 @@ MUTATIONS = [
       'ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])',
       'ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[21])',
       (f"{INTERRUPTIONS}::test_the_process_start_is_read_from_proc_as_wall_clock_time",)),
+    M("dist-default-group-timeout-in-minutes", "megamemo/runtime/dist.py",
+      "world_size=de.world_size, timeout=timedelta(seconds=timeout_s))",
+      "world_size=de.world_size, timeout=timedelta(minutes=timeout_s))",
+      ("tests/test_train_units.py::test_the_collective_timeout_reaches_every_group_in_its_unit",)),
     # ---- megamemo/interop ------------------------------------------------------------------------------------
     M("reference-import-k-v-before-q", "megamemo/interop/reference.py",
       'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.q_net.weight"), take(f"{a}.kv_net.weight")], 0)',
