@@ -266,6 +266,12 @@ MUTATIONS = [
       "ratio = self.bytes_per_token.get(split or self.train_split)",
       "ratio = self.bytes_per_token.get(self.train_split)",
       (f"{SUBWORD}::test_bits_per_byte_by_hand",)),
+    M("flex-agreed-by-this-rank-alone", "megamemo/train/speedups.py",
+      "agreed = _all_agree(ok, device)", "agreed = ok",
+      ("tests/test_flex_attention.py::test_flex_trains_only_when_every_ranks_start_up_check_agrees",)),
+    M("flex-agreed-when-any-rank-agrees", "megamemo/train/speedups.py",
+      "dist.all_reduce(t, op=dist.ReduceOp.MIN)", "dist.all_reduce(t, op=dist.ReduceOp.MAX)",
+      ("tests/test_flex_attention.py::test_flex_trains_only_when_every_ranks_start_up_check_agrees",)),
     # ---- megamemo/eval ---------------------------------------------------------------------------------------
     M("eval-tgt-len-flag-ignored", "megamemo/eval/evaluate.py",
       'return {"tgt_len": a.tgt_len or c.tgt_len,', 'return {"tgt_len": c.tgt_len,',

@@ -5,7 +5,8 @@ its backward is checked on a GPU, bench/flex_check.py and the training start-up 
   * the whole model's NLL and memory, every variant, with same_length and clamp_len, over segments with memory;
   * `megamemo eval --attention flex`, `megamemo generate --attention flex` and the conversion probe's replay;
   * the start-up check (kernels/flex_check.py): it names what it saw and the training run falls back to eager in
-    one line; an explicit `model.attention: flex` that cannot train is a config error;
+    one line; an explicit `model.attention: flex` that cannot train is a config error; flex only when every rank's
+    check agrees (two ranks that disagree, torch.distributed replaced by a two-rank stand-in);
   * the config: model.attention is not part of the model's identity (a checkpoint resumes under any form)."""
 from __future__ import annotations
 
@@ -163,6 +164,49 @@ def test_flex_cannot_train_on_the_cpu_so_auto_falls_back_in_one_line():
     run.model.attention = "flex"
     with pytest.raises(ConfigError, match="model.attention: flex does not match eager here: flex failed"):
         choose_attention(run, model, "cuda", 2, lines.append)
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """torch.distributed as a world of two whose other rank's start-up check gave `peer["ok"]`: all_reduce applies
+    its op (SUM by default, as torch's) to this rank's tensor and the other's."""
+    import torch.distributed as dist
+
+    peer = {"ok": True}
+    ops = ((dist.ReduceOp.MIN, torch.minimum), (dist.ReduceOp.MAX, torch.maximum), (dist.ReduceOp.SUM, torch.add),
+           (dist.ReduceOp.PRODUCT, torch.mul))
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        reduce = next(f for o, f in ops if o == op)
+        t.copy_(reduce(t, torch.full_like(t, 1 if peer["ok"] else 0)))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    return peer
+
+
+def test_flex_trains_only_when_every_ranks_start_up_check_agrees(two_ranks, monkeypatch):
+    """Two ranks: the run trains with flex only when both checks agree, whichever rank's failed; an explicit flex
+    refused by the other rank's check says that it was the other rank's. (The "flex" here is the eager functions,
+    which pass this rank's check on the CPU.)"""
+    from megamemo.train.speedups import _all_agree, choose_attention
+
+    for mine in (True, False):
+        for theirs in (True, False):
+            two_ranks["ok"] = theirs
+            assert _all_agree(mine, "cpu") is (mine and theirs), (mine, theirs)
+    monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "flex", (causal_attention, lookahead_attention))
+    cfg = _layer_and_cfg()[1]
+    run = load_dict({"model": cfg.to_dict() | {"dropout": 0.0, "attention": "flex"}})
+    model, lines = MemTransformerLM(run.model), []
+    two_ranks["ok"] = True
+    assert choose_attention(run, model, "cpu", 2, lines.append) == "flex"
+    assert len(lines) == 1 and lines[0].startswith("[train] attention: flex (flex vs eager at B=2"), lines
+    two_ranks["ok"] = False                             # this rank's check passes, the other rank's does not
+    with pytest.raises(ConfigError, match=r"model.attention: flex does not match eager on another rank \(this "
+                                          r"rank's check: flex vs eager at B=2 L=8 M=8 float32: worst"):
+        choose_attention(run, model, "cpu", 2, lines.append)
 
 
 def test_auto_keeps_eager_with_attention_dropout_or_determinism():

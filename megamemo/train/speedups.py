@@ -56,6 +56,9 @@ def choose_attention(cfg: RunConfig, model, device, micro: int, log) -> str:
         ok, line = flex_matches_eager(layers[0], m, micro, m.tgt_len, m.mem_len if m.has_memory else 0)
     agreed = _all_agree(ok, device)
     if not agreed:
+        if choice == "flex" and ok:             # (rank 0 says the error: its own check may have passed)
+            raise ConfigError(f"model.attention: flex does not match eager on another rank (this rank's check: "
+                              f"{line})")
         if choice == "flex":
             raise ConfigError(f"model.attention: flex does not match eager here: {line}")
         log(f"[train] attention: eager (FlexAttention's start-up check failed on "
