@@ -135,6 +135,9 @@ MUTATIONS = [
     M("compiler-overrides-the-users-dynamo-off", "megamemo/kernels/compiler.py",
       'if os.environ.get(SET_BY_MEGAMEMO) == "1":', "if True:",
       ("tests/test_kernels.py::test_the_compiler_switch_lifts_megamemos_own_dynamo_off_only",)),
+    M("compiler-compiled-copy-of-each-layer-dropped", "megamemo/kernels/compiler.py",
+      "layer.compile(backend=backend, dynamic=None)", "torch.compile(layer, backend=backend, dynamic=None)",
+      ("tests/test_compile.py::test_every_decoder_layer_is_compiled_and_runs_compiled",)),
     # ---- megamemo/parallel -----------------------------------------------------------------------------------
     M("parallel-tp-stream-shared-by-the-tp-ranks", "megamemo/parallel/groups.py",
       "tp = seed + 1 + 2 * _pair(_pair(group, tp_rank), step_salt) + 1",
