@@ -184,6 +184,10 @@ MUTATIONS = [
     M("probe-bound-tp-roundings-uncounted", "megamemo/checkpoint/probe_bound.py",
       "return 4 * (max(int(tp), 1) - 1) * model.cfg.n_layer", "return 0",
       ("tests/test_probe_bound.py",)),
+    M("probe-bound-width-without-the-memory", "megamemo/checkpoint/probe_bound.py",
+      "return max(cfg.d_model, cfg.d_inner, cfg.n_head * cfg.d_head, segment_len + cfg.mem_len)",
+      "return max(cfg.d_model, cfg.d_inner, cfg.n_head * cfg.d_head, segment_len)",
+      ("tests/test_probe_bound.py::test_the_width_is_the_keys_when_segment_and_memory_outrun_every_projection",)),
     # ---- megamemo/runtime ------------------------------------------------------------------------------------
     M("free-port-from-the-ephemeral-range", "megamemo/runtime/dist.py",
       "for _ in range(tries if low > PORTS_FROM else 0):", "for _ in range(0):",
