@@ -135,6 +135,16 @@ MUTATIONS = [
     M("compiler-overrides-the-users-dynamo-off", "megamemo/kernels/compiler.py",
       'if os.environ.get(SET_BY_MEGAMEMO) == "1":', "if True:",
       ("tests/test_kernels.py::test_the_compiler_switch_lifts_megamemos_own_dynamo_off_only",)),
+    M("keyed-lookahead-heads-not-split-across-tp-ranks", "megamemo/kernels/keyed.py",
+      'SPLIT = ("ff_inner", "att", "att_ahead")    # sites whose features (heads) are split across TP ranks',
+      'SPLIT = ("ff_inner", "att")',
+      ("tests/test_keyed_dropout.py::test_under_tensor_parallelism_a_rank_drops_its_slice_of_a_split_site_and_all_"
+       "of_the_others",)),
+    M("keyed-every-site-offset-by-the-tp-rank", "megamemo/kernels/sites.py",
+      "new = KeyedDropout(old.p, key, site, layer, relu=_relu(old), split=tp_rank if site in SPLIT else 0)",
+      "new = KeyedDropout(old.p, key, site, layer, relu=_relu(old), split=tp_rank)",
+      ("tests/test_keyed_dropout.py::test_under_tensor_parallelism_a_rank_drops_its_slice_of_a_split_site_and_all_"
+       "of_the_others",)),
     M("compiler-compiled-copy-of-each-layer-dropped", "megamemo/kernels/compiler.py",
       "layer.compile(backend=backend, dynamic=None)", "torch.compile(layer, backend=backend, dynamic=None)",
       ("tests/test_compile.py::test_every_decoder_layer_is_compiled_and_runs_compiled",)),
