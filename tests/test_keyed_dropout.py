@@ -9,8 +9,9 @@ What is checked here, in one process:
     features, layers, sites and steps; other seeds other masks; no repeat across steps or micro-batches;
   * the point: a model cut into micro-batches of other columns drops what one micro-batch drops (stream masks do
     not); under tensor parallelism a rank drops its slice of a split site (ff_inner's features, att's and
-    att_ahead's heads) and the whole of every other site, as the single device does; the layouts' own equalities are the training tests' (test_train_equivalence, test_train_parallel,
-    test_train_runs, test_convert_parallel), which run keyed with dropout 0.1 and dropatt 0.1.
+    att_ahead's heads) and the whole of every other site, as the single device does; the layouts' own equalities
+    are the training tests' (test_train_equivalence, test_train_parallel, test_train_runs, test_convert_parallel),
+    which run keyed with dropout 0.1 and dropatt 0.1.
 """
 from __future__ import annotations
 
