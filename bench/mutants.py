@@ -44,6 +44,8 @@ REMOTE = "tests/test_data_remote.py"
 LAUNCHER = "tests/test_launcher_report.py"
 STEPTIME = "tests/test_steptime.py"
 FUSED = "tests/test_fused_attention.py"
+INTERRUPTIONS = "tests/test_interruptions.py"
+SBATCH = "tests/test_launch_sbatch_args.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -168,6 +170,19 @@ MUTATIONS = [
       "return (qf + u[None, :]).to(q.dtype), (qf + u[None, :]).to(q.dtype)",
       ("tests/test_fused_training.py::test_eval_takes_attention_fused",
        "tests/test_fused_training.py::test_training_with_fused_attention_equals_eager")),
+    M("keyed-lookahead-heads-not-split-across-tp-ranks", "megamemo/kernels/keyed.py",
+      'SPLIT = ("ff_inner", "att", "att_ahead")    # sites whose features (heads) are split across TP ranks',
+      'SPLIT = ("ff_inner", "att")',
+      ("tests/test_keyed_dropout.py::test_under_tensor_parallelism_a_rank_drops_its_slice_of_a_split_site_and_all_"
+       "of_the_others",)),
+    M("keyed-every-site-offset-by-the-tp-rank", "megamemo/kernels/sites.py",
+      "new = KeyedDropout(old.p, key, site, layer, relu=_relu(old), split=tp_rank if site in SPLIT else 0)",
+      "new = KeyedDropout(old.p, key, site, layer, relu=_relu(old), split=tp_rank)",
+      ("tests/test_keyed_dropout.py::test_under_tensor_parallelism_a_rank_drops_its_slice_of_a_split_site_and_all_"
+       "of_the_others",)),
+    M("compiler-compiled-copy-of-each-layer-dropped", "megamemo/kernels/compiler.py",
+      "layer.compile(backend=backend, dynamic=None)", "torch.compile(layer, backend=backend, dynamic=None)",
+      ("tests/test_compile.py::test_every_decoder_layer_is_compiled_and_runs_compiled",)),
     # ---- megamemo/parallel -----------------------------------------------------------------------------------
     M("parallel-tp-stream-shared-by-the-tp-ranks", "megamemo/parallel/groups.py",
       "tp = seed + 1 + 2 * _pair(_pair(group, tp_rank), step_salt) + 1",
@@ -176,6 +191,10 @@ MUTATIONS = [
     M("parallel-qkv-box-not-per-head", "megamemo/parallel/tensor.py",
       "per = shape[0] // 3", "per = shape[0]",
       ("tests/test_checkpoint_layer.py::test_qkv_shards_move_between_tensor_parallel_sizes",)),
+    M("parallel-mcore-timeout-given-in-seconds-for-minutes", "megamemo/parallel/groups.py",
+      'minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))}',
+      'minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s))}',
+      ("tests/test_train_units.py::test_the_collective_timeout_reaches_every_group_in_its_unit",)),
     # ---- megamemo/config -------------------------------------------------------------------------------------
     M("config-override-value-taken-as-text", "megamemo/config/run.py",
       'value = yaml.safe_load(raw) if raw.strip() else ""', "value = raw",
@@ -210,6 +229,10 @@ MUTATIONS = [
     M("probe-bound-tp-roundings-uncounted", "megamemo/checkpoint/probe_bound.py",
       "return 4 * (max(int(tp), 1) - 1) * model.cfg.n_layer", "return 0",
       ("tests/test_probe_bound.py",)),
+    M("probe-bound-width-without-the-memory", "megamemo/checkpoint/probe_bound.py",
+      "return max(cfg.d_model, cfg.d_inner, cfg.n_head * cfg.d_head, segment_len + cfg.mem_len)",
+      "return max(cfg.d_model, cfg.d_inner, cfg.n_head * cfg.d_head, segment_len)",
+      ("tests/test_probe_bound.py::test_the_width_is_the_keys_when_segment_and_memory_outrun_every_projection",)),
     # ---- megamemo/runtime ------------------------------------------------------------------------------------
     M("free-port-from-the-ephemeral-range", "megamemo/runtime/dist.py",
       "for _ in range(tries if low > PORTS_FROM else 0):", "for _ in range(0):",
@@ -236,6 +259,42 @@ MUTATIONS = [
     M("lock-zombie-taken-for-alive", "megamemo/runtime/lock.py",
       "if fields is not None and fields[0] in DEAD_STATES:", "if False:",
       ("tests/test_run_lock.py::test_a_zombie_holder_is_dead_and_taken_over",)),
+    M("launcher-one-restart-fewer-than-asked", "megamemo/runtime/launcher.py",
+      "left = self.max_restarts - self.restarts", "left = self.max_restarts - self.restarts - 1",
+      (f"{LAUNCHER}::test_max_restarts_are_used_up_each_start_numbered_then_the_failure_is_the_exit_code",)),
+    M("launcher-restart-number-is-the-start-number", "megamemo/runtime/launcher.py",
+      "OMP_NUM_THREADS=threads, MEGAMEMO_RESTART=str(self.restarts), **extra)",
+      "OMP_NUM_THREADS=threads, MEGAMEMO_RESTART=str(self.restarts + 1), **extra)",
+      (f"{LAUNCHER}::test_max_restarts_are_used_up_each_start_numbered_then_the_failure_is_the_exit_code",)),
+    M("culprit-the-lowest-rank-before-the-earliest", "megamemo/runtime/interruptions.py",
+      "return min(causes, key=lambda e: (e.time, e.rank)) if causes else None",
+      "return min(causes, key=lambda e: (e.rank, e.time)) if causes else None",
+      (f"{INTERRUPTIONS}::test_the_culprit_is_the_first_failure_that_no_other_caused",)),
+    M("watchdog-peers-at-its-own-step-taken-for-behind", "megamemo/runtime/watchdog.py",
+      'behind = sorted(r for r, b in beats.items() if b.get("step", 0) == low and low < self.step)',
+      'behind = sorted(r for r, b in beats.items() if b.get("step", 0) == low)',
+      (f"{INTERRUPTIONS}::test_the_watchdog_blames_no_fresh_peer_at_its_step_and_a_silent_one_only_past_the_stale_"
+       "limit",)),
+    M("watchdog-stale-at-the-limit-itself", "megamemo/runtime/watchdog.py",
+      'silent = sorted(r for r, b in beats.items() if now - float(b["beat"]) > stale)',
+      'silent = sorted(r for r, b in beats.items() if now - float(b["beat"]) >= stale)',
+      (f"{INTERRUPTIONS}::test_the_watchdog_blames_no_fresh_peer_at_its_step_and_a_silent_one_only_past_the_stale_"
+       "limit",)),
+    M("goodput-wall-ends-at-an-earlier-starts-end", "megamemo/runtime/goodput.py",
+      'ends = [r for r in records if r.get("kind") == "end" and float(r["time"]) >= float(starts[-1]["time"])]',
+      'ends = [r for r in records if r.get("kind") == "end"]',
+      (f"{INTERRUPTIONS}::test_goodput_of_a_running_restart_after_an_ended_start_and_with_older_interruptions",)),
+    M("goodput-counts-an-earlier-historys-interruptions", "megamemo/runtime/goodput.py",
+      'lost = [r for r in interruptions if float(r.get("time", 0)) >= t0]', "lost = list(interruptions)",
+      (f"{INTERRUPTIONS}::test_goodput_of_a_running_restart_after_an_ended_start_and_with_older_interruptions",)),
+    M("goodput-process-start-from-the-wrong-stat-field", "megamemo/runtime/goodput.py",
+      'ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])',
+      'ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[21])',
+      (f"{INTERRUPTIONS}::test_the_process_start_is_read_from_proc_as_wall_clock_time",)),
+    M("dist-default-group-timeout-in-minutes", "megamemo/runtime/dist.py",
+      "world_size=de.world_size, timeout=timedelta(seconds=timeout_s))",
+      "world_size=de.world_size, timeout=timedelta(minutes=timeout_s))",
+      ("tests/test_train_units.py::test_the_collective_timeout_reaches_every_group_in_its_unit",)),
     # ---- megamemo/interop ------------------------------------------------------------------------------------
     M("reference-import-k-v-before-q", "megamemo/interop/reference.py",
       'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.q_net.weight"), take(f"{a}.kv_net.weight")], 0)',
@@ -269,6 +328,12 @@ MUTATIONS = [
     M("forms-compiled-under-tensor-parallelism", "megamemo/train/forms.py",
       "if cfg.parallel.tp > 1:", "if cfg.parallel.tp > 8:",
       ("tests/test_forms.py::test_compiled_candidates_follow_train_compile_and_tensor_parallelism",)),
+    M("forms-agreed-by-this-rank-alone", "megamemo/train/forms.py",
+      "seconds = _all_ranks(seconds, device)", "pass",
+      ("tests/test_flex_attention.py::test_a_form_trains_only_when_every_ranks_start_up_check_agrees",)),
+    M("forms-the-fastest-rank-decides", "megamemo/train/forms.py",
+      "dist.all_reduce(t, op=dist.ReduceOp.MAX)", "dist.all_reduce(t, op=dist.ReduceOp.MIN)",
+      ("tests/test_flex_attention.py::test_a_form_trains_only_when_every_ranks_start_up_check_agrees",)),
     # ---- megamemo/eval ---------------------------------------------------------------------------------------
     M("eval-tgt-len-flag-ignored", "megamemo/eval/evaluate.py",
       'return {"tgt_len": a.tgt_len or c.tgt_len,', 'return {"tgt_len": c.tgt_len,',
@@ -326,6 +391,15 @@ MUTATIONS = [
     M("cli-overrides-the-users-dynamo-choice", "megamemo/cli.py",
       'if "TORCHDYNAMO_DISABLE" not in os.environ:', "if True:",
       ("tests/test_cli.py::test_the_users_torchdynamo_choice_is_kept",)),
+    # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
+    M("slurm-one-failure-fewer-than-max-failures", "launch/slurm/failure.sh",
+      "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))", "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures ))",
+      (f"{SBATCH}::test_a_failure_at_the_failure_cap_is_still_requeued",)),
+    M("slurm-drained-and-draining-nodes-taken-for-healthy", "launch/slurm/failure.sh",
+      """case "$1" in *DOWN*|*DRAIN*|*FAIL*|*NOT_RESPONDING*|*'*'*|*POWER*) return 0 ;; esac""",
+      """case "$1" in *DOWN*|*DRAINED*|*FAIL*|*NOT_RESPONDING*|*'*'*|*POWER*) return 0 ;; esac""",
+      (f"{SBATCH}::test_drained_draining_down_failed_and_unresponsive_nodes_are_at_fault_busy_ones_are_not",
+       f"{SBATCH}::test_a_node_at_fault_is_excluded_before_the_requeue[draining]")),
 ]
 
 

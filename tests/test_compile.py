@@ -4,6 +4,8 @@
     1e-5, with validation and checkpoint probes in it, and compiles at most 4 graphs (3 recompiles);
   * compiled dropout keeps the law (kept values scaled by 1/(1-p), the kept fraction within 5 sigma, fresh masks
     every call, ReLU+dropout zero wherever ReLU is);
+  * every decoder layer is compiled in place and its calls run compiled (not the first layer's alone, nor a compiled
+    copy left unused);
   * the switch: auto is on for CUDA only, YAML's on/off, TORCHDYNAMO_DISABLE lifted only where megamemo set it,
     a user's TORCHDYNAMO_DISABLE=1 with train.compile: on is one line, tensor parallelism says why it is off.
 (Pipeline stages compiled: tests/test_train_parallel.py.)"""
@@ -57,6 +59,27 @@ def test_compiled_dropout_keeps_the_law():
         assert not torch.equal(y1 != 0, y2 != 0)                 # a fresh mask each call
     x = torch.randn(n)
     assert (torch.compile(ReluDropout(p).train())(x)[x <= 0] == 0).all()
+
+
+@pytest.mark.parametrize("variant", ["lamemo", "xl"])
+def test_every_decoder_layer_is_compiled_and_runs_compiled(variant):
+    """compile_layers compiles each decoder layer in place, all of them, and says how many: over two segments (no
+    memory, then memory) every layer's call runs under TorchDynamo (a hook on each layer, traced with the layer,
+    sees torch.compiler.is_compiling()), not the first layer's alone, nor a compiled copy left unused. Backend
+    "eager": TorchDynamo traces, no code is generated."""
+    cfg = ModelConfig(variant=variant, n_token=40, n_layer=3, d_model=16, n_head=2, d_head=8, d_inner=32,
+                      dropout=0.0, tgt_len=4, mem_len=4)
+    torch.manual_seed(0)
+    model = MemTransformerLM(cfg)
+    layers, seen = compiler.decoder_layers(model), []
+    assert len(layers) == 3
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, torch.compiler.is_compiling())))
+    assert compiler.compile_layers(model, "eager") == 3
+    x, mem = torch.randint(0, 40, (5, 2), generator=torch.Generator().manual_seed(1)), None
+    for _ in range(2):
+        _, mem = model(x[:4], x[1:], mem)
+    assert seen == [(i, True) for _ in range(2) for i in range(3)], seen
 
 
 def test_compile_switch(monkeypatch):

@@ -4,8 +4,9 @@ its backward is checked on a GPU, bench/flex_check.py and the training start-up 
 
   * the whole model's NLL and memory, every variant, with same_length and clamp_len, over segments with memory;
   * `megamemo eval --attention flex`, `megamemo generate --attention flex` and the conversion probe's replay;
-  * the start-up check (kernels/form_check.py): it names what it saw and the training run falls back to eager in
-    one line; an explicit `model.attention: flex` that cannot train is a config error;
+  * the start-up check (kernels/form_check.py): it names what it saw and the training run skips flex in one
+    line; an explicit `model.attention: flex` that cannot train is a config error; a form only when every rank's
+    check agrees (two ranks that disagree, torch.distributed replaced by a two-rank stand-in);
   * the config: model.attention is not part of the model's identity (a checkpoint resumes under any form)."""
 from __future__ import annotations
 
@@ -165,6 +166,55 @@ def test_flex_cannot_train_on_the_cpu_so_auto_skips_it_in_one_line(monkeypatch):
     run.model.attention = "flex"
     with pytest.raises(ConfigError, match="model.attention: flex does not match eager here: flex failed"):
         forms.choose_form(run, model, "cuda", 2, lines.append)
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """torch.distributed as a world of two whose other rank contributes `peer["values"]` to every all_reduce:
+    all_reduce applies its op (SUM by default, as torch's) to this rank's tensor and the other's."""
+    import torch.distributed as dist
+
+    peer = {"values": None}
+    ops = ((dist.ReduceOp.MIN, torch.minimum), (dist.ReduceOp.MAX, torch.maximum), (dist.ReduceOp.SUM, torch.add),
+           (dist.ReduceOp.PRODUCT, torch.mul))
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        reduce = next(f for o, f in ops if o == op)
+        t.copy_(reduce(t, torch.tensor(peer["values"], dtype=t.dtype)))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    return peer
+
+
+def test_a_form_trains_only_when_every_ranks_start_up_check_agrees(two_ranks, monkeypatch):
+    """Two ranks: an explicit flex trains only when both checks pass, and one refused by the other rank's check
+    says it was the other rank's; under auto a form that failed on the other rank is never chosen, however fast it
+    is here. (The "flex" and "fused" here are the eager functions, which pass this rank's check on the CPU.)"""
+    from megamemo.train import forms
+
+    two_ranks["values"] = [1.0, float("inf")]
+    assert forms._all_ranks([2.0, 0.5], "cpu") == [2.0, float("inf")]
+    monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "flex", (causal_attention, lookahead_attention))
+    cfg = _layer_and_cfg()[1]
+    run = load_dict({"model": cfg.to_dict() | {"dropout": 0.0, "attention": "flex"}})
+    model, lines = MemTransformerLM(run.model), []
+    two_ranks["values"] = [0.0]                          # the other rank's check passed
+    assert forms.choose_form(run, model, "cpu", 2, lines.append).attention == "flex"
+    assert lines == ["[train] attention: flex (checked against eager on one layer)"], lines
+    two_ranks["values"] = [1.0]                          # this rank's check passes, the other rank's does not
+    with pytest.raises(ConfigError, match=r"model.attention: flex does not match eager on another rank \(this "
+                                          r"rank's check: flex vs eager at B=2 L=8 M=8 float32: worst"):
+        forms.choose_form(run, model, "cpu", 2, lines.append)
+
+    monkeypatch.setattr(forms, "capability", lambda device: (9, 0))
+    monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "fused", (causal_attention, lookahead_attention))
+    run = load_dict({"model": cfg.to_dict() | {"dropout": 0.0}, "train": {"compile": "off"}})
+    two_ranks["values"] = [0.0, float("inf"), 0.0]       # eager, fused (failed there), flex (fails here)
+    lines = []
+    assert forms.choose_form(run, MemTransformerLM(run.model), "cuda", 2, lines.append).attention == "eager"
+    assert "skipped fused: failed on another rank" in lines[0], lines
 
 
 def test_auto_keeps_eager_with_attention_dropout_and_leaves_flex_out_under_determinism(monkeypatch):

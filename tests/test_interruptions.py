@@ -1,8 +1,9 @@
 """Failures and their bookkeeping, without training: which rank caused a failed start (megamemo/runtime/
 interruptions.py), its record in <run_dir>/interruptions.jsonl against hand-computed values, when a supervisor
-gives up, the watchdog's timeout rule and what it writes when it fires (runtime/watchdog.py; one real process
-whose main thread hangs), and goodput computed by hand for a scripted interruption (runtime/goodput.py, with the
-records written by train/metrics.py)."""
+gives up, the watchdog's timeout rule, whom it blames and what it writes when it fires (runtime/watchdog.py; one
+real process whose main thread hangs), and goodput computed by hand for a scripted interruption and for a running
+restart after an ended start (runtime/goodput.py, with the records written by train/metrics.py; the process start
+read from /proc in a fresh process)."""
 from __future__ import annotations
 
 import io
@@ -36,6 +37,9 @@ def test_the_culprit_is_the_first_failure_that_no_other_caused():
     assert culprit([Exit(3, 1, 5.0), Exit(2, 1, 5.0)]).rank == 2          # a tie: the lowest rank
     assert culprit([Exit(1, EXIT_PEER_LOST, 7.0), Exit(0, EXIT_PEER_LOST, 6.0)]).rank == 0   # only consequences
     assert culprit([Exit(0, 0, 1.0)]) is None
+    # two real failures, the higher rank's first: the earlier is the cause, whatever the ranks
+    assert culprit([Exit(0, 1, 6.0), Exit(1, -signal.SIGSEGV, 5.0)]).rank == 1
+    assert culprit([Exit(0, 137, 6.0), Exit(3, 1, 5.5), Exit(2, EXIT_PEER_LOST, 5.0)]).rank == 3
     assert interruptions.describe(137) == "signal SIGKILL" == interruptions.describe(-9)
     assert interruptions.describe(1) == "exit code 1" and not interruptions.retryable(2)
     assert interruptions.retryable(EXIT_HUNG) and interruptions.retryable(137)
@@ -192,6 +196,33 @@ def test_the_watchdog_fires_past_the_timeout_outside_pauses_and_names_the_silent
     assert mine["hung"]["stuck"] == [1] and mine["hung"]["step"] == 5 and mine["node"] == "node1"
 
 
+def test_the_watchdog_blames_no_fresh_peer_at_its_step_and_a_silent_one_only_past_the_stale_limit(tmp_path):
+    """Several peers beating at this rank's own step: none is behind (the collective or the network hangs); those
+    at a lower step are. A peer is silent only when its last beat is more than STALE_BEATS intervals old: exactly
+    at that age it is still fresh."""
+    from megamemo.runtime.watchdog import STALE_BEATS
+
+    wall = Clock(1000.0)
+    wd = Watchdog(tmp_path, 0, 4, 10.0, 120.0, node="node1", clock=Clock(), wall=wall, exit=lambda c: None)
+    wd.step_done(5, 0.1)
+    for r in (1, 2, 3):
+        beat(tmp_path, r, f"node{r + 1}", 5, 1000.0)
+    fresh = "every rank's heartbeat is fresh and at this step: a collective or the network hangs"
+    assert wd.waiting_for() == ([], fresh)
+    beat(tmp_path, 2, "node3", 4, 1000.0)
+    beat(tmp_path, 3, "node4", 4, 1000.0)
+    assert wd.waiting_for() == ([2, 3], "rank(s) 2, 3 behind at step 4")
+    # the stale limit: STALE_BEATS x the interval (a fifth of the 10 s timeout) = 6 s
+    assert STALE_BEATS * wd.interval == 6.0
+    for r in (2, 3):
+        beat(tmp_path, r, f"node{r + 1}", 5, 1005.0)
+    wall.t = 1006.0                                     # rank 1's last beat exactly 6 s old: still fresh
+    assert wd.waiting_for() == ([], fresh)
+    wall.t = 1006.25                                    # just past it: silent; ranks 2 and 3 are not
+    ranks, why = wd.waiting_for()
+    assert ranks == [1] and why.startswith("rank 1 (node2, pid 101) not heard from for 6 s"), why
+
+
 def test_overflowing_attempts_are_progress(tmp_path):
     """fp16 overflows retried on the same batch (up to precision.max_consecutive_skips) do not move the step, and
     are no hang."""
@@ -280,6 +311,40 @@ def test_goodput_by_hand_for_a_scripted_interruption(tmp_path, monkeypatch, caps
         m.train_step(dict(step, step=1))
         m.close()
         assert goodput.of_run(d)["starts"] == starts
+
+
+def test_goodput_of_a_running_restart_after_an_ended_start_and_with_older_interruptions():
+    """By hand. Start 1 (process start 100, training from 104) ran steps 1-3 of 2 s and ended at 112 (stopped by a
+    signal after saving: its "end" record); start 2 (a requeue, process start 130, training from 133) resumes and is
+    still running: steps 4-5 (135, 137). Its wall ends at the newest record (137), not at start 1's end, and the
+    run has not ended. interruptions.jsonl also holds a record of an earlier history (time 50, before the first
+    start: a fresh start began a new history since): not this run's."""
+    train = lambda s, t: {"kind": "train", "step": s, "seconds": 2.0, "time": t}      # noqa: E731
+    records = [{"kind": "start", "time": 100.0, "ready": 104.0, "step": 0, "restart": 0},
+               train(1, 106.0), train(2, 108.0), train(3, 110.0), {"kind": "end", "step": 3, "time": 112.0},
+               {"kind": "start", "time": 130.0, "ready": 133.0, "step": 3, "restart": 1},
+               train(4, 135.0), train(5, 137.0)]
+    older = {"time": 50.0, "kind": "crash", "step": 9, "seconds_lost": 20.0}
+    g = goodput.compute(records, [older])
+    assert (g["wall_s"], g["productive_s"], g["startup_s"], g["lost_s"]) == (37.0, 10.0, 7.0, 0.0)
+    assert (g["ended"], g["end"], g["starts"], g["interruptions"], g["other_s"]) == (False, 137.0, 2, 0, 20.0)
+    assert g["goodput"] == 10.0 / 37.0
+    # the same history once start 2 ended (at 140), with an interruption of this run (at 120, 6 s lost)
+    g = goodput.compute(records + [{"kind": "end", "step": 5, "time": 140.0}],
+                        [older, {"time": 120.0, "kind": "crash", "step": 3, "seconds_lost": 6.0}])
+    assert (g["ended"], g["wall_s"], g["interruptions"], g["lost_s"]) == (True, 40.0, 1, 6.0)
+
+
+def test_the_process_start_is_read_from_proc_as_wall_clock_time():
+    """goodput's start-up begins at the process's start (Linux /proc: boot time + start ticks): in a fresh process,
+    at most a second before (the boot time is whole seconds) and never after its first line's clock reading, and
+    no more than its interpreter's start-up earlier."""
+    code = ("import time; t = time.time(); from megamemo.runtime.goodput import process_started; "
+            "print(t, process_started())")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    first_line, started = map(float, out.stdout.split())
+    assert t0 - 1.0 <= started <= first_line + 0.01, (t0, started, first_line)
 
 
 def test_a_fault_plan_holds_for_the_start_it_names():

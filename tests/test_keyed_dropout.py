@@ -8,8 +8,10 @@ What is checked here, in one process:
   * the law: keep rate within a binomial bound per tensor; no correlation between neighbouring rows, columns,
     features, layers, sites and steps; other seeds other masks; no repeat across steps or micro-batches;
   * the point: a model cut into micro-batches of other columns drops what one micro-batch drops (stream masks do
-    not); the layouts' own equalities are the training tests' (test_train_equivalence, test_train_parallel,
-    test_train_runs, test_convert_parallel), which run keyed with dropout 0.1 and dropatt 0.1.
+    not); under tensor parallelism a rank drops its slice of a split site (ff_inner's features, att's and
+    att_ahead's heads) and the whole of every other site, as the single device does; the layouts' own equalities
+    are the training tests' (test_train_equivalence, test_train_parallel, test_train_runs, test_convert_parallel),
+    which run keyed with dropout 0.1 and dropatt 0.1.
 """
 from __future__ import annotations
 
@@ -225,6 +227,40 @@ def test_every_dropout_has_a_site_and_the_swap_goes_both_ways():
     model.extra = torch.nn.Dropout(0.1)                       # a dropout with no site: named, refused
     with pytest.raises(ValueError, match="no site for the dropout at 'extra'"):
         apply_dropout_masks(model, "keyed", DropoutKey(1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_under_tensor_parallelism_a_rank_drops_its_slice_of_a_split_site_and_all_of_the_others(tp):
+    """The split each site gets, in one process: apply_dropout_masks with TP rank r offsets the sites tensor
+    parallelism splits (ff_inner: the feed-forward's inner features; att, att_ahead: the heads) by rank r's slice
+    and no other site. So rank r's dropout on its shard ([T, B, F / tp] features, [n / tp, B, Q, K] heads) drops
+    what the single device drops on that slice, and on a whole tensor (emb, pos, out, attn_out, ff_out: every rank
+    holds them whole) exactly what the single device drops."""
+    from megamemo.kernels.keyed import SPLIT
+
+    key = DropoutKey(9, columns=[3]).set(step=4)
+    single = _model("lamemo")
+    apply_dropout_masks(single, "keyed", key)
+    sites = dropout_sites(single)
+    shapes = {"rows": (5, 3, 64), "table": (9, 32), "heads": (4, 3, 5, 11)}
+    split_sites = set()
+    for r in range(tp):
+        rank = _model("lamemo")
+        apply_dropout_masks(rank, "keyed", key, tp_rank=r)
+        mods = dict(rank.named_modules())
+        for name, (site, _) in sites.items():
+            layout = SITES[site][1]
+            full = dict(single.named_modules())[name](torch.ones(shapes[layout])) != 0
+            assert 0 < full.float().mean() < 1, (name, site)
+            if site in ("ff_inner", "att", "att_ahead"):
+                split_sites.add(site)
+                n = shapes[layout][0 if layout == "heads" else -1] // tp
+                part = full[r * n:(r + 1) * n] if layout == "heads" else full[..., r * n:(r + 1) * n]
+                shard = torch.ones(part.shape)
+            else:
+                part, shard = full, torch.ones(full.shape)
+            assert torch.equal(mods[name](shard) != 0, part), (r, name, site)
+    assert split_sites == set(SPLIT) == {"ff_inner", "att", "att_ahead"}
 
 
 def test_the_config_key_and_what_keyed_masks_allow():

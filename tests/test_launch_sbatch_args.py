@@ -1,10 +1,10 @@
 """The batch scripts' own logic, with Slurm's commands replaced by recorders (no cluster, no training): what the
 preset scripts and train.sbatch hand to srun (MEGAMEMO_PRECISION, arguments with spaces kept whole), when they
-requeue (after a SIGUSR1 and a clean save, up to MEGAMEMO_MAX_REQUEUES; after a crash, up to MEGAMEMO_MAX_FAILURES;
-never after exit 2 or the same step failing three times), which node they exclude (one Slurm reports down, one
-MEGAMEMO_NODE_CHECK fails on; none for a crash on a healthy node) and the restart inside the allocation on the
-healthy nodes (MEGAMEMO_SPARE_NODES). The real Slurm runs are in test_launch_train.py (a dev cluster, where one can
-be started)."""
+requeue (after a SIGUSR1 and a clean save, up to MEGAMEMO_MAX_REQUEUES; after a crash, up to MEGAMEMO_MAX_FAILURES,
+the last one included; never after exit 2 or the same step failing three times), which node they exclude (one Slurm
+reports down, drained or draining, one MEGAMEMO_NODE_CHECK fails on; none for a crash on a healthy node) and the
+restart inside the allocation on the healthy nodes (MEGAMEMO_SPARE_NODES). The real Slurm runs are in
+test_launch_train.py (a dev cluster, where one can be started)."""
 from __future__ import annotations
 
 import json
@@ -54,6 +54,7 @@ case "$1 $2" in
   "show job") echo "JobId=$SLURM_JOB_ID JobName=t Command=$STUB_COMMAND ExcNodeList=${STUB_EXCLUDED:-(null)}" ;;
   "show hostnames") printf '%s\n' ${STUB_HOSTNAMES:-node1} ;;
   "show node") state=IDLE; [[ " ${STUB_DOWN:-} " == *" $4 "* ]] && state=DOWN+NOT_RESPONDING
+               [[ " ${STUB_DRAINING:-} " == *" $4 "* ]] && state=MIXED+DRAIN
                echo "NodeName=$4 NodeAddr=127.0.0.1 State=$state" ;;
   "requeue "*) ;;
 esac
@@ -202,18 +203,33 @@ def test_a_crash_on_a_healthy_node_requeues_at_once_excluding_nothing(stubs):
     assert "--nodelist=node2" in (stubs / "srun.log").read_text()         # the check ran on the failed rank's node
 
 
-@pytest.mark.parametrize("why", ["down", "check"])
+@pytest.mark.parametrize("why", ["down", "draining", "check"])
 def test_a_node_at_fault_is_excluded_before_the_requeue(stubs, why):
     run_dir = run_dir_at_step(stubs)
-    env = {"STUB_DOWN": "node2"} if why == "down" else {"MEGAMEMO_NODE_CHECK": '[ "$SLURMD_NODENAME" != node2 ]'}
+    env = {"down": {"STUB_DOWN": "node2"}, "draining": {"STUB_DRAINING": "node2"},
+           "check": {"MEGAMEMO_NODE_CHECK": '[ "$SLURMD_NODENAME" != node2 ]'}}[why]
     rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
                               STUB_RUN_DIR=str(run_dir), STUB_EXCLUDED="node7", **env, **TWO_NODES)
     assert rc == 0, out
-    reason = "Slurm reports it DOWN+NOT_RESPONDING" if why == "down" else "MEGAMEMO_NODE_CHECK failed there"
+    reason = {"down": "Slurm reports it DOWN+NOT_RESPONDING", "draining": "Slurm reports it MIXED+DRAIN",
+              "check": "MEGAMEMO_NODE_CHECK failed there"}[why]
     assert f"node(s) at fault: node2: {reason}" in out and "requeueing job 4242 with node2 excluded" in out, out
     assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now ExcNodeList=node7,node2"]
     [rec] = records(run_dir)
     assert (rec["kind"], rec["node"]) == ("node", "node2") and reason in rec["node_fault"], rec
+
+
+def test_drained_draining_down_failed_and_unresponsive_nodes_are_at_fault_busy_ones_are_not():
+    """failure.sh's reading of `scontrol show node`'s State: a drained node is IDLE+DRAIN (DOWN+DRAIN), a draining
+    one MIXED+DRAIN or ALLOCATED+DRAIN (sinfo's "drained" / "draining"), one not responding carries a '*' or
+    NOT_RESPONDING; a node busy with other jobs or finishing one is healthy."""
+    bad = ["DOWN", "DOWN+NOT_RESPONDING", "IDLE+DRAIN", "DOWN+DRAIN", "MIXED+DRAIN", "ALLOCATED+DRAIN",
+           "DRAINED", "DRAINING", "FAIL", "MIXED+FAIL", "ALLOCATED+FAILING", "IDLE*", "IDLE+NOT_RESPONDING",
+           "IDLE+POWERED_DOWN"]
+    good = ["IDLE", "MIXED", "ALLOCATED", "COMPLETING", "ALLOCATED+COMPLETING", "IDLE+RESERVED", "MIXED+PLANNED"]
+    script = f'source "{SLURM / "failure.sh"}"; for s in "$@"; do megamemo_bad_state "$s" && echo "$s"; done; true'
+    out = subprocess.run(["bash", "-c", script, "bash", *bad, *good], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == bad, out.stdout
 
 
 def test_spare_nodes_restart_inside_the_allocation_without_the_node_at_fault(stubs):
@@ -251,6 +267,19 @@ def test_no_restart_past_the_failure_cap_nor_after_the_same_step_three_times(stu
                               STUB_RUN_DIR=str(run_dir_at_step(stubs / "b")), MEGAMEMO_MAX_FAILURES="2", **TWO_NODES)
     assert rc == 137 and "not restarting: 3 failures (MEGAMEMO_MAX_FAILURES=2)" in out, out
     assert not any("requeue" in c for c in calls), calls
+
+
+def test_a_failure_at_the_failure_cap_is_still_requeued(stubs):
+    """MEGAMEMO_MAX_FAILURES=2: the job's second failure (one crash and a preemption before it) is requeued, the
+    third is not (test_no_restart_past_the_failure_cap_nor_after_the_same_step_three_times)."""
+    logdir = stubs / "logs" / "slurm" / "t-4242"
+    logdir.mkdir(parents=True)
+    (logdir / "job.txt").write_text("end x restart=0 rc=137 usr1=0\nend x restart=1 rc=0 usr1=1\n")
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
+                              STUB_RUN_DIR=str(run_dir_at_step(stubs)), MEGAMEMO_MAX_FAILURES="2",
+                              SLURM_RESTART_COUNT="2", **TWO_NODES)
+    assert rc == 0 and "training failed (failure 2 of this job)" in out and "not restarting" not in out, out
+    assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now"], calls
 
 
 def test_a_start_that_died_with_its_node_is_recorded_by_the_next(stubs):

@@ -1,5 +1,6 @@
 """megamemo/runtime/launcher.py names the worker whose failure stopped the job, not a peer that died of it, and stops
-the others as soon as one fails, whichever its rank: workers here are small Python programs (MEGAMEMO_TRAIN_CMD), no
+the others as soon as one fails, whichever its rank, and with --max-restarts K starts them K more times, each start
+numbered (MEGAMEMO_RESTART), before it gives up: workers here are small Python programs (MEGAMEMO_TRAIN_CMD), no
 training."""
 import os
 import signal
@@ -7,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 import time
+
+import pytest
 
 from megamemo.runtime.launcher import _first_failure
 
@@ -39,12 +42,13 @@ HANGS = textwrap.dedent("""
 """)
 
 
-def launch(tmp_path, worker: str, n: int = 2) -> subprocess.CompletedProcess:
+def launch(tmp_path, worker: str, n: int = 2, *flags: str) -> subprocess.CompletedProcess:
     script = tmp_path / "worker.py"
     script.write_text(worker)
     env = dict(os.environ, MEGAMEMO_TRAIN_CMD=f"{sys.executable} {script} {tmp_path / 'lock'}")
-    return subprocess.run([sys.executable, "-m", "megamemo.runtime.launcher", str(n)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env.pop("MEGAMEMO_RESTART", None)
+    return subprocess.run([sys.executable, "-m", "megamemo.runtime.launcher", *flags, str(n)], env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_the_first_failure_is_reported_not_the_lower_rank_that_aborted_after_it(tmp_path):
@@ -107,3 +111,27 @@ def test_after_an_explained_error_rank_0_may_still_say_it():
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("megamemo train: error: optim.lr: must be > 0") == 1, r.stderr
     assert "the others were stopped" not in r.stderr, r.stderr     # (the launcher adds no line of its own to a 2)
+
+
+# Every start fails: each rank notes the restart number it was given (MEGAMEMO_RESTART), rank 1 exits 1
+NOTES_AND_FAILS = textwrap.dedent("""
+    import os, sys
+    with open(sys.argv[1] + ".starts", "a") as f:
+        f.write(f"{os.environ['RANK']}:{os.environ['MEGAMEMO_RESTART']}\\n")
+    sys.exit(1 if os.environ["RANK"] == "1" else 0)
+""")
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+def test_max_restarts_are_used_up_each_start_numbered_then_the_failure_is_the_exit_code(tmp_path, restarts):
+    """--max-restarts K after a retryable failure (exit 1): K + 1 starts in all, the k-th given MEGAMEMO_RESTART=k on
+    every rank, one line per restart, then the failure's exit code and one line saying why no more."""
+    r = launch(tmp_path, NOTES_AND_FAILS, 2, *(["--max-restarts", str(restarts)] if restarts else []))
+    assert r.returncode == 1, r.stderr
+    starts = (tmp_path / "lock.starts").read_text().split()
+    assert sorted(starts) == sorted(f"{rank}:{k}" for k in range(restarts + 1) for rank in (0, 1)), starts
+    lines = [x for x in r.stderr.splitlines() if x.startswith("[launch] restart ")]
+    assert [x.split(":")[0] for x in lines] == [f"[launch] restart {k}/{restarts}" for k in range(1, restarts + 1)], \
+        r.stderr
+    assert r.stderr.count("[launch] worker 1 exited with exit code 1") == restarts + 1, r.stderr
+    assert ("[launch] not restarting: no restarts left" in r.stderr) == (restarts > 0), r.stderr

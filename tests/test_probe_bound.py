@@ -181,3 +181,18 @@ def test_half_tolerance_is_the_stated_formula():
     u, n = 2.0 ** -8 + 96 * 2.0 ** -24, 2 * 50 + 36
     assert tol["max"] == pytest.approx(2 * n * u * S, rel=1e-3)
     assert tol["mean"] == pytest.approx(2 * math.sqrt(n) * u * S, rel=1e-3)
+
+
+def test_the_width_is_the_keys_when_segment_and_memory_outrun_every_projection():
+    """Narrow projections (d_model 16, 2 x 8 heads, d_inner 24) and a segment of 20 after a memory of 40: the
+    longest accumulation is attention's probabilities times values, over the 60 keys, and u_eff takes it."""
+    cfg = ModelConfig(**{**WIDE, "d_model": 16, "n_head": 2, "d_head": 8, "d_inner": 24, "n_layer": 1,
+                         "tgt_len": 20, "mem_len": 40})
+    torch.manual_seed(5)
+    model = in_bf16(MemTransformerLM(cfg))
+    assert accumulation_width(model, 20) == 60 and accumulation_width(model, 50) == 90
+    x = torch.randint(0, 256, (20, 1), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        _, mem = model(x)
+    tol = half_tolerance(model, torch.bfloat16, 10, probe([(x, x)], [None]), mem)
+    assert tol["derived"]["unit_roundoff"] == 2.0 ** -8 + 60 * 2.0 ** -24

@@ -1,4 +1,5 @@
-"""Unit tests of the training system's parts that need no process group: config, rank discovery, LR schedule
+"""Unit tests of the training system's parts that need no process group: config, rank discovery, the collectives'
+timeouts (seconds for the default group, minutes for megatron-core's), LR schedule
 (the checkpoint layer's own: tests/test_checkpoint_layer.py)."""
 from __future__ import annotations
 
@@ -228,6 +229,45 @@ def test_discover_under_mpirun(tmp_path):
     rows = sorted(p.read_text().split() for p in tmp_path.glob("rank*"))
     assert [r[:3] for r in rows] == [["0", "2", "0"], ["1", "2", "1"]]
     assert rows[0][3:] == rows[1][3:] and rows[0][5] == "mpi"      # same master address and port everywhere
+
+
+# ---- the collectives' timeouts -----------------------------------------------------------------------------
+@pytest.mark.parametrize("seconds", [45.0, 90.0, 300.0])
+def test_the_collective_timeout_reaches_every_group_in_its_unit(monkeypatch, seconds):
+    """parallel.collective_timeout_s is in seconds. The default group (DeepSpeed's init_distributed, in
+    runtime/dist.py) gets a timedelta of that many seconds; megatron-core's groups (parallel/groups.py) take whole
+    minutes, distributed_timeout_minutes (a keyword of megatron-core's own initialize_model_parallel): the seconds
+    rounded up to the minute. Neither group is started: DeepSpeed and parallel_state are replaced by recorders."""
+    import inspect
+    import types
+    from datetime import timedelta
+
+    from megatron.core import parallel_state
+
+    from megamemo.parallel import groups
+    from megamemo.runtime import device
+
+    got = {}
+    deepspeed = types.ModuleType("deepspeed")
+    deepspeed.init_distributed = lambda **kw: got.update(default=kw)
+    monkeypatch.setitem(sys.modules, "deepspeed", deepspeed)
+    monkeypatch.setattr(dist, "_skip_shm_comm_build", lambda: None)
+    monkeypatch.setattr(device, "resolve", lambda *a, **k: "cpu")
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(k, v)                        # (init exports them again: restored after the test)
+    dist.init(seconds)
+    assert got["default"]["timeout"] == timedelta(seconds=seconds), got
+
+    real = inspect.signature(parallel_state.initialize_model_parallel)
+    ps = types.SimpleNamespace(model_parallel_is_initialized=lambda: False,
+                               initialize_model_parallel=lambda **kw: got.update(mcore=real.bind(**kw).arguments))
+    monkeypatch.setattr(groups, "_mcore", lambda: (ps, None))
+    monkeypatch.setattr(groups.dist, "get_world_size", lambda *a, **k: 4)
+    groups.init_model_parallel(2, 2, timeout_s=seconds)
+    assert got["mcore"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                            "distributed_timeout_minutes": {45.0: 1, 90.0: 2, 300.0: 5}[seconds]}, got
+    groups.init_model_parallel(2, 2)                    # no timeout given: megatron-core's own (30 minutes)
+    assert got["mcore"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, got
 
 
 # ---- schedule ----------------------------------------------------------------------------------------------

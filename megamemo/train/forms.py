@@ -93,7 +93,8 @@ def _all_ranks(values: list[float], device) -> list[float]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    on = device if torch.device(device).type == "cuda" and torch.cuda.is_available() else "cpu"   # NCCL: CUDA
+    t = torch.tensor(values, dtype=torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -165,8 +166,10 @@ def _checked_explicit(cfg: RunConfig, model, device, micro: int, form: str) -> N
     if layers:
         ok, line, _ = check_form(layers[0], cfg.model, *_sizes(cfg, micro), Form(form))
     if _all_ranks([0.0 if ok else 1.0], device)[0] > 0:
-        raise ConfigError(f"model.attention: {form} does not match eager here: "
-                          f"{line if not ok else 'the check failed on another rank'}")
+        if ok:          # rank 0 says the error, and its own check may have passed
+            raise ConfigError(f"model.attention: {form} does not match eager on another rank (this rank's check: "
+                              f"{line})")
+        raise ConfigError(f"model.attention: {form} does not match eager here: {line}")
 
 
 def choose_form(cfg: RunConfig, model, device, micro: int, log) -> Form:
