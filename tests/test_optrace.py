@@ -148,3 +148,39 @@ def test_lamemos_position_products_are_unaligned_gemms():
     assert unaligned.sum() == 2 and set(np.array(fwd.names)[unaligned]) == {"bmm"}
     assert sorted(fwd.cols[unaligned]) == [17, 33]
     assert fwd.gemm.sum() > 2
+
+
+# ---- model.attention: fused (megamemo/plan/fused_trace.py) ------------------------------------------------------
+def test_fused_tiles_by_hand():
+    """64 x 64 tiles with a visible pair. Causal, L = M = 128 (klen 256): queries 0-63 see keys up to 191 (3 key
+    tiles), queries 64-127 up to 255 (4); L = 64 after M = 65 rows: query 63 sees key 128, the first of the third key
+    tile. Look-ahead, M = nk = 128: memory query i sees keys k >= i (key k sits at
+    position k + 1), so queries 0-63 touch both key tiles, 64-127 only the second."""
+    from megamemo.plan.fused_trace import causal_tiles, lookahead_tiles
+
+    assert causal_tiles(128, 256) == 7 and causal_tiles(128, 128) == 3 and causal_tiles(100, 100) == 3
+    assert causal_tiles(64, 129) == 3
+    assert lookahead_tiles(128, 128) == 3 and lookahead_tiles(128, 64) == 2 and lookahead_tiles(64, 64) == 1
+
+
+def test_fused_attention_is_priced_without_score_round_trips():
+    """The fused form's layer: one forward and one backward attention record a call, with the kernels' FLOPs by
+    hand, and no op that reads or writes a [L, klen] score matrix, where the eager layer has several."""
+    from megamemo.plan.fused_trace import causal_tiles, lookahead_tiles
+
+    cfg = small(L=128, M=128, n_head=2, d_head=16, n_layer=2)          # one lower layer, then the top
+    eager, fused = (_run(dataclasses.replace(cfg, attention=a), 2, torch.bfloat16) for a in ("eager", "fused"))
+    scores = 2 * cfg.n_head * 128 * 256 * 2            # one bf16 [B, n, L, klen] tensor
+    for tr, n_big in ((eager, lambda k: k > 0), (fused, lambda k: k == 0)):
+        fwd, bwd = tr.segments["fwd", "layer"], tr.segments["bwd", "layer"]
+        big = int(((fwd.write >= scores) | (fwd.read >= scores)).sum()
+                  + ((bwd.write >= scores) | (bwd.read >= scores)).sum())
+        assert n_big(big), (big, fwd.names)
+    fwd, bwd = fused.segments["fwd", "layer"], fused.segments["bwd", "layer"]
+    pairs = 2 * cfg.n_head * (causal_tiles(128, 256) + lookahead_tiles(128, 128)) * 64 * 64   # B 2, 64 x 64 tiles
+    # in 2 * d_head per pair: forward content 1 + position band 2 + PV 1; backward 6 + 7 + 6 (fused_trace.py)
+    assert list(fwd.names).count("fused_attention_fwd") == 2 and list(bwd.names).count("fused_attention_bwd") == 2
+    got = fwd.flops[np.array(fwd.names) == "fused_attention_fwd"].sum()
+    assert got == 2 * cfg.d_head * pairs * 4
+    got = bwd.flops[np.array(bwd.names) == "fused_attention_bwd"].sum()
+    assert got == 2 * cfg.d_head * pairs * 19

@@ -39,7 +39,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from megamemo.model import MemTransformerLM, lm
+from megamemo.model.attention import causal_attention, lookahead_attention
+from megamemo.model.layers import RelAttention
 from megamemo.model.memory import Memory, xl_update
+from megamemo.plan import fused_trace
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PARTS = ("input", "layer", "top", "output")     # the segments of one micro-batch, forward order
@@ -296,6 +299,14 @@ def _run(cfg, B: int, dtype) -> Trace:
         rec.part = was
         return out
 
+    if cfg.attention == "fused":         # the Triton kernels cannot run on meta tensors: their stand-ins record them
+        def emit(name, flops, read, write, rows, cols, launches):
+            rec.ops.setdefault(rec.part, []).append((name, flops > 0, dtype == torch.float32, True, flops, read,
+                                                     write, rows, cols, launches))
+        causal, lookahead = fused_trace.stand_ins(emit)
+        for module in model.modules():
+            if isinstance(module, RelAttention):
+                module.causal, module.lookahead = causal, lookahead
     updates = []
     x = torch.empty(cfg.tgt_len, B, dtype=torch.long, device="meta")
     try:
@@ -307,6 +318,9 @@ def _run(cfg, B: int, dtype) -> Trace:
     finally:
         for h in handles:
             h.remove()
+        for module in model.modules():
+            if isinstance(module, RelAttention):
+                module.causal, module.lookahead = causal_attention, lookahead_attention
         model.zero_grad(set_to_none=True)
     segs = {(phase, part): _segment(rec.ops.get((phase, part), [])) for phase in ("fwd", "bwd") for part in PARTS}
     per_layer = cfg.has_memory and not cfg.lamemo

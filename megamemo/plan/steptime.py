@@ -104,6 +104,7 @@ class StepTime:
     parts: list = dataclasses.field(default_factory=list)   # the slowest stage's micro-batch (opcost.Part)
     stage: int = 0              # which stage that is
     launch: float = 0.0         # host seconds a kernel (GPU)
+    attention: str = "eager"    # the attention form priced (model.attention; auto is priced as eager)
 
     @property
     def seconds(self) -> float:
@@ -290,7 +291,15 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     return StepTime(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={ga}", terms,
                     cfg.data.batch_size * m.tgt_len, world, step_flops(m, cfg.data.batch_size),
                     model_flops(m, cfg.data.batch_size), peak, width, eff, overlap_hides=hides, overlapped=overlapped,
-                    parts=parts, stage=worst, launch=dev.launch or 0.0)
+                    parts=parts, stage=worst, launch=dev.launch or 0.0,
+                    attention="fused" if m.attention == "fused" else "eager")
+
+
+ATTENTION_PRICED = {
+    "eager": "  attention priced: eager (model.attention eager or auto): its score matrices go to memory and back "
+             "(the elementwise term); --set model.attention=fused prices the fused kernels",
+    "fused": "  attention priced: fused (model.attention fused): one kernel a call forward, three backward, no score "
+             "round trips (megamemo/plan/fused_trace.py; an estimate until a GPU measures the kernels)"}
 
 
 def explain(st: StepTime, kind) -> list[str]:
@@ -309,6 +318,7 @@ def explain(st: StepTime, kind) -> list[str]:
     if st.overlap_hides:
         out.append(f"  (parallel.overlap_comm {'hides' if st.overlapped else 'would hide'} "
                    f"{st.overlap_hides * 1e3:.1f} ms of dp_comm behind the backward pass)")
+    out.append(ATTENTION_PRICED[st.attention])
     out += explain_parts(st)
     out.append(f"  calibration: {dev.source}")
     return out
