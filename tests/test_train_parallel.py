@@ -6,6 +6,7 @@ not: each TP rank and each pipeline stage draws from streams of its own)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import pytest
@@ -86,6 +87,21 @@ def test_tp2_x_pp2_on_four_ranks_equals_one_process(tiny_cfg, shards, single, tm
     run(4, tiny_cfg, shards, run_dir, "--tp", "2", "--pp", "2", *EXACT, "--set", "train.activation_checkpointing=true",
         timeout=300)
     check_equals_single(run_dir, single, "tp2 x pp2")
+
+
+def test_tp2_with_compiled_attention_regions_equals_one_process(tiny_cfg, shards, single, tmp_path):
+    """train.compile on under TP 2: the attention between the collectives compiled (aot_eager: dynamo's graphs run
+    by autograd's eager kernels, so what is checked is the capture, not inductor's code generation, which the
+    single-device compile tests cover) equals one eager process."""
+    run_dir = tmp_path / "run"
+    run(2, tiny_cfg, shards, run_dir, "--tp", "2", *EXACT, "--set", "train.compile=on",
+        "--set", "train.compile_backend=aot_eager", timeout=300)
+    text = logs(run_dir)
+    assert "[train] compile: attention regions under tensor parallelism (parallel.tp=2)" in text
+    # the causal attention without and with memory, the look-ahead: 3 graphs, within the <= 3 recompiles rule
+    graphs = [int(g) for g in re.findall(r"(\d+) graphs compiled \((\d+) recompiles\)", text) for g in g[:1]]
+    assert graphs and all(1 <= g <= 4 for g in graphs), text[-2000:]
+    check_equals_single(run_dir, single, "tp2 compiled regions")
 
 
 @pytest.mark.parametrize("layout", ["--tp", "--pp"])

@@ -13,6 +13,7 @@ from torch import nn
 from megamemo.model.attention import causal_attention, lookahead_attention, mask_scores
 from megamemo.model.layers import RelAttention, ReluDropout
 
+from .compiler import uncompiled
 from .dropout import CpuDropout
 from .keyed import KeyedDropout
 from .flex import flex_causal_attention, flex_lookahead_attention
@@ -113,7 +114,8 @@ def apply_attention(model: nn.Module, form: str) -> str:
 
 
 def attention_in_use(model: nn.Module) -> str:
-    """"eager", "flex", "fused" or "mixed": which form the model's attention modules compute in."""
+    """"eager", "flex", "fused" or "mixed": which form the model's attention modules compute in (compiled
+    attention regions count as their form)."""
     forms = {name for m in model.modules() if isinstance(m, RelAttention)
-             for name, fns in _ATTENTION_FUNCTIONS.items() if m.causal is fns[0]}
+             for name, fns in _ATTENTION_FUNCTIONS.items() if uncompiled(m.causal) is fns[0]}
     return "mixed" if len(forms) != 1 else forms.pop()

@@ -74,6 +74,42 @@ def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
     return len(layers)
 
 
+def compile_attention_regions(model: nn.Module, backend: str = "inductor") -> int:
+    """Under tensor parallelism, where a whole layer cannot be compiled (megatron-core's linears all-reduce with
+    async_op=True, which dynamo cannot trace): compile the attention between the collectives instead, each
+    RelAttention's causal and look-ahead functions (the scores, the position term, masking, softmax and the
+    log-normaliser: the score-sized round trips, most of a layer's non-GEMM time). One compiled function per
+    attention function, shared by the layers. Returns how many attention modules were given them."""
+    from megamemo.model.layers import RelAttention
+
+    enable_compiler()
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    modules = [m for m in model.modules() if isinstance(m, RelAttention)]
+    for m in modules:
+        m.causal, m.lookahead = _compiled(m.causal, backend), _compiled(m.lookahead, backend)
+    return len(modules)
+
+
+_COMPILED_FUNCTIONS: dict = {}
+
+
+def _compiled(fn, backend: str):
+    """torch.compile(fn) once per (function, backend); a function compiled already is returned as it is."""
+    if uncompiled(fn) is not fn:
+        return fn
+    key = (fn, backend)
+    if key not in _COMPILED_FUNCTIONS:
+        _COMPILED_FUNCTIONS[key] = torch.compile(fn, backend=backend, dynamic=None)
+    return _COMPILED_FUNCTIONS[key]
+
+
+def uncompiled(fn):
+    """The function a torch.compile wrapper compiles (fn itself when it is none)."""
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
+
+
 def run_eagerly():
     """A context in which compiled layers run their eager code (torch.compiler.set_stance("force_eager")):
     validation and the checkpoint probe of a compiled run, whose other lengths and eval mode would each compile

@@ -24,7 +24,7 @@ from megamemo.model.layers import LaMemoLayer
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 
 from .apply import apply_attention
-from .compiler import enable_compiler
+from .compiler import compile_attention_regions, enable_compiler
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
@@ -76,9 +76,13 @@ class Form:
         return self.attention + (" compiled" if self.compiled else "")
 
 
-def _runner(layer, form: Form, backend: str):
+def _runner(layer, form: Form, backend: str, regions: bool):
+    """The layer in `form`: compiled whole, or (regions: under tensor parallelism) its attention functions only."""
     apply_attention(layer, form.attention)
     if not form.compiled:
+        return layer
+    if regions:
+        compile_attention_regions(layer, backend)
         return layer
     enable_compiler()
     return torch.compile(layer, backend=backend, dynamic=False)
@@ -95,10 +99,11 @@ def _sync(device) -> None:
 
 
 def check_form(layer, cfg, B: int, L: int, M: int, form: Form, backend: str = "inductor",
-               time_reps: int = 0) -> tuple[bool, str, float | None]:
+               time_reps: int = 0, regions: bool = False) -> tuple[bool, str, float | None]:
     """(agrees, one line of what was seen, seconds of one forward + backward in `form` when it agrees and
     time_reps > 0, else None) for one decoder layer (of the run's own model, on its device, in its dtype) at a
-    micro-batch of B streams, L rows and M memory rows. Any exception of the form is a disagreement, named. The
+    micro-batch of B streams, L rows and M memory rows. Any exception of the form is a disagreement, named. A
+    compiled form compiles the whole layer, or with `regions` (tensor parallelism) its attention functions. The
     layer is left in eager form, uncompiled and in its training mode."""
     p = next(layer.parameters())
     device, dtype = p.device, p.dtype
@@ -111,7 +116,7 @@ def check_form(layer, cfg, B: int, L: int, M: int, form: Form, backend: str = "i
         apply_attention(layer, "eager")
         ref = _run(layer, args, grads)
         try:
-            runner = _runner(layer, form, backend)
+            runner = _runner(layer, form, backend, regions)
             got = _run(runner, args, grads)
         except Exception as e:          # noqa: BLE001 - whatever a form cannot do here is reported, not raised
             return False, f"{form} failed at {where}: {_first_line(e)}", None

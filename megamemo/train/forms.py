@@ -9,8 +9,8 @@ Explicit choices are taken as given, after a start-up check of the form against 
   * fused (megamemo/kernels/fused.py), where triton can launch its kernels;
   * flex (FlexAttention), on sm80 and newer only (below it Triton has no tensor-core path: ~10x slower than SDPA
     on a V100), and not under train.deterministic (its backward adds the position term's gradients atomically);
-  * each of them in a compiled layer as well, where train.compile resolves on and the layout has no tensor
-    parallelism (compile off under TP: megamemo/train/speedups.py);
+  * each of them compiled as well, where train.compile resolves on: the whole layer, or under tensor parallelism
+    the attention between the collectives (megamemo/kernels/compiler.py compile_attention_regions);
 none with attention dropout (model.dropatt > 0: eager only, said in one line). Each candidate other than eager is
 checked against eager on one layer at the run's own shapes and dtype; a candidate that fails to compile, to run or
 to agree is skipped with its reason in the start-up line, never a crash (compiled layers + flex failed in inductor
@@ -37,8 +37,6 @@ TIME_REPS = 5           # forward + backward repetitions a candidate is timed ov
 def _compile_options(cfg: RunConfig, device, log) -> tuple[bool, ...]:
     """The compiled-ness auto may give the layers: (False,), (True,) or both."""
     if not resolve_compile(cfg.train.compile, device):
-        return (False,)
-    if cfg.parallel.tp > 1:
         return (False,)
     try:
         enable_compiler()
@@ -118,8 +116,8 @@ def _time_forms(cfg: RunConfig, model, device, micro: int, forms: list[Form]) ->
         return [0.0] * len(forms), []
     seconds, failed = [], []
     for form in forms:
-        ok, line, t = check_form(layers[0], cfg.model, *_sizes(cfg, micro), form,
-                                 backend=cfg.train.compile_backend, time_reps=TIME_REPS)
+        ok, line, t = check_form(layers[0], cfg.model, *_sizes(cfg, micro), form, backend=cfg.train.compile_backend,
+                                 time_reps=TIME_REPS, regions=cfg.parallel.tp > 1)
         seconds.append(t if ok and t is not None else float("inf"))
         if not ok:
             failed.append(line)

@@ -31,7 +31,7 @@ def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int 
     {"kernels": "cpu"|"plain", "dropout_key": the DropoutKey of keyed masks (None: stream), "attention":
     "eager"|"flex"|"fused", "compiled": layers compiled (0: none)}. tp_rank, columns: see keyed_dropout."""
     from megamemo.kernels import apply_kernels
-    from megamemo.kernels.compiler import compile_layers, resolve_compile
+    from megamemo.kernels.compiler import compile_attention_regions, compile_layers
     from megamemo.train.forms import choose_form
 
     try:
@@ -41,10 +41,11 @@ def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int 
     key = keyed_dropout(cfg, model, device, tp_rank, columns)
     form = choose_form(cfg, model, device, micro, log)
     compiled = 0
-    if resolve_compile(cfg.train.compile, device) and cfg.parallel.tp > 1:
-        log(f"[train] compile: off under tensor parallelism (parallel.tp={cfg.parallel.tp}): megatron-core's parallel "
-            f"linears all-reduce with async_op=True, which torch.compile cannot trace, so each layer would break "
-            f"into several graphs, recompiled per memory length")
+    if form.compiled and cfg.parallel.tp > 1:
+        compiled = compile_attention_regions(model, cfg.train.compile_backend)
+        log(f"[train] compile: attention regions under tensor parallelism (parallel.tp={cfg.parallel.tp}): "
+            f"megatron-core's parallel linears all-reduce with async_op=True, which torch.compile cannot trace, so the "
+            f"attention between the collectives is compiled instead of whole layers")
     elif form.compiled:
         compiled = compile_layers(model, cfg.train.compile_backend)
     return {"kernels": kernels, "dropout_key": key, "attention": form.attention, "compiled": compiled}
