@@ -76,6 +76,7 @@ RUN python3 -m venv /opt/venv \
        fi \
     && pip check \
     && python -c "import torch, deepspeed, megatron.core, mpi4py, webdataset, zstandard, tokenizers, pyarrow" \
+    && python -c "import triton; print('triton', triton.__version__, '(the CUDA build of torch pins its own)')" \
     && python -c "import s3fs, gcsfs, transformers, lm_eval, accelerate" \
     && python -c "import torch, sys; held = open('/opt/venv/torch-constraint.txt').read().split('==')[1].strip(); \
 sys.exit(0 if torch.__version__ == held else f'torch changed from {held} to {torch.__version__}')"

@@ -2,7 +2,8 @@
 calibrated on the machine the test runs on first: the shipped calibration (devices.CPU_CALIBRATION) was measured on
 one CPU model, and another model's GEMMs run at other rates (an AMD EPYC's ratio was 0.68 with the shipped row). The
 compute terms, which depend on the CPU (bench/calibrate_cpu.py's GEMM rates at this model's width, the fused Adam's
-time per parameter and a layer's host overhead), are measured here in a few seconds; the collective and ZeRO terms
+time per parameter and a layer's host overhead), are measured here in a few seconds of this process's CPU time
+(the runs are compared in CPU time too, so other jobs on the machine do not move the ratio); the collective and ZeRO terms
 keep the shipped figures (loopback gloo and DeepSpeed's own work, a small share of these steps). Then two small layouts of a 2-layer LaMemo (d 256, 4 x 64 heads,
 d_inner 1024, 128 tokens + 128 of memory, 8 streams) trained on this machine - one process, and two data-parallel
 ranks - each within 30% of its prediction.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 
 import pytest
 import torch
@@ -39,13 +41,15 @@ def this_cpu():
     """The "cpu" device row with its compute terms measured on this machine (one thread, as the runs)."""
     sys.path.insert(0, str(REPO / "bench"))
     import calibrate_cpu
-    threads = torch.get_num_threads()
+    threads, clock = torch.get_num_threads(), calibrate_cpu.CLOCK
+    calibrate_cpu.CLOCK = time.process_time        # CPU seconds, as the runs' cpu_s: other jobs' load cancels
     try:
         cal = {**CPU_CALIBRATION, "gemm": {w: r / 1e9 for w, r in calibrate_cpu.gemm_rates(256, 3).items()},
                "adam_ns": calibrate_cpu.optimizer_seconds_per_param(3) * 1e9,
                "layer_overhead_ms": calibrate_cpu.layer_overhead_seconds(3) * 1e3}
     finally:
         torch.set_num_threads(threads)
+        calibrate_cpu.CLOCK = clock
         sys.path.remove(str(REPO / "bench"))
     print("this CPU:", {k: cal[k] for k in ("gemm", "adam_ns", "layer_overhead_ms")})
     return cpu_device(cal)
