@@ -46,6 +46,7 @@ STEPTIME = "tests/test_steptime.py"
 FUSED = "tests/test_fused_attention.py"
 INTERRUPTIONS = "tests/test_interruptions.py"
 SBATCH = "tests/test_launch_sbatch_args.py"
+SYNCS = "tests/test_sync_sites.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -334,6 +335,11 @@ MUTATIONS = [
     M("forms-the-fastest-rank-decides", "megamemo/train/forms.py",
       "dist.all_reduce(t, op=dist.ReduceOp.MAX)", "dist.all_reduce(t, op=dist.ReduceOp.MIN)",
       ("tests/test_flex_attention.py::test_a_form_trains_only_when_every_ranks_start_up_check_agrees",)),
+    M("sync-planted-in-the-micro-steps", "megamemo/train/loop.py",
+      "loss_sum += nll.detach().sum(dtype=torch.float64)",
+      'loss_sum += nll.detach().sum(dtype=torch.float64); __import__("warnings").warn("called a synchronizing '
+      'CUDA operation")',                       # on the CPU, what set_sync_debug_mode("warn") says of a sync
+      (f"{SYNCS}::test_a_cpu_step_under_the_recorder_reports_no_sync",)),
     # ---- megamemo/eval ---------------------------------------------------------------------------------------
     M("eval-tgt-len-flag-ignored", "megamemo/eval/evaluate.py",
       'return {"tgt_len": a.tgt_len or c.tgt_len,', 'return {"tgt_len": c.tgt_len,',
@@ -391,6 +397,14 @@ MUTATIONS = [
     M("cli-overrides-the-users-dynamo-choice", "megamemo/cli.py",
       'if "TORCHDYNAMO_DISABLE" not in os.environ:', "if True:",
       ("tests/test_cli.py::test_the_users_torchdynamo_choice_is_kept",)),
+    # ---- tests' own instruments ---------------------------------------------------------------------------------
+    M("sync-sites-warnings-frames-taken-for-the-sync", "tests/sync_sites.py",
+      "while stack and os.path.realpath(stack[-1].filename) in skip:", "while False:",
+      (f"{SYNCS}::test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules",
+       f"{SYNCS}::test_attribution_by_the_innermost_frame")),
+    M("sync-sites-unneeded-own-syncs-allowed", "tests/sync_sites.py",
+      'out = [f"an unneeded host sync at {s}" for s in sorted(set(own) - NEEDED_SYNCS)]', "out = []",
+      (f"{SYNCS}::test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules",)),
     # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
     M("slurm-one-failure-fewer-than-max-failures", "launch/slurm/failure.sh",
       "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))", "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures ))",
