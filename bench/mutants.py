@@ -47,6 +47,7 @@ FUSED = "tests/test_fused_attention.py"
 INTERRUPTIONS = "tests/test_interruptions.py"
 SBATCH = "tests/test_launch_sbatch_args.py"
 SYNCS = "tests/test_sync_sites.py"
+CLUSTER_ENV = "tests/test_launch_cluster_env.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -397,6 +398,19 @@ MUTATIONS = [
     M("cli-overrides-the-users-dynamo-choice", "megamemo/cli.py",
       'if "TORCHDYNAMO_DISABLE" not in os.environ:', "if True:",
       ("tests/test_cli.py::test_the_users_torchdynamo_choice_is_kept",)),
+    M("slurm-triton-cache-left-in-the-shared-home", "launch/slurm/node_env.sh",
+      'export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$base/triton}"', ":",
+      (f"{CLUSTER_ENV}::test_the_compile_caches_are_node_local_unless_set",)),
+    M("slurm-ifname-the-loopback-on-the-master-node", "launch/slurm/node_env.sh",
+      'if [ "$dev" = lo ]; then                 # this node\'s own address: the interface that holds it',
+      "if false; then",
+      (f"{CLUSTER_ENV}::test_the_socket_interfaces_are_the_route_to_master_addr",)),
+    M("slurm-ifname-replaces-the-users", "launch/slurm/node_env.sh",
+      'if [ -n "${!name:-}" ]; then', "if false; then",
+      (f"{CLUSTER_ENV}::test_a_set_interface_is_kept_and_no_route_leaves_them_unset",)),
+    M("slurm-ifname-from-a-host-name-unresolved", "launch/slurm/node_env.sh",
+      "addr=\"$(getent ahostsv4 \"$addr\" 2>/dev/null | awk 'NR == 1 {print $1}')\"", ":",
+      (f"{CLUSTER_ENV}::test_the_socket_interfaces_are_the_route_to_master_addr",)),
     # ---- tests' own instruments ---------------------------------------------------------------------------------
     M("sync-sites-warnings-frames-taken-for-the-sync", "tests/sync_sites.py",
       "while stack and os.path.realpath(stack[-1].filename) in skip:", "while False:",
