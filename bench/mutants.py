@@ -48,6 +48,7 @@ INTERRUPTIONS = "tests/test_interruptions.py"
 SBATCH = "tests/test_launch_sbatch_args.py"
 SYNCS = "tests/test_sync_sites.py"
 CLUSTER_ENV = "tests/test_launch_cluster_env.py"
+CLUSTER = "tests/test_cluster_step.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -197,6 +198,27 @@ MUTATIONS = [
       'minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))}',
       'minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s))}',
       ("tests/test_train_units.py::test_the_collective_timeout_reaches_every_group_in_its_unit",)),
+    M("zero-bf16-at-grad-accum-1-still-accumulates-in-fp32", "megamemo/parallel/zero.py",
+      'return not (p.grad_accum_dtype == "auto" and p.dtype == "bf16" and zero == 1 and one_micro_batch)',
+      "return True",
+      (f"{CLUSTER}::test_the_shipped_large_configs_overlap_in_buckets_of_5e7",
+       f"{CLUSTER}::test_deepspeed_reduces_in_the_dtype_the_planner_prices")),
+    M("zero-bf16-optimizer-reduction-priced-in-fp32", "megamemo/parallel/zero.py",
+      "return cfg.precision.dtype", 'return "fp32" if bf16_optimizer(cfg) else cfg.precision.dtype',
+      (f"{CLUSTER}::test_deepspeed_reduces_in_the_dtype_the_planner_prices",)),
+    M("engine-bf16-at-grad-accum-1-gets-bf16-optimizer", "megamemo/train/engine.py",
+      'return "fp32" if fp32_accumulation(cfg) else None',
+      'return "fp32" if cfg.precision.dtype != "fp32" and cfg.parallel.zero_stage else None',
+      (f"{CLUSTER}::test_the_shipped_large_configs_overlap_in_buckets_of_5e7",
+       f"{CLUSTER}::test_two_gloo_ranks_reducing_bf16_overlapped_equal_one_process")),
+    M("plan-zero-1-bucket-in-fp32-without-fp32-accumulation", "megamemo/plan/layouts.py",
+      "zero_b = 4 * params / dp + bucket * (4 if zero == 1 and fp32_accumulation(cfg) else p_bytes)",
+      "zero_b = 4 * params / dp + bucket * (4 if zero == 1 else p_bytes)",
+      ("tests/test_plan.py::test_lamemo_7b_on_its_a100_cluster",)),
+    M("steptime-reduction-priced-in-the-accumulation-dtype", "megamemo/plan/steptime.py",
+      "wire = params * element_bytes(reduce_dtype(cfg))     # what DeepSpeed all-reduces in (parallel/zero.py)",
+      "wire = params * (4 if fp32_accumulation(cfg) else pbytes)",
+      (f"{STEPTIME}::test_overlap_comm_would_hide_all_buckets_but_the_last",)),
     # ---- megamemo/config -------------------------------------------------------------------------------------
     M("config-override-value-taken-as-text", "megamemo/config/run.py",
       'value = yaml.safe_load(raw) if raw.strip() else ""', "value = raw",

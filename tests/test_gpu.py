@@ -252,7 +252,8 @@ print(f"PEAK {torch.cuda.max_memory_allocated()}")
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_plan_beside_the_measured_peak_memory(shards, tmp_path, recompute):
-    """`megamemo plan` (DeepSpeed's buffers counted: BF16_Optimizer's fp32 gradients and all-reduce buffer, here)
+    """`megamemo plan` (DeepSpeed's buffers counted: at grad_accum 1 bf16 ZeRO 1 runs the ZeRO optimizer, its fp32
+    partition and bf16 bucket, parallel/zero.py)
     within 25% of torch.cuda.max_memory_allocated over 3 steps, with and without activation checkpointing."""
     sets = ["model.n_layer=4", "model.d_model=512", "model.n_head=8", "model.d_head=64", "model.d_inner=2048",
             "model.tgt_len=256", "model.mem_len=256", "data.batch_size=16", "precision.dtype=bf16",
@@ -294,7 +295,9 @@ def test_resumed_adam_step_on_cuda_at_the_call_site(tiny_cfg, shards, tmp_path):
     """A real resume on the GPU (bf16, ZeRO 1: BF16_Optimizer around torch's fused Adam): the optimizer's step
     tensors hold the count on the device torch's own Adam uses (cuda), and the next step runs
     (tests/test_gpu_checks_on_cpu.py: the same script and checks on the CPU)."""
-    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16"], env_extra=GPU, timeout=300)
+    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16", "precision.grad_accum_dtype=fp32"],
+                             env_extra=GPU, timeout=300)
+    assert out["optimizer"] == "BF16_Optimizer", out           # fp32 accumulation named: not the ZeRO optimizer
     assert out["fused"] and out["torch_makes"][0].startswith("cuda"), out
     assert all(dev.startswith("cuda") and param_dev.startswith("cuda") for _, dev, _, param_dev in out["resumed"]), out
 
