@@ -46,6 +46,9 @@ STEPTIME = "tests/test_steptime.py"
 FUSED = "tests/test_fused_attention.py"
 INTERRUPTIONS = "tests/test_interruptions.py"
 SBATCH = "tests/test_launch_sbatch_args.py"
+SYNCS = "tests/test_sync_sites.py"
+CLUSTER_ENV = "tests/test_launch_cluster_env.py"
+CLUSTER = "tests/test_cluster_step.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -204,6 +207,27 @@ MUTATIONS = [
       'minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))}',
       'minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s))}',
       ("tests/test_train_units.py::test_the_collective_timeout_reaches_every_group_in_its_unit",)),
+    M("zero-bf16-at-grad-accum-1-still-accumulates-in-fp32", "megamemo/parallel/zero.py",
+      'return not (p.grad_accum_dtype == "auto" and p.dtype == "bf16" and zero == 1 and one_micro_batch)',
+      "return True",
+      (f"{CLUSTER}::test_the_shipped_large_configs_overlap_in_buckets_of_5e7",
+       f"{CLUSTER}::test_deepspeed_reduces_in_the_dtype_the_planner_prices")),
+    M("zero-bf16-optimizer-reduction-priced-in-fp32", "megamemo/parallel/zero.py",
+      "return cfg.precision.dtype", 'return "fp32" if bf16_optimizer(cfg) else cfg.precision.dtype',
+      (f"{CLUSTER}::test_deepspeed_reduces_in_the_dtype_the_planner_prices",)),
+    M("engine-bf16-at-grad-accum-1-gets-bf16-optimizer", "megamemo/train/engine.py",
+      'return "fp32" if fp32_accumulation(cfg) else None',
+      'return "fp32" if cfg.precision.dtype != "fp32" and cfg.parallel.zero_stage else None',
+      (f"{CLUSTER}::test_the_shipped_large_configs_overlap_in_buckets_of_5e7",
+       f"{CLUSTER}::test_two_gloo_ranks_reducing_bf16_overlapped_equal_one_process")),
+    M("plan-zero-1-bucket-in-fp32-without-fp32-accumulation", "megamemo/plan/layouts.py",
+      "zero_b = 4 * params / dp + bucket * (4 if zero == 1 and fp32_accumulation(cfg) else p_bytes)",
+      "zero_b = 4 * params / dp + bucket * (4 if zero == 1 else p_bytes)",
+      ("tests/test_plan.py::test_lamemo_7b_on_its_a100_cluster",)),
+    M("steptime-reduction-priced-in-the-accumulation-dtype", "megamemo/plan/steptime.py",
+      "wire = params * element_bytes(reduce_dtype(cfg))     # what DeepSpeed all-reduces in (parallel/zero.py)",
+      "wire = params * (4 if fp32_accumulation(cfg) else pbytes)",
+      (f"{STEPTIME}::test_overlap_comm_would_hide_all_buckets_but_the_last",)),
     # ---- megamemo/config -------------------------------------------------------------------------------------
     M("config-override-value-taken-as-text", "megamemo/config/run.py",
       'value = yaml.safe_load(raw) if raw.strip() else ""', "value = raw",
@@ -343,6 +367,11 @@ MUTATIONS = [
     M("forms-the-fastest-rank-decides", "megamemo/train/forms.py",
       "dist.all_reduce(t, op=dist.ReduceOp.MAX)", "dist.all_reduce(t, op=dist.ReduceOp.MIN)",
       ("tests/test_flex_attention.py::test_a_form_trains_only_when_every_ranks_start_up_check_agrees",)),
+    M("sync-planted-in-the-micro-steps", "megamemo/train/loop.py",
+      "loss_sum += nll.detach().sum(dtype=torch.float64)",
+      'loss_sum += nll.detach().sum(dtype=torch.float64); __import__("warnings").warn("called a synchronizing '
+      'CUDA operation")',                       # on the CPU, what set_sync_debug_mode("warn") says of a sync
+      (f"{SYNCS}::test_a_cpu_step_under_the_recorder_reports_no_sync",)),
     # ---- megamemo/eval ---------------------------------------------------------------------------------------
     M("eval-tgt-len-flag-ignored", "megamemo/eval/evaluate.py",
       'return {"tgt_len": a.tgt_len or c.tgt_len,', 'return {"tgt_len": c.tgt_len,',
@@ -411,6 +440,27 @@ MUTATIONS = [
     M("cli-overrides-the-users-dynamo-choice", "megamemo/cli.py",
       'if "TORCHDYNAMO_DISABLE" not in os.environ:', "if True:",
       ("tests/test_cli.py::test_the_users_torchdynamo_choice_is_kept",)),
+    M("slurm-triton-cache-left-in-the-shared-home", "launch/slurm/node_env.sh",
+      'export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$base/triton}"', ":",
+      (f"{CLUSTER_ENV}::test_the_compile_caches_are_node_local_unless_set",)),
+    M("slurm-ifname-the-loopback-on-the-master-node", "launch/slurm/node_env.sh",
+      'if [ "$dev" = lo ]; then                 # this node\'s own address: the interface that holds it',
+      "if false; then",
+      (f"{CLUSTER_ENV}::test_the_socket_interfaces_are_the_route_to_master_addr",)),
+    M("slurm-ifname-replaces-the-users", "launch/slurm/node_env.sh",
+      'if [ -n "${!name:-}" ]; then', "if false; then",
+      (f"{CLUSTER_ENV}::test_a_set_interface_is_kept_and_no_route_leaves_them_unset",)),
+    M("slurm-ifname-from-a-host-name-unresolved", "launch/slurm/node_env.sh",
+      "addr=\"$(getent ahostsv4 \"$addr\" 2>/dev/null | awk 'NR == 1 {print $1}')\"", ":",
+      (f"{CLUSTER_ENV}::test_the_socket_interfaces_are_the_route_to_master_addr",)),
+    # ---- tests' own instruments ---------------------------------------------------------------------------------
+    M("sync-sites-warnings-frames-taken-for-the-sync", "tests/sync_sites.py",
+      "while stack and os.path.realpath(stack[-1].filename) in skip:", "while False:",
+      (f"{SYNCS}::test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules",
+       f"{SYNCS}::test_attribution_by_the_innermost_frame")),
+    M("sync-sites-unneeded-own-syncs-allowed", "tests/sync_sites.py",
+      'out = [f"an unneeded host sync at {s}" for s in sorted(set(own) - NEEDED_SYNCS)]', "out = []",
+      (f"{SYNCS}::test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules",)),
     # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
     M("slurm-one-failure-fewer-than-max-failures", "launch/slurm/failure.sh",
       "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))", "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures ))",

@@ -92,7 +92,8 @@ def full_size(out: Path, data: str) -> bool:
     rc, secs, _ = timed([str(REPO / "launch" / "local.sh"), "4", "--config", str(REPO / "configs" / "lamemo-1.3b.yaml"),
                          "--data", data, "--run-dir", str(run), "--tp", "2", "--pp", "2", "--max-steps", "0",
                          "--set", "parallel.init=shard", "--set", "precision.dtype=fp32", "--set",
-                         "parallel.zero_stage=0", "--set", "train.grad_accum=2", "--set", "data.batch_size=2",
+                         "parallel.zero_stage=0", "--set", "parallel.overlap_comm=false", "--set",
+                         "parallel.reduce_bucket_size=null", "--set", "train.grad_accum=2", "--set", "data.batch_size=2",
                          "--set", "eval.every=0", "--set", "log.tensorboard=false",
                          "--set", "model.tgt_len=32", "--set", "model.mem_len=32"],   # a cheap probe
                         out / "lamemo-1.3b.log", MEGAMEMO_RSS_REPORT=str(run / "rss"))

@@ -29,6 +29,7 @@ from megamemo.interop.reference import import_reference
 from megamemo.runtime.dist import free_port
 from megamemo.kernels import apply_kernels, kernels_in_use
 from megamemo.interop.score import load_reference_file
+from sync_sites import SYNC_SETS, unneeded
 from test_model_reference import FILES, check_grads, close, ref_memory_tensors
 from test_gpu_checks_on_cpu import assert_positions_are_fp32s, resumed_adam_steps, tf32_runs
 from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, fp16_overflow_run, launch, logs,  # noqa: F401
@@ -251,7 +252,8 @@ print(f"PEAK {torch.cuda.max_memory_allocated()}")
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_plan_beside_the_measured_peak_memory(shards, tmp_path, recompute):
-    """`megamemo plan` (DeepSpeed's buffers counted: BF16_Optimizer's fp32 gradients and all-reduce buffer, here)
+    """`megamemo plan` (DeepSpeed's buffers counted: at grad_accum 1 bf16 ZeRO 1 runs the ZeRO optimizer, its fp32
+    partition and bf16 bucket, parallel/zero.py)
     within 25% of torch.cuda.max_memory_allocated over 3 steps, with and without activation checkpointing."""
     sets = ["model.n_layer=4", "model.d_model=512", "model.n_head=8", "model.d_head=64", "model.d_inner=2048",
             "model.tgt_len=256", "model.mem_len=256", "data.batch_size=16", "precision.dtype=bf16",
@@ -293,7 +295,9 @@ def test_resumed_adam_step_on_cuda_at_the_call_site(tiny_cfg, shards, tmp_path):
     """A real resume on the GPU (bf16, ZeRO 1: BF16_Optimizer around torch's fused Adam): the optimizer's step
     tensors hold the count on the device torch's own Adam uses (cuda), and the next step runs
     (tests/test_gpu_checks_on_cpu.py: the same script and checks on the CPU)."""
-    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16"], env_extra=GPU, timeout=300)
+    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16", "precision.grad_accum_dtype=fp32"],
+                             env_extra=GPU, timeout=300)
+    assert out["optimizer"] == "BF16_Optimizer", out           # fp32 accumulation named: not the ZeRO optimizer
     assert out["fused"] and out["torch_makes"][0].startswith("cuda"), out
     assert all(dev.startswith("cuda") and param_dev.startswith("cuda") for _, dev, _, param_dev in out["resumed"]), out
 
@@ -336,56 +340,20 @@ def test_bf16_convert_and_eval_at_width(tiny_cfg, shards, tmp_path):
 
 
 # ---- host syncs of a training step --------------------------------------------------------------------------------
-SYNC_SCRIPT = r"""
-import sys, traceback, warnings, torch
-sys.path.insert(0, sys.argv[1])                 # tests/: sync_sites
-from sync_sites import attribute, package_root
-from megamemo.train.config import load
-from megamemo.train.build import build
-cfg = load(sys.argv[2], sys.argv[3:])
-trainer, _ = build(cfg)
-trainer.train_step()                       # warm-up: allocations, lazy inits
-torch.cuda.synchronize()
-ROOT, sites = package_root(), []
-def record(message, category, filename, lineno, file=None, line=None):
-    if "synchronizing" in str(message):
-        site, caller = attribute(traceback.extract_stack()[:-1], ROOT)
-        sites.append(site if caller is None else f"{site} (from {caller})")
-warnings.showwarning = record
-warnings.simplefilter("always")
-torch.cuda.set_sync_debug_mode("warn")
-trainer.train_step()
-torch.cuda.set_sync_debug_mode(0)
-for s in sites:
-    print("SYNC", s)
-"""
-# Every host sync a step may make, and why it is needed (anything else fails the test, named):
-NEEDED_SYNCS = {
-    "train/loop.py:train_step",            # the step's loss, token count and stop flag, read once for the log
-    "train/engine.py:micro_step",          # the grad norm DeepSpeed reports, read once a step
-    "train/engine.py:pipeline_step",       # the same for a pipeline step
-    "parallel/pipeline.py:meta_ints",      # a stage's (micro-batch, M, L), once per stage and micro-batch
-    "outside megamemo",                    # DeepSpeed's own (overflow check, clipping norm), reported separately
-}
-
-
 def test_host_syncs_of_a_training_step_are_the_needed_ones(shards, tmp_path):
-    """A step under torch.cuda.set_sync_debug_mode: every synchronizing call is listed by its megamemo call site;
-    each must be one of NEEDED_SYNCS, and megamemo's own stay at most a few per step."""
-    sets = ["precision.dtype=bf16", "eval.every=0", "checkpoint.save_every=0", "checkpoint.save_at_end=false",
-            "checkpoint.probe=false", "log.tensorboard=false", f"data.dir={shards}", f"train.run_dir={tmp_path}/r"]
-    script = tmp_path / "syncs.py"
-    script.write_text(SYNC_SCRIPT)
+    """A step under torch.cuda.set_sync_debug_mode (tests/sync_sites.py, the script): every synchronizing call is
+    listed by its megamemo call site; each must be one of sync_sites.NEEDED_SYNCS, and megamemo's own stay at most
+    MAX_OWN a step. The attribution skips warnings.py's frames (else every sync read "outside megamemo" and this
+    test could not fail: tests/test_sync_sites.py)."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                **GPU)
-    r = subprocess.run([sys.executable, str(script), str(REPO / "tests"), str(REPO / "configs/tiny-cpu.yaml"),
-                        *sets], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    r = subprocess.run([sys.executable, str(REPO / "tests/sync_sites.py"), str(REPO / "configs/tiny-cpu.yaml"),
+                        *SYNC_SETS, f"data.dir={shards}", f"train.run_dir={tmp_path}/r"], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     sites = [line[5:] for line in r.stdout.splitlines() if line.startswith("SYNC ")]
     print("\nhost syncs of one step:\n  " + "\n  ".join(sites))
-    own = [s for s in sites if not s.startswith("outside megamemo")]
-    assert set(own) <= NEEDED_SYNCS, sorted(set(own) - NEEDED_SYNCS)
-    assert len(own) <= 2, own                # the step's signals and the grad norm
+    assert unneeded(sites) == [], sites
 
 
 # ---- TF32 for fp32 runs (precision.allow_tf32) ------------------------------------------------------------------

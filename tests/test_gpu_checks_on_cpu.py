@@ -172,5 +172,5 @@ def resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=(), env_extra=None, time
 def test_resumed_adam_step_at_the_call_site(tiny_cfg, shards, tmp_path):
     """On the CPU, bf16 with ZeRO 1 (BF16_Optimizer around a fused torch Adam, as on a GPU): the count and dtype
     are checked here, the device only where it can differ (tests/test_gpu.py)."""
-    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16"])
+    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16", "precision.grad_accum_dtype=fp32"])
     assert out["fused"] and out["optimizer"] == "BF16_Optimizer", out

@@ -382,7 +382,8 @@ def _engine_worker(rank, world):
     for sets, cls, accum in ((["parallel.zero_stage=2"], "DeepSpeedZeroOptimizer", torch.float32),
                              (["parallel.zero_stage=1", "precision.grad_accum_dtype=model"], "DeepSpeedZeroOptimizer",
                               torch.bfloat16),
-                             (["parallel.zero_stage=1"], "BF16_Optimizer", None)):
+                             (["parallel.zero_stage=1", "train.grad_accum=2"], "BF16_Optimizer", None),
+                             (["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer", torch.bfloat16)):   # grad_accum 1
         cfg = load(REPO / "configs/tiny-cpu.yaml", ["precision.dtype=bf16", *sets])
         eng = Engine(cfg, MemTransformerLM(cfg.model), 4, 1)
         opt = eng.ds.optimizer

@@ -172,3 +172,68 @@ def test_a_free_port_is_drawn_below_the_ephemeral_range_and_skips_a_taken_one(tm
         assert dist.free_port() == busy + 1
     monkeypatch.setattr(dist, "ephemeral_ports", lambda: (1024, 65535))     # nothing below: the kernel's choice
     assert low <= dist.free_port() <= high
+
+
+# ---- at scale: node-local compile caches, the network interface from the route to MASTER_ADDR -------------------
+# this node is 10.0.0.7 on ib0; MASTER_ADDR 10.0.0.1 (another node) is reached through ib0, node2 resolves to it
+IP = r"""case "$*" in
+  "-o route get 10.0.0.1") echo "10.0.0.1 dev ib0 src 10.0.0.7 uid 1000 \    cache" ;;
+  "-o route get 10.0.0.7") echo "local 10.0.0.7 dev lo table local src 10.0.0.7 uid 1000 \    cache <local>" ;;
+  "-o addr show to 10.0.0.7") echo "1: lo    inet 127.0.0.1/8 scope host lo"
+                              echo "4: ib0    inet 10.0.0.7/16 brd 10.0.255.255 scope global ib0" ;;
+  *) echo "RTNETLINK answers: Network is unreachable" >&2; exit 2 ;;
+esac"""
+
+
+def _task(bin_dir: Path, out: Path, **extra) -> tuple[dict, str]:
+    """task.sh on the host: (the environment `megamemo train` got, task.sh's output)."""
+    _fake(bin_dir, "ip", IP)
+    _fake(bin_dir, "getent", '[ "$2" = node2 ] && echo "10.0.0.1        STREAM node2" || exit 2')
+    _fake(bin_dir, "train", f'env > "{out}/train.env"')
+    (out / "train.env").unlink(missing_ok=True)
+    env = _env(bin_dir, out, MEGAMEMO_TRAIN_CMD=bin_dir / "train", SLURM_PROCID=0, **extra)
+    r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = dict(line.split("=", 1) for line in (out / "train.env").read_text().splitlines() if "=" in line)
+    return got, r.stdout
+
+
+@pytest.mark.parametrize("master", ["10.0.0.1", "node2", "10.0.0.7"])
+def test_the_socket_interfaces_are_the_route_to_master_addr(fakes, master):
+    """Another node's address or name: the interface of the route to it; this node's own address (the route is
+    the loopback): the interface that holds it. Printed in the rank's log."""
+    got, out = _task(*fakes, MASTER_ADDR=master)
+    assert got["NCCL_SOCKET_IFNAME"] == got["GLOO_SOCKET_IFNAME"] == "ib0", got
+    assert "NCCL_SOCKET_IFNAME=ib0 (the route to" in out and "GLOO_SOCKET_IFNAME=ib0 (the route to" in out, out
+
+
+def test_a_set_interface_is_kept_and_no_route_leaves_them_unset(fakes):
+    got, out = _task(*fakes, MASTER_ADDR="10.0.0.1", NCCL_SOCKET_IFNAME="eth1")
+    assert (got["NCCL_SOCKET_IFNAME"], got["GLOO_SOCKET_IFNAME"]) == ("eth1", "ib0"), got
+    assert "NCCL_SOCKET_IFNAME=eth1 (set) GLOO_SOCKET_IFNAME=ib0 (the route to 10.0.0.1)" in out, out
+    got, out = _task(*fakes, MASTER_ADDR="192.168.9.9")
+    assert "NCCL_SOCKET_IFNAME" not in got and "GLOO_SOCKET_IFNAME" not in got, got
+    assert "network: no route to MASTER_ADDR=192.168.9.9" in out, out        # and the training still starts
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "a100-bf16.sbatch"])
+def test_the_compile_caches_are_node_local_unless_set(fakes, script):
+    """The ranks' TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: under MEGAMEMO_NODE_CACHE (else $TMPDIR, else
+    /tmp), not ~/.triton; one the user set is kept. Printed in the job's output."""
+    bin_dir, out = fakes
+    base = dict(SLURM_JOB_ID=7, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out, SLURM_JOB_NODELIST="node1",
+                SLURM_NTASKS=1, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=1, MEGAMEMO_ROOT=REPO,
+                MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", MEGAMEMO_GPU_PROBE="echo 1")
+    (out / "local").mkdir()
+    for extra, inductor, triton in (({"TMPDIR": out / "local"}, f"{out}/local/megamemo-cache-", f"{out}/local/"),
+                                    ({"MEGAMEMO_NODE_CACHE": "/nvme", "TRITON_CACHE_DIR": "/mine"},
+                                     "/nvme/megamemo-cache-", "/mine")):
+        r = subprocess.run(["bash", str(REPO / "launch/slurm" / script), "--config", "x.yaml"],
+                           env=_env(bin_dir, out, **base, **extra), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        step = dict(line.split("=", 1) for line in (out / "srun.env").read_text().splitlines() if "=" in line)
+        assert step["TORCHINDUCTOR_CACHE_DIR"].startswith(inductor), step["TORCHINDUCTOR_CACHE_DIR"]
+        assert step["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor")
+        assert step["TRITON_CACHE_DIR"].startswith(triton) and "/.triton" not in step["TRITON_CACHE_DIR"], step
+        assert f"compile caches: TORCHINDUCTOR_CACHE_DIR={step['TORCHINDUCTOR_CACHE_DIR']}" in r.stdout, r.stdout

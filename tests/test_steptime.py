@@ -20,6 +20,9 @@ TOY = Device("toy", {"fp32": 1e12}, ((16, 0.5), (64, 1.0)), mem_bw=1e11, link=(1
              source="test")
 TINY = REPO / "configs" / "tiny-cpu.yaml"
 
+# the shipped 1.3b and 7b configs overlap their reduction in buckets of 5e7: DeepSpeed's defaults back, for the
+# tests that price its 5e8 buckets or choose a layout (ZeRO 0, a pipeline) where overlap cannot apply
+DS_DEFAULTS = ["parallel.overlap_comm=false", "parallel.reduce_bucket_size=null"]
 
 def rpe(*overrides):
     """tiny-cpu as RPE (no memory): 4 layers, d 64, 2 x 32 heads, d_inner 128, L 32, bytes, 8 streams, fp32."""
@@ -81,7 +84,8 @@ def test_tensor_and_data_parallel_terms_by_hand():
 def test_overlap_comm_would_hide_all_buckets_but_the_last():
     """lamemo-1.3b without model parallelism over 32 V100s (4 nodes), ZeRO 1: 1.37 B fp16 gradients are 3 buckets
     of 500 M; with overlap_comm the first two reduce during the last micro-batch's backward (2/3 of its compute)."""
-    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["parallel.tp=1", "train.grad_accum=2", "eval.every=0"])
+    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["parallel.tp=1", "train.grad_accum=2", "eval.every=0",
+                                                       *DS_DEFAULTS])
     st = step_time(cfg, 32, "v100-32g", 8, plan)
     n = 1_309_595_904 + (32000 - 256) * (2048 + 1)   # the byte-level model's count, + the 32k tied table's rows and bias
     bucket = 30e-6 + 2 * 31 / 32 * (n / 3) * 2 / 12.5e9
@@ -98,7 +102,7 @@ def test_overlap_comm_hides_it_where_deepspeed_overlaps_and_bucket_size_sets_the
     Under a pipeline (ZeRO 1, pp 2) DeepSpeed would not overlap: the candidate layouts `megamemo plan` ranks get
     no overlap there, whatever the config says."""
     path = REPO / "configs" / "lamemo-1.3b.yaml"
-    base = ["parallel.tp=1", "train.grad_accum=2", "eval.every=0"]
+    base = ["parallel.tp=1", "train.grad_accum=2", "eval.every=0", *DS_DEFAULTS]
     off = step_time(load(path, base), 32, "v100-32g", 8, plan)
     on = step_time(load(path, [*base, "parallel.overlap_comm=true"]), 32, "v100-32g", 8, plan)
     assert on.overlapped and not off.overlapped and on.overlap_hides == off.overlap_hides > 0
@@ -120,7 +124,7 @@ def test_overlap_comm_hides_it_where_deepspeed_overlaps_and_bucket_size_sets_the
     assert both.terms["dp_comm"] == pytest.approx(max(bucket, 14 * bucket - backward))
 
     piped = load(path, ["parallel.tp=1", "parallel.pp=2", "parallel.zero_stage=1", "train.grad_accum=2",
-                        "eval.every=0"])
+                        "eval.every=0", *DS_DEFAULTS])
     piped.parallel.overlap_comm = True                                  # as recommend's candidates: unvalidated
     st = step_time(piped, 32, "v100-32g", 8, plan)
     assert not st.overlapped and st.overlap_hides == 0
@@ -231,12 +235,14 @@ def test_lamemo_1_3b_on_v100s_no_longer_ranks_tp8_first():
 def test_explain_prints_the_breakdown(capsys):
     path = str(REPO / "configs" / "lamemo-7b.yaml")
     assert main(["--config", path, "--nodes", "8", "--gpus-per-node", "8", "--gpu", "a100-80g", "--tp", "4",
-                 "--pp", "2", "--set", "train.grad_accum=8", "--explain"]) == 0
+                 "--pp", "2", "--set", "train.grad_accum=8", *(a for s in DS_DEFAULTS for a in ("--set", s)),
+                 "--explain"]) == 0
     out = capsys.readouterr().out
     for term in ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_comm", "GEMM width 1024", "dominant",
                  "predicted step"):
         assert term in out
-    st = step_time(load(path, ["parallel.tp=4", "parallel.pp=2", "train.grad_accum=8"]), 64, "a100-80g", 8, plan)
+    st = step_time(load(path, ["parallel.tp=4", "parallel.pp=2", "train.grad_accum=8", *DS_DEFAULTS]), 64,
+                   "a100-80g", 8, plan)
     assert f"{st.seconds * 1e3:.1f} ms" in out and "\n".join(explain(st, "a100-80g")) in out
     assert f"HFU {st.hfu:.1%}, MFU {st.mfu:.1%}" in out and 0 < st.mfu < st.hfu     # LaMemo: executes more
 
@@ -301,7 +307,7 @@ def test_a_layout_that_does_not_fit_in_memory_names_the_nearest_that_does(capsys
     path = REPO / "configs" / "lamemo-1.3b.yaml"
     assert main(["--config", str(path), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "v100-16g", "--tp", "1",
                  "--pp", "1", "--set", "eval.every=0", "--set", "parallel.zero_stage=0",
-                 "--set", "train.grad_accum=8"]) == 1
+                 "--set", "train.grad_accum=8", *(a for s in DS_DEFAULTS for a in ("--set", s))]) == 1
     line = one_line_error(capsys)
     assert "needs 25.1 GiB" in line and "nearest layout that fits: tp=1 pp=1 dp=8 zero=1" in line
 

@@ -60,7 +60,9 @@ def test_large_configs_have_their_documented_shapes():
     assert (b.parallel.tp, b.parallel.pp, b.train.grad_accum, b.precision.dtype) == (4, 1, 1, "fp16")
     s = C.load(REPO / "configs" / "lamemo-7b.yaml")
     assert (s.model.n_layer, s.model.d_model, s.model.n_head, s.model.d_inner) == (32, 4096, 32, 16384)
-    assert (s.parallel.tp, s.parallel.pp, s.train.grad_accum, s.precision.dtype) == (8, 1, 1, "bf16")
+    assert (s.parallel.tp, s.parallel.pp, s.train.grad_accum, s.precision.dtype) == (4, 1, 1, "bf16")
+    for c in (b, s):         # the reduction behind the backward, in buckets that fit (issue 46)
+        assert (c.parallel.overlap_comm, c.parallel.reduce_bucket_size) == (True, 50_000_000)
 
 
 def test_paper_configs_have_paper_shapes():
@@ -103,8 +105,8 @@ def test_bad_config_values_name_the_field(override, names):
     (["parallel.zero_stage=0", "parallel.overlap_comm=true"], "parallel.overlap_comm", "needs parallel.zero_stage 1 or 2"),
     (["parallel.zero_stage=1", "parallel.pp=2", "parallel.overlap_comm=true"], "parallel.overlap_comm",
      "not with parallel.pp > 1"),
-    (["precision.dtype=bf16", "parallel.zero_stage=1", "parallel.overlap_comm=true"], "parallel.overlap_comm",
-     "BF16_Optimizer"),
+    (["precision.dtype=bf16", "parallel.zero_stage=1", "train.grad_accum=2", "parallel.overlap_comm=true"],
+     "parallel.overlap_comm", "BF16_Optimizer"),
     (["precision.dtype=bf16", "parallel.zero_stage=1", "precision.grad_accum_dtype=fp32",
       "parallel.reduce_bucket_size=1000"], "parallel.reduce_bucket_size", "BF16_Optimizer"),
     (["parallel.zero_stage=0", "parallel.reduce_bucket_size=1000"], "parallel.reduce_bucket_size",

@@ -25,6 +25,12 @@ ended() {
   echo "$1 ${SLURMD_NODENAME:-$(hostname)} $(date +%s.%N)" >"$MEGAMEMO_TASK_EXITS/${SLURM_PROCID:-0}" 2>/dev/null || true
 }
 
+# NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME where unset: the interface of this node's route to MASTER_ADDR, printed
+# to this rank's log (launch/slurm/node_env.sh); decided on the host, before any container starts.
+# shellcheck source=node_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/node_env.sh"
+megamemo_socket_ifnames
+
 if [ -n "$image" ] && [ "$runtime" != pyxis ]; then
   # The container runtime (apptainer's starter, docker's CLI) catches and relays signals to the container itself.
   trap - USR1

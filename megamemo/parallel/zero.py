@@ -9,26 +9,57 @@ Read from DeepSpeed 0.19.8 (runtime/engine.py, runtime/zero/stage_1_and_2.py, ru
     parameter puts its gradient into a bucket as the backward pass produces it and reduces each full bucket on
     a side stream while the backward goes on (ZeRO 1: in the last micro-batch's backward, at the accumulation
     boundary; ZeRO 2: in every micro-batch's), with two bucket buffers instead of one.
-  - bf16 on ZeRO 1 with fp32 gradient accumulation (precision.grad_accum_dtype auto or fp32; train/engine.py
-    grad_accum_dtype) runs its BF16_Optimizer instead (engine.py _do_optimizer_sanity_check), which all-reduces
-    after the backward pass in 5e8-element buckets: neither setting reaches it.
+  - bf16 on ZeRO 1 with fp32 gradient accumulation (data_types.grad_accum_dtype fp32: fp32_accumulation below)
+    runs its BF16_Optimizer instead (engine.py _do_optimizer_sanity_check), which all-reduces after the backward
+    pass in 5e8-element buckets: neither setting reaches it. Neither bf16.immediate_grad_update (BF16_Optimizer's
+    own hooks, which accumulate into its fp32 buffer, still reduced after the backward) nor any other bf16 key
+    changes that; only the model dtype's accumulation (or ZeRO 2, or a CPU offload) gives the ZeRO optimizer.
+  - Every one of them puts the model dtype on the wire (engine.py communication_data_type: bf16 / fp16 / fp32,
+    data_types.communication_data_type unset): BF16_Optimizer flattens its fp32 gradients and casts them to bf16
+    for the all-reduce (engine.py allreduce_bucket); the ZeRO optimizer reduces its bucket in that dtype too
+    (stage_1_and_2.py gradient_reduction_w_predivide). tests/test_cluster_step.py records it.
   - ZeRO 0 has no ZeRO optimizer: the engine all-reduces after the backward pass (buffered_allreduce_fallback,
     5e8 elements): neither setting reaches it.
   - Under pipeline parallelism the engine turns overlap_comm off with a warning ("Pipeline parallelism does not
     support overlapped communication"); reduce_bucket_size still applies.
 DeepSpeed ignores a setting that cannot take effect without a word; megamemo refuses it by name instead.
+
+precision.grad_accum_dtype auto (fp32_accumulation): fp32 wherever ZeRO accumulates half-precision gradients, except
+bf16 on ZeRO 1 at train.grad_accum 1 without a pipeline. There one micro-batch a step leaves nothing to accumulate,
+and fp32 would only choose BF16_Optimizer, whose reduction waits for the backward pass; the model dtype gives the
+ZeRO optimizer, which reduces the same bf16 values (bucket by bucket, overlapped with parallel.overlap_comm) and
+steps the same fp32 master weights.
 """
 from __future__ import annotations
 
 DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size default and its non-ZeRO all-reduce bucket
 
 
+def fp32_accumulation(cfg) -> bool:
+    """Whether DeepSpeed accumulates cfg's gradients in fp32 (data_types.grad_accum_dtype fp32; else the model
+    dtype): precision.grad_accum_dtype fp32, or auto for half precision on ZeRO 1/2 but bf16 on ZeRO 1 at
+    train.grad_accum 1 without a pipeline (see above)."""
+    p, zero = cfg.precision, cfg.parallel.zero_stage
+    if p.dtype == "fp32" or p.grad_accum_dtype == "model" or zero == 0:
+        return False
+    one_micro_batch = cfg.train.grad_accum == 1 and cfg.parallel.pp == 1
+    return not (p.grad_accum_dtype == "auto" and p.dtype == "bf16" and zero == 1 and one_micro_batch)
+
+
+def bf16_optimizer(cfg) -> bool:
+    """Whether DeepSpeed runs its BF16_Optimizer for cfg (bf16 on ZeRO 1 with fp32 accumulation)."""
+    return cfg.parallel.zero_stage == 1 and cfg.precision.dtype == "bf16" and fp32_accumulation(cfg)
+
+
+def reduce_dtype(cfg) -> str:
+    """The dtype DeepSpeed all-reduces cfg's gradients in: the model dtype, with every optimizer (see above)."""
+    return cfg.precision.dtype
+
+
 def zero_optimizer(cfg) -> bool:
     """Whether DeepSpeed reduces cfg's gradients with its ZeRO 1/2 optimizer (the one that reads
     reduce_bucket_size and overlap_comm)."""
-    zero, p = cfg.parallel.zero_stage, cfg.precision
-    bf16_optimizer = zero == 1 and p.dtype == "bf16" and p.grad_accum_dtype != "model"
-    return zero in (1, 2) and not bf16_optimizer
+    return cfg.parallel.zero_stage in (1, 2) and not bf16_optimizer(cfg)
 
 
 def reduce_bucket(cfg) -> int:
@@ -41,9 +72,9 @@ def reduce_bucket(cfg) -> int:
 def _without_zero_optimizer(cfg) -> str:
     if cfg.parallel.zero_stage == 0:
         return "needs parallel.zero_stage 1 or 2 (ZeRO 0 all-reduces after the backward pass, in its own buckets)"
-    return ("not with precision.dtype bf16 on ZeRO 1 with fp32 gradient accumulation: DeepSpeed 0.19.8 runs its "
-            "BF16_Optimizer there, which all-reduces after the backward pass (use parallel.zero_stage 2, or "
-            "precision.grad_accum_dtype model)")
+    return ("not with precision.dtype bf16 on ZeRO 1 with fp32 gradient accumulation (train.grad_accum > 1, or "
+            "precision.grad_accum_dtype fp32): DeepSpeed 0.19.8 runs its BF16_Optimizer there, which all-reduces "
+            "after the backward pass (use parallel.zero_stage 2, or precision.grad_accum_dtype model)")
 
 
 def overlap_problem(cfg) -> str | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megamemo.parallel.zero import DS_REDUCE_BUCKET, overlaps_reduction, reduce_bucket
+from megamemo.parallel.zero import DS_REDUCE_BUCKET, bf16_optimizer, fp32_accumulation, overlaps_reduction, reduce_bucket
 from megamemo.model.params import bias_params, input_params, layer_params, output_params
 from megamemo.util.precision import HALF
 
@@ -97,19 +97,20 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
     grads_b = params * p_bytes / (dp if zero >= 2 else 1)
     opt_b = params * opt_per_param / (dp if zero >= 1 else 1)
     zero_b = 0.0
-    if cfg.precision.dtype == "bf16" and zero == 1 and cfg.precision.grad_accum_dtype != "model":
+    if bf16_optimizer(cfg):
         # DeepSpeed's BF16_Optimizer (bf16 + ZeRO 1 with fp32 accumulation, train/engine.py): a full fp32 gradient
         # buffer on every rank (not partitioned) and its all-reduce buffer of up to reduce_bucket_size bf16 values
         bucket = DS_REDUCE_BUCKET if device != "cpu" else min(DS_REDUCE_BUCKET, params)
         zero_b = 4 * params + 2 * min(bucket, params)
     elif zero >= 1:
         # the flat fp32 gradient of the rank's partition (the optimizer's .grad), and the reduction bucket:
-        # reduce_bucket_size elements, fp32 under ZeRO 1 (its accumulator), the model dtype under ZeRO 2, a second
+        # reduce_bucket_size elements, fp32 under ZeRO 1 accumulating in fp32 (its accumulator), else the model
+        # dtype (ZeRO 2; ZeRO 1 accumulating in it: bf16 at grad_accum 1, parallel/zero.py), a second
         # one to fill while the first reduces under overlap_comm; on the CPU only the pages gradients are copied
         # into become resident
         size = reduce_bucket(cfg)
         bucket = (size if device != "cpu" else min(size, params)) * (2 if overlaps_reduction(cfg) else 1)
-        zero_b = 4 * params / dp + bucket * (4 if zero == 1 else p_bytes)
+        zero_b = 4 * params / dp + bucket * (4 if zero == 1 and fp32_accumulation(cfg) else p_bytes)
 
     L, M, B = m.tgt_len, (m.mem_len if m.has_memory else 0), micro
     klen = L + M

@@ -39,6 +39,17 @@ def _capacity(ask: Ask) -> tuple[float, str]:
     return gpu(ask.gpu).memory_gib, f"{ask.nodes} node(s) x {ask.gpus_per_node} {ask.gpu}"
 
 
+def _structural(base, ask: Ask, world: int) -> str | None:
+    """Why the layout of --tp/--pp cannot run on the cluster at all (before the config's reduction settings that
+    the layout leaves without effect, parallel/zero.py)."""
+    import dataclasses
+
+    from megamemo.plan import recommend as rec
+
+    par = dataclasses.replace(base.parallel, tp=ask.tp or base.parallel.tp, pp=ask.pp or base.parallel.pp)
+    return rec.layout_problem(dataclasses.replace(base, parallel=par), world, ask.gpus_per_node)
+
+
 def report(load: Callable[[list[str]], object], ask: Ask) -> int:
     """Prints the plan of the config `load(sets)` returns (sets: --set overrides of the layout) on the cluster ->
     the exit code: 0 it fits, 1 it does not, 2 the config or cluster cannot be planned (one line on stderr)."""
@@ -58,7 +69,10 @@ def report(load: Callable[[list[str]], object], ask: Ask) -> int:
         except ConfigError as e:
             if not given:
                 raise
-            cfg, why = None, str(e).removeprefix("parallel: ")
+            why = str(e).removeprefix("parallel: ")
+            if why.startswith(("parallel.overlap_comm", "parallel.reduce_bucket_size")):
+                why = _structural(base, ask, world) or why    # the layout itself first, then the config's settings
+            cfg = None
         if why:
             tp, pp = ask.tp or base.parallel.tp, ask.pp or base.parallel.pp
             print(f"megamemo plan: tp={tp} pp={pp} cannot run on {cluster}: {why}; "

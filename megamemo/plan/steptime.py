@@ -33,10 +33,11 @@ On a device without a launch figure (the CPU):
                 DeepSpeed's all-reduce of the tied embedding's gradient between the first and last stage.
   dp_comm       the gradient reduction over dp: DeepSpeed's ZeRO 0/1/2 all-reduce whole buckets (stage_1_and_2.py,
                 use_multi_rank_bucket_allreduce) of parallel.reduce_bucket_size elements (parallel/zero.py), 2 (dp-1)/dp
-                bytes, once per step at the accumulation boundary (ZeRO 2: every micro-batch). DeepSpeed overlaps it
+                bytes in the dtype DeepSpeed reduces in (the model dtype, BF16_Optimizer's fp32 gradients cast to
+                bf16 too: parallel/zero.py reduce_dtype), once per step at the accumulation boundary (ZeRO 2: every micro-batch). DeepSpeed overlaps it
                 with the backward pass, bucket by bucket, only with parallel.overlap_comm (off by default) and only
-                where it takes effect (ZeRO 1/2 without a pipeline, not bf16's BF16_Optimizer: parallel/zero.py
-                overlaps_reduction): then all buckets but the last reduce behind the last micro-batch's backward (2/3
+                where it takes effect (ZeRO 1/2 without a pipeline, not bf16's BF16_Optimizer - bf16 ZeRO 1 at
+                grad_accum > 1 -: parallel/zero.py overlaps_reduction): then all buckets but the last reduce behind the last micro-batch's backward (2/3
                 of its compute) and only the rest is exposed; on a CPU whose ranks share its cores nothing hides.
                 `overlap_hides` is what overlap hides (overlapped) or would hide (not).
   zero_gather   ZeRO 1/2's extra collective: the updated parameters all-gathered after the optimizer step.
@@ -73,7 +74,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from megamemo.parallel.zero import overlaps_reduction, reduce_bucket
+from megamemo.parallel.zero import fp32_accumulation, overlaps_reduction, reduce_bucket, reduce_dtype
 from megamemo.model.flops import forward_flops, model_flops, step_flops
 from megamemo.plan import opcost, optrace
 from megamemo.plan.devices import Device, device, nearest_group
@@ -164,7 +165,7 @@ def accumulation_seconds(dev: Device, cfg, params: float, tensors: int) -> float
     takes its bytes at bandwidth or its launches, whichever is longer."""
     p = cfg.precision
     pbytes = element_bytes(p.dtype)
-    fp32 = p.dtype in HALF and cfg.parallel.zero_stage >= 1 and p.grad_accum_dtype != "model"
+    fp32 = p.dtype in HALF and fp32_accumulation(cfg)
     seconds = (pbytes + 16 if fp32 else 3 * pbytes) * params / dev.mem_bw
     if dev.launch:
         seconds = max(seconds, (2 if fp32 else 1) * tensors * dev.launch)
@@ -251,9 +252,10 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     # data parallelism: gradient all-reduce, ZeRO's parameter all-gather, the optimizer
     params = plans[worst].params / pbytes                # the rank's parameters (elements)
     grad_bytes = params * pbytes
+    wire = params * element_bytes(reduce_dtype(cfg))     # what DeepSpeed all-reduces in (parallel/zero.py)
     across = tp * dp > gpus_per_node
     buckets = max(1, math.ceil(params / reduce_bucket(cfg)))
-    per_reduction = buckets * dev.collective(dp, grad_bytes / buckets, across) * shared(dp)
+    per_reduction = buckets * dev.collective(dp, wire / buckets, across) * shared(dp)
     dp_comm = per_reduction * (ga if zero == 2 else 1)
     gathers = max(1, math.ceil(params / DS_GATHER_BUCKET))
     zero_gather = (gathers * dev.collective(dp, grad_bytes / gathers, across, gather=True) * shared(dp)
