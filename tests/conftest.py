@@ -80,6 +80,9 @@ def pytest_configure(config):
                                        "skips it naming the count where fewer are seen)")
     config.addinivalue_line("markers", "multiproc: starts training or distributed worker processes; the fast subset "
                                        "is `pytest -m 'not multiproc'`")
+    config.addinivalue_line("markers", "numerics: a tolerance that depends on floating-point rounding; CI runs these a "
+                                       "second time with torch's kernels on another instruction set "
+                                       "(scripts/test_other_isa.sh)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -172,6 +172,7 @@ def test_greedy_generate_equals_megamemo_generate_greedy(exported, tmp_path):
 
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.numerics
 def test_labels_give_the_mean_next_token_nll_of_the_call(exported):
     for name, (*_, res) in exported.items():
         # one set of logits, two fp32 reductions of it: transformers' cross-entropy (a log-sum-exp over the V

@@ -19,6 +19,8 @@ import torch
 from megamemo.kernels import fused
 from megamemo.model.positions import causal_mask, lookahead_mask
 
+pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+
 BF16_U = 2.0 ** -8
 
 

@@ -11,6 +11,8 @@ from megamemo.interop.score import load_reference_file
 from fixture_data import reference_file
 from kernel_paths import PATHS, on_path
 
+pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+
 FILES = ["lamemo_at3_tgt8_mem8", "txl_tgt8_mem8"]
 TOL = 1e-5
 

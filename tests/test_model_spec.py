@@ -9,6 +9,8 @@ from megamemo.model import MemTransformerLM, ModelConfig
 from kernel_paths import PATHS, on_path
 from spec_oracle import run_segment
 
+pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+
 CASES = [
     # variant, tgt_len, mem_len (model), eval mem_len override, same_length, clamp_len
     ("lamemo", 6, 12, None, False, -1),

@@ -17,7 +17,9 @@ from runs_cache import KEYED
 from test_train_runs import (assert_no_corrupt_checkpoint, checkpoint_memory, checkpoint_model, committed_steps, launch, logs,  # noqa
                              losses, run, wait)
 
-pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+# starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset); run again at another
+# instruction set (scripts/test_other_isa.sh)
+pytestmark = [pytest.mark.multiproc, pytest.mark.numerics]
 
 EXACT = [*KEYED, "--set", "train.grad_accum=2",
          # periodic validation at its own lengths (memory 16 + 16 - 8 = 24 rows), through the stages under PP
