@@ -46,6 +46,7 @@ STEPTIME = "tests/test_steptime.py"
 FUSED = "tests/test_fused_attention.py"
 INTERRUPTIONS = "tests/test_interruptions.py"
 SBATCH = "tests/test_launch_sbatch_args.py"
+GPU_CHECK = "tests/test_gpu_check.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -391,6 +392,36 @@ MUTATIONS = [
     M("cli-overrides-the-users-dynamo-choice", "megamemo/cli.py",
       'if "TORCHDYNAMO_DISABLE" not in os.environ:', "if True:",
       ("tests/test_cli.py::test_the_users_torchdynamo_choice_is_kept",)),
+    # ---- scripts/gpu_check (the device check, rehearsed on the CPU) -----------------------------------------
+    M("gpu-check-plan-past-nine-minutes", "scripts/gpu_check.py",
+      'GPU_BUDGET_S = {"env": 10, "attention_kernel": 60, "full_step": 140, "train": 190, "plan": 10, "tests": 110,',
+      'GPU_BUDGET_S = {"env": 10, "attention_kernel": 60, "full_step": 140, "train": 250, "plan": 10, "tests": 110,',
+      (f"{GPU_CHECK}::test_the_plan_of_one_gpu_fits_nine_minutes_and_runs_nothing",)),
+    M("gpu-check-killed-section-loses-its-rows", "scripts/gpu_check.py",
+      'result, status = {**S.salvage(ctx, name), "error": str(e)}, "timeout"',
+      'result, status = {"error": str(e)}, "timeout"',
+      (f"{GPU_CHECK}::test_a_section_killed_past_its_budget_keeps_the_rows_it_had_written",)),
+    M("gpu-check-killed-tests-lose-their-results", "scripts/gpu_check_sections.py",
+      'return _summary(test_rows(log.read_text())) if log.exists() else {}', "return {}",
+      (f"{GPU_CHECK}::test_a_section_killed_past_its_budget_keeps_the_rows_it_had_written",)),
+    M("gpu-step-rows-written-only-at-the-end", "bench/gpu_step.py",
+      "_emit(a, row, common)           # before the next form runs: a kill keeps it", "pass",
+      (f"{GPU_CHECK}::test_the_bench_writes_each_row_before_the_next_form_runs",)),
+    M("gpu-check-eval-at-the-checkpoints-dtype", "scripts/gpu_check_train.py",
+      'same, "--dtype", dtype, "--attention", attention, "--device", device, "--json", out]',
+      'same, "--dtype", "checkpoint", "--attention", attention, "--device", device, "--json", out]',
+      (f"{GPU_CHECK}::test_eval_is_compared_at_the_validations_dtype_and_attention_form",)),
+    M("gpu-check-eval-in-auto-attention", "scripts/gpu_check_train.py",
+      'same, "--dtype", dtype, "--attention", attention, "--device", device, "--json", out]',
+      'same, "--dtype", dtype, "--attention", "auto", "--device", device, "--json", out]',
+      (f"{GPU_CHECK}::test_eval_is_compared_at_the_validations_dtype_and_attention_form",)),
+    M("gpu-check-eval-tolerance-of-a-dtype-apart", "scripts/gpu_check_train.py",
+      "EVAL_RTOL = 1e-4        # eval against the run's validation, same dtype and form: only the order of sums differs",
+      "EVAL_RTOL = 1e-2",
+      (f"{GPU_CHECK}::test_eval_is_compared_at_the_validations_dtype_and_attention_form",)),
+    M("gpu-step-auto-forms-never-compiled", "bench/step_extras.py",
+      "if not compiled:", "if True:",
+      (f"{GPU_CHECK}::test_the_full_depth_step_times_the_forms_auto_would_choose_between",)),
     # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
     M("slurm-one-failure-fewer-than-max-failures", "launch/slurm/failure.sh",
       "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))", "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures ))",
