@@ -422,6 +422,12 @@ MUTATIONS = [
     M("gpu-step-auto-forms-never-compiled", "bench/step_extras.py",
       "if not compiled:", "if True:",
       (f"{GPU_CHECK}::test_the_full_depth_step_times_the_forms_auto_would_choose_between",)),
+    M("readme-gpu-claim-without-its-device-and-commit", "README.md",
+      "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | the golden cases on "
+      "CUDA: passed (H100, 11a83f6, eager) |",
+      "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | the golden cases on "
+      "CUDA: passed |",
+      (f"{GPU_CHECK}::test_every_gpu_claim_of_the_readme_names_its_device_and_code",)),
     # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
     M("slurm-one-failure-fewer-than-max-failures", "launch/slurm/failure.sh",
       "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))", "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures ))",
