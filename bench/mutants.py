@@ -49,6 +49,7 @@ SBATCH = "tests/test_launch_sbatch_args.py"
 SYNCS = "tests/test_sync_sites.py"
 CLUSTER_ENV = "tests/test_launch_cluster_env.py"
 CLUSTER = "tests/test_cluster_step.py"
+GPU_CHECK = "tests/test_gpu_check.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -461,6 +462,42 @@ MUTATIONS = [
     M("sync-sites-unneeded-own-syncs-allowed", "tests/sync_sites.py",
       'out = [f"an unneeded host sync at {s}" for s in sorted(set(own) - NEEDED_SYNCS)]', "out = []",
       (f"{SYNCS}::test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules",)),
+    # ---- scripts/gpu_check (the device check, rehearsed on the CPU) -----------------------------------------
+    M("gpu-check-plan-past-nine-minutes", "scripts/gpu_check.py",
+      'GPU_BUDGET_S = {"env": 10, "attention_kernel": 60, "full_step": 140, "train": 190, "plan": 10, "tests": 110,',
+      'GPU_BUDGET_S = {"env": 10, "attention_kernel": 60, "full_step": 140, "train": 250, "plan": 10, "tests": 110,',
+      (f"{GPU_CHECK}::test_the_plan_of_one_gpu_fits_nine_minutes_and_runs_nothing",)),
+    M("gpu-check-killed-section-loses-its-rows", "scripts/gpu_check.py",
+      'result, status = {**S.salvage(ctx, name), "error": str(e)}, "timeout"',
+      'result, status = {"error": str(e)}, "timeout"',
+      (f"{GPU_CHECK}::test_a_section_killed_past_its_budget_keeps_the_rows_it_had_written",)),
+    M("gpu-check-killed-tests-lose-their-results", "scripts/gpu_check_sections.py",
+      'return _summary(test_rows(log.read_text())) if log.exists() else {}', "return {}",
+      (f"{GPU_CHECK}::test_a_section_killed_past_its_budget_keeps_the_rows_it_had_written",)),
+    M("gpu-step-rows-written-only-at-the-end", "bench/gpu_step.py",
+      "_emit(a, row, common)           # before the next form runs: a kill keeps it", "pass",
+      (f"{GPU_CHECK}::test_the_bench_writes_each_row_before_the_next_form_runs",)),
+    M("gpu-check-eval-at-the-checkpoints-dtype", "scripts/gpu_check_train.py",
+      'same, "--dtype", dtype, "--attention", attention, "--device", device, "--json", out]',
+      'same, "--dtype", "checkpoint", "--attention", attention, "--device", device, "--json", out]',
+      (f"{GPU_CHECK}::test_eval_is_compared_at_the_validations_dtype_and_attention_form",)),
+    M("gpu-check-eval-in-auto-attention", "scripts/gpu_check_train.py",
+      'same, "--dtype", dtype, "--attention", attention, "--device", device, "--json", out]',
+      'same, "--dtype", dtype, "--attention", "auto", "--device", device, "--json", out]',
+      (f"{GPU_CHECK}::test_eval_is_compared_at_the_validations_dtype_and_attention_form",)),
+    M("gpu-check-eval-tolerance-of-a-dtype-apart", "scripts/gpu_check_train.py",
+      "EVAL_RTOL = 1e-4        # eval against the run's validation, same dtype and form: only the order of sums differs",
+      "EVAL_RTOL = 1e-2",
+      (f"{GPU_CHECK}::test_eval_is_compared_at_the_validations_dtype_and_attention_form",)),
+    M("gpu-step-auto-forms-never-compiled", "bench/step_extras.py",
+      "if not compiled:", "if True:",
+      (f"{GPU_CHECK}::test_the_full_depth_step_times_the_forms_auto_would_choose_between",)),
+    M("readme-gpu-claim-without-its-device-and-commit", "README.md",
+      "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | the golden cases on "
+      "CUDA: passed (H100, 11a83f6, eager) |",
+      "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | the golden cases on "
+      "CUDA: passed |",
+      (f"{GPU_CHECK}::test_every_gpu_claim_of_the_readme_names_its_device_and_code",)),
     # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
     M("slurm-one-failure-fewer-than-max-failures", "launch/slurm/failure.sh",
       "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))", "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures ))",
