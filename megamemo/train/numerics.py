@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import socket
 import statistics
+import time
 
 import torch
 
@@ -106,6 +107,7 @@ class ReplicaCheck:
     def check(self, step: int) -> dict:
         """Collective: the fingerprints of every rank -> the record a checkpoint keeps; ReplicaMismatch when the
         replicas of a data-parallel group disagree."""
+        t0 = time.perf_counter()
         everyone = self.gather()
         suspects, why = verdict(everyone)
         if suspects:
@@ -114,7 +116,8 @@ class ReplicaCheck:
                                   f" with the other data-parallel replicas ({why}); stopping as node-suspect (exit "
                                   f"{EXIT_NODE_SUSPECT}): the run resumes from its newest checkpoint, whose replicas "
                                   f"agreed", suspects)
-        return {"step": step, "agreed": True, "ranks": {str(e["rank"]): _kept(e) for e in everyone}}
+        return {"step": step, "agreed": True, "seconds": round(time.perf_counter() - t0, 6),
+                "ranks": {str(e["rank"]): _kept(e) for e in everyone}}
 
 
 def _kept(e: dict) -> dict:
@@ -141,7 +144,8 @@ def verdict(everyone: list[dict]) -> tuple[list[dict], str]:
                 if owner is not None and not owner["own_ok"]:
                     bad.setdefault(owner["rank"], f"its weights of partition {p} differ from its own fp32 master")
                 ref = [owner] if owner is not None and owner["own_ok"] else None
-                for e in _odd_ones(members, lambda e: e["partitions"][p], ref):
+                others = members if ref or owner is None else [e for e in members if e is not owner]
+                for e in _odd_ones(others, lambda e: e["partitions"][p], ref):
                     bad.setdefault(e["rank"], f"its weights of partition {p} differ from rank {owner['rank']}'s, "
                                               f"their owner's" if ref else f"its weights of partition {p} differ")
     suspects = [e for e in everyone if e["rank"] in bad]
