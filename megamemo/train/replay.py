@@ -99,6 +99,7 @@ def run_replay(p: Plan, work: Path, log) -> Path:
     sets = {"checkpoint.save_every": 0, "checkpoint.save_at_end": True, "checkpoint.probe": False,
             "checkpoint.async_save": False, "checkpoint.resume": str(p.start), "eval.every": 0,
             "log.tensorboard": False, "train.max_steps": p.step, "train.run_dir": str(out),
+            "optim.decay_steps": p.config["optim"].get("decay_steps") or p.config["train"]["max_steps"],   # the LR
             "train.spike": {"rule": "off"}, "parallel.tp": tp, "parallel.pp": pp}
     args = [str(dp * tp * pp), "--config", str(p.run_dir / "config.yaml")]
     for k, v in sets.items():
