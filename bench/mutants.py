@@ -245,7 +245,7 @@ MUTATIONS = [
     # (was: the wait loop polling with any(), which stops at the first running worker; since the launcher notes
     # every worker's exit each round (_note_exits, #40) that mutation changes nothing, so this one takes its place)
     M("launcher-kills-rank-0-before-it-says-the-error", "megamemo/runtime/launcher.py",
-      "grace = EXPLAINED_GRACE_S if first[1] == interruptions.EXIT_USAGE else 0.0", "grace = 0.0",
+      "grace = EXPLAINED_GRACE_S if first[1] in explained else 0.0", "grace = 0.0",
       (f"{LAUNCHER}::test_after_an_explained_error_rank_0_may_still_say_it",)),
     M("launcher-leaves-the-others-running-after-a-failure", "megamemo/runtime/launcher.py",
       "self.kill()             # the others cannot go on without it", "pass",
@@ -415,8 +415,8 @@ MUTATIONS = [
       "for _ in range(self.skips.get(step, 0)):  # a rollback's skipped batches (train/rollback.py)",
       "for _ in range(0):",
       (f"{NUMERICS}::test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit",)),
-    M("rollback-keeps-the-undone-steps-records", "megamemo/train/loop.py",
-      "self.metrics.rolled_back(self.counters.step, step)", "pass",
+    M("rollback-keeps-the-undone-steps-records", "megamemo/train/rollback.py",
+      "trainer.metrics.rolled_back(trainer.counters.step, step)", "pass",
       (f"{NUMERICS}::test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit",)),
     M("rollback-to-the-oldest-checkpoint", "megamemo/train/rollback.py",
       "return done[-1] if done else None", "return done[0] if done else None",

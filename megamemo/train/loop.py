@@ -397,27 +397,9 @@ class Trainer:
 
     def _on_spike(self, step: int, loss: float, why: str) -> None:
         """A loss spike at `step` (every rank alike): stop, or roll back past its data (train/rollback.py)."""
-        from megamemo.train import rollback
+        from megamemo.train.rollback import roll_back
 
-        spike = self.cfg.train.spike
-        if spike.action == "stop":
-            raise SpikeStop(f"step {step}: loss spike: {why} (train.spike.action=stop)")
-        if self.rollbacks >= spike.max_rollbacks:
-            raise SpikeStop(f"step {step}: loss spike: {why}; {self.rollbacks} rollbacks already in this run "
-                                f"(train.spike.max_rollbacks={spike.max_rollbacks}): stopping")
-        self._finish_saves()
-        back = rollback.checkpoint_before(self.store.root, step) if self.store is not None else None
-        if back is None:
-            raise SpikeStop(f"step {step}: loss spike: {why}; no committed checkpoint before it to roll back to")
-        self.rollbacks += 1
-        self.skips[step] = spike.skip_batches
-        if self.rank == 0:
-            rec = rollback.record(Path(self.cfg.train.run_dir), step, loss, why, int(back.name[5:]), self._position,
-                                  spike.skip_batches)
-            print(rollback.describe(rec, self.rollbacks, spike.max_rollbacks), flush=True)
-        self.resume(back)
-        self._held, self._agreed = None, None
-        self.metrics.rolled_back(self.counters.step, step)
+        roll_back(self, step, loss, why, SpikeStop)
 
     def _finish_saves(self) -> None:
         if self.store is not None:

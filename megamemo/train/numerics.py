@@ -112,7 +112,8 @@ class ReplicaCheck:
         suspects, why = verdict(everyone)
         if suspects:
             named = ", ".join(f"rank {s['rank']} ({s['node']})" for s in suspects)
-            raise ReplicaMismatch(f"replica check after step {step}: {named} disagree{'s' if len(suspects) == 1 else ''}"
+            verb = "disagrees" if len(suspects) == 1 else "disagree"
+            raise ReplicaMismatch(f"replica check after step {step}: {named} {verb}"
                                   f" with the other data-parallel replicas ({why}); stopping as node-suspect (exit "
                                   f"{EXIT_NODE_SUSPECT}): the run resumes from its newest checkpoint, whose replicas "
                                   f"agreed", suspects)

@@ -66,3 +66,26 @@ def describe(rec: dict, n: int, limit: int) -> str:
     return (f"[spike] step {rec['step']}: {rec['why']}; rolled back to step {rec['rollback_to']} "
             f"({rec['seconds_lost']:.1f} s lost), skipping {s['batches']} batches of every stream from the spike's "
             f"(epoch {s['from']['epoch']}, batch {s['from']['step']}); rollback {n}/{limit}")
+
+
+def roll_back(trainer, step: int, loss: float, why: str, stop: type[Exception]) -> None:
+    """The loop's answer to a spike at `step` (the module's doc); `stop`: the error that ends the run."""
+    spike = trainer.cfg.train.spike
+    if spike.action == "stop":
+        raise stop(f"step {step}: loss spike: {why} (train.spike.action=stop)")
+    if trainer.rollbacks >= spike.max_rollbacks:
+        raise stop(f"step {step}: loss spike: {why}; {trainer.rollbacks} rollbacks already in this run "
+                   f"(train.spike.max_rollbacks={spike.max_rollbacks}): stopping")
+    trainer._finish_saves()
+    back = checkpoint_before(trainer.store.root, step) if trainer.store is not None else None
+    if back is None:
+        raise stop(f"step {step}: loss spike: {why}; no committed checkpoint before it to roll back to")
+    trainer.rollbacks += 1
+    trainer.skips[step] = spike.skip_batches
+    if trainer.rank == 0:
+        rec = record(Path(trainer.cfg.train.run_dir), step, loss, why, int(back.name[5:]), trainer._position,
+                     spike.skip_batches)
+        print(describe(rec, trainer.rollbacks, spike.max_rollbacks), flush=True)
+    trainer.resume(back)
+    trainer._held, trainer._agreed = None, None
+    trainer.metrics.rolled_back(trainer.counters.step, step)
