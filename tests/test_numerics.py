@@ -124,7 +124,8 @@ def test_the_spike_rules():
 
 @pytest.mark.parametrize("value, key", [("{rule: median}", "train.spike.rule"), ("{window: 1}", "train.spike.window"),
                                         ("{rule: ratio, threshold: 0.5}", "train.spike.threshold"),
-                                        ("{action: skip}", "train.spike.action"), ("{colour: red}", "train.spike.colour")])
+                                        ("{action: skip}", "train.spike.action"),
+                                        ("{colour: red}", "train.spike.colour")])
 def test_a_bad_spike_setting_is_one_error_naming_its_key(value, key):
     from megamemo.train.config import load
 
@@ -154,6 +155,10 @@ def test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_ex
     assert losses(run_dir) == reference
     saved = json.loads((run_dir / "checkpoints/step_00000012/rank_00001.json").read_text())["replicas"]
     assert saved["agreed"] and saved["ranks"]["0"]["partitions"] == saved["ranks"]["1"]["partitions"]
+    # its cost: under 1% of the steps' time at configs/tiny-cpu.yaml's interval (a checkpoint every 100 steps)
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mean = sum(r["seconds"] for r in steps if r["kind"] == "train") / 12
+    assert saved["seconds"] < 0.01 * 100 * mean, (saved["seconds"], mean)
 
 
 SPIKE = ("--max-steps", "12", "--set", "checkpoint.probe=false", "--set",
