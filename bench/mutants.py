@@ -50,6 +50,7 @@ SYNCS = "tests/test_sync_sites.py"
 CLUSTER_ENV = "tests/test_launch_cluster_env.py"
 CLUSTER = "tests/test_cluster_step.py"
 GPU_CHECK = "tests/test_gpu_check.py"
+NUMERICS = "tests/test_numerics.py"
 MUTATIONS = [
     # ---- megamemo/util ---------------------------------------------------------------------------------------
     M("util-bits-per-byte-in-nats", "megamemo/util/units.py",
@@ -278,7 +279,7 @@ MUTATIONS = [
     # (was: the wait loop polling with any(), which stops at the first running worker; since the launcher notes
     # every worker's exit each round (_note_exits, #40) that mutation changes nothing, so this one takes its place)
     M("launcher-kills-rank-0-before-it-says-the-error", "megamemo/runtime/launcher.py",
-      "grace = EXPLAINED_GRACE_S if first[1] == interruptions.EXIT_USAGE else 0.0", "grace = 0.0",
+      "grace = EXPLAINED_GRACE_S if first[1] in explained else 0.0", "grace = 0.0",
       (f"{LAUNCHER}::test_after_an_explained_error_rank_0_may_still_say_it",)),
     M("launcher-leaves-the-others-running-after-a-failure", "megamemo/runtime/launcher.py",
       "self.kill()             # the others cannot go on without it", "pass",
@@ -498,6 +499,41 @@ MUTATIONS = [
       "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | the golden cases on "
       "CUDA: passed |",
       (f"{GPU_CHECK}::test_every_gpu_claim_of_the_readme_names_its_device_and_code",)),
+    # ---- numerics: replicas, spikes, replay (issue 47) ---------------------------------------------------------
+    M("numerics-owner-not-the-reference-of-its-partition", "megamemo/train/numerics.py",
+      'ref = [owner] if owner is not None and owner["own_ok"] else None', "ref = None",
+      (f"{NUMERICS}::test_the_verdict_names_the_replica_at_fault",)),
+    M("numerics-fingerprint-blind-to-position", "megamemo/train/numerics.py",
+      "w = torch.arange(lo + 1, lo + 1 + part.numel(), dtype=torch.int64, device=part.device).remainder(_P)",
+      "w = torch.ones_like(part)",
+      (f"{NUMERICS}::test_a_fingerprint_sees_any_one_flipped_bit_and_nothing_else",)),
+    M("numerics-mismatch-exits-as-a-crash", "megamemo/train/run.py",
+      "code = 1 if isinstance(e, DivergedError) else EXIT_NODE_SUSPECT if isinstance(e, ReplicaMismatch) else 2",
+      "code = 1 if isinstance(e, (DivergedError, ReplicaMismatch)) else 2",
+      (f"{NUMERICS}::test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_exact",)),
+    M("numerics-suspects-not-read-from-the-heartbeats", "megamemo/runtime/interruptions.py",
+      'found = (b.get("replicas") or {}).get("suspects")', "found = None",
+      (f"{NUMERICS}::test_a_replica_mismatch_is_recorded_as_node_suspect_and_retried",)),
+    M("faults-flip-on-every-rank", "megamemo/checkpoint/faults.py",
+      "if self.flip is None or self.flip[:3] != (what, step, self.rank):",
+      "if self.flip is None or self.flip[:2] != (what, step):",
+      (f"{NUMERICS}::test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_exact",)),
+    M("rollback-skips-nothing", "megamemo/train/loop.py",
+      "for _ in range(self.skips.get(step, 0)):  # a rollback's skipped batches (train/rollback.py)",
+      "for _ in range(0):",
+      (f"{NUMERICS}::test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit",)),
+    M("rollback-keeps-the-undone-steps-records", "megamemo/train/rollback.py",
+      "trainer.metrics.rolled_back(trainer.counters.step, step)", "pass",
+      (f"{NUMERICS}::test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit",)),
+    M("rollback-to-the-oldest-checkpoint", "megamemo/train/rollback.py",
+      "return done[-1] if done else None", "return done[0] if done else None",
+      (f"{NUMERICS}::test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit",)),
+    M("replay-exact-under-another-layout", "megamemo/train/replay.py",
+      'tol, why = (None, "") if p.same_layout else tolerance(p, len(steps))', 'tol, why = (None, "")',
+      (f"{NUMERICS}::test_replay_of_a_dp2_keyed_dropout_run_in_one_process_is_within_its_tolerance",)),
+    M("replay-compares-the-loss-only", "megamemo/train/replay.py",
+      'for key in ("loss", "grad_norm"):', 'for key in ("loss",):',
+      (f"{NUMERICS}::test_replay_is_identical_under_the_runs_layout_and_finds_a_tampered_step",)),
     # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
     M("slurm-one-failure-fewer-than-max-failures", "launch/slurm/failure.sh",
       "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))", "left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures ))",

@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "reference-score": ("megamemo.commands.reference_score:main",
                         "score a reference-format .pt file with the megamemo model"),
     "train": ("megamemo.commands.train:main", "train (one process per device; see launch/)"),
+    "replay": ("megamemo.commands.replay:main",
+               "recompute a run's steps from a checkpoint and compare them with what it recorded"),
     "eval": ("megamemo.commands.eval:main", "evaluate a checkpoint: bpc / perplexity"),
     "generate": ("megamemo.commands.generate:main", "sample text with memory carried"),
     "convert": ("megamemo.commands.convert:main", "convert a sharded checkpoint to single-GPU form"),

@@ -20,6 +20,16 @@ so that a seed replays the same kills on any host under any load (never a moment
                                             (the save must fail on every rank, nothing committed)
     MEGAMEMO_FAULT_CRASH_AT="STEP:RANK"     that rank raises an error as it begins training that step, in every
                                             start (a deterministic failure: the supervisor must give up on it)
+    MEGAMEMO_FAULT_FLIP="WHAT:STEP:RANK[:BIT]"  silent data corruption: that rank flips bit BIT (default 22, the
+                                            highest mantissa bit of an fp32) of the first element of its first
+                                            parameter, WHAT = weights: after that step's optimizer step (the
+                                            replica check looks next), grad: its gradient after the backward, before
+                                            the optimizer step (where the parameters hold it: ZeRO 0)
+    MEGAMEMO_FAULT_BAD_BATCH="N[:TOKEN]"    the N-th batch of the data (counted from epoch 0's first; the batch of
+                                            step N when nothing was skipped) has targets all TOKEN (default 0, a
+                                            byte no text holds), on every rank: a bad batch, whose loss spikes; a
+                                            rollback that skips it skips the fault too
+      (both take "SPEC@K,..." plans too: in the start with MEGAMEMO_RESTART=K only)
 Unset (always, outside tests and the soak), each check is one comparison.
 """
 from __future__ import annotations
@@ -28,6 +38,8 @@ import errno
 import os
 import signal
 from pathlib import Path
+
+import torch
 
 POINTS = ("save", "commit", "retention", "removal", "start-up", "step")
 
@@ -68,11 +80,38 @@ class FaultPoints:
         self.fail_write_at = tuple(int(x) for x in failing.split(":")) if failing else None
         crash = env.get("MEGAMEMO_FAULT_CRASH_AT", "")
         self.crash_at = tuple(int(x) for x in crash.split(":")) if crash else None
+        what, *flip = for_this_start(env.get("MEGAMEMO_FAULT_FLIP", ""), env).split(":")
+        if what and (what not in ("weights", "grad") or len(flip) not in (2, 3)):
+            raise ValueError(f"MEGAMEMO_FAULT_FLIP: expected weights|grad:STEP:RANK[:BIT], got {what!r}")
+        self.flip = (what, int(flip[0]), int(flip[1]), int(flip[2]) if len(flip) > 2 else 22) if what else None
+        bad = for_this_start(env.get("MEGAMEMO_FAULT_BAD_BATCH", ""), env)
+        self.bad_batch = tuple(int(x) for x in (bad.split(":") + ["0"])[:2]) if bad else None
 
     def step(self, step: int) -> None:
         """As this rank begins training step `step`: the injected crash when asked for."""
         if self.crash_at == (step, self.rank):
             raise RuntimeError(f"rank {self.rank}: crash injected at step {step} (MEGAMEMO_FAULT_CRASH_AT)")
+
+    def batch(self, number: int, inp: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The data's batch number `number`, or the injected bad one."""
+        if self.bad_batch is None or self.bad_batch[0] != number:
+            return inp, tgt
+        print(f"[fault] rank {self.rank}: batch {number} is a bad one (targets all {self.bad_batch[1]})", flush=True)
+        return inp, torch.full_like(tgt, self.bad_batch[1])
+
+    def corrupt(self, what: str, step: int, module: torch.nn.Module) -> None:
+        """At `what` ("weights" after the optimizer step, "grad" before it) of step `step`: the injected bit flip."""
+        if self.flip is None or self.flip[:3] != (what, step, self.rank):
+            return
+        p = next(p for p in module.parameters() if p.numel())
+        t = p.data if what == "weights" else p.grad
+        if t is None:
+            raise RuntimeError(f"MEGAMEMO_FAULT_FLIP=grad: rank {self.rank} holds no gradient in its parameters at "
+                               f"step {step} (ZeRO 1/2 move it into their buckets during the backward: use "
+                               f"parallel.zero_stage=0)")
+        flat = t.view(-1)[:1].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        flat ^= 1 << self.flip[3]
+        print(f"[fault] rank {self.rank} flips bit {self.flip[3]} of its {what} at step {step}", flush=True)
 
     def write(self, step: int, path: Path) -> None:
         """Before this rank writes `path` of step `step`: an injected write error when asked for."""

@@ -6,6 +6,9 @@ Exit codes of `megamemo train`:
   0  done, or stopped by a signal after saving          2  bad usage, config, data or a refused checkpoint
   1  an error of this rank (a crash, a diverged run)     3  hung: the watchdog found no step for too long
   4  a peer is gone (a collective failed because another rank died or hung): a consequence, never the cause
+  5  node-suspect: the data-parallel replicas disagree (megamemo/train/numerics.py); the ranks at fault are named in
+     their heartbeats ("replicas"), the record is of kind node, and the run resumes from its newest checkpoint,
+     written only once its replicas agreed
 A signal ends a rank as 128 + N (a shell's view) or -N (Python's Popen).
 
 Classes. Exit 2 is never retried: starting again cannot help. A crash (a signal, exit 1, an NCCL/gloo error), a
@@ -33,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-EXIT_ERROR, EXIT_USAGE, EXIT_HUNG, EXIT_PEER_LOST = 1, 2, 3, 4
+EXIT_ERROR, EXIT_USAGE, EXIT_HUNG, EXIT_PEER_LOST, EXIT_NODE_SUSPECT = 1, 2, 3, 4, 5
 SAME_STEP_LIMIT = 3
 USAGE = "exit code 2 (bad usage, config, data or checkpoint): starting again cannot help"
 RECORDS = "interruptions.jsonl"
@@ -58,7 +61,8 @@ def describe(code: int) -> str:
 
 
 def kind_of(code: int) -> str:
-    return {EXIT_USAGE: "usage", EXIT_HUNG: "hang", EXIT_PEER_LOST: "peer-lost"}.get(code, "crash")
+    return {EXIT_USAGE: "usage", EXIT_HUNG: "hang", EXIT_PEER_LOST: "peer-lost", EXIT_NODE_SUSPECT: "node"}.get(
+        code, "crash")
 
 
 def retryable(code: int) -> bool:
@@ -186,6 +190,9 @@ def at_fault(exits: list[Exit], beats: dict[int, dict]) -> tuple[str, int | None
     named = [r for b in beats.values() for r in (b.get("hung") or {}).get("stuck", [])]
     if named:
         return "hang", min(named)
+    suspects = replica_suspects(beats)
+    if suspects:
+        return "node", suspects[0]["rank"]
     first = culprit(exits)
     if first is None:
         return "crash", None
@@ -194,6 +201,15 @@ def at_fault(exits: list[Exit], beats: dict[int, dict]) -> tuple[str, int | None
         return "hang", silent[0]
     kind = kind_of(first.code)
     return ("crash" if kind == "peer-lost" else kind), first.rank
+
+
+def replica_suspects(beats: dict[int, dict]) -> list[dict]:
+    """The ranks a replica check found at fault ({rank, node}), as the ranks' heartbeats say (watchdog.note)."""
+    for b in beats.values():
+        found = (b.get("replicas") or {}).get("suspects")
+        if found:
+            return sorted(found, key=lambda s: s["rank"])
+    return []
 
 
 # ---- one failure -------------------------------------------------------------------------------------------------
@@ -205,6 +221,10 @@ def record(run_dir: Path | None, exits: list[Exit], *, started: float, now: floa
     beats = read_heartbeats(run_dir, since=started) if run_dir else {}
     kind, rank = at_fault(exits, beats)
     code = next((e.code for e in exits if e.rank == rank and not e.killed), None)
+    suspects = replica_suspects(beats)
+    if suspects and not node_fault:
+        node_fault = "replica mismatch: " + ", ".join(f"rank {s['rank']} ({s['node']})" for s in suspects)
+        node = node or suspects[0]["node"]
     where = node or (beats.get(rank, {}).get("node") if rank is not None else None) or \
         next((e.node for e in exits if e.rank == rank), None)
     step = max([b.get("step", 0) for b in beats.values()] + [0])
@@ -245,7 +265,7 @@ def decide(rec: dict, past: list[dict], restarts_left: int) -> tuple[bool, str]:
     """(start again?, why not). `past`: the run's earlier records, oldest first (without `rec`)."""
     if rec["kind"] == "usage":
         return False, USAGE
-    same = [r for r in (past + [rec])[-SAME_STEP_LIMIT:] if r.get("kind") != "node"]
+    same = [r for r in (past + [rec])[-SAME_STEP_LIMIT:] if r.get("kind") not in ("node", "spike")]
     if len(same) == SAME_STEP_LIMIT and all(r.get("step") == rec["step"] for r in same):
         return False, (f"failed {SAME_STEP_LIMIT} times in a row after step {rec['step']}: a deterministic failure "
                        f"(a bad batch, a NaN that skipping does not cure), not a fault of the machines")

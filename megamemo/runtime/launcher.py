@@ -132,7 +132,8 @@ class Launcher:
             if first is None:
                 first = _first_failure(self.procs)
                 if first is not None:
-                    grace = EXPLAINED_GRACE_S if first[1] == interruptions.EXIT_USAGE else 0.0
+                    explained = (interruptions.EXIT_USAGE, interruptions.EXIT_NODE_SUSPECT)   # rank 0 says it
+                    grace = EXPLAINED_GRACE_S if first[1] in explained else 0.0
                     kill_at = time.time() + grace
             if kill_at is not None and not stopped and time.time() >= kill_at:
                 self.kill()             # the others cannot go on without it

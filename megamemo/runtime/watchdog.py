@@ -74,6 +74,7 @@ class Watchdog:
         self.last, self.last_wall = clock(), wall()
         self.phase: str | None = None
         self.hung: dict | None = None
+        self.notes: dict = {}                   # what this rank tells its supervisor (note())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -105,6 +106,12 @@ class Watchdog:
             self.slowest = max(self.slowest, seconds)
         self.step, self.last, self.last_wall = step, self.clock(), self.wall()
 
+    def note(self, key: str, value) -> None:
+        """Tell the supervisor `value` under `key` in this rank's heartbeat, now (also with the watchdog off): e.g.
+        the suspects of a replica mismatch (train/numerics.py), which its failure record names."""
+        self.notes[key] = value
+        self.beat()
+
     def attempted(self) -> None:
         """A step attempted and not applied (an fp16 overflow, retried): progress, though the step does not move."""
         self.last, self.last_wall = self.clock(), self.wall()
@@ -133,7 +140,7 @@ class Watchdog:
     def beat(self) -> None:
         rec = {"rank": self.rank, "node": self.node, "pid": os.getpid(), "step": self.step,
                "progress": round(self.last_wall, 3), "beat": round(self.wall(), 3), "phase": self.phase,
-               **({"hung": self.hung} if self.hung else {})}
+               **({"hung": self.hung} if self.hung else {}), **self.notes}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.dir / f"rank{self.rank}.json", json.dumps(rec), durable=False)

@@ -93,6 +93,13 @@ def build(cfg: RunConfig, log=print, stop=None, started: float | None = None):
     return trainer, de
 
 
+def _threads() -> int:
+    """This process's intra-op threads: a CPU kernel's sums split by them, so a bit-exact replay uses as many."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, stop, log, started: float):
     from megamemo.checkpoint.store import CheckpointStore
     from megamemo.model.flops import flops_per_token, model_flops_per_token
@@ -171,7 +178,7 @@ def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, 
                       world_size=de.world_size,
                       bytes_per_token=bytes_per_token(cfg.data), splits=(cfg.data.split, cfg.eval.split),
                       start={"time": round(started, 3), "step": start_step, "world_size": de.world_size,
-                             "restart": restart_count()})
+                             "restart": restart_count(), "threads": _threads()})
     evaluator = None
     if cfg.eval.every:
         L = eval_lengths(cfg)

@@ -90,6 +90,39 @@ class PrecisionConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """train.spike: a loss spike (megamemo/train/numerics.py SpikeWatch). A step's loss (the global batch's mean) is a
+    spike when it is not finite, or, once `window` applied steps are known, when its z-score over them (rule zscore)
+    or its ratio to their median (rule ratio) exceeds `threshold`. stop: the run stops (exit 1, like a diverged run);
+    rollback: every rank resumes from the newest checkpoint before the spike and skips `skip_batches` batches of every
+    stream from the spike's batch on, recorded in interruptions.jsonl (the run stays replayable), at most
+    `max_rollbacks` times per run."""
+    rule: str = "off"               # off | zscore | ratio
+    window: int = 50                # applied steps the rule compares a loss with
+    threshold: float | None = None  # None: 6 (zscore: standard deviations above the mean) or 2 (ratio to the median)
+    action: str = "rollback"        # stop | rollback
+    skip_batches: int = 200         # rollback: batches of every stream skipped from the spike's on (PaLM: 200-500)
+    max_rollbacks: int = 3          # rollback: after this many the run stops (with one line)
+
+    def limit(self) -> float:
+        return self.threshold if self.threshold is not None else (6.0 if self.rule == "zscore" else 2.0)
+
+    def check(self, bad) -> None:
+        if self.rule not in ("off", "zscore", "ratio"):
+            bad("train.spike.rule", "must be off, zscore or ratio")
+        if self.window < 2:
+            bad("train.spike.window", "must be >= 2 steps")
+        if self.threshold is not None and not (self.threshold > (1.0 if self.rule == "ratio" else 0.0)):
+            bad("train.spike.threshold", "must be > 0 (zscore) or > 1 (ratio)")
+        if self.action not in ("stop", "rollback"):
+            bad("train.spike.action", "must be stop or rollback")
+        if self.skip_batches < 0:
+            bad("train.spike.skip_batches", "must be >= 0")
+        if self.max_rollbacks < 0:
+            bad("train.spike.max_rollbacks", "must be >= 0")
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 1000           # 0: build the run, save its initial state (checkpoint at step 0) and stop
     grad_accum: int = 1             # micro-batches per step on each rank, each with its own memory
@@ -122,6 +155,11 @@ class TrainConfig:
     hang_floor_s: float = 120.0
     # stream: masks from each rank's RNG streams | keyed: every layout drops the same (megamemo/kernels/keyed.py)
     dropout_masks: str = "stream"
+    # Replica agreement (megamemo/train/numerics.py): every N applied steps, and before every checkpoint, the
+    # data-parallel replicas compare a fingerprint of what they hold alike (one small all-gather); a mismatch stops the
+    # run as node-suspect (exit 5). null: at the checkpoints only (checkpoint.save_every); 0: never
+    replica_check_every: int | None = None
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
 
     def check(self, run, bad) -> None:
         """Also the speed switches against what megamemo/kernels/ offers (imported here: torch is loaded by then),
@@ -155,6 +193,9 @@ class TrainConfig:
             bad("train.hang_floor_s", "must be > 0 seconds")
         if self.hang_timeout_s is not None and not self.hang_timeout_s >= 0:
             bad("train.hang_timeout_s", "must be >= 0 seconds (0: no watchdog; null: auto)")
+        if self.replica_check_every is not None and self.replica_check_every < 0:
+            bad("train.replica_check_every", "must be >= 0 steps (0: never; null: at every checkpoint)")
+        self.spike.check(bad)
 
 
 @dataclass

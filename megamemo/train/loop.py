@@ -27,6 +27,7 @@ from megamemo.checkpoint.store import CheckpointStore
 from megamemo.train.config import RunConfig
 from megamemo.model import Memory
 from megamemo.train.metrics import Metrics
+from megamemo.train.numerics import ReplicaCheck, ReplicaMismatch, SpikeWatch
 from megamemo.train.resumable import DataCursor, EngineState, MemoryState
 from megamemo.runtime.signals import StopRequest
 
@@ -46,6 +47,11 @@ def seed_streams(cfg, ranks: dict, device, step_salt: int = 0) -> tuple[int, int
 
 class DivergedError(RuntimeError):
     pass
+
+
+class SpikeStop(DivergedError):
+    """A loss spike that stops the run (train.spike): every rank sees the same loss and says the same line."""
+    same_on_every_rank = True
 
 
 class MicroBatchMemories:
@@ -118,7 +124,7 @@ class Trainer:
         self.memory = MicroBatchMemories(self.n_micro, micro_batch, engine.device) if stage is None else stage.bank
         self.model_parallel = cfg.parallel.tp * cfg.parallel.pp   # ranks that hold the same streams
         self.cursor = DataCursor(reader, log=print if rank == 0 else (lambda *a, **k: None))
-        self.counters = Counters(step=0, skipped=0, tokens=0)
+        self.counters = Counters(step=0, skipped=0, tokens=0, spike_window=[])
         self.registry = StateRegistry()
         engine_state = self._engine_state()
         self.registry.register("engine", engine_state)
@@ -134,6 +140,15 @@ class Trainer:
         self.faults = FaultPoints(rank)     # injected crashes: tests and bench/soak.py only (checkpoint/faults.py)
         self._consecutive_skips = 0
         self._scale_before = engine.loss_scale()
+        # numerics (train/numerics.py, train/rollback.py): the replicas' agreement, loss spikes and their rollbacks
+        self.replicas = ReplicaCheck(engine, self._layout(), rank, world_size)
+        self._agreed: dict | None = None        # the last check's record, kept by the checkpoint of its step
+        self.spikes = SpikeWatch(cfg.train.spike, self.counters)
+        from megamemo.train.rollback import skip_plan, spike_records
+        run_dir = Path(cfg.train.run_dir)
+        self.skips, self.rollbacks = skip_plan(run_dir), len(spike_records(run_dir))
+        self._position: dict = {}               # the data position of the step in progress (before any skip)
+        self._taken = 0                         # the number of the batch it takes (faults.batch)
         self.probe = None               # the conversion probe recorded with each checkpoint (checkpoint.probe)
         if cfg.checkpoint.probe:
             from megamemo.train.probe_record import Probe
@@ -181,10 +196,21 @@ class Trainer:
         inp, tgt = self.cursor.next_batch()
         return inp.to(self.engine.device, non_blocking=True), tgt.to(self.engine.device, non_blocking=True)
 
+    def _batch_number(self, pos: dict) -> int:
+        """The number of the batch at data position `pos`, counted from the first of epoch 0 (1-based)."""
+        per_epoch = int(getattr(self.cursor.reader, "steps_per_epoch", 0) or 0)
+        return int(pos.get("epoch", 0)) * per_epoch + int(pos.get("step", 0)) + 1
+
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
-        self.faults.step(self.counters.step + 1)
-        inp, tgt = self._next_batch()
+        step = self.counters.step + 1
+        self.faults.step(step)
+        if self._held is None:
+            self._position = dict(self.cursor.state)
+            for _ in range(self.skips.get(step, 0)):  # a rollback's skipped batches (train/rollback.py)
+                self.cursor.next_batch()
+            self._taken = self._batch_number(self.cursor.reader.state_dict())
+        inp, tgt = self.faults.batch(self._taken, *self._next_batch())
         b = self.micro_batch
         if inp.size(1) != b * self.n_micro:
             raise RuntimeError(f"data reader gave {inp.size(1)} streams, expected {b * self.n_micro}")
@@ -195,6 +221,7 @@ class Trainer:
             loss_sum, res = self._pipeline_step(inp, tgt, new_epoch)
         else:
             loss_sum, res, new_mems = self._micro_steps(inp, tgt, new_epoch)
+        self.faults.corrupt("weights", step, self.engine.module)
         self.faults.at("step")
         signals = StepSignals.all_reduced(
             loss_sum, tgt.numel(), stop=self.stop is not None and self.stop.requested,
@@ -248,6 +275,8 @@ class Trainer:
             nll, mem = self.engine.forward(inp[:, cols], tgt[:, cols], mems_in[k])
             nll = nll.float()
             self.engine.backward(nll.mean() * self.loss_factor)
+            if k == self.n_micro - 1:
+                self.faults.corrupt("grad", self.counters.step + 1, self.engine.module)
             res = self.engine.micro_step()              # the optimizer steps after the last micro-batch only
             loss_sum += nll.detach().sum(dtype=torch.float64)
             new_mems.append(mem)
@@ -276,11 +305,26 @@ class Trainer:
     def save(self) -> Path | None:
         if self.store is None:
             return None
+        agreed = self.check_replicas()          # a checkpoint is written only once its replicas agree
         files = {}
         if self.probe is not None:      # collective: every rank runs its first streams (train/probe_record.py),
             files = lambda: _eagerly(self.probe.record, self.engine, self.stage, self.memory,   # noqa: E731
                                      self.cursor.state, self.counters.step)   # after the snapshot, as files are written
-        return self.store.save(self.counters.step, self.registry, rank_extra=self.rank_extra, files=files)
+        return self.store.save(self.counters.step, self.registry, rank_extra={**self.rank_extra, "replicas": agreed},
+                               files=files)
+
+    def check_replicas(self) -> dict:
+        """Collective: the replicas' fingerprints compared (train/numerics.py), once per step. A mismatch is noted
+        in this rank's heartbeat (the supervisor's record names the suspects) and raised."""
+        if self._agreed is not None and self._agreed["step"] == self.counters.step:
+            return self._agreed
+        try:
+            self._agreed = self.replicas.check(self.counters.step)
+        except ReplicaMismatch as e:
+            if self.watchdog is not None:
+                self.watchdog.note("replicas", {"suspects": e.suspects, "step": self.counters.step, "line": str(e)})
+            raise
+        return self._agreed
 
     def resume(self, step_dir: Path) -> dict:
         """Restore everything from a committed checkpoint of any layout (resharding on load). The RNG streams of
@@ -309,6 +353,8 @@ class Trainer:
         self.metrics.start_window()
         self.faults.at("start-up")
         every = cfg.checkpoint.save_every
+        check_every = cfg.train.replica_check_every
+        check_every = every if check_every is None else check_every
         wd = self.watchdog
         paused = wd.paused if wd is not None else (lambda phase: contextlib.nullcontext())
         if wd is not None:
@@ -318,6 +364,14 @@ class Trainer:
                 r = self.train_step()
                 if r.applied:
                     s = self.counters.step
+                    why = self.spikes.judge(r.loss)
+                    if why is not None:
+                        with paused("save"):
+                            self._on_spike(s, r.loss, why)
+                        continue
+                    self.spikes.add(r.loss)
+                    if check_every and s % check_every == 0:
+                        self.check_replicas()
                     if self.evaluator is not None and cfg.eval.every and s % cfg.eval.every == 0:
                         with paused("eval"):
                             _eagerly(self.evaluator.run, s)
@@ -340,6 +394,12 @@ class Trainer:
                 wd.stop()
             if self.probe is not None:
                 self.probe.close()      # its reader, kept from save to save
+
+    def _on_spike(self, step: int, loss: float, why: str) -> None:
+        """A loss spike at `step` (every rank alike): stop, or roll back past its data (train/rollback.py)."""
+        from megamemo.train.rollback import roll_back
+
+        roll_back(self, step, loss, why, SpikeStop)
 
     def _finish_saves(self) -> None:
         if self.store is not None:

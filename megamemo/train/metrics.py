@@ -191,6 +191,18 @@ class Metrics:
             if "bits_per_byte" in rec:
                 self._tb.add_scalar(f"{rec['split']}/bits_per_byte", rec["bits_per_byte"], rec["step"])
 
+    def rolled_back(self, step: int, spike_step: int) -> None:
+        """A loss spike at `spike_step` rolled the run back to `step` (train/rollback.py): the records after it go,
+        and a "resume" record marks it, as after a restart."""
+        if not self.enabled:
+            return
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        trim_jsonl(self.path, step)
+        self._file = open(self.path, "a", buffering=1)
+        self._write({"kind": "resume", "step": step, "time": time.time(), "spike": spike_step})
+
     def end(self, step: int, outcome: str) -> None:
         """The run ended (done, or stopped by a signal after saving): the "end" record goodput's wall time ends at."""
         if self._file is not None:         # (a start that trained no step leaves the files as they were)

@@ -78,8 +78,10 @@ def run(config, sets: list[str] = ()) -> int:
         # while starting every rank meets the same error (but its node's devices): rank 0 says it; in training it
         # is this rank's own
         from megamemo.train.loop import DivergedError
+        from megamemo.train.numerics import EXIT_NODE_SUSPECT, ReplicaMismatch
         everyone = (starting and not isinstance(e, device.DeviceError)) or getattr(e, "same_on_every_rank", False)
-        return report(e, rank, everyone=everyone, world_size=world, code=1 if isinstance(e, DivergedError) else 2)
+        code = 1 if isinstance(e, DivergedError) else EXIT_NODE_SUSPECT if isinstance(e, ReplicaMismatch) else 2
+        return report(e, rank, everyone=everyone, world_size=world, code=code)
     except RuntimeError as e:
         lost = peer_lost(e)
         if lost is None:
@@ -102,6 +104,7 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     from megamemo.train.data import DataError
     from megamemo.runtime.device import DeviceError
     from megamemo.train.loop import DivergedError
+    from megamemo.train.numerics import ReplicaMismatch
 
-    return (ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError, ManifestError,
+    return (ReplicaMismatch, ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError, ManifestError,
             DivergedError, DeviceError)

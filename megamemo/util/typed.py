@@ -55,5 +55,15 @@ def build(cls, data, where: str, error=ValueError):
     for key, value in data.items():
         if key not in fields:
             raise error(f"{where}.{key}: unknown field (known: {', '.join(sorted(fields))})")
-        kwargs[key] = check_value(f"{where}.{key}", fields[key].type, value, error)
+        sub = _subsection(fields[key])
+        kwargs[key] = (build(sub, value, f"{where}.{key}", error) if sub is not None
+                       else check_value(f"{where}.{key}", fields[key].type, value, error))
     return cls(**kwargs)
+
+
+def _subsection(f: dataclasses.Field):
+    """The dataclass of a field whose default is one (a section inside a section: train.spike), else None."""
+    if f.default_factory is dataclasses.MISSING:
+        return None
+    cls = f.default_factory
+    return cls if isinstance(cls, type) and dataclasses.is_dataclass(cls) else None

@@ -1,0 +1,38 @@
+"""`megamemo replay`: recompute a training run's steps from the newest checkpoint before a step up to it, and compare
+every replayed step's loss and gradient norm (and, at a checkpoint step, every saved tensor) with what the run
+recorded (megamemo/train/replay.py).
+
+    megamemo replay --ckpt RUN_DIR --step S [--dp N --tp N --pp N] [--keep]
+
+One line of verdict: `replay: identical`, `replay: within <tolerance>` or `replay: differs at step N: <what>`.
+Exit codes: 0 identical or within; 1 differs; 2 the replay cannot be made (no such step, no checkpoint before it).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megamemo.commands import flags
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="megamemo replay", description=__doc__.split("\n\n")[0])
+    flags.add(p, "ckpt", help="the training run directory (or one of its step_* directories)")
+    p.add_argument("--step", type=int, required=True, help="the step to replay up to")
+    for name in ("dp", "tp", "pp"):
+        p.add_argument(f"--{name}", type=int, help=f"replay under this {name} size (default 1: one process)")
+    p.add_argument("--keep", action="store_true", help="keep the replay's run directory (its path is said)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    from megamemo.train.replay import ReplayError, replay
+
+    a = parse_args(argv)
+    try:
+        line = replay(a.ckpt, a.step, a.dp, a.tp, a.pp, keep=a.keep)
+    except ReplayError as e:
+        print(f"megamemo replay: error: {e}", file=sys.stderr)
+        return 2
+    print(line, flush=True)
+    return 1 if " differs at " in line else 0

@@ -1,0 +1,213 @@
+"""Runs that survive their own numerics (issue 47; megamemo/train/numerics.py, rollback.py, replay.py):
+  * fingerprints see any one flipped bit; the verdict over every rank's names the replica at fault: partition p's
+    owner under ZeRO 1/2 (its fp32 master made it), the majority under ZeRO 0, both of a pair that cannot tell;
+  * a replica mismatch is recorded as node-suspect, naming the rank and its host, and retried;
+  * the spike rules; their config errors name the key;
+  * 2 ranks: a bit flipped in rank 1's weights at a check is caught, named, and the job resumes from the checkpoint
+    before it with the losses of an uninterrupted run, bit for bit;
+  * 2 ranks: a bad batch's spike is rolled back past its data, recorded (interruptions.jsonl, goodput), and a second
+    run with the same injection has the same losses bit for bit;
+  * megamemo replay: identical under the run's own layout, within its stated tolerance for a DP 2 run with keyed
+    dropout replayed in one process, differs at the step whose recorded loss was tampered with;
+  * the replica check's cost on the CPU at the default interval."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import local_launch
+from megamemo.config.run import ConfigError
+from megamemo.runtime import goodput, interruptions
+from megamemo.runtime.interruptions import EXIT_NODE_SUSPECT, Exit
+from megamemo.train.numerics import SpikeWatch, fingerprint, verdict
+from runs_cache import ONE_PROCESS_EXACT, REPO, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, losses, run
+
+multiproc = pytest.mark.multiproc
+
+
+# ---- fingerprints and the verdict ----------------------------------------------------------------------------------
+def test_a_fingerprint_sees_any_one_flipped_bit_and_nothing_else():
+    t = torch.randn(257, 3)
+    base = fingerprint([t, torch.arange(5.0)])
+    assert base == fingerprint([t.clone(), torch.arange(5.0)])
+    for index in (0, 100, 770):
+        for bit in (0, 13, 22, 30, 31):
+            u = t.clone()
+            u.view(-1)[index:index + 1].view(torch.int32).bitwise_xor_(1 << bit if bit < 31 else -2 ** 31)
+            assert fingerprint([u, torch.arange(5.0)]) != base, (index, bit)
+    swapped = t.clone().view(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert fingerprint([swapped.view(257, 3), torch.arange(5.0)]) != base      # where a value sits counts too
+
+
+def _zero(rank, parts, owns, own_ok=True, scalars=7, group=(0, 0)):
+    return {"rank": rank, "node": f"n{rank}", "group": list(group), "scalars": scalars, "partitions": parts,
+            "owns": owns, "own_ok": own_ok}
+
+
+def test_the_verdict_names_the_replica_at_fault():
+    assert verdict([_zero(0, [1, 2], 0), _zero(1, [1, 2], 1)]) == ([], "")
+    # rank 1's copy of rank 0's partition differs: rank 0 owns it (its master made it), so rank 1 is at fault
+    suspects, why = verdict([_zero(0, [1, 2], 0), _zero(1, [9, 2], 1)])
+    assert [s["rank"] for s in suspects] == [1] and "partition 0 differ from rank 0's" in why
+    # the owner's own copy no longer matches its master: the owner is at fault, the others are the reference
+    suspects, _ = verdict([_zero(0, [9, 2], 0, own_ok=False), _zero(1, [1, 2], 1)])
+    assert [s["rank"] for s in suspects] == [0]
+    # ZeRO 0: the majority of three; a pair that disagrees names both; replicas of other TP ranks apart
+    whole = [{"rank": r, "node": "n", "group": [r % 2, 0], "scalars": 1, "state": v} for r, v in
+             enumerate([5, 6, 5, 6, 5, 6])]
+    assert verdict(whole)[0] == []
+    whole[4]["state"] = 8
+    assert [s["rank"] for s in verdict(whole)[0]] == [4]
+    pair = [{"rank": r, "node": "n", "group": [0, 0], "scalars": 1, "state": r} for r in range(2)]
+    assert [s["rank"] for s in verdict(pair)[0]] == [0, 1]
+    # Adam's step, the LR or the loss scale
+    suspects, why = verdict([_zero(0, [1, 2], 0), _zero(1, [1, 2], 1), _zero(2, [1, 2], 2, scalars=8)][:3])
+    assert [s["rank"] for s in suspects] == [2] and "LR" in why
+
+
+def test_a_replica_mismatch_is_recorded_as_node_suspect_and_retried(tmp_path):
+    beats = tmp_path / "heartbeats"
+    beats.mkdir()
+    note = {"suspects": [{"rank": 1, "node": "node7"}], "step": 6, "line": "..."}
+    for r in range(2):
+        (beats / f"rank{r}.json").write_text(json.dumps({"rank": r, "node": f"node{r + 6}", "beat": time.time(),
+                                                         "step": 6, "replicas": note}))
+    exits = [Exit(0, EXIT_NODE_SUSPECT, 10.0, "node6"), Exit(1, EXIT_NODE_SUSPECT, 10.1, "node7")]
+    rec = interruptions.record(tmp_path, exits, started=time.time() - 5)
+    assert (rec["kind"], rec["rank"], rec["node"], rec["exit_code"]) == ("node", 1, "node7", EXIT_NODE_SUSPECT)
+    assert rec["node_fault"] == "replica mismatch: rank 1 (node7)"
+    assert interruptions.decide(rec, [rec, rec], restarts_left=1) == (True, "")    # never "deterministic"
+
+
+# ---- spikes ------------------------------------------------------------------------------------------------------
+class _Rule:
+    def __init__(self, rule, window=4, threshold=None):
+        self.rule, self.window, self.threshold = rule, window, threshold
+
+    def limit(self):
+        return self.threshold if self.threshold is not None else (6.0 if self.rule == "zscore" else 2.0)
+
+
+class _Counters:
+    spike_window: list = []
+
+
+def _watch(rule, losses_, **kw):
+    c = _Counters()
+    c.spike_window = []
+    w = SpikeWatch(_Rule(rule, **kw), c)
+    for x in losses_:
+        w.add(x)
+    return w
+
+
+def test_the_spike_rules():
+    flat = [3.0, 3.1, 2.9, 3.0]
+    assert _watch("zscore", flat[:3]).judge(100.0) is None            # the window is not full yet
+    assert _watch("zscore", flat).judge(3.2) is None
+    assert "standard deviations" in _watch("zscore", flat).judge(3.6)   # (3.6 - 3) / 0.0707 = 8.5 > 6
+    assert _watch("zscore", flat, threshold=9).judge(3.6) is None
+    assert _watch("ratio", flat).judge(5.9) is None and "x the median" in _watch("ratio", flat).judge(6.1)
+    assert "not finite" in _watch("ratio", []).judge(float("nan"))
+    assert _watch("off", flat).judge(float("nan")) is None
+    w = _watch("zscore", [1, 2, 3, 4, 5, 6])
+    assert w.window == [3, 4, 5, 6]                                      # the last `window` losses
+
+
+@pytest.mark.parametrize("value, key", [("{rule: median}", "train.spike.rule"), ("{window: 1}", "train.spike.window"),
+                                        ("{rule: ratio, threshold: 0.5}", "train.spike.threshold"),
+                                        ("{action: skip}", "train.spike.action"),
+                                        ("{colour: red}", "train.spike.colour")])
+def test_a_bad_spike_setting_is_one_error_naming_its_key(value, key):
+    from megamemo.train.config import load
+
+    with pytest.raises(ConfigError, match=f"^{key}: "):
+        load(None, ["model.n_layer=2", f"train.spike={value}"])
+
+
+# ---- with training processes ----------------------------------------------------------------------------------------
+@pytest.fixture
+def reference(tiny_cfg, shards, reference_runs):
+    return losses(reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_12_STEPS))
+
+
+@multiproc
+def test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_exact(tiny_cfg, shards, reference,
+                                                                                    tmp_path):
+    run_dir = tmp_path / "run"
+    p = local_launch.start(tiny_cfg, shards, run_dir, "--max-steps", "12", n=2, restarts=1,
+                           env={"MEGAMEMO_FAULT_FLIP": "weights:6:1@0"})     # at the step-6 check, first start only
+    assert local_launch.finish(p, 300) == 0, local_launch.text(run_dir)[-3000:]
+    out = local_launch.text(run_dir)
+    assert "megamemo train: error: replica check after step 6: rank 1 (" in out, out[-3000:]
+    [rec] = interruptions.history(run_dir)
+    assert (rec["kind"], rec["rank"], rec["step"], rec["committed"], rec["exit_code"]) == ("node", 1, 6, 3, 5)
+    assert rec["node"] == os.uname().nodename and rec["node_fault"].startswith("replica mismatch: rank 1")
+    assert f"resumed from {run_dir}/checkpoints/step_00000003" in out
+    assert losses(run_dir) == reference
+    saved = json.loads((run_dir / "checkpoints/step_00000012/rank_00001.json").read_text())["replicas"]
+    assert saved["agreed"] and saved["ranks"]["0"]["partitions"] == saved["ranks"]["1"]["partitions"]
+    # its cost: under 1% of the steps' time at configs/tiny-cpu.yaml's interval (a checkpoint every 100 steps)
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mean = sum(r["seconds"] for r in steps if r["kind"] == "train") / 12
+    assert saved["seconds"] < 0.01 * 100 * mean, (saved["seconds"], mean)
+
+
+SPIKE = ("--max-steps", "12", "--set", "checkpoint.probe=false", "--set",
+         "train.spike={rule: zscore, window: 4, threshold: 3, skip_batches: 2, max_rollbacks: 1}")
+
+
+@multiproc
+def test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit(tiny_cfg, shards, reference, tmp_path):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run_dir in runs:
+        run(2, tiny_cfg, shards, run_dir, *SPIKE, env_extra={"MEGAMEMO_FAULT_BAD_BATCH": "8"})
+    first = losses(runs[0])
+    assert first == losses(runs[1])                                    # the same injection: the same losses
+    assert list(first) == list(range(1, 13))
+    assert {s: first[s] for s in range(1, 8)} == {s: reference[s] for s in range(1, 8)}   # 7 done again alike
+    [rec] = interruptions.history(runs[0])
+    assert (rec["kind"], rec["step"], rec["rollback_to"]) == ("spike", 8, 6) and rec["loss"] > 5.6
+    assert rec["skipped"] == [{"step": 8, "batches": 2, "from": {"epoch": 0, "step": 7}}]
+    assert first[8] < 5.4 and first[8] not in (rec["loss"], reference[8])   # batch 10 now, not batch 8 or 9
+    g = goodput.of_run(runs[0])
+    assert g["interruptions"] == 1 and g["lost_s"] == pytest.approx(rec["seconds_lost"]) and g["steps"] == 12
+
+
+def replay(run_dir, step):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "megamemo", "replay", "--ckpt", str(run_dir), "--step", str(step)],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    return p.returncode, p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr
+
+
+@multiproc
+def test_replay_is_identical_under_the_runs_layout_and_finds_a_tampered_step(tiny_cfg, shards, reference_runs,
+                                                                            tmp_path):
+    one = reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT)
+    assert replay(one, 6) == (0, "replay: identical")
+    tampered = tmp_path / "run"
+    shutil.copytree(one, tampered)
+    lines = (tampered / "metrics.jsonl").read_text().splitlines()
+    for i, line in enumerate(lines):
+        rec = json.loads(line)
+        if rec.get("kind") == "train" and rec["step"] == 5:
+            lines[i] = json.dumps({**rec, "grad_norm": rec["grad_norm"] * (1 + 2 ** -20)})
+    (tampered / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    rc, line = replay(tampered, 6)
+    assert rc == 1 and line.startswith("replay: differs at step 5: grad_norm "), line
+
+
+@multiproc
+def test_replay_of_a_dp2_keyed_dropout_run_in_one_process_is_within_its_tolerance(tiny_cfg, shards, reference_runs):
+    dp2 = reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_ACCUM)
+    rc, line = replay(dp2, 6)
+    assert rc == 0 and line.startswith("replay: within 1.1e-05 relative = 3 steps x 64 tokens x u 6.0e-08 "), line
