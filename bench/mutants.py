@@ -400,6 +400,24 @@ MUTATIONS = [
       """case "$1" in *DOWN*|*DRAINED*|*FAIL*|*NOT_RESPONDING*|*'*'*|*POWER*) return 0 ;; esac""",
       (f"{SBATCH}::test_drained_draining_down_failed_and_unresponsive_nodes_are_at_fault_busy_ones_are_not",
        f"{SBATCH}::test_a_node_at_fault_is_excluded_before_the_requeue[draining]")),
+    # ---- issue 50: vocabularies, the references, the GPU catalogue ---------------------------------------------
+    M("vocab-unused-ids-never-warned", "megamemo/train/data.py",
+      "if v >= n:", "if v >= 0:",
+      ("tests/test_vocab_padding.py::test_an_explicit_n_token_above_the_datas_vocabulary_is_one_warning_naming_the_"
+       "unused_ids",)),
+    M("subword-bpe-saturation-unsaid", "data_pipeline/subword.py",
+      "if tok.vocab_size < arg:            # a warning: said under --quiet too", "if False:",
+      (f"{SUBWORD}::test_a_bpe_that_saturates_below_its_size_is_said_in_one_line",)),
+    M("vocab-plan-assumption-overrides-the-manifest", "megamemo/train/vocab.py",
+      "if fallback is not None and not (d and (is_remote(d) or (Path(d) / \"manifest.json\").exists())):",
+      "if fallback is not None:",
+      ("tests/test_train_units.py::test_large_configs_size_their_vocabulary_from_the_data",)),
+    M("plan-auto-vocabulary-not-padded-per-layout", "megamemo/plan/recommend.py",
+      "if not cfg.n_token_auto:", "if True:",
+      ("tests/test_plan.py::test_an_auto_vocabulary_is_planned_padded_for_each_layouts_tp",)),
+    M("plan-rank-model-keeps-the-whole-vocabularys-n-vocab", "megamemo/plan/optrace.py",
+      "n_token=m.n_token // tp, n_vocab=None)    # its rows (padding costs as any row)", "n_token=m.n_token // tp)",
+      ("tests/test_plan.py::test_plan_command_on_the_documented_clusters",)),
 ]
 
 

@@ -62,7 +62,7 @@ def test_the_readme_cluster_quick_start_plans_the_precision_the_job_trains_with(
     trained = train_args(srun)
     assert option(trained, "--config") == option(words, "--config")
     overrides = [trained[i + 1] for i, w in enumerate(trained[:-1]) if w == "--set"]
-    dtype = load(REPO / option(trained, "--config"), overrides).precision.dtype
+    dtype = load(REPO / option(trained, "--config"), overrides, vocab_fallback=32000).precision.dtype   # no data here
     assert planned == dtype, f"plan prices {planned}, the job trains {dtype}"
 
 

@@ -8,11 +8,18 @@ import pytest
 import torch
 
 from fixture_data import REPO
-from megamemo.train.config import load
+from megamemo.train import config
 from megamemo.model import MemTransformerLM
 from megamemo.commands.plan import main
 from megamemo.plan.layouts import GiB, plan
 from megamemo.runtime.gpus import GPUS
+
+
+def load(path, overrides=()):
+    """A config as `megamemo plan` reads it before any data exists: the large configs' `model.n_token: auto` taken
+    as the shipped tokenizer's 32,000 symbols (plan --vocab's default), padded for the layout's tp."""
+    return config.load(path, overrides, vocab_fallback=32000)
+
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -75,8 +82,9 @@ def by_hand_lamemo_7b_first_stage():
 
 def test_lamemo_1_3b_on_its_v100_cluster():
     """configs/lamemo-1.3b.yaml on the cluster its header names (4 nodes x 8 V100-32G): tp 4, dp 8, ZeRO-1, fp16,
-    micro-batch 64 / (8 x 1 accumulation step) = 8 streams."""
-    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml")
+    micro-batch 64 / (8 x 1 accumulation step) = 8 streams. The vocabulary an explicit, unpadded 32,000 (the
+    config's n_token: auto would pad it to 32,256 at tp 4)."""
+    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["model.n_token=32000"])
     # tp 4: 4 heads, 2048 FFN rows, 8000 vocabulary rows a rank
     n = 24 * rank_layer(2048, 4, 128, 2048) + 8000 * 2048 + 8000 + 3 * 4 * 128     # + table, out bias, u v+ v-
     assert 24 * (5 * 2048 * 2048 + 2 * 2048 * 8192 + 8192 + 5 * 2048) + 32000 * 2048 + 32000 + 3 * 2048 \
@@ -100,8 +108,8 @@ def test_lamemo_1_3b_on_its_v100_cluster():
 
 def test_lamemo_7b_on_its_a100_cluster():
     """configs/lamemo-7b.yaml on 8 nodes x 8 A100-80G: tp 8 (a node), dp 8, ZeRO-1, bf16, micro-batch 128 / (8 x 1)
-    = 16 streams; one stage holds every layer, the table, the output bias and the logits."""
-    cfg = load(REPO / "configs" / "lamemo-7b.yaml")
+    = 16 streams; one stage holds every layer, the table, the output bias and the logits (an unpadded 32,000)."""
+    cfg = load(REPO / "configs" / "lamemo-7b.yaml", ["model.n_token=32000"])
     n = 32 * rank_layer(4096, 4, 128, 2048) + 4000 * 4096 + 4000 + 3 * 4 * 128
     p = plan(cfg, world=64, gpu_gib=80)
     assert p.layout == "tp=8 pp=1 dp=8 zero=1 micro_batch=16 x grad_accum=1"
@@ -147,7 +155,7 @@ def test_7b_first_stage_count_is_what_the_pipeline_and_tp_ranks_hold():
     from megamemo.parallel.pipeline import single_to_stage_names, stage_bounds
     from megamemo.parallel.tensor import shard_tensor
 
-    cfg = load(REPO / "configs" / "lamemo-7b.yaml")
+    cfg = load(REPO / "configs" / "lamemo-7b.yaml", ["model.n_token=32000"])      # unpadded: 8,000 rows a rank
     m = cfg.model
     n_specs = 2 * m.n_layer + 3
     bounds = stage_bounds(m.n_layer, 2, n_specs)
@@ -162,8 +170,19 @@ def test_7b_first_stage_count_is_what_the_pipeline_and_tp_ranks_hold():
     assert counts[1] == counts[0] + 32000 // 4        # the last stage: the same, plus its output-bias rows
 
 
+def test_an_auto_vocabulary_is_planned_padded_for_each_layouts_tp():
+    """A `model.n_token: auto` config is priced as each layout would build it (issue 50: the large configs are
+    auto): the vocabulary padded to 128 x that layout's tp, the symbols (n_vocab) the same."""
+    from megamemo.plan.recommend import model_at
+    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml")
+    assert [model_at(cfg, tp).n_token for tp in (1, 2, 4, 8)] == [32000, 32000, 32256, 32768]
+    assert model_at(cfg, 8).vocab_size == 32000
+    fixed = load(REPO / "configs" / "lamemo-1.3b.yaml", ["model.n_token=32000"])
+    assert model_at(fixed, 8).n_token == 32000                  # an explicit n_token is what it says
+
+
 @pytest.mark.parametrize("name,cluster,printed", [
-    ("lamemo-1.3b", ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g"], "1.37 B parameters"),
+    ("lamemo-1.3b", ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g"], "1.38 B parameters"),   # 32,256 rows
     ("lamemo-7b", ["--nodes", "8", "--gpus-per-node", "8", "--gpu", "a100-80g"], "7.11 B parameters"),
 ])
 def test_plan_command_on_the_documented_clusters(name, cluster, printed, capsys):

@@ -261,18 +261,19 @@ class RunConfig(Run):
         return dp, self.data.batch_size // per
 
 
-def from_dict(d: dict, source: str = "config") -> RunConfig:
-    """The run's config from plain data (a YAML file's mapping), validated."""
+def from_dict(d: dict, source: str = "config", vocab_fallback: int | None = None) -> RunConfig:
+    """The run's config from plain data (a YAML file's mapping), validated. vocab_fallback: the vocabulary a
+    `model.n_token: auto` takes where its local data directory has no manifest yet (planning: train/vocab.py)."""
     check_sections(d, ["model", *SECTIONS], source)
     kwargs = {name: section(cls, d.get(name), name) for name, cls in SECTIONS.items()}
     given = model_d = d.get("model") or {}
     if is_auto(given):
-        model_d = resolve_auto(given, kwargs["data"], kwargs["parallel"].tp)
+        model_d = resolve_auto(given, kwargs["data"], kwargs["parallel"].tp, vocab_fallback)
     return RunConfig(model=section(ModelConfig, model_d, "model"), n_token_auto=model_d is not given,
                      **kwargs).validate()
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """The config file `path` (None: defaults) with `--set` overrides applied, validated."""
+def load(path: str | Path | None, overrides: list[str] = (), vocab_fallback: int | None = None) -> RunConfig:
+    """The config file `path` (None: defaults) with `--set` overrides applied, validated (vocab_fallback: from_dict)."""
     d, source = read(path, overrides)
-    return from_dict(d, source)
+    return from_dict(d, source, vocab_fallback)
