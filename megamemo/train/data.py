@@ -93,10 +93,12 @@ def check_data_dir(cfg: RunConfig) -> dict:
     return first
 
 
-def unused_ids(cfg: RunConfig, manifest: dict) -> str | None:
+def unused_ids(cfg: RunConfig, manifest: dict | None) -> str | None:
     """One warning line where the model's vocabulary (an explicit n_token, or n_vocab) has ids the data's vocabulary
     never holds - rows trained in the softmax without ever being a target - naming them; None where it has none
-    (n_token: auto sizes the tables to the data)."""
+    (n_token: auto sizes the tables to the data), or no data directory (check_data_dir's None)."""
+    if manifest is None:
+        return None
     v, n = int(manifest["vocab"]["size"]), cfg.model.vocab_size
     if v >= n:
         return None
