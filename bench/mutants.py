@@ -418,6 +418,17 @@ MUTATIONS = [
     M("plan-rank-model-keeps-the-whole-vocabularys-n-vocab", "megamemo/plan/optrace.py",
       "n_token=m.n_token // tp, n_vocab=None)    # its rows (padding costs as any row)", "n_token=m.n_token // tp)",
       ("tests/test_plan.py::test_plan_command_on_the_documented_clusters",)),
+    M("docs-reference-keeps-a-comments-first-sentence-only", "scripts/docs_reference.py",
+      '_plain(_allowed(f"{name}.{f.name}", c, typ)), _plain(c)]',
+      '_plain(_allowed(f"{name}.{f.name}", c, typ)), _plain(c.split(". ")[0])]',
+      ("tests/test_docs_reference.py::test_comments_are_kept_whole",)),
+    M("docs-reference-check-passes-keys-without-text", "scripts/docs_reference.py",
+      "return 1 if stale or bare else 0", "return 1 if stale else 0",
+      ("tests/test_docs_reference.py::test_a_key_without_text_fails_the_check",)),
+    M("eval-no-same-length-shows-argparses-default", "megamemo/commands/eval.py",
+      'p.add_argument("--no-same-length", dest="same_length", action="store_false", default=None,',
+      'p.add_argument("--no-same-length", dest="same_length", action="store_false",',
+      ("tests/test_docs_reference.py::test_the_cache_dir_and_same_length_rows_say_what_they_are",)),
 ]
 
 

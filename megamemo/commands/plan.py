@@ -21,17 +21,17 @@ from megamemo.runtime.gpus import PLANNED, unknown_kind
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="megamemo plan", description=__doc__.splitlines()[0])
     flags.add(ap, "config")
-    ap.add_argument("--nodes", type=int, required=True)
+    ap.add_argument("--nodes", type=int, required=True, help="nodes the job runs on")
     ap.add_argument("--gpus-per-node", type=int, required=True, help="devices (or CPU processes) per node")
     ap.add_argument("--gpu", default="a100-80g", help=f"device kind: {', '.join(PLANNED)}")
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                     help="cpu: ranks are CPU processes sharing the node's --host-mem-gib")
-    ap.add_argument("--host-mem-gib", type=float)
+    ap.add_argument("--host-mem-gib", type=float, help="--device cpu: a node's memory the processes share (GiB)")
     ap.add_argument("--vocab", type=int, default=32000,
                     help="the vocabulary a `model.n_token: auto` config is planned with while its data directory has "
                          "no manifest.json yet (the shipped configs' bpe:32000); once prepared, the manifest's")
-    ap.add_argument("--tp", type=int)
-    ap.add_argument("--pp", type=int)
+    ap.add_argument("--tp", type=int, help="tensor-parallel size of the layout to price (default: recommend)")
+    ap.add_argument("--pp", type=int, help="pipeline stages of the layout to price (default: recommend)")
     ap.add_argument("--recommend", action="store_true",
                     help="list the layouts that fit, best first (the default when neither --tp nor --pp is given)")
     ap.add_argument("--explain", action="store_true",
