@@ -429,6 +429,16 @@ MUTATIONS = [
       'p.add_argument("--no-same-length", dest="same_length", action="store_false", default=None,',
       'p.add_argument("--no-same-length", dest="same_length", action="store_false",',
       ("tests/test_docs_reference.py::test_the_cache_dir_and_same_length_rows_say_what_they_are",)),
+    M("docs-errors-shard-error-shown-as-its-path", "scripts/docs_errors.py",
+      "if kind in TWO_PART and len(args) >= 2:", "if False:",
+      ("tests/test_docs_reference.py::test_every_error_entry_shows_its_message_text",
+       "tests/test_docs_reference.py::test_the_message_of_a_variable_a_shard_error_and_a_caught_error")),
+    M("docs-errors-a-variable-shown-by-name", "scripts/docs_errors.py",
+      "if isinstance(node, ast.Name) and depth < 3:", "if False:",
+      ("tests/test_docs_reference.py::test_every_error_entry_shows_its_message_text",)),
+    M("docs-errors-prepare-left-out", "scripts/docs_errors.py",
+      "if rel in PREPARE_FILES and name in PREPARE_ERRORS:", "if False:",
+      ("tests/test_docs_reference.py::test_prepares_errors_are_in_the_catalogue",)),
 ]
 
 

@@ -12,7 +12,8 @@ the committed pages are what this writes):
 * errors.md: the one-line errors megamemo prints for bad input - the exceptions its commands report in one line
   (megamemo.train.run.anticipated_errors and the commands' own), the config checks (`bad(...)`), argparse's
   `error(...)` and the commands' `error:` lines - each with the module and line it is raised at, the condition
-  that raises it, and its message (which names the fix), read from the source with `ast`.
+  that raises it, and its message (which names the fix), read from the source with `ast` (scripts/docs_errors.py:
+  a message held in a variable shown as its text, `megamemo prepare`'s errors included).
 """
 from __future__ import annotations
 
@@ -231,82 +232,17 @@ def cli_page() -> str:
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
-ERRORS = ("ConfigError", "DataError", "ManifestError", "ShardError", "CheckpointError", "PieceError", "ProbeError",
-          "RunLockedError", "DeviceError", "SingleCheckpointError", "DivergedError", "CompilerUnavailable")
-
-
-def _src(node, text: str) -> str:
-    s = ast.get_source_segment(text, node) or ""
-    return re.sub(r"\s+", " ", s)
-
-
-def _message(call: ast.Call, text: str) -> str:
-    if not call.args:
-        return ""
-    parts = []
-    for node in ast.walk(call.args[0]) if isinstance(call.args[0], ast.BinOp) else [call.args[0]]:
-        if isinstance(node, ast.JoinedStr):
-            parts.append("".join(v.value if isinstance(v, ast.Constant) else "{" + _src(v.value, text) + "}"
-                                 for v in node.values))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            parts.append(node.value)
-    return "".join(parts) or _src(call.args[0], text)
-
-
-def _conditions(tree) -> dict[int, str]:
-    """line -> the `if` test that guards it (the innermost)."""
-    guard = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            for child in node.body:
-                for sub in ast.walk(child):
-                    if hasattr(sub, "lineno"):
-                        guard.setdefault(sub.lineno, (node.lineno, node.test))
-    return guard
-
-
-def error_rows() -> list[tuple[str, int, str, str, str]]:
-    rows = []
-    files = sorted([*REPO.joinpath("megamemo").rglob("*.py"), *REPO.joinpath("data_pipeline").rglob("*.py")])
-    for path in files:
-        if "hf_code" in path.parts:
-            continue
-        text = path.read_text()
-        tree = ast.parse(text)
-        guards = _conditions(tree)
-        rel = str(path.relative_to(REPO))
-        for node in ast.walk(tree):
-            kind, call = None, None
-            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
-                name = getattr(node.exc.func, "id", None) or getattr(node.exc.func, "attr", None)
-                if name in ERRORS:
-                    kind, call = name, node.exc
-            elif isinstance(node, ast.Call):
-                fn = node.func
-                fname = getattr(fn, "id", None) or getattr(fn, "attr", None)
-                if fname == "bad" and len(node.args) >= 2:
-                    kind, call = "config check", node
-                elif fname == "error" and isinstance(fn, ast.Attribute) and node.args:
-                    kind, call = "usage (argparse)", node
-            if kind is None:
-                continue
-            if kind == "config check":
-                key = _src(call.args[0], text).strip("\"'")
-                msg = f"{key}: " + _message(ast.Call(func=call.func, args=[call.args[1]], keywords=[]), text)
-            else:
-                msg = _message(call, text)
-            guard = guards.get(node.lineno)
-            cond = _src(guard[1], text) if guard else ""
-            rows.append((rel, node.lineno, kind, cond, msg))
-    return sorted(rows, key=lambda r: (r[0], r[1]))
-
-
 def errors_page() -> str:
     out = [HEADER, "# Error catalogue\n\n",
            "The one-line errors megamemo prints for bad input (exit code 2, or 1 for a diverged run), read from the "
            "source: where each is raised, the condition that raises it, and its message (`{...}` is filled in at "
-           "run time). The message says what to change; the condition says what was seen.\n"]
+           "run time; `a | b`: one of two texts; `[...]`: a part said only sometimes; `{e} (the X caught, passed "
+           "on)`: the message of an error raised deeper, listed where that one is raised). The message says what to "
+           "change; the condition says what was seen. `megamemo prepare`'s errors (kind `prepare (...)`) print as "
+           "`megamemo prepare: error: MESSAGE` and exit 2.\n"]
     current = None
+    from docs_errors import error_rows
+
     for rel, line, kind, cond, msg in error_rows():
         if rel != current:
             out.append(f"\n## `{rel}`\n\n| line | kind | when | message |\n|---|---|---|---|\n")

@@ -62,3 +62,39 @@ def test_the_cache_dir_and_same_length_rows_say_what_they_are():
     assert cli["--no-same-length"][2] == "" and "checkpoint's" in cli["--no-same-length"][4]
     parser = docs_reference.command_parser("megamemo.commands.eval:main")
     assert parser.parse_args(["--ckpt", "c", "--data", "d"]).same_length is None      # the checkpoint's, really
+
+
+# ---- errors.md (item 8) ------------------------------------------------------------------------------------------
+def test_every_error_entry_shows_its_message_text():
+    """No entry is a bare variable or expression (`path`, `shard`, `{url}`): with the `{...}` filled in at run time
+    taken out, text is left - or the entry names the caught error whose message it passes on."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from docs_errors import error_rows
+
+    bare = [(rel, line, msg) for rel, line, _, _, msg in error_rows()
+            if not re.search(r"[A-Za-z]{2}", re.sub(r"\{[^{}]*(\{[^{}]*\}[^{}]*)*\}", "", msg))
+            and "caught, passed on)" not in msg]
+    assert bare == []
+
+
+def test_the_message_of_a_variable_a_shard_error_and_a_caught_error():
+    from docs_errors import error_rows
+
+    by = {(rel, line): msg for rel, line, _, _, msg in error_rows()}
+    shard = [m for (rel, _), m in by.items() if rel == "data_pipeline/shard_reader.py" and "truncated tar" in m]
+    assert shard and all(m.startswith("shard {shard}: truncated tar") for m in shard), shard
+    assert any(m.startswith("{e} (the ValueError caught, passed on)") for (rel, _), m in by.items()
+               if rel == "megamemo/config/run.py")
+    utf8 = [m for (rel, _), m in by.items() if rel == "data_pipeline/documents.py" and "not UTF-8" in m]
+    assert any("line {line}: column {column}: not UTF-8 (byte 0x{data[e.start]:02x}" in m for m in utf8), utf8
+
+
+def test_prepares_errors_are_in_the_catalogue():
+    from docs_errors import error_rows
+
+    prepare = [(rel, msg) for rel, _, kind, _, msg in error_rows() if kind.startswith("prepare")]
+    files = {rel for rel, _ in prepare}
+    assert {"data_pipeline/corpora.py", "data_pipeline/documents.py", "data_pipeline/tokenizer.py"} <= files
+    assert any("bpe:N needs an integer N >= 257" in msg for _, msg in prepare)
+    page = docs_reference.errors_page()
+    assert "megamemo prepare: error: MESSAGE" in page and "| prepare (ValueError) |" in page
