@@ -439,6 +439,14 @@ MUTATIONS = [
     M("docs-errors-prepare-left-out", "scripts/docs_errors.py",
       "if rel in PREPARE_FILES and name in PREPARE_ERRORS:", "if False:",
       ("tests/test_docs_reference.py::test_prepares_errors_are_in_the_catalogue",)),
+    M("gpus-b200-sparse-bf16-figure", "megamemo/runtime/gpus.py",
+      '"b200": Gpu("B200", r"B200", {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0}, 180, 7700e9,',
+      '"b200": Gpu("B200", r"B200", {"fp32": 75.0, "tf32": 1100.0, "bf16": 4500.0, "fp16": 4500.0}, 180, 7700e9,',
+      ("tests/test_plan.py::test_the_gpus_users_have_can_be_planned_with_their_datasheet_figures",)),
+    M("gpus-l40s-matches-every-l40", "megamemo/runtime/gpus.py",
+      '"l40s": Gpu("L40S", r"L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05}, 48, 864e9,',
+      '"l40s": Gpu("L40S", r"L40", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05}, 48, 864e9,',
+      ("tests/test_plan.py::test_the_gpus_users_have_can_be_planned_with_their_datasheet_figures",)),
 ]
 
 

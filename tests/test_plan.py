@@ -305,6 +305,31 @@ def test_recommends_only_layouts_that_fit_fastest_first():
     assert speeds == sorted(speeds, reverse=True)
 
 
+# issue 50: the GPUs users have, each with its datasheet figures (runtime/gpus.py cites them): the name torch reports,
+# memory GB, bandwidth TB/s, dense bf16 and fp32 TFLOP/s
+DATASHEETS = {"h100-pcie": ("NVIDIA H100 PCIe", 80, 2.0, 756.5, 51.0),
+              "h100-nvl": ("NVIDIA H100 NVL", 94, 3.9, 835.5, 60.0),
+              "b200": ("NVIDIA B200", 180, 7.7, 2250.0, 75.0), "l40s": ("NVIDIA L40S", 48, 0.864, 362.05, 91.6)}
+
+
+@pytest.mark.parametrize("kind", sorted(DATASHEETS))
+def test_the_gpus_users_have_can_be_planned_with_their_datasheet_figures(kind, capsys):
+    from megamemo.commands import plan as plan_cmd
+    from megamemo.runtime.gpus import GPUS, PLANNED, by_device_name
+
+    name, gib, tbs, bf16, fp32 = DATASHEETS[kind]
+    g = GPUS[kind]
+    assert kind in PLANNED and by_device_name(name) is g
+    assert by_device_name("NVIDIA L40") is None          # not an L40S: half its tensor rate, not in the catalogue
+    assert (g.memory_gib, g.mem_bw, g.peak_tflops["bf16"], g.peak_tflops["fp32"]) == (gib, tbs * 1e12, bf16, fp32)
+    assert g.link and g.fabric
+    rc = plan_cmd.main(["--config", str(REPO / "configs" / "lamemo-1.3b.yaml"), "--nodes", "1", "--gpus-per-node",
+                        "8", "--gpu", kind])
+    out = capsys.readouterr().out
+    assert f"layouts that fit on 1 x 8 {kind}" in out
+    assert rc == (1 if kind == "l40s" else 0), out     # 48 GB: the config's own tp=4 layout does not fit, others do
+
+
 @pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
 def test_the_gpus_the_project_measured_on_can_be_planned(device_name, capsys):
     """The GPU figures of docs/benchmarks.md come from an H100 SXM and an H200: `megamemo plan --gpu` takes the
