@@ -447,6 +447,10 @@ MUTATIONS = [
       '"l40s": Gpu("L40S", r"L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05}, 48, 864e9,',
       '"l40s": Gpu("L40S", r"L40", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05}, 48, 864e9,',
       ("tests/test_plan.py::test_the_gpus_users_have_can_be_planned_with_their_datasheet_figures",)),
+    M("plan-flag-renamed-under-the-docs", "megamemo/commands/plan.py",
+      'ap.add_argument("--gpus-per-node", type=int, required=True, help="devices (or CPU processes) per node")',
+      'ap.add_argument("--gpus-per-host", type=int, required=True, help="devices (or CPU processes) per node")',
+      ("tests/test_docs_commands.py::test_every_quick_documented_command_runs_as_written",)),
 ]
 
 
