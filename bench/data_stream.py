@@ -150,7 +150,7 @@ def lamemo_13b_consumption() -> tuple[float, str]:
     from megamemo.model.flops import flops_per_token
     from megamemo.runtime.gpus import GPUS
 
-    cfg = load(REPO / "configs/lamemo-1.3b.yaml")
+    cfg = load(REPO / "configs/lamemo-1.3b.yaml", ["model.n_token=32000"])     # n_token: auto, a full bpe:32000
     fpt = flops_per_token(cfg.model, cfg.data.batch_size // cfg.train.grad_accum)
     peak = GPUS["v100-32g"].peak_tflops["fp16"] * 1e12
     return peak / fpt, f"{fpt / 1e9:.1f} GFLOP/token executed at {peak / 1e12:.0f} TFLOP/s: 100% HFU"

@@ -54,7 +54,7 @@ def shapes():
     for name in ("enwik8-base", "wt103-base"):
         cfg = load(str(REPO / "configs" / f"{name}.yaml"), [])
         out.append((name, cfg.model, cfg.data.batch_size, cfg.precision.dtype))
-    big = load(str(REPO / "configs" / "lamemo-1.3b.yaml"), ["model.n_layer=2"]).model
+    big = load(str(REPO / "configs" / "lamemo-1.3b.yaml"), ["model.n_layer=2", "model.n_token=32000"]).model
     out += [("1.3b 2 layers B1", big, 1, "bf16"), ("1.3b 2 layers B4", big, 4, "bf16")]
     return out
 

@@ -20,7 +20,7 @@ def _prepare_parser() -> argparse.ArgumentParser:
         epilog="enwik8/text8: --raw FILE, split 90/5/5 by byte position (90M/5M/5M for the full file). "
                "wikitext-103: --raw DIR with wiki.{train,valid,test}.tokens. "
                "text: --raw FILE... (plain text or .jsonl), byte-level unless --vocab or --tokenizer is given.")
-    p.add_argument("corpus", choices=CORPORA)
+    p.add_argument("corpus", choices=CORPORA, help="the corpus's kind: how --raw is read and split")
     p.add_argument("--raw", nargs="+", required=True, help="raw corpus file(s) or directory")
     p.add_argument("--out", required=True, help="output directory for shards + manifest.json")
     p.add_argument("--mode", default=None,
@@ -43,7 +43,7 @@ def _prepare_parser() -> argparse.ArgumentParser:
                    help="token dtype (default: the smallest that holds the vocabulary)")
     p.add_argument("--chunk-tokens", type=int, default=1 << 16, help="tokens per zstd chunk (default 65536)")
     p.add_argument("--shard-size", default="256M", help="target shard size, e.g. 64M, 1G (default 256M)")
-    p.add_argument("--zstd-level", type=int, default=3)
+    p.add_argument("--zstd-level", type=int, default=3, help="zstd compression level of the shards' token chunks")
     p.add_argument("--overwrite", action="store_true", help="replace shards of an existing manifest in --out")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
@@ -106,7 +106,7 @@ def verify_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megamemo verify-shards",
                                 description="Check every shard of a directory against its manifest.json: "
                                             "size, sha256, tar structure, zstd frames, token counts, id range.")
-    p.add_argument("dir")
+    p.add_argument("dir", help="shard directory made by `megamemo prepare` (holds manifest.json)")
     p.add_argument("--split", nargs="+", default=None, help="only these splits")
     a = p.parse_args(argv)
     t0 = time.time()

@@ -12,20 +12,20 @@ from .shards import _parse_size
 
 @dataclass
 class DataConfig:
-    dir: str = ""                   # shard directory written by `megamemo prepare` (holds manifest.json)
-    split: str = "train"
+    dir: str = ""                   # shard directory written by `megamemo prepare` (holds manifest.json); or a
+                                    # remote one, s3://bucket/prefix, gs://bucket/prefix or https://host/path
+                                    # (fsspec; pip install megamemo[s3] / megamemo[gcs]; credentials only from the
+                                    # storage library's standard environment/config): its shards are fetched whole
+                                    # into cache_dir, checked against the manifest's sha256 (data_pipeline/remote.py)
+    split: str = "train"            # the split the run trains on
     batch_size: int = 22            # global batch B: contiguous streams (columns) over all data-parallel ranks
     roll: bool = False              # LaMemo's per-epoch, per-column seeded rotation of the streams
     seed: int = 1111                # seed of the roll offsets
     prefetch: int = 0               # background prefetch depth of the reader (0: none)
-    # dir may be s3://bucket/prefix, gs://bucket/prefix or https://host/path (fsspec; pip install megamemo[s3] /
-    # megamemo[gcs]); credentials only from the storage library's standard environment/config. Remote shards are
-    # fetched whole into cache_dir ("" = $XDG_CACHE_HOME/megamemo/shards), verified against the manifest's sha256,
-    # and evicted least-recently-used beyond cache_size (data_pipeline/remote.py)
-    cache_dir: str = ""
-    cache_size: str = "50G"
+    cache_dir: str = ""             # where a remote dir's shards are cached ("": $XDG_CACHE_HOME/megamemo/shards)
+    cache_size: str = "50G"         # size limit of cache_dir (50G, 800M): least recently used shards evicted beyond it
     retries: int = 5                # retries of a transient storage error (backoff doubling from retry_backoff_s)
-    retry_backoff_s: float = 1.0
+    retry_backoff_s: float = 1.0    # first wait before a retry; doubled after each, at most 30 s
     fetch_threads: int = 4          # concurrent shard downloads of the read-ahead
     # weighted blend of shard directories (local and remote mixed) instead of dir: [{dir: ..., weight: ...}, ...]
     blend: list[dict] = field(default_factory=list)

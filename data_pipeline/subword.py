@@ -11,6 +11,7 @@ shards are the same bytes for any N and memory does not grow with the corpus.
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
 from collections import deque
 from typing import Iterator
 
@@ -95,6 +96,8 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
         train_srcs, split = plans[0]
         (log or (lambda m: None))(f"[prepare] training a byte-level BPE of {arg} symbols on the train split")
         tok = train_bpe(_train_texts(train_srcs, field, split, all_files), arg)
+        if tok.vocab_size < arg:            # a warning: said under --quiet too
+            print(saturated(tok.vocab_size, arg), file=sys.stderr, flush=True)
     else:
         tok = SubwordTokenizer.from_file(arg)
     tok.require_eod()
@@ -128,6 +131,13 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
            "split": plans[0][1].record() if len(plans) == 1 else {"by": "one file group per split"}}
     return Corpus("text", "subword", tok, rec, {s: None for s in names}, {"all": sum(sizes.values())}, src,
                   interleaved=interleaved, dtype=dtype, documents=True)
+
+
+def saturated(got: int, asked: int) -> str:
+    """The line prepare prints when a BPE stops short of its requested size (no pair left that occurs twice)."""
+    return (f"[prepare] warning: the BPE saturated at {got:,} of the {asked:,} symbols asked for (no pair of the train "
+            f"split left that occurs twice): the manifest records {got:,}; a config's model.n_token: auto sizes its "
+            f"tables to it, an explicit n_token: {asked} would train {asked - got:,} ids that never occur")
 
 
 def _train_texts(srcs, field: str, split: DocumentSplit, files) -> Iterator[str]:

@@ -49,6 +49,21 @@ def sha(p) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+def test_a_bpe_that_saturates_below_its_size_is_said_in_one_line(tmp_path, capsys):
+    """Issue 50: bpe:N on a corpus too small for N merges stops short (no pair left that occurs twice); prepare says
+    so - even under --quiet - and the manifest records the size it got (what model.n_token: auto takes)."""
+    assert prepare("--raw", DOCS, "--jsonl-field", "text", "--tokenizer", "bpe:60000", "--out", tmp_path / "a") == 0
+    got = json.loads((tmp_path / "a" / "manifest.json").read_text())["vocab"]["size"]
+    assert 257 < got < 60000
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"[prepare] warning: the BPE saturated at {got:,} of the 60,000 symbols asked for (no pair of the "
+                   f"train split left that occurs twice): the manifest records {got:,}; a config's model.n_token: "
+                   f"auto sizes its tables to it, an explicit n_token: 60000 would train {60000 - got:,} ids that "
+                   f"never occur"], err
+    assert prepare("--raw", DOCS, "--jsonl-field", "text", "--tokenizer", f"bpe:{got}", "--out", tmp_path / "b") == 0
+    assert "saturated" not in capsys.readouterr().err                 # the size it reached: nothing to say
+
+
 @pytest.fixture(scope="module")
 def bpe_dirs(tmp_path_factory):
     base = tmp_path_factory.mktemp("subword")

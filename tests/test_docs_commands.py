@@ -1,11 +1,14 @@
 """The documented commands as a new user runs them, word for word from the pages: the README's cluster quick start
 against the fake Slurm of test_launch_sbatch_args.py (the re-submission resumes in the same run directory, which
-step 5 converts; `plan` prices the precision the preset trains with)."""
+step 5 converts; `plan` prices the precision the preset trains with), and every page's commands that run on the
+CPU in seconds (`megamemo plan`, `--help`, and the blocks marked `<!-- docs-test: runs -->`), run as written."""
 from __future__ import annotations
 
 import re
 import shlex
 from pathlib import Path
+
+import pytest
 
 from fixture_data import REPO
 from test_launch_sbatch_args import batch, stubs, train_args  # noqa: F401 (stubs: a fixture)
@@ -62,7 +65,7 @@ def test_the_readme_cluster_quick_start_plans_the_precision_the_job_trains_with(
     trained = train_args(srun)
     assert option(trained, "--config") == option(words, "--config")
     overrides = [trained[i + 1] for i, w in enumerate(trained[:-1]) if w == "--set"]
-    dtype = load(REPO / option(trained, "--config"), overrides).precision.dtype
+    dtype = load(REPO / option(trained, "--config"), overrides, vocab_fallback=32000).precision.dtype   # no data here
     assert planned == dtype, f"plan prices {planned}, the job trains {dtype}"
 
 
@@ -81,3 +84,52 @@ def test_the_tiny_run_writes_only_where_git_ignores():
     assert len(written) >= 7, commands
     outside = [w for w in written if Path(w).parts[0] not in ignored]
     assert not outside, f"written where git sees them: {outside}"
+
+
+# ---- every page's quick commands, run as written ------------------------------------------------------------------
+MARK = "<!-- docs-test: runs -->"       # before a fenced block: every `megamemo` line of it runs in this test
+
+
+def page_commands(page: Path) -> list[tuple[int, str, bool]]:
+    """(line number, command, marked) of every `megamemo ...` line of every fenced block of `page` (continuations
+    joined, comments dropped); marked: the block follows MARK."""
+    text, out = page.read_text(), []
+    for m in re.finditer(r"```[^\n]*\n(.*?)```", text, flags=re.S):
+        marked = text[:m.start()].rstrip().endswith(MARK)
+        first = text[:m.start()].count("\n") + 2
+        for k, line in enumerate(m.group(1).replace("\\\n", " \n").splitlines()):
+            command = line.split(" #")[0].strip()
+            if command.startswith("megamemo "):
+                out.append((first + k, re.sub(r"\s+", " ", command), marked))
+    return out
+
+
+def quick(command: str, marked: bool) -> bool:
+    """What runs here in seconds on the CPU: `megamemo plan` (no data: auto vocabularies assume --vocab), any
+    `--help`, and every command of a marked block."""
+    words = command.split()
+    return marked or words[1] in ("plan", "--help", "-h") or "--help" in words
+
+
+DOC_PAGES = sorted(p for p in (REPO / "docs").rglob("*.md") if "reference" not in p.parts) + [REPO / "README.md"]
+QUICK = [(f"{p.relative_to(REPO)}:{line}", c) for p in DOC_PAGES for line, c, marked in page_commands(p)
+         if quick(c, marked)]
+
+
+def test_the_docs_test_finds_the_pages_quick_commands():
+    pages = {where.split(":")[0] for where, _ in QUICK}
+    assert {"README.md", "docs/parallelism.md", "docs/getting-started.md"} <= pages, QUICK
+    assert len(QUICK) >= 7
+
+
+@pytest.mark.parametrize("where, command", QUICK, ids=[w for w, _ in QUICK])
+def test_every_quick_documented_command_runs_as_written(where, command, monkeypatch, capsys):
+    """A page cannot drift from the CLI: each command runs from the repository's root as the page writes it, and
+    none is refused as usage or config (exit code 2) or raises. plan's exit code 1 (the layout does not fit) is an
+    answer, not an error."""
+    from megamemo.cli import main
+
+    monkeypatch.chdir(REPO)
+    rc = main(shlex.split(command)[1:])
+    captured = capsys.readouterr()
+    assert rc in (0, 1) and (rc == 0 or command.startswith("megamemo plan ")), (where, rc, captured.err[-2000:])

@@ -166,7 +166,8 @@ def test_one_gpu_catalogue_serves_the_peak_and_the_planner():
     from megamemo.plan.devices import DEVICES, device
     from megamemo.runtime.gpus import GPUS, PLANNED, gpu
 
-    assert PLANNED[:5] == ("v100-16g", "v100-32g", "a100-40g", "a100-80g", "h100-80g") and "h200" in PLANNED
+    assert PLANNED == ("v100-16g", "v100-32g", "a100-40g", "a100-80g", "h100-nvl", "h100-pcie", "h100-80g", "h200",
+                       "b200", "l40s")
     for kind in PLANNED:
         g, d = GPUS[kind], DEVICES[kind]
         assert d.peak == {k: v * 1e12 for k, v in g.peak_tflops.items()} and d.mem_bw == g.mem_bw
@@ -175,8 +176,8 @@ def test_one_gpu_catalogue_serves_the_peak_and_the_planner():
     for ask in (lambda: device("a100-81g"), lambda: gpu("a100-81g")):
         with pytest.raises(ValueError, match=r"^unknown device kind 'a100-81g' \(nearest: a100-80g\); known: v100-16g"):
             ask()
-    with pytest.raises(ValueError, match="unknown device kind 'h100-nvl'"):
-        gpu("h100-nvl")                     # a peak-only entry: not a kind the planner takes
+    with pytest.raises(ValueError, match="unknown device kind 'h200-nvl'"):
+        gpu("h200-nvl")                     # a peak-only entry: not a kind the planner takes
 
 
 def test_cpu_peak_and_override():

@@ -7,12 +7,19 @@ import numpy as np
 import pytest
 
 from fixture_data import REPO
-from megamemo.train.config import load
+from megamemo.train import config
 from megamemo.plan import opcost
 from megamemo.plan.devices import Device
 from megamemo.plan.layouts import plan
 from megamemo.plan.optrace import Segment, trace
 from megamemo.plan.steptime import explain, step_time
+
+
+def load(path, overrides=()):
+    """A config as `megamemo plan` reads it before any data exists: the large configs' `model.n_token: auto` taken
+    as the shipped tokenizer's 32,000 symbols (plan --vocab's default), padded for the layout's tp."""
+    return config.load(path, overrides, vocab_fallback=32000)
+
 
 # round numbers: 1 TFLOP/s bf16, 0.1 fp32; efficiency 50% at width 16, 100% from 64; 10 GB/s, elementwise kernels at
 # half of it, unaligned GEMMs 4x slower; 10 us of host time a kernel

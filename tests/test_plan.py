@@ -8,11 +8,18 @@ import pytest
 import torch
 
 from fixture_data import REPO
-from megamemo.train.config import load
+from megamemo.train import config
 from megamemo.model import MemTransformerLM
 from megamemo.commands.plan import main
 from megamemo.plan.layouts import GiB, plan
 from megamemo.runtime.gpus import GPUS
+
+
+def load(path, overrides=()):
+    """A config as `megamemo plan` reads it before any data exists: the large configs' `model.n_token: auto` taken
+    as the shipped tokenizer's 32,000 symbols (plan --vocab's default), padded for the layout's tp."""
+    return config.load(path, overrides, vocab_fallback=32000)
+
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -75,8 +82,9 @@ def by_hand_lamemo_7b_first_stage():
 
 def test_lamemo_1_3b_on_its_v100_cluster():
     """configs/lamemo-1.3b.yaml on the cluster its header names (4 nodes x 8 V100-32G): tp 4, dp 8, ZeRO-1, fp16,
-    micro-batch 64 / (8 x 1 accumulation step) = 8 streams."""
-    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml")
+    micro-batch 64 / (8 x 1 accumulation step) = 8 streams. The vocabulary an explicit, unpadded 32,000 (the
+    config's n_token: auto would pad it to 32,256 at tp 4)."""
+    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["model.n_token=32000"])
     # tp 4: 4 heads, 2048 FFN rows, 8000 vocabulary rows a rank
     n = 24 * rank_layer(2048, 4, 128, 2048) + 8000 * 2048 + 8000 + 3 * 4 * 128     # + table, out bias, u v+ v-
     assert 24 * (5 * 2048 * 2048 + 2 * 2048 * 8192 + 8192 + 5 * 2048) + 32000 * 2048 + 32000 + 3 * 2048 \
@@ -103,7 +111,7 @@ def test_lamemo_7b_on_its_a100_cluster():
     streams; one stage holds every layer, the table, the output bias and the logits. At grad_accum 1 bf16 runs
     DeepSpeed's ZeRO optimizer (parallel/zero.py): its fp32 partition and two bf16 buckets of 5e7 (overlap_comm),
     not BF16_Optimizer's full fp32 gradient and 5e8 bucket."""
-    cfg = load(REPO / "configs" / "lamemo-7b.yaml")
+    cfg = load(REPO / "configs" / "lamemo-7b.yaml", ["model.n_token=32000"])
     n = 32 * rank_layer(4096, 8, 128, 4096) + 8000 * 4096 + 8000 + 3 * 8 * 128
     p = plan(cfg, world=64, gpu_gib=80)
     assert p.layout == "tp=4 pp=1 dp=16 zero=1 micro_batch=8 x grad_accum=1"
@@ -150,7 +158,7 @@ def test_7b_first_stage_count_is_what_the_pipeline_and_tp_ranks_hold():
     from megamemo.parallel.pipeline import single_to_stage_names, stage_bounds
     from megamemo.parallel.tensor import shard_tensor
 
-    cfg = load(REPO / "configs" / "lamemo-7b.yaml")
+    cfg = load(REPO / "configs" / "lamemo-7b.yaml", ["model.n_token=32000"])      # unpadded: 8,000 rows a rank
     m = cfg.model
     n_specs = 2 * m.n_layer + 3
     bounds = stage_bounds(m.n_layer, 2, n_specs)
@@ -165,8 +173,19 @@ def test_7b_first_stage_count_is_what_the_pipeline_and_tp_ranks_hold():
     assert counts[1] == counts[0] + 32000 // 4        # the last stage: the same, plus its output-bias rows
 
 
+def test_an_auto_vocabulary_is_planned_padded_for_each_layouts_tp():
+    """A `model.n_token: auto` config is priced as each layout would build it (issue 50: the large configs are
+    auto): the vocabulary padded to 128 x that layout's tp, the symbols (n_vocab) the same."""
+    from megamemo.plan.recommend import model_at
+    cfg = load(REPO / "configs" / "lamemo-1.3b.yaml")
+    assert [model_at(cfg, tp).n_token for tp in (1, 2, 4, 8)] == [32000, 32000, 32256, 32768]
+    assert model_at(cfg, 8).vocab_size == 32000
+    fixed = load(REPO / "configs" / "lamemo-1.3b.yaml", ["model.n_token=32000"])
+    assert model_at(fixed, 8).n_token == 32000                  # an explicit n_token is what it says
+
+
 @pytest.mark.parametrize("name,cluster,printed", [
-    ("lamemo-1.3b", ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g"], "1.37 B parameters"),
+    ("lamemo-1.3b", ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g"], "1.38 B parameters"),   # 32,256 rows
     ("lamemo-7b", ["--nodes", "8", "--gpus-per-node", "8", "--gpu", "a100-80g"], "7.11 B parameters"),
 ])
 def test_plan_command_on_the_documented_clusters(name, cluster, printed, capsys):
@@ -287,6 +306,31 @@ def test_recommends_only_layouts_that_fit_fastest_first():
     assert fits and all(" dp=1 " in f.desc and f.plan.fits for f in fits)
     speeds = [f.step.tokens_per_s for f in fits]
     assert speeds == sorted(speeds, reverse=True)
+
+
+# issue 50: the GPUs users have, each with its datasheet figures (runtime/gpus.py cites them): the name torch reports,
+# memory GB, bandwidth TB/s, dense bf16 and fp32 TFLOP/s
+DATASHEETS = {"h100-pcie": ("NVIDIA H100 PCIe", 80, 2.0, 756.5, 51.0),
+              "h100-nvl": ("NVIDIA H100 NVL", 94, 3.9, 835.5, 60.0),
+              "b200": ("NVIDIA B200", 180, 7.7, 2250.0, 75.0), "l40s": ("NVIDIA L40S", 48, 0.864, 362.05, 91.6)}
+
+
+@pytest.mark.parametrize("kind", sorted(DATASHEETS))
+def test_the_gpus_users_have_can_be_planned_with_their_datasheet_figures(kind, capsys):
+    from megamemo.commands import plan as plan_cmd
+    from megamemo.runtime.gpus import GPUS, PLANNED, by_device_name
+
+    name, gib, tbs, bf16, fp32 = DATASHEETS[kind]
+    g = GPUS[kind]
+    assert kind in PLANNED and by_device_name(name) is g
+    assert by_device_name("NVIDIA L40") is None          # not an L40S: half its tensor rate, not in the catalogue
+    assert (g.memory_gib, g.mem_bw, g.peak_tflops["bf16"], g.peak_tflops["fp32"]) == (gib, tbs * 1e12, bf16, fp32)
+    assert g.link and g.fabric
+    rc = plan_cmd.main(["--config", str(REPO / "configs" / "lamemo-1.3b.yaml"), "--nodes", "1", "--gpus-per-node",
+                        "8", "--gpu", kind])
+    out = capsys.readouterr().out
+    assert f"layouts that fit on 1 x 8 {kind}" in out
+    assert rc == (1 if kind == "l40s" else 0), out     # 48 GB: the config's own tp=4 layout does not fit, others do
 
 
 @pytest.mark.parametrize("device_name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])

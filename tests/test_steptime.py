@@ -7,12 +7,19 @@ import math
 import pytest
 
 from fixture_data import REPO
-from megamemo.train.config import load
+from megamemo.train import config
 from megamemo.commands.plan import main
 from megamemo.plan.layouts import plan
 from megamemo.plan.devices import Device
 from megamemo.plan.optrace import trace
 from megamemo.plan.steptime import explain, step_time
+
+
+def load(path, overrides=()):
+    """A config as `megamemo plan` reads it before any data exists: the large configs' `model.n_token: auto` taken
+    as the shipped tokenizer's 32,000 symbols (plan --vocab's default), padded for the layout's tp."""
+    return config.load(path, overrides, vocab_fallback=32000)
+
 
 # a device with round numbers: 1 TFLOP/s; GEMM efficiency 50% at width 16, 100% from 64 (log-interpolated);
 # 100 GB/s memory; links 10 GB/s inside a node, 1 GB/s between; 10 / 100 us a collective

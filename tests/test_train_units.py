@@ -3,10 +3,12 @@ timeouts (seconds for the default group, minutes for megatron-core's), LR schedu
 (the checkpoint layer's own: tests/test_checkpoint_layer.py)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -35,7 +37,7 @@ def test_shipped_configs_load(path):
     from megamemo.model import MemTransformerLM
     from megamemo.parallel import pipeline, tensor
 
-    cfg = C.load(path)
+    cfg = C.load(path, vocab_fallback=32000)          # the large configs' n_token: auto, before any data
     m, tp, pp = cfg.model, cfg.parallel.tp, cfg.parallel.pp
     assert cfg.optim.clip >= 0 and cfg.optim.lr > 0 and cfg.train.max_steps > 0
     assert tp >= 1 and pp >= 1 and cfg.parallel.zero_stage in (0, 1, 2)
@@ -55,14 +57,36 @@ def test_shipped_configs_load(path):
 
 
 def test_large_configs_have_their_documented_shapes():
-    b = C.load(REPO / "configs" / "lamemo-1.3b.yaml")
+    b = C.load(REPO / "configs" / "lamemo-1.3b.yaml", vocab_fallback=32000)
+    assert (b.model.n_token, b.model.n_vocab) == (32256, 32000)         # padded for tp=4
     assert (b.model.n_layer, b.model.d_model, b.model.n_head, b.model.d_inner) == (24, 2048, 16, 8192)
     assert (b.parallel.tp, b.parallel.pp, b.train.grad_accum, b.precision.dtype) == (4, 1, 1, "fp16")
-    s = C.load(REPO / "configs" / "lamemo-7b.yaml")
+    s = C.load(REPO / "configs" / "lamemo-7b.yaml", vocab_fallback=32000)
     assert (s.model.n_layer, s.model.d_model, s.model.n_head, s.model.d_inner) == (32, 4096, 32, 16384)
     assert (s.parallel.tp, s.parallel.pp, s.train.grad_accum, s.precision.dtype) == (4, 1, 1, "bf16")
     for c in (b, s):         # the reduction behind the backward, in buckets that fit (issue 46)
         assert (c.parallel.overlap_comm, c.parallel.reduce_bucket_size) == (True, 50_000_000)
+
+
+@pytest.mark.parametrize("name, tp_rows", [("lamemo-1.3b", 25600), ("lamemo-7b", 25600)])
+def test_large_configs_size_their_vocabulary_from_the_data(tmp_path, name, tp_rows, capsys):
+    """Issue 50: the large configs take n_token from the manifest (`auto`), so a BPE that saturated below its 32,000
+    (25,337 symbols on 2.4 MB of WikiText) trains no never-seen rows: 25,337 padded to 128 x tp. Planning before
+    the data exists assumes a stated size (said once on stderr); training never does."""
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"vocab": {"size": 25337}}))
+    path = REPO / "configs" / f"{name}.yaml"
+    assert "n_token: auto" in path.read_text()
+    read = lambda d: json.loads((Path(d) / "manifest.json").read_text())      # noqa: E731 (only vocab.size)
+    with mock.patch("data_pipeline.remote.load_manifest", read):
+        cfg = C.load(path, [f"data.dir={data}"])
+        planned = C.load(path, [f"data.dir={data}"], vocab_fallback=32000)     # a manifest wins over the assumption
+    assert (cfg.model.n_token, cfg.model.n_vocab) == (tp_rows, 25337) == (planned.model.n_token, planned.model.n_vocab)
+    with pytest.raises(C.ConfigError, match="model.n_token: auto: cannot read the vocabulary"):
+        C.load(path, [f"data.dir={tmp_path / 'none'}"])
+    assert C.load(path, [f"data.dir={tmp_path / 'none'}"], vocab_fallback=32000).model.vocab_size == 32000
+    assert capsys.readouterr().err.count("assuming a vocabulary of 32000 symbols") == 1
 
 
 def test_paper_configs_have_paper_shapes():

@@ -95,6 +95,30 @@ def test_a_too_small_explicit_n_token_is_one_line(text8_shards, tmp_path, capsys
     assert err.count("\n") == 0 and "model.n_vocab: 20 is smaller than the vocabulary of" in err, err
 
 
+def test_an_explicit_n_token_above_the_datas_vocabulary_is_one_warning_naming_the_unused_ids(text8_shards, tmp_path,
+                                                                                              capsys):
+    """Issue 50: an explicit n_token larger than the corpus's vocabulary (a 32k config over a BPE that saturated
+    early) trains rows no target ever is: the run starts, with one warning line naming them; auto and an exact
+    n_token say nothing."""
+    from megamemo.commands import train as cli
+    from megamemo.train.data import check_data_dir, unused_ids
+
+    run = ["--max-steps", "0", "--set", "eval.every=0", "--set", "log.tensorboard=false"]
+    cfg_file = config_file(tmp_path, n_token=64, data=text8_shards)
+    assert cli.main(["--config", str(cfg_file), "--run-dir", str(tmp_path / "run"), *run]) == 0
+    out = capsys.readouterr().out
+    warned = [line for line in out.splitlines() if "warning" in line]
+    assert warned == ["[train] warning: model.n_token: 64 symbols, but the data's vocabulary has 27: ids 27..63 (37) "
+                      "never occur and are trained in the softmax unseen (model.n_token: auto sizes the tables to "
+                      "the data)"], out
+    padded = load(config_file(tmp_path, n_token=128, data=text8_shards, extra=", n_vocab: 28"))
+    assert "model.n_vocab: 28 symbols" in unused_ids(padded, check_data_dir(padded)) and "id 27 (1)" in \
+        unused_ids(padded, check_data_dir(padded))
+    for n_token in ("auto", 27):
+        cfg = load(config_file(tmp_path, n_token=n_token, data=text8_shards))
+        assert unused_ids(cfg, check_data_dir(cfg)) is None
+
+
 @pytest.mark.parametrize("extra, data, key", [("", None, "model.n_token"), (", n_vocab: 20", "TEXT8", "model.n_vocab")])
 def test_auto_errors_name_the_key(extra, data, key, text8_shards, tmp_path):
     with pytest.raises(ConfigError) as e:

@@ -29,8 +29,10 @@ def parse_args(argv):
     p.add_argument("--tgt-len", type=int, help="segment length (default: the checkpoint's tgt_len)")
     flags.add(p, "mem-len", help="memory length (default: the checkpoint's mem_len); the TRAMS pool")
     p.add_argument("--clamp-len", type=int, help="clamp relative distances (default: the checkpoint's)")
-    p.add_argument("--same-length", dest="same_length", action="store_true", default=None)
-    p.add_argument("--no-same-length", dest="same_length", action="store_false")
+    p.add_argument("--same-length", dest="same_length", action="store_true", default=None,
+                   help="every query attends over the same number of keys (default: the checkpoint's same_length)")
+    p.add_argument("--no-same-length", dest="same_length", action="store_false", default=None,
+                   help="queries attend over all keys before them (default: the checkpoint's same_length)")
     p.add_argument("--batch-size", type=int, default=10, help="columns (streams); default 10 as in the XL scripts")
     p.add_argument("--max-segments", type=int, default=0, help="stop after K segments (0: the whole split)")
     p.add_argument("--trams-topk", type=int, help="TRAMS: older memory rows selected per layer/head/stream")

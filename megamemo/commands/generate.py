@@ -18,11 +18,12 @@ from megamemo.commands import flags
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megamemo generate", description=__doc__.split("\n\n")[0])
     flags.add(p, "ckpt")
-    p.add_argument("--prompt-file", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-file", required=True, help="UTF-8 text the generation continues")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate after the prompt")
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="nucleus sampling: sample among the most likely tokens holding this much probability")
+    p.add_argument("--temperature", type=float, default=1.0, help="divides the logits before sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (the same seed, the same text)")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (no sampling)")
     flags.add(p, "data", help="shard directory whose vocabulary to use (default: the checkpoint's)")
     flags.add(p, "mem-len", help="memory length (default: mem_len + tgt_len - 1)")

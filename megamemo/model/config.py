@@ -21,31 +21,34 @@ VARIANTS = {
 
 @dataclass
 class ModelConfig:
-    variant: str = "lamemo"
+    variant: str = "lamemo"         # the architecture: LaMemo, its ablations, Transformer-XL or a Transformer
+                                    # without memory (VARIANTS)
     n_token: int = 256              # rows of the embedding and softmax tables (a run config may say `auto`: see
                                     # megamemo/train/vocab.py)
     # The vocabulary's symbols when the tables are padded beyond it (ids n_vocab .. n_token-1 are padding: masked
     # out of the softmax, never input, target or sampled); None: every row is a symbol (n_vocab = n_token)
     n_vocab: int | None = None
-    n_layer: int = 2
-    d_model: int = 64
-    n_head: int = 2
-    d_head: int = 32
-    d_inner: int = 128
-    dropout: float = 0.1
-    dropatt: float = 0.0
-    tgt_len: int = 64
-    mem_len: int = 64
-    clamp_len: int = -1
-    same_length: bool = False
-    pre_lnorm: bool = False
-    cutoffs: list[int] = field(default_factory=list)
-    div_val: int = 1
-    tie_weight: bool = True
-    tie_projs: list[bool] = field(default_factory=lambda: [False])
-    d_embed: int | None = None
-    init_std: float = 0.02
-    proj_init_std: float = 0.01
+    n_layer: int = 2                # Transformer layers
+    d_model: int = 64               # width of the residual stream
+    n_head: int = 2                 # attention heads per layer
+    d_head: int = 32                # width of each head (n_head x d_head need not be d_model)
+    d_inner: int = 128              # hidden width of the position-wise feed-forward
+    dropout: float = 0.1            # dropout of embeddings, sublayer outputs and memory
+    dropatt: float = 0.0            # dropout of the attention probabilities (> 0 keeps eager attention)
+    tgt_len: int = 64               # tokens per segment: the rows one forward step predicts
+    mem_len: int = 64               # memory rows carried over from the previous segments (0: none)
+    clamp_len: int = -1             # relative distances beyond this share its position (-1: none clamped)
+    same_length: bool = False       # every query attends over the same number of keys (XL's same_length)
+    pre_lnorm: bool = False         # layer norm before each sublayer (pre-LN) instead of after it
+    cutoffs: list[int] = field(default_factory=list)    # adaptive softmax and input: cluster boundaries by id
+                                                        # ([]: one full softmax)
+    div_val: int = 1                # adaptive input: each later cluster's width divided by this again (1: all d_embed)
+    tie_weight: bool = True         # the output softmax shares the input embedding's table
+    tie_projs: list[bool] = field(default_factory=lambda: [False])    # per adaptive-softmax cluster: its
+                                                                      # projection shared with the input's
+    d_embed: int | None = None      # embedding width (None: d_model; projected to d_model when another)
+    init_std: float = 0.02          # std of the normal initialisation of weights and position biases
+    proj_init_std: float = 0.01     # std of the normal initialisation of the adaptive projections
     # The reference LaMemo training script never re-initialises r_r_bias_future, so it keeps xavier_uniform_
     # (~15x the scale of r_r_bias). "xavier" reproduces that; "normal" uses N(0, init_std) like the other biases.
     future_bias_init: str = "xavier"

@@ -17,8 +17,9 @@ class ParallelConfig:
     zero_stage: int = 1             # DeepSpeed ZeRO stage 0 | 1 | 2
     # the gradient reduction (DeepSpeed's zero_optimization; what takes effect where: megamemo/parallel/zero.py):
     # overlap it with the backward pass, bucket by bucket (ZeRO 1 or 2, no pipeline; not bf16 on ZeRO 1 with fp32
-    # accumulation); elements per bucket (ZeRO 1 or 2; null: DeepSpeed's 500,000,000)
+    # accumulation)
     overlap_comm: bool = False
+    # the gradient reduction's elements per bucket (ZeRO 1 or 2; null: DeepSpeed's 500,000,000)
     reduce_bucket_size: int | None = None
     # full: every rank builds the whole single-device model from train.seed and keeps its shard (any layout starts
     # from the same weights; needs host memory for the whole model per process); shard: each rank initialises only

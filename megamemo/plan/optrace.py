@@ -126,7 +126,7 @@ class Trace:
 def local_config(m, tp: int):
     """The model a tensor-parallel rank computes: its heads, feed-forward columns and vocabulary rows; 2 layers."""
     return dataclasses.replace(m, n_layer=2, n_head=m.n_head // tp, d_inner=m.d_inner // tp,
-                               n_token=m.n_token // tp)
+                               n_token=m.n_token // tp, n_vocab=None)    # its rows (padding costs as any row)
 
 
 def trace(m, micro: int, tp: int = 1, dtype: str = "bf16") -> Trace:

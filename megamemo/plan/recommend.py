@@ -29,9 +29,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def model_at(cfg, tp: int):
+    """cfg's model as a run under `tp` builds it: a `model.n_token: auto` vocabulary padded for that tp
+    (train/vocab.py: 32,000 symbols are 32,000 rows at tp 2, 32,256 at tp 4, 32,768 at tp 8)."""
+    if not cfg.n_token_auto:
+        return cfg.model
+    from megamemo.train.vocab import padded_vocab
+    n_token, n_vocab = padded_vocab(cfg.model.vocab_size, tp)
+    return dataclasses.replace(cfg.model, n_token=n_token, n_vocab=n_vocab)
+
+
 def why_not(cfg, tp: int, pp: int, zero: int, dp: int, gpn: int) -> str | None:
     """The structural reason a layout cannot run, or None."""
-    m = cfg.model
+    m = model_at(cfg, tp)
     if tp > gpn or gpn % tp:
         return f"tp={tp} does not divide a node's {gpn} devices (TP groups stay inside a node)"
     for what, n in (("heads", m.n_head), ("d_inner", m.d_inner), ("vocabulary", m.n_token)):
@@ -64,7 +74,7 @@ def fastest_micro_batch(cfg, world: int, gpn: int, gib: float, device: str, kind
     for ga in _divisors(cfg.data.batch_size // dp):      # largest micro-batch first
         if pp > 1 and ga < pp:
             continue                  # fewer micro-batches than stages: stages idle
-        c = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=0),
+        c = dataclasses.replace(cfg, model=model_at(cfg, tp), eval=dataclasses.replace(cfg.eval, every=0),
                                 parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, zero_stage=zero),
                                 train=dataclasses.replace(cfg.train, grad_accum=ga))
         plans = [plan_fn(c, world, gib, s, device) for s in range(pp)]

@@ -28,15 +28,15 @@ from .vocab import is_auto, resolve_auto
 class OptimConfig:
     name: str = "adam"              # adam | adamw (torch optimizers handed to DeepSpeed)
     lr: float = 2.5e-4              # the papers' setting
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's decay rates of its moments
+    eps: float = 1e-8               # Adam's epsilon, added to the second moment's root
+    weight_decay: float = 0.0       # weight decay (adamw: decoupled; adam: L2 in the gradient)
     fused: bool = True              # torch's fused Adam kernel (CPU and CUDA; ~3.5x faster than its per-tensor loop)
     clip: float = 0.25              # global gradient-norm clip (0 disables); DeepSpeed's own default would be 1.0
     schedule: str = "cosine"        # cosine (linear warmup, then cosine to min_lr) | constant (warmup, then flat)
-    warmup_steps: int = 0
+    warmup_steps: int = 0           # steps of linear warmup from 0 to lr
     decay_steps: int | None = None  # length of the cosine, warmup included; None: train.max_steps
-    min_lr: float = 0.0
+    min_lr: float = 0.0             # the learning rate the cosine ends at
     half_loss: bool = False         # LaMemo's train_ddp optimises mean(nll) / 2
 
     def check(self, run, bad) -> None:
@@ -64,7 +64,7 @@ class PrecisionConfig:
     initial_scale_power: int = 16   # fp16: first loss scale 2**power
     loss_scale_window: int = 1000   # fp16: raise the scale after this many steps without overflow
     hysteresis: int = 2             # fp16: overflows tolerated before the scale is lowered
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = 1.0     # fp16: the loss scale is never lowered below this
     # Gradient accumulation over micro-batches (bf16/fp16): fp32 | model | auto. DeepSpeed 0.19.8 accumulates in
     # fp32 with ZeRO 2 (both half types) and ZeRO 1 + fp16 in its ZeRO optimizer, with ZeRO 1 + bf16 through its
     # BF16_Optimizer (pipelines included), and not at all without ZeRO. auto: fp32 wherever ZeRO is on, the model
@@ -126,8 +126,8 @@ class SpikeConfig:
 class TrainConfig:
     max_steps: int = 1000           # 0: build the run, save its initial state (checkpoint at step 0) and stop
     grad_accum: int = 1             # micro-batches per step on each rank, each with its own memory
-    seed: int = 1111
-    run_dir: str = "runs/default"
+    seed: int = 1111                # seed of the weights' initialisation and the dropout masks
+    run_dir: str = "runs/default"   # checkpoints, config.yaml, metrics.jsonl and logs (--run-dir)
     # <run_dir>/LOCK of a trainer on another host counts as dead after this long without a heartbeat (one every
     # 30 s); on the same host a lock is dead when its process is gone
     lock_stale_s: float = 600.0
@@ -146,13 +146,13 @@ class TrainConfig:
     # CUDA, off on the CPU (where it measured slower than the CPU kernels). compile_backend: torch.compile's
     # backend (inductor; aot_eager traces without generating code, for debugging).
     compile: Switch = "auto"
-    compile_backend: str = "inductor"
+    compile_backend: str = "inductor" # torch.compile's backend for compiled layers (inductor, aot_eager)
     # Hang detection (runtime/watchdog.py): a rank whose step does not move for this long writes its threads' stacks
     # to its log, names the rank it waits for and exits with code 3 (retried by launch/local.sh --max-restarts and
     # train.sbatch). null: auto, 5 x hang_floor_s over a process's first steps (start-up, compilation), then 10 x
     # the slowest step seen, at least hang_floor_s; 0: no watchdog
     hang_timeout_s: float | None = None
-    hang_floor_s: float = 120.0
+    hang_floor_s: float = 120.0     # the least time the watchdog waits (see hang_timeout_s)
     # stream: masks from each rank's RNG streams | keyed: every layout drops the same (megamemo/kernels/keyed.py)
     dropout_masks: str = "stream"
     # Replica agreement (megamemo/train/numerics.py): every N applied steps, and before every checkpoint, the
@@ -203,7 +203,7 @@ class CheckpointConfig:
     save_every: int = 1000          # steps between checkpoints (0: only at the end and on signals)
     keep_last: int = 3              # committed checkpoints kept (older ones are deleted)
     resume: str = "auto"            # auto: newest committed one in run_dir, if any | never | a step directory
-    save_at_end: bool = True
+    save_at_end: bool = True        # a checkpoint at the last step, whatever save_every says
     probe: bool = True              # record a small NLL probe with each checkpoint (convert checks itself on it)
     # copy the state to host memory, then write and commit in a background thread while training goes on (the
     # next save, a stop and the end of training wait for it); false: the step waits for the whole write
@@ -225,7 +225,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     every: int = 10                 # a log line every N steps (metrics.jsonl gets every step)
-    tensorboard: bool = True
+    tensorboard: bool = True        # also write TensorBoard event files under run_dir
 
     def check(self, run, bad) -> None:
         if self.every < 1:
@@ -235,12 +235,12 @@ class LogConfig:
 @dataclass
 class EvalConfig:
     every: int = 0                  # validate every N steps (0: never)
-    split: str = "valid"
-    batch_size: int = 16
-    tgt_len: int | None = None      # None: the model's training lengths
-    mem_len: int | None = None
-    clamp_len: int | None = None
-    same_length: bool | None = None
+    split: str = "valid"            # the split validation scores
+    batch_size: int = 16            # validation's streams, over all data-parallel ranks
+    tgt_len: int | None = None      # validation's segment length (None: model.tgt_len)
+    mem_len: int | None = None      # validation's memory rows (None: model.mem_len)
+    clamp_len: int | None = None    # validation's clamp of distances (None: model.clamp_len)
+    same_length: bool | None = None     # validation's same_length (None: model.same_length)
     max_segments: int = 0           # 0: the whole split
 
     def check(self, run, bad) -> None:
@@ -302,18 +302,19 @@ class RunConfig(Run):
         return dp, self.data.batch_size // per
 
 
-def from_dict(d: dict, source: str = "config") -> RunConfig:
-    """The run's config from plain data (a YAML file's mapping), validated."""
+def from_dict(d: dict, source: str = "config", vocab_fallback: int | None = None) -> RunConfig:
+    """The run's config from plain data (a YAML file's mapping), validated. vocab_fallback: the vocabulary a
+    `model.n_token: auto` takes where its local data directory has no manifest yet (planning: train/vocab.py)."""
     check_sections(d, ["model", *SECTIONS], source)
     kwargs = {name: section(cls, d.get(name), name) for name, cls in SECTIONS.items()}
     given = model_d = d.get("model") or {}
     if is_auto(given):
-        model_d = resolve_auto(given, kwargs["data"], kwargs["parallel"].tp)
+        model_d = resolve_auto(given, kwargs["data"], kwargs["parallel"].tp, vocab_fallback)
     return RunConfig(model=section(ModelConfig, model_d, "model"), n_token_auto=model_d is not given,
                      **kwargs).validate()
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """The config file `path` (None: defaults) with `--set` overrides applied, validated."""
+def load(path: str | Path | None, overrides: list[str] = (), vocab_fallback: int | None = None) -> RunConfig:
+    """The config file `path` (None: defaults) with `--set` overrides applied, validated (vocab_fallback: from_dict)."""
     d, source = read(path, overrides)
-    return from_dict(d, source)
+    return from_dict(d, source, vocab_fallback)

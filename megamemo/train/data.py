@@ -93,6 +93,21 @@ def check_data_dir(cfg: RunConfig) -> dict:
     return first
 
 
+def unused_ids(cfg: RunConfig, manifest: dict | None) -> str | None:
+    """One warning line where the model's vocabulary (an explicit n_token, or n_vocab) has ids the data's vocabulary
+    never holds - rows trained in the softmax without ever being a target - naming them; None where it has none
+    (n_token: auto sizes the tables to the data), or no data directory (check_data_dir's None)."""
+    if manifest is None:
+        return None
+    v, n = int(manifest["vocab"]["size"]), cfg.model.vocab_size
+    if v >= n:
+        return None
+    what = "n_vocab" if cfg.model.n_vocab is not None else "n_token"
+    ids = f"id {v}" if n - v == 1 else f"ids {v}..{n - 1}"
+    return (f"model.{what}: {n} symbols, but the data's vocabulary has {v}: {ids} ({n - v}) never occur and are "
+            f"trained in the softmax unseen (model.n_token: auto sizes the tables to the data)")
+
+
 def unit_for(data: DataConfig) -> str:
     """bpc for character/byte-level corpora, perplexity for word-level and subword ones."""
     try:

@@ -39,8 +39,10 @@ def run(config, sets: list[str] = ()) -> int:
         from megamemo.runtime.interruptions import announce_run_dir
         announce_run_dir(cfg.train.run_dir, rank)   # to a supervisor that restarts failed runs (launch/)
         device.resolve()                    # cuda or cpu, before DeepSpeed picks its accelerator
-        from megamemo.train.data import check_data_dir
-        check_data_dir(cfg)
+        from megamemo.train.data import check_data_dir, unused_ids
+        unused = unused_ids(cfg, check_data_dir(cfg))
+        if unused and not rank:
+            print(f"[train] warning: {unused}", flush=True)
         if cfg.train.deterministic:
             device.make_deterministic()
         device.set_tf32(cfg.precision.allow_tf32 and cfg.precision.dtype == "fp32")
