@@ -159,6 +159,8 @@ class TrainConfig:
     # data-parallel replicas compare a fingerprint of what they hold alike (one small all-gather); a mismatch stops the
     # run as node-suspect (exit 5). null: at the checkpoints only (checkpoint.save_every); 0: never
     replica_check_every: int | None = None
+    # Loss spikes (megamemo/train/numerics.py SpikeWatch): the rule (off | zscore | ratio over a running window),
+    # its threshold and what a spike does (stop, or rollback past its data, recorded in interruptions.jsonl)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
 
     def check(self, run, bad) -> None:
