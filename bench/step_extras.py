@@ -28,7 +28,7 @@ def auto_forms(config: str, device, log=print) -> tuple[list[str], list[str]]:
     from megamemo.train.config import load
     from megamemo.train.forms import candidates
 
-    cfg = load(config, ["parallel.tp=1", "parallel.pp=1"])
+    cfg = load(config, ["parallel.tp=1", "parallel.pp=1"], vocab_fallback=32000)   # the forms need no data
     forms, skipped = candidates(cfg, device, log)
     return [form_name(f.attention, f.compiled) for f in forms], skipped
 

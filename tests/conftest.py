@@ -37,6 +37,25 @@ if not cuda_available():
 DEVICE_MARKERS = {"gpu": 1, "multigpu": 2, "gpu4": 4}
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def rendezvous_untouched():
+    """A test that leaves a rendezvous variable set in this process (an in-process dist.init exports them) would
+    hand every later process of the worker that port: they fail with EADDRINUSE far from the cause. Restored, and
+    the test that leaked fails naming the variables."""
+    before = {k: os.environ.get(k) for k in RENDEZVOUS}
+    yield
+    leaked = {k: os.environ.get(k) for k in RENDEZVOUS if os.environ.get(k) != before[k]}
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    assert not leaked, f"the test left rendezvous variables changed in the test process: {leaked}"
+
+
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory):
     """Byte-level shards of the enwik8 fixture (`megamemo prepare enwik8`), once per session. Read-only to tests."""

@@ -87,7 +87,7 @@ def test_the_shared_flags_are_one_definition_the_same_on_every_machine(monkeypat
                     seen.setdefault(flag, []).append(name)
                     if flag == "device":
                         assert a.default == "auto", (name, a.default)
-    assert sorted(seen["ckpt"]) == ["analyze", "convert", "convert", "eval", "export", "generate", "harness"]
+    assert sorted(seen["ckpt"]) == ["analyze", "convert", "convert", "eval", "export", "generate", "harness", "replay"]
     assert sorted(seen["data"]) == ["analyze", "convert", "eval", "export", "generate", "train"]
     assert sorted(seen["device"]) == ["analyze", "eval", "generate", "harness"]
     assert sorted(seen["mem-len"]) == ["analyze", "eval", "generate", "harness"]

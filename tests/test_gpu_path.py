@@ -355,11 +355,13 @@ def test_a_stage_reads_meta_once_and_makes_it_on_the_tokens_device():
 # ---- DeepSpeed's gradient accumulation ------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, zero, pp, setting, want", [
     ("bf16", 2, 1, "auto", "fp32"), ("fp16", 2, 1, "auto", "fp32"), ("fp16", 1, 1, "auto", "fp32"),
-    ("bf16", 1, 1, "auto", "fp32"), ("bf16", 1, 1, "fp32", "fp32"), ("bf16", 0, 1, "auto", None),
+    ("bf16", 1, 1, "auto", None), ("bf16", 1, 1, "fp32", "fp32"), ("bf16", 0, 1, "auto", None),
     ("fp16", 1, 2, "auto", "fp32"), ("bf16", 1, 2, "auto", "fp32"), ("bf16", 2, 1, "model", None),
     ("fp32", 2, 1, "auto", None),
 ])
 def test_ds_config_accumulates_half_precision_gradients_in_fp32_where_deepspeed_can(dtype, zero, pp, setting, want):
+    """tiny-cpu.yaml has grad_accum 1: bf16 on ZeRO 1 there has nothing to accumulate and takes the model dtype, so
+    that DeepSpeed runs its ZeRO optimizer (the overlapped bf16 reduction: parallel/zero.py)."""
     from megamemo.train.engine import ds_config
 
     cfg = load(REPO / "configs/tiny-cpu.yaml", [f"precision.dtype={dtype}", f"parallel.zero_stage={zero}",

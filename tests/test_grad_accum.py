@@ -117,14 +117,14 @@ def test_every_shipped_half_precision_config_accumulates_in_fp32(config):
     the model dtype, so that DeepSpeed runs its ZeRO optimizer (parallel/zero.py); at grad_accum 2 it is fp32."""
     from megamemo.train.engine import ds_config
 
-    cfg = load(REPO / "configs" / config, [])
+    cfg = load(REPO / "configs" / config, [], vocab_fallback=32000)      # n_token auto: no data here
     got = ds_config(cfg, 1, 1).get("data_types", {}).get("grad_accum_dtype")
     p = cfg.precision
     one = p.dtype == "bf16" and cfg.parallel.zero_stage == 1 and cfg.train.grad_accum == 1 and cfg.parallel.pp == 1
     assert got == (None if p.dtype == "fp32" or one else "fp32"), (config, p.dtype, got)
     if one:
         more = load(REPO / "configs" / config, ["train.grad_accum=2", "parallel.overlap_comm=false",
-                                                "parallel.reduce_bucket_size=null"])
+                                                "parallel.reduce_bucket_size=null"], vocab_fallback=32000)
         assert ds_config(more, 1, 1)["data_types"]["grad_accum_dtype"] == "fp32"
 
 

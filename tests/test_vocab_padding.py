@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -100,13 +101,18 @@ def test_an_explicit_n_token_above_the_datas_vocabulary_is_one_warning_naming_th
     """Issue 50: an explicit n_token larger than the corpus's vocabulary (a 32k config over a BPE that saturated
     early) trains rows no target ever is: the run starts, with one warning line naming them; auto and an exact
     n_token say nothing."""
-    from megamemo.commands import train as cli
+    import forked
     from megamemo.train.data import check_data_dir, unused_ids
+    from runs_cache import REPO
 
     run = ["--max-steps", "0", "--set", "eval.every=0", "--set", "log.tensorboard=false"]
     cfg_file = config_file(tmp_path, n_token=64, data=text8_shards)
-    assert cli.main(["--config", str(cfg_file), "--run-dir", str(tmp_path / "run"), *run]) == 0
-    out = capsys.readouterr().out
+    # in its own process: a training run in this one would leave its process group and rendezvous port behind
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
+               DS_ACCELERATOR="cpu")
+    r = forked.run_megamemo(["train", "--config", cfg_file, "--run-dir", tmp_path / "run", *run], env, REPO, 180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
     warned = [line for line in out.splitlines() if "warning" in line]
     assert warned == ["[train] warning: model.n_token: 64 symbols, but the data's vocabulary has 27: ids 27..63 (37) "
                       "never occur and are trained in the softmax unseen (model.n_token: auto sizes the tables to "

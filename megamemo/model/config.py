@@ -19,6 +19,17 @@ VARIANTS = {
 }
 
 
+
+PAD_MULTIPLE = 128          # rows per TP rank a padded vocabulary is a multiple of (model.n_token: auto)
+
+
+def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
+    """(n_token, n_vocab) for a vocabulary of `vocab` symbols under tensor parallelism tp: n_token the next multiple
+    of 128 x tp, n_vocab = vocab where that pads (None where it does not). megamemo/train/vocab.py says why."""
+    step = PAD_MULTIPLE * tp
+    n = -(-vocab // step) * step
+    return n, (vocab if n != vocab else None)
+
 @dataclass
 class ModelConfig:
     variant: str = "lamemo"         # the architecture: LaMemo, its ablations, Transformer-XL or a Transformer

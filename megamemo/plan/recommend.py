@@ -31,10 +31,10 @@ def _divisors(n: int) -> list[int]:
 
 def model_at(cfg, tp: int):
     """cfg's model as a run under `tp` builds it: a `model.n_token: auto` vocabulary padded for that tp
-    (train/vocab.py: 32,000 symbols are 32,000 rows at tp 2, 32,256 at tp 4, 32,768 at tp 8)."""
+    (model/config.py padded_vocab: 32,000 symbols are 32,000 rows at tp 2, 32,256 at tp 4, 32,768 at tp 8)."""
     if not cfg.n_token_auto:
         return cfg.model
-    from megamemo.train.vocab import padded_vocab
+    from megamemo.model.config import padded_vocab
     n_token, n_vocab = padded_vocab(cfg.model.vocab_size, tp)
     return dataclasses.replace(cfg.model, n_token=n_token, n_vocab=n_vocab)
 

@@ -21,15 +21,7 @@ import sys
 
 from megamemo.config.run import ConfigError
 
-PAD_MULTIPLE = 128          # rows per TP rank a padded vocabulary is a multiple of
-
-
-def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
-    """(n_token, n_vocab) for a vocabulary of `vocab` symbols under tensor parallelism tp: n_token the next multiple
-    of 128 x tp, n_vocab = vocab where that pads (None where it does not)."""
-    step = PAD_MULTIPLE * tp
-    n = -(-vocab // step) * step
-    return n, (vocab if n != vocab else None)
+from megamemo.model.config import PAD_MULTIPLE, padded_vocab  # noqa: F401 (the rule lives with the model's n_vocab)
 
 
 def manifest_vocab(data, fallback: int | None = None) -> int:
