@@ -234,7 +234,7 @@ MUTATIONS = [
     M("config-override-value-taken-as-text", "megamemo/config/run.py",
       'value = yaml.safe_load(raw) if raw.strip() else ""', "value = raw",
       ("tests/test_train_units.py::test_overrides_and_round_trip",)),
-    M("train-vocab-pads-a-full-multiple", "megamemo/train/vocab.py",
+    M("train-vocab-pads-a-full-multiple", "megamemo/model/config.py",
       "n = -(-vocab // step) * step", "n = (vocab // step + 1) * step",
       ("tests/test_vocab_padding.py::test_padded_vocab_by_hand",)),
     M("parallel-vocab-log-probs-gathered-out-of-rank-order", "megamemo/parallel/tensor.py",
