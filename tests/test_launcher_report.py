@@ -113,12 +113,19 @@ def test_after_an_explained_error_rank_0_may_still_say_it():
     assert "the others were stopped" not in r.stderr, r.stderr     # (the launcher adds no line of its own to a 2)
 
 
-# Every start fails: each rank notes the restart number it was given (MEGAMEMO_RESTART), rank 1 exits 1
+# Every start fails: each rank notes the restart number it was given (MEGAMEMO_RESTART), rank 1 exits 1 once rank 0
+# has noted its own (the launcher stops the other ranks when one fails: rank 0 could be stopped before it wrote)
 NOTES_AND_FAILS = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
+    note = f"{os.environ['RANK']}:{os.environ['MEGAMEMO_RESTART']}"
     with open(sys.argv[1] + ".starts", "a") as f:
-        f.write(f"{os.environ['RANK']}:{os.environ['MEGAMEMO_RESTART']}\\n")
-    sys.exit(1 if os.environ["RANK"] == "1" else 0)
+        f.write(note + "\\n")
+    if os.environ["RANK"] == "1":
+        mine = "0:" + os.environ["MEGAMEMO_RESTART"]
+        end = time.time() + 60
+        while time.time() < end and mine not in open(sys.argv[1] + ".starts").read().split():
+            time.sleep(0.05)
+        sys.exit(1)
 """)
 
 
