@@ -5,7 +5,7 @@ never a candidate below sm80 or under train.deterministic, and which compiled fo
 tensor parallelism too: there the attention regions are compiled, not the layers)."""
 from __future__ import annotations
 
-import time
+import types
 
 import pytest
 
@@ -29,18 +29,29 @@ def sm90(monkeypatch):
     monkeypatch.setattr(forms, "capability", lambda device: (9, 0))
 
 
-def _slow(fn, seconds=0.02):
+@pytest.fixture
+def clock(monkeypatch):
+    """The start-up timing's clock made virtual (form_check reads time.perf_counter): a `_slow` function advances it
+    by a second a call, so a slowed form is slower by whole seconds whatever else the machine runs."""
+    from megamemo.kernels import form_check
+
+    now = [0.0]
+    monkeypatch.setattr(form_check, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
+def _slow(fn, clock):
     def slowed(*a, **kw):
-        time.sleep(seconds)
+        clock[0] += 1.0
         return fn(*a, **kw)
     return slowed
 
 
-def test_a_form_that_fails_is_skipped_and_never_chosen_however_fast(sm90, monkeypatch):
+def test_a_form_that_fails_is_skipped_and_never_chosen_however_fast(sm90, clock, monkeypatch):
     """eager is slowed down; fused is made to raise (a compile error), then to be fast and wrong: neither is ever
     chosen, each is named in the one start-up line, and the real flex (no backward on the CPU) is skipped too."""
     monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "eager",
-                        (_slow(causal_attention), _slow(lookahead_attention)))
+                        (_slow(causal_attention, clock), _slow(lookahead_attention, clock)))
 
     def broken(*a, **kw):
         raise RuntimeError("InductorError: planted compile failure")
@@ -60,12 +71,12 @@ def test_a_form_that_fails_is_skipped_and_never_chosen_however_fast(sm90, monkey
         assert "eager " in lines[0] and " ms" in lines[0], lines
 
 
-def test_the_fastest_form_that_agrees_is_chosen(sm90, monkeypatch):
+def test_the_fastest_form_that_agrees_is_chosen(sm90, clock, monkeypatch):
     """fused (a correct one: eager's own functions) against a slowed eager: fused wins, and the model computes in
     it."""
     monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "fused", (causal_attention, lookahead_attention))
     monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "eager",
-                        (_slow(causal_attention), _slow(lookahead_attention)))
+                        (_slow(causal_attention, clock), _slow(lookahead_attention, clock)))
     run, lines = _run(), []
     model = MemTransformerLM(run.model)
     chosen = forms.choose_form(run, model, "cuda", 2, lines.append)

@@ -143,8 +143,10 @@ def reference(tiny_cfg, shards, reference_runs):
 def test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_exact(tiny_cfg, shards, reference,
                                                                                     tmp_path):
     run_dir = tmp_path / "run"
-    p = local_launch.start(tiny_cfg, shards, run_dir, "--max-steps", "12", n=2, restarts=1,
-                           env={"MEGAMEMO_FAULT_FLIP": "weights:6:1@0"})     # at the step-6 check, first start only
+    # synchronous saves: the step-3 checkpoint is committed before step 4 (an asynchronous commit can still be under
+    # way at the step-6 failure on a loaded machine, and the restart would then start afresh)
+    p = local_launch.start(tiny_cfg, shards, run_dir, "--max-steps", "12", "--set", "checkpoint.async_save=false",
+                           n=2, restarts=1, env={"MEGAMEMO_FAULT_FLIP": "weights:6:1@0"})   # the step-6 check, start 1
     assert local_launch.finish(p, 300) == 0, local_launch.text(run_dir)[-3000:]
     out = local_launch.text(run_dir)
     assert "megamemo train: error: replica check after step 6: rank 1 (" in out, out[-3000:]
