@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from fixture_data import ENWIK8
+from megamemo.checkpoint.store import newest_complete
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -269,7 +270,10 @@ def test_a_spare_node_takes_over_inside_the_allocation_under_a_smaller_world(slu
                                                                      "--set", "checkpoint.probe=false"])
     metrics = run_dir / "metrics.jsonl"
     t0 = time.time()
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 7):
+    # step 7 logged and the step-4 checkpoint committed (saves are asynchronous: under load the kill could otherwise
+    # come before the commit, and the fault would record none)
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 7
+               and newest_complete(run_dir / "checkpoints") is not None):
         assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, \
             _job_logs(slurm, tmp_path, job_id)
         time.sleep(0.05)
