@@ -83,7 +83,6 @@ sys.exit(0 if torch.__version__ == held else f'torch changed from {held} to {tor
 
 COPY pyproject.toml /opt/megamemo/
 COPY megamemo /opt/megamemo/megamemo
-COPY data_pipeline /opt/megamemo/data_pipeline
 COPY configs /opt/megamemo/configs
 COPY launch /opt/megamemo/launch
 COPY scripts /opt/megamemo/scripts

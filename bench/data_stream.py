@@ -44,7 +44,7 @@ def plain_decompress(data_dir: Path, manifest: dict, split: str) -> int:
 
 
 def reader_epoch(data_dir: Path, split: str, batch: int, tgt_len: int, prefetch: int) -> int:
-    from data_pipeline import StreamReader
+    from megamemo.data import StreamReader
     with StreamReader(data_dir, split, batch, tgt_len, prefetch=prefetch) as r:
         return sum(x.numel() for x, _ in r)
 
@@ -54,10 +54,10 @@ def s3_rates(data_dir: Path, tmp: Path, a) -> dict:
     cache, and the network wait of a reader paced at `--paced-rate` after its first batch."""
     import os
 
-    from data_pipeline import StreamReader
+    from megamemo.data import StreamReader
     sys.path.insert(0, str(REPO / "tests"))          # the loopback servers are test support (tests/loopback*.py)
     from loopback_s3 import LoopbackS3, upload
-    from data_pipeline.remote import RemoteOptions
+    from megamemo.data.remote import RemoteOptions
 
     runs = iter(range(1_000_000))
 
@@ -95,9 +95,9 @@ def s3_rates(data_dir: Path, tmp: Path, a) -> dict:
 def blend_rates(data_dir: Path, tmp: Path, a) -> dict:
     """BlendReader tokens/s over two sources (each drawn half the tokens): chunks, then documents; and the
     seconds to the first batch of a blend resumed at step --resume-step."""
-    from data_pipeline import build, corpora, read_split
-    from data_pipeline.blend import BlendReader
-    from data_pipeline.vocab import Vocab
+    from megamemo.data import build, corpora, read_split
+    from megamemo.data.blend import BlendReader
+    from megamemo.data.vocab import Vocab
 
     ids = read_split(data_dir, a.split)
     rng = np.random.default_rng(0)
@@ -129,8 +129,8 @@ def range_reads(data_dir: Path, split: str) -> int:
     import fsspec
     import numpy as np
 
-    from data_pipeline import load_manifest
-    from data_pipeline.shard_reader import ShardFile
+    from megamemo.data import load_manifest
+    from megamemo.data.shard_reader import ShardFile
 
     m = load_manifest(data_dir)
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
@@ -171,7 +171,7 @@ def best_rates(fns: dict, repeats: int, min_seconds: float = 2.0) -> dict:
 
 
 def training_rate(data_dir: Path, split: str, batch: int, tgt_len: int, steps: int, n_token: int) -> tuple[float, str]:
-    from data_pipeline import StreamReader
+    from megamemo.data import StreamReader
     from megamemo.model import MemTransformerLM, ModelConfig
     torch.manual_seed(0)
     cfg = ModelConfig(variant="lamemo", n_token=n_token, n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128,
@@ -220,7 +220,7 @@ def main() -> None:
 
 def run(a, tmp: Path) -> None:
 
-    from data_pipeline import build, corpora, load_manifest
+    from megamemo.data import build, corpora, load_manifest
     if a.data is None:
         data_dir = tmp / "enwik8"
         raw = REPO.parent / "shared/data/enwik8/enwik8_prefix"

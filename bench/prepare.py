@@ -33,10 +33,10 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data_pipeline.documents import BLOCK_BYTES  # noqa: E402
-from data_pipeline.shards import build  # noqa: E402
-from data_pipeline.subword import subword_text  # noqa: E402
-from data_pipeline.tokenizer import train_bpe  # noqa: E402
+from megamemo.data.documents import BLOCK_BYTES  # noqa: E402
+from megamemo.data.shards import build  # noqa: E402
+from megamemo.data.subword import subword_text  # noqa: E402
+from megamemo.data.tokenizer import train_bpe  # noqa: E402
 
 FIXTURE = REPO / "tests" / "fixtures" / "text" / "wiki_paragraphs.jsonl"
 
@@ -85,7 +85,7 @@ def ceiling(tok, docs: list[str], repeats: int) -> float:
 
 def _encode_share(args) -> float:
     tok_data, share = args
-    from data_pipeline.tokenizer import SubwordTokenizer
+    from megamemo.data.tokenizer import SubwordTokenizer
 
     tok = SubwordTokenizer.from_bytes(tok_data, "tokenizers", "bench")
     return ceiling(tok, share, 1)

@@ -49,7 +49,7 @@ def shard_dir(args) -> Path:
         return Path(args.data)
     out = REPO / ".cache/bench/enwik8-prefix"
     if not (out / "manifest.json").is_file():
-        from data_pipeline import build, corpora
+        from megamemo.data import build, corpora
 
         raw = REPO.parent / "shared/data/enwik8/enwik8_prefix"
         print(f"[quality] building byte-level shards of {raw} in {out}", flush=True)
@@ -58,7 +58,7 @@ def shard_dir(args) -> Path:
 
 
 def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
-    from data_pipeline import StreamReader
+    from megamemo.data import StreamReader
     from megamemo.kernels import DropoutKey, apply_dropout_masks
 
     torch.manual_seed(args.seed)

@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.insert(0, str(REPO / "tests"))
             from fixture_data import ENWIK8
 
-            from data_pipeline.cli import prepare_main
+            from megamemo.data.cli import prepare_main
             shutil.rmtree(data, ignore_errors=True)
             assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(data), "--quiet"]) == 0
     summary = soak(cfg, data, a.out, kills=a.kills, seed=seed, steps=a.steps or 2 * a.kills + 10, world=a.world,

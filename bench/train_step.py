@@ -34,7 +34,7 @@ def plain_loop(config: str, data: str, steps: int, warmup: int, sets: list[str])
     """Worker: the same training step without DeepSpeed; prints tokens/s over steps warmup+1..steps."""
     import torch
 
-    from data_pipeline import StreamReader
+    from megamemo.data import StreamReader
     from megamemo.train.config import load
     from megamemo.kernels import apply_kernels
     from megamemo.model import MemTransformerLM
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         data = a.data
         if data is None:
-            from data_pipeline.cli import prepare_main
+            from megamemo.data.cli import prepare_main
 
             data = str(work / "enwik8")
             raw = REPO.parent / "shared" / "data" / "enwik8" / "enwik8_prefix"

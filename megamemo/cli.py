@@ -1,5 +1,5 @@
 """The `megamemo` command: a thin dispatcher. Each subcommand lives in its own module (megamemo/commands/; prepare
-and verify-shards: data_pipeline/cli.py) as `main(argv: list[str]) -> int | None`, imported only when used (so
+and verify-shards: megamemo/data/cli.py) as `main(argv: list[str]) -> int | None`, imported only when used (so
 `megamemo prepare` never imports DeepSpeed)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import sys
 
 SUBCOMMANDS = {
-    "prepare": ("data_pipeline.cli:prepare_main", "build zstd webdataset shards from a raw corpus"),
-    "verify-shards": ("data_pipeline.cli:verify_main", "check every shard of a directory against its manifest"),
+    "prepare": ("megamemo.data.cli:prepare_main", "build zstd webdataset shards from a raw corpus"),
+    "verify-shards": ("megamemo.data.cli:verify_main", "check every shard of a directory against its manifest"),
     "reference-score": ("megamemo.commands.reference_score:main",
                         "score a reference-format .pt file with the megamemo model"),
     "train": ("megamemo.commands.train:main", "train (one process per device; see launch/)"),

@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 ERRORS = ("ConfigError", "DataError", "ManifestError", "ShardError", "CheckpointError", "PieceError", "ProbeError",
           "RunLockedError", "DeviceError", "SingleCheckpointError", "DivergedError", "CompilerUnavailable",
           "StoreUnavailableError", "BlendError", "DocumentIndexError")
-# `megamemo prepare` (data_pipeline/cli.py prepare_main) prints these as `megamemo prepare: error: ...`, exit 2
-PREPARE_FILES = {f"data_pipeline/{m}.py" for m in ("cli", "corpora", "documents", "subword", "tokenizer", "vocab",
+# `megamemo prepare` (megamemo/data/cli.py prepare_main) prints these as `megamemo prepare: error: ...`, exit 2
+PREPARE_FILES = {f"megamemo/data/{m}.py" for m in ("cli", "corpora", "documents", "subword", "tokenizer", "vocab",
                                                    "shards")}
 PREPARE_ERRORS = ("ValueError", "TokenizerError", "EmptyCorpusError", "FileNotFoundError", "FileExistsError",
                   "located")
@@ -158,7 +158,7 @@ def _kind(node, rel: str) -> tuple[str | None, ast.Call | None]:
 
 def error_rows() -> list[tuple[str, int, str, str, str]]:
     rows = []
-    files = sorted([*REPO.joinpath("megamemo").rglob("*.py"), *REPO.joinpath("data_pipeline").rglob("*.py")])
+    files = sorted([*REPO.joinpath("megamemo").rglob("*.py")])
     for path in files:
         if "hf_code" in path.parts:
             continue

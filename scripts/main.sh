@@ -57,11 +57,11 @@ megamemo convert to-single --ckpt "$out/run" --out "$out/single"
 echo "[main] 5/6 evaluate on the whole test split"
 megamemo eval --ckpt "$out/single" --data "$out/shards" --split test --json "$out/eval.json"
 megamemo plot "$out/run" --out "$out/curves.png"     # training/validation bpc, the resume marked
-python -c 'import json, sys; from data_pipeline.stats import unigram_baseline
+python -c 'import json, sys; from megamemo.data.stats import unigram_baseline
 json.dump(unigram_baseline(sys.argv[1], "test"), open(sys.argv[2], "w"))' "$out/shards" "$out/unigram.json"
 
 echo "[main] 6/6 sample a continuation of a test-split prompt from the converted checkpoint (top-p 0.9, seed 1)"
-python -c 'import sys; from data_pipeline.stats import excerpt
+python -c 'import sys; from megamemo.data.stats import excerpt
 open(sys.argv[2], "wb").write(excerpt(sys.argv[1], "test", start=100_000, n_tokens=200))' \
   "$out/shards" "$out/prompt.txt"
 if [ "$sample" -gt 0 ]; then

@@ -59,7 +59,7 @@ def rendezvous_untouched():
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory):
     """Byte-level shards of the enwik8 fixture (`megamemo prepare enwik8`), once per session. Read-only to tests."""
-    from data_pipeline.cli import prepare_main
+    from megamemo.data.cli import prepare_main
 
     out = tmp_path_factory.mktemp("shards") / "enwik8"
     assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(out), "--quiet"]) == 0

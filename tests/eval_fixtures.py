@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline import build
-from data_pipeline.corpora import from_arrays
-from data_pipeline.vocab import Vocab
+from megamemo.data import build
+from megamemo.data.corpora import from_arrays
+from megamemo.data.vocab import Vocab
 from fixture_data import ENWIK8
 from megamemo.checkpoint.single import save_single
 from megamemo.kernels import apply_kernels

@@ -13,7 +13,7 @@ import sys
 
 class _NoMegamemo(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("megamemo", "data_pipeline"):
+        if name.split(".")[0] in ("megamemo",):
             raise ImportError(f"{name} is blocked in this process")
         return None
 

@@ -155,7 +155,7 @@ def test_relayout_copies_a_checkpoint_that_resumes_under_any_layout(tp2, tiny_cf
 
 
 def test_another_global_batch_restarts_streams_with_empty_memory(tp2, tiny_cfg, shards, tmp_path):
-    from data_pipeline import StreamReader
+    from megamemo.data import StreamReader
 
     new = _resume_in_place(tp2, tmp_path, tiny_cfg, shards, 1, "--set", "data.batch_size=2")
     assert "global batch 4 -> 2 streams" in logs(new)

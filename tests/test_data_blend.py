@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_pipeline import Vocab, build, corpora, read_split
-from data_pipeline.blend import BlendError, BlendReader
+from megamemo.data import Vocab, build, corpora, read_split
+from megamemo.data.blend import BlendError, BlendReader
 from fixture_data import ENWIK8, TEXT8
 
 VOCAB = Vocab("words", [f"w{i}" for i in range(64)])
@@ -141,7 +141,7 @@ def test_a_damaged_document_index_is_named(doc_sources, tmp_path):
     import json
     import shutil
 
-    from data_pipeline import ShardError
+    from megamemo.data import ShardError
     (a, _), _ = doc_sources
     bad = tmp_path / "a"
     shutil.copytree(a, bad)

@@ -8,8 +8,8 @@ import tarfile
 import pytest
 import zstandard
 
-from data_pipeline import ManifestError, ShardError, StreamReader, build, corpora, load_manifest
-from data_pipeline.cli import verify_main
+from megamemo.data import ManifestError, ShardError, StreamReader, build, corpora, load_manifest
+from megamemo.data.cli import verify_main
 from fixture_data import ENWIK8
 
 

@@ -12,9 +12,9 @@ import pytest
 import webdataset as wds
 import zstandard
 
-from data_pipeline import load_manifest, load_vocab, read_split
-from data_pipeline.cli import prepare_main
-from data_pipeline.corpora import split_points
+from megamemo.data import load_manifest, load_vocab, read_split
+from megamemo.data.cli import prepare_main
+from megamemo.data.corpora import split_points
 from fixture_data import ENWIK8, TEXT8, WIKITEXT
 
 
@@ -181,7 +181,7 @@ def document_starts(d, split):
 def test_jsonl_records_are_documents_in_a_document_index(tmp_path):
     """Every jsonl record is a document: the index holds where each one starts (from the records themselves,
     byte-level with --doc-sep, and as words with an <eos> per line of the record); verify-shards checks it."""
-    from data_pipeline import verify_shards
+    from megamemo.data import verify_shards
     texts = [f"record {i} " + "é" * (i % 5) + ("\nsecond line" if i % 3 == 0 else "") for i in range(120)]
     raw = tmp_path / "r.jsonl"
     raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -277,10 +277,10 @@ def test_shards_are_webdataset_readable_and_reproducible(tmp_path):
     assert np.concatenate(pieces).tobytes() == raw.read_bytes()[:m1["splits"]["train"]["n_tokens"]]
 
 
-def test_python_m_data_pipeline_and_errors(tmp_path):
+def test_python_m_megamemo_data_and_errors(tmp_path):
     raw = tmp_path / "t8"
     raw.write_bytes(TEXT8.read_bytes()[:50_000])
-    r = subprocess.run([sys.executable, "-m", "data_pipeline", "prepare", "text8", "--raw", str(raw),
+    r = subprocess.run([sys.executable, "-m", "megamemo.data", "prepare", "text8", "--raw", str(raw),
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "[prepare] train:" in r.stderr and "tokens" in r.stderr  # progress / throughput lines
@@ -291,7 +291,7 @@ def test_python_m_data_pipeline_and_errors(tmp_path):
     bad = tmp_path / "bad"
     bad.write_bytes(b"abc def\nghi")
     with pytest.raises(ValueError, match=r"bad.*0x0a at byte offset 7"):
-        from data_pipeline import build, corpora
+        from megamemo.data import build, corpora
         build(corpora.text8(bad), tmp_path / "bad_out", log=lambda m: None)
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_pipeline import ShardError, StreamReader, build, corpora
+from megamemo.data import ShardError, StreamReader, build, corpora
 from loopback_s3 import LoopbackS3, upload as upload_to
-from data_pipeline.remote import RemoteOptions, RemoteShards, StoreUnavailableError
+from megamemo.data.remote import RemoteOptions, RemoteShards, StoreUnavailableError
 from fixture_data import ENWIK8
 
 BUCKET = "megamemo-test"
@@ -123,7 +123,7 @@ def test_a_cached_shard_damaged_in_place_is_fetched_again(local_shards, remote_s
     """A cached file keeps its size when damaged in place (a bad disk block, a stray write): a process hashes every
     cached file the first time it uses it, so a later process finds the damage, says so in one line and fetches the
     shard again; the reader gets the shard's true bytes."""
-    from data_pipeline import remote
+    from megamemo.data import remote
 
     lines: list[str] = []
     store = RemoteShards(remote_shards, opts(tmp_path, lines))
@@ -163,8 +163,8 @@ def test_a_damaged_vocabulary_or_tokenizer_file_is_named(corpus, s3_server, loca
     manifest and checked against its sha256 before anything reads it: a flipped byte is one error naming the object."""
     import json
 
-    from data_pipeline import ManifestError
-    from data_pipeline.cli import prepare_main
+    from megamemo.data import ManifestError
+    from megamemo.data.cli import prepare_main
 
     src = local_shards
     if corpus == "subword":
@@ -309,7 +309,7 @@ def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_
 
 def test_blend_of_a_local_and_a_remote_source(local_shards, remote_shards, tmp_path):
     """data.blend mixes local and s3:// sources: the same batches as the blend of the two local directories."""
-    from data_pipeline.blend import BlendReader
+    from megamemo.data.blend import BlendReader
 
     kw = dict(batch_size=4, tgt_len=512, seed=2)
     local = BlendReader([(local_shards, 1), (local_shards, 3)], "train", **kw)
@@ -411,7 +411,7 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
 
 
 def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
-    from data_pipeline import ManifestError
+    from megamemo.data import ManifestError
 
     for url in ("s3://AKIAEXAMPLE:s3cr3t@bucket/prefix", "https://host/shards?X-Amz-Signature=s3cr3t"):
         with pytest.raises(ManifestError, match="credentials in the URL") as e:
@@ -434,7 +434,7 @@ def test_train_names_a_missing_object_before_building_anything(local_shards, s3_
 
 
 def test_a_blend_resumes_with_a_source_moved_to_s3(local_shards, remote_shards, tmp_path):
-    from data_pipeline.blend import BlendReader
+    from megamemo.data.blend import BlendReader
 
     kw = dict(batch_size=2, tgt_len=256, seed=4)
     before = BlendReader([(local_shards, 2), (local_shards, 1)], "train", **kw)
@@ -455,7 +455,7 @@ def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_c
     import json
 
     import numpy as np
-    from data_pipeline.blend import BlendReader
+    from megamemo.data.blend import BlendReader
     from test_data_blend import doc_source
 
     local = tmp_path / "docs"

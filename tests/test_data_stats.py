@@ -1,11 +1,11 @@
-"""data_pipeline.stats: the unigram baseline (against hand-computed values) and the prompt excerpt."""
+"""megamemo.data.stats: the unigram baseline (against hand-computed values) and the prompt excerpt."""
 import math
 
 import numpy as np
 import pytest
 
-from data_pipeline.cli import prepare_main
-from data_pipeline.stats import entropy_bits, excerpt, unigram_baseline, unigram_bits
+from megamemo.data.cli import prepare_main
+from megamemo.data.stats import entropy_bits, excerpt, unigram_baseline, unigram_bits
 from fixture_data import ENWIK8
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline import StreamReader, Vocab, build, corpora
-from data_pipeline.shard_reader import SplitSource
+from megamemo.data import StreamReader, Vocab, build, corpora
+from megamemo.data.shard_reader import SplitSource
 from fixture_data import ENWIK8, reference_file
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import read_split
-from data_pipeline.cli import prepare_main
-from data_pipeline.tokenizer import SubwordTokenizer, train_bpe
+from megamemo.data import read_split
+from megamemo.data.cli import prepare_main
+from megamemo.data.tokenizer import SubwordTokenizer, train_bpe
 import forked
 from fixture_data import TEXT
 
@@ -116,11 +116,11 @@ def test_whole_documents_split_by_seed_and_decoded_exactly(bpe_dirs):
 
 def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
     """3.3 MB of documents: several of the 1 MiB blocks the reader cuts the input into (whole documents each,
-    data_pipeline/documents.py), tokenized by 1, 2 and 3 worker processes. The shards are the same bytes, and every
+    megamemo/data/documents.py), tokenized by 1, 2 and 3 worker processes. The shards are the same bytes, and every
     document - the last of a block and the first of the next among them - is in the split its index in the whole
     stream draws (the running index across blocks), decoded exactly, starting where the document index says, some of
     them across chunk and shard boundaries."""
-    from data_pipeline.documents import BLOCK_BYTES
+    from megamemo.data.documents import BLOCK_BYTES
 
     rng = np.random.default_rng(36)
     words = [f"w{i}" for i in range(500)] + ["caf\u00e9", "\u65e5\u672c", "\U0001F600", "a\tb", "\n"]
@@ -145,8 +145,8 @@ def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
     m = json.loads((outs[0] / "manifest.json").read_text())
     tok = SubwordTokenizer.from_file(tok_file)
     # a BPE is trained on the documents of the train split: the same running index picks them
-    from data_pipeline.documents import DocumentSplit, list_sources
-    from data_pipeline.subword import _train_texts
+    from megamemo.data.documents import DocumentSplit, list_sources
+    from megamemo.data.subword import _train_texts
     assert list(_train_texts(list_sources([raw]), "text", DocumentSplit(), [str(raw)])) == \
         [t for i, t in enumerate(texts) if expected_split(i) == "train"]
     for split in ("train", "valid", "test"):
@@ -415,7 +415,7 @@ def test_plot_shows_bits_per_byte_beside_perplexity(bpe_dirs, tmp_path):
 def test_workers_read_at_most_a_bounded_number_of_blocks_ahead(workers):
     """Memory does not grow with the corpus: when the k-th encoded block comes out, at most k + 2N + 1 blocks
     (N workers; one with no workers) have been read from the input."""
-    from data_pipeline.subword import encoded_blocks
+    from megamemo.data.subword import encoded_blocks
 
     tok = train_bpe(iter(docs()[:100]), 300)
     pulled = []

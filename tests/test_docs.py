@@ -71,7 +71,7 @@ def test_every_flag_key_and_path_the_pages_name_exists():
             for key in re.findall(rf"(?<![\w./-])((?:{'|'.join(SECTIONS)})\.[a-z_]+)(?=[=`\s:,)]|$)", span):
                 if key not in keys and key.rsplit(".", 1)[1] not in FILE_SUFFIXES:
                     bad.append(f"{rel}: no config key {key}")
-            for path in re.findall(r"(?<![\w./-])((?:megamemo|data_pipeline|launch|scripts|bench|tests|configs|"
+            for path in re.findall(r"(?<![\w./-])((?:megamemo|launch|scripts|bench|tests|configs|"
                                    r"docs)/[\w./-]*\w)", span):
                 if not (REPO / path).exists() and not (REPO / path.split("::")[0]).exists():
                     bad.append(f"{rel}: no file {path}")

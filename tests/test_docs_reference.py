@@ -81,11 +81,11 @@ def test_the_message_of_a_variable_a_shard_error_and_a_caught_error():
     from docs_errors import error_rows
 
     by = {(rel, line): msg for rel, line, _, _, msg in error_rows()}
-    shard = [m for (rel, _), m in by.items() if rel == "data_pipeline/shard_reader.py" and "truncated tar" in m]
+    shard = [m for (rel, _), m in by.items() if rel == "megamemo/data/shard_reader.py" and "truncated tar" in m]
     assert shard and all(m.startswith("shard {shard}: truncated tar") for m in shard), shard
     assert any(m.startswith("{e} (the ValueError caught, passed on)") for (rel, _), m in by.items()
                if rel == "megamemo/config/run.py")
-    utf8 = [m for (rel, _), m in by.items() if rel == "data_pipeline/documents.py" and "not UTF-8" in m]
+    utf8 = [m for (rel, _), m in by.items() if rel == "megamemo/data/documents.py" and "not UTF-8" in m]
     assert any("line {line}: column {column}: not UTF-8 (byte 0x{data[e.start]:02x}" in m for m in utf8), utf8
 
 
@@ -94,7 +94,7 @@ def test_prepares_errors_are_in_the_catalogue():
 
     prepare = [(rel, msg) for rel, _, kind, _, msg in error_rows() if kind.startswith("prepare")]
     files = {rel for rel, _ in prepare}
-    assert {"data_pipeline/corpora.py", "data_pipeline/documents.py", "data_pipeline/tokenizer.py"} <= files
+    assert {"megamemo/data/corpora.py", "megamemo/data/documents.py", "megamemo/data/tokenizer.py"} <= files
     assert any("bpe:N needs an integer N >= 257" in msg for _, msg in prepare)
     page = docs_reference.errors_page()
     assert "megamemo prepare: error: MESSAGE" in page and "| prepare (ValueError) |" in page

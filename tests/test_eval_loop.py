@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline import read_split
+from megamemo.data import read_split
 from megamemo.commands import eval as evaluate
 from megamemo.checkpoint.single import load_single
 from megamemo.model import MemTransformerLM

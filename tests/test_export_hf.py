@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline.vocab import Vocab
+from megamemo.data.vocab import Vocab
 from megamemo.commands import generate as generate_cmd
 from megamemo.interop.load import load_model
 from megamemo.eval.evaluate import evaluate, open_batches

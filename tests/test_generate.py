@@ -94,7 +94,7 @@ def test_cli_uses_the_checkpoint_vocabulary_and_is_reproducible(tmp_path, capsys
 
 def test_word_vocabulary_from_the_shards_and_errors(tmp_path, capsys):
     data = word_shards(tmp_path / "words")
-    from data_pipeline import load_vocab
+    from megamemo.data import load_vocab
 
     v = load_vocab(data)
     assert encode_prompt(v, b"w1 w2\nw3 zzz\nw4", "p") == [v.sym2idx["w1"], v.sym2idx["w2"], 0, v.sym2idx["w3"],

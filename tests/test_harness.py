@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import build
-from data_pipeline.corpora import from_arrays
-from data_pipeline.vocab import Vocab
+from megamemo.data import build
+from megamemo.data.corpora import from_arrays
+from megamemo.data.vocab import Vocab
 from fixture_data import ENWIK8
 from megamemo.commands import eval as eval_cmd
 from megamemo.commands import export as export_cmd, harness as harness_cmd

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("megamemo", "data_pipeline")
+PACKAGES = ("megamemo",)
 
 
 def _modules() -> dict[str, Path]:
@@ -95,7 +95,7 @@ def test_no_import_cycles():
 LAYERS = (
     ("megamemo.util",),                     # typed building, atomic files, digests, progress: nothing of megamemo
     ("megamemo.config",),                   # composes a run's config from its sections: YAML, --set, their checks
-    ("data_pipeline", "megamemo.model"),    # shards and tokenizers (the data section); the single-device model
+    ("megamemo.data", "megamemo.model"),    # shards and tokenizers (the data section); the single-device model
     ("megamemo.parallel", "megamemo.kernels"),  # the model's TP / PP forms (the parallel section); its CPU kernels
     ("megamemo.checkpoint",),               # the checkpoint format only
     ("megamemo.runtime", "megamemo.interop"),   # processes, devices, the run directory; checkpoints as models
@@ -107,8 +107,6 @@ LAYERS = (
 
 def _package(module: str) -> str:
     parts = module.split(".")
-    if parts[0] == "data_pipeline":
-        return "data_pipeline"
     candidate = ".".join(parts[:2])
     return candidate if (REPO / candidate.replace(".", "/")).is_dir() else parts[0]
 
@@ -158,7 +156,6 @@ def test_the_top_level_holds_only_the_dispatcher():
 
 def test_every_folder_says_what_lives_in_it():
     silent = [str(p.relative_to(REPO)) for p in sorted((REPO / "megamemo").rglob("__init__.py"))
-              + [REPO / "data_pipeline" / "__init__.py"]
               if "hf_code" not in p.parts and not ast.get_docstring(ast.parse(p.read_text()))]
     assert not silent, silent
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import build, corpora
+from megamemo.data import build, corpora
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from fixture_data import ENWIK8
 from megamemo.eval import evaluate
@@ -86,7 +86,7 @@ def test_bar_choice_follows_the_stream():
 def test_prepare_progress_lines(tmp_path):
     """Five blocks of 2^18 input bytes read (stats["input_bytes"], as the corpus readers report them): one
     line per block with progress_every=0, in the format prepare has always printed."""
-    from data_pipeline.vocab import Vocab
+    from megamemo.data.vocab import Vocab
 
     block = 1 << 18
 

@@ -29,7 +29,7 @@ TINY = TRAIN_TINY.replace("max_steps: 8", "max_steps: 2").replace("save_every: 3
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from data_pipeline.cli import prepare_main
+    from megamemo.data.cli import prepare_main
     from fixture_data import ENWIK8
 
     root = tmp_path_factory.mktemp("quiet")

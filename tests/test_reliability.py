@@ -150,7 +150,7 @@ def _corrupt_last_train_chunk(shards, out):
     the middle of its zstd frame."""
     import shutil
 
-    from data_pipeline.shard_reader import scan_tar
+    from megamemo.data.shard_reader import scan_tar
 
     shutil.copytree(shards, out)
     manifest = json.loads((out / "manifest.json").read_text())

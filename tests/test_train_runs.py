@@ -65,7 +65,7 @@ def eval_records(run_dir: Path) -> list[dict]:
 
 def direct_eval(tiny_cfg: Path, shards: Path, step_dir: Path, tgt_len: int, mem_len: int, batch: int, segments: int):
     """Validation NLL of a checkpoint's weights computed here with the plain model and reader."""
-    from data_pipeline import StreamReader
+    from megamemo.data import StreamReader
 
     model = checkpoint_model(step_dir)
     total, count, mem = 0.0, 0, None
@@ -287,8 +287,8 @@ def test_fp16_overflow_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_pat
 def test_new_epoch_starts_from_empty_memory(tiny_cfg, tmp_path):
     """A 360-token train split: 6 steps per epoch (the last one 9 rows). Step 7 is epoch 1's first batch (rolled
     elsewhere): it must be scored with empty memory, as the reference's per-epoch train() does."""
-    from data_pipeline import StreamReader
-    from data_pipeline.cli import prepare_main
+    from megamemo.data import StreamReader
+    from megamemo.data.cli import prepare_main
     from megamemo.train.config import load
 
     raw = tmp_path / "small.txt"

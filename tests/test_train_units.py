@@ -79,7 +79,7 @@ def test_large_configs_size_their_vocabulary_from_the_data(tmp_path, name, tp_ro
     path = REPO / "configs" / f"{name}.yaml"
     assert "n_token: auto" in path.read_text()
     read = lambda d: json.loads((Path(d) / "manifest.json").read_text())      # noqa: E731 (only vocab.size)
-    with mock.patch("data_pipeline.remote.load_manifest", read):
+    with mock.patch("megamemo.data.remote.load_manifest", read):
         cfg = C.load(path, [f"data.dir={data}"])
         planned = C.load(path, [f"data.dir={data}"], vocab_fallback=32000)     # a manifest wins over the assumption
     assert (cfg.model.n_token, cfg.model.n_vocab) == (tp_rows, 25337) == (planned.model.n_token, planned.model.n_vocab)

@@ -28,7 +28,7 @@ VOCAB_KEYS = ("word_emb.emb_layers.", "crit.out_weights.", "crit.out_bias")
 @pytest.fixture(scope="module")
 def text8_shards(tmp_path_factory):
     """Character shards of the text8 fixture: a vocabulary of 27 symbols (a-z and space)."""
-    from data_pipeline.cli import prepare_main
+    from megamemo.data.cli import prepare_main
 
     out = tmp_path_factory.mktemp("text8") / "shards"
     assert prepare_main(["text8", "--raw", str(TEXT8), "--out", str(out), "--quiet"]) == 0
@@ -279,7 +279,7 @@ def test_an_auto_run_converts_evaluates_generates_and_resumes_under_another_tp(t
 
     import yaml
 
-    from data_pipeline import read_split
+    from megamemo.data import read_split
     from eval_fixtures import reference_nll
     from megamemo.commands import eval as eval_cmd, generate as generate_cmd
     from megamemo.commands import convert

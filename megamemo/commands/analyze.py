@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     flags.add(p, "mem-len", help="default: the checkpoint's")
     flags.add(p, "device")
     a = p.parse_args(argv)
-    from data_pipeline import ManifestError, ShardError
+    from megamemo.data import ManifestError, ShardError
     from megamemo.checkpoint.single import SingleCheckpointError
     from megamemo.eval.analyze import analyze_checkpoints, write_analysis
     from megamemo.runtime.device import torch_device

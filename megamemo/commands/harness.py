@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     flags.add(p, "device")
     flags.add(p, "mem-len")
     a = p.parse_args(argv)
-    from data_pipeline import ManifestError
+    from megamemo.data import ManifestError
     from megamemo.checkpoint.single import SingleCheckpointError
     from megamemo.util.files import write_text_atomic
 

@@ -1,7 +1,7 @@
 """A run's configuration, composed: one YAML file plus `--set a.b=value` overrides, read into typed sections.
 
 Every section is a dataclass that the package using it defines and checks: the model's (megamemo/model/config.py),
-the data's (data_pipeline/config.py), the parallel layout's (megamemo/parallel/config.py), and training's own
+the data's (megamemo/data/config.py), the parallel layout's (megamemo/parallel/config.py), and training's own
 (optim, precision, train, checkpoint, log, eval: megamemo/train/config.py, which also declares which sections a
 training run has). This module only composes them: it reads the YAML, applies `--set`, builds every section typed
 (an unknown or ill-typed key is a `ConfigError` naming it: `optim.lr: expected float, got str 'fast'`) and runs each

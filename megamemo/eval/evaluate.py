@@ -46,7 +46,7 @@ from megamemo.util.units import metric_value
 def metric_name(manifest: dict) -> str:
     """'bpc' for byte- and character-level corpora, 'ppl' for word-level and subword ones (the manifest's
     tokenizer); subword results also carry bits_per_byte."""
-    from data_pipeline.vocab import unit_of
+    from megamemo.data.vocab import unit_of
 
     kind = (manifest.get("tokenizer") or {}).get("kind") or (manifest.get("vocab") or {}).get("kind")
     if kind not in ("bytes", "chars", "words", "subword"):
@@ -56,7 +56,7 @@ def metric_name(manifest: dict) -> str:
 
 def check_tokenizer(meta: dict, manifest: dict, ckpt, data_dir) -> None:
     """A checkpoint trained on one subword tokenizer is not scored or sampled with another: one line naming both."""
-    from data_pipeline.tokenizer import same_tokenizer
+    from megamemo.data.tokenizer import same_tokenizer
 
     mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer")
     if mine and not same_tokenizer(mine, theirs):
@@ -69,14 +69,14 @@ def token_bytes_of(data_dir, manifest: dict):
     """int64 tensor [V]: UTF-8 bytes each id stands for, for a subword corpus (bits per byte); None otherwise."""
     if (manifest.get("tokenizer") or {}).get("kind") != "subword":
         return None
-    from data_pipeline import load_vocab
+    from megamemo.data import load_vocab
 
     return torch.from_numpy(load_vocab(data_dir).token_bytes())
 
 
 def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
     """The evaluation batches: the training reader's layout with one rank and no roll, one pass."""
-    from data_pipeline import StreamReader
+    from megamemo.data import StreamReader
 
     return StreamReader(data_dir, split, batch_size, tgt_len, world_size=1, rank=0, epochs=1)
 
@@ -155,7 +155,7 @@ class Request:
 def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
     """Every checkpoint on the split (at every ratio of a sweep), one line each to `log` -> the results. A bad
     checkpoint, data directory or memory file raises the one-line error that names it."""
-    from data_pipeline.remote import manifest_of
+    from megamemo.data.remote import manifest_of
     from megamemo.eval.start_memory import load_start_memory
     from megamemo.interop.load import open_model
 

@@ -126,7 +126,7 @@ def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
             except (json.JSONDecodeError, AttributeError):
                 kind = None
             if kind is not None:
-                from data_pipeline.vocab import unit_of
+                from megamemo.data.vocab import unit_of
 
                 return unit_of(kind), f"{manifest} (tokenizer {kind})"
         model = (cfg.get("model") or {}) if isinstance(cfg, dict) else {}

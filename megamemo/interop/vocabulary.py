@@ -13,7 +13,7 @@ def data_meta(data_dir) -> dict:
     """What generation needs from the shard directory: the tokenizer and the vocabulary's symbols. A subword
     tokenizer is recorded as {"kind": "subword", "vocab_size", "file", "sha256", ...}: to_single copies that file
     beside config.json (generate and exports read it from there, checked by its sha256)."""
-    from data_pipeline import load_manifest, load_vocab
+    from megamemo.data import load_manifest, load_vocab
 
     m = load_manifest(data_dir)
     v = load_vocab(data_dir)
@@ -28,7 +28,7 @@ def copy_tokenizer(meta: dict, out: Path) -> None:
     tok = meta.get("tokenizer") or {}
     if tok.get("kind") != "subword":
         return
-    from data_pipeline.tokenizer import load_recorded
+    from megamemo.data.tokenizer import load_recorded
 
     src = Path((meta.get("data") or {}).get("dir", ""))
     load_recorded(src, tok, f"{src / 'manifest.json'}")           # raises on a changed or missing file
@@ -51,10 +51,10 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
     """The vocabulary or subword tokenizer to encode the prompt and decode with: --data's (which must hold the
     tokenizer the checkpoint records), else the file the checkpoint carries (tokenizer.json beside config.json,
     checked by sha256), else its symbols, else its training data directory's."""
-    from data_pipeline import load_vocab
-    from data_pipeline.remote import manifest_of
-    from data_pipeline.tokenizer import load_recorded, same_tokenizer
-    from data_pipeline.vocab import Vocab
+    from megamemo.data import load_vocab
+    from megamemo.data.remote import manifest_of
+    from megamemo.data.tokenizer import load_recorded, same_tokenizer
+    from megamemo.data.vocab import Vocab
 
     tok = meta.get("tokenizer") or {}
     if data_dir:                            # a local directory or an s3:// gs:// https:// one

@@ -1,7 +1,7 @@
 """A training run's config: one YAML file per run (configs/), `--set section.key=value` overrides (`load`).
 
 Its sections, in order: the model's (ModelConfig, megamemo/model/config.py), the data's (DataConfig,
-data_pipeline/config.py), training's own - optim, precision, train, checkpoint (when and how the run saves), log and
+megamemo/data/config.py), training's own - optim, precision, train, checkpoint (when and how the run saves), log and
 eval (validation during training), defined and checked here - and the parallel layout's (ParallelConfig,
 megamemo/parallel/config.py). megamemo/config/run.py composes them: typed building, `--set`, each section's checks.
 `model.n_token: auto` takes the data's vocabulary, padded for parallel.tp (train/vocab.py). The trainer writes the
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_pipeline.config import DataConfig
+from megamemo.data.config import DataConfig
 from megamemo.config.run import ConfigError, Run, check_sections, read, section
 from megamemo.model import ModelConfig
 from megamemo.parallel.config import ParallelConfig

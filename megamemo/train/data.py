@@ -1,16 +1,16 @@
-"""The trainer's side of data_pipeline: checks of the shard directories before start-up, and readers. Each function
-takes the data section (data_pipeline/config.py) alone, but the start-up check, which holds the data against the
+"""The trainer's side of megamemo.data: checks of the shard directories before start-up, and readers. Each function
+takes the data section (megamemo/data/config.py) alone, but the start-up check, which holds the data against the
 run's model and validation.
 
-Each data-parallel rank reads its own B/W contiguous columns with data_pipeline.StreamReader (data.dir: a local
-directory or an s3:// gs:// https:// URL) or data_pipeline.blend.BlendReader (data.blend); its state is the data
+Each data-parallel rank reads its own B/W contiguous columns with megamemo.data.StreamReader (data.dir: a local
+directory or an s3:// gs:// https:// URL) or megamemo.data.blend.BlendReader (data.blend); its state is the data
 cursor saved in every checkpoint.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from data_pipeline.config import DataConfig
+from megamemo.data.config import DataConfig
 from megamemo.train.config import RunConfig
 
 
@@ -19,8 +19,8 @@ class DataError(ValueError):
 
 
 def _remote_manifest(data: DataConfig, splits: list[str], url: str, field: str) -> dict:
-    from data_pipeline import ManifestError, ShardError
-    from data_pipeline.remote import RemoteShards
+    from megamemo.data import ManifestError, ShardError
+    from megamemo.data.remote import RemoteShards
 
     try:
         remote = RemoteShards(url, data.remote_options())
@@ -44,8 +44,8 @@ def _sources(data: DataConfig) -> list[tuple[str, str]]:
 
 
 def _manifest_of(data: DataConfig, splits: list[str], field: str, d: str) -> dict:
-    from data_pipeline import ManifestError, load_manifest
-    from data_pipeline.remote import is_remote
+    from megamemo.data import ManifestError, load_manifest
+    from megamemo.data.remote import is_remote
 
     if not d:
         raise DataError("data.dir: no shard directory given (--data DIR or data.dir in the config)")
@@ -67,7 +67,7 @@ def _manifest(data: DataConfig) -> dict:
 def check_data_dir(cfg: RunConfig) -> dict:
     """The manifest of data.dir (the first blend source) after checking the splits, vocabulary and, for a blend,
     the one tokenizer that the run needs (the run's data against its model and validation)."""
-    from data_pipeline.blend import tokenizer_identity
+    from megamemo.data.blend import tokenizer_identity
 
     data = cfg.data
     used = [data.split] + ([cfg.eval.split] if cfg.eval.every else [])
@@ -114,7 +114,7 @@ def unit_for(data: DataConfig) -> str:
         kind = _manifest(data)["tokenizer"].get("kind", "")
     except DataError:
         return "bpc"
-    from data_pipeline.vocab import unit_of
+    from megamemo.data.vocab import unit_of
 
     return unit_of(kind)
 
@@ -134,8 +134,8 @@ def stream(data: DataConfig, split: str, batch_size: int, tgt_len: int, world_si
            epochs: int | None, prefetch: int = 0, block_tokens: int = 1 << 20, mix_every: int = 0):
     """The reader of a run's data: a StreamReader of data.dir, or for data.blend (training split) a
     BlendReader. Evaluation of a blend reads the first source's split."""
-    from data_pipeline import StreamReader
-    from data_pipeline.blend import BlendReader
+    from megamemo.data import StreamReader
+    from megamemo.data.blend import BlendReader
 
     if data.blend and split == data.split and epochs is None:
         return BlendReader([(e["dir"], e["weight"]) for e in data.blend], split, batch_size, tgt_len,
@@ -150,7 +150,7 @@ def open_reader(data: DataConfig, split: str, batch_size: int, tgt_len: int, dp:
                 mix_every: int = 0):
     """This data-parallel rank's reader of the training split (train) or the validation split; mix_every: how often
     a blend reports its token mix (steps; 0: never)."""
-    from data_pipeline.blend import BlendError
+    from megamemo.data.blend import BlendError
 
     if batch_size % dp:
         where = "data.batch_size" if train else "eval.batch_size"

@@ -259,7 +259,7 @@ class DataCursor:
         if int(d["batch_size"]) != mine["batch_size"] and d.get("kind") == "blend":
             d.update(batch_size=mine["batch_size"])     # a blend's columns do not depend on the batch: same step
         elif int(d["batch_size"]) != mine["batch_size"]:
-            from data_pipeline.stream import steps_per_epoch
+            from megamemo.data.stream import steps_per_epoch
 
             old = steps_per_epoch(int(d["n_tokens"]), int(d["batch_size"]), int(d["tgt_len"]))
             step = int(d["step"]) * self.reader.steps_per_epoch // max(1, old)

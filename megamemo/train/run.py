@@ -99,7 +99,7 @@ def run(config, sets: list[str] = ()) -> int:
 def anticipated_errors() -> tuple[type[BaseException], ...]:
     """Errors megamemo explains in one line (bad config, data, shard, checkpoint, a locked run directory, a
     diverged run); anything else is a bug and shows its traceback."""
-    from data_pipeline import ManifestError, ShardError
+    from megamemo.data import ManifestError, ShardError
     from megamemo.runtime.lock import RunLockedError
     from megamemo.checkpoint.pieces import PieceError
     from megamemo.checkpoint.store import CheckpointError

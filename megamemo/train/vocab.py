@@ -30,8 +30,8 @@ def manifest_vocab(data, fallback: int | None = None) -> int:
     taken (and said) where a local directory has no manifest.json yet."""
     from pathlib import Path
 
-    from data_pipeline import ManifestError
-    from data_pipeline.remote import is_remote, manifest_of
+    from megamemo.data import ManifestError
+    from megamemo.data.remote import is_remote, manifest_of
 
     where, d = (("data.blend[0].dir", data.blend[0].get("dir")) if data.blend else ("data.dir", data.dir))
     if fallback is not None and not (d and (is_remote(d) or (Path(d) / "manifest.json").exists())):

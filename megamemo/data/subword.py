@@ -1,7 +1,7 @@
 """The subword text corpus: documents -> a subword tokenizer -> one stream per split, tokenized in N processes.
 
     corpus = subword_text(["docs.jsonl"], tokenizer="bpe:32000", workers=8)     # or tokenizer="tokenizer.json"
-    build(corpus, "data/mine")                                                  # data_pipeline.shards
+    build(corpus, "data/mine")                                                  # megamemo.data.shards
 
 Every document is followed by the tokenizer's end-of-document token. The input is read once per pass (a second
 pass first, over the train split's documents only, when a BPE is trained). Blocks of whole documents (~1 MiB)

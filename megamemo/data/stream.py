@@ -54,7 +54,7 @@ class StreamReader:
             "sha256" (also hash each shard the first time it is opened).
         block_tokens: tokens decoded per refill of the column buffer (memory/throughput knob).
         remote_options: for an s3:// gs:// https:// data_dir: cache directory and size, retries, read-ahead
-            threads (data_pipeline.remote.RemoteOptions).
+            threads (megamemo.data.remote.RemoteOptions).
     """
 
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, tgt_len: int, world_size: int = 1,

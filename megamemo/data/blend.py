@@ -1,7 +1,7 @@
 """BlendReader: batches whose columns draw whole units from several shard directories by weight.
 
 Every column c of the global batch is an endless stream of units. A unit is a document where the split has a
-document index (data_pipeline/doc_index.py: `megamemo prepare` writes one for corpora of documents), and otherwise
+document index (megamemo/data/doc_index.py: `megamemo prepare` writes one for corpora of documents), and otherwise
 one chunk (the manifest's ``chunk_tokens`` tokens: flat corpora, and directories prepared before indexes existed),
 so the memory stream of a column is contiguous within a unit. Unit j of column c comes from source s drawn by
 ``numpy.random.default_rng([seed, c, j // 256])`` (256 draws at a time) and is the next unit of that source for
@@ -141,7 +141,7 @@ class BlendReader:
         split, batch_size, tgt_len, world_size, rank: as StreamReader.
         seed: seed of the schedule.
         mix_every: rank 0 logs the realized token mix every this many steps (0: never).
-        remote_options: for s3:// gs:// https:// sources (data_pipeline.remote.RemoteOptions).
+        remote_options: for s3:// gs:// https:// sources (megamemo.data.remote.RemoteOptions).
     """
 
     def __init__(self, sources: list[tuple[str | Path, float]], split: str, batch_size: int, tgt_len: int,

@@ -1,4 +1,4 @@
-"""`megamemo prepare` and `megamemo verify-shards` (also `python -m data_pipeline prepare|verify-shards`)."""
+"""`megamemo prepare` and `megamemo verify-shards` (also `python -m megamemo.data prepare|verify-shards`)."""
 from __future__ import annotations
 
 import argparse
@@ -127,6 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmds = {"prepare": prepare_main, "verify-shards": verify_main, "verify": verify_main}
     if not argv or argv[0] not in cmds:
-        print("usage: python -m data_pipeline {prepare|verify-shards} ...", file=sys.stderr)
+        print("usage: python -m megamemo.data {prepare|verify-shards} ...", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return cmds[argv[0]](argv[1:])

@@ -16,7 +16,7 @@ class DataConfig:
                                     # remote one, s3://bucket/prefix, gs://bucket/prefix or https://host/path
                                     # (fsspec; pip install megamemo[s3] / megamemo[gcs]; credentials only from the
                                     # storage library's standard environment/config): its shards are fetched whole
-                                    # into cache_dir, checked against the manifest's sha256 (data_pipeline/remote.py)
+                                    # into cache_dir, checked against the manifest's sha256 (megamemo/data/remote.py)
     split: str = "train"            # the split the run trains on
     batch_size: int = 22            # global batch B: contiguous streams (columns) over all data-parallel ranks
     roll: bool = False              # LaMemo's per-epoch, per-column seeded rotation of the streams

@@ -1,4 +1,4 @@
-"""Reading token shards (the format: data_pipeline/shards.py): a tar scanned header by header, chunks
+"""Reading token shards (the format: megamemo/data/shards.py): a tar scanned header by header, chunks
 decompressed and checked against the manifest, a split as random-access token ranges (`SplitSource`), whole
 splits (`read_split`), the vocabulary, and `verify_shards`. Every inconsistency is a `ShardError` naming the
 shard and the byte or token offset."""
@@ -149,7 +149,7 @@ class SplitSource:
                  manifest: dict | None = None, remote: RemoteShards | None = None,
                  remote_options: RemoteOptions | None = None):
         """`data_dir` is a local directory or an s3:// gs:// https:// URL (read through `remote`, a
-        RemoteShards: whole shards fetched, sha256-verified, into a local cache; data_pipeline/remote.py)."""
+        RemoteShards: whole shards fetched, sha256-verified, into a local cache; megamemo/data/remote.py)."""
         if verify not in ("size", "sha256"):
             raise ValueError(f"verify must be 'size' or 'sha256', got {verify!r}")
         self._own_remote = remote is None and is_remote(data_dir)

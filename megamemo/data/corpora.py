@@ -45,7 +45,7 @@ class Corpus:
     interleaved: Callable[[dict], Iterator[tuple[str, np.ndarray]]] | None = None
     dtype: str | None = None                               # token dtype (None: the smallest that holds the vocab)
     # a corpus of documents: its streams yield (ids, token counts of the whole documents in ids) and the shards get
-    # a document index (data_pipeline/doc_index.py); interleaved yields (split, ids, counts)
+    # a document index (megamemo/data/doc_index.py); interleaved yields (split, ids, counts)
     documents: bool = False
 
 

@@ -1,6 +1,6 @@
 """megamemo data pipeline: raw corpora -> zstd webdataset shards -> contiguous, rank-sharded, resumable batches.
 
-See data_pipeline/README.md. Main entry points:
+See megamemo/data/README.md. Main entry points:
     StreamReader      batches laid out as Transformer-XL's LMOrderedIterator, sharded over ranks, exact resume
     build, corpora    `megamemo prepare` in Python
     verify_shards     `megamemo verify-shards` in Python
@@ -17,4 +17,4 @@ def __getattr__(name):  # StreamReader imports torch; `megamemo prepare` should 
     if name == "StreamReader":
         from .stream import StreamReader
         return StreamReader
-    raise AttributeError(f"module 'data_pipeline' has no attribute {name!r}")
+    raise AttributeError(f"module 'megamemo.data' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """Token shards: webdataset tar files of zstd-compressed little-endian token chunks, plus manifest.json (and, for
-corpora of documents, a document index per split: data_pipeline/doc_index.py). The format: data_pipeline/README.md.
+corpora of documents, a document index per split: megamemo/data/doc_index.py). The format: megamemo/data/README.md.
 
 A split's stream is cut into chunks of ``chunk_tokens`` tokens (the last one may be shorter); chunk k starts at
 token offset o = k·chunk_tokens and is the sample with key ``%012d`` % o: ``<key>.json`` ({"offset", "n_tokens",
@@ -71,7 +71,7 @@ def dtype_name(dt) -> str:
 class SplitWriter:
     """Streams one split's token ids into shards: ``write(ids)`` any number of times, then ``close()`` (or
     ``abort()``: nothing it wrote stays). With ``documents``, every ``write`` gives the token counts of the whole
-    documents its ids make up, and a document index is written too (data_pipeline/doc_index.py)."""
+    documents its ids make up, and a document index is written too (megamemo/data/doc_index.py)."""
 
     def __init__(self, out_dir: str | Path, split: str, n_symbols: int, dtype: str, chunk_tokens: int,
                  shard_bytes: int, zstd_level: int = 3, documents: bool = False):
