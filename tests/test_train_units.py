@@ -167,10 +167,10 @@ def test_overlap_and_bucket_size_reach_deepspeeds_zero_config(overrides):
     assert zero == {"stage": cfg.parallel.zero_stage, "overlap_comm": True, "reduce_bucket_size": 123456}
     parsed = DeepSpeedZeroConfig(**zero)
     assert parsed.overlap_comm is True and parsed.reduce_bucket_size == 123456
-    assert overlaps_reduction(cfg) and reduce_bucket(cfg) == 123456
+    assert overlaps_reduction(cfg.parallel, cfg.precision, cfg.train.grad_accum) and reduce_bucket(cfg.parallel, cfg.precision, cfg.train.grad_accum) == 123456
     plain = C.load(REPO / "configs" / "tiny-cpu.yaml", overrides)         # the defaults: DeepSpeed's own
     assert ds_config(plain, 4, 2)["zero_optimization"] == {"stage": cfg.parallel.zero_stage}
-    assert not overlaps_reduction(plain) and reduce_bucket(plain) == 500_000_000
+    assert not overlaps_reduction(plain.parallel, plain.precision, plain.train.grad_accum) and reduce_bucket(plain.parallel, plain.precision, plain.train.grad_accum) == 500_000_000
     assert DeepSpeedZeroConfig(stage=plain.parallel.zero_stage).overlap_comm is False    # off below ZeRO 3
 
 
