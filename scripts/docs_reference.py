@@ -254,11 +254,14 @@ def errors_page() -> str:
            "run time; `a | b`: one of two texts; `[...]`: a part said only sometimes; `{e} (the X caught, passed "
            "on)`: the message of an error raised deeper, listed where that one is raised). The message says what to "
            "change; the condition says what was seen. `megamemo prepare`'s errors (kind `prepare (...)`) print as "
-           "`megamemo prepare: error: MESSAGE` and exit 2.\n"]
+           "`megamemo prepare: error: MESSAGE` and exit 2. Kind `config field`: a refusal a config key declares (its "
+           "Literal choices, its Field bounds), and a key of the wrong type is `KEY: expected TYPE, got ...`, an "
+           "unknown one `KEY: unknown field (known: ...)`.\n"]
     current = None
-    from docs_errors import error_rows
+    from docs_errors import declared_rows, error_rows
 
-    for rel, line, kind, cond, msg in error_rows():
+    rows = sorted(error_rows() + declared_rows(config_sections()), key=lambda r: (r[0], r[1]))
+    for rel, line, kind, cond, msg in rows:
         if rel != current:
             out.append(f"\n## `{rel}`\n\n| line | kind | when | message |\n|---|---|---|---|\n")
             current = rel

@@ -35,8 +35,6 @@ def section(cls, data, where: str):
         return cls(**data)
     except ValidationError as e:
         raise one_line(e, cls, where) from None
-    except TypeError as e:              # a key that is no parameter at all (pydantic lets the dataclass say so)
-        raise ConfigError(f"{where}: {e}") from None
 
 
 def refusal(obj, prefix: str):
