@@ -448,3 +448,29 @@ def test_a_training_process_loads_no_compiler(tiny_cfg, shards, tmp_path):
                               env={**env, **extra}).stdout.split()[-1]
 
     assert after_main() == "1" and after_main(TORCHDYNAMO_DISABLE="0") == "0"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_steps=true", "train.max_steps: expected int, got bool True"),      # a bool is no int here
+    ("parallel.zero_stage=true", "parallel.zero_stage: expected int, got bool True"),
+    ("optim.lr=false", "optim.lr: expected float, got bool False"),
+    ("train.kernels=1", "train.kernels: expected str, got int 1"),
+    ("parallel.tp=0", "parallel.tp: must be >= 1 (got 0)"),
+    ("optim.betas=[0.9, 1.5]", "optim.betas[1]: must be < 1 (got 1.5)"),
+    ("train.spike={window: 1}", "train.spike.window: must be >= 2 (got 1)"),
+    ("train.spike={windows: 9}", "train.spike.windows: unknown field (known: action, max_rollbacks, rule, "
+                                 "skip_batches, threshold, window)"),
+    ("eval.mem_len=-1", "eval.mem_len: must be >= 0 (got -1)"),
+])
+def test_declared_fields_refuse_in_one_line(override, message):
+    """The sections' declared types, choices and bounds (megamemo/config/fields.py) as one-line errors."""
+    with pytest.raises(C.ConfigError) as e:
+        C.load(REPO / "configs" / "tiny-cpu.yaml", [override])
+    assert str(e.value) == message
+
+
+def test_declared_fields_take_yamls_readings():
+    """PyYAML reads 1e-4 (no dot) as a string and unquoted on/off as booleans: float and Switch fields take them."""
+    cfg = C.load(REPO / "configs" / "tiny-cpu.yaml", ["optim.lr=1e-4", "train.compile=true", "eval.tgt_len=null"])
+    assert cfg.optim.lr == 1e-4 and isinstance(cfg.optim.lr, float) and cfg.train.compile == "on"
+    assert C.load(REPO / "configs" / "tiny-cpu.yaml", ["train.compile=off"]).train.compile == "off"
