@@ -227,8 +227,8 @@ MUTATIONS = [
       "zero_b = 4 * params / dp + bucket * (4 if zero == 1 else p_bytes)",
       ("tests/test_plan.py::test_lamemo_7b_on_its_a100_cluster",)),
     M("steptime-reduction-priced-in-the-accumulation-dtype", "megamemo/plan/steptime.py",
-      "wire = params * element_bytes(reduce_dtype(cfg.precision))    # what DeepSpeed all-reduces in (parallel/zero.py)",
-      "wire = params * (4 if fp32_accumulation(cfg.parallel, cfg.precision, cfg.train.grad_accum) else pbytes)",
+      "wire = params * element_bytes(reduce_dtype(cfg.precision))    # what DeepSpeed all-reduces in (zero.py)",
+      "wire = params * (4 if fp32_accumulation(*reduction) else pbytes)",
       (f"{STEPTIME}::test_overlap_comm_would_hide_all_buckets_but_the_last",)),
     # ---- megamemo/config -------------------------------------------------------------------------------------
     M("config-override-value-taken-as-text", "megamemo/config/run.py",

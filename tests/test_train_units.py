@@ -149,6 +149,11 @@ def test_reduction_settings_deepspeed_would_not_apply_are_refused_by_name(overri
     assert msg.startswith(names + ":") and why in msg and "\n" not in msg, msg
 
 
+def sections(cfg) -> tuple:
+    """What megamemo/parallel/zero.py reads of a run config: its parallel and precision sections, train.grad_accum."""
+    return cfg.parallel, cfg.precision, cfg.train.grad_accum
+
+
 @pytest.mark.parametrize("overrides", [
     ["parallel.zero_stage=1"],                                         # fp32 ZeRO 1: its ZeRO optimizer
     ["parallel.zero_stage=2", "precision.dtype=bf16"],
@@ -167,10 +172,10 @@ def test_overlap_and_bucket_size_reach_deepspeeds_zero_config(overrides):
     assert zero == {"stage": cfg.parallel.zero_stage, "overlap_comm": True, "reduce_bucket_size": 123456}
     parsed = DeepSpeedZeroConfig(**zero)
     assert parsed.overlap_comm is True and parsed.reduce_bucket_size == 123456
-    assert overlaps_reduction(cfg.parallel, cfg.precision, cfg.train.grad_accum) and reduce_bucket(cfg.parallel, cfg.precision, cfg.train.grad_accum) == 123456
+    assert overlaps_reduction(*sections(cfg)) and reduce_bucket(*sections(cfg)) == 123456
     plain = C.load(REPO / "configs" / "tiny-cpu.yaml", overrides)         # the defaults: DeepSpeed's own
     assert ds_config(plain, 4, 2)["zero_optimization"] == {"stage": cfg.parallel.zero_stage}
-    assert not overlaps_reduction(plain.parallel, plain.precision, plain.train.grad_accum) and reduce_bucket(plain.parallel, plain.precision, plain.train.grad_accum) == 500_000_000
+    assert not overlaps_reduction(*sections(plain)) and reduce_bucket(*sections(plain)) == 500_000_000
     assert DeepSpeedZeroConfig(stage=plain.parallel.zero_stage).overlap_comm is False    # off below ZeRO 3
 
 

@@ -10,9 +10,9 @@ import typing
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, Strict
+from pydantic.dataclasses import dataclass as _pydantic_dataclass
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
-from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
 
 def _no_bool(v):
@@ -87,4 +87,5 @@ def literal_values(annotation):
     return None
 
 
-__all__ = ["Bool", "Field", "Float", "Int", "IntChoice", "Literal", "Switch", "choices", "literal_values", "section", "type_name"]
+__all__ = ["Bool", "Field", "Float", "Int", "IntChoice", "Literal", "Switch", "choices", "literal_values", "section",
+           "type_name"]

@@ -38,7 +38,7 @@ class DataConfig:
     blend: list[dict] = field(default_factory=list)
 
     @model_validator(mode="after")
-    def _rules(self) -> "DataConfig":
+    def _rules(self) -> DataConfig:
         """data.cache_size's form, data.blend against data.dir, and data.blend's entries."""
         try:
             if _parse_size(self.cache_size) < 0:

@@ -112,7 +112,7 @@ class ModelConfig:
         return self.d_model if self.d_embed is None else self.d_embed
 
     # ---- validation and (de)serialisation -----------------------------------------------------------------
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """The rules between fields (each field's own type, choices and bounds were checked on construction)."""
         def bad(name, why):
             raise ConfigError(f"model.{name}: {why} (got {getattr(self, name)!r})")
@@ -135,7 +135,7 @@ class ModelConfig:
             bad("div_val", "d_embed must be divisible by div_val ** len(cutoffs)")
         return self
 
-    def check_lengths(self, **flags) -> "ModelConfig":
+    def check_lengths(self, **flags) -> ModelConfig:
         """An evaluation's lengths (eval, generate, harness): flags {"--mem-len": M, ...} (None: the checkpoint's)
         applied and held to validate's rules, as a training config's; -> the config they make. An error names the
         flag: `--mem-len: must be >= 0 (got -5)`."""
@@ -165,5 +165,5 @@ class ModelConfig:
         return {k: v for k, v in self.to_dict().items() if k not in self.RUNTIME_FIELDS}
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "model") -> "ModelConfig":
+    def from_dict(cls, d: dict, where: str = "model") -> ModelConfig:
         return build_section(cls, d, where).validate()

@@ -252,9 +252,9 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     # data parallelism: gradient all-reduce, ZeRO's parameter all-gather, the optimizer
     params = plans[worst].params / pbytes                # the rank's parameters (elements)
     grad_bytes = params * pbytes
-    wire = params * element_bytes(reduce_dtype(cfg.precision))    # what DeepSpeed all-reduces in (parallel/zero.py)
-    across = tp * dp > gpus_per_node
     reduction = (cfg.parallel, cfg.precision, cfg.train.grad_accum)     # what parallel/zero.py reads
+    wire = params * element_bytes(reduce_dtype(cfg.precision))    # what DeepSpeed all-reduces in (zero.py)
+    across = tp * dp > gpus_per_node
     buckets = max(1, math.ceil(params / reduce_bucket(*reduction)))
     per_reduction = buckets * dev.collective(dp, wire / buckets, across) * shared(dp)
     dp_comm = per_reduction * (ga if zero == 2 else 1)

@@ -49,7 +49,7 @@ class OptimConfig:
     half_loss: Bool = False         # LaMemo's train_ddp optimises mean(nll) / 2
 
     @model_validator(mode="after")
-    def _rules(self) -> "OptimConfig":
+    def _rules(self) -> OptimConfig:
         bad = refusal(self, "optim")
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
             bad("optim.decay_steps", "must be larger than optim.warmup_steps")
@@ -98,7 +98,7 @@ class SpikeConfig:
         return self.threshold if self.threshold is not None else (6.0 if self.rule == "zscore" else 2.0)
 
     @model_validator(mode="after")
-    def _rules(self) -> "SpikeConfig":
+    def _rules(self) -> SpikeConfig:
         if self.threshold is not None and not (self.threshold > (1.0 if self.rule == "ratio" else 0.0)):
             refusal(self, "train.spike")("train.spike.threshold", "must be > 0 (zscore) or > 1 (ratio)")
         return self
@@ -212,7 +212,7 @@ class RunConfig(Run):
         """The rules across sections (each section's own were kept when it was built): the layout against the model
         (parallel/tensor.py, parallel/pipeline.py), ZeRO's settings against what DeepSpeed applies (parallel/zero.py),
         the dropout masks against the layout, the batch against the accumulation."""
-        from megamemo.parallel.pipeline import check_supported as pp_supported    # torch: loaded by now
+        from megamemo.parallel.pipeline import check_supported as pp_supported  # torch: loaded by now
         from megamemo.parallel.tensor import check_supported as tp_supported
         from megamemo.parallel.zero import problems as reduction_problems
 
@@ -235,7 +235,8 @@ class RunConfig(Run):
         keyed = train.dropout_masks == "keyed"
         if train.activation_checkpointing and par.tp > 1 and model.dropout > 0 and not keyed:
             bad("train.activation_checkpointing", "with parallel.tp > 1 and model.dropout > 0 needs "
-                "train.dropout_masks: keyed (recomputation would draw other TP masks from the stream), or model.dropout: 0, or tp 1")
+                "train.dropout_masks: keyed (recomputation would draw other TP masks from the stream), or "
+                "model.dropout: 0, or tp 1")
         if keyed and not (0 <= train.seed < 2 ** 32 and model.n_layer <= 1024):
             bad("train.seed", "keyed dropout masks take a seed in [0, 2^32) and model.n_layer <= 1024")
         if self.data.batch_size % train.grad_accum:
