@@ -5,9 +5,10 @@ calls `bad(key, why)` (megamemo/config/run.py refusal); rules across sections ar
 (megamemo/train/config.py). run.py's one_line turns pydantic's report into the one-line `key: why (got value)`."""
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BeforeValidator, ConfigDict, Field, Strict
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
@@ -41,11 +42,13 @@ IntChoice = BeforeValidator(_int_not_bool)             # with Literal[0, 1, 2]: 
 Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
 
 SECTION_CONFIG = ConfigDict(extra="forbid")
+T = TypeVar("T")
 
 
-def section(cls):
+@typing.dataclass_transform(field_specifiers=(dataclasses.field, Field))
+def section(cls: type[T]) -> type[T]:
     """A config section: a dataclass whose construction checks every field against its declaration."""
-    return _pydantic_dataclass(cls, config=SECTION_CONFIG)
+    return typing.cast("type[T]", _pydantic_dataclass(cls, config=SECTION_CONFIG))
 
 
 def type_name(info: FieldInfo) -> str:

@@ -89,8 +89,9 @@ def one_line(err: ValidationError, cls, where: str) -> ConfigError:
     if e["type"].startswith("dataclass_"):
         return ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
     if e["type"] in TYPES or e["type"].endswith(("_type", "_parsing")):
-        field_itself = info is not None and not isinstance(e["loc"][-1], int)
-        typ = type_name(info) if field_itself else TYPES.get(e["type"], e["type"].split("_")[0])
+        typ = TYPES.get(e["type"], e["type"].split("_")[0])
+        if info is not None and not isinstance(e["loc"][-1], int):      # the field itself: its declared type
+            typ = type_name(info)
         return ConfigError(f"{key}: expected {typ}, got {type(value).__name__} {value!r}")
     return ConfigError(f"{key}: {e['msg']} (got {value!r})")
 

@@ -5,6 +5,7 @@ run asks of it beyond that is the run config's (megamemo/train/config.py RunConf
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import field
 from typing import Annotated, Literal
 
@@ -23,6 +24,8 @@ VARIANTS = {
     "xl": "Transformer-XL (relative positions, per-layer FIFO memory; reference attn_type 0)",
     "rpe": "Transformer with XL relative positions and no memory",
 }
+Variant = Literal["lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "xl", "rpe"]   # model.variant
+assert typing.get_args(Variant) == tuple(VARIANTS), "model.variant's choices are VARIANTS"
 
 
 
@@ -39,7 +42,7 @@ def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
 @section
 class ModelConfig:
     # the architecture: LaMemo, its ablations, Transformer-XL or a Transformer without memory (VARIANTS)
-    variant: Literal[tuple(VARIANTS)] = "lamemo"
+    variant: Variant = "lamemo"
     # rows of the embedding and softmax tables (a run config may say `auto`: see megamemo/train/vocab.py)
     n_token: Annotated[Int, Field(ge=1)] = 256
     # The vocabulary's symbols when the tables are padded beyond it (ids n_vocab .. n_token-1 are padding: masked
