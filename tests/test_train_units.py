@@ -479,3 +479,18 @@ def test_declared_fields_take_yamls_readings():
     cfg = C.load(REPO / "configs" / "tiny-cpu.yaml", ["optim.lr=1e-4", "train.compile=true", "eval.tgt_len=null"])
     assert cfg.optim.lr == 1e-4 and isinstance(cfg.optim.lr, float) and cfg.train.compile == "on"
     assert C.load(REPO / "configs" / "tiny-cpu.yaml", ["train.compile=off"]).train.compile == "off"
+
+
+def test_a_section_built_in_code_refuses_in_one_line_too():
+    """Constructing a section or dataclasses.replace on one (plan, vocab, eval's length flags) checks it as a config
+    file's value is checked, with the same one-line error naming the key."""
+    import dataclasses
+
+    from megamemo.model import ModelConfig
+
+    with pytest.raises(C.ConfigError, match=r"^model\.dropout: must be < 1 \(got 1\.5\)$"):
+        dataclasses.replace(ModelConfig(), dropout=1.5)
+    with pytest.raises(C.ConfigError, match=r"^train\.spike\.window: must be >= 2 \(got 1\)$"):
+        C.TrainConfig(spike={"window": 1})
+    with pytest.raises(C.ConfigError, match=r"^optim\.min_lr: must be in \[0, optim\.lr\] \(got 1\.0\)$"):
+        C.OptimConfig(min_lr=1.0)

@@ -6,11 +6,12 @@ calls `bad(key, why)` (megamemo/config/run.py refusal); rules across sections ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BeforeValidator, ConfigDict, Field, Strict
+from pydantic import BeforeValidator, ConfigDict, Field, Strict, ValidationError
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
@@ -45,10 +46,27 @@ SECTION_CONFIG = ConfigDict(extra="forbid")
 T = TypeVar("T")
 
 
-@typing.dataclass_transform(field_specifiers=(dataclasses.field, Field))
-def section(cls: type[T]) -> type[T]:
-    """A config section: a dataclass whose construction checks every field against its declaration."""
-    return typing.cast("type[T]", _pydantic_dataclass(cls, config=SECTION_CONFIG))
+def section(name: str):
+    """A config section named `name` (`optim`, `train.spike`): a dataclass whose construction checks every field
+    against its declaration; a refused value (constructing it, dataclasses.replace) is the one-line ConfigError
+    naming the key (megamemo/config/run.py one_line)."""
+    @typing.dataclass_transform(field_specifiers=(dataclasses.field, Field))
+    def declare(cls: type[T]) -> type[T]:
+        declared = _pydantic_dataclass(cls, config=SECTION_CONFIG)
+        checked_init = declared.__init__
+
+        @functools.wraps(checked_init)
+        def __init__(self, *args, **kwargs):
+            try:
+                checked_init(self, *args, **kwargs)
+            except ValidationError as e:
+                from .run import one_line       # run.py builds on this module
+
+                raise one_line(e, declared, name) from None
+
+        declared.__init__ = __init__  # type: ignore[method-assign]
+        return typing.cast("type[T]", declared)
+    return declare
 
 
 def type_name(info: FieldInfo) -> str:

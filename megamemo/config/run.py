@@ -32,7 +32,7 @@ def section(cls, data, where: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
     try:
-        return cls(**data)
+        return cls.__pydantic_validator__.validate_python(data)     # as cls(**data), its errors named by `where`
     except ValidationError as e:
         raise one_line(e, cls, where) from None
 

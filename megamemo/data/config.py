@@ -14,7 +14,7 @@ from megamemo.config.run import ConfigError
 from .shards import _parse_size
 
 
-@section
+@section("data")
 class DataConfig:
     dir: str = ""                   # shard directory written by `megamemo prepare` (holds manifest.json); or a
                                     # remote one, s3://bucket/prefix, gs://bucket/prefix or https://host/path

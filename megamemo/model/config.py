@@ -9,10 +9,8 @@ import typing
 from dataclasses import field
 from typing import Annotated, Literal
 
-from pydantic import ValidationError
-
 from megamemo.config.fields import Bool, Field, Float, Int, section
-from megamemo.config.run import ConfigError, one_line
+from megamemo.config.run import ConfigError
 from megamemo.config.run import section as build_section
 
 # variant -> (memory kind, attention kind)
@@ -39,7 +37,7 @@ def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
     n = -(-vocab // step) * step
     return n, (vocab if n != vocab else None)
 
-@section
+@section("model")
 class ModelConfig:
     # the architecture: LaMemo, its ablations, Transformer-XL or a Transformer without memory (VARIANTS)
     variant: Variant = "lamemo"
@@ -145,10 +143,7 @@ class ModelConfig:
         given = {flag: v for flag, v in flags.items() if v is not None}
         fields = {flag: flag.removeprefix("--").replace("-", "_") for flag in given}
         try:
-            try:
-                return dataclasses.replace(self, **{fields[f]: v for f, v in given.items()}).validate()
-            except ValidationError as e:
-                raise one_line(e, ModelConfig, "model") from None
+            return dataclasses.replace(self, **{fields[f]: v for f, v in given.items()}).validate()
         except ValueError as e:
             for flag, name in fields.items():
                 if str(e).startswith(f"model.{name}:"):

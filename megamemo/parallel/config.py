@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from megamemo.config.fields import Bool, Field, Float, Int, IntChoice, section
 
 
-@section
+@section("parallel")
 class ParallelConfig:
     tp: Annotated[Int, Field(ge=1)] = 1     # tensor parallel size: heads, FFN and vocabulary split (megatron-core)
     pp: Annotated[Int, Field(ge=1)] = 1     # pipeline parallel size: layers split into stages (DeepSpeed pipeline)

@@ -29,7 +29,7 @@ from megamemo.parallel.config import ParallelConfig
 from .vocab import is_auto, resolve_auto
 
 
-@section
+@section("optim")
 class OptimConfig:
     name: Literal["adam", "adamw"] = "adam"     # adam | adamw (torch optimizers handed to DeepSpeed)
     lr: Annotated[Float, Field(gt=0)] = 2.5e-4      # the papers' setting
@@ -58,7 +58,7 @@ class OptimConfig:
         return self
 
 
-@section
+@section("precision")
 class PrecisionConfig:
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"   # fp32 | bf16 | fp16 (fp16: dynamic loss scaling)
     initial_scale_power: Int = 16   # fp16: first loss scale 2**power
@@ -78,7 +78,7 @@ class PrecisionConfig:
     max_consecutive_skips: Annotated[Int, Field(ge=1)] = 40
 
 
-@section
+@section("train.spike")
 class SpikeConfig:
     """train.spike: a loss spike (megamemo/train/numerics.py SpikeWatch). A step's loss (the global batch's mean) is a
     spike when it is not finite, or, once `window` applied steps are known, when its z-score over them (rule zscore)
@@ -104,7 +104,7 @@ class SpikeConfig:
         return self
 
 
-@section
+@section("train")
 class TrainConfig:
     # 0: build the run, save its initial state (checkpoint at step 0) and stop
     max_steps: Annotated[Int, Field(ge=0)] = 1000
@@ -148,7 +148,7 @@ class TrainConfig:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
 
 
-@section
+@section("checkpoint")
 class CheckpointConfig:
     save_every: Annotated[Int, Field(ge=0)] = 1000  # steps between checkpoints (0: only at the end and on signals)
     keep_last: Annotated[Int, Field(ge=1)] = 3      # committed checkpoints kept (older ones are deleted)
@@ -164,13 +164,13 @@ class CheckpointConfig:
     commit_timeout_s: Annotated[Float, Field(gt=0)] = 600.0
 
 
-@section
+@section("log")
 class LogConfig:
     every: Annotated[Int, Field(ge=1)] = 10         # a log line every N steps (metrics.jsonl gets every step)
     tensorboard: Bool = True        # also write TensorBoard event files under run_dir
 
 
-@section
+@section("eval")
 class EvalConfig:
     every: Annotated[Int, Field(ge=0)] = 0          # validate every N steps (0: never)
     split: str = "valid"            # the split validation scores
