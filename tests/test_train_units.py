@@ -494,3 +494,22 @@ def test_a_section_built_in_code_refuses_in_one_line_too():
         C.TrainConfig(spike={"window": 1})
     with pytest.raises(C.ConfigError, match=r"^optim\.min_lr: must be in \[0, optim\.lr\] \(got 1\.0\)$"):
         C.OptimConfig(min_lr=1.0)
+
+
+def test_declared_choices_are_the_codes_own():
+    """A Literal's choices are the values the code that reads the key knows (kernels, compiler, precision names)."""
+    import typing
+
+    from megamemo.kernels import ATTENTIONS, DROPOUT_MASKS, KERNELS
+    from megamemo.kernels.compiler import COMPILE
+    from megamemo.model import ModelConfig
+    from megamemo.util.precision import NAMES
+
+    def choices(cls, name):
+        from megamemo.config.fields import literal_values
+        return tuple(literal_values(cls.__pydantic_fields__[name].annotation))
+
+    assert choices(C.TrainConfig, "kernels") == KERNELS and choices(C.TrainConfig, "compile") == COMPILE
+    assert choices(C.TrainConfig, "dropout_masks") == tuple(DROPOUT_MASKS)
+    assert choices(ModelConfig, "attention") == ATTENTIONS and choices(C.PrecisionConfig, "dtype") == NAMES
+    assert typing.get_args(C.ParallelConfig.__pydantic_fields__["zero_stage"].annotation) == (0, 1, 2)
