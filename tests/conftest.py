@@ -9,11 +9,21 @@ that need 4 (`@pytest.mark.gpu4`, beside multigpu) where it sees fewer than 4. T
 many tests ran, passed, failed and skipped.
 """
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from helpers.shards import ShardsBySize
+
+# The test files live in folders that mirror the packages (tests/train/, tests/model/, ...; tests/helpers/ holds
+# what they share), without __init__.py: pytest imports each by its basename, unique across the folders. Every
+# folder is put on sys.path here, so that a test module imports another by that name (`from test_train_runs import
+# run`) whatever order the folders are collected in, on every pytest-xdist worker alike.
+TEST_FOLDERS = sorted(p for p in Path(__file__).resolve().parent.iterdir()
+                      if p.is_dir() and p.name not in ("fixtures", "helpers") and any(p.glob("test_*.py")))
+sys.path[:0] = [str(p) for p in TEST_FOLDERS if str(p) not in sys.path]
 
 
 def cuda_count() -> int:
