@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from megamemo.kernels import KERNELS, DropoutKey, apply_dropout_masks, apply_kernels
-from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.flops import model_flops, step_flops
+from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.runtime.peak import device_peak
 
 REPO = Path(__file__).resolve().parents[1]

@@ -50,10 +50,10 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
 
 
 def main() -> int:
-    from megamemo.train.config import load
-    from megamemo.plan.layouts import plan
     from megamemo.plan.devices import CPU_CALIBRATION, cpu_device
+    from megamemo.plan.layouts import plan
     from megamemo.plan.steptime import explain, gemm_width, step_time
+    from megamemo.train.config import load
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "rehearsal-1.3b-width.yaml"))

@@ -101,8 +101,8 @@ def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
     train_s = time.perf_counter() - t0
     reader.close()
     if args.save:
-        from megamemo.interop.vocabulary import data_meta
         from megamemo.checkpoint.single import save_single
+        from megamemo.interop.vocabulary import data_meta
 
         save_single(Path(args.save) / name, cfg, model.state_dict(),
                     meta={"source": "bench/quality.py", "steps": args.steps, "seed": args.seed, **data_meta(data)})

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megamemo.model import MemTransformerLM, ModelConfig          # noqa: E402
-from megamemo.model.memory import Memory                         # noqa: E402
-from megamemo.plan import opcost                                 # noqa: E402
-from megamemo.plan.devices import device as device_row           # noqa: E402
-from megamemo.plan.optrace import DTYPES, trace                  # noqa: E402
+from megamemo.model import MemTransformerLM, ModelConfig  # noqa: E402
+from megamemo.model.memory import Memory  # noqa: E402
+from megamemo.plan import opcost  # noqa: E402
+from megamemo.plan.devices import device as device_row  # noqa: E402
+from megamemo.plan.optrace import DTYPES, trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d\d_|fmha|attention|flash", re.IGNORECASE)

@@ -35,9 +35,9 @@ def plain_loop(config: str, data: str, steps: int, warmup: int, sets: list[str])
     import torch
 
     from megamemo.data import StreamReader
-    from megamemo.train.config import load
     from megamemo.kernels import apply_kernels
     from megamemo.model import MemTransformerLM
+    from megamemo.train.config import load
     from megamemo.train.engine import make_optimizer, schedule
 
     cfg = load(config, [f"data.dir={data}", *sets])

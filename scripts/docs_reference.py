@@ -103,8 +103,8 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def config_sections() -> list[tuple[str, type]]:
-    from megamemo.train.config import SECTIONS
     from megamemo.model import ModelConfig
+    from megamemo.train.config import SECTIONS
 
     return [("model", ModelConfig), *SECTIONS.items()]
 

@@ -11,7 +11,6 @@ import os
 import time
 
 import pytest
-
 from fixture_data import ENWIK8
 
 

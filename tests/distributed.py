@@ -25,11 +25,11 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import forked
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import forked
 from megamemo.runtime.dist import free_port
 
 TIMEOUT_S = float(os.environ.get("MEGAMEMO_TEST_DIST_TIMEOUT_S", "300"))

@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixture_data import ENWIK8
 
+from megamemo.checkpoint.single import save_single
 from megamemo.data import build
 from megamemo.data.corpora import from_arrays
 from megamemo.data.vocab import Vocab
-from fixture_data import ENWIK8
-from megamemo.checkpoint.single import save_single
 from megamemo.kernels import apply_kernels
 from megamemo.model import MemTransformerLM, ModelConfig
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import forked
+
 from megamemo.runtime.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]

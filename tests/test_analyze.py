@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
+from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
 
 from megamemo.commands import analyze as analyze_cmd
 from megamemo.eval import analyze
 from megamemo.model.positions import sinusoid
-
-from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
 
 
 def segments(n, B=3, L=6, seed=0):

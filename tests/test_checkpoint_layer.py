@@ -12,16 +12,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from distributed import run_distributed
 
 from megamemo.checkpoint.commit import LocalOutcomes
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, open_reader
 from megamemo.checkpoint.pieces import Piece, PieceError, ShardedReader, spread_writers, write_pieces
-from megamemo.checkpoint.state import (Counters, LoadContext, RNGState, StateRegistry, rank_files, save_snapshot)
-from megamemo.checkpoint.store import (MARKER, CheckpointError, CheckpointStore, SaveFailed, list_checkpoints,
-                                       newest_complete, tag_for, verify)
+from megamemo.checkpoint.state import Counters, LoadContext, RNGState, StateRegistry, rank_files, save_snapshot
+from megamemo.checkpoint.store import (
+    MARKER,
+    CheckpointError,
+    CheckpointStore,
+    SaveFailed,
+    list_checkpoints,
+    newest_complete,
+    tag_for,
+    verify,
+)
 from megamemo.parallel.tensor import global_box, shard_tensor
-from distributed import run_distributed
 
 
 # ---- pieces --------------------------------------------------------------------------------------------------

@@ -9,13 +9,13 @@ import importlib
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from fixture_data import REPO
-from megamemo.model import MemTransformerLM
-from megamemo.train.config import load
 from runs_cache import KEYED, logs
 from test_train_runs import losses, run
+
+from megamemo.model import MemTransformerLM
+from megamemo.train.config import load
 
 BF16_OVERLAP = ["precision.dtype=bf16", "parallel.zero_stage=1", "parallel.overlap_comm=true"]
 # (sets, DeepSpeed's optimizer) for the tiny config on one rank

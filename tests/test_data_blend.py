@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixture_data import ENWIK8, TEXT8
 
 from megamemo.data import Vocab, build, corpora, read_split
 from megamemo.data.blend import BlendError, BlendReader
-from fixture_data import ENWIK8, TEXT8
 
 VOCAB = Vocab("words", [f"w{i}" for i in range(64)])
 CT = 256                      # chunk_tokens: the unit of a source without documents; documents span chunks and shards
@@ -173,8 +173,9 @@ def test_sources_with_another_tokenizer_are_refused(two_sources, tmp_path):
 
 
 def test_train_refuses_a_blend_of_two_tokenizers_by_name(two_sources, tmp_path, capsys):
-    from megamemo.commands.train import main
     from test_train_runs import TINY
+
+    from megamemo.commands.train import main
 
     a, _ = two_sources
     e8 = tmp_path / "enwik8"

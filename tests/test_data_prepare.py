@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import webdataset as wds
 import zstandard
+from fixture_data import ENWIK8, TEXT8, WIKITEXT
 
 from megamemo.data import load_manifest, load_vocab, read_split
 from megamemo.data.cli import prepare_main
 from megamemo.data.corpora import split_points
-from fixture_data import ENWIK8, TEXT8, WIKITEXT
 
 
 def prepare(*argv):

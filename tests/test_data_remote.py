@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixture_data import ENWIK8
+from loopback_s3 import LoopbackS3
+from loopback_s3 import upload as upload_to
 
 from megamemo.data import ShardError, StreamReader, build, corpora
-from loopback_s3 import LoopbackS3, upload as upload_to
 from megamemo.data.remote import RemoteOptions, RemoteShards, StoreUnavailableError
-from fixture_data import ENWIK8
 
 BUCKET = "megamemo-test"
 
@@ -248,7 +249,7 @@ def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path
 def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, remote_shards, tmp_path):
     """`megamemo train` on 2 ranks from s3://bucket/prefix: the per-step losses of the local directory's run,
     bit for bit, also when one rank is killed -9 mid-run and the job resumes from the remote directory."""
-    from test_train_runs import TINY, committed_steps, launch, logs, losses, run, wait, assert_no_corrupt_checkpoint
+    from test_train_runs import TINY, assert_no_corrupt_checkpoint, committed_steps, launch, logs, losses, run, wait
 
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)
@@ -358,7 +359,8 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
     """gs:// through gcsfs against a GCS emulator on 127.0.0.1 (gcp-storage-emulator; STORAGE_EMULATOR_HOST)."""
     import json
 
-    from loopback_gcs import LoopbackGCS, upload as upload_gs
+    from loopback_gcs import LoopbackGCS
+    from loopback_gcs import upload as upload_gs
 
     with serving(LoopbackGCS):
         url = upload_gs(local_shards, BUCKET, "enwik8")
@@ -385,7 +387,9 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     import json
 
     from eval_fixtures import tiny_checkpoint
-    from megamemo.commands import analyze, eval as evaluate
+
+    from megamemo.commands import analyze
+    from megamemo.commands import eval as evaluate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")
@@ -420,8 +424,9 @@ def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
 
 
 def test_train_names_a_missing_object_before_building_anything(local_shards, s3_server, tmp_path, capsys):
-    from megamemo.commands.train import main
     from test_train_runs import TINY
+
+    from megamemo.commands.train import main
 
     url = upload(local_shards, "missing-cli", lambda n, d: None if n == "train-000002.tar" else d)
     cfg = tmp_path / "tiny.yaml"
@@ -455,8 +460,9 @@ def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_c
     import json
 
     import numpy as np
-    from megamemo.data.blend import BlendReader
     from test_data_blend import doc_source
+
+    from megamemo.data.blend import BlendReader
 
     local = tmp_path / "docs"
     doc_source(local, 3, 0, 300, 200)

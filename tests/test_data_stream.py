@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from fixture_data import ENWIK8, reference_file
 
 from megamemo.data import StreamReader, Vocab, build, corpora
 from megamemo.data.shard_reader import SplitSource
-from fixture_data import ENWIK8, reference_file
 
 
 def xl_batches(stream: torch.Tensor, bsz: int, bptt: int, shifts=None):

@@ -14,14 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
+from fixture_data import TEXT
 
 from megamemo.data import read_split
 from megamemo.data.cli import prepare_main
 from megamemo.data.tokenizer import SubwordTokenizer, train_bpe
-import forked
-from fixture_data import TEXT
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = TEXT / "wiki_paragraphs.jsonl"
@@ -267,9 +267,9 @@ def test_bad_document_in_a_worker_is_one_line_and_leaves_nothing(tmp_path, capsy
 def test_bits_per_byte_by_hand():
     import torch
 
-    from megamemo.util.units import bits_per_byte
     from megamemo.eval.evaluate import evaluate
     from megamemo.train.metrics import Metrics
+    from megamemo.util.units import bits_per_byte
 
     assert bits_per_byte(4 * math.log(2.0), 8) == pytest.approx(0.5)          # 4 bits over 8 bytes
 

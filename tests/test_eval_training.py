@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_fixtures import enwik8_slice_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
 from safetensors.torch import load_file
 
-from megamemo.commands import convert as convert_cmd, eval as evaluate
+from megamemo.commands import convert as convert_cmd
+from megamemo.commands import eval as evaluate
 from megamemo.interop import load as convert
-
-from eval_fixtures import enwik8_slice_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 

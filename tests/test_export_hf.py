@@ -12,19 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import torch
-
-from megamemo.data.vocab import Vocab
-from megamemo.commands import generate as generate_cmd
-from megamemo.interop.load import load_model
-from megamemo.eval.evaluate import evaluate, open_batches
-from megamemo.commands import export as export_cmd
-from megamemo.export import hf
-
-import forked
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+
+from megamemo.commands import export as export_cmd
+from megamemo.commands import generate as generate_cmd
+from megamemo.data.vocab import Vocab
+from megamemo.eval.evaluate import evaluate, open_batches
+from megamemo.export import hf
+from megamemo.interop.load import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 ISOLATED = Path(__file__).with_name("hf_without_megamemo.py")

@@ -15,15 +15,15 @@ import json
 
 import pytest
 import torch
-
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+
 from megamemo.config.run import ConfigError
-from megamemo.train.config import from_dict as load_dict
-from megamemo.kernels import apply_attention, attention_in_use, resolve_attention
 from megamemo.kernels import apply as kernels_apply
+from megamemo.kernels import apply_attention, attention_in_use, resolve_attention
 from megamemo.kernels import flex as flex_module
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.attention import causal_attention, lookahead_attention
+from megamemo.train.config import from_dict as load_dict
 
 VARIANTS = ["lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "xl", "rpe"]
 
@@ -67,7 +67,8 @@ def test_flex_forward_equals_eager_for_every_variant(variant, same_length, flex_
 
 def test_eval_and_generate_take_attention_flex(tmp_path, capsys, flex_calls):
     """`megamemo eval --attention flex` scores as `--attention eager`; generate's greedy tokens are the same."""
-    from megamemo.commands import eval as evaluate, generate
+    from megamemo.commands import eval as evaluate
+    from megamemo.commands import generate
 
     ckpt, _ = tiny_checkpoint(tmp_path / "ckpt")
     data = enwik8_slice_shards(tmp_path / "shards", 20_000)

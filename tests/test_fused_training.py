@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from runs_cache import logs, losses, run
 

@@ -11,8 +11,6 @@
 Every run goes through `megamemo train` / `convert` / `eval` as on a cluster, with DS_ACCELERATOR=cuda."""
 from __future__ import annotations
 
-import copy
-import importlib
 import json
 import os
 import re
@@ -23,17 +21,25 @@ import time
 
 import pytest
 import torch
-
 from fixture_data import REPO, reference_file
-from megamemo.interop.reference import import_reference
-from megamemo.runtime.dist import free_port
-from megamemo.kernels import apply_kernels, kernels_in_use
-from megamemo.interop.score import load_reference_file
 from sync_sites import SYNC_SETS, unneeded
-from test_model_reference import FILES, check_grads, close, ref_memory_tensors
 from test_gpu_checks_on_cpu import assert_positions_are_fp32s, resumed_adam_steps, tf32_runs
-from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, fp16_overflow_run, launch, logs,  # noqa: F401
-                             losses, run, wait)
+from test_model_reference import FILES, check_grads, close, ref_memory_tensors
+from test_train_runs import (  # noqa: F401
+    assert_no_corrupt_checkpoint,
+    committed_steps,
+    fp16_overflow_run,
+    launch,
+    logs,
+    losses,
+    run,
+    wait,
+)
+
+from megamemo.interop.reference import import_reference
+from megamemo.interop.score import load_reference_file
+from megamemo.kernels import apply_kernels, kernels_in_use
+from megamemo.runtime.dist import free_port
 
 pytestmark = pytest.mark.gpu
 GPU = {"DS_ACCELERATOR": "cuda", "MEGAMEMO_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": os.environ.get(

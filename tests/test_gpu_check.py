@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from runs_cache import REPO
 
 sys.path[:0] = [str(REPO / "scripts")]

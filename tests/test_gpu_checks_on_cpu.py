@@ -21,10 +21,10 @@ import sys
 
 import pytest
 import torch
-
 from fixture_data import REPO
-from megamemo.runtime.dist import free_port
 from runs_cache import logs, losses, run
+
+from megamemo.runtime.dist import free_port
 
 # ---- TF32 ----------------------------------------------------------------------------------------------------------
 TF32_STATES = {"fp32": "| TF32 off |", "tf32": "| TF32 on |"}

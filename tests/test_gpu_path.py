@@ -18,14 +18,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_distributed
 from fixture_data import REPO
+
 from megamemo.config.run import ConfigError
-from megamemo.train.config import load
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.runtime import device
 from megamemo.runtime.dist import discover, slurm_tasks_on_node
+from megamemo.train.config import load
 
 TINY = ["model.variant=lamemo", "model.n_token=40", "model.n_layer=4", "model.d_model=16", "model.n_head=2",
         "model.d_head=8", "model.d_inner=32", "model.dropout=0.0", "model.tgt_len=6", "model.mem_len=6",
@@ -210,8 +210,8 @@ def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatc
 def _tp_worker(rank, world):
     from megamemo.parallel import groups
     from megamemo.parallel.groups import TP_RNG, dropout_seeds, grad_norm, init_model_parallel, seed_rng_streams
-    from megamemo.parallel.shard_init import init_shard
     from megamemo.parallel.pipeline import LayerPipe, StageContext
+    from megamemo.parallel.shard_init import init_shard
     from megamemo.parallel.tensor import parallelize_tensor
 
     init_model_parallel(tp=world)

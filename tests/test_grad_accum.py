@@ -18,12 +18,12 @@ import importlib
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from fixture_data import REPO
-from megamemo.train.config import load
-from megamemo.model import MemTransformerLM
 from test_train_runs import losses, run
+
+from megamemo.model import MemTransformerLM
+from megamemo.train.config import load
 
 ACCUM, MICRO = 8, 2
 

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from megamemo.config.run import ConfigError
-from megamemo.train.config import from_dict
 from megamemo.kernels import apply_kernels, kernels_in_use, resolve_kernels
 from megamemo.kernels.dropout import CpuDropout
 from megamemo.kernels.masking import add_mask_bias
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.attention import mask_scores
 from megamemo.model.layers import ReluDropout
+from megamemo.train.config import from_dict
 
 
 def tiny(variant="lamemo", dropout=0.0):

@@ -9,7 +9,6 @@
     (it was 10000 + (id mod 2000) * 10), and moved off a port something already listens on at the first node."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

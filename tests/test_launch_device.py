@@ -10,7 +10,6 @@ runtimes on PATH stand for a GPU node, and record what the training step would h
     obey an inherited DS_ACCELERATOR=cpu."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fixture_data import ENWIK8
+
 from megamemo.checkpoint.store import newest_complete
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)

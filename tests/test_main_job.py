@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fixture_data import ENWIK8
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)

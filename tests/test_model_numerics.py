@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
+from test_model_properties import tiny
 
 from megamemo.model import Memory
 from megamemo.model.attention import interpolate
-from test_model_properties import tiny
 
 
 # ---- adaptive input and softmax --------------------------------------------------------------------------------

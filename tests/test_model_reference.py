@@ -5,11 +5,11 @@ import sys
 
 import pytest
 import torch
+from fixture_data import reference_file
+from kernel_paths import PATHS, on_path
 
 from megamemo.interop.reference import convert_state_dict, import_reference
 from megamemo.interop.score import load_reference_file
-from fixture_data import reference_file
-from kernel_paths import PATHS, on_path
 
 pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 

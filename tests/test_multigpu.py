@@ -30,11 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from fixture_data import REPO
+from test_train_runs import (
+    ONE_PROCESS_EXACT,
+    assert_no_corrupt_checkpoint,
+    committed_steps,
+    eval_records,
+    launch,
+    logs,
+    losses,
+    run,
+    wait,
+)
+
 from megamemo.train.engine import BF16_MIN_CAPABILITY
-from test_train_runs import (ONE_PROCESS_EXACT, assert_no_corrupt_checkpoint, committed_steps, eval_records,
-                             launch, logs, losses, run, wait)
 
 pytestmark = pytest.mark.multigpu
 STEPS = 5

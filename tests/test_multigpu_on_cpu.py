@@ -10,10 +10,15 @@ import subprocess
 import sys
 
 import pytest
-
 from fixture_data import REPO
-from test_multigpu import (NO_SAVES, ONE_PROCESS_EXACT, Devices, half_bound, half_layout_tracks_one_device,
-                           half_precision)
+from test_multigpu import (
+    NO_SAVES,
+    ONE_PROCESS_EXACT,
+    Devices,
+    half_bound,
+    half_layout_tracks_one_device,
+    half_precision,
+)
 from test_train_runs import losses
 
 CPU = Devices("cpu", "bf16")

@@ -19,15 +19,15 @@ import subprocess
 import sys
 import time
 
+import local_launch
 import pytest
 import torch
+from runs_cache import ONE_PROCESS_EXACT, REPO, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, losses, run
 
-import local_launch
 from megamemo.config.run import ConfigError
 from megamemo.runtime import goodput, interruptions
 from megamemo.runtime.interruptions import EXIT_NODE_SUSPECT, Exit
 from megamemo.train.numerics import SpikeWatch, fingerprint, verdict
-from runs_cache import ONE_PROCESS_EXACT, REPO, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, losses, run
 
 multiproc = pytest.mark.multiproc
 

@@ -6,9 +6,9 @@ import importlib
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_distributed
 from kernel_paths import PARALLEL_PATH, on_path
+
 from megamemo.model import MemTransformerLM, ModelConfig
 
 STEPS, L, B, GAS = 4, 6, 2, 2
@@ -42,6 +42,7 @@ def _pp_worker(rank, world, variants):
 
 def _check_variant(world, variant):
     import deepspeed
+
     from megamemo.parallel.pipeline import build_pipeline, load_single_state
 
     torch.manual_seed(0)

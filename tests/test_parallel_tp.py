@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_distributed
 from kernel_paths import PARALLEL_PATH, on_path
+
 from megamemo.model import ModelConfig
 
 STEPS, L, B = 4, 6, 2

@@ -22,12 +22,12 @@ import time
 
 import pytest
 import torch
+from runs_cache import REPO, run
 
 from megamemo.plan.devices import CPU_CALIBRATION, cpu_device
 from megamemo.plan.layouts import plan
 from megamemo.plan.steptime import step_time
 from megamemo.train.config import load
-from runs_cache import REPO, run
 
 pytestmark = pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 

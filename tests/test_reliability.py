@@ -22,12 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
 import local_launch
+import pytest
 from local_launch import start, text, wait_for_step
 from test_train_runs import TWO_RANKS_12_STEPS, committed_steps, launch, logs, losses, wait
+
+from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 

@@ -17,12 +17,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
-from megamemo.runtime.interruptions import history
 import local_launch
+import pytest
 from local_launch import text, wait_for_step
 from runs_cache import TWO_RANKS_12_STEPS, losses
+
+from megamemo.runtime.interruptions import history
 
 pytestmark = pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 

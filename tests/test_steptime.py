@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from fixture_data import REPO
-from megamemo.train import config
+
 from megamemo.commands.plan import main
-from megamemo.plan.layouts import plan
 from megamemo.plan.devices import Device
+from megamemo.plan.layouts import plan
 from megamemo.plan.optrace import trace
 from megamemo.plan.steptime import explain, step_time
+from megamemo.train import config
 
 
 def load(path, overrides=()):

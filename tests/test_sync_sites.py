@@ -13,10 +13,10 @@ import traceback
 import warnings
 
 import pytest
-
 from fixture_data import REPO
-from megamemo.runtime.dist import free_port
 from sync_sites import NEEDED_SYNCS, SYNC_SETS, attribute, package_root, recording, unneeded
+
+from megamemo.runtime.dist import free_port
 
 
 def frame(path, name):

@@ -13,8 +13,8 @@ from unittest import mock
 import pytest
 import torch
 
-from megamemo.train import config as C
 from megamemo.runtime import dist
+from megamemo.train import config as C
 from megamemo.train.engine import lr_factor
 
 REPO = Path(__file__).resolve().parents[1]

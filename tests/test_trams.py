@@ -4,12 +4,10 @@ import math
 
 import pytest
 import torch
-
-from megamemo.model import trams
-from megamemo.model import Memory, MemTransformerLM, ModelConfig
-from megamemo.model.trams import TramsConfig, key_scores, select_rows
-
 from eval_fixtures import one_thread  # noqa: F401 (autouse fixture)
+
+from megamemo.model import Memory, MemTransformerLM, ModelConfig, trams
+from megamemo.model.trams import TramsConfig, key_scores, select_rows
 
 
 def tiny(variant, **kw):

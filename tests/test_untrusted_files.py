@@ -12,14 +12,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import forked
 import pytest
 import torch
-
-import forked
-
-from megamemo.util.files import file_sha256
-from megamemo.checkpoint.store import MARKER
 from test_train_runs import run
+
+from megamemo.checkpoint.store import MARKER
+from megamemo.util.files import file_sha256
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 

@@ -143,7 +143,7 @@ class ShardedReader:
         self._check_all()
 
     @classmethod
-    def from_index(cls, directory: Path, index: dict[str, dict], where: Path) -> "ShardedReader":
+    def from_index(cls, directory: Path, index: dict[str, dict], where: Path) -> ShardedReader:
         """From a merged index {rank file: {key: name, shape, box, flat, dtype}} (index.py): no header opened."""
         self = cls.__new__(cls)
         self.entries, self._listed = defaultdict(list), {}

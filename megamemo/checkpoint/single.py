@@ -14,15 +14,15 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file
 
 from megamemo.checkpoint.state import read_json
-from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256, save_tensors
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256, save_tensors
 
 FORMAT, VERSION = "megamemo-single", 1
 

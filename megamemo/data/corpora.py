@@ -18,9 +18,9 @@ Supported corpora (see `megamemo prepare --help`):
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 

@@ -9,17 +9,18 @@ import json
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import zstandard
 
 from megamemo.util.files import entry_mismatch, fd_sha256, file_sha256
 
-from .doc_index import DocumentIndexError, parse as parse_document_index
+from .doc_index import DocumentIndexError
+from .doc_index import parse as parse_document_index
 from .remote import RemoteOptions, RemoteShards, is_remote
-from .shards import MANIFEST, _ZERO_BLOCK, ManifestError, ShardError, chunk_key, dtype_name, load_manifest
+from .shards import _ZERO_BLOCK, MANIFEST, ManifestError, ShardError, chunk_key, dtype_name, load_manifest
 from .tokenizer import KIND as SUBWORD
 from .tokenizer import SubwordTokenizer, TokenizerError, load_recorded
 from .vocab import Vocab

@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import webdataset as wds
 import zstandard
 
-from megamemo.util.progress import Progress
 from megamemo.util.files import AtomicFile, HashingWriter, write_text_atomic
+from megamemo.util.progress import Progress
 
 from .corpora import Corpus
 from .doc_index import DocumentStartsWriter, check_entry
@@ -299,7 +299,7 @@ def _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zst
         splits[split] = info
     dt = max(time.time() - t0, 1e-9)
     mib = stats.get("input_bytes", 0) / 2**20
-    log(f"[prepare] " + ", ".join(f"{s} {i['n_tokens']:,} tokens ({i.get('n_documents', 0):,} documents, "
+    log("[prepare] " + ", ".join(f"{s} {i['n_tokens']:,} tokens ({i.get('n_documents', 0):,} documents, "
                                   f"{i.get('n_bytes', 0):,} bytes)" for s, i in splits.items())
         + f"; {mib:.1f} MiB of input in {dt:.1f}s = {mib / dt:.2f} MiB/s")
 

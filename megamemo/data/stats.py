@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .shard_reader import load_vocab, read_split
-from .shards import load_manifest
 from megamemo.util.units import bits_per_byte
 
+from .shard_reader import load_vocab, read_split
+from .shards import load_manifest
 from .vocab import per_token
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -85,7 +85,7 @@ class SubwordTokenizer:
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str | Path, origin: str | None = None) -> "SubwordTokenizer":
+    def from_file(cls, path: str | Path, origin: str | None = None) -> SubwordTokenizer:
         p = Path(path)
         try:
             data = p.read_bytes()
@@ -95,7 +95,7 @@ class SubwordTokenizer:
                               origin if origin is not None else f"given {p.name}")
 
     @classmethod
-    def from_bytes(cls, data: bytes, library: str, where: str, origin: str = "") -> "SubwordTokenizer":
+    def from_bytes(cls, data: bytes, library: str, where: str, origin: str = "") -> SubwordTokenizer:
         if library == "tokenizers":
             from tokenizers import Tokenizer
             try:

@@ -169,10 +169,10 @@ def text_task(docs: list[dict]):
 
 
 def run_harness(ckpt, files: list[str], device=None, mem_len=None) -> dict:
+    import logging
+
     import lm_eval
     from lm_eval.evaluator import evaluate as lm_eval_evaluate
-
-    import logging
 
     docs = read_texts(files)
     lm = MegamemoLM(ckpt, device=device, mem_len=mem_len)

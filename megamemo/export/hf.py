@@ -95,8 +95,8 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
     from transformers import PreTrainedTokenizerFast
 
-    from megamemo.util.files import entry_mismatch, file_sha256
     from megamemo.interop.vocabulary import vocab_for
+    from megamemo.util.files import entry_mismatch, file_sha256
 
     rec = meta.get("tokenizer") or {}
     if isinstance(rec, dict) and rec.get("file") and not data:

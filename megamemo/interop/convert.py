@@ -35,8 +35,8 @@ from megamemo.checkpoint.probe_replay import ProbeError
 from megamemo.checkpoint.single import model_from_state_dict, write_config, write_streaming
 from megamemo.checkpoint.store import MARKER, tag_for
 from megamemo.util.files import atomic_directory
-from megamemo.util.progress import Progress
 from megamemo.util.precision import torch_dtype
+from megamemo.util.progress import Progress
 
 from .load import Checkpoint, ConvertError, is_single, resolve_committed
 from .vocabulary import copy_tokenizer, data_meta, run_data_meta

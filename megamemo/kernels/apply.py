@@ -15,9 +15,9 @@ from megamemo.model.layers import RelAttention, ReluDropout
 
 from .compiler import uncompiled
 from .dropout import CpuDropout
-from .keyed import KeyedDropout
 from .flex import flex_causal_attention, flex_lookahead_attention
 from .fused import FusedUnavailable, check_device, fused_causal_attention, fused_lookahead_attention
+from .keyed import KeyedDropout
 from .masking import add_mask_bias
 
 KERNELS = ("auto", "plain", "cpu")

@@ -34,7 +34,7 @@ except ImportError:                     # torch < 2.9
 from megamemo.model.attention import _drops, _rows, causal_attention, lookahead_attention, select_lse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -31,8 +31,8 @@ micro-batch of each pipe layer it runs (megamemo/parallel/pipeline.py); the mode
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from .dropout import _KeepScale, _ReluKeepScale, _ties
 from .philox import philox, philox_words32
@@ -89,7 +89,7 @@ class DropoutKey:
                              f"{len(self.columns)}")
         return self.columns[self.micro_batch]
 
-    def set(self, step: int | None = None, micro_batch: int | None = None) -> "DropoutKey":
+    def set(self, step: int | None = None, micro_batch: int | None = None) -> DropoutKey:
         """The step (applied optimizer steps so far) and/or the micro-batch (index into columns) masks are drawn
         for from now on."""
         if step is not None and step != self.step:
@@ -103,7 +103,7 @@ class DropoutKey:
                 self.words[2].fill_(self.columns[self.micro_batch])
         return self
 
-    def to(self, device) -> "DropoutKey":
+    def to(self, device) -> DropoutKey:
         self.words = self.words.to(device)
         return self
 

@@ -13,8 +13,8 @@ last rows: they are masked inside that cluster's softmax, and the head and every
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 def cluster_bounds(n_token: int, cutoffs: list[int]) -> list[int]:

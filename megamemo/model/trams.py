@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ class TramsConfig:
     def topk(self) -> int:
         return self.attend - self.recent
 
-    def validate(self) -> "TramsConfig":
+    def validate(self) -> TramsConfig:
         if not 0 <= self.recent <= self.attend <= self.pool:
             raise ValueError(f"trams: need 0 <= recent ({self.recent}) <= attend ({self.attend}) <= pool "
                              f"({self.pool})")

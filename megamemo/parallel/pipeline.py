@@ -31,8 +31,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megamemo.model.adaptive import mask_padding

@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from megamemo.model.adaptive import mask_padding
 from megamemo.model.layers import project_split

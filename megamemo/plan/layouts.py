@@ -25,8 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megamemo.parallel.zero import DS_REDUCE_BUCKET, bf16_optimizer, fp32_accumulation, overlaps_reduction, reduce_bucket
 from megamemo.model.params import bias_params, input_params, layer_params, output_params
+from megamemo.parallel.zero import (
+    DS_REDUCE_BUCKET,
+    bf16_optimizer,
+    fp32_accumulation,
+    overlaps_reduction,
+    reduce_bucket,
+)
 from megamemo.util.precision import HALF
 
 GiB = 1024 ** 3

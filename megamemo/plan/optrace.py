@@ -82,7 +82,7 @@ class Segment:
     def bytes(self) -> np.ndarray:
         return self.read + self.write
 
-    def scaled(self, other: "Segment", t: float) -> "Segment":
+    def scaled(self, other: Segment, t: float) -> Segment:
         """The line through this segment (t = 0) and `other` (t = 1), at t."""
         if self.names != other.names:
             raise ValueError("op sequences differ between the micro-batches traced")
@@ -92,7 +92,7 @@ class Segment:
                        f(self.cols, other.cols), self.launches)
 
     @staticmethod
-    def concat(segs) -> "Segment":
+    def concat(segs) -> Segment:
         segs = list(segs)
         cat = lambda k: np.concatenate([getattr(s, k) for s in segs]) if segs else np.zeros(0)
         return Segment(sum((s.names for s in segs), ()), *(cat(k) for k in FIELDS))

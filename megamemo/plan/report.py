@@ -4,8 +4,8 @@ first (recommend.py); why a layout cannot run, in one line, with the nearest tha
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from megamemo.config.run import ConfigError
 from megamemo.model.params import total_params

@@ -74,8 +74,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from megamemo.parallel.zero import fp32_accumulation, overlaps_reduction, reduce_bucket, reduce_dtype
 from megamemo.model.flops import forward_flops, model_flops, step_flops
+from megamemo.parallel.zero import fp32_accumulation, overlaps_reduction, reduce_bucket, reduce_dtype
 from megamemo.plan import opcost, optrace
 from megamemo.plan.devices import Device, device, nearest_group
 from megamemo.util.precision import HALF, element_bytes

@@ -29,10 +29,9 @@ import math
 import time
 from pathlib import Path
 
+from megamemo.runtime.peak import format_flops
 from megamemo.util.files import write_text_atomic
 from megamemo.util.units import bits, bits_per_byte, perplexity
-from megamemo.runtime.peak import format_flops
-
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:

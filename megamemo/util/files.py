@@ -19,8 +19,9 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 BLOCK = 1 << 22
 
@@ -90,7 +91,7 @@ class AtomicFile:
         with contextlib.suppress(OSError):
             self.tmp.unlink()
 
-    def __enter__(self) -> "AtomicFile":
+    def __enter__(self) -> AtomicFile:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -29,14 +29,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 BAR_REDRAW_S = 0.5     # the bar's postfix (and its lazy fields) is refreshed at most this often
 
 
 class Progress:
     def __init__(self, desc: str, total: float | None = None, *, unit: str = "it", every: float = 10.0,
-                 line: Callable[["Progress"], str] | None = None, log: Callable[[str], None] | None = None,
+                 line: Callable[[Progress], str] | None = None, log: Callable[[str], None] | None = None,
                  bar: bool | None = None, stream=None, scale: bool = False,
                  postfix: Callable[[dict], str] | None = None, clock: Callable[[], float] = time.monotonic):
         self.desc, self.total, self.unit, self.every = desc, (total or None), unit, every
@@ -99,7 +99,7 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:
