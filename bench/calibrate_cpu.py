@@ -89,7 +89,7 @@ def layer_gemm_rate(d_model: int, heads_dim: int, d_inner: int, tp: int, rows: i
     gs = [torch.randn(rows, o) for _, o in shapes]
 
     def step():
-        for w, x, g in zip(ws, xs, gs):
+        for w, x, g in zip(ws, xs, gs, strict=True):
             w.grad = x.grad = None
             F.linear(x, w).backward(g)
     return sum(3 * 2 * rows * i * o for i, o in shapes) / _median_time(step, repeat)
@@ -179,7 +179,7 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(weights)])
     plain = torch.nn.Sequential(*[torch.nn.Linear(1, 1, bias=False) for _ in range(weights)])
-    for mine, theirs in zip(plain, model):      # the same weights' memory, leaves of their own (no engine hooks)
+    for mine, theirs in zip(plain, model, strict=True):      # the same weights' memory, leaves of their own (no engine hooks)
         mine.weight = torch.nn.Parameter(theirs.weight.detach())
     params = sum(p.numel() for p in model.parameters())
     cfg = load(None, ["model.variant=lamemo", "train.grad_accum=1", "parallel.tp=1", "parallel.pp=1"])

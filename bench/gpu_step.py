@@ -256,7 +256,7 @@ def main(argv=None) -> int:
         if not profiled and model is not None and parse_form(form)[1]:
             rows.append(_extra(a, common, lambda: step_extras.profile_row(model, cfg, a.batch, form)))
             profiled = True
-        del model
+        model = None                    # freed before empty_cache (the lambda above shares the name)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if a.optimizer:

@@ -168,7 +168,7 @@ def interleaved(runners: dict, rounds: int, warmup: int, probe: PeakProbe | None
 
 def ratio_line(label, num, den, times, best_of) -> str:
     t_ratio = min(times[num]) / min(times[den])
-    paired = statistics.median(a / b for a, b in zip(times[num], times[den]))
+    paired = statistics.median(a / b for a, b in zip(times[num], times[den], strict=True))
     return f"{label}: time ratio {t_ratio:.3f} (median of the rounds' ratios {paired:.3f})" + best_of(t_ratio, paired)
 
 
@@ -198,7 +198,7 @@ def ratios(runners, times) -> None:
     for ref, (ours, _) in REFERENCE.items():
         if ref in times and ours in times:   # tokens/s ratio = reference time / megamemo time
             t = min(times[ref]) / min(times[ours])
-            p = statistics.median(a / b for a, b in zip(times[ref], times[ours]))
+            p = statistics.median(a / b for a, b in zip(times[ref], times[ours], strict=True))
             print(f"{ours} megamemo/reference tokens/s: {t:.2f}x from the best steps (median of the rounds' "
                   f"ratios {p:.2f}x)")
 

@@ -45,7 +45,7 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
         loads.write_text(json.dumps([before, after]))
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     times = [r["time"] for r in recs if r.get("kind") == "train"]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return statistics.median(gaps[1:]), gaps, (before, after)
 
 

@@ -245,7 +245,7 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
     job = Job(cmd, job_env(**({"MEGAMEMO_FAULT_KILL_AT": plan} if plan else {})), log)
     records, resumed, refused = [], 0, []
     deadline = t_start + minutes * 60
-    began, at = job.t_wall, 0       # this start's wall-clock time and its first byte in the log
+    at = 0                          # this start's first byte in the log
     for i, (kind, nth_here, rank) in enumerate(rounds):
         if time.monotonic() > deadline:
             say(f"[soak] {minutes:g} min used up after {i} kills")
@@ -271,7 +271,7 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
         say(f"[soak] kill {i + 1}: {where}; this start {this}; newest committed {committed(run_dir)[-1:] or 'none'}")
         if nxt is None:
             break                   # the job ended: the run reached its end between kills, or no restart was left
-        began, at = time.time(), nxt
+        at = nxt
     summary = {"seed": seed, "world": world, "steps": steps, "kills": len(records),
                "aborts": sum("terminate called" in r.get("log", "") for r in records),
                "by_kind": {k: sum(r["where"] == k for r in records) for k in KINDS},

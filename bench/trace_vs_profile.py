@@ -101,7 +101,7 @@ def measure(cfg, B, dtype, dev, steps=5):
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gemm = [e for e in kernels if GEMM_KERNEL.search(e.name)]
-    del model, mem
+    model = mem = None                              # freed before empty_cache (step's closure shares them)
     torch.cuda.empty_cache()
     us = lambda e: e.time_range.elapsed_us()
     other = [e for e in kernels if not GEMM_KERNEL.search(e.name)]

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             ("megamemo train, DeepSpeed, 1 process", 1, a.threads, one),
             ("megamemo train, DeepSpeed, DP=2", 2, a.threads, two)]
     print(f"{'':40} {'procs':>5} {'threads':>8} {'tokens/s':>10} {'vs plain':>9}   all runs")
-    for (name, n, t, v), key in zip(rows, ("plain", "one", "two")):
+    for (name, n, t, v), key in zip(rows, ("plain", "one", "two"), strict=True):
         spread = " ".join(f"{x:,.0f}" for x in results[key])
         print(f"{name:40} {n:>5} {t:>8} {v:>10,.0f} {v / plain:>8.2f}x   {spread}")
     print(f"engine overhead (plain / DeepSpeed, 1 process): {plain / one:.2f}x; "

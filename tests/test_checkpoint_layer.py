@@ -37,7 +37,7 @@ def _zero_fragments(n: int, dp: int, rng: random.Random) -> list[tuple[int, int]
     """Uneven contiguous ranges tiling [0, n), as ZeRO's flat partitions cut a parameter."""
     cuts = sorted(rng.sample(range(1, n), dp - 1)) if dp > 1 else []
     edges = [0, *cuts, n]
-    return [(a, b) for a, b in zip(edges, edges[1:])]
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False)]
 
 
 def _write_tp_dp(tmp_path, name, full, dim, tp, dp, seed=0):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,7 +246,7 @@ def _damage_memory_heads(s):
     assert keys
     for k in keys:
         data[0][k], data[1][k] = data[1][k], data[0][k]
-    for f, d, m in zip(files, data, meta):
+    for f, d, m in zip(files, data, meta, strict=True):
         save_file(d, str(f), metadata=m)
     _recommit(s)
     return "per-token NLL differs"

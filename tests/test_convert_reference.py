@@ -23,7 +23,7 @@ def test_imported_reference_reproduces_the_reference_nll(name, tmp_path):
     assert meta["imported_from"].startswith(g["reference"].split("@")[0])
     mem = None
     with torch.no_grad():
-        for x, y, want in zip(g["inputs"], g["targets"], g["nll"]):
+        for x, y, want in zip(g["inputs"], g["targets"], g["nll"], strict=True):
             nll, mem = model(x, y, mem)
             assert torch.allclose(nll, want, atol=1e-5, rtol=0), float((nll - want).abs().max())
     assert mem.length == g["config"]["mem_len"]

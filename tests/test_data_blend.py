@@ -92,7 +92,7 @@ def test_columns_are_whole_documents_of_the_sources_in_order(doc_sources):
             seen[s].append(u)
             pos, j = pos + n, j + 1
         for s, units in seen.items():                                       # each source walked in order
-            assert all((v - u) % len(docs[s]) == 1 for u, v in zip(units, units[1:]))
+            assert all((v - u) % len(docs[s]) == 1 for u, v in zip(units, units[1:], strict=False))
         assert seen[0] and seen[1]                                          # both sources in every column
 
 

@@ -85,7 +85,7 @@ def test_s3_batches_equal_local_and_the_cache_holds_verified_shards(local_shards
         got = batches(r)
         fetched = r.cache_info()["fetched_bytes"]
     assert len(got) == len(expect) > 0
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expect))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expect, strict=True))
     entries = r.manifest["splits"]["train"]["shards"]
     assert fetched == sum(e["bytes"] for e in entries)        # each shard fetched once, for both epochs
     cached = sorted(p.name for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
@@ -352,7 +352,7 @@ def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
         server.terminate()
         server.wait(10)
     expect = batches(StreamReader(local_shards, "train", 4, 512))
-    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect))
+    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect, strict=True))
 
 
 def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(local_shards, tmp_path):
@@ -374,7 +374,7 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
             batches(StreamReader(bad, "train", batch_size=1, tgt_len=4096, remote_options=opts(tmp_path / "b")))
     expect = batches(StreamReader(local_shards, "train", **kw))
     assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                                           for a, b in zip(got, expect))
+                                           for a, b in zip(got, expect, strict=True))
     msg = str(e.value)
     assert msg.startswith(f"shard {bad}/{second['name']}: chunk at token offset {second['offset']}")
     assert "does not match manifest.json" in msg and "\n" not in msg
@@ -473,7 +473,7 @@ def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_c
     with BlendReader([(url, 1)], "train", remote_options=opts(tmp_path), **kw) as got:
         assert got.units[0].kind == "documents" and np.array_equal(got.units[0].starts, want.units[0].starts)
         for k in range(40):
-            assert all(torch.equal(x, y) for x, y in zip(got.get_batch(0, k), want.get_batch(0, k)))
+            assert all(torch.equal(x, y) for x, y in zip(got.get_batch(0, k), want.get_batch(0, k), strict=True))
     cached = tmp_path / "cache" / "sha256" / f"{entry['sha256']}.bin"
     assert cached.read_bytes() == (local / entry["file"]).read_bytes()
 

@@ -134,7 +134,7 @@ def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
     tok_file = tmp_path / "t.json"
     tok_file.write_bytes(train_bpe(iter(texts[:40]), 300).data)
     outs = [tmp_path / f"w{w}" for w in (1, 2, 3)]
-    for w, out in zip((1, 2, 3), outs):
+    for w, out in zip((1, 2, 3), outs, strict=True):
         assert prepare("--raw", raw, "--tokenizer", tok_file, "--workers", w, "--out", out, "--chunk-tokens", 4096,
                        "--shard-size", "256K") == 0
     names = sorted(p.name for p in outs[0].iterdir())
@@ -155,7 +155,7 @@ def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
         starts = np.frombuffer((outs[0] / m["splits"][split]["documents"]["file"]).read_bytes(), "<u8").astype(int)
         assert m["splits"][split]["n_documents"] == len(mine) == starts.size
         ends = np.append(starts[1:], ids.size)
-        for t, a, b in zip(mine, starts, ends):
+        for t, a, b in zip(mine, starts, ends, strict=True):
             assert tok.decode(ids[a:b]) == t + EOD
         if split == "train":
             shard_ends = np.cumsum([sh["n_tokens"] for sh in m["splits"][split]["shards"]])[:-1]

@@ -130,7 +130,7 @@ def exported(run_dir, shards, tmp_path_factory):
         jobs.append({**{k: v for k, v in job.items() if k != "ref_nll"}, "segment": m.cfg.tgt_len, "prompt": prompt,
                      "new": 40, "text": TEXTS[vocab.kind]})
     results = isolated(jobs, tmp)
-    return {name: (*cases[name], job, res) for name, job, res in zip(cases, jobs, results)}
+    return {name: (*cases[name], job, res) for name, job, res in zip(cases, jobs, results, strict=True)}
 
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)

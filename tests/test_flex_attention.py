@@ -107,7 +107,7 @@ def test_the_probe_replays_the_same_under_flex(tmp_path, flex_calls):
     eager = single_device_nll(model, None, probe)
     apply_attention(model, "flex")
     flex = single_device_nll(model, None, probe)
-    assert flex_calls and max((a - b).abs().max().item() for a, b in zip(eager, flex)) <= 1e-5
+    assert flex_calls and max((a - b).abs().max().item() for a, b in zip(eager, flex, strict=True)) <= 1e-5
 
 
 def test_inference_auto_is_eager_on_the_cpu_and_for_generation():

@@ -94,7 +94,7 @@ def test_adaptive_softmax_counts_the_head_only():
     got, tgt = torch_count(cfg, B)
     bounds = [0, 50, 120, 200]
     tails = sum(3 * 2 * int(((tgt >= lo) & (tgt < hi)).sum()) * cfg.d_model * (hi - lo)
-                for lo, hi in zip(bounds[1:-1], bounds[2:]))
+                for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True))
     assert tails > 0
     assert got - tails == step_flops(cfg, B) + known_differences(cfg, B)
 

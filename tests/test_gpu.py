@@ -64,7 +64,7 @@ def test_golden_reference_on_cuda(name):
     assert apply_kernels(model, "auto", "cuda") == "plain" and kernels_in_use(model) == "plain"
     mem = None
     with torch.no_grad():
-        for k, (x, y) in enumerate(zip(*cuda)):
+        for k, (x, y) in enumerate(zip(*cuda, strict=True)):
             nll, mem = model(x, y, mem)
             assert nll.is_cuda
             close(nll.cpu(), g["nll"][k], f"segment {k} NLL on CUDA")
@@ -232,11 +232,11 @@ def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.split("OUT", 1)[1])
     assert out["megatron_layers"] == ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"], out
-    assert max(abs(a - b) for a, b in zip(out["tp"], out["single"])) < 1e-5, out
+    assert max(abs(a - b) for a, b in zip(out["tp"], out["single"], strict=True)) < 1e-5, out
     assert abs(out["norms"][0] - out["norms"][1]) < 1e-5 * out["norms"][0], out
     assert out["tp_stream_advanced"] and out["init_same_on_cuda"], out
     # the pipeline averages its 2 micro-batches (2 streams each); the single model saw all 4 streams at once
-    assert max(abs(a - b) for a, b in zip(out["pp"], out["single"])) < 1e-5, out
+    assert max(abs(a - b) for a, b in zip(out["pp"], out["single"], strict=True)) < 1e-5, out
     assert out["bank_device"] == ["cuda"], out
     assert out["kernels"] == ["plain"] * 4, out                      # train.kernels=auto on CUDA: plain PyTorch
 

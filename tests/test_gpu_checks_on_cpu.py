@@ -164,7 +164,7 @@ def resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=(), env_extra=None, time
     assert out["resumed_at"] == 2 and out["resumed"], out
     for count, dev, dtype, param_dev in out["resumed"]:
         assert count == 2.0 and [dev, dtype] == out["torch_makes"], out
-    assert all(a == [3.0, before[1]] for a, before in zip(out["after_a_step"], out["resumed"])), out
+    assert all(a == [3.0, before[1]] for a, before in zip(out["after_a_step"], out["resumed"], strict=True)), out
     return out
 
 

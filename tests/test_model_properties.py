@@ -113,7 +113,7 @@ def test_top_layer_skips_only_work_nothing_reads(monkeypatch, mem_len):
         return out, {n: p.grad for n, p in model.named_parameters()}
 
     (skipped, g_skip), (full, g_full) = run(False), run(True)
-    for (n1, m1), (n2, m2) in zip(skipped, full):
+    for (n1, m1), (n2, m2) in zip(skipped, full, strict=True):
         assert torch.allclose(n1, n2, atol=1e-6) and m1.length == m2.length
         for k in m2.tensors:
             assert torch.allclose(m1[k], m2[k], atol=1e-6), k
@@ -210,7 +210,7 @@ def test_dropout_mask_is_a_32_bit_comparison_drawn_digit_by_digit(monkeypatch, n
     tied = list(range(n))
     for level, vals in enumerate(draws):
         assert len(vals) == len(tied)
-        for i, v in zip(tied, vals.tolist()):
+        for i, v in zip(tied, vals.tolist(), strict=True):
             digits[i].append(v)
         tied = [i for i in tied if digits[i][-1] == t[level]]
     expected = torch.tensor([d >= t[:len(d)] for d in digits])

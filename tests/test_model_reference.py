@@ -49,7 +49,7 @@ def test_eval_nll_and_memory_over_segments(golden, path):
     model = on_path(import_reference(golden["config"], golden["state_dict"]), path).eval()
     mem = None
     with torch.no_grad():
-        for k, (x, y) in enumerate(zip(golden["inputs"], golden["targets"])):
+        for k, (x, y) in enumerate(zip(golden["inputs"], golden["targets"], strict=True)):
             nll, mem = model(x, y, mem)
             close(nll, golden["nll"][k], f"segment {k} NLL")
             ref = ref_memory_tensors(golden, golden["mems"][k])
@@ -114,7 +114,7 @@ def test_reference_score_cli(tmp_path):
     got = torch.load(out, weights_only=True)["nll"]
     ref = torch.load(src, weights_only=True)["nll"]
     assert len(got) == len(ref) == 4
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         close(a, b, "reference-score NLL")
 
 

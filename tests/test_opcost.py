@@ -30,7 +30,7 @@ TINY = REPO / "configs" / "tiny-cpu.yaml"
 
 def segment(rows):
     """A Segment from (gemm, fp32, aligned, flops, read, write, rows, cols, launches) tuples."""
-    cols = list(zip(*rows))
+    cols = list(zip(*rows, strict=True))
     return Segment(tuple(f"op{i}" for i in range(len(rows))), *(np.array(c, dtype=bool if i < 3 else float)
                                                                  for i, c in enumerate(cols)))
 

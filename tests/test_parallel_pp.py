@@ -73,7 +73,7 @@ def _check_variant(world, variant):
         losses.append(float(engine.train_batch(iter(segment(s)))))
         ctx.bank.commit()
     ref_losses, ref_mems = _reference(single, data, lr)
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
 
     merged = gathered()
     for mb in range(GAS):

@@ -255,7 +255,7 @@ def test_fault_injection_kills_flips_and_truncations(tiny_cfg, shards, reference
     assert len(committed) >= 3, (seed, out[-3000:])
     rng = random.Random(seed)
     damaged = []
-    for d, how in zip(reversed(committed), ("flip", "truncate")):   # the two newest, a random file of each
+    for d, how in zip(reversed(committed), ("flip", "truncate"), strict=False):   # the two newest, a random file of each
         f = rng.choice(sorted(p for p in d.iterdir() if p.name != MARKER))
         _damage(f, rng, how)
         damaged.append(d.name)

@@ -56,12 +56,12 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
     return out if all(lo < hi for lo, hi in out) else None
 
 
 def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer, strict=True))
 
 
 # ---- writing ---------------------------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ class ShardedReader:
     @staticmethod
     def _check(e: _Entry) -> None:
         ok = len(e.box) == len(e.shape) and all(0 <= a < b <= n or a == b == 0 == n
-                                                for (a, b), n in zip(e.box, e.shape))
+                                                for (a, b), n in zip(e.box, e.shape, strict=True))
         if ok and e.flat is not None:
             ok = 0 <= e.flat[0] < e.flat[1] <= math.prod(box_shape(e.box))
         if not ok:

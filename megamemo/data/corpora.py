@@ -88,7 +88,7 @@ def _count_bytes(ranges: list[tuple[Path, int, int]], drop: int | None = None) -
                 raw = raw[raw != drop]
             counts += np.bincount(raw, minlength=256)
             vals, idx = np.unique(raw, return_index=True)
-            for v, i in zip(vals.tolist(), idx.tolist()):
+            for v, i in zip(vals.tolist(), idx.tolist(), strict=True):
                 first.setdefault(v, pos + i)
             pos += raw.size
     return {v: int(counts[v]) for v in first}, first

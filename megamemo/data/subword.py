@@ -146,7 +146,7 @@ def _train_texts(srcs, field: str, split: DocumentSplit, files) -> Iterator[str]
         texts = parse_block(block)
         which = split.assign(doc, len(texts))
         doc += len(texts)
-        for t, w in zip(texts, which):
+        for t, w in zip(texts, which, strict=True):
             if w == 0:
                 yield t
     if doc == 0:

@@ -137,7 +137,7 @@ def plot_alpha(results: list[dict], path: Path) -> None:
     plt = _plt()
     lam = [r for r in results if "alpha" in r]
     fig, axes = plt.subplots(1, len(lam), figsize=(5.5 * len(lam), 4), squeeze=False)
-    for ax, r in zip(axes[0], lam):
+    for ax, r in zip(axes[0], lam, strict=True):
         for name, vals in r["alpha"].items():
             ax.plot(range(len(vals)), vals, label=name.replace("_", " "))
         ax.set_xlabel("memory index (0 = oldest row)")

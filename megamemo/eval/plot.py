@@ -166,7 +166,7 @@ def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
     panels = [metric] + (["bits_per_byte"] if metric == "ppl" and has_bits_per_byte(runs) else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(9 * len(panels), 5.5), squeeze=False)
     drawn: dict = {}
-    for k, (ax, m) in enumerate(zip(axes[0], panels)):
+    for k, (ax, m) in enumerate(zip(axes[0], panels, strict=True)):
         _draw(ax, runs, x, m, drawn if k == 0 else {}, plt, blended_transform_factory)
     fig.tight_layout()
     return fig, drawn

@@ -62,7 +62,7 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
             want = g["nll"][scores.segments - 1]
             worst = max(worst, float((nll.float() - want.float()).abs().max()))
 
-        score_segments(model, zip(g["inputs"], g["targets"]), on_segment=compare,
+        score_segments(model, zip(g["inputs"], g["targets"], strict=True), on_segment=compare,
                        max_segments=len(g["nll"]))
         if worst > 1e-5:
             raise ReferenceImportError(f"{src}: the imported model's NLL differs from the file's reference NLL by "

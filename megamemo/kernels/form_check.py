@@ -59,7 +59,7 @@ def _run(layer, args, grads):
     y = out[0] if isinstance(out, tuple) else out
     w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device, y.dtype)
     got = torch.autograd.grad((y * w).sum(), grads, allow_unused=True)
-    return [y.detach()] + [torch.zeros_like(x) if g is None else g for x, g in zip(grads, got)]
+    return [y.detach()] + [torch.zeros_like(x) if g is None else g for x, g in zip(grads, got, strict=True)]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,7 +121,7 @@ def check_form(layer, cfg, B: int, L: int, M: int, form: Form, backend: str = "i
         except Exception as e:          # noqa: BLE001 - whatever a form cannot do here is reported, not raised
             return False, f"{form} failed at {where}: {_first_line(e)}", None
         names = ["output"] + [f"d/d input {k}" for k in range(len(grads))]
-        diffs = {name: _rel(a, b) for name, a, b in zip(names, got, ref)}
+        diffs = {name: _rel(a, b) for name, a, b in zip(names, got, ref, strict=True)}
         worst = max(diffs, key=diffs.get)
         tol = TOLERANCE.get(dtype, 3e-2)
         line = (f"{form} vs eager at {where}: worst {worst} mean relative difference {diffs[worst]:.2e} "

@@ -52,7 +52,7 @@ GPU_EFFICIENCY = ((64, 0.12), (128, 0.25), (256, 0.42), (512, 0.58), (1024, 0.68
 def log_interpolate(points, x: float) -> float:
     """y at x > points[0]'s x on the line through ((x, y), ...) sorted by x, linear in log(x) between two points;
     the last point's y past it."""
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
         if x <= x1:
             return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
     return points[-1][1]

@@ -173,7 +173,7 @@ def _tensors(x):
 
 def _nbytes(t: torch.Tensor) -> int:
     """Bytes of the distinct elements a kernel reads of t (an expanded, stride-0 dimension once)."""
-    return math.prod(n for n, s in zip(t.shape, t.stride()) if s != 0) * t.element_size()
+    return math.prod(n for n, s in zip(t.shape, t.stride(), strict=True) if s != 0) * t.element_size()
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -181,7 +181,7 @@ def _aligned(t: torch.Tensor) -> bool:
     but the unit one 16-byte multiples (NVIDIA Deep Learning Performance Guide, "Matrix Multiplication Background",
     Tensor Core requirements)."""
     step = 16 // t.element_size()
-    return t.storage_offset() % step == 0 and all(s % step == 0 for s, n in zip(t.stride(), t.shape)
+    return t.storage_offset() % step == 0 and all(s % step == 0 for s, n in zip(t.stride(), t.shape, strict=True)
                                                   if s != 1 and n > 1)
 
 
@@ -223,9 +223,9 @@ class _Recorder(TorchDispatchMode):
 
 
 def _segment(ops: list) -> Segment:
-    cols = list(zip(*ops)) if ops else [()] * (len(FIELDS) + 1)
+    cols = list(zip(*ops, strict=True)) if ops else [()] * (len(FIELDS) + 1)
     return Segment(tuple(cols[0]), *(np.array(c, dtype=bool if f in ("gemm", "fp32", "aligned") else float)
-                                     for f, c in zip(FIELDS, cols[1:])))
+                                     for f, c in zip(FIELDS, cols[1:], strict=True)))
 
 
 def record(fn) -> Segment:

@@ -99,7 +99,7 @@ class Launcher:
         self.deliver()
 
     def deliver(self) -> None:
-        for p, pending in zip(self.procs, self.pending):
+        for p, pending in zip(self.procs, self.pending, strict=True):
             for sig in sorted(pending):
                 if p.poll() is not None:
                     pending.clear()

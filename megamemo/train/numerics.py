@@ -63,7 +63,7 @@ def _zero_partitions(opt):
 
     mine = [dist.get_rank(group=g) if dist.is_initialized() else 0 for g in opt.real_dp_process_group]
     own_ok = all(torch.equal(parts[p], master.to(parts[p].dtype))
-                 for parts, p, master in zip(groups, mine, masters))
+                 for parts, p, master in zip(groups, mine, masters, strict=True))
     by_partition = [[parts[p] for parts in groups] for p in range(len(groups[0]))]
     return by_partition, mine[0], own_ok
 

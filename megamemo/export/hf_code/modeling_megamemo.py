@@ -101,7 +101,7 @@ class AdaptiveEmbedding(nn.Module):
                 e = e @ self.emb_projs[0].t()
         else:
             e = torch.zeros(*ids.shape, self.d_proj, dtype=self.emb_projs[0].dtype, device=ids.device)
-            for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+            for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:], strict=True)):
                 inside = (ids >= lo) & (ids < hi)
                 if inside.any():
                     e[inside] = self.emb_layers[i](ids[inside] - lo) @ self.emb_projs[i].t()
