@@ -63,7 +63,7 @@ def gemm_rates(d: int, repeat: int, widths=None, layers: int = 8) -> dict[int, f
             ws = [torch.randn(d, n) for _ in range(layers)]
             x, g = torch.randn(t, d), torch.randn(t, n)
 
-            def step():
+            def step(ws=ws, x=x, g=g):                  # this iteration's tensors, bound
                 for w in ws:
                     x @ w
                     g @ w.T
@@ -134,14 +134,14 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
     for n in SIZES + [2 ** 26]:
         t = torch.ones(n)
         dist.barrier()
-        s = _median_time(lambda: dist.all_reduce(t), repeat)
+        s = _median_time(lambda t=t: dist.all_reduce(t), repeat)
         ar.append((2 * (world - 1) / world * 4 * n, s))
         shard, full = torch.ones(n // world), torch.empty(n // world * world)
         dist.barrier()
-        s = _median_time(lambda: dist.all_gather_into_tensor(full, shard), repeat)
+        s = _median_time(lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard), repeat)
         ag.append(((world - 1) / world * 4 * n, s))
         if world == 2:
-            def pingpong():
+            def pingpong(t=t):
                 if rank == 0:
                     dist.send(t, 1)
                     dist.recv(t, 1)
@@ -239,7 +239,7 @@ def layer_overhead_seconds(repeat: int) -> float:
         x = torch.randint(0, 16, (32, 1))
         _, mem = model(x, x)
 
-        def step():
+        def step(model=model, x=x, mem=mem):            # this iteration's model, bound
             nll, _ = model(x, x, mem)
             nll.mean().backward()
         times[n] = _median_time(step, max(repeat, 5))

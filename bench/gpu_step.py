@@ -254,7 +254,7 @@ def main(argv=None) -> int:
         _emit(a, row, common)           # before the next form runs: a kill keeps it
         print(format_row(row, rows[0]), flush=True)
         if not profiled and model is not None and parse_form(form)[1]:
-            rows.append(_extra(a, common, lambda: step_extras.profile_row(model, cfg, a.batch, form)))
+            rows.append(_extra(a, common, lambda model=model, form=form: step_extras.profile_row(model, cfg, a.batch, form)))
             profiled = True
         model = None                    # freed before empty_cache (the lambda above shares the name)
         if device.type == "cuda":

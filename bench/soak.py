@@ -240,13 +240,13 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
         kind = kinds[i % len(kinds)] if kinds else rng.choice(KINDS)
         rounds.append((kind, rng.randint(*nth), rng.randrange(world)))
     point = {"start-up": lambda n, r: f"start-up:1:{r}", "step": lambda n, r: f"step:{n + 1}:{r}"}
-    plan = ",".join(point.get(k, lambda n, r: f"{k}:{n}")(n, r) + f"@{i}" for i, (k, n, r) in enumerate(rounds))
+    plan = ",".join(point.get(k, lambda n, r, k=k: f"{k}:{n}")(n, r) + f"@{i}" for i, (k, n, r) in enumerate(rounds))
     cmd = job_command(world, cfg, shards, run_dir, steps, keep_last, max_restarts=kills if finish else kills - 1)
     job = Job(cmd, job_env(**({"MEGAMEMO_FAULT_KILL_AT": plan} if plan else {})), log)
     records, resumed, refused = [], 0, []
     deadline = t_start + minutes * 60
     at = 0                          # this start's first byte in the log
-    for i, (kind, nth_here, rank) in enumerate(rounds):
+    for i, (kind, nth_here, _rank) in enumerate(rounds):
         if time.monotonic() > deadline:
             say(f"[soak] {minutes:g} min used up after {i} kills")
             break

@@ -63,11 +63,11 @@ def full_memory(cfg, B, dtype, dev):
     M, n = cfg.mem_len, cfg.n_head
     if cfg.lamemo:
         t = {"emb": torch.randn(M, B, cfg.d_model, device=dev, dtype=dtype)}
-        for l in range(cfg.n_layer):
-            t[f"ctx.{l}"] = torch.randn(M, B, n, cfg.d_head, device=dev, dtype=dtype)
-            t[f"lse.{l}"] = torch.zeros(M, B, n, device=dev)
+        for li in range(cfg.n_layer):
+            t[f"ctx.{li}"] = torch.randn(M, B, n, cfg.d_head, device=dev, dtype=dtype)
+            t[f"lse.{li}"] = torch.zeros(M, B, n, device=dev)
     else:
-        t = {f"hid.{l}": torch.randn(M, B, cfg.d_model, device=dev, dtype=dtype) for l in range(cfg.n_layer)}
+        t = {f"hid.{li}": torch.randn(M, B, cfg.d_model, device=dev, dtype=dtype) for li in range(cfg.n_layer)}
     return Memory(t, batch_size=B)
 
 

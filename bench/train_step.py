@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         plain_cmd = [sys.executable, __file__, "--plain-worker", "--config", a.config, "--data", data,
                      "--steps", str(a.steps), "--warmup", str(a.warmup), *[x for s in a.set for x in ("--set", s)]]
         results = {"plain": [], "one": [], "two": []}
-        for rep in range(a.repeat):         # interleaved, best of: the machine is shared and noisy
+        for _rep in range(a.repeat):         # interleaved, best of: the machine is shared and noisy
             out = subprocess.run(plain_cmd, env=env, capture_output=True, text=True, cwd=REPO)
             if out.returncode:
                 raise SystemExit("plain loop failed:\n" + out.stderr[-3000:])

@@ -80,7 +80,7 @@ def wait(procs, timeout: float = 180) -> list[int]:
     fails naming them and their command."""
     end = time.time() + timeout
     rcs = []
-    for r, p in enumerate(procs):
+    for _r, p in enumerate(procs):
         try:
             rcs.append(p.wait(timeout=max(1, end - time.time())))
         except subprocess.TimeoutExpired:

@@ -61,7 +61,7 @@ def _reduce_worker(rank, world):
             assert getattr(opt, "overlap_comm", False) == overlaps_reduction(cfg), sets
             data = torch.randint(0, 256, (33, 2))
             seen.clear()
-            for k in range(cfg.train.grad_accum):
+            for _k in range(cfg.train.grad_accum):
                 nll, _ = eng.forward(data[:32], data[1:], None)
                 eng.backward(nll.float().mean())
                 eng.micro_step()

@@ -129,7 +129,7 @@ def test_ranks_partition_and_resume_is_exact(doc_sources):
         assert np.array_equal(x.numpy(), whole[k][0].numpy()[:, 2:]) and np.array_equal(y.numpy(), whole[k][1].numpy()[:, 2:])
     four = BlendReader([(a, 2), (b, 1)], "train", world_size=4, rank=0, **kw)   # on another number of ranks
     four.load_state_dict(state)
-    for k, (x, y) in enumerate(take(four, 19)):
+    for k, (x, _y) in enumerate(take(four, 19)):
         assert np.array_equal(x.numpy(), whole[11 + k][0].numpy()[:, :1])
     with pytest.raises(ValueError, match="seed"):
         BlendReader([(a, 2), (b, 1)], "train", batch_size=4, tgt_len=64, seed=4).load_state_dict(state)

@@ -162,7 +162,7 @@ def resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=(), env_extra=None, time
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.split("OUT", 1)[1])
     assert out["resumed_at"] == 2 and out["resumed"], out
-    for count, dev, dtype, param_dev in out["resumed"]:
+    for count, dev, dtype, _param_dev in out["resumed"]:
         assert count == 2.0 and [dev, dtype] == out["torch_makes"], out
     assert all(a == [3.0, before[1]] for a, before in zip(out["after_a_step"], out["resumed"], strict=True)), out
     return out

@@ -217,7 +217,7 @@ def test_every_dropout_has_a_site_and_the_swap_goes_both_ways():
     model = _model("lamemo")
     sites = dropout_sites(model)
     assert sorted({s for s, _ in sites.values()}) == sorted(SITES)
-    assert {l for _, l in sites.values()} == {0, 1} and sites["layers.1.ff.drop_inner"] == ("ff_inner", 1)
+    assert {layer for _, layer in sites.values()} == {0, 1} and sites["layers.1.ff.drop_inner"] == ("ff_inner", 1)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     apply_dropout_masks(model, "keyed", DropoutKey(1))
     assert dropout_masks_in_use(model) == "keyed" and model.state_dict().keys() == sd.keys()

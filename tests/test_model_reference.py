@@ -32,10 +32,10 @@ def ref_memory_tensors(g, mems):
     """Reference memory list -> megamemo names (XL's cached final output is never read, so not kept)."""
     n_layer = g["config"]["n_layer"]
     if g["config"]["attn_type"] == 0:
-        return {f"hid.{l}": mems[l] for l in range(n_layer)}
+        return {f"hid.{li}": mems[li] for li in range(n_layer)}
     out = {"emb": mems[0]}
-    for l in range(n_layer):
-        out[f"ctx.{l}"], out[f"lse.{l}"] = mems[1 + 2 * l], mems[2 + 2 * l]
+    for li in range(n_layer):
+        out[f"ctx.{li}"], out[f"lse.{li}"] = mems[1 + 2 * li], mems[2 + 2 * li]
     return out
 
 

@@ -88,7 +88,7 @@ def _fragments_problem(name: str, box: Box, parts: list) -> str | None:
     n = math.prod(box_shape(box))
     ranges = sorted(((0, n) if flat is None else flat, rel) for flat, rel in parts)
     pos = 0
-    for (a, b), rel in ranges:
+    for (a, b), _rel in ranges:
         if a > pos:
             return f"{name}: values [{pos}, {a}) of box {_show(box)} are written by no rank (a hole)"
         if a < pos:

@@ -326,12 +326,12 @@ def text(files: list[str | Path], valid: list[str | Path] | None = None, test: l
                     size = p.stat().st_size
                     lo, hi = max(a - base, 0), min(b - base, size)
                     if lo < hi:
-                        for off, raw in read_range(p, lo, hi):
+                        for _off, raw in read_range(p, lo, hi):
                             stats["input_bytes"] = stats.get("input_bytes", 0) + raw.size
                             yield raw.astype(np.int64)
                     base += size
                 return
-            for where, s, nbytes, is_json in lines_of(fs, a, b)():
+            for _where, s, nbytes, is_json in lines_of(fs, a, b)():
                 stats["input_bytes"] = stats.get("input_bytes", 0) + nbytes
                 data = s.encode("utf-8") + (sep if is_json else b"")
                 ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)

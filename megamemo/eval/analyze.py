@@ -62,14 +62,14 @@ class Recorder:
 
     def result(self) -> dict:
         att = (self.att_sum / self.att_cnt.clamp(min=1)).tolist()
-        out = {"attention_by_distance": {f"layer_{l}": att[l] for l in range(self.n_layer)},
-               "memory_mass": {f"layer_{l}": float(self.mem_mass[l] / max(float(self.queries[l]), 1.0))
-                               for l in range(self.n_layer)}}
+        out = {"attention_by_distance": {f"layer_{li}": att[li] for li in range(self.n_layer)},
+               "memory_mass": {f"layer_{li}": float(self.mem_mass[li] / max(float(self.queries[li]), 1.0))
+                               for li in range(self.n_layer)}}
         mean = (self.att_sum.sum(0) / self.att_cnt.sum(0).clamp(min=1)).tolist()
         out["attention_by_distance"]["mean"] = mean
         if float(self.alpha_cnt.sum()) > 0:
             alpha = (self.alpha_sum / self.alpha_cnt.clamp(min=1)[:, None]).tolist()
-            out["alpha"] = {f"layer_{l}": alpha[l] for l in range(self.n_layer)}
+            out["alpha"] = {f"layer_{li}": alpha[li] for li in range(self.n_layer)}
         return out
 
 

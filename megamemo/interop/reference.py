@@ -87,8 +87,8 @@ def convert_state_dict(sd: dict, cfg: ModelConfig) -> dict:
         sd.pop(k)
     for name in ("r_w_bias", "r_r_bias") + (("r_r_bias_future",) if cfg.future_bias else ()):
         out[name] = take(name)
-    for l in range(cfg.n_layer):
-        a, m = f"layers.{l}.dec_attn", f"layers.{l}"
+    for li in range(cfg.n_layer):
+        a, m = f"layers.{li}.dec_attn", f"layers.{li}"
         if f"{a}.qkv_net.weight" in sd:
             out[f"{m}.attn.qkv.weight"] = take(f"{a}.qkv_net.weight")
         else:

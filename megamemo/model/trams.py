@@ -120,7 +120,7 @@ class _Causal:
         self.model, self.select, self.observe = model, select, observe
         self.clamp_len, self.same_length = clamp_len, same_length
 
-    def __call__(self, l, layer, q_cur, k, v, M, r_full, mask_full):
+    def __call__(self, li, layer, q_cur, k, v, M, r_full, mask_full):
         """q_cur [n,B,L,dh]; k, v [n,B,M+L,dh]; r_full [n, >=M+L, dh] (rows: distance M+L-1 ... 0 first).
         -> (ctx [n,B,L,dh], lse [n,B,L]) of the current queries."""
         m = self.model
@@ -144,7 +144,7 @@ class _Causal:
                                     lse="grad" if m.cfg.lamemo else "none", masking=attn.masking)  # as the layer
         if self.observe is not None:  # observers see batch-major [B,n,...] (megamemo/eval/analyze.py)
             probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, attn.scale)
-            self.observe(layer=l, kind="causal", probs=probs.transpose(0, 1), mlen=mlen,
+            self.observe(layer=li, kind="causal", probs=probs.transpose(0, 1), mlen=mlen,
                          index=None if index is None else index.transpose(0, 1))
         return ctx, lse
 
@@ -168,4 +168,4 @@ def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *
     clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
     causal = _Causal(model, select, clamp_len, same_length, observe)
     return model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len,
-                 attend=lambda l, layer: functools.partial(causal, l, layer), observe=observe)
+                 attend=lambda li, layer: functools.partial(causal, li, layer), observe=observe)

@@ -244,10 +244,10 @@ def _memory(cfg, B: int, dtype) -> Memory:
     empty = lambda *shape, dt=dtype: torch.empty(*shape, device="meta", dtype=dt)
     if cfg.lamemo:
         t = {"emb": empty(M, B, d)}
-        for l in range(cfg.n_layer):
-            t[f"ctx.{l}"], t[f"lse.{l}"] = empty(M, B, n, dh), empty(M, B, n, dt=torch.float32)
+        for li in range(cfg.n_layer):
+            t[f"ctx.{li}"], t[f"lse.{li}"] = empty(M, B, n, dh), empty(M, B, n, dt=torch.float32)
     else:
-        t = {f"hid.{l}": empty(M, B, d) for l in range(cfg.n_layer)}
+        t = {f"hid.{li}": empty(M, B, d) for li in range(cfg.n_layer)}
     return Memory(t, batch_size=B)
 
 
@@ -279,19 +279,19 @@ def _run(cfg, B: int, dtype) -> Trace:
             rec.part = part
         return hook
 
-    def before(module, args, l):
-        rec.part = ("fwd", "top" if l == top else "layer")
-        if l == 0 and args[0].requires_grad:     # its input's gradient done: the input side's backward follows
+    def before(module, args, li):
+        rec.part = ("fwd", "top" if li == top else "layer")
+        if li == 0 and args[0].requires_grad:     # its input's gradient done: the input side's backward follows
             args[0].register_hook(mark(("bwd", "input")))
 
-    def after(module, args, out, l):
-        rec.part = ("fwd", "output") if l == top else rec.part
+    def after(module, args, out, li):
+        rec.part = ("fwd", "output") if li == top else rec.part
         h = out[0] if isinstance(out, tuple) else out
-        h.register_hook(mark(("bwd", "top" if l == top else "layer")))
+        h.register_hook(mark(("bwd", "top" if li == top else "layer")))
 
-    handles = [h for l, layer in enumerate(model.layers)
-               for h in (layer.register_forward_pre_hook(functools.partial(before, l=l)),
-                         layer.register_forward_hook(functools.partial(after, l=l)))]
+    handles = [h for li, layer in enumerate(model.layers)
+               for h in (layer.register_forward_pre_hook(functools.partial(before, li=li)),
+                         layer.register_forward_hook(functools.partial(after, li=li)))]
     def update(*args):
         was, rec.part = rec.part, ("fwd", "memory")
         updates.append(len(rec.ops.get(rec.part, [])))

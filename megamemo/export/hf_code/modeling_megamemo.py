@@ -298,11 +298,11 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _xl(self, h, memory, M, pos, index, hidden, mem_len):
         c, new = self.config, {}
-        for l, layer in enumerate(self.layers):
-            old = memory.get(f"hid.{l}")
+        for li, layer in enumerate(self.layers):
+            old = memory.get(f"hid.{li}")
             keep = h if old is None else torch.cat([old, h.to(old.dtype)], 0)
             if mem_len > 0:
-                new[f"hid.{l}"] = keep[max(0, keep.size(0) - mem_len):].detach()
+                new[f"hid.{li}"] = keep[max(0, keep.size(0) - mem_len):].detach()
             x = keep.to(h.dtype)
             x = layer.attn.layer_norm(x) if c.pre_lnorm else x
             a = layer.attn
@@ -326,14 +326,14 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
             i = torch.arange(M, device=h0.device)[:, None]
             p = torch.arange(M - nk + 1, M + 1, device=h0.device)[None, :]
             ahead_index, ahead_hidden = (p - i - 1).clamp(0, M - 1), p <= i
-        for l, layer in enumerate(self.layers):
+        for li, layer in enumerate(self.layers):
             a = layer.attn
             x = a.layer_norm(x_all) if c.pre_lnorm else x_all
             q, k, v = a.project(x, 0), a.project(x, 1), a.project(x, 2)
             r = a.r_net(pos).view(-1, c.n_head, c.d_head)
             ctx, lse = a.attend(q[M:], k, v, (r[:klen], index), self.r_w_bias, self.r_r_bias, hidden)
             if M:
-                c_old, s_old = memory[f"ctx.{l}"], memory[f"lse.{l}"].float()
+                c_old, s_old = memory[f"ctx.{li}"], memory[f"lse.{li}"].float()
                 if c.variant == "lamemo_no_lookahead":
                     c_mem, s_mem = c_old.to(ctx.dtype), s_old
                 else:
@@ -344,7 +344,7 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
                     else:
                         c_mem, s_mem = _interpolate(c_old, s_old, ahead, s_ahead)
                 ctx, lse = torch.cat([c_mem, ctx], 0), torch.cat([s_mem, lse], 0)
-            new[f"ctx.{l}"], new[f"lse.{l}"] = ctx[beg:].detach(), lse[beg:].detach()
+            new[f"ctx.{li}"], new[f"lse.{li}"] = ctx[beg:].detach(), lse[beg:].detach()
             x_all = layer.ff(a.output(x_all, ctx, c.pre_lnorm))
         keep = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
         new["emb"] = keep[max(0, keep.size(0) - mem_len):].detach()
