@@ -149,7 +149,7 @@ class Job:
         except subprocess.TimeoutExpired:
             self.kill9()
             rc = self.p.wait(30)
-            raise AssertionError(f"the job did not end within {timeout:.0f}s: {' '.join(self.p.args)}")
+            raise AssertionError(f"the job did not end within {timeout:.0f}s: {' '.join(self.p.args)}") from None
         deadline = time.monotonic() + 60
         while any(state(w) not in (None, "Z", "X") for w in self.workers):
             if time.monotonic() > deadline:

@@ -103,7 +103,10 @@ def measure(cfg, B, dtype, dev, steps=5):
     gemm = [e for e in kernels if GEMM_KERNEL.search(e.name)]
     model = mem = None                              # freed before empty_cache (step's closure shares them)
     torch.cuda.empty_cache()
-    us = lambda e: e.time_range.elapsed_us()
+
+    def us(e):
+        return e.time_range.elapsed_us()
+
     other = [e for e in kernels if not GEMM_KERNEL.search(e.name)]
     return {"wall_ms": 1e3 * statistics.median(walls), "kernels": len(kernels),
             "gemm_kernels": len(gemm), "gemm_ms": sum(map(us, gemm)) / 1e3, "other_ms": sum(map(us, other)) / 1e3,

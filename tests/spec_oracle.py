@@ -22,7 +22,10 @@ def sin_emb(dist, d):
 def layer_weights(sd, li, n, dh):
     qkv = sd[f"layers.{li}.attn.qkv.weight"].double()
     nd = n * dh
-    g = lambda k: sd[f"layers.{li}.{k}"].double()
+
+    def g(k):
+        return sd[f"layers.{li}.{k}"].double()
+
     return dict(q=qkv[:nd], k=qkv[nd:2 * nd], v=qkv[2 * nd:], r=g("attn.r_net.weight"), o=g("attn.o_net.weight"),
                 ln1=(g("attn.layer_norm.weight"), g("attn.layer_norm.bias")),
                 w1=g("ff.fc1.weight"), b1=g("ff.fc1.bias"), w2=g("ff.fc2.weight"), b2=g("ff.fc2.bias"),

@@ -46,7 +46,7 @@ def test_check_precision_refuses_bf16_below_compute_capability_8(fake_gpu, gpu):
         check_precision("bf16")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("precision.dtype: bf16 needs a GPU of compute capability 8.0"), msg
-    assert GPUS[gpu][1] in msg and "%d.%d" % GPUS[gpu][0] in msg, msg
+    assert GPUS[gpu][1] in msg and "{}.{}".format(*GPUS[gpu][0]) in msg, msg
     assert "fp16 preset" in msg and "launch/slurm/v100-fp16.sbatch" in msg and "precision.dtype=fp16" in msg, msg
     assert (REPO / "launch/slurm/v100-fp16.sbatch").read_text().count('MEGAMEMO_PRECISION:-fp16') == 1  # what it names
     assert check_precision("fp16") is None and check_precision("fp32") is None   # the preset passes: no capability

@@ -17,7 +17,10 @@ def clustered_log_probs(sd, h, bounds, div_val, tie_weight, tie_projs, d_model, 
     its vectors are projected from d_model by h @ P_c where a projection exists (div_val > 1, or d_embed !=
     d_model). The head scores the shortlist and one column per tail cluster, in cluster order; a tail token's
     log-probability is its cluster column's head log-probability plus its log-probability within the cluster."""
-    g = lambda k: sd[k].double()
+
+    def g(k):
+        return sd[k].double()
+
     n_clusters = len(bounds) - 1
     tie = list(tie_projs) + [tie_projs[-1]] * n_clusters
 

@@ -52,8 +52,8 @@ def test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules(
 
     with recording() as sites:
         _eagerly(warnings.warn, "called a synchronizing CUDA operation")
-        warnings.warn("called a synchronizing CUDA operation")
-        warnings.warn("something else")                    # not a sync: not recorded
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)                    # not a sync: not recorded
     assert sites == ["train/loop.py:_eagerly", "outside megamemo"], sites
     assert unneeded(sites) == ["an unneeded host sync at train/loop.py:_eagerly"]
 

@@ -86,7 +86,9 @@ class Segment:
         """The line through this segment (t = 0) and `other` (t = 1), at t."""
         if self.names != other.names:
             raise ValueError("op sequences differ between the micro-batches traced")
-        f = lambda a, c: a + t * (c - a)
+        def f(a, c):
+            return a + t * (c - a)
+
         return Segment(self.names, self.gemm, self.fp32, self.aligned & other.aligned, f(self.flops, other.flops),
                        f(self.read, other.read), f(self.write, other.write), f(self.rows, other.rows),
                        f(self.cols, other.cols), self.launches)
@@ -94,7 +96,9 @@ class Segment:
     @staticmethod
     def concat(segs) -> Segment:
         segs = list(segs)
-        cat = lambda k: np.concatenate([getattr(s, k) for s in segs]) if segs else np.zeros(0)
+        def cat(k):
+            return np.concatenate([getattr(s, k) for s in segs]) if segs else np.zeros(0)
+
         return Segment(sum((s.names for s in segs), ()), *(cat(k) for k in FIELDS))
 
 
@@ -117,7 +121,9 @@ class Trace:
         each, once = ([update], []) if self.memory_per_layer else ([], [update])
         fwd = ([s["fwd", "input"], *once] if first else []) + [s["fwd", "layer"], *each] * lower + \
               ([s["fwd", "top"], *each, s["fwd", "output"]] if last else [])
-        redo = lambda part: [s["fwd", part]] if recompute else []
+        def redo(part):
+            return [s["fwd", part]] if recompute else []
+
         bwd = ([s["bwd", "output"], *redo("top"), s["bwd", "top"]] if last else []) + \
               [*redo("layer"), s["bwd", "layer"]] * lower + ([s["bwd", "input"]] if first else [])
         return Segment.concat(fwd), Segment.concat(bwd)
@@ -241,7 +247,9 @@ def _memory(cfg, B: int, dtype) -> Memory:
     M, d, n, dh = cfg.mem_len, cfg.d_model, cfg.n_head, cfg.d_head
     if not cfg.has_memory:
         return Memory({}, batch_size=B)
-    empty = lambda *shape, dt=dtype: torch.empty(*shape, device="meta", dtype=dt)
+    def empty(*shape, dt=dtype):
+        return torch.empty(*shape, device="meta", dtype=dt)
+
     if cfg.lamemo:
         t = {"emb": empty(M, B, d)}
         for li in range(cfg.n_layer):
