@@ -95,7 +95,8 @@ def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
         tokens += nll.numel()
         if (step + 1) % args.log_every == 0:
             dt = time.perf_counter() - t0
-            print(f"[quality] {name:>6} step {step + 1:>5}/{args.steps} | loss {sum(losses[-args.log_every:]) / args.log_every:.4f} "
+            print(f"[quality] {name:>6} step {step + 1:>5}/{args.steps} "
+                  f"| loss {sum(losses[-args.log_every:]) / args.log_every:.4f} "
                   f"| bpc {sum(losses[-args.log_every:]) / args.log_every / math.log(2):.3f} | {tokens / dt:,.0f} tok/s",
                   flush=True)
     train_s = time.perf_counter() - t0

@@ -4,7 +4,8 @@ each time (launch/local.sh --max-restarts, megamemo/runtime/launcher.py) must en
     python bench/soak.py [--kills 100] [--seed N] [--minutes 15] [--world 2] [--steps S] [--out runs/soak]
                          [--config FILE --data SHARDS]     (default: the tests' tiny config on the enwik8 fixture)
 
-1. An uninterrupted run (`python -m megamemo.runtime.launcher N` = launch/local.sh without its shell) gives every step's loss.
+1. An uninterrupted run (`python -m megamemo.runtime.launcher N` = launch/local.sh without its shell) gives every step's
+   loss.
 2. The same command with `--max-restarts K` (K = the kills), checkpointing every step with asynchronous saves on
    (keep_last 2, so that retention removes checkpoints all the time). Each start of the job is one round; the round
    draws a moment from the seeded generator:

@@ -5,8 +5,9 @@ the committed pages are what this writes):
     python scripts/docs_reference.py --check    # exit 1 naming the pages that differ from the code
 
 * config.md: every key of a run config (the model section, megamemo.model.ModelConfig, and the others of
-  megamemo.train.config.SECTIONS, each where the package that uses it defines it): its type, default, allowed values and a one-line meaning, all read from the
-  dataclasses and the whole comments beside (or above) their fields; a key without one fails --check.
+  megamemo.train.config.SECTIONS, each where the package that uses it defines it): its type, default, allowed values and
+  a one-line meaning, all read from the dataclasses and the whole comments beside (or above) their fields; a key without
+  one fails --check.
 * cli.md: every `megamemo` subcommand (megamemo.cli.SUBCOMMANDS) and flag, read from the commands' own argparse
   parsers (each command is started with --help under a hook that takes its parser instead of parsing).
 * errors.md: the one-line errors megamemo prints for bad input - the exceptions its commands report in one line
@@ -118,8 +119,8 @@ def keys_without_text() -> list[str]:
 def config_page() -> str:
     out = [HEADER, "# Config reference\n\n",
            "Every key of a run config (one YAML file per run; `--set section.key=value` overrides a key). The "
-           "meaning is the whole comment beside (or above) the field in the code; `megamemo train` writes the resolved config, every "
-           "default filled in, to `<run_dir>/config.yaml`. Bad keys and values are one-line errors naming the key "
+           "meaning is the whole comment beside (or above) the field in the code; `megamemo train` writes the "
+           "resolved config, every default filled in, to `<run_dir>/config.yaml`. Bad keys and values are one-line errors naming the key "
            "([errors](errors.md)).\n"]
     for name, cls in config_sections():
         comments = _field_comments(cls)

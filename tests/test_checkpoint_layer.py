@@ -323,8 +323,8 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path, async_s
     errors = _as_ranks(root, 4, async_save=async_save, faults={"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
     assert sorted(errors) == [0, 1] and all(isinstance(e, SaveFailed) for e in errors.values()), errors
     assert str(errors[0]) == str(errors[1]) == (
-        f"checkpoint step 4 failed: rank 1 could not write {root / tag_for(4) / 'rank_00001.safetensors'}: No space "
-        f"left on device (injected: MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
+        f"checkpoint step 4 failed: rank 1 could not write {root / tag_for(4) / 'rank_00001.safetensors'}: "
+        f"No space left on device (injected: MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
     assert [s for s, _, c in list_checkpoints(root)] == [2] and newest_complete(root) == root / tag_for(2)
 
 

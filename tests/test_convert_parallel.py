@@ -4,8 +4,8 @@
   * `megamemo train` started in a run directory under another layout resumes in place, resharding on load:
     N ranks -> 1 (TP=2, DP=2, PP=2, TP=2 x PP=2), 1 -> N (TP=2, DP=2) and TP=2 -> PP=2; the next steps' losses and
     the final weights equal those of the run that stayed in its layout (1e-5), dropout 0.1 and dropatt 0.1 with keyed
-    masks (tests/runs_cache.py KEYED: the resumed layout drops what the original one would have); `convert relayout` copies a checkpoint
-    into a new run directory that resumes the same way;
+    masks (tests/runs_cache.py KEYED: the resumed layout drops what the original one would have); `convert relayout`
+    copies a checkpoint into a new run directory that resumes the same way;
   * a different global batch resumes at the same fraction of the epoch with empty memory (checked by hand);
   * broken checkpoints (missing, truncated or flipped file, wrong config, a piece written twice, memory of the wrong
     heads) are refused with the file named and nothing written at --out."""

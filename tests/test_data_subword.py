@@ -298,7 +298,7 @@ def test_bits_per_byte_by_hand():
     assert m.derived(2 * math.log(2.0))["ppl"] == pytest.approx(4.0)
 
 
-# ---- the subword path end to end, 2 processes -------------------------------------------------------------------------
+# ---- the subword path end to end, 2 processes ------------------------------------------------------------------------
 def _env() -> dict:
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")

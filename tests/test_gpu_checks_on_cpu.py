@@ -113,7 +113,7 @@ def test_positions_check_fails_with_bf16_inv_freq(tmp_path, monkeypatch):
         assert_positions_are_fp32s(model, 1536)
 
 
-# ---- the resumed optimizer's Adam step, at the call site --------------------------------------------------------------
+# ---- the resumed optimizer's Adam step, at the call site -------------------------------------------------------------
 RESUMED_ADAM_SCRIPT = r"""
 import json, sys, torch
 from megamemo.train.config import load
@@ -133,7 +133,8 @@ fresh = type(inner)([probe], lr=0.1, fused=group.get("fused"), capturable=group.
 probe.grad = torch.zeros_like(probe)
 fresh.step()                                     # where torch's own Adam puts its step for such a group
 made = fresh.state[probe]["step"]
-out = {"resumed_at": trainer.step, "fused": bool(group.get("fused")), "optimizer": type(trainer.engine.ds.optimizer).__name__,
+out = {"resumed_at": trainer.step, "fused": bool(group.get("fused")),
+       "optimizer": type(trainer.engine.ds.optimizer).__name__,
        "resumed": [[float(s), str(s.device), str(s.dtype), str(q.device)] for q, s in resumed],
        "torch_makes": [str(made.device), str(made.dtype)]}
 trainer.train_step()                             # the resumed optimizer steps (a fused step with a CPU count fails)

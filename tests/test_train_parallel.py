@@ -1,7 +1,7 @@
-"""`megamemo train` under tensor (TP=2), pipeline (PP=2) and both (TP=2 x PP=2) parallelism, with real processes: the same per-step
-losses as one process (with gradient accumulation: a memory per micro-batch), the same memory once the ranks'
-shards are put together, and bit-exact resume after a rank is killed while saving. Dropout 0.1 and dropatt 0.1 with
-keyed masks (tests/runs_cache.py KEYED): every layout drops what the one process drops (with stream masks it would
+"""`megamemo train` under tensor (TP=2), pipeline (PP=2) and both (TP=2 x PP=2) parallelism, with real processes: the
+same per-step losses as one process (with gradient accumulation: a memory per micro-batch), the same memory once the
+ranks' shards are put together, and bit-exact resume after a rank is killed while saving. Dropout 0.1 and dropatt 0.1
+with keyed masks (tests/runs_cache.py KEYED): every layout drops what the one process drops (with stream masks it would
 not: each TP rank and each pipeline stage draws from streams of its own)."""
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ from megamemo.model.trams import forward as inspect_forward
 
 
 class Recorder:
-    """Observer for megamemo.model.trams.forward: accumulates attention-by-distance and alpha for full-memory segments."""
+    """Observer for megamemo.model.trams.forward: accumulates attention-by-distance and alpha for full-memory
+    segments."""
 
     def __init__(self, n_layer: int, tgt_len: int, mem_len: int):
         self.n_layer, self.L, self.M = n_layer, tgt_len, mem_len

@@ -19,7 +19,8 @@ gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp3
 gradient partition and reduction bucket (parallel.reduce_bucket_size elements; two of them with
 parallel.overlap_comm: parallel/zero.py), the new memory state held until the step commits, and on a CPU layout
 the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
-copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
+copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident
+memory.
 """
 from __future__ import annotations
 
