@@ -219,7 +219,7 @@ class Written:
     index: dict
 
 
-def _write_file(path: Path, write: Callable[[Path], None], before_write: Callable[[Path], None]) -> dict:
+def _write_file(path: Path, write: Callable[[Path], object], before_write: Callable[[Path], None]) -> dict:
     try:
         before_write(path)
         write_atomic(path, write)
@@ -256,7 +256,9 @@ class RNGState:
 
     def state_dict(self) -> dict:
         version, internal, gauss = random.getstate()
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy = np.random.get_state()
+        assert isinstance(legacy, tuple)        # the legacy form (the default): MT19937's 5-tuple
+        name, keys, pos, has_gauss, cached = legacy
         d = {"python": {"version": version, "state": list(internal), "gauss": gauss},
              "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
                        "cached_gaussian": float(cached)},

@@ -24,6 +24,7 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,6 +97,7 @@ class SubwordTokenizer:
 
     @classmethod
     def from_bytes(cls, data: bytes, library: str, where: str, origin: str = "") -> SubwordTokenizer:
+        impl: Any                                   # a tokenizers.Tokenizer or a SentencePieceProcessor
         if library == "tokenizers":
             from tokenizers import Tokenizer
             try:

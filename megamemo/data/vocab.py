@@ -176,7 +176,8 @@ class Vocab:
         """Text of a sequence of ids (bytes are decoded as UTF-8 with replacement)."""
         ids = [int(i) for i in ids]
         if self.kind == "words":  # <eos> ends a line
-            lines, words = [], []
+            lines: list[str] = []
+            words: list[str] = []
             for i in ids:
                 if self.symbols[i] == "<eos>":
                     lines.append(" ".join(words) + "\n")

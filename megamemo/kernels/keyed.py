@@ -108,7 +108,7 @@ class DropoutKey:
         return self
 
 
-def coordinates(layout: str, shape, column, split: int, device):
+def coordinates(layout: str | None, shape, column, split: int, device):
     """(row, column, head, feature offset) of a site's tensor of `shape`: int64 tensors broadcastable to
     shape[:-1] (or ints), and the global index of its first feature. column: the micro-batch's first global
     column (int or 0-d tensor); split: this rank's TP rank for a split site, else 0."""
@@ -147,6 +147,7 @@ def keep_full(shape, p: float, base, row, column, head, f0: int, k0, k1, device)
         w = torch.stack(torch.broadcast_tensors(*words), -1)             # [*lead, G, 4 words]
         b = ((w.unsqueeze(-1) >> shifts) & 255).flatten(-3)[..., s:s + Fl]   # [*lead, Fl]: byte j of its group
         u = b if u is None else (u << 8) | b
+    assert u is not None
     return u >= threshold(p)
 
 

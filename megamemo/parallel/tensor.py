@@ -139,7 +139,9 @@ class ForkedDropout(nn.Module):
 
     @property
     def p(self) -> float:
-        return self.inner.p
+        p = self.inner.p
+        assert isinstance(p, float | int), p          # a dropout module's probability
+        return p
 
     def forward(self, x):
         if not self.training or self.inner.p == 0 or getattr(self.inner, "keyed", False):

@@ -147,6 +147,8 @@ class Device:
 
 def _gpu(kind: str, g: Gpu) -> Device:
     link = g.link
+    if g.mem_bw is None or link is None:
+        raise ValueError(f"runtime/gpus.py {kind}: a planned GPU needs its mem_bw and link figures")
     return Device(kind, {k: v * 1e12 for k, v in g.peak_tflops.items()}, GPU_EFFICIENCY, g.mem_bw,
                   tuple(x * 1e9 for x in link), (15e-6, 30e-6),
                   f"{g.row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "

@@ -148,7 +148,8 @@ def verdict(everyone: list[dict]) -> tuple[list[dict], str]:
                 others = members if ref or owner is None else [e for e in members if e is not owner]
                 for e in _odd_ones(others, lambda e, p=p: e["partitions"][p], ref):
                     bad.setdefault(e["rank"], f"its weights of partition {p} differ from rank {owner['rank']}'s, "
-                                              f"their owner's" if ref else f"its weights of partition {p} differ")
+                                              f"their owner's" if ref and owner is not None
+                                   else f"its weights of partition {p} differ")
     suspects = [e for e in everyone if e["rank"] in bad]
     return suspects, "; ".join(f"rank {r}: {why}" for r, why in sorted(bad.items()))
 

@@ -55,7 +55,7 @@ def _put_in_place(tmp: Path, path: Path, durable: bool) -> None:
         fsync_dir(path.parent)
 
 
-def write_atomic(path: Path, write: Callable[[Path], None], *, durable: bool = True) -> None:
+def write_atomic(path: Path, write: Callable[[Path], object], *, durable: bool = True) -> None:
     """write(tmp) fills a temporary file beside `path`, which then replaces `path` in one rename."""
     path = Path(path)
     tmp = _temp_beside(path)

@@ -45,7 +45,9 @@ class Progress:
         self._log = log or (lambda m: print(m, file=self.stream, flush=True))
         self._postfix = postfix or _default_postfix
         self._clock = clock
-        self.n, self.info, self._raw = 0, {}, {}
+        self.n: float = 0
+        self.info: dict = {}
+        self._raw: dict = {}
         self.t0 = self._last = clock()
         if bar is None:
             bar = _isatty(self.stream)
@@ -78,7 +80,7 @@ class Progress:
         delta, self.n = n - self.n, n
         self._raw.update(info)
         now = self._clock()
-        if self.is_bar:
+        if self._bar is not None:
             if now - self._last >= BAR_REDRAW_S and self._raw:
                 self._last = now
                 self._bar.set_postfix_str(self._postfix(self._evaluate()), refresh=False)
@@ -93,7 +95,7 @@ class Progress:
         return self.info
 
     def close(self) -> None:
-        if self.is_bar:
+        if self._bar is not None:
             if self._raw:
                 self._bar.set_postfix_str(self._postfix(self._evaluate()), refresh=False)
             self._bar.close()
@@ -115,7 +117,8 @@ def _isatty(stream) -> bool:
 
 def _size(stream) -> tuple[int, int]:
     try:
-        return tuple(os.get_terminal_size(stream.fileno()))
+        cols, rows = os.get_terminal_size(stream.fileno())
+        return cols, rows
     except (AttributeError, ValueError, OSError):     # io.UnsupportedOperation is an OSError
         return 0, 0
 
