@@ -58,7 +58,7 @@ def check_tokenizer(meta: dict, manifest: dict, ckpt, data_dir) -> None:
     """A checkpoint trained on one subword tokenizer is not scored or sampled with another: one line naming both."""
     from megamemo.data.tokenizer import same_tokenizer
 
-    mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer")
+    mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer") or {}     # a manifest without one: bytes
     if mine and not same_tokenizer(mine, theirs):
         raise ValueError(f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
                          f" differs from the one checkpoint {ckpt} was trained with ({mine.get('kind')}, sha256 "
@@ -70,8 +70,11 @@ def token_bytes_of(data_dir, manifest: dict):
     if (manifest.get("tokenizer") or {}).get("kind") != "subword":
         return None
     from megamemo.data import load_vocab
+    from megamemo.data.tokenizer import SubwordTokenizer
 
-    return torch.from_numpy(load_vocab(data_dir).token_bytes())
+    vocab = load_vocab(data_dir)
+    assert isinstance(vocab, SubwordTokenizer)      # the manifest records a subword tokenizer
+    return torch.from_numpy(vocab.token_bytes())
 
 
 def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,7 +101,8 @@ class MemTransformerLM(nn.Module):
         if sorted(mem.tensors) != sorted(names):
             raise ValueError(f"memory tensors {sorted(mem.tensors)} do not match this model ({cfg.variant}, "
                              f"{cfg.n_layer} layers) which expects {names}")
-        n_local = self.layers[0].attn.n_head
+        first: Any = self.layers[0]             # a layer's attention (plain or TP-split) knows its heads
+        n_local = first.attn.n_head
         for k, t in mem.tensors.items():
             tail = {"emb": (cfg.d_model,), "hid": (cfg.d_model,), "ctx": (n_local, cfg.d_head),
                     "lse": (n_local,)}[k.split(".")[0]]

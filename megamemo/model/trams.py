@@ -133,6 +133,7 @@ class _Causal:
         if index is None:
             kk, vv, mlen, r, mask = k, v, M, r_full, mask_full
         else:
+            assert self.select is not None          # index is set only when selecting
             mlen = index.size(-1)
             cur = torch.arange(M, M + L, device=k.device).expand(*index.shape[:2], L)
             full = torch.cat([index, cur], -1)

@@ -121,7 +121,7 @@ def parts(ops, layers: int, first: bool, last: bool, recompute: bool, price_fn) 
                 ops.segments["bwd", part]]
         seg = type(segs[0]).concat(segs)
         cost = price_fn(seg)
-        by_op = {}
+        by_op: dict[str, float] = {}
         for name, s in zip(seg.names, cost.other, strict=True):
             by_op[name] = by_op.get(name, 0.0) + float(s)
         top = tuple(sorted(by_op.items(), key=lambda kv: -kv[1])[:4])

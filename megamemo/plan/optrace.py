@@ -315,7 +315,7 @@ def _run(cfg, B: int, dtype) -> Trace:
         for module in model.modules():
             if isinstance(module, RelAttention):
                 module.causal, module.lookahead = causal, lookahead
-    updates = []
+    updates: list[int] = []                # the count of memory-update ops recorded as each update starts
     x = torch.empty(cfg.tgt_len, B, dtype=torch.long, device="meta")
     try:
         with _CudaKernels(), rec, unittest.mock.patch.object(lm, "xl_update", update):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 from megamemo.config.run import ConfigError
@@ -36,7 +37,10 @@ def _capacity(ask: Ask) -> tuple[float, str]:
             raise ValueError("--device cpu needs --host-mem-gib (the node's memory, shared by its ranks)")
         return (ask.host_mem_gib / ask.gpus_per_node,
                 f"{ask.nodes} node(s) x {ask.gpus_per_node} CPU processes sharing {ask.host_mem_gib:g} GiB")
-    return gpu(ask.gpu).memory_gib, f"{ask.nodes} node(s) x {ask.gpus_per_node} {ask.gpu}"
+    memory = gpu(ask.gpu).memory_gib
+    if memory is None:
+        raise ValueError(f"--gpu {ask.gpu}: no device memory on record (not a planned GPU)")
+    return memory, f"{ask.nodes} node(s) x {ask.gpus_per_node} {ask.gpu}"
 
 
 def _structural(base, ask: Ask, world: int) -> str | None:
@@ -50,7 +54,7 @@ def _structural(base, ask: Ask, world: int) -> str | None:
     return rec.layout_problem(dataclasses.replace(base, parallel=par), world, ask.gpus_per_node)
 
 
-def report(load: Callable[[list[str]], object], ask: Ask) -> int:
+def report(load: Callable[[list[str]], Any], ask: Ask) -> int:
     """Prints the plan of the config `load(sets)` returns (sets: --set overrides of the layout) on the cluster ->
     the exit code: 0 it fits, 1 it does not, 2 the config or cluster cannot be planned (one line on stderr)."""
     from megamemo.plan import recommend as rec

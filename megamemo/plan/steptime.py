@@ -130,7 +130,7 @@ class StepTime:
 
     @property
     def dominant(self) -> str:
-        return max(self.terms, key=self.terms.get)
+        return max(self.terms, key=lambda k: self.terms[k])
 
 
 def layer_and_rest_flops(m, micro: int) -> tuple[float, float]:
@@ -151,8 +151,9 @@ def reduce_copies_seconds(dev: Device, params: float, dp: int, zero: int) -> flo
     DP_REDUCE_BYTES per parameter held at dp > 1 at memory bandwidth (ZeRO 0's engine flattens and copies back too), 0
     at dp 1."""
     if dev.zero_step and zero >= 1:
-        if dp > 1 and dev.zero_reduce:
-            return dev.reduce_rate(dp, params) * params
+        rate = dev.reduce_rate(dp, params) if dp > 1 else None      # None without zero_reduce figures
+        if rate is not None:
+            return rate * params
         return dev.zero_step[0] * params
     return DP_REDUCE_BYTES * params / dev.mem_bw if dp > 1 else 0.0
 
@@ -236,6 +237,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         if compute + elementwise + overhead + tp_comm > slot:
             slot = compute + elementwise + overhead + tp_comm
             stage_terms = (compute, elementwise, overhead, tp_comm, s, achieved)
+    assert stage_terms is not None, "no stage takes any time"
     compute, elementwise, overhead, tp_comm, worst, eff = stage_terms
     parts = opcost.parts(ops, plans[worst].layers, worst == 0, worst == pp - 1, recompute, price)
     work = (compute + elementwise + overhead) * share    # with every rank of the node busy
