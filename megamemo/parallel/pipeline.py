@@ -75,11 +75,11 @@ class StageContext:
     def __init__(self, cfg, tp: int = 1, tp_rank: int = 0):
         self.cfg = cfg
         self.bank = StageMemory()
-        self.rel_bias = None
+        self.rel_bias: RelBiasPipe | None = None
         # the lengths the layers run with; validation swaps in its own (train/validate.py)
         self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
         self.tp, self.tp_rank = tp, tp_rank
-        self._meta = None                   # (meta tensor, its values as ints): see meta_ints
+        self._meta: tuple[torch.Tensor, tuple] | None = None    # (meta tensor, its values as ints): meta_ints
         # keyed dropout masks: the run's DropoutKey (megamemo/kernels/keyed.py), told the micro-batch each pipe
         # layer computes; None with stream masks
         self.dropout_key = None
@@ -192,6 +192,7 @@ class LayerPipe(nn.Module):
         rows, meta = inputs
         mb, M, L = self.ctx.micro_batch(meta)
         cfg, bank, li, b = self.cfg, self.ctx.bank, self.index, self.ctx.rel_bias
+        assert b is not None                    # the stage's RelBiasPipe runs before its layers
         mem_len = self.ctx.mem_len
         if not cfg.lamemo:
             mem = bank.get(mb, f"hid.{li}")

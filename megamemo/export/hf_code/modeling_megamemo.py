@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -135,10 +136,10 @@ class AdaptiveSoftmax(nn.Module):
 
     def _cluster(self, i, emb: AdaptiveEmbedding):
         lo, hi = self.bounds[i], self.bounds[i + 1]
-        if self.div_val == 1:
-            w = (emb.emb_layers[0].weight if self.tie_weight else self.out_weights[0])[lo:hi]
-        else:
-            w = emb.emb_layers[i].weight if self.tie_weight else self.out_weights[i]
+        k = 0 if self.div_val == 1 else i           # div_val 1: one table, this cluster's rows of it
+        table = emb.emb_layers[k].weight if self.tie_weight else self.out_weights[k]
+        assert isinstance(table, torch.Tensor)
+        w = table[lo:hi] if self.div_val == 1 else table
         p = None
         if self.has_proj:
             p = emb.emb_projs[0 if self.div_val == 1 else i] if self.tie_projs[i] else self.out_projs[str(i)]
@@ -215,6 +216,11 @@ class Layer(nn.Module):
     def __init__(self, c: MegamemoConfig):
         super().__init__()
         self.attn, self.ff = Attention(c), FeedForward(c)
+
+
+def _typed(layers: nn.ModuleList) -> list[Layer]:
+    """The model's layers as what they are (an nn.ModuleList yields bare Modules to a type checker)."""
+    return cast("list[Layer]", list(layers))
 
 
 def _interpolate(c_old, s_old, a, s_new):
@@ -298,7 +304,7 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _xl(self, h, memory, M, pos, index, hidden, mem_len):
         c, new = self.config, {}
-        for li, layer in enumerate(self.layers):
+        for li, layer in enumerate(_typed(self.layers)):
             old = memory.get(f"hid.{li}")
             keep = h if old is None else torch.cat([old, h.to(old.dtype)], 0)
             if mem_len > 0:
@@ -326,7 +332,7 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
             i = torch.arange(M, device=h0.device)[:, None]
             p = torch.arange(M - nk + 1, M + 1, device=h0.device)[None, :]
             ahead_index, ahead_hidden = (p - i - 1).clamp(0, M - 1), p <= i
-        for li, layer in enumerate(self.layers):
+        for li, layer in enumerate(_typed(self.layers)):
             a = layer.attn
             x = a.layer_norm(x_all) if c.pre_lnorm else x_all
             q, k, v = a.project(x, 0), a.project(x, 1), a.project(x, 2)
