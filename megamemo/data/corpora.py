@@ -18,14 +18,19 @@ Supported corpora (see `megamemo prepare --help`):
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .documents import located, record_text
 from .vocab import Vocab, frequency_order
+
+if TYPE_CHECKING:
+    from .tokenizer import SubwordTokenizer
 
 SPLITS = ("train", "valid", "test")
 BLOCK_BYTES = 1 << 22
@@ -36,13 +41,13 @@ WORD_BLOCK = 1 << 20
 class Corpus:
     name: str
     mode: str
-    vocab: Vocab
+    vocab: Vocab | SubwordTokenizer
     tokenizer: dict                                       # what the manifest records about tokenisation
-    splits: dict[str, Callable[[dict], Iterator[np.ndarray]]]  # split -> f(stats) -> id blocks
+    splits: dict[str, Callable[[dict], Iterator[Any]] | None]  # split -> f(stats) -> id blocks (see documents)
     input_bytes: dict[str, int] = field(default_factory=dict)  # per split, for progress ("all": interleaved)
     source: dict = field(default_factory=dict)
     # all splits in one pass: f(stats) -> (split, ids) pairs; `splits` then only names the splits (subword.py)
-    interleaved: Callable[[dict], Iterator[tuple[str, np.ndarray]]] | None = None
+    interleaved: Callable[[dict], Iterator[tuple]] | None = None      # (split, ids) or (split, ids, counts)
     dtype: str | None = None                               # token dtype (None: the smallest that holds the vocab)
     # a corpus of documents: its streams yield (ids, token counts of the whole documents in ids) and the shards get
     # a document index (megamemo/data/doc_index.py); interleaved yields (split, ids, counts)
@@ -80,7 +85,7 @@ def _check_file(path) -> Path:
 def _count_bytes(ranges: list[tuple[Path, int, int]], drop: int | None = None) -> tuple[dict, dict]:
     """Byte counts and first-occurrence positions over ranges read in order (the Counter of XL's vocab)."""
     counts = np.zeros(256, dtype=np.int64)
-    first = {}
+    first: dict[int, int] = {}
     pos = 0
     for path, a, b in ranges:
         for _, raw in read_range(path, a, b):
@@ -181,7 +186,7 @@ def _xl_lines(path: Path) -> Iterator[tuple[int, list[str], int]]:
 
 def _word_stream(vocab: Vocab, lines: Callable[[], Iterator], where: str, documents: bool = False):
     """Blocks of ids; with `documents`, each item of `lines` is one document and blocks are (ids, lengths)."""
-    def gen(stats: dict) -> Iterator[np.ndarray]:
+    def gen(stats: dict) -> Iterator[np.ndarray | tuple[np.ndarray, list[int]]]:
         buf: list[int] = []
         lengths: list[int] = []
         for loc, words, nbytes in lines():
@@ -221,7 +226,7 @@ def wikitext103(raw: str | Path, vocab_file: str | Path | None = None) -> Corpus
         vsrc = "train only: <eos> first, then by decreasing frequency (Transformer-XL)"
     if not present:
         raise FileNotFoundError(f"wikitext-103: no wiki.{{train,valid,test}}.tokens in {d}")
-    splits = {s: _word_stream(vocab, lambda p=p: _xl_lines(p), str(p)) for s, p in present.items()}
+    splits = {s: _word_stream(vocab, functools.partial(_xl_lines, p), str(p)) for s, p in present.items()}
     tok = {"kind": "words", "split": "whitespace", "eos": "<eos> after every line", "lower_case": False,
            "unknown_words": "<unk>", "vocab": vsrc}
     return Corpus("wikitext-103", "words", vocab, tok, splits, {s: p.stat().st_size for s, p in present.items()},

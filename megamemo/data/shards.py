@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import webdataset as wds
@@ -24,7 +25,7 @@ from megamemo.util.progress import Progress
 
 from .corpora import Corpus
 from .doc_index import DocumentStartsWriter, check_entry
-from .tokenizer import KIND as SUBWORD
+from .tokenizer import SubwordTokenizer
 
 FORMAT = "megamemo-shards"
 FORMAT_VERSION = 1
@@ -84,7 +85,10 @@ class SplitWriter:
         self.fill = 0
         self.n_tokens = 0           # tokens emitted into chunks so far
         self.shards: list[dict] = []
-        self._tar = self._file = self._hash = None
+        # the shard being written, all three or none: its file, the hash of its bytes, the tar writer over them
+        self._file: AtomicFile | None = None
+        self._hash: HashingWriter | None = None
+        self._tar: Any = None
         self.docs = DocumentStartsWriter(out_dir, split) if documents else None
 
     def write(self, ids: np.ndarray, doc_lengths=None) -> None:
@@ -121,28 +125,35 @@ class SplitWriter:
         self._tar = wds.TarWriter(self._hash, mtime=0)   # fixed mtime: same input, same shard bytes
         self.shards.append({"name": name, "offset": self.n_tokens, "n_tokens": 0, "n_chunks": 0})
 
-    def _emit(self):
+    def _open(self) -> tuple[AtomicFile, HashingWriter, Any]:
+        """The shard being written (opened first when none is)."""
         if self._tar is None:
             self._open_shard()
+        assert self._file is not None and self._hash is not None
+        return self._file, self._hash, self._tar
+
+    def _emit(self):
+        _, hasher, tar = self._open()
         n = self.fill
         arr = self.buf[:n]
         payload = self.cctx.compress(arr.tobytes())
         meta = json.dumps({"offset": self.n_tokens, "n_tokens": n, "dtype": dtype_name(self.dtype)}).encode()
-        self._tar.write({"__key__": chunk_key(self.n_tokens), "json": meta, "tokens.zst": payload})
+        tar.write({"__key__": chunk_key(self.n_tokens), "json": meta, "tokens.zst": payload})
         entry = self.shards[-1]
         entry["n_tokens"] += n
         entry["n_chunks"] += 1
         self.n_tokens += n
         self.fill = 0
-        if self._hash.n >= self.shard_bytes:
+        if hasher.n >= self.shard_bytes:
             self._close_shard()
 
     def _close_shard(self):
-        self._tar.close()
+        file, hasher, tar = self._open()
+        tar.close()
         entry = self.shards[-1]
-        entry["bytes"] = self._hash.n
-        entry["sha256"] = self._hash.hexdigest()
-        self._file.commit()
+        entry["bytes"] = hasher.n
+        entry["sha256"] = hasher.hexdigest()
+        file.commit()
         self._tar = self._file = self._hash = None
 
     def close(self) -> dict:
@@ -196,13 +207,14 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     dtype = dtype_name(corpus.dtype or vocab.dtype)
     if len(vocab) - 1 > np.iinfo(np.dtype(dtype)).max:
         raise ValueError(f"a vocabulary of {len(vocab)} symbols does not fit the token dtype {dtype}")
-    if vocab.kind == SUBWORD:            # the tokenizer file itself (tokenizer.json / tokenizer.model)
+    if isinstance(vocab, SubwordTokenizer):     # kind subword: the tokenizer file itself (tokenizer.json / tokenizer.model)
         vocab_file, vocab_sha = vocab.save(out).name, vocab.sha256
     else:
         vocab_file, vocab_sha = VOCAB_FILE, vocab.save(out / VOCAB_FILE)
     log(f"[prepare] {corpus.name} ({corpus.mode}): vocabulary of {len(vocab)} symbols, tokens as {dtype}, "
         f"chunks of {chunk_tokens} tokens, shards of ~{shard_bytes / 2**20:.0f} MiB -> {out}")
-    splits, written = {}, [out / vocab_file]
+    splits: dict[str, dict] = {}
+    written = [out / vocab_file]
     t_start = time.time()
     try:
         _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar,
