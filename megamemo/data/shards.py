@@ -9,6 +9,7 @@ so a token offset maps to (shard, chunk) from the manifest alone. Everything rea
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -207,7 +208,7 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     dtype = dtype_name(corpus.dtype or vocab.dtype)
     if len(vocab) - 1 > np.iinfo(np.dtype(dtype)).max:
         raise ValueError(f"a vocabulary of {len(vocab)} symbols does not fit the token dtype {dtype}")
-    if isinstance(vocab, SubwordTokenizer):     # kind subword: the tokenizer file itself (tokenizer.json / tokenizer.model)
+    if isinstance(vocab, SubwordTokenizer):     # subword: the tokenizer file itself (tokenizer.json or .model)
         vocab_file, vocab_sha = vocab.save(out).name, vocab.sha256
     else:
         vocab_file, vocab_sha = VOCAB_FILE, vocab.save(out / VOCAB_FILE)
@@ -355,14 +356,7 @@ def load_manifest(data_dir: str | Path) -> dict:
     except (OSError, ValueError) as e:
         raise ManifestError(f"{path}: unreadable: {e}") from None
 
-    def need(obj, key, typ, where):
-        if not isinstance(obj, dict) or key not in obj:
-            raise ManifestError(f"{path}: missing field {where}{key}")
-        v = obj[key]
-        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            raise ManifestError(f"{path}: field {where}{key} has type {type(v).__name__}, expected {typ.__name__}")
-        return v
-
+    need = functools.partial(_need, path)
     if need(m, "format", str, "") != FORMAT:
         raise ManifestError(f"{path}: field format is {m['format']!r}, expected {FORMAT!r}")
     if need(m, "format_version", int, "") != FORMAT_VERSION:
@@ -381,29 +375,45 @@ def load_manifest(data_dir: str | Path) -> dict:
     if vsize - 1 > np.iinfo(np.dtype(m["dtype"])).max:
         raise ManifestError(f"{path}: vocab.size {vsize} does not fit dtype {m['dtype']}")
     for split, sp in need(m, "splits", dict, "").items():
-        w = f"splits.{split}."
-        n = need(sp, "n_tokens", int, w)
-        pos = 0
-        for i, s in enumerate(need(sp, "shards", list, w)):
-            ws = f"{w}shards[{i}]."
-            name = need(s, "name", str, ws)
-            if "/" in name or name.startswith("."):
-                raise ManifestError(f"{path}: field {ws}name {name!r} is not a plain file name")
-            off, cnt = need(s, "offset", int, ws), need(s, "n_tokens", int, ws)
-            nch = need(s, "n_chunks", int, ws)
-            need(s, "bytes", int, ws)
-            need(s, "sha256", str, ws)
-            if off != pos:
-                raise ManifestError(f"{path}: field {ws}offset is {off}, but the previous shards end at token {pos}")
-            if cnt < 1 or nch != -(-cnt // ct) or (off % ct):
-                raise ManifestError(f"{path}: shard {name}: {cnt} tokens in {nch} chunks at offset {off} do not "
-                                    f"fit chunks of {ct} tokens (fields {ws}n_tokens / n_chunks / offset)")
-            if cnt % ct and pos + cnt != n:
-                raise ManifestError(f"{path}: shard {name} ends with a short chunk but is not the last of {split}")
-            pos += cnt
-        if pos != n:
-            raise ManifestError(f"{path}: field {w}n_tokens is {n} but its shards hold {pos} tokens")
-        if "documents" in sp and (problem := check_entry(sp["documents"], split, sp.get("n_documents"))):
-            raise ManifestError(f"{path}: {problem}")
+        _check_split(path, split, sp, ct)
     return m
+
+
+def _need(path: Path, obj, key: str, typ: type, where: str):
+    """obj[key], which manifest.json must hold with type `typ` (`where`: the field's path, for the error)."""
+    if not isinstance(obj, dict) or key not in obj:
+        raise ManifestError(f"{path}: missing field {where}{key}")
+    v = obj[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise ManifestError(f"{path}: field {where}{key} has type {type(v).__name__}, expected {typ.__name__}")
+    return v
+
+
+def _check_split(path: Path, split: str, sp, ct: int) -> None:
+    """One split of the manifest: its fields, and that its shards tile its tokens in chunks of `ct`."""
+    need = functools.partial(_need, path)
+    w = f"splits.{split}."
+    n = need(sp, "n_tokens", int, w)
+    pos = 0
+    for i, s in enumerate(need(sp, "shards", list, w)):
+        ws = f"{w}shards[{i}]."
+        name = need(s, "name", str, ws)
+        if "/" in name or name.startswith("."):
+            raise ManifestError(f"{path}: field {ws}name {name!r} is not a plain file name")
+        off, cnt = need(s, "offset", int, ws), need(s, "n_tokens", int, ws)
+        nch = need(s, "n_chunks", int, ws)
+        need(s, "bytes", int, ws)
+        need(s, "sha256", str, ws)
+        if off != pos:
+            raise ManifestError(f"{path}: field {ws}offset is {off}, but the previous shards end at token {pos}")
+        if cnt < 1 or nch != -(-cnt // ct) or (off % ct):
+            raise ManifestError(f"{path}: shard {name}: {cnt} tokens in {nch} chunks at offset {off} do not "
+                                f"fit chunks of {ct} tokens (fields {ws}n_tokens / n_chunks / offset)")
+        if cnt % ct and pos + cnt != n:
+            raise ManifestError(f"{path}: shard {name} ends with a short chunk but is not the last of {split}")
+        pos += cnt
+    if pos != n:
+        raise ManifestError(f"{path}: field {w}n_tokens is {n} but its shards hold {pos} tokens")
+    if "documents" in sp and (problem := check_entry(sp["documents"], split, sp.get("n_documents"))):
+        raise ManifestError(f"{path}: {problem}")
 

@@ -54,6 +54,26 @@ def _structural(base, ask: Ask, world: int) -> str | None:
     return rec.layout_problem(dataclasses.replace(base, parallel=par), world, ask.gpus_per_node)
 
 
+def _print_memory(plans: list[Plan], cluster: str) -> tuple[Plan, bool]:
+    """Prints the per-rank memory table of the stages' plans -> (the largest stage's plan, whether all fit)."""
+    p = plans[0]
+    print(f"cluster: {cluster}; layout {p.layout}")
+    terms = [t for t in Plan.TERMS if any(getattr(q, t) for q in plans)]
+    print("per-rank memory (GiB), by pipeline stage:" if len(plans) > 1 else "per-rank memory:")
+    print(f"  {'':<16}" + "".join(f"{f'stage {q.stage}':>10}" for q in plans))
+    for name in terms:
+        note = "" if name != "snapshot" or p.on_host else "  (host memory, not counted)"
+        print(f"  {name:<16}" + "".join(f"{getattr(q, name) / GiB:>10.2f}" for q in plans) + note)
+    top = max(plans, key=lambda q: q.total)
+    if len(plans) > 1:
+        print(f"  {'stage total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans))
+    print(f"  {'total':<16}{top.total / GiB:>10.2f} GiB of {p.capacity / GiB:.1f} GiB"
+          + (f" (stage {top.stage}, the largest)" if len(plans) > 1 else ""))
+    ok = all(q.fits for q in plans)
+    print(f"-> {'FITS' if ok else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
+    return top, ok
+
+
 def report(load: Callable[[list[str]], Any], ask: Ask) -> int:
     """Prints the plan of the config `load(sets)` returns (sets: --set overrides of the layout) on the cluster ->
     the exit code: 0 it fits, 1 it does not, 2 the config or cluster cannot be planned (one line on stderr)."""
@@ -105,20 +125,7 @@ def report(load: Callable[[list[str]], Any], ask: Ask) -> int:
                                   fits_fails=(fits, fails))
         print()
     p = plans[0]
-    print(f"cluster: {cluster}; layout {p.layout}")
-    terms = [t for t in Plan.TERMS if any(getattr(q, t) for q in plans)]
-    print("per-rank memory (GiB), by pipeline stage:" if len(plans) > 1 else "per-rank memory:")
-    print(f"  {'':<16}" + "".join(f"{f'stage {q.stage}':>10}" for q in plans))
-    for name in terms:
-        note = "" if name != "snapshot" or p.on_host else "  (host memory, not counted)"
-        print(f"  {name:<16}" + "".join(f"{getattr(q, name) / GiB:>10.2f}" for q in plans) + note)
-    top = max(plans, key=lambda q: q.total)
-    if len(plans) > 1:
-        print(f"  {'stage total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans))
-    print(f"  {'total':<16}{top.total / GiB:>10.2f} GiB of {p.capacity / GiB:.1f} GiB"
-          + (f" (stage {top.stage}, the largest)" if len(plans) > 1 else ""))
-    ok = all(q.fits for q in plans)
-    print(f"-> {'FITS' if ok else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
+    top, ok = _print_memory(plans, cluster)
     runs = rec.layout_problem(cfg, world, ask.gpus_per_node) is None
     if runs:
         st = step_time(cfg, world, kind, ask.gpus_per_node, plan)
