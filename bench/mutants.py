@@ -106,7 +106,7 @@ MUTATIONS = [
       "starts = first_token + np.concatenate(([0], np.cumsum(lengths[:-1])))",
       "starts = first_token + np.cumsum(lengths)",
       (f"{SUBWORD}::test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers",)),
-    M("text-plain-corpus-utf8-unchecked", "megamemo/data/corpora.py",
+    M("text-plain-corpus-utf8-unchecked", "megamemo/data/text_files.py",
       "_check_utf8(p)          # the other files are decoded line by line", "pass",
       ("tests/test_data_prepare.py::test_a_bad_text_corpus_exits_2_naming_its_line_and_column",)),
     # ---- megamemo/model --------------------------------------------------------------------------------------
