@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from megamemo.config.run import ConfigError
 from megamemo.model.params import total_params
