@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -299,6 +299,11 @@ class Counters:
 
     def __init__(self, **values):
         self.__dict__.update(values)
+
+    if TYPE_CHECKING:                           # for the type checker only: the counters are named at run time
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
