@@ -120,7 +120,8 @@ def config_page() -> str:
     out = [HEADER, "# Config reference\n\n",
            "Every key of a run config (one YAML file per run; `--set section.key=value` overrides a key). The "
            "meaning is the whole comment beside (or above) the field in the code; `megamemo train` writes the "
-           "resolved config, every default filled in, to `<run_dir>/config.yaml`. Bad keys and values are one-line errors naming the key "
+           "resolved config, every default filled in, to `<run_dir>/config.yaml`. Bad keys and values are "
+           "one-line errors naming the key "
            "([errors](errors.md)).\n"]
     for name, cls in config_sections():
         comments = _field_comments(cls)
