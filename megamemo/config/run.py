@@ -11,7 +11,9 @@ nothing of megamemo but util.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -40,7 +42,7 @@ class Run:
     """A run's config: its dataclass fields whose values are sections (dataclasses), in order, and plain fields
     beside them (not written out)."""
 
-    def sections(self) -> dict[str, object]:
+    def sections(self) -> dict[str, Any]:
         return {f.name: v for f in dataclasses.fields(self)
                 if dataclasses.is_dataclass(v := getattr(self, f.name))}
 
@@ -97,7 +99,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
     return d
 
 
-def read(path: str | Path | None, overrides: list[str] = ()) -> tuple[dict, str]:
+def read(path: str | Path | None, overrides: Sequence[str] = ()) -> tuple[dict, str]:
     """(the YAML file's mapping with the overrides applied, its name for errors); no file: the overrides alone."""
     d: dict = {}
     source = "overrides"
