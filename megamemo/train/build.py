@@ -52,6 +52,7 @@ def build_model(cfg: RunConfig):
             inv = {v: k for k, v in single_to_stage_names(m, module).items()}
             init_shard(module, m, cfg.train.seed, lambda n: inv.get(n, n))
         else:
+            assert full is not None
             load_single_state(m, module, full)
         return module, None, stage
     if tp > 1:
