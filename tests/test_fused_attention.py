@@ -68,7 +68,7 @@ NAMES = ["context", "lse", "dq", "dk", "dv", "dR", "du", "dvb"]
 
 
 def assert_close(got, want, rel, what):
-    for name, a, b in zip(NAMES, got, want, strict=True):
+    for name, a, b in zip(NAMES[:len(got)], got, want, strict=True):     # got may be the first outputs alone
         tol = rel * max(float(b.abs().max()), 1.0 if name == "lse" else 1e-3)
         err = float((a - b).abs().max())
         assert err <= tol, (what, name, err, tol)
