@@ -27,7 +27,8 @@ fi
 echo "[lint] mypy (megamemo/)"
 mypy || failed+=("mypy")
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "[lint] FAILED: ${failed[*]}" >&2
+  printf -v names '%s; ' "${failed[@]}"
+  echo "[lint] FAILED: ${names%; }" >&2
   exit 1
 fi
 echo "[lint] clean"
