@@ -63,7 +63,7 @@ def gemm_rates(d: int, repeat: int, widths=None, layers: int = 8) -> dict[int, f
             ws = [torch.randn(d, n) for _ in range(layers)]
             x, g = torch.randn(t, d), torch.randn(t, n)
 
-            def step():
+            def step(ws=ws, x=x, g=g):                  # this iteration's tensors, bound
                 for w in ws:
                     x @ w
                     g @ w.T
@@ -89,7 +89,7 @@ def layer_gemm_rate(d_model: int, heads_dim: int, d_inner: int, tp: int, rows: i
     gs = [torch.randn(rows, o) for _, o in shapes]
 
     def step():
-        for w, x, g in zip(ws, xs, gs):
+        for w, x, g in zip(ws, xs, gs, strict=True):
             w.grad = x.grad = None
             F.linear(x, w).backward(g)
     return sum(3 * 2 * rows * i * o for i, o in shapes) / _median_time(step, repeat)
@@ -134,14 +134,14 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
     for n in SIZES + [2 ** 26]:
         t = torch.ones(n)
         dist.barrier()
-        s = _median_time(lambda: dist.all_reduce(t), repeat)
+        s = _median_time(lambda t=t: dist.all_reduce(t), repeat)
         ar.append((2 * (world - 1) / world * 4 * n, s))
         shard, full = torch.ones(n // world), torch.empty(n // world * world)
         dist.barrier()
-        s = _median_time(lambda: dist.all_gather_into_tensor(full, shard), repeat)
+        s = _median_time(lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard), repeat)
         ag.append(((world - 1) / world * 4 * n, s))
         if world == 2:
-            def pingpong():
+            def pingpong(t=t):
                 if rank == 0:
                     dist.send(t, 1)
                     dist.recv(t, 1)
@@ -179,7 +179,7 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(weights)])
     plain = torch.nn.Sequential(*[torch.nn.Linear(1, 1, bias=False) for _ in range(weights)])
-    for mine, theirs in zip(plain, model):      # the same weights' memory, leaves of their own (no engine hooks)
+    for mine, theirs in zip(plain, model, strict=True):      # the same weights' memory, leaves of their own (no engine hooks)
         mine.weight = torch.nn.Parameter(theirs.weight.detach())
     params = sum(p.numel() for p in model.parameters())
     cfg = load(None, ["model.variant=lamemo", "train.grad_accum=1", "parallel.tp=1", "parallel.pp=1"])
@@ -239,7 +239,7 @@ def layer_overhead_seconds(repeat: int) -> float:
         x = torch.randint(0, 16, (32, 1))
         _, mem = model(x, x)
 
-        def step():
+        def step(model=model, x=x, mem=mem):            # this iteration's model, bound
             nll, _ = model(x, x, mem)
             nll.mean().backward()
         times[n] = _median_time(step, max(repeat, 5))

@@ -182,7 +182,8 @@ def crash_test(args, out: Path, ref: dict[int, float]) -> int:
         all(before[s] == ref[s] for s in before)
     expected = int(newest[-1].split("_")[1]) if newest else None
     exact = exact and resumed == expected
-    print(f"restart: rc {rc}, resumed from step {resumed} (the newest committed at the kill: {expected}; load {m[-1][1] if m else '?'}s on rank 0); losses of "
+    print(f"restart: rc {rc}, resumed from step {resumed} (the newest committed at the kill: {expected}; "
+          f"load {m[-1][1] if m else '?'}s on rank 0); losses of "
           f"steps 1..{STEPS} equal the uninterrupted run's bit for bit: {exact}")
     for s in range(1, STEPS + 1):
         print(f"  step {s}: uninterrupted {ref[s]!r:<22} killed+resumed {after.get(s)!r}")

@@ -57,6 +57,7 @@ def s3_rates(data_dir: Path, tmp: Path, a) -> dict:
     from megamemo.data import StreamReader
     sys.path.insert(0, str(REPO / "tests"))          # the loopback servers are test support (tests/loopback*.py)
     from helpers.loopback_s3 import LoopbackS3, upload
+
     from megamemo.data.remote import RemoteOptions
 
     runs = iter(range(1_000_000))
@@ -146,9 +147,9 @@ def range_reads(data_dir: Path, split: str) -> int:
 def lamemo_13b_consumption() -> tuple[float, str]:
     """Tokens/s one GPU would consume training configs/lamemo-1.3b.yaml at 100% of the V100 SXM2's fp16
     datasheet peak (an upper bound; a node has 8 GPUs)."""
-    from megamemo.train.config import load
     from megamemo.model.flops import flops_per_token
     from megamemo.runtime.gpus import GPUS
+    from megamemo.train.config import load
 
     cfg = load(REPO / "configs/lamemo-1.3b.yaml", ["model.n_token=32000"])     # n_token: auto, a full bpe:32000
     fpt = flops_per_token(cfg.model, cfg.data.batch_size // cfg.train.grad_accum)

@@ -35,16 +35,18 @@ from pathlib import Path
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")      # this bench compiles (megamemo's command would turn it off)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import step_extras  # noqa: E402  (bench/)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from megamemo.kernels import apply_attention, apply_kernels  # noqa: E402
 from megamemo.kernels.compiler import compile_layers, compile_stats  # noqa: E402
-from megamemo.model import MemTransformerLM, ModelConfig  # noqa: E402
-from megamemo.model import flops  # noqa: E402
+from megamemo.model import (  # noqa: E402
+    MemTransformerLM,
+    ModelConfig,
+    flops,  # noqa: E402
+)
 from megamemo.runtime.peak import device_peak  # noqa: E402
-
-import step_extras  # noqa: E402  (bench/)
 
 FORMS = ("eager", "compiled", "flex", "compiled+flex", "fused", "compiled+fused")
 TINY = dict(n_layer=2, d_model=64, n_head=4, d_head=16, d_inner=128, tgt_len=32, mem_len=32, n_token=256)
@@ -252,9 +254,9 @@ def main(argv=None) -> int:
         _emit(a, row, common)           # before the next form runs: a kill keeps it
         print(format_row(row, rows[0]), flush=True)
         if not profiled and model is not None and parse_form(form)[1]:
-            rows.append(_extra(a, common, lambda: step_extras.profile_row(model, cfg, a.batch, form)))
+            rows.append(_extra(a, common, lambda model=model, form=form: step_extras.profile_row(model, cfg, a.batch, form)))
             profiled = True
-        del model
+        model = None                    # freed before empty_cache (the lambda above shares the name)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if a.optimizer:

@@ -103,11 +103,11 @@ def main() -> int:
     print(f"known answers: Philox-4x32-10 (both forms), Threefry-2x32-20, Squares: ok; {args.threads} thread(s)")
     for n in args.bytes:
         c16, c8, c4 = torch.arange(n // 16), torch.arange(n // 8), torch.arange(n // 4)
-        cands = {"mt19937 (torch random_)": lambda: torch.empty(n // 8, dtype=torch.int64).random_(-2 ** 63, None),
-                 "Philox-4x32-10, int64": lambda: philox(c16, c16, c16, c16, 1, 2),
-                 "Philox-4x32-10, CPU form": lambda: philox_words32(c16, c16, c16, c16, 1, 2),
-                 "Threefry-2x32-20": lambda: threefry2x32(c8, c8, 1, 2),
-                 "Squares (4 rounds)": lambda: squares32(c4, 0x4CE32F6D)}
+        cands = {"mt19937 (torch random_)": lambda n=n: torch.empty(n // 8, dtype=torch.int64).random_(-2 ** 63, None),
+                 "Philox-4x32-10, int64": lambda c16=c16: philox(c16, c16, c16, c16, 1, 2),
+                 "Philox-4x32-10, CPU form": lambda c16=c16: philox_words32(c16, c16, c16, c16, 1, 2),
+                 "Threefry-2x32-20": lambda c8=c8: threefry2x32(c8, c8, 1, 2),
+                 "Squares (4 rounds)": lambda c4=c4: squares32(c4, 0x4CE32F6D)}
         for name, f in cands.items():
             dt = best(f)
             print(f"{n:>9} bytes  {name:<26} {dt * 1e3:8.3f} ms  {dt / n * 1e9:6.3f} ns/byte")

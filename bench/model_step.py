@@ -7,17 +7,17 @@ and Transformer-XL, at one config, side by side in one process.
 
 Default config: 4L, d 256, 4x64 heads, d_inner 1024, vocab 256, B 8, L = M = 128, dropout 0.1 (dropatt 0: --dropatt);
 1 and 2 threads; fp32 and bf16 (autocast); every megamemo model with stream dropout masks and, beside it, keyed ones
-(train.dropout_masks: keyed, megamemo/kernels/keyed.py; "-keyed" rows, the key's step advanced every step). Every model steps through its own random tokens with its memory carried; the step is
-what training runs: fused Adam (optim.fused) and megamemo's malloc settings (megamemo/runtime/allocator.py;
---default-malloc to compare). Rounds step every model once, in an order reversed every other round so that none
-always runs first (each reference model steps next to its megamemo counterpart); a model's time is its best
-(least disturbed) step. Printed: tokens/s, ms/step, the analytic FLOPs a step executes (megamemo/model/flops.py
-step_flops: the same figure for the reference, which does the same model's work), achieved GFLOP/s, and two
-fractions of the peak: HFU (the executed FLOPs, LaMemo's memory-row recompute and look-ahead included) and MFU
-(flops.py model_flops: PaLM's 6 N + attention over mem_len + tgt_len keys, the same for LaMemo and XL of one
-shape); then time ratios from the best steps and as the
-median of the rounds' own ratios (the steadier of the two on a shared machine): lamemo/xl against their FLOP
-ratio, keyed/stream masks per variant, and megamemo/reference tokens/s for lamemo and xl.
+(train.dropout_masks: keyed, megamemo/kernels/keyed.py; "-keyed" rows, the key's step advanced every step). Every model
+steps through its own random tokens with its memory carried; the step is what training runs: fused Adam (optim.fused)
+and megamemo's malloc settings (megamemo/runtime/allocator.py; --default-malloc to compare). Rounds step every model
+once, in an order reversed every other round so that none always runs first (each reference model steps next to its
+megamemo counterpart); a model's time is its best (least disturbed) step. Printed: tokens/s, ms/step, the analytic FLOPs
+a step executes (megamemo/model/flops.py step_flops: the same figure for the reference, which does the same model's
+work), achieved GFLOP/s, and two fractions of the peak: HFU (the executed FLOPs, LaMemo's memory-row recompute and
+look-ahead included) and MFU (flops.py model_flops: PaLM's 6 N + attention over mem_len + tgt_len keys, the same for
+LaMemo and XL of one shape); then time ratios from the best steps and as the median of the rounds' own ratios (the
+steadier of the two on a shared machine): lamemo/xl against their FLOP ratio, keyed/stream masks per variant, and
+megamemo/reference tokens/s for lamemo and xl.
 
 Reference code (--reference-code DIR, a checkout of thu-coai/LaMemo; not part of megamemo): its pytorch/ and
 pytorch/utils go on sys.path and `mem_transformer.MemTransformerLM` is built with the same config (attn_type 3 =
@@ -31,8 +31,9 @@ ones (the feed-forward's forward, input-gradient and weight-gradient products at
 same thread count, in fp32 and, for bf16 runs, also in bf16 (autocast keeps some products in fp32, and on a CPU
 without bf16 matmul units fp32 products are the faster ones), sampled once per round between the steps and kept
 at its best, as the steps are: HFU and MFU are then of that measured peak. On GPU the peak is the datasheet figure for
-the device (megamemo/runtime/peak.py); there the bench also runs megamemo at configs/wt103-base.yaml and configs/enwik8-base.yaml
-model shapes (--configs; batch --gpu-batch or the config's data.batch_size, the config's precision).
+the device (megamemo/runtime/peak.py); there the bench also runs megamemo at configs/wt103-base.yaml and
+configs/enwik8-base.yaml model shapes (--configs; batch --gpu-batch or the config's data.batch_size, the config's
+precision).
 """
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ from pathlib import Path
 import torch
 
 from megamemo.kernels import KERNELS, DropoutKey, apply_dropout_masks, apply_kernels
-from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.flops import model_flops, step_flops
+from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.runtime.peak import device_peak
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,7 +169,7 @@ def interleaved(runners: dict, rounds: int, warmup: int, probe: PeakProbe | None
 
 def ratio_line(label, num, den, times, best_of) -> str:
     t_ratio = min(times[num]) / min(times[den])
-    paired = statistics.median(a / b for a, b in zip(times[num], times[den]))
+    paired = statistics.median(a / b for a, b in zip(times[num], times[den], strict=True))
     return f"{label}: time ratio {t_ratio:.3f} (median of the rounds' ratios {paired:.3f})" + best_of(t_ratio, paired)
 
 
@@ -190,7 +191,8 @@ def ratios(runners, times) -> None:
     if "lamemo" in times and "xl" in times:
         f_ratio = runners["lamemo"].flops / runners["xl"].flops
         print(ratio_line("lamemo/xl", "lamemo", "xl", times, lambda t, p: (
-            f", analytic FLOP ratio {f_ratio:.3f}; time/FLOP ratio {t / f_ratio:.3f} (median {p / f_ratio:.3f}; "
+            f", analytic FLOP ratio {f_ratio:.3f}; time/FLOP ratio {t / f_ratio:.3f} "
+            f"(median {p / f_ratio:.3f}; "
             f"1.0 = same efficiency)")))
     for v in list(times):
         if f"{v}-keyed" in times:
@@ -198,7 +200,7 @@ def ratios(runners, times) -> None:
     for ref, (ours, _) in REFERENCE.items():
         if ref in times and ours in times:   # tokens/s ratio = reference time / megamemo time
             t = min(times[ref]) / min(times[ours])
-            p = statistics.median(a / b for a, b in zip(times[ref], times[ours]))
+            p = statistics.median(a / b for a, b in zip(times[ref], times[ours], strict=True))
             print(f"{ours} megamemo/reference tokens/s: {t:.2f}x from the best steps (median of the rounds' "
                   f"ratios {p:.2f}x)")
 
@@ -322,7 +324,8 @@ def main():
     w = max(12, 2 + max(len(v) + 6 * ("keyed" in args.dropout_masks) for v in args.variants))
     print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
           f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
-          f"dropout {args.dropout} dropatt {args.dropatt}; step = forward + backward + Adam, best of {args.steps} interleaved rounds; "
+          f"dropout {args.dropout} dropatt {args.dropatt}; step = forward + backward + Adam, "
+          f"best of {args.steps} interleaved rounds; "
           f"malloc {'tuned (megamemo.runtime.allocator)' if tuned else 'glibc default'}; kernels {args.kernels}")
     print("reference code: " + (f"{args.reference_code} (ref-lamemo: attn_type 3, ref-xl: attn_type 0)" if ref
                                 else "not given (--reference-code DIR to time thu-coai/LaMemo beside megamemo)"))

@@ -106,7 +106,7 @@ MUTATIONS = [
       "starts = first_token + np.concatenate(([0], np.cumsum(lengths[:-1])))",
       "starts = first_token + np.cumsum(lengths)",
       (f"{SUBWORD}::test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers",)),
-    M("text-plain-corpus-utf8-unchecked", "megamemo/data/corpora.py",
+    M("text-plain-corpus-utf8-unchecked", "megamemo/data/text_files.py",
       "_check_utf8(p)          # the other files are decoded line by line", "pass",
       ("tests/test_data_prepare.py::test_a_bad_text_corpus_exits_2_naming_its_line_and_column",)),
     # ---- megamemo/model --------------------------------------------------------------------------------------
@@ -412,7 +412,8 @@ MUTATIONS = [
       "gemm[i] = max(seg.flops[i] / rate, by_bw[i])",
       ("tests/test_opcost.py",)),
     M("plan-fused-priced-as-eager", "megamemo/plan/optrace.py",
-      'if cfg.attention == "fused":         # the Triton kernels cannot run on meta tensors: their stand-ins record them',
+      'if cfg.attention == "fused":         '
+      '# the Triton kernels cannot run on meta tensors: their stand-ins record them',
       "if False:",
       ("tests/test_optrace.py::test_fused_attention_is_priced_without_score_round_trips",)),
     M("plan-fused-backward-priced-as-flash-attention", "megamemo/plan/fused_trace.py",
@@ -441,7 +442,8 @@ MUTATIONS = [
       "sets = list(args.set)", "sets = []",
       ("tests/test_cli.py::test_trains_flags_become_config_overrides",)),
     M("commands-device-decided-when-the-parser-is-built", "megamemo/commands/flags.py",
-      '"device": dict(default="auto", help="torch device: auto (cuda when torch sees one, else cpu), cpu, cuda, cuda:N"),',
+      '"device": dict(default="auto", '
+      'help="torch device: auto (cuda when torch sees one, else cpu), cpu, cuda, cuda:N"),',
       '"device": dict(default=__import__("megamemo.runtime.device").runtime.device.torch_device("auto")),',
       ("tests/test_cli.py::test_the_shared_flags_are_one_definition_the_same_on_every_machine",)),
     # ---- megamemo (the dispatcher) ---------------------------------------------------------------------------
@@ -495,16 +497,19 @@ MUTATIONS = [
       'same, "--dtype", dtype, "--attention", "auto", "--device", device, "--json", out]',
       (f"{GPU_CHECK}::test_eval_is_compared_at_the_validations_dtype_and_attention_form",)),
     M("gpu-check-eval-tolerance-of-a-dtype-apart", "scripts/gpu_check_train.py",
-      "EVAL_RTOL = 1e-4        # eval against the run's validation, same dtype and form: only the order of sums differs",
+      "EVAL_RTOL = 1e-4        "
+      "# eval against the run's validation, same dtype and form: only the order of sums differs",
       "EVAL_RTOL = 1e-2",
       (f"{GPU_CHECK}::test_eval_is_compared_at_the_validations_dtype_and_attention_form",)),
     M("gpu-step-auto-forms-never-compiled", "bench/step_extras.py",
       "if not compiled:", "if True:",
       (f"{GPU_CHECK}::test_the_full_depth_step_times_the_forms_auto_would_choose_between",)),
     M("readme-gpu-claim-without-its-device-and-commit", "README.md",
-      "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | the golden cases on "
+      "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | "
+      "the golden cases on "
       "CUDA: passed (H100, 11a83f6, eager) |",
-      "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | the golden cases on "
+      "| LaMemo, Transformer-XL, RPE equal to the reference code (NLL, memory, gradients) | tested | "
+      "the golden cases on "
       "CUDA: passed |",
       (f"{GPU_CHECK}::test_every_gpu_claim_of_the_readme_names_its_device_and_code",)),
     # ---- numerics: replicas, spikes, replay (issue 47) ---------------------------------------------------------

@@ -30,7 +30,7 @@ def _work(tp: int, rows: int, reps: int, q) -> None:
     xs = [torch.randn(rows, i, requires_grad=True) for i, _ in shapes]
 
     def step():
-        for w, x in zip(ws, xs):
+        for w, x in zip(ws, xs, strict=True):
             w.grad = x.grad = None
             F.linear(x, w).sum().backward()
     step()

@@ -44,8 +44,8 @@ def rank_stage(rank: int, tp: int, pp: int, world: int) -> int:
 
 
 def main() -> int:
-    from megamemo.train.config import load
     from megamemo.plan.layouts import Plan, plan
+    from megamemo.train.config import load
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "rehearsal-1.3b-width.yaml"))

@@ -45,15 +45,15 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
         loads.write_text(json.dumps([before, after]))
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     times = [r["time"] for r in recs if r.get("kind") == "train"]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return statistics.median(gaps[1:]), gaps, (before, after)
 
 
 def main() -> int:
-    from megamemo.train.config import load
-    from megamemo.plan.layouts import plan
     from megamemo.plan.devices import CPU_CALIBRATION, cpu_device
+    from megamemo.plan.layouts import plan
     from megamemo.plan.steptime import explain, gemm_width, step_time
+    from megamemo.train.config import load
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "rehearsal-1.3b-width.yaml"))

@@ -8,14 +8,14 @@ documents numbered so no two are equal, to --mb MB of text in one jsonl file. A 
 trained on the fixture once (not timed); the timed runs are the whole prepare (read, parse, tokenize, split,
 compress, write shards and manifest) through `build(subword_text(...))`, in this process, best of --repeats.
 
-The ceiling: `tokenizers`' batch encode (encode_batch_fast, as prepare calls it) of the same documents, already in memory, in one process with its thread
-pool off (TOKENIZERS_PARALLELISM=false, as prepare's workers run), in batches of the documents of one block - no
-I/O, no JSON, no compression. Reported: MB/s of raw text (UTF-8 bytes of the documents) for each, and
-prepare / (ceiling x N), the goal being >= 0.8. Also the CPU seconds prepare spent (this process, and its worker
-processes) against the ceiling's: that ratio is what the pipeline costs beyond tokenizing, whatever else runs on
+The ceiling: `tokenizers`' batch encode (encode_batch_fast, as prepare calls it) of the same documents, already in
+memory, in one process with its thread pool off (TOKENIZERS_PARALLELISM=false, as prepare's workers run), in batches of
+the documents of one block - no I/O, no JSON, no compression. Reported: MB/s of raw text (UTF-8 bytes of the documents)
+for each, and prepare / (ceiling x N), the goal being >= 0.8. Also the CPU seconds prepare spent (this process, and its
+worker processes) against the ceiling's: that ratio is what the pipeline costs beyond tokenizing, whatever else runs on
 the machine, where the MB/s figures fall as soon as another job takes a core; and the ceiling run in N processes at
-once, each on 1/N of the documents: what N cores give to tokenizing alone at that moment. Run it under the
-machine's cpu lock.
+once, each on 1/N of the documents: what N cores give to tokenizing alone at that moment. Run it under the machine's cpu
+lock.
 """
 from __future__ import annotations
 

@@ -95,14 +95,15 @@ def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
         tokens += nll.numel()
         if (step + 1) % args.log_every == 0:
             dt = time.perf_counter() - t0
-            print(f"[quality] {name:>6} step {step + 1:>5}/{args.steps} | loss {sum(losses[-args.log_every:]) / args.log_every:.4f} "
+            print(f"[quality] {name:>6} step {step + 1:>5}/{args.steps} "
+                  f"| loss {sum(losses[-args.log_every:]) / args.log_every:.4f} "
                   f"| bpc {sum(losses[-args.log_every:]) / args.log_every / math.log(2):.3f} | {tokens / dt:,.0f} tok/s",
                   flush=True)
     train_s = time.perf_counter() - t0
     reader.close()
     if args.save:
-        from megamemo.interop.vocabulary import data_meta
         from megamemo.checkpoint.single import save_single
+        from megamemo.interop.vocabulary import data_meta
 
         save_single(Path(args.save) / name, cfg, model.state_dict(),
                     meta={"source": "bench/quality.py", "steps": args.steps, "seed": args.seed, **data_meta(data)})

@@ -4,7 +4,8 @@ each time (launch/local.sh --max-restarts, megamemo/runtime/launcher.py) must en
     python bench/soak.py [--kills 100] [--seed N] [--minutes 15] [--world 2] [--steps S] [--out runs/soak]
                          [--config FILE --data SHARDS]     (default: the tests' tiny config on the enwik8 fixture)
 
-1. An uninterrupted run (`python -m megamemo.runtime.launcher N` = launch/local.sh without its shell) gives every step's loss.
+1. An uninterrupted run (`python -m megamemo.runtime.launcher N` = launch/local.sh without its shell) gives every step's
+   loss.
 2. The same command with `--max-restarts K` (K = the kills), checkpointing every step with asynchronous saves on
    (keep_last 2, so that retention removes checkpoints all the time). Each start of the job is one round; the round
    draws a moment from the seeded generator:
@@ -149,7 +150,7 @@ class Job:
         except subprocess.TimeoutExpired:
             self.kill9()
             rc = self.p.wait(30)
-            raise AssertionError(f"the job did not end within {timeout:.0f}s: {' '.join(self.p.args)}")
+            raise AssertionError(f"the job did not end within {timeout:.0f}s: {' '.join(self.p.args)}") from None
         deadline = time.monotonic() + 60
         while any(state(w) not in (None, "Z", "X") for w in self.workers):
             if time.monotonic() > deadline:
@@ -240,13 +241,13 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
         kind = kinds[i % len(kinds)] if kinds else rng.choice(KINDS)
         rounds.append((kind, rng.randint(*nth), rng.randrange(world)))
     point = {"start-up": lambda n, r: f"start-up:1:{r}", "step": lambda n, r: f"step:{n + 1}:{r}"}
-    plan = ",".join(point.get(k, lambda n, r: f"{k}:{n}")(n, r) + f"@{i}" for i, (k, n, r) in enumerate(rounds))
+    plan = ",".join(point.get(k, lambda n, r, k=k: f"{k}:{n}")(n, r) + f"@{i}" for i, (k, n, r) in enumerate(rounds))
     cmd = job_command(world, cfg, shards, run_dir, steps, keep_last, max_restarts=kills if finish else kills - 1)
     job = Job(cmd, job_env(**({"MEGAMEMO_FAULT_KILL_AT": plan} if plan else {})), log)
     records, resumed, refused = [], 0, []
     deadline = t_start + minutes * 60
-    began, at = job.t_wall, 0       # this start's wall-clock time and its first byte in the log
-    for i, (kind, nth_here, rank) in enumerate(rounds):
+    at = 0                          # this start's first byte in the log
+    for i, (kind, nth_here, _rank) in enumerate(rounds):
         if time.monotonic() > deadline:
             say(f"[soak] {minutes:g} min used up after {i} kills")
             break
@@ -271,7 +272,7 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
         say(f"[soak] kill {i + 1}: {where}; this start {this}; newest committed {committed(run_dir)[-1:] or 'none'}")
         if nxt is None:
             break                   # the job ended: the run reached its end between kills, or no restart was left
-        began, at = time.time(), nxt
+        at = nxt
     summary = {"seed": seed, "world": world, "steps": steps, "kills": len(records),
                "aborts": sum("terminate called" in r.get("log", "") for r in records),
                "by_kind": {k: sum(r["where"] == k for r in records) for k in KINDS},

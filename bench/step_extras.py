@@ -65,8 +65,7 @@ def optimizer_row(base: torch.nn.Module, device, dtype, steps: int = 5, clip: fl
                    f"{str(dtype)[6:]}"}
     if device.type == "cuda":
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    del master, half, opt
-    return row
+    return row                                      # master, half and opt are freed with this frame
 
 
 def _device_time(e, cuda: bool) -> float:

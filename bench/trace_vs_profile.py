@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megamemo.model import MemTransformerLM, ModelConfig          # noqa: E402
-from megamemo.model.memory import Memory                         # noqa: E402
-from megamemo.plan import opcost                                 # noqa: E402
-from megamemo.plan.devices import device as device_row           # noqa: E402
-from megamemo.plan.optrace import DTYPES, trace                  # noqa: E402
+from megamemo.model import MemTransformerLM, ModelConfig  # noqa: E402
+from megamemo.model.memory import Memory  # noqa: E402
+from megamemo.plan import opcost  # noqa: E402
+from megamemo.plan.devices import device as device_row  # noqa: E402
+from megamemo.plan.optrace import DTYPES, trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d\d_|fmha|attention|flash", re.IGNORECASE)
@@ -63,11 +63,11 @@ def full_memory(cfg, B, dtype, dev):
     M, n = cfg.mem_len, cfg.n_head
     if cfg.lamemo:
         t = {"emb": torch.randn(M, B, cfg.d_model, device=dev, dtype=dtype)}
-        for l in range(cfg.n_layer):
-            t[f"ctx.{l}"] = torch.randn(M, B, n, cfg.d_head, device=dev, dtype=dtype)
-            t[f"lse.{l}"] = torch.zeros(M, B, n, device=dev)
+        for li in range(cfg.n_layer):
+            t[f"ctx.{li}"] = torch.randn(M, B, n, cfg.d_head, device=dev, dtype=dtype)
+            t[f"lse.{li}"] = torch.zeros(M, B, n, device=dev)
     else:
-        t = {f"hid.{l}": torch.randn(M, B, cfg.d_model, device=dev, dtype=dtype) for l in range(cfg.n_layer)}
+        t = {f"hid.{li}": torch.randn(M, B, cfg.d_model, device=dev, dtype=dtype) for li in range(cfg.n_layer)}
     return Memory(t, batch_size=B)
 
 
@@ -101,9 +101,12 @@ def measure(cfg, B, dtype, dev, steps=5):
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gemm = [e for e in kernels if GEMM_KERNEL.search(e.name)]
-    del model, mem
+    model = mem = None                              # freed before empty_cache (step's closure shares them)
     torch.cuda.empty_cache()
-    us = lambda e: e.time_range.elapsed_us()
+
+    def us(e):
+        return e.time_range.elapsed_us()
+
     other = [e for e in kernels if not GEMM_KERNEL.search(e.name)]
     return {"wall_ms": 1e3 * statistics.median(walls), "kernels": len(kernels),
             "gemm_kernels": len(gemm), "gemm_ms": sum(map(us, gemm)) / 1e3, "other_ms": sum(map(us, other)) / 1e3,

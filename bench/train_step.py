@@ -35,9 +35,9 @@ def plain_loop(config: str, data: str, steps: int, warmup: int, sets: list[str])
     import torch
 
     from megamemo.data import StreamReader
-    from megamemo.train.config import load
     from megamemo.kernels import apply_kernels
     from megamemo.model import MemTransformerLM
+    from megamemo.train.config import load
     from megamemo.train.engine import make_optimizer, schedule
 
     cfg = load(config, [f"data.dir={data}", *sets])
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         plain_cmd = [sys.executable, __file__, "--plain-worker", "--config", a.config, "--data", data,
                      "--steps", str(a.steps), "--warmup", str(a.warmup), *[x for s in a.set for x in ("--set", s)]]
         results = {"plain": [], "one": [], "two": []}
-        for rep in range(a.repeat):         # interleaved, best of: the machine is shared and noisy
+        for _rep in range(a.repeat):         # interleaved, best of: the machine is shared and noisy
             out = subprocess.run(plain_cmd, env=env, capture_output=True, text=True, cwd=REPO)
             if out.returncode:
                 raise SystemExit("plain loop failed:\n" + out.stderr[-3000:])
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             ("megamemo train, DeepSpeed, 1 process", 1, a.threads, one),
             ("megamemo train, DeepSpeed, DP=2", 2, a.threads, two)]
     print(f"{'':40} {'procs':>5} {'threads':>8} {'tokens/s':>10} {'vs plain':>9}   all runs")
-    for (name, n, t, v), key in zip(rows, ("plain", "one", "two")):
+    for (name, n, t, v), key in zip(rows, ("plain", "one", "two"), strict=True):
         spread = " ".join(f"{x:,.0f}" for x in results[key])
         print(f"{name:40} {n:>5} {t:>8} {v:>10,.0f} {v / plain:>8.2f}x   {spread}")
     print(f"engine overhead (plain / DeepSpeed, 1 process): {plain / one:.2f}x; "

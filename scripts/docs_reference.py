@@ -115,8 +115,8 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def config_sections() -> list[tuple[str, type]]:
-    from megamemo.train.config import SECTIONS
     from megamemo.model import ModelConfig
+    from megamemo.train.config import SECTIONS
 
     return [("model", ModelConfig), *SECTIONS.items()]
 
@@ -130,8 +130,9 @@ def keys_without_text() -> list[str]:
 def config_page() -> str:
     out = [HEADER, "# Config reference\n\n",
            "Every key of a run config (one YAML file per run; `--set section.key=value` overrides a key). The "
-           "meaning is the whole comment beside (or above) the field in the code; `megamemo train` writes the resolved config, every "
-           "default filled in, to `<run_dir>/config.yaml`. Bad keys and values are one-line errors naming the key "
+           "meaning is the whole comment beside (or above) the field in the code; `megamemo train` writes the "
+           "resolved config, every default filled in, to `<run_dir>/config.yaml`. Bad keys and values are "
+           "one-line errors naming the key "
            "([errors](errors.md)).\n"]
     from megamemo.config.fields import type_name
 

@@ -115,7 +115,7 @@ def tests(t: dict) -> list[str]:
     if not t.get("results"):
         return []
     lines = ["", f"## pytest -m gpu: {t['passed']} of {t['total']} passed", ""]
-    return lines + [f"- {r['result']}: {r['test']}{' (%.0f s)' % r['s'] if 's' in r else ''}"
+    return lines + [f"- {r['result']}: {r['test']}{' ({:.0f} s)'.format(r['s']) if 's' in r else ''}"
                     f"{' - ' + r['message'] if r.get('message') else ''}" for r in t["results"]]
 
 

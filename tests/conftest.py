@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers.shards import ShardsBySize
 
 # The test files live in folders that mirror the packages (tests/train/, tests/model/, ...; tests/helpers/ holds

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.fixture_data import REPO
+
 from megamemo.config.run import ConfigError
-from megamemo.train.config import load
 from megamemo.kernels import DropoutKey, apply_dropout_masks
 from megamemo.model import MemTransformerLM
 from megamemo.plan.layouts import plan
+from megamemo.train.config import load
 
 
 def _cfg(variant, recompute, dropout=0.2, extra=()):

@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
+from helpers.shards import enwik8_slice_shards
 
 from megamemo.commands import analyze as analyze_cmd
 from megamemo.eval import analyze
 from megamemo.model.positions import sinusoid
-
-from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
-from helpers.shards import enwik8_slice_shards
 
 
 def segments(n, B=3, L=6, seed=0):
@@ -72,14 +71,14 @@ def test_alpha_is_the_weight_of_the_cached_context(tmp_path):
         for inp, tgt in batches:
             _, new = model(inp, tgt, mem)
             if mem is not None and mem.length == 12:
-                for l in range(2):   # rows 6..11 of the old memory are rows 0..5 of the new one
-                    a = torch.exp(mem[f"lse.{l}"][6:].double() - new[f"lse.{l}"][:6].double())   # [6, B, n]
-                    acc[l] += a.mean((1, 2))
+                for li in range(2):   # rows 6..11 of the old memory are rows 0..5 of the new one
+                    a = torch.exp(mem[f"lse.{li}"][6:].double() - new[f"lse.{li}"][:6].double())   # [6, B, n]
+                    acc[li] += a.mean((1, 2))
                 k += 1
             mem = new
-    for l in range(2):
-        assert got["alpha"][f"layer_{l}"][6:] == pytest.approx((acc[l] / k).tolist(), rel=1e-4)
-        assert all(0.0 <= x <= 1.0 for x in got["alpha"][f"layer_{l}"])
+    for li in range(2):
+        assert got["alpha"][f"layer_{li}"][6:] == pytest.approx((acc[li] / k).tolist(), rel=1e-4)
+        assert all(0.0 <= x <= 1.0 for x in got["alpha"][f"layer_{li}"])
 
 
 def test_cli_writes_plots_and_json(tmp_path):

@@ -40,5 +40,5 @@ def test_aligned_position_rows_change_nothing(L, M, same_length, monkeypatch):
     monkeypatch.setattr(attention, "_position_term", lambda qs, b, rows: widths.append(rows.size(1)) or real(qs, b, rows))
     aligned = _both(L, M, same_length)
     assert widths and all(w % 64 == 0 for w in widths), widths
-    for a, b in zip(plain, aligned):
+    for a, b in zip(plain, aligned, strict=True):
         assert float((a - b).abs().max()) <= 16 * 2.0 ** -24 * float(a.abs().max()), (L, M)

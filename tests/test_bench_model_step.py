@@ -1,6 +1,7 @@
 """bench/model_step.py runs end to end at a tiny config (the numbers are timings: only their consistency is
-checked, HFU and MFU against the flops module's two counts), and a bad --reference-code path is a clear error. The reference-code comparison itself needs a
-thu-coai/LaMemo checkout, which the tests do not have (tests/fixtures holds its outputs, not its code)."""
+checked, HFU and MFU against the flops module's two counts), and a bad --reference-code path is a clear error. The
+reference-code comparison itself needs a thu-coai/LaMemo checkout, which the tests do not have (tests/fixtures holds its
+outputs, not its code)."""
 from __future__ import annotations
 
 import os

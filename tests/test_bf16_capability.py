@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.fixture_data import REPO
+
 from megamemo.config.run import ConfigError
 
 GPUS = {"v100": ((7, 0), "Tesla V100-SXM2-32GB"), "t4": ((7, 5), "Tesla T4"),
@@ -46,7 +46,7 @@ def test_check_precision_refuses_bf16_below_compute_capability_8(fake_gpu, gpu):
         check_precision("bf16")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("precision.dtype: bf16 needs a GPU of compute capability 8.0"), msg
-    assert GPUS[gpu][1] in msg and "%d.%d" % GPUS[gpu][0] in msg, msg
+    assert GPUS[gpu][1] in msg and "{}.{}".format(*GPUS[gpu][0]) in msg, msg
     assert "fp16 preset" in msg and "launch/slurm/v100-fp16.sbatch" in msg and "precision.dtype=fp16" in msg, msg
     assert (REPO / "launch/slurm/v100-fp16.sbatch").read_text().count('MEGAMEMO_PRECISION:-fp16') == 1  # what it names
     assert check_precision("fp16") is None and check_precision("fp32") is None   # the preset passes: no capability
@@ -64,8 +64,8 @@ def test_check_precision_passes_bf16_from_compute_capability_8(fake_gpu, gpu):
 def test_train_start_up_refuses_bf16_on_a_v100(fake_gpu, monkeypatch, capsys, tmp_path, gpu, refused):
     """The call site: `megamemo train` with precision.dtype=bf16 stops with exit code 2 and the one line on a V100;
     on an A100 it goes on to build the trainer (replaced here by one that raises: nothing trains)."""
-    from megamemo.runtime import device
     from megamemo.commands import train as cli
+    from megamemo.runtime import device
     from megamemo.train import run
 
     class Built(Exception):

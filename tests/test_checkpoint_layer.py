@@ -12,16 +12,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.distributed import run_distributed
 
 from megamemo.checkpoint.commit import LocalOutcomes
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, open_reader
 from megamemo.checkpoint.pieces import Piece, PieceError, ShardedReader, spread_writers, write_pieces
-from megamemo.checkpoint.state import (Counters, LoadContext, RNGState, StateRegistry, rank_files, save_snapshot)
-from megamemo.checkpoint.store import (MARKER, CheckpointError, CheckpointStore, SaveFailed, list_checkpoints,
-                                       newest_complete, tag_for, verify)
+from megamemo.checkpoint.state import Counters, LoadContext, RNGState, StateRegistry, rank_files, save_snapshot
+from megamemo.checkpoint.store import (
+    MARKER,
+    CheckpointError,
+    CheckpointStore,
+    SaveFailed,
+    list_checkpoints,
+    newest_complete,
+    tag_for,
+    verify,
+)
 from megamemo.parallel.tensor import global_box, shard_tensor
-from helpers.distributed import run_distributed
 
 
 # ---- pieces --------------------------------------------------------------------------------------------------
@@ -29,7 +37,7 @@ def _zero_fragments(n: int, dp: int, rng: random.Random) -> list[tuple[int, int]
     """Uneven contiguous ranges tiling [0, n), as ZeRO's flat partitions cut a parameter."""
     cuts = sorted(rng.sample(range(1, n), dp - 1)) if dp > 1 else []
     edges = [0, *cuts, n]
-    return [(a, b) for a, b in zip(edges, edges[1:])]
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False)]
 
 
 def _write_tp_dp(tmp_path, name, full, dim, tp, dp, seed=0):
@@ -315,8 +323,8 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path, async_s
     errors = _as_ranks(root, 4, async_save=async_save, faults={"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
     assert sorted(errors) == [0, 1] and all(isinstance(e, SaveFailed) for e in errors.values()), errors
     assert str(errors[0]) == str(errors[1]) == (
-        f"checkpoint step 4 failed: rank 1 could not write {root / tag_for(4) / 'rank_00001.safetensors'}: No space "
-        f"left on device (injected: MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
+        f"checkpoint step 4 failed: rank 1 could not write {root / tag_for(4) / 'rank_00001.safetensors'}: "
+        f"No space left on device (injected: MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
     assert [s for s, _, c in list_checkpoints(root)] == [2] and newest_complete(root) == root / tag_for(2)
 
 

@@ -9,13 +9,13 @@ import importlib
 
 import pytest
 import torch
-
 from helpers.distributed import run_distributed
 from helpers.fixture_data import REPO
-from megamemo.model import MemTransformerLM
-from megamemo.train.config import load
 from helpers.runs_cache import KEYED, logs
 from test_train_runs import losses, run
+
+from megamemo.model import MemTransformerLM
+from megamemo.train.config import load
 
 BF16_OVERLAP = ["precision.dtype=bf16", "parallel.zero_stage=1", "parallel.overlap_comm=true"]
 # (sets, DeepSpeed's optimizer) for the tiny config on one rank
@@ -68,7 +68,7 @@ def _reduce_worker(rank, world):
             assert getattr(opt, "overlap_comm", False) == overlaps_reduction(*sections(cfg)), sets
             data = torch.randint(0, 256, (33, 2))
             seen.clear()
-            for k in range(cfg.train.grad_accum):
+            for _k in range(cfg.train.grad_accum):
                 nll, _ = eng.forward(data[:32], data[1:], None)
                 eng.backward(nll.float().mean())
                 eng.micro_step()

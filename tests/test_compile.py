@@ -18,12 +18,12 @@ import sys
 
 import pytest
 import torch
+from helpers.runs_cache import REPO, logs, losses, run
 
 from megamemo.config.run import ConfigError
-from megamemo.train.config import from_dict
 from megamemo.kernels import compiler
 from megamemo.model import MemTransformerLM, ModelConfig
-from helpers.runs_cache import REPO, logs, losses, run
+from megamemo.train.config import from_dict
 
 EXACT_20 = ("--set", "model.dropout=0.0", "--max-steps", "20", "--save-every", "10", "--set", "eval.every=10",
             "--set", "eval.batch_size=4", "--set", "eval.max_segments=3", "--set", "log.tensorboard=false")

@@ -14,19 +14,20 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs_cache import KEYED
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run
 
 from megamemo.commands import convert as convert_cmd
 from megamemo.interop import convert, load
 from megamemo.kernels import DropoutKey, apply_dropout_masks
-from megamemo.util.files import file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
-from helpers.runs_cache import KEYED
-from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run
+from megamemo.util.files import file_sha256
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -245,7 +246,7 @@ def _damage_memory_heads(s):
     assert keys
     for k in keys:
         data[0][k], data[1][k] = data[1][k], data[0][k]
-    for f, d, m in zip(files, data, meta):
+    for f, d, m in zip(files, data, meta, strict=True):
         save_file(d, str(f), metadata=m)
     _recommit(s)
     return "per-token NLL differs"
@@ -319,10 +320,10 @@ def test_a_resume_under_another_layout_with_dropout_reseeds_every_stream(tiny_cf
     import random
 
     import numpy as np
-
-    from megamemo.train.config import load
-    from megamemo.parallel.groups import TP_RNG, dropout_seeds
     from helpers.runs_cache import TWO_RANKS_12_STEPS
+
+    from megamemo.parallel.groups import TP_RNG, dropout_seeds
+    from megamemo.train.config import load
 
     src = reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_12_STEPS)
     new = tmp_path / "run"

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-
-from megamemo.commands import convert
-from megamemo.checkpoint.single import load_single
 from helpers.fixture_data import reference_file
+
+from megamemo.checkpoint.single import load_single
+from megamemo.commands import convert
 
 
 @pytest.mark.parametrize("name", ["lamemo_at3_tgt8_mem8", "txl_tgt8_mem8"])
@@ -23,7 +23,7 @@ def test_imported_reference_reproduces_the_reference_nll(name, tmp_path):
     assert meta["imported_from"].startswith(g["reference"].split("@")[0])
     mem = None
     with torch.no_grad():
-        for x, y, want in zip(g["inputs"], g["targets"], g["nll"]):
+        for x, y, want in zip(g["inputs"], g["targets"], g["nll"], strict=True):
             nll, mem = model(x, y, mem)
             assert torch.allclose(nll, want, atol=1e-5, rtol=0), float((nll - want).abs().max())
     assert mem.length == g["config"]["mem_len"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.fixture_data import ENWIK8, TEXT8
 
 from megamemo.data import Vocab, build, corpora, read_split
 from megamemo.data.blend import BlendError, BlendReader
-from helpers.fixture_data import ENWIK8, TEXT8
 
 VOCAB = Vocab("words", [f"w{i}" for i in range(64)])
 CT = 256                      # chunk_tokens: the unit of a source without documents; documents span chunks and shards
@@ -92,7 +92,7 @@ def test_columns_are_whole_documents_of_the_sources_in_order(doc_sources):
             seen[s].append(u)
             pos, j = pos + n, j + 1
         for s, units in seen.items():                                       # each source walked in order
-            assert all((v - u) % len(docs[s]) == 1 for u, v in zip(units, units[1:]))
+            assert all((v - u) % len(docs[s]) == 1 for u, v in zip(units, units[1:], strict=False))
         assert seen[0] and seen[1]                                          # both sources in every column
 
 
@@ -129,7 +129,7 @@ def test_ranks_partition_and_resume_is_exact(doc_sources):
         assert np.array_equal(x.numpy(), whole[k][0].numpy()[:, 2:]) and np.array_equal(y.numpy(), whole[k][1].numpy()[:, 2:])
     four = BlendReader([(a, 2), (b, 1)], "train", world_size=4, rank=0, **kw)   # on another number of ranks
     four.load_state_dict(state)
-    for k, (x, y) in enumerate(take(four, 19)):
+    for k, (x, _y) in enumerate(take(four, 19)):
         assert np.array_equal(x.numpy(), whole[11 + k][0].numpy()[:, :1])
     with pytest.raises(ValueError, match="seed"):
         BlendReader([(a, 2), (b, 1)], "train", batch_size=4, tgt_len=64, seed=4).load_state_dict(state)
@@ -173,8 +173,9 @@ def test_sources_with_another_tokenizer_are_refused(two_sources, tmp_path):
 
 
 def test_train_refuses_a_blend_of_two_tokenizers_by_name(two_sources, tmp_path, capsys):
-    from megamemo.commands.train import main
     from test_train_runs import TINY
+
+    from megamemo.commands.train import main
 
     a, _ = two_sources
     e8 = tmp_path / "enwik8"

@@ -7,10 +7,10 @@ import tarfile
 
 import pytest
 import zstandard
+from helpers.fixture_data import ENWIK8
 
 from megamemo.data import ManifestError, ShardError, StreamReader, build, corpora, load_manifest
 from megamemo.data.cli import verify_main
-from helpers.fixture_data import ENWIK8
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import webdataset as wds
 import zstandard
+from helpers.fixture_data import ENWIK8, TEXT8, WIKITEXT
 
 from megamemo.data import load_manifest, load_vocab, read_split
 from megamemo.data.cli import prepare_main
 from megamemo.data.corpora import split_points
-from helpers.fixture_data import ENWIK8, TEXT8, WIKITEXT
 
 
 def prepare(*argv):
@@ -73,7 +73,7 @@ def test_enwik8_reference_matches_prep_enwik8(tmp_path):
     symbols = xl_vocab(tokens)
     assert load_vocab(tmp_path / "out").symbols == symbols
     idx = {s: i for i, s in enumerate(symbols)}
-    for split, toks in zip(("train", "valid", "test"), tokens):
+    for split, toks in zip(("train", "valid", "test"), tokens, strict=True):
         assert read_split(tmp_path / "out", split).tolist() == [idx[t] for t in toks]
     assert 10 not in {int(s) for s in symbols}
 
@@ -88,7 +88,7 @@ def test_text8_chars_and_reference(tmp_path):
     prepare("text8", "--raw", src, "--out", tmp_path / "chars")
     alphabet = " abcdefghijklmnopqrstuvwxyz"
     assert len(load_vocab(tmp_path / "chars")) == 27
-    for split, part in zip(("train", "valid", "test"), parts):
+    for split, part in zip(("train", "valid", "test"), parts, strict=True):
         assert read_split(tmp_path / "chars", split).tolist() == [alphabet.index(c) for c in part]
 
     # prep_text8.py: each part strip()-ed, ' ' written as '_', one symbol per character
@@ -97,7 +97,7 @@ def test_text8_chars_and_reference(tmp_path):
     symbols = xl_vocab(tokens)
     assert load_vocab(tmp_path / "ref").symbols == symbols and len(symbols) == 27
     idx = {s: i for i, s in enumerate(symbols)}
-    for split, toks in zip(("train", "valid", "test"), tokens):
+    for split, toks in zip(("train", "valid", "test"), tokens, strict=True):
         assert read_split(tmp_path / "ref", split).tolist() == [idx[t] for t in toks]
     assert parts[0].strip() != parts[0]  # the strip matters here: the prefix starts with a space
 

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.fixture_data import ENWIK8
+from helpers.loopback_s3 import LoopbackS3
+from helpers.loopback_s3 import upload as upload_to
 
 from megamemo.data import ShardError, StreamReader, build, corpora
-from helpers.loopback_s3 import LoopbackS3, upload as upload_to
 from megamemo.data.remote import RemoteOptions, RemoteShards, StoreUnavailableError
-from helpers.fixture_data import ENWIK8
 
 BUCKET = "megamemo-test"
 
@@ -84,7 +85,7 @@ def test_s3_batches_equal_local_and_the_cache_holds_verified_shards(local_shards
         got = batches(r)
         fetched = r.cache_info()["fetched_bytes"]
     assert len(got) == len(expect) > 0
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expect))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expect, strict=True))
     entries = r.manifest["splits"]["train"]["shards"]
     assert fetched == sum(e["bytes"] for e in entries)        # each shard fetched once, for both epochs
     cached = sorted(p.name for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
@@ -248,7 +249,7 @@ def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path
 def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, remote_shards, tmp_path):
     """`megamemo train` on 2 ranks from s3://bucket/prefix: the per-step losses of the local directory's run,
     bit for bit, also when one rank is killed -9 mid-run and the job resumes from the remote directory."""
-    from test_train_runs import TINY, committed_steps, launch, logs, losses, run, wait, assert_no_corrupt_checkpoint
+    from test_train_runs import TINY, assert_no_corrupt_checkpoint, committed_steps, launch, logs, losses, run, wait
 
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)
@@ -351,14 +352,15 @@ def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
         server.terminate()
         server.wait(10)
     expect = batches(StreamReader(local_shards, "train", 4, 512))
-    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect))
+    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) for a, b in zip(got, expect, strict=True))
 
 
 def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(local_shards, tmp_path):
     """gs:// through gcsfs against a GCS emulator on 127.0.0.1 (gcp-storage-emulator; STORAGE_EMULATOR_HOST)."""
     import json
 
-    from helpers.loopback_gcs import LoopbackGCS, upload as upload_gs
+    from helpers.loopback_gcs import LoopbackGCS
+    from helpers.loopback_gcs import upload as upload_gs
 
     with serving(LoopbackGCS):
         url = upload_gs(local_shards, BUCKET, "enwik8")
@@ -372,7 +374,7 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
             batches(StreamReader(bad, "train", batch_size=1, tgt_len=4096, remote_options=opts(tmp_path / "b")))
     expect = batches(StreamReader(local_shards, "train", **kw))
     assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                                           for a, b in zip(got, expect))
+                                           for a, b in zip(got, expect, strict=True))
     msg = str(e.value)
     assert msg.startswith(f"shard {bad}/{second['name']}: chunk at token offset {second['offset']}")
     assert "does not match manifest.json" in msg and "\n" not in msg
@@ -385,7 +387,9 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     import json
 
     from helpers.eval_fixtures import tiny_checkpoint
-    from megamemo.commands import analyze, eval as evaluate
+
+    from megamemo.commands import analyze
+    from megamemo.commands import eval as evaluate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")
@@ -420,8 +424,9 @@ def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
 
 
 def test_train_names_a_missing_object_before_building_anything(local_shards, s3_server, tmp_path, capsys):
-    from megamemo.commands.train import main
     from test_train_runs import TINY
+
+    from megamemo.commands.train import main
 
     url = upload(local_shards, "missing-cli", lambda n, d: None if n == "train-000002.tar" else d)
     cfg = tmp_path / "tiny.yaml"
@@ -455,8 +460,9 @@ def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_c
     import json
 
     import numpy as np
-    from megamemo.data.blend import BlendReader
     from test_data_blend import doc_source
+
+    from megamemo.data.blend import BlendReader
 
     local = tmp_path / "docs"
     doc_source(local, 3, 0, 300, 200)
@@ -467,7 +473,7 @@ def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_c
     with BlendReader([(url, 1)], "train", remote_options=opts(tmp_path), **kw) as got:
         assert got.units[0].kind == "documents" and np.array_equal(got.units[0].starts, want.units[0].starts)
         for k in range(40):
-            assert all(torch.equal(x, y) for x, y in zip(got.get_batch(0, k), want.get_batch(0, k)))
+            assert all(torch.equal(x, y) for x, y in zip(got.get_batch(0, k), want.get_batch(0, k), strict=True))
     cached = tmp_path / "cache" / "sha256" / f"{entry['sha256']}.bin"
     assert cached.read_bytes() == (local / entry["file"]).read_bytes()
 

@@ -3,10 +3,10 @@ import math
 
 import numpy as np
 import pytest
+from helpers.fixture_data import ENWIK8
 
 from megamemo.data.cli import prepare_main
 from megamemo.data.stats import entropy_bits, excerpt, unigram_baseline, unigram_bits
-from helpers.fixture_data import ENWIK8
 
 
 def test_unigram_bits_add_one_by_hand():

@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from helpers.fixture_data import ENWIK8, reference_file
 
 from megamemo.data import StreamReader, Vocab, build, corpora
 from megamemo.data.shard_reader import SplitSource
-from helpers.fixture_data import ENWIK8, reference_file
 
 
 def xl_batches(stream: torch.Tensor, bsz: int, bptt: int, shifts=None):
@@ -48,7 +48,7 @@ def collect(reader, limit=None):
 
 def assert_same(batches_a, batches_b):
     assert len(batches_a) == len(batches_b)
-    for (xa, ya), (xb, yb) in zip(batches_a, batches_b):
+    for (xa, ya), (xb, yb) in zip(batches_a, batches_b, strict=True):
         assert xa.dtype == torch.int64 and xa.shape == xb.shape
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
@@ -61,10 +61,10 @@ def test_reference_golden_batches(tmp_path):
           shard_bytes=2048, log=lambda m: None)
     r = StreamReader(tmp_path, "train", batch_size=2, tgt_len=8)
     assert r.steps_per_epoch == len(g["inputs"]) == 4
-    assert_same(collect(r), list(zip(g["inputs"], g["targets"])))
+    assert_same(collect(r), list(zip(g["inputs"], g["targets"], strict=True)))
     for rank in range(2):  # W=2: each rank owns one column
         got = collect(StreamReader(tmp_path, "train", batch_size=2, tgt_len=8, world_size=2, rank=rank))
-        assert_same(got, [(x[:, rank:rank + 1], y[:, rank:rank + 1]) for x, y in zip(g["inputs"], g["targets"])])
+        assert_same(got, [(x[:, rank:rank + 1], y[:, rank:rank + 1]) for x, y in zip(g["inputs"], g["targets"], strict=True)])
 
 
 @pytest.mark.parametrize("bsz,bptt,block_tokens,prefetch",

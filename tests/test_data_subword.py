@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import forked
+from helpers.env import cpu_env
+from helpers.fixture_data import TEXT
 
 from megamemo.data import read_split
 from megamemo.data.cli import prepare_main
 from megamemo.data.tokenizer import SubwordTokenizer, train_bpe
-from helpers import forked
-from helpers.env import cpu_env
-from helpers.fixture_data import TEXT
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = TEXT / "wiki_paragraphs.jsonl"
@@ -133,7 +133,7 @@ def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
     tok_file = tmp_path / "t.json"
     tok_file.write_bytes(train_bpe(iter(texts[:40]), 300).data)
     outs = [tmp_path / f"w{w}" for w in (1, 2, 3)]
-    for w, out in zip((1, 2, 3), outs):
+    for w, out in zip((1, 2, 3), outs, strict=True):
         assert prepare("--raw", raw, "--tokenizer", tok_file, "--workers", w, "--out", out, "--chunk-tokens", 4096,
                        "--shard-size", "256K") == 0
     names = sorted(p.name for p in outs[0].iterdir())
@@ -154,7 +154,7 @@ def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
         starts = np.frombuffer((outs[0] / m["splits"][split]["documents"]["file"]).read_bytes(), "<u8").astype(int)
         assert m["splits"][split]["n_documents"] == len(mine) == starts.size
         ends = np.append(starts[1:], ids.size)
-        for t, a, b in zip(mine, starts, ends):
+        for t, a, b in zip(mine, starts, ends, strict=True):
             assert tok.decode(ids[a:b]) == t + EOD
         if split == "train":
             shard_ends = np.cumsum([sh["n_tokens"] for sh in m["splits"][split]["shards"]])[:-1]
@@ -266,9 +266,9 @@ def test_bad_document_in_a_worker_is_one_line_and_leaves_nothing(tmp_path, capsy
 def test_bits_per_byte_by_hand():
     import torch
 
-    from megamemo.util.units import bits_per_byte
     from megamemo.eval.evaluate import evaluate
     from megamemo.train.metrics import Metrics
+    from megamemo.util.units import bits_per_byte
 
     assert bits_per_byte(4 * math.log(2.0), 8) == pytest.approx(0.5)          # 4 bits over 8 bytes
 

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.multiproc

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.fixture_data import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -36,8 +35,8 @@ def test_the_site_builds_strict(tmp_path):
 
 
 def config_keys() -> set[str]:
-    from megamemo.train.config import SECTIONS as CONFIG_SECTIONS
     from megamemo.model import ModelConfig
+    from megamemo.train.config import SECTIONS as CONFIG_SECTIONS
 
     return {f"{name}.{f.name}" for name, cls in [("model", ModelConfig), *CONFIG_SECTIONS.items()]
             for f in dataclasses.fields(cls)}

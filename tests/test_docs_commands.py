@@ -9,7 +9,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-
 from helpers.fixture_data import REPO
 from test_launch_sbatch_args import batch, stubs, train_args  # noqa: F401 (stubs: a fixture)
 

@@ -6,15 +6,13 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from megamemo.data import read_split
-from megamemo.commands import eval as evaluate
-from megamemo.checkpoint.single import load_single
-from megamemo.model import MemTransformerLM
-
 from helpers.eval_fixtures import one_thread, reference_nll, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 from helpers.shards import SMALL, sized
 
+from megamemo.checkpoint.single import load_single
+from megamemo.commands import eval as evaluate
+from megamemo.data import read_split
+from megamemo.model import MemTransformerLM
 
 shards = sized(SMALL)
 
@@ -147,7 +145,8 @@ def test_errors_name_the_bad_input(shards, tmp_path, capsys):
 def test_lengths_are_held_to_the_training_configs_rules(shards, tmp_path, capsys, flags, error):
     """eval, generate and the harness refuse lengths a training config would (a negative --mem-len scored as 0,
     issue 50): exit 2, one line naming the flag."""
-    from megamemo.commands import generate as generate_cmd, harness as harness_cmd
+    from megamemo.commands import generate as generate_cmd
+    from megamemo.commands import harness as harness_cmd
 
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "lamemo")
     (tmp_path / "p.txt").write_text("some text\n")

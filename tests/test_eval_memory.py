@@ -14,17 +14,16 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from helpers.fixture_data import ENWIK8
 
+from megamemo.checkpoint.single import save_single
+from megamemo.commands import eval as evaluate
+from megamemo.commands import generate
 from megamemo.data import build
 from megamemo.data.corpora import from_arrays
 from megamemo.data.vocab import Vocab
-from helpers.fixture_data import ENWIK8
-from megamemo.checkpoint.single import save_single
-from megamemo.commands import eval as evaluate, generate
-from megamemo.model import generation
-from megamemo.model import Memory
-
-from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from megamemo.model import Memory, generation
 
 B, L, K, N_SEG = 3, 12, 2, 6            # streams, tgt_len, segments in memory, segments in all
 

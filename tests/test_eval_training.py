@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from megamemo.commands import convert as convert_cmd, eval as evaluate
-from megamemo.interop import load as convert
-
 from helpers.eval_fixtures import one_thread  # noqa: F401 (one_thread: autouse fixture)
 from helpers.shards import SMALL, sized
+from safetensors.torch import load_file
+
+from megamemo.commands import convert as convert_cmd
+from megamemo.commands import eval as evaluate
+from megamemo.interop import load as convert
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 

@@ -16,18 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from megamemo.data.vocab import Vocab
-from megamemo.commands import generate as generate_cmd
-from megamemo.interop.load import load_model
-from megamemo.eval.evaluate import evaluate, open_batches
-from megamemo.commands import export as export_cmd
-from megamemo.export import hf
-
 from helpers import HELPERS, forked
-from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from helpers.errors import failed_with_one_line
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from helpers.shards import sized
+
+from megamemo.commands import export as export_cmd
+from megamemo.commands import generate as generate_cmd
+from megamemo.data.vocab import Vocab
+from megamemo.eval.evaluate import evaluate, open_batches
+from megamemo.export import hf
+from megamemo.interop.load import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 ISOLATED = HELPERS / "hf_without_megamemo.py"
@@ -72,7 +71,7 @@ def eval_per_token(model, batches) -> tuple[list[float], list[int]]:
     nll, stream = [], []
     batches = list(batches)
     evaluate(model, batches, on_segment=lambda n, h: nll.extend(n[:, 0].tolist()))
-    for inp, tgt in batches:
+    for inp, _tgt in batches:
         stream += inp[:, 0].tolist()
     return nll, stream + [int(batches[-1][1][-1, 0])]
 
@@ -125,19 +124,19 @@ def exported(run_dir, shards, tmp_path_factory):
         nll, stream = eval_per_token(m, batches)
         cases[name] = (ck, m, vocab, {"dir": str(tmp / f"hf_{name}"), "tokens": stream, "ref_nll": nll})
     jobs = []
-    for name, (ck, m, vocab, job) in cases.items():
+    for m, vocab, job in (case[1:] for case in cases.values()):
         prompt = list(PROMPT) if vocab.kind == "bytes" else job["tokens"][:25]
         if vocab.kind == "words":
             prompt = [t for t in prompt if t != vocab.sym2idx.get("<eos>")]       # a prompt file's words: <eos> only at line ends
         jobs.append({**{k: v for k, v in job.items() if k != "ref_nll"}, "segment": m.cfg.tgt_len, "prompt": prompt,
                      "new": 40, "text": TEXTS[vocab.kind]})
     results = isolated(jobs, tmp)
-    return {name: (*cases[name], job, res) for name, job, res in zip(cases, jobs, results)}
+    return {name: (*cases[name], job, res) for name, job, res in zip(cases, jobs, results, strict=True)}
 
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_exported_models_load_without_megamemo_and_score_as_megamemo_eval(exported):
-    for name, (ck, model, vocab, case, job, res) in exported.items():
+    for name, (_ck, _model, _vocab, case, job, res) in exported.items():
         assert res["class"] == "MegamemoForCausalLM" and res["module"].startswith("transformers_modules"), name
         assert len(res["nll"]) == len(case["ref_nll"]) == len(job["tokens"]) - 1, name
         diff = np.abs(np.array(res["nll"]) - np.array(case["ref_nll"])).max()
@@ -165,7 +164,7 @@ def test_positions_are_computed_in_fp32_in_a_bf16_model(exported):
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_greedy_generate_equals_megamemo_generate_greedy(exported, tmp_path):
-    for name, (ck, model, vocab, case, job, res) in exported.items():
+    for name, (ck, model, vocab, _case, job, res) in exported.items():
         if vocab.kind == "words":
             continue            # its prompt file would not give these ids back (words are re-split); bytes/chars do
         assert res["greedy"] == greedy_by_megamemo(ck, job["prompt"], 40, tmp_path, vocab), name
@@ -188,7 +187,7 @@ def test_labels_give_the_mean_next_token_nll_of_the_call(exported):
 def test_exported_tokenizers_give_megamemos_ids(exported):
     from megamemo.interop.vocabulary import encode_prompt
 
-    for name, (ck, model, vocab, case, job, res) in exported.items():
+    for name, (_ck, _model, vocab, _case, job, res) in exported.items():
         assert res["encoded"] == encode_prompt(vocab, job["text"].encode(), "text"), name
         if vocab.kind != "words":
             assert res["decoded"] == job["text"], name

@@ -15,15 +15,15 @@ import json
 
 import pytest
 import torch
-
 from helpers.eval_fixtures import eval_record, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+
 from megamemo.config.run import ConfigError
-from megamemo.train.config import from_dict as load_dict
-from megamemo.kernels import apply_attention, attention_in_use, resolve_attention
 from megamemo.kernels import apply as kernels_apply
+from megamemo.kernels import apply_attention, attention_in_use, resolve_attention
 from megamemo.kernels import flex as flex_module
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.attention import causal_attention, lookahead_attention
+from megamemo.train.config import from_dict as load_dict
 
 VARIANTS = ["lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "xl", "rpe"]
 
@@ -101,7 +101,7 @@ def test_the_probe_replays_the_same_under_flex(tmp_path, flex_calls):
     eager = single_device_nll(model, None, probe)
     apply_attention(model, "flex")
     flex = single_device_nll(model, None, probe)
-    assert flex_calls and max((a - b).abs().max().item() for a, b in zip(eager, flex)) <= 1e-5
+    assert flex_calls and max((a - b).abs().max().item() for a, b in zip(eager, flex, strict=True)) <= 1e-5
 
 
 def test_inference_auto_is_eager_on_the_cpu_and_for_generation():

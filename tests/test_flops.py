@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.tiny import tiny_config
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamemo.model import MemTransformerLM, ModelConfig
-
-from helpers.tiny import tiny_config
 from megamemo.model.flops import flops_per_token, forward_flops, step_flops
 
 TOLERANCE = 0.02   # analytic / torch - 1, from the two differences above (0.5-1.6% at these sizes)
@@ -95,7 +94,7 @@ def test_adaptive_softmax_counts_the_head_only():
     got, tgt = torch_count(cfg, B)
     bounds = [0, 50, 120, 200]
     tails = sum(3 * 2 * int(((tgt >= lo) & (tgt < hi)).sum()) * cfg.d_model * (hi - lo)
-                for lo, hi in zip(bounds[1:-1], bounds[2:]))
+                for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True))
     assert tails > 0
     assert got - tails == step_flops(cfg, B) + known_differences(cfg, B)
 

@@ -6,9 +6,7 @@ the fused kernels' fp32 online softmax differs from eager's in the last bits, ~1
 is slow (about 2 s a step at this size), so the runs are 3 steps."""
 from __future__ import annotations
 
-
 import pytest
-
 from helpers.eval_fixtures import eval_record, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from helpers.runs_cache import logs, losses, run
 

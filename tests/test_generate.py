@@ -4,15 +4,14 @@ import json
 
 import pytest
 import torch
-
-from megamemo.commands import generate as generate_cmd
-from megamemo.model import generation as gen_mod
-from megamemo.interop.vocabulary import encode_prompt
-from megamemo.model.generation import Decoder, generate, nucleus_probs
-
 from helpers.eval_fixtures import one_thread, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 
-PROMPT = "<page>\n  <title>Anarchism</title>\n  <id>12</id>\n  <revision>\n".encode()
+from megamemo.commands import generate as generate_cmd
+from megamemo.interop.vocabulary import encode_prompt
+from megamemo.model import generation as gen_mod
+from megamemo.model.generation import Decoder, generate, nucleus_probs
+
+PROMPT = b"<page>\n  <title>Anarchism</title>\n  <id>12</id>\n  <revision>\n"
 
 
 @pytest.mark.parametrize("variant", ["lamemo", "xl", "rpe"])

@@ -11,8 +11,6 @@
 Every run goes through `megamemo train` / `convert` / `eval` as on a cluster, with DS_ACCELERATOR=cuda."""
 from __future__ import annotations
 
-import copy
-import importlib
 import json
 import os
 import re
@@ -23,17 +21,25 @@ import time
 
 import pytest
 import torch
-
 from helpers.fixture_data import REPO, reference_file
-from megamemo.interop.reference import import_reference
-from megamemo.runtime.dist import free_port
-from megamemo.kernels import apply_kernels, kernels_in_use
-from megamemo.interop.score import load_reference_file
 from helpers.sync_sites import SYNC_SETS, unneeded
-from test_model_reference import FILES, check_grads, close, ref_memory_tensors
 from test_gpu_checks_on_cpu import assert_positions_are_fp32s, resumed_adam_steps, tf32_runs
-from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, fp16_overflow_run, launch, logs,  # noqa: F401
-                             losses, run, wait)
+from test_model_reference import FILES, check_grads, close, ref_memory_tensors
+from test_train_runs import (  # noqa: F401
+    assert_no_corrupt_checkpoint,
+    committed_steps,
+    fp16_overflow_run,
+    launch,
+    logs,
+    losses,
+    run,
+    wait,
+)
+
+from megamemo.interop.reference import import_reference
+from megamemo.interop.score import load_reference_file
+from megamemo.kernels import apply_kernels, kernels_in_use
+from megamemo.runtime.dist import free_port
 
 pytestmark = pytest.mark.gpu
 GPU = {"DS_ACCELERATOR": "cuda", "MEGAMEMO_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": os.environ.get(
@@ -58,7 +64,7 @@ def test_golden_reference_on_cuda(name):
     assert apply_kernels(model, "auto", "cuda") == "plain" and kernels_in_use(model) == "plain"
     mem = None
     with torch.no_grad():
-        for k, (x, y) in enumerate(zip(*cuda)):
+        for k, (x, y) in enumerate(zip(*cuda, strict=True)):
             nll, mem = model(x, y, mem)
             assert nll.is_cuda
             close(nll.cpu(), g["nll"][k], f"segment {k} NLL on CUDA")
@@ -226,11 +232,11 @@ def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.split("OUT", 1)[1])
     assert out["megatron_layers"] == ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"], out
-    assert max(abs(a - b) for a, b in zip(out["tp"], out["single"])) < 1e-5, out
+    assert max(abs(a - b) for a, b in zip(out["tp"], out["single"], strict=True)) < 1e-5, out
     assert abs(out["norms"][0] - out["norms"][1]) < 1e-5 * out["norms"][0], out
     assert out["tp_stream_advanced"] and out["init_same_on_cuda"], out
     # the pipeline averages its 2 micro-batches (2 streams each); the single model saw all 4 streams at once
-    assert max(abs(a - b) for a, b in zip(out["pp"], out["single"])) < 1e-5, out
+    assert max(abs(a - b) for a, b in zip(out["pp"], out["single"], strict=True)) < 1e-5, out
     assert out["bank_device"] == ["cuda"], out
     assert out["kernels"] == ["plain"] * 4, out                      # train.kernels=auto on CUDA: plain PyTorch
 

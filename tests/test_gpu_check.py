@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers.runs_cache import REPO
 
 sys.path[:0] = [str(REPO / "scripts")]
@@ -150,7 +149,7 @@ def test_eval_is_compared_at_the_validations_dtype_and_attention_form(tmp_path):
     val = {"kind": "eval", "split": "valid", "loss": 2.5, "tokens": 512, "tgt_len": 16, "mem_len": 16,
            "clamp_len": None, "same_length": False}
     args = T.eval_args(tmp_path / "single", tmp_path / "data", val, "fused", "bf16", 4, 4, "cpu", tmp_path / "e.json")
-    pairs = dict(zip(args, args[1:]))
+    pairs = dict(zip(args, args[1:], strict=False))
     assert pairs["--dtype"] == "bf16" and pairs["--attention"] == "fused", args
     assert pairs["--tgt-len"] == "16" and pairs["--mem-len"] == "16" and "--no-same-length" in args, args
     assert pairs["--batch-size"] == "4" and pairs["--max-segments"] == "4" and "--clamp-len" not in args, args

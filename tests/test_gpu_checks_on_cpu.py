@@ -21,10 +21,10 @@ import sys
 
 import pytest
 import torch
-
 from helpers.fixture_data import REPO
-from megamemo.runtime.dist import free_port
 from helpers.runs_cache import logs, losses, run
+
+from megamemo.runtime.dist import free_port
 
 # ---- TF32 ----------------------------------------------------------------------------------------------------------
 TF32_STATES = {"fp32": "| TF32 off |", "tf32": "| TF32 on |"}
@@ -113,7 +113,7 @@ def test_positions_check_fails_with_bf16_inv_freq(tmp_path, monkeypatch):
         assert_positions_are_fp32s(model, 1536)
 
 
-# ---- the resumed optimizer's Adam step, at the call site --------------------------------------------------------------
+# ---- the resumed optimizer's Adam step, at the call site -------------------------------------------------------------
 RESUMED_ADAM_SCRIPT = r"""
 import json, sys, torch
 from megamemo.train.config import load
@@ -133,7 +133,8 @@ fresh = type(inner)([probe], lr=0.1, fused=group.get("fused"), capturable=group.
 probe.grad = torch.zeros_like(probe)
 fresh.step()                                     # where torch's own Adam puts its step for such a group
 made = fresh.state[probe]["step"]
-out = {"resumed_at": trainer.step, "fused": bool(group.get("fused")), "optimizer": type(trainer.engine.ds.optimizer).__name__,
+out = {"resumed_at": trainer.step, "fused": bool(group.get("fused")),
+       "optimizer": type(trainer.engine.ds.optimizer).__name__,
        "resumed": [[float(s), str(s.device), str(s.dtype), str(q.device)] for q, s in resumed],
        "torch_makes": [str(made.device), str(made.dtype)]}
 trainer.train_step()                             # the resumed optimizer steps (a fused step with a CPU count fails)
@@ -162,9 +163,9 @@ def resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=(), env_extra=None, time
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.split("OUT", 1)[1])
     assert out["resumed_at"] == 2 and out["resumed"], out
-    for count, dev, dtype, param_dev in out["resumed"]:
+    for count, dev, dtype, _param_dev in out["resumed"]:
         assert count == 2.0 and [dev, dtype] == out["torch_makes"], out
-    assert all(a == [3.0, before[1]] for a, before in zip(out["after_a_step"], out["resumed"])), out
+    assert all(a == [3.0, before[1]] for a, before in zip(out["after_a_step"], out["resumed"], strict=True)), out
     return out
 
 

@@ -18,14 +18,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.distributed import run_distributed
 from helpers.fixture_data import REPO
+
 from megamemo.config.run import ConfigError
-from megamemo.train.config import load
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.runtime import device
 from megamemo.runtime.dist import discover, slurm_tasks_on_node
+from megamemo.train.config import load
 
 TINY = ["model.variant=lamemo", "model.n_token=40", "model.n_layer=4", "model.d_model=16", "model.n_head=2",
         "model.d_head=8", "model.d_inner=32", "model.dropout=0.0", "model.tgt_len=6", "model.mem_len=6",
@@ -190,7 +190,7 @@ def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatc
     seeds = {}
     for d, t, p in itertools.product(range(3), range(3), range(3)):
         ranks = {"dp_rank": d, "tp_rank": t, "pp_rank": p}
-        stub = SimpleNamespace(cfg=cfg, _layout=lambda: ranks, engine=SimpleNamespace(device=torch.device("cpu")))
+        stub = SimpleNamespace(cfg=cfg, _layout=lambda ranks=ranks: ranks, engine=SimpleNamespace(device=torch.device("cpu")))
         for path, step in (("fresh", None), ("resume", 40)):
             installed.clear()
             got = loop.seed_streams(cfg, ranks, "cpu") if step is None else loop.Trainer._reseed(stub, step)
@@ -210,8 +210,8 @@ def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatc
 def _tp_worker(rank, world):
     from megamemo.parallel import groups
     from megamemo.parallel.groups import TP_RNG, dropout_seeds, grad_norm, init_model_parallel, seed_rng_streams
-    from megamemo.parallel.shard_init import init_shard
     from megamemo.parallel.pipeline import LayerPipe, StageContext
+    from megamemo.parallel.shard_init import init_shard
     from megamemo.parallel.tensor import parallelize_tensor
 
     init_model_parallel(tp=world)
@@ -331,7 +331,7 @@ def test_a_stage_reads_meta_once_and_makes_it_on_the_tokens_device():
     cfg = ModelConfig(variant="lamemo", n_token=40, n_layer=3, d_model=16, n_head=2, d_head=8, d_inner=32,
                       dropout=0.0, tgt_len=4, mem_len=4)
     ctx = StageContext(cfg)
-    stage = [EmbedPipe(cfg, ctx)] + [m for l in range(3) for m in (RelBiasPipe(cfg, ctx), LayerPipe(cfg, ctx, l))]
+    stage = [EmbedPipe(cfg, ctx)] + [m for li in range(3) for m in (RelBiasPipe(cfg, ctx), LayerPipe(cfg, ctx, li))]
     for p in (p for m in stage for p in m.parameters()):
         torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(p.numel()))
     tokens = torch.randint(0, 40, (4, 2), generator=torch.Generator().manual_seed(0))

@@ -1,8 +1,8 @@
 """bf16 gradients accumulate in fp32 in every shipped config (issue 28, item 2).
 
 The accumulation test runs DeepSpeed itself (one process, bf16 on the CPU, ZeRO 1, grad_accum 8) and reads the
-gradient it is about to step with (BF16_Optimizer's fp32 buffer, param._hp_grad) against the exact (fp64) sum of the eight
-micro-batches' own bf16 gradients, read by hooks on the parameters as autograd produces them.
+gradient it is about to step with (BF16_Optimizer's fp32 buffer, param._hp_grad) against the exact (fp64) sum of the
+eight micro-batches' own bf16 gradients, read by hooks on the parameters as autograd produces them.
 
 The bound, derived. A sum of k terms in floating point with unit roundoff v is off by at most (k - 1) v sum|g_i|
 (each of the k - 1 additions rounds a partial sum no larger than sum|g_i|). DeepSpeed then all-reduces the sum in
@@ -18,12 +18,12 @@ import importlib
 
 import pytest
 import torch
-
 from helpers.distributed import run_distributed
 from helpers.fixture_data import REPO
-from megamemo.train.config import load
-from megamemo.model import MemTransformerLM
 from test_train_runs import losses, run
+
+from megamemo.model import MemTransformerLM
+from megamemo.train.config import load
 
 ACCUM, MICRO = 8, 2
 

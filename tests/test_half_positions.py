@@ -11,8 +11,9 @@ operation that writes a half-precision tensor rounds it with relative error at m
 bf16, 2^-11 for fp16) and, to first order, the relative errors of a chain of well-conditioned operations add. A
 forward pass that writes N half-precision tensors by rounding (counted on the run itself: RoundingCounter,
 megamemo/util/rounding.py) is therefore off by at most N * u relative, measured as RMS over the vocabulary-centred
-log-probs (centring removes the log-normaliser, a constant per token). The weights are set so that the positional term dominates the attention scores: the same
-model with half-precision angles is then off by O(1) relative, far beyond N * u.
+log-probs (centring removes the log-normaliser, a constant per token). The weights are set so that the positional term
+dominates the attention scores: the same model with half-precision angles is then off by O(1) relative, far beyond N *
+u.
 """
 from __future__ import annotations
 

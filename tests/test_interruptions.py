@@ -15,8 +15,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from megamemo.runtime import goodput, interruptions
 from megamemo.runtime.interruptions import EXIT_HUNG, EXIT_PEER_LOST, Exit, culprit, decide
 from megamemo.runtime.watchdog import Watchdog

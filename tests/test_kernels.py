@@ -5,17 +5,16 @@ import os
 
 import pytest
 import torch
+from helpers.tiny import tiny_model
 from torch import nn
 
 from megamemo.config.run import ConfigError
-from megamemo.train.config import from_dict
 from megamemo.kernels import apply_kernels, kernels_in_use, resolve_kernels
 from megamemo.kernels.dropout import CpuDropout
 from megamemo.kernels.masking import add_mask_bias
 from megamemo.model.attention import mask_scores
 from megamemo.model.layers import ReluDropout
-
-from helpers.tiny import tiny_model
+from megamemo.train.config import from_dict
 
 
 def tiny(variant="lamemo", dropout=0.0):
@@ -101,7 +100,7 @@ def test_the_paths_agree_without_dropout(variant):
             got += [nll.detach()] + [mem[k] for k in sorted(mem.tensors)]
         out[path] = got + [p.grad.clone() for p in model.parameters() if p.grad is not None]
     assert len(out["plain"]) == len(out["cpu"]) > 2 * (1 + 2 * 2)
-    for a, b in zip(out["plain"], out["cpu"]):
+    for a, b in zip(out["plain"], out["cpu"], strict=True):
         if variant == "lamemo":
             assert torch.equal(a, b)
         else:
@@ -135,14 +134,14 @@ def test_flex_attention_forward_equals_the_eager_form_on_the_cpu(same_length):
     mask = causal_mask(L, M, 4 if same_length else M, same_length)
     want = causal_attention(q, k, v, r, u, vb, mask, 0.3, lse="value")
     got = flex_causal_attention(q, k, v, r, u, vb, mask, 0.3, lse="value")
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     nk = 4                                  # look-ahead: the M memory rows over the next nk rows
     qm, kf, vf_, rf = rnd(n, B, M, dh), rnd(n, B, nk, dh), rnd(n, B, nk, dh), rnd(n, M + 1, dh)
     lmask = lookahead_mask(M, nk)
     want = lookahead_attention(qm, kf, vf_, rf, u, vb, lmask, 0.3, lse="value")
     got = flex_lookahead_attention(qm, kf, vf_, rf, u, vb, lmask, 0.3, lse="value")
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

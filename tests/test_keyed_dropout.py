@@ -20,15 +20,15 @@ import math
 
 import pytest
 import torch
+from helpers.fixture_data import REPO
 
 from megamemo.config.run import ConfigError
-from megamemo.train.config import load
 from megamemo.kernels import DropoutKey, apply_dropout_masks, dropout_masks_in_use
 from megamemo.kernels.keyed import SITES, KeyedDropout, coordinates, keep_bytes, keep_full, site_word
 from megamemo.kernels.philox import philox, philox_words32
 from megamemo.kernels.sites import dropout_sites
 from megamemo.model import MemTransformerLM, ModelConfig
-from helpers.fixture_data import REPO
+from megamemo.train.config import load
 
 # Random123's kat_vectors: counter (4 words), key (2 words) -> output (4 words)
 KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
@@ -217,7 +217,7 @@ def test_every_dropout_has_a_site_and_the_swap_goes_both_ways():
     model = _model("lamemo")
     sites = dropout_sites(model)
     assert sorted({s for s, _ in sites.values()}) == sorted(SITES)
-    assert {l for _, l in sites.values()} == {0, 1} and sites["layers.1.ff.drop_inner"] == ("ff_inner", 1)
+    assert {layer for _, layer in sites.values()} == {0, 1} and sites["layers.1.ff.drop_inner"] == ("ff_inner", 1)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     apply_dropout_masks(model, "keyed", DropoutKey(1))
     assert dropout_masks_in_use(model) == "keyed" and model.state_dict().keys() == sd.keys()

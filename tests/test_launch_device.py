@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.fake_bin import SCONTROL, devices_dir, fake_binary, fake_env, recorded_env, recorder
 
 REPO = Path(__file__).resolve().parents[1]

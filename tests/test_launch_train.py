@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers.env import cpu_env
+
 from megamemo.checkpoint.store import newest_complete
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)

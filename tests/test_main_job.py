@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.env import cpu_env
 from helpers.fixture_data import ENWIK8
 

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
+from test_model_properties import tiny
 
 from megamemo.model import Memory
 from megamemo.model.attention import interpolate
-from test_model_properties import tiny
 
 
 # ---- adaptive input and softmax --------------------------------------------------------------------------------
@@ -17,7 +17,10 @@ def clustered_log_probs(sd, h, bounds, div_val, tie_weight, tie_projs, d_model, 
     its vectors are projected from d_model by h @ P_c where a projection exists (div_val > 1, or d_embed !=
     d_model). The head scores the shortlist and one column per tail cluster, in cluster order; a tail token's
     log-probability is its cluster column's head log-probability plus its log-probability within the cluster."""
-    g = lambda k: sd[k].double()
+
+    def g(k):
+        return sd[k].double()
+
     n_clusters = len(bounds) - 1
     tie = list(tie_projs) + [tie_projs[-1]] * n_clusters
 
@@ -155,11 +158,11 @@ def test_bf16_model_matches_fp32_within_bf16_precision():
             err = (n16.float() - n32).abs().max().item()
             assert n16.dtype == torch.float32 and err <= bound, (s, err, bound)
             worst.append(err / bound)
-            for l in range(2):
-                assert m16[f"lse.{l}"].dtype == torch.float32 and m16[f"ctx.{l}"].dtype == torch.bfloat16
-                ctx32, ctx16 = m32[f"ctx.{l}"], m16[f"ctx.{l}"].float()
-                assert ((ctx16 - ctx32).abs() <= 8 * U * ctx32.abs().max()).all(), (s, l)
-                lse32, lse16 = m32[f"lse.{l}"], m16[f"lse.{l}"]
-                assert ((lse16 - lse32).abs() <= 8 * U * lse32.abs().max()).all(), (s, l)
+            for li in range(2):
+                assert m16[f"lse.{li}"].dtype == torch.float32 and m16[f"ctx.{li}"].dtype == torch.bfloat16
+                ctx32, ctx16 = m32[f"ctx.{li}"], m16[f"ctx.{li}"].float()
+                assert ((ctx16 - ctx32).abs() <= 8 * U * ctx32.abs().max()).all(), (s, li)
+                lse32, lse16 = m32[f"lse.{li}"], m16[f"lse.{li}"]
+                assert ((lse16 - lse32).abs() <= 8 * U * lse32.abs().max()).all(), (s, li)
             assert torch.allclose(m16["emb"].float(), m32["emb"], rtol=U, atol=0)
     assert max(worst) > 0     # bf16 did round something: the comparison is not of two fp32 runs

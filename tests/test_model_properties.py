@@ -3,13 +3,12 @@ Appendix A, stream independence of memory, ablations and bad input. (The adaptiv
 fp32: tests/test_model_numerics.py.)"""
 import pytest
 import torch
+from helpers.tiny import tiny_model
 
 from megamemo.kernels.dropout import CpuDropout
 from megamemo.model import Memory, ModelConfig
 from megamemo.model.attention import interpolate
 from megamemo.model.layers import ReluDropout
-
-from helpers.tiny import tiny_model
 
 
 def tiny(variant="lamemo", **kw):
@@ -111,7 +110,7 @@ def test_top_layer_skips_only_work_nothing_reads(monkeypatch, mem_len):
         return out, {n: p.grad for n, p in model.named_parameters()}
 
     (skipped, g_skip), (full, g_full) = run(False), run(True)
-    for (n1, m1), (n2, m2) in zip(skipped, full):
+    for (n1, m1), (n2, m2) in zip(skipped, full, strict=True):
         assert torch.allclose(n1, n2, atol=1e-6) and m1.length == m2.length
         for k in m2.tensors:
             assert torch.allclose(m1[k], m2[k], atol=1e-6), k
@@ -208,7 +207,7 @@ def test_dropout_mask_is_a_32_bit_comparison_drawn_digit_by_digit(monkeypatch, n
     tied = list(range(n))
     for level, vals in enumerate(draws):
         assert len(vals) == len(tied)
-        for i, v in zip(tied, vals.tolist()):
+        for i, v in zip(tied, vals.tolist(), strict=True):
             digits[i].append(v)
         tied = [i for i in tied if digits[i][-1] == t[level]]
     expected = torch.tensor([d >= t[:len(d)] for d in digits])

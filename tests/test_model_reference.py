@@ -5,11 +5,11 @@ import sys
 
 import pytest
 import torch
+from helpers.fixture_data import reference_file
+from helpers.kernel_paths import PATHS, on_path
 
 from megamemo.interop.reference import convert_state_dict, import_reference
 from megamemo.interop.score import load_reference_file
-from helpers.fixture_data import reference_file
-from helpers.kernel_paths import PATHS, on_path
 
 pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 
@@ -32,10 +32,10 @@ def ref_memory_tensors(g, mems):
     """Reference memory list -> megamemo names (XL's cached final output is never read, so not kept)."""
     n_layer = g["config"]["n_layer"]
     if g["config"]["attn_type"] == 0:
-        return {f"hid.{l}": mems[l] for l in range(n_layer)}
+        return {f"hid.{li}": mems[li] for li in range(n_layer)}
     out = {"emb": mems[0]}
-    for l in range(n_layer):
-        out[f"ctx.{l}"], out[f"lse.{l}"] = mems[1 + 2 * l], mems[2 + 2 * l]
+    for li in range(n_layer):
+        out[f"ctx.{li}"], out[f"lse.{li}"] = mems[1 + 2 * li], mems[2 + 2 * li]
     return out
 
 
@@ -49,7 +49,7 @@ def test_eval_nll_and_memory_over_segments(golden, path):
     model = on_path(import_reference(golden["config"], golden["state_dict"]), path).eval()
     mem = None
     with torch.no_grad():
-        for k, (x, y) in enumerate(zip(golden["inputs"], golden["targets"])):
+        for k, (x, y) in enumerate(zip(golden["inputs"], golden["targets"], strict=True)):
             nll, mem = model(x, y, mem)
             close(nll, golden["nll"][k], f"segment {k} NLL")
             ref = ref_memory_tensors(golden, golden["mems"][k])
@@ -114,7 +114,7 @@ def test_reference_score_cli(tmp_path):
     got = torch.load(out, weights_only=True)["nll"]
     ref = torch.load(src, weights_only=True)["nll"]
     assert len(got) == len(ref) == 4
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         close(a, b, "reference-score NLL")
 
 

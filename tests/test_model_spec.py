@@ -3,11 +3,10 @@ configurations the golden files do not cover: mem_len != tgt_len, same_length, c
 evaluation at other lengths than the model was built with, and Transformer+RPE (no golden file at all)."""
 import pytest
 import torch
-
-from megamemo.model import MemTransformerLM, ModelConfig
-
 from helpers.kernel_paths import PATHS, on_path
 from helpers.spec_oracle import run_segment
+
+from megamemo.model import MemTransformerLM, ModelConfig
 
 pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 

@@ -30,11 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from helpers.fixture_data import REPO
+from test_train_runs import (
+    ONE_PROCESS_EXACT,
+    assert_no_corrupt_checkpoint,
+    committed_steps,
+    eval_records,
+    launch,
+    logs,
+    losses,
+    run,
+    wait,
+)
+
 from megamemo.train.engine import BF16_MIN_CAPABILITY
-from test_train_runs import (ONE_PROCESS_EXACT, assert_no_corrupt_checkpoint, committed_steps, eval_records,
-                             launch, logs, losses, run, wait)
 
 pytestmark = pytest.mark.multigpu
 STEPS = 5
@@ -178,8 +187,8 @@ def converted_eval_equals_one_device(devs: Devices, one_fp32_dir: Path, cfg, sha
     """A TP 2 run (ONE_PROCESS_EXACT: fp32, keyed dropout, validation at step 6 at its own lengths, checkpoints at 3 and
     6 with their probes) converted to one device: `convert to-single` passes its probe (the converted model replays
     the NLLs the sharded model recorded), and `eval` of it on one device scores the validation segments as the TP 2
-    run logged them (1e-5 relative: the same weights, only TP's split sums differ) and as the one-device run did (1e-4: that
-    run's weights, the per-step bound of the fp32 layouts). Returns the eval's JSON."""
+    run logged them (1e-5 relative: the same weights, only TP's split sums differ) and as the one-device run did (1e-4:
+    that run's weights, the per-step bound of the fp32 layouts). Returns the eval's JSON."""
     env = dict(os.environ, **devs.env(1))
     run_dir = devs.train(2, cfg, shards, tmp / "tp2", *ONE_PROCESS_EXACT, "--tp", "2")
     single = tmp / "single"

@@ -1,8 +1,9 @@
 """The multi-GPU scenarios of tests/test_multigpu.py rehearsed on the CPU (gloo, bf16), so that their logic - the
 runs' arguments and the bounds - has run before they first meet GPUs: the same functions, given CPU devices (the
 kill -9 / resume and convert / eval scenarios are left to the GPU run: their CPU forms are tests/test_train_runs.py
-and tests/test_convert_parallel.py, and two more minutes of the suite were not worth the repetition). What only GPUs can show (NCCL, cuBLAS's kernels, fp16 on hardware that
-has it) stays in the GPU run. Also: which half precision a compute capability gets, and conftest's 4-GPU marker."""
+and tests/test_convert_parallel.py, and two more minutes of the suite were not worth the repetition). What only GPUs can
+show (NCCL, cuBLAS's kernels, fp16 on hardware that has it) stays in the GPU run. Also: which half precision a compute
+capability gets, and conftest's 4-GPU marker."""
 from __future__ import annotations
 
 import os
@@ -10,10 +11,15 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers.fixture_data import REPO
-from test_multigpu import (NO_SAVES, ONE_PROCESS_EXACT, Devices, half_bound, half_layout_tracks_one_device,
-                           half_precision)
+from test_multigpu import (
+    NO_SAVES,
+    ONE_PROCESS_EXACT,
+    Devices,
+    half_bound,
+    half_layout_tracks_one_device,
+    half_precision,
+)
 from test_train_runs import losses
 
 CPU = Devices("cpu", "bf16")

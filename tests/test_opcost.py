@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers.fixture_data import REPO
-from megamemo.train import config
+
 from megamemo.plan import opcost
 from megamemo.plan.devices import Device
 from megamemo.plan.layouts import plan
 from megamemo.plan.optrace import Segment, trace
 from megamemo.plan.steptime import explain, step_time
+from megamemo.train import config
 
 
 def load(path, overrides=()):
@@ -30,7 +30,7 @@ TINY = REPO / "configs" / "tiny-cpu.yaml"
 
 def segment(rows):
     """A Segment from (gemm, fp32, aligned, flops, read, write, rows, cols, launches) tuples."""
-    cols = list(zip(*rows))
+    cols = list(zip(*rows, strict=True))
     return Segment(tuple(f"op{i}" for i in range(len(rows))), *(np.array(c, dtype=bool if i < 3 else float)
                                                                  for i, c in enumerate(cols)))
 

@@ -34,7 +34,7 @@ def test_elementwise_bytes_of_a_small_op_sequence_by_hand():
         F.dropout(y, 0.1, True).sum().backward()
 
     seg = record(fn)
-    assert list(zip(seg.names, seg.read, seg.write)) == [
+    assert list(zip(seg.names, seg.read, seg.write, strict=True)) == [
         ("_to_copy", 1024, 2048),                   # bf16 in, fp32 out
         ("masked_fill", 2048 + 16, 2048),           # the scores and the 16-byte mask, broadcast: read once
         ("_softmax", 2048, 2048),
@@ -54,7 +54,7 @@ def test_elementwise_bytes_of_a_small_op_sequence_by_hand():
     table = torch.empty(100, 16, dtype=torch.bfloat16, device="meta")
     ids = torch.empty(6, dtype=torch.long, device="meta")
     seg = record(lambda: F.embedding(ids, table))
-    assert list(zip(seg.names, seg.read, seg.write)) == [("embedding", 6 * 8 + 6 * 16 * 2, 6 * 16 * 2)]
+    assert list(zip(seg.names, seg.read, seg.write, strict=True)) == [("embedding", 6 * 8 + 6 * 16 * 2, 6 * 16 * 2)]
 
 
 def extra_and_rnet(m: ModelConfig, B: int) -> tuple[float, float, float]:

@@ -6,9 +6,9 @@ import importlib
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.distributed import run_distributed
 from helpers.kernel_paths import PARALLEL_PATH, on_path
+
 from megamemo.model import MemTransformerLM, ModelConfig
 
 STEPS, L, B, GAS = 4, 6, 2, 2
@@ -42,6 +42,7 @@ def _pp_worker(rank, world, variants):
 
 def _check_variant(world, variant):
     import deepspeed
+
     from megamemo.parallel.pipeline import build_pipeline, load_single_state
 
     torch.manual_seed(0)
@@ -72,7 +73,7 @@ def _check_variant(world, variant):
         losses.append(float(engine.train_batch(iter(segment(s)))))
         ctx.bank.commit()
     ref_losses, ref_mems = _reference(single, data, lr)
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
 
     merged = gathered()
     for mb in range(GAS):

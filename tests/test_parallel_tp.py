@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.distributed import run_distributed
 from helpers.kernel_paths import PARALLEL_PATH, on_path
+
 from megamemo.model import ModelConfig
 
 STEPS, L, B = 4, 6, 2
@@ -69,7 +69,7 @@ def _tp_worker(rank, world):
         data = torch.randint(0, 40, (STEPS * L + 1, B), generator=torch.Generator().manual_seed(7))
         ref_losses, ref_mem = _train(single, data)
         tp_losses, tp_mem = _train(model, data)
-        assert max(abs(a - b) for a, b in zip(ref_losses, tp_losses)) < 1e-5, (variant, ref_losses, tp_losses)
+        assert max(abs(a - b) for a, b in zip(ref_losses, tp_losses, strict=True)) < 1e-5, (variant, ref_losses, tp_losses)
         # LaMemo's look-ahead caches (ctx.N, lse.N) are [rows, batch, heads, ...] split by heads across the TP
         # ranks; the layer inputs are replicated
         merged = {k: torch.cat(_gather(t), 2) if k.startswith(("ctx.", "lse.")) else t

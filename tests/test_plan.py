@@ -6,13 +6,13 @@ import re
 
 import pytest
 import torch
-
 from helpers.fixture_data import REPO
-from megamemo.train import config
-from megamemo.model import MemTransformerLM
+
 from megamemo.commands.plan import main
+from megamemo.model import MemTransformerLM
 from megamemo.plan.layouts import GiB, plan
 from megamemo.runtime.gpus import GPUS
+from megamemo.train import config
 
 
 def load(path, overrides=()):

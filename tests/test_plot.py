@@ -63,7 +63,7 @@ def test_plotted_data_are_the_records(tmp_path):
     assert list(drawn[run.name, "skip"].get_xdata()) == [7]
     assert fig.axes[0].get_ylabel() == "bits per character"
     # by tokens: the running sum of the applied steps' tokens (a skipped attempt trained none)
-    cum = dict(zip([r["step"] for r in train], accumulate(r["tokens"] for r in train)))
+    cum = dict(zip([r["step"] for r in train], accumulate(r["tokens"] for r in train), strict=True))
     fig, drawn = plot.figure([run], "tokens")
     assert list(drawn[run.name, "train"].get_xdata()) == [cum[r["step"]] for r in train]
     assert list(drawn[run.name, "eval"].get_xdata()) == [cum[4], cum[8], cum[12]]
@@ -191,7 +191,7 @@ def test_interruptions_are_marked_and_goodput_reported(tmp_path, capsys):
     assert [ln.get_linestyle() for ln in drawn[run.name, "interruption"]] == ["--", "--"]
     assert "dashed: interrupted" in fig.axes[0].get_title()
     assert drawn[run.name, "train"].get_label() == "lamemo train (goodput 28.6%)"
-    cum = dict(zip([r["step"] for r in of(recs, "train")], accumulate(r["tokens"] for r in of(recs, "train"))))
+    cum = dict(zip([r["step"] for r in of(recs, "train")], accumulate(r["tokens"] for r in of(recs, "train")), strict=True))
     fig, drawn = plot.figure([run], "tokens")
     assert [ln.get_xdata()[0] for ln in drawn[run.name, "interruption"]] == [cum[5], cum[9]]
     assert plot_cmd.main([str(d), "--out", str(tmp_path / "g.png")]) == 0

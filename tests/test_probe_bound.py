@@ -104,7 +104,7 @@ def wide():
 
 
 def probe(segments, nll, tp=1):
-    return {"empty_start": False, "segments": [(x, y, n) for (x, y), n in zip(segments, nll)],
+    return {"empty_start": False, "segments": [(x, y, n) for (x, y), n in zip(segments, nll, strict=True)],
             "columns": [0, STREAMS], "path": "probe.safetensors", "layout": {"dp": 1, "tp": tp, "pp": 1}}
 
 

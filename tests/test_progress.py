@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+from helpers.fixture_data import ENWIK8
+from helpers.shards import enwik8_slice_shards
 
 from megamemo.data import build, corpora
-from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
-from helpers.shards import enwik8_slice_shards
-from helpers.fixture_data import ENWIK8
 from megamemo.eval import evaluate
 from megamemo.interop.load import open_model
 from megamemo.util.progress import BAR_REDRAW_S, Progress

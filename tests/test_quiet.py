@@ -12,12 +12,12 @@ import warnings
 from pathlib import Path
 
 import pytest
-
-from megamemo.runtime import quiet
-from megamemo.train.config import load
-from megamemo.model.flops import flops_per_token, model_flops_per_token
-from megamemo.runtime.dist import free_port
 from test_train_runs import TINY as TRAIN_TINY
+
+from megamemo.model.flops import flops_per_token, model_flops_per_token
+from megamemo.runtime import quiet
+from megamemo.runtime.dist import free_port
+from megamemo.train.config import load
 
 REPO = Path(__file__).resolve().parents[1]
 NOISE = re.compile(r"Transformer Engine|Apex|CUDA_DEVICE_MAX_CONNECTIONS|Warning")
@@ -29,8 +29,9 @@ TINY = TRAIN_TINY.replace("max_steps: 8", "max_steps: 2").replace("save_every: 3
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from megamemo.data.cli import prepare_main
     from helpers.fixture_data import ENWIK8
+
+    from megamemo.data.cli import prepare_main
 
     root = tmp_path_factory.mktemp("quiet")
     assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(root / "shards"), "--quiet"]) == 0

@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
 from helpers import local_launch
 from helpers.local_launch import start, text, wait_for_step
 from test_train_runs import TWO_RANKS_12_STEPS, committed_steps, launch, logs, losses, wait
+
+from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -255,7 +255,7 @@ def test_fault_injection_kills_flips_and_truncations(tiny_cfg, shards, reference
     assert len(committed) >= 3, (seed, out[-3000:])
     rng = random.Random(seed)
     damaged = []
-    for d, how in zip(reversed(committed), ("flip", "truncate")):   # the two newest, a random file of each
+    for d, how in zip(reversed(committed), ("flip", "truncate"), strict=False):   # the two newest, a random file of each
         f = rng.choice(sorted(p for p in d.iterdir() if p.name != MARKER))
         _damage(f, rng, how)
         damaged.append(d.name)

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from megamemo.runtime.interruptions import history
 from helpers import local_launch
 from helpers.local_launch import text, wait_for_step
 from helpers.runs_cache import TWO_RANKS_12_STEPS, losses
+
+from megamemo.runtime.interruptions import history
 
 pytestmark = pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from helpers.errors import one_line_error
 from helpers.fixture_data import REPO
-from megamemo.train import config
+
 from megamemo.commands.plan import main
-from megamemo.plan.layouts import plan
 from megamemo.plan.devices import Device
+from megamemo.plan.layouts import plan
 from megamemo.plan.optrace import trace
 from megamemo.plan.steptime import explain, step_time
+from megamemo.train import config
 
 
 def load(path, overrides=()):

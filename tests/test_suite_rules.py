@@ -61,7 +61,7 @@ def test_the_mutation_list_prints_one_a_line(capsys):
     assert mutants.main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines] == [m.name for m in mutants.MUTATIONS]
-    assert all(ln.split()[1] == m.file and ln.split()[2:] == list(m.tests) for ln, m in zip(lines, mutants.MUTATIONS))
+    assert all(ln.split()[1] == m.file and ln.split()[2:] == list(m.tests) for ln, m in zip(lines, mutants.MUTATIONS, strict=True))
 
 
 def test_a_mutation_is_applied_to_its_line_alone_and_undone(tmp_path):

@@ -13,10 +13,10 @@ import traceback
 import warnings
 
 import pytest
-
 from helpers.fixture_data import REPO
-from megamemo.runtime.dist import free_port
 from helpers.sync_sites import NEEDED_SYNCS, SYNC_SETS, attribute, package_root, recording, unneeded
+
+from megamemo.runtime.dist import free_port
 
 
 def frame(path, name):
@@ -52,8 +52,8 @@ def test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules(
 
     with recording() as sites:
         _eagerly(warnings.warn, "called a synchronizing CUDA operation")
-        warnings.warn("called a synchronizing CUDA operation")
-        warnings.warn("something else")                    # not a sync: not recorded
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)                    # not a sync: not recorded
     assert sites == ["train/loop.py:_eagerly", "outside megamemo"], sites
     assert unneeded(sites) == ["an unneeded host sync at train/loop.py:_eagerly"]
 

@@ -4,7 +4,6 @@ tests/test_train_runs.py); short runs, no checkpoints (their format is not what 
 from __future__ import annotations
 
 import pytest
-
 from helpers.runs_cache import KEYED, TWO_RANKS_ACCUM, logs
 from test_train_runs import ONE_PROCESS_EXACT, eval_records, losses, run
 

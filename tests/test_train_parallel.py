@@ -10,12 +10,20 @@ import re
 import signal
 
 import pytest
-import torch
+from helpers.runs_cache import KEYED
+from test_train_runs import (  # noqa
+    assert_no_corrupt_checkpoint,
+    checkpoint_memory,
+    checkpoint_model,
+    committed_steps,
+    launch,
+    logs,
+    losses,
+    run,
+    wait,
+)
 
 from megamemo.checkpoint.store import newest_complete
-from helpers.runs_cache import KEYED
-from test_train_runs import (assert_no_corrupt_checkpoint, checkpoint_memory, checkpoint_model, committed_steps, launch, logs,  # noqa
-                             losses, run, wait)
 
 # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset); run again at another
 # instruction set (scripts/test_other_isa.sh)

@@ -15,12 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.fixture_data import ENWIK8
+from helpers.runs_cache import (  # noqa: F401
+    ONE_PROCESS_EXACT,
+    REPO,
+    TINY,
+    TWO_RANKS_12_STEPS,
+    TWO_RANKS_ACCUM,
+    launch,
+    logs,
+    losses,
+    run,
+    wait,
+)
 
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
 from megamemo.runtime.dist import free_port
-from helpers.runs_cache import (ONE_PROCESS_EXACT, REPO, TINY, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, launch, logs,  # noqa: F401
-                        losses, run, wait)
-from helpers.fixture_data import ENWIK8
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -146,8 +156,8 @@ def test_kill9_mid_run_bf16_resumes_bit_exact(tiny_cfg, shards, tmp_path):
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline:
-        if metrics.exists() and any(json.loads(l).get("step", 0) >= 7 for l in metrics.read_text().splitlines()
-                                    if l.endswith("}")):
+        if metrics.exists() and any(json.loads(ln).get("step", 0) >= 7 for ln in metrics.read_text().splitlines()
+                                    if ln.endswith("}")):
             break
         assert procs[0].poll() is None, logs(run_dir)[-3000:]
         time.sleep(0.02)
@@ -271,7 +281,7 @@ def fp16_overflow_run(tiny_cfg, shards, run_dir, **env_extra) -> list[dict]:
     assert not rows[1]["memory_unchanged"] and not rows[1]["cursor_unchanged"]
     assert retry["loss"] == bad["loss"]                   # the retry saw the same batch with the same memory
     assert retry["step"] == 3 and rows[-1]["step"] == 6
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     skips = [r for r in recs if r["kind"] == "skip"]
     assert len(skips) == 1 and skips[0]["step"] == 3 and skips[0]["loss_scale"] == bad["scale"]
     assert "overflow: step skipped" in out.stdout

@@ -13,8 +13,8 @@ from unittest import mock
 import pytest
 import torch
 
-from megamemo.train import config as C
 from megamemo.runtime import dist
+from megamemo.train import config as C
 from megamemo.train.engine import lr_factor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -352,8 +352,9 @@ def test_adam_step_tensor_helper_follows_the_parameter_off_the_cpu():
 
 
 # ---- a rank whose peer is gone -------------------------------------------------------------------------------
-# `megamemo train`'s main (train/run.py) with a trainer whose step fails as gloo fails when the peer vanished; its parts, the process
-# group's destruction and the interpreter's shutdown each print a line when they run: the order they ran in.
+# `megamemo train`'s main (train/run.py) with a trainer whose step fails as gloo fails when the peer vanished; its
+# parts, the process group's destruction and the interpreter's shutdown each print a line when they run: the order they
+# ran in.
 PEER_LOST = """
 import atexit, datetime, os, sys, tempfile
 from types import SimpleNamespace as NS

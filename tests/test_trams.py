@@ -4,14 +4,11 @@ import math
 
 import pytest
 import torch
-
-from megamemo.model import trams
-from megamemo.model import Memory
-from megamemo.model.trams import TramsConfig, key_scores, select_rows
-
 from helpers.eval_fixtures import one_thread  # noqa: F401 (autouse fixture)
 from helpers.tiny import tiny_model
 
+from megamemo.model import Memory, trams
+from megamemo.model.trams import TramsConfig, key_scores, select_rows
 
 tiny = tiny_model
 
@@ -144,8 +141,8 @@ def test_selected_attention_equals_the_model_on_the_selected_memory(metric):
             x, y = data[4 * s:4 * s + 4], data[4 * s + 1:4 * s + 5]
             if mem is not None and mem.length > sel.attend:
                 sub = {}
-                for l, layer in enumerate(model.layers):
-                    hid = mem[f"hid.{l}"]                                   # [M, B, d] this layer's memory rows
+                for li, layer in enumerate(model.layers):
+                    hid = mem[f"hid.{li}"]                                   # [M, B, d] this layer's memory rows
                     w = layer.attn.qkv.weight
                     k = hid @ w[16:32].T                                    # keys of the one head [M, B, dh]
                     kp = k @ w[:16]                                         # K' = W_Q^T k  [M, B, d]
@@ -156,7 +153,7 @@ def test_selected_attention_equals_the_model_on_the_selected_memory(metric):
                     for b in range(hid.size(1)):
                         top = sorted(cand[:, b].topk(sel.topk).indices.tolist())
                         rows.append(hid[top + list(range(M - sel.recent, M)), b])
-                    sub[f"hid.{l}"] = torch.stack(rows, 1)
+                    sub[f"hid.{li}"] = torch.stack(rows, 1)
                 expect, _ = model(x, y, Memory(sub), mem_len=sel.attend)
                 got, _ = trams.forward(model, x, y, mem, select=sel)
                 assert torch.allclose(got, expect, atol=1e-5), (got - expect).abs().max()

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import forked
 from helpers.errors import failed_with_one_line
-
-from megamemo.util.files import file_sha256
-from megamemo.checkpoint.store import MARKER
 from test_train_runs import run
+
+from megamemo.checkpoint.store import MARKER
+from megamemo.util.files import file_sha256
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 

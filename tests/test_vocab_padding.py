@@ -14,12 +14,12 @@ import os
 
 import pytest
 import torch
-
 from helpers.fixture_data import TEXT8
+
 from megamemo.config.run import ConfigError
+from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.train.config import load
 from megamemo.train.vocab import adopt_checkpoint_vocab, padded_vocab
-from megamemo.model import MemTransformerLM, ModelConfig
 
 SMALL = dict(n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, dropout=0.0, tgt_len=6, mem_len=6)
 VOCAB_KEYS = ("word_emb.emb_layers.", "crit.out_weights.", "crit.out_bias")
@@ -102,8 +102,9 @@ def test_an_explicit_n_token_above_the_datas_vocabulary_is_one_warning_naming_th
     early) trains rows no target ever is: the run starts, with one warning line naming them; auto and an exact
     n_token say nothing."""
     from helpers import forked
-    from megamemo.train.data import check_data_dir, unused_ids
     from helpers.runs_cache import REPO
+
+    from megamemo.train.data import check_data_dir, unused_ids
 
     run = ["--max-steps", "0", "--set", "eval.every=0", "--set", "log.tensorboard=false"]
     cfg_file = config_file(tmp_path, n_token=64, data=text8_shards)
@@ -278,13 +279,14 @@ def test_an_auto_run_converts_evaluates_generates_and_resumes_under_another_tp(t
     import json
 
     import yaml
-
-    from megamemo.data import read_split
     from helpers.eval_fixtures import reference_nll
-    from megamemo.commands import eval as eval_cmd, generate as generate_cmd
-    from megamemo.commands import convert
-    from megamemo.interop import load
     from test_train_runs import logs, losses, run
+
+    from megamemo.commands import convert
+    from megamemo.commands import eval as eval_cmd
+    from megamemo.commands import generate as generate_cmd
+    from megamemo.data import read_split
+    from megamemo.interop import load
 
     cfg_file = tmp_path / "t8.yaml"
     cfg_file.write_text(RUN)

@@ -17,9 +17,9 @@ step.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
 
 from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, merge
 from megamemo.checkpoint.state import Snapshot, WriteError, save_snapshot

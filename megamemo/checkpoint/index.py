@@ -20,7 +20,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from megamemo.checkpoint.pieces import Box, PieceError, ShardedReader, box_shape, intersect
+from megamemo.checkpoint.pieces import Box, PieceError, ShardedReader, as_pair, box_shape, intersect
 
 INDEX_FILE = "index.json"
 INDEX_FORMAT = "megamemo-piece-index"
@@ -57,8 +57,8 @@ def coverage_problems(merged: dict) -> list[str]:
     by_name: dict[str, list[tuple[Box, tuple[int, int] | None, str, tuple[int, ...]]]] = defaultdict(list)
     for rel, pieces in merged["files"].items():
         for d in pieces.values():
-            box = tuple(tuple(int(x) for x in b) for b in d["box"])
-            flat = tuple(int(x) for x in d["flat"]) if d["flat"] is not None else None
+            box = tuple(as_pair(b) for b in d["box"])
+            flat = as_pair(d["flat"]) if d["flat"] is not None else None
             by_name[d["name"]].append((box, flat, rel, tuple(int(n) for n in d["shape"])))
     problems = []
     for name in sorted(by_name):
@@ -88,7 +88,7 @@ def _fragments_problem(name: str, box: Box, parts: list) -> str | None:
     n = math.prod(box_shape(box))
     ranges = sorted(((0, n) if flat is None else flat, rel) for flat, rel in parts)
     pos = 0
-    for (a, b), rel in ranges:
+    for (a, b), _rel in ranges:
         if a > pos:
             return f"{name}: values [{pos}, {a}) of box {_show(box)} are written by no rank (a hole)"
         if a < pos:

@@ -47,6 +47,12 @@ class Piece:
         return self.box if self.box is not None else tuple((0, n) for n in self.shape)
 
 
+def as_pair(xs) -> tuple[int, int]:
+    """A box's (start, end) or a flat range, as ints (ValueError unless exactly two)."""
+    lo, hi = (int(x) for x in xs)
+    return lo, hi
+
+
 def full_box(shape) -> Box:
     return tuple((0, int(n)) for n in shape)
 
@@ -56,12 +62,12 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
     return out if all(lo < hi for lo, hi in out) else None
 
 
 def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer, strict=True))
 
 
 # ---- writing ---------------------------------------------------------------------------------------------------
@@ -70,7 +76,9 @@ def write_pieces(path: Path, pieces: list[Piece], local: dict[str, torch.Tensor]
     (`local`, e.g. the RNG state: stored under `local/<key>`, not part of any global tensor). Tensors must be CPU
     copies that nothing else shares (the snapshot makes them). -> the header's index, each entry with its
     safetensors dtype too (what the merged index of a committed checkpoint holds: index.py)."""
-    tensors, index, seen = {}, {}, Counter()
+    tensors: dict[str, torch.Tensor] = {}
+    index: dict[str, dict] = {}
+    seen: Counter[str] = Counter()
     for p in pieces:
         key = f"{p.name}#{seen[p.name]}"
         seen[p.name] += 1
@@ -111,6 +119,12 @@ class _Entry:
     flat: tuple[int, int] | None
     dtype: str
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """The flat range of a ZeRO fragment (an entry that has one)."""
+        assert self.flat is not None, f"{self.file}: {self.key} is not a flat fragment"
+        return self.flat
+
 
 def read_local(path: Path) -> dict[str, torch.Tensor]:
     """The rank-local tensors of one rank file."""
@@ -143,7 +157,7 @@ class ShardedReader:
         self._check_all()
 
     @classmethod
-    def from_index(cls, directory: Path, index: dict[str, dict], where: Path) -> "ShardedReader":
+    def from_index(cls, directory: Path, index: dict[str, dict], where: Path) -> ShardedReader:
         """From a merged index {rank file: {key: name, shape, box, flat, dtype}} (index.py): no header opened."""
         self = cls.__new__(cls)
         self.entries, self._listed = defaultdict(list), {}
@@ -158,8 +172,8 @@ class ShardedReader:
 
     def _add(self, path: Path, index: dict) -> None:
         for key, d in index.items():
-            e = _Entry(path, key, tuple(int(n) for n in d["shape"]), tuple(tuple(int(x) for x in b) for b in d["box"]),
-                       tuple(int(x) for x in d["flat"]) if d["flat"] is not None else None, str(d["dtype"]))
+            e = _Entry(path, key, tuple(int(n) for n in d["shape"]), tuple(as_pair(b) for b in d["box"]),
+                       as_pair(d["flat"]) if d["flat"] is not None else None, str(d["dtype"]))
             self._check(e)
             self.entries[d["name"]].append(e)
 
@@ -168,7 +182,7 @@ class ShardedReader:
             if len({(e.shape, e.dtype) for e in es}) > 1:
                 raise PieceError(f"{es[0].file}: {name}: pieces disagree on shape or dtype "
                                  f"({sorted({(e.shape, e.dtype) for e in es})})")
-            seen = {}
+            seen: dict[tuple, Path] = {}
             for e in es:
                 if (e.box, e.flat) in seen:
                     raise PieceError(f"{e.file}: {name}: box {e.box} flat {e.flat} written twice (also in "
@@ -178,7 +192,7 @@ class ShardedReader:
     @staticmethod
     def _check(e: _Entry) -> None:
         ok = len(e.box) == len(e.shape) and all(0 <= a < b <= n or a == b == 0 == n
-                                                for (a, b), n in zip(e.box, e.shape))
+                                                for (a, b), n in zip(e.box, e.shape, strict=True))
         if ok and e.flat is not None:
             ok = 0 <= e.flat[0] < e.flat[1] <= math.prod(box_shape(e.box))
         if not ok:
@@ -201,7 +215,7 @@ class ShardedReader:
     def read(self, name: str, box: Box | None = None, flat: tuple[int, int] | None = None) -> torch.Tensor:
         """The `box` of global tensor `name` (whole when None), or the `flat` range of that box's flattening."""
         es = self._entries(name)
-        box = full_box(es[0].shape) if box is None else tuple(tuple(b) for b in box)
+        box = full_box(es[0].shape) if box is None else tuple(as_pair(b) for b in box)
         n = math.prod(box_shape(box))
         want = None if flat is None or tuple(flat) == (0, n) else tuple(flat)
         for e in es:                                    # the same layout wrote exactly this piece
@@ -249,13 +263,13 @@ class ShardedReader:
 
     def _join_flat(self, name: str, stored: Box, parts: list[_Entry]) -> torch.Tensor:
         """A stored box from its flat fragments (the ZeRO partitions of every data-parallel rank)."""
-        parts = sorted(parts, key=lambda e: e.flat[0])
+        parts = sorted(parts, key=lambda e: e.span[0])
         pos = 0
         for e in parts:
-            if e.flat[0] != pos:
-                raise PieceError(f"{e.file}: {name}: box {stored}: fragments leave values [{pos}, {e.flat[0]}) "
+            if e.span[0] != pos:
+                raise PieceError(f"{e.file}: {name}: box {stored}: fragments leave values [{pos}, {e.span[0]}) "
                                  f"unwritten or overlap (a ZeRO partition file missing?)")
-            pos = e.flat[1]
+            pos = e.span[1]
         if pos != math.prod(box_shape(stored)):
             raise PieceError(f"{parts[-1].file}: {name}: box {stored}: fragments end at {pos} of "
                              f"{math.prod(box_shape(stored))} values (a ZeRO partition file missing?)")

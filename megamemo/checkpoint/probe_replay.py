@@ -88,7 +88,7 @@ def check_probe(model: MemTransformerLM, memory: Memory | None, probe: dict, pre
         run.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
         got, roundings = single_device_nll(run, memory, probe, counter_dtype=dtype)
         tol = half_tolerance(run, dtype, roundings, probe, replay_memory(memory, probe))
-    diffs = torch.cat([(g - want.float()).abs().reshape(-1) for g, (_, _, want) in zip(got, probe["segments"])])
+    diffs = torch.cat([(g - want.float()).abs().reshape(-1) for g, (_, _, want) in zip(got, probe["segments"], strict=True)])
     c0, c1 = probe["columns"]
     res = {"segments": len(got), "streams": c1 - c0, "columns": [c0, c1], "max_abs_diff": float(diffs.max()),
            "mean_abs_diff": float(diffs.mean()), "tolerance": tol, "precision": precision}

@@ -14,15 +14,15 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file
 
 from megamemo.checkpoint.state import read_json
-from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256, save_tensors
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256, save_tensors
 
 FORMAT, VERSION = "megamemo-single", 1
 
@@ -54,7 +54,8 @@ def write_config(directory: Path, model_cfg: ModelConfig, meta: dict) -> None:
     subword tokenizer's file when meta records one (also as a top-level "tokenizer": {kind, vocab_size, file,
     sha256, ...}, the file beside config.json)."""
     paths = sorted(Path(directory).glob("*.safetensors"))
-    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    tok = meta.get("tokenizer")
+    tok = tok if isinstance(tok, dict) else {}
     if tok.get("kind") == "subword" and (Path(directory) / str(tok.get("file"))).is_file():
         paths.append(Path(directory) / tok["file"])
     files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in paths}
@@ -87,7 +88,8 @@ def write_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, .
     each tensor as `produce(name)` returns it. Peak memory is one tensor, where safetensors' own save_file wants
     every tensor at once (a whole 7B model in host memory). The format: 8 bytes of little-endian header length,
     the JSON header padded with spaces to 8 bytes, then the data; safetensors' loaders read the result."""
-    header, offset = {}, 0
+    header: dict[str, object] = {}
+    offset = 0
     for name, dtype, shape in specs:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}

@@ -18,9 +18,10 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -218,7 +219,7 @@ class Written:
     index: dict
 
 
-def _write_file(path: Path, write: Callable[[Path], None], before_write: Callable[[Path], None]) -> dict:
+def _write_file(path: Path, write: Callable[[Path], object], before_write: Callable[[Path], None]) -> dict:
     try:
         before_write(path)
         write_atomic(path, write)
@@ -255,7 +256,9 @@ class RNGState:
 
     def state_dict(self) -> dict:
         version, internal, gauss = random.getstate()
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy = np.random.get_state()
+        assert isinstance(legacy, tuple)        # the legacy form (the default): MT19937's 5-tuple
+        name, keys, pos, has_gauss, cached = legacy
         d = {"python": {"version": version, "state": list(internal), "gauss": gauss},
              "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
                        "cached_gaussian": float(cached)},
@@ -296,6 +299,11 @@ class Counters:
 
     def __init__(self, **values):
         self.__dict__.update(values)
+
+    if TYPE_CHECKING:                           # for the type checker only: the counters are named at run time
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)

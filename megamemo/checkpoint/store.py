@@ -30,8 +30,14 @@ from typing import Callable
 
 import torch
 
-from megamemo.checkpoint.commit import (Collectives, OutcomeTimeout, check_and_index, first_error,
-                                        outcome_channel, write_and_report)
+from megamemo.checkpoint.commit import (
+    Collectives,
+    OutcomeTimeout,
+    check_and_index,
+    first_error,
+    outcome_channel,
+    write_and_report,
+)
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
 from megamemo.checkpoint.state import LateFiles, LoadContext, Snapshot, StateRegistry, read_json
@@ -92,14 +98,14 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path, bool]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    out = [(step_of(p), p, (p / MARKER).is_file()) for p in root.iterdir() if step_of(p) is not None and p.is_dir()]
+    out = [(step, p, (p / MARKER).is_file()) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir()]
     return sorted(out)
 
 
 def newest_complete(root: Path, checksums: bool = False, log=print) -> Path | None:
     """The newest committed checkpoint whose files verify (sizes; sha256 too with checksums), saying what it
     skipped. Reads only: resuming moves bad ones aside (CheckpointStore.select)."""
-    for step, path, committed in reversed(list_checkpoints(root)):
+    for _step, path, committed in reversed(list_checkpoints(root)):
         if not committed:
             log(f"[checkpoint] skipping {path}: never committed (interrupted save)")
             continue
@@ -283,7 +289,7 @@ class CheckpointStore:
         for p in committed[: max(0, len(committed) - self.keep_last)]:
             remove_checkpoint(p, between=lambda: self.faults.at("removal"))
         if committed:
-            newest = step_of(committed[-1])
+            newest = [s for s, _, c in ckpts if c][-1]     # committed[-1]'s step
             for s, p, c in ckpts:
                 if not c and s < newest:          # an interrupted save that a newer commit superseded
                     shutil.rmtree(p, ignore_errors=True)

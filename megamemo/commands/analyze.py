@@ -24,8 +24,8 @@ def main(argv: list[str]) -> int:
     flags.add(p, "mem-len", help="default: the checkpoint's")
     flags.add(p, "device")
     a = p.parse_args(argv)
-    from megamemo.data import ManifestError, ShardError
     from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.data import ManifestError, ShardError
     from megamemo.eval.analyze import analyze_checkpoints, write_analysis
     from megamemo.runtime.device import torch_device
 

@@ -55,8 +55,8 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> int:
-    from megamemo.data import ManifestError, ShardError
     from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.data import ManifestError, ShardError
     from megamemo.eval.evaluate import Request, evaluate_checkpoints, write_sweep
     from megamemo.runtime.device import torch_device
 

@@ -11,10 +11,11 @@ torch sees a device, else the CPU): a parser, and so docs/reference/cli.md, is t
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from megamemo.util.precision import NAMES as PRECISIONS
 
-SHARED = {
+SHARED: dict[str, dict[str, Any]] = {
     "config": dict(required=True, metavar="FILE", help="run config YAML (see configs/)"),
     "set": dict(action="append", default=[], metavar="KEY=VALUE",
                 help="override a config field, e.g. --set optim.lr=1e-4 (repeatable)"),

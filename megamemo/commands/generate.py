@@ -36,8 +36,8 @@ def main(argv: list[str]) -> int:
                    help="attention form: auto (eager: one query a step), eager, flex (FlexAttention), fused (the "
                         "Triton kernels; on the CPU only in Triton's interpreter, TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
-    from megamemo.data import ManifestError
     from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.data import ManifestError
     from megamemo.eval.generate import prepare
     from megamemo.runtime.device import torch_device
 

@@ -22,14 +22,14 @@ def main(argv: list[str]) -> int:
     flags.add(p, "device")
     flags.add(p, "mem-len")
     a = p.parse_args(argv)
-    from megamemo.data import ManifestError
     from megamemo.checkpoint.single import SingleCheckpointError
+    from megamemo.data import ManifestError
     from megamemo.util.files import write_text_atomic
 
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ.setdefault(var, "1")
     try:
-        from megamemo.export.harness import run_harness         # imports lm-eval (megamemo[eval])
+        from megamemo.export.harness import run_harness  # imports lm-eval (megamemo[eval])
         r = run_harness(a.ckpt, a.text, a.device, a.mem_len)
     except (ValueError, OSError, ManifestError, SingleCheckpointError) as e:
         print(f"megamemo harness: error: {e}", file=sys.stderr)

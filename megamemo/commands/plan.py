@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     def one_line(message):      # argparse's error: one line (no usage block), exit 2
         print(f"megamemo plan: {message}", file=sys.stderr)
         raise SystemExit(2)
-    ap.error = one_line
+    ap.error = one_line  # type: ignore[method-assign]  # argparse's error made one line (exit 2)
     args = ap.parse_args(argv)
     for flag, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node), ("--tp", args.tp),
                     ("--pp", args.pp), ("--vocab", args.vocab)):

@@ -60,7 +60,7 @@ def section(name: str):
             try:
                 checked_init(self, *args, **kwargs)
             except ValidationError as e:
-                from .run import one_line       # run.py builds on this module
+                from .run import one_line  # run.py builds on this module
 
                 raise one_line(e, declared, name) from None
 

@@ -12,7 +12,9 @@ util.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -80,7 +82,7 @@ def one_line(err: ValidationError, cls, where: str) -> ConfigError:
     if e["type"] == "literal_error" and info is not None:
         allowed = literal_values(info.annotation) or ()
         if allowed and not isinstance(value, type(allowed[0])):       # a number for a word, a word for a number
-            return ConfigError(f"{key}: expected {type(allowed[0]).__name__}, got {type(value).__name__} {value!r}")
+            return ConfigError(f"{key}: expected {type_name(info)}, got {type(value).__name__} {value!r}")
         return ConfigError(f"{key}: must be {choices(allowed)} (got {value!r})")
     if e["type"] in ("too_short", "too_long"):
         n = e["ctx"].get("min_length") if e["type"] == "too_short" else e["ctx"].get("max_length")
@@ -101,7 +103,7 @@ class Run:
     """A run's config: its dataclass fields whose values are sections (declared dataclasses), in order, and plain
     fields beside them (not written out)."""
 
-    def sections(self) -> dict[str, object]:
+    def sections(self) -> dict[str, Any]:
         return {f.name: v for f in dataclasses.fields(self)
                 if dataclasses.is_dataclass(v := getattr(self, f.name))}
 
@@ -160,7 +162,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
     return d
 
 
-def read(path: str | Path | None, overrides: list[str] = ()) -> tuple[dict, str]:
+def read(path: str | Path | None, overrides: Sequence[str] = ()) -> tuple[dict, str]:
     """(the YAML file's mapping with the overrides applied, its name for errors); no file: the overrides alone."""
     d: dict = {}
     source = "overrides"

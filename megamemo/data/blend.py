@@ -245,7 +245,7 @@ class BlendReader:
 
     def mix_line(self) -> str:
         mix = self.token_mix()
-        parts = ", ".join(f"{d} {m:.1%} (weight {w:.1%})" for d, m, w in zip(self.dirs, mix, self.weights))
+        parts = ", ".join(f"{d} {m:.1%} (weight {w:.1%})" for d, m, w in zip(self.dirs, mix, self.weights, strict=True))
         return f"[data] blend token mix over steps 1-{self.step}: {parts}"
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ class BlendReader:
         return {"version": STATE_VERSION, "kind": "blend", "epoch": 0, "step": self.step, "split": self.split,
                 "batch_size": self.batch_size, "tgt_len": self.tgt_len, "roll": False, "seed": self.seed,
                 "sources": [[s.n_tokens, u.kind, u.n, float(w)] for s, u, w in zip(self.sources, self.units,
-                                                                                   self.weights)],
+                                                                                   self.weights, strict=True)],
                 "dirs": list(self.dirs), "n_tokens": self.n_tokens,
                 "vocab_sha256": self.vocab_sha256, "world_size": self.world_size, "rank": self.rank}
 

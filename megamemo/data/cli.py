@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from . import corpora
+from . import corpora, text_files
 from .shard_reader import verify_shards
 from .shards import ManifestError, ShardError, build
 
@@ -82,7 +82,7 @@ def _corpus(a) -> corpora.Corpus:
     if a.dtype or a.workers != 1:
         raise ValueError("--dtype and --workers apply to the text corpus with --tokenizer only (byte, character and "
                          "word corpora are prepared in one process)")
-    return corpora.text(a.raw, a.valid, a.test, a.vocab, a.jsonl_field, a.doc_sep, ratio)
+    return text_files.text(a.raw, a.valid, a.test, a.vocab, a.jsonl_field, a.doc_sep, ratio)
 
 
 def _stderr(msg: str) -> None:

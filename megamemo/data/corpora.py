@@ -12,20 +12,24 @@ Supported corpora (see `megamemo prepare --help`):
 * ``wikitext-103``  a directory with ``wiki.{train,valid,test}.tokens``: whitespace words, ``<eos>`` after
   every line, case kept, vocabulary from train only (``<eos>`` first, then by frequency), ``<unk>`` kept as a word.
   With ``vocab_file`` the vocabulary is read instead and train may be absent.
-* ``text``    plain-text or ``.jsonl`` files: byte-level (raw UTF-8 bytes), or words with a given vocabulary file.
-  When every file is ``.jsonl``, each record is a document (recorded in a document index); plain text is a flat
-  stream (no documents: readers cut it into chunks).
+* ``text``    plain-text or ``.jsonl`` files (megamemo/data/text_files.py): byte-level (raw UTF-8 bytes), or words
+  with a given vocabulary file. When every file is ``.jsonl``, each record is a document (recorded in a document
+  index); plain text is a flat stream (no documents: readers cut it into chunks).
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .documents import located, record_text
 from .vocab import Vocab, frequency_order
+
+if TYPE_CHECKING:
+    from .tokenizer import SubwordTokenizer
 
 SPLITS = ("train", "valid", "test")
 BLOCK_BYTES = 1 << 22
@@ -36,13 +40,13 @@ WORD_BLOCK = 1 << 20
 class Corpus:
     name: str
     mode: str
-    vocab: Vocab
+    vocab: Vocab | SubwordTokenizer
     tokenizer: dict                                       # what the manifest records about tokenisation
-    splits: dict[str, Callable[[dict], Iterator[np.ndarray]]]  # split -> f(stats) -> id blocks
+    splits: dict[str, Callable[[dict], Iterator[Any]] | None]  # split -> f(stats) -> id blocks (see documents)
     input_bytes: dict[str, int] = field(default_factory=dict)  # per split, for progress ("all": interleaved)
     source: dict = field(default_factory=dict)
     # all splits in one pass: f(stats) -> (split, ids) pairs; `splits` then only names the splits (subword.py)
-    interleaved: Callable[[dict], Iterator[tuple[str, np.ndarray]]] | None = None
+    interleaved: Callable[[dict], Iterator[tuple]] | None = None      # (split, ids) or (split, ids, counts)
     dtype: str | None = None                               # token dtype (None: the smallest that holds the vocab)
     # a corpus of documents: its streams yield (ids, token counts of the whole documents in ids) and the shards get
     # a document index (megamemo/data/doc_index.py); interleaved yields (split, ids, counts)
@@ -80,7 +84,7 @@ def _check_file(path) -> Path:
 def _count_bytes(ranges: list[tuple[Path, int, int]], drop: int | None = None) -> tuple[dict, dict]:
     """Byte counts and first-occurrence positions over ranges read in order (the Counter of XL's vocab)."""
     counts = np.zeros(256, dtype=np.int64)
-    first = {}
+    first: dict[int, int] = {}
     pos = 0
     for path, a, b in ranges:
         for _, raw in read_range(path, a, b):
@@ -88,7 +92,7 @@ def _count_bytes(ranges: list[tuple[Path, int, int]], drop: int | None = None) -
                 raw = raw[raw != drop]
             counts += np.bincount(raw, minlength=256)
             vals, idx = np.unique(raw, return_index=True)
-            for v, i in zip(vals.tolist(), idx.tolist()):
+            for v, i in zip(vals.tolist(), idx.tolist(), strict=True):
                 first.setdefault(v, pos + i)
             pos += raw.size
     return {v: int(counts[v]) for v in first}, first
@@ -181,7 +185,7 @@ def _xl_lines(path: Path) -> Iterator[tuple[int, list[str], int]]:
 
 def _word_stream(vocab: Vocab, lines: Callable[[], Iterator], where: str, documents: bool = False):
     """Blocks of ids; with `documents`, each item of `lines` is one document and blocks are (ids, lengths)."""
-    def gen(stats: dict) -> Iterator[np.ndarray]:
+    def gen(stats: dict) -> Iterator[np.ndarray | tuple[np.ndarray, list[int]]]:
         buf: list[int] = []
         lengths: list[int] = []
         for loc, words, nbytes in lines():
@@ -221,169 +225,11 @@ def wikitext103(raw: str | Path, vocab_file: str | Path | None = None) -> Corpus
         vsrc = "train only: <eos> first, then by decreasing frequency (Transformer-XL)"
     if not present:
         raise FileNotFoundError(f"wikitext-103: no wiki.{{train,valid,test}}.tokens in {d}")
-    splits = {s: _word_stream(vocab, lambda p=p: _xl_lines(p), str(p)) for s, p in present.items()}
+    splits = {s: _word_stream(vocab, functools.partial(_xl_lines, p), str(p)) for s, p in present.items()}
     tok = {"kind": "words", "split": "whitespace", "eos": "<eos> after every line", "lower_case": False,
            "unknown_words": "<unk>", "vocab": vsrc}
     return Corpus("wikitext-103", "words", vocab, tok, splits, {s: p.stat().st_size for s, p in present.items()},
                   {"files": [{"path": str(p), "bytes": p.stat().st_size} for p in present.values()]})
-
-
-# ------------------------------------------------------------------------------------------------------ text
-def _is_jsonl(p: Path) -> bool:
-    return p.suffix in (".jsonl", ".json")
-
-
-def _line_number(path: Path, offset: int) -> int:
-    """The 1-based number of the line that starts at byte `offset` of `path` (an error's location)."""
-    with open(path, "rb") as f:
-        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(min(1 << 20, offset - f.tell())) or None,
-                                                        None)) + 1
-
-
-def _check_utf8(path: Path, chunk: int = 1 << 24) -> None:
-    """A byte-level plain-text file must be UTF-8 text (docs/corpus.md): a Latin-1 file is refused naming the line
-    and column of its first bad byte, not stored as bytes no UTF-8 tokenizer or prompt gives."""
-    import codecs
-
-    decoder, line, line_start, pos = codecs.getincrementaldecoder("utf-8")(), 1, 0, 0
-    with open(path, "rb") as f:
-        while True:
-            data = f.read(chunk)
-            try:
-                decoder.decode(data, final=not data)
-            except UnicodeDecodeError as e:
-                bad = max(e.start - len(e.object) + len(data), 0)      # the bad byte in this chunk
-                line += data.count(b"\n", 0, bad)
-                nl = data.rfind(b"\n", 0, bad)
-                column = bad - nl if nl >= 0 else pos + bad - line_start + 1
-                raise located(path, line, ValueError(f"column {column}: not UTF-8 (byte 0x{data[bad]:02x}; the "
-                                                     f"corpus must be UTF-8 text)")) from None
-            if not data:
-                return
-            line += data.count(b"\n")
-            nl = data.rfind(b"\n")
-            line_start = pos + nl + 1 if nl >= 0 else line_start
-            pos += len(data)
-
-
-def _iter_lines(files: list[Path], a: int, b: int) -> Iterator[tuple[Path, int, bytes]]:
-    """Lines of the concatenated files that *start* in [a, b) of the concatenation: (file, offset, line)."""
-    base = 0
-    for p in files:
-        size = p.stat().st_size
-        lo, hi = max(a - base, 0), min(b - base, size)
-        if lo < hi:
-            with open(p, "rb") as f:
-                pos = lo
-                if lo > 0:
-                    f.seek(lo - 1)
-                    if f.read(1) != b"\n":       # lo is inside a line: that line belongs to the previous range
-                        rest = f.readline()
-                        pos = lo + len(rest)
-                while pos < hi:
-                    line = f.readline()
-                    if not line:
-                        break
-                    yield p, pos, line
-                    pos += len(line)
-        base += size
-
-
-def text(files: list[str | Path], valid: list[str | Path] | None = None, test: list[str | Path] | None = None,
-         vocab_file: str | Path | None = None, jsonl_field: str = "text", doc_sep: str = "\n",
-         ratio: tuple[int, int, int] = (90, 5, 5)) -> Corpus:
-    """Plain-text / jsonl files. Byte-level unless vocab_file is given (then XL word tokenisation with <eos>).
-
-    With valid/test files each split reads its own files; otherwise the concatenated ``files`` are split by
-    byte position in the given ratio: exactly for byte-level plain text, by whole lines otherwise (a line
-    belongs to the split in which it starts)."""
-    groups = {"train": [_check_file(p) for p in files]}
-    if valid:
-        groups["valid"] = [_check_file(p) for p in valid]
-    if test:
-        groups["test"] = [_check_file(p) for p in test]
-    vocab = Vocab.load(vocab_file, "words") if vocab_file else Vocab.identity_bytes()
-    sep = doc_sep.encode("utf-8")
-
-    def lines_of(fs, a, b):
-        def it():
-            for p, off, line in _iter_lines(fs, a, b):
-                where = f"{p} (byte {off})"
-                if _is_jsonl(p) and not line.strip():
-                    continue
-                try:
-                    s = record_text(line, jsonl_field if _is_jsonl(p) else None)
-                except ValueError as e:
-                    raise located(p, _line_number(p, off), e) from None
-                yield where, s, len(line), _is_jsonl(p)
-        return it
-
-    def byte_gen(fs, a, b, exact):
-        def gen(stats):
-            if exact:  # plain text, cut at exact byte positions of the concatenation
-                base = 0
-                for p in fs:
-                    size = p.stat().st_size
-                    lo, hi = max(a - base, 0), min(b - base, size)
-                    if lo < hi:
-                        for off, raw in read_range(p, lo, hi):
-                            stats["input_bytes"] = stats.get("input_bytes", 0) + raw.size
-                            yield raw.astype(np.int64)
-                    base += size
-                return
-            for where, s, nbytes, is_json in lines_of(fs, a, b)():
-                stats["input_bytes"] = stats.get("input_bytes", 0) + nbytes
-                data = s.encode("utf-8") + (sep if is_json else b"")
-                ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
-                yield (ids, (ids.size,)) if documents else ids
-        return gen
-
-    def word_lines(fs, a, b):
-        def it():
-            for where, s, nbytes, is_json in lines_of(fs, a, b)():
-                parts = s.split("\n") if is_json else [s]
-                if documents:                       # the record's lines, each with its <eos>: one document
-                    yield where, [w for part in parts for w in part.split() + ["<eos>"]], nbytes
-                    continue
-                for k, part in enumerate(parts):
-                    yield where, part.split() + ["<eos>"], nbytes if k == 0 else 0
-        return it
-
-    def make(fs, a, b, exact):
-        if vocab_file:
-            return _word_stream(vocab, word_lines(fs, a, b), "text", documents)
-        return byte_gen(fs, a, b, exact)
-
-    for p in {p for fs in groups.values() for p in fs if not vocab_file and not _is_jsonl(p)}:
-        _check_utf8(p)          # the other files are decoded line by line
-    sizes = {s: sum(p.stat().st_size for p in fs) for s, fs in groups.items()}
-    documents = all(_is_jsonl(p) for fs in groups.values() for p in fs)   # jsonl records: documents
-    splits, input_bytes = {}, {}
-    all_plain = not any(_is_jsonl(p) for p in groups["train"])
-    if len(groups) == 1:
-        ranges = split_points(sizes["train"], ratio)
-        exact = all_plain and not vocab_file
-        for s, (a, b) in ranges.items():
-            splits[s] = make(groups["train"], a, b, exact)
-            input_bytes[s] = b - a
-        how = f"{ratio[0]}/{ratio[1]}/{ratio[2]} of the concatenated files by byte position" + \
-              ("" if exact else " (whole lines: a line belongs to the split it starts in)")
-    else:
-        for s, fs in groups.items():
-            splits[s] = make(fs, 0, sizes[s], not vocab_file and not any(_is_jsonl(p) for p in fs))
-            input_bytes[s] = sizes[s]
-        how = "one file group per split"
-    if vocab_file:
-        tok = {"kind": "words", "split": "whitespace", "eos": "<eos> after every line", "unknown_words": "<unk>",
-               "vocab": f"file {vocab_file}"}
-    else:
-        tok = {"kind": "bytes", "vocab": "identity (id = byte value)", "jsonl_doc_separator": doc_sep}
-    if any(_is_jsonl(p) for fs in groups.values() for p in fs):
-        tok["jsonl_field"] = jsonl_field
-    src = {"files": {s: [{"path": str(p), "bytes": p.stat().st_size} for p in fs] for s, fs in groups.items()},
-           "split": how}
-    return Corpus("text", "words" if vocab_file else "bytes", vocab, tok, splits, input_bytes, src,
-                  documents=documents)
 
 
 # ---------------------------------------------------------------------------------------------------- arrays

@@ -57,19 +57,20 @@ class DocumentStartsWriter:
             return
         starts = first_token + np.concatenate(([0], np.cumsum(lengths[:-1])))
         data = starts.astype(DTYPE).tobytes()
-        self._open()
-        self._hash.write(data)
+        _, hasher = self._open()
+        hasher.write(data)
         self.n += lengths.size
 
-    def _open(self) -> None:
-        if self._f is None:
+    def _open(self) -> tuple[AtomicFile, HashingWriter]:
+        if self._f is None or self._hash is None:         # both or neither
             self._f = AtomicFile(self.path)
             self._hash = HashingWriter(self._f.file)
+        return self._f, self._hash
 
     def close(self) -> dict:
-        self._open()                              # no documents at all: an empty split (an error elsewhere)
-        self._f.commit()
-        sha256, self._f, self._hash = self._hash.hexdigest(), None, None
+        f, hasher = self._open()                  # no documents at all: an empty split (an error elsewhere)
+        f.commit()
+        sha256, self._f, self._hash = hasher.hexdigest(), None, None
         return {"file": self.name, "n_documents": self.n, "dtype": DTYPE, "bytes": 8 * self.n,
                 "sha256": sha256, "content": CONTENT}
 

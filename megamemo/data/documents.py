@@ -16,9 +16,9 @@ sends ratio[0] of them to train, ratio[1] to valid and ratio[2] to test.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 

@@ -30,14 +30,20 @@ import fcntl
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
-from megamemo.util.files import (HashingWriter, bytes_sha256, entry_mismatch, file_sha256, write_atomic,
-                                 write_bytes_atomic)
+from megamemo.util.files import (
+    HashingWriter,
+    bytes_sha256,
+    entry_mismatch,
+    file_sha256,
+    write_atomic,
+    write_bytes_atomic,
+)
 
 from .shards import MANIFEST, ManifestError, ShardError, _parse_size, load_manifest
 

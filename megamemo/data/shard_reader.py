@@ -9,17 +9,18 @@ import json
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import zstandard
 
 from megamemo.util.files import entry_mismatch, fd_sha256, file_sha256
 
-from .doc_index import DocumentIndexError, parse as parse_document_index
+from .doc_index import DocumentIndexError
+from .doc_index import parse as parse_document_index
 from .remote import RemoteOptions, RemoteShards, is_remote
-from .shards import MANIFEST, _ZERO_BLOCK, ManifestError, ShardError, chunk_key, dtype_name, load_manifest
+from .shards import _ZERO_BLOCK, MANIFEST, ManifestError, ShardError, chunk_key, dtype_name, load_manifest
 from .tokenizer import KIND as SUBWORD
 from .tokenizer import SubwordTokenizer, TokenizerError, load_recorded
 from .vocab import Vocab
@@ -28,7 +29,8 @@ from .vocab import Vocab
 def scan_tar(fd: int, size: int, shard: str | Path) -> list[tuple[str, int, int]]:
     """(name, data offset, data size) of every member, reading headers only. Unlike tarfile (which stops
     quietly at a cut-off header), a truncation anywhere is an error with the byte offset."""
-    members, pos = [], 0
+    members: list[tuple[str, int, int]] = []
+    pos = 0
     while True:
         if pos + 512 > size:
             raise ShardError(shard, f"truncated tar: the file ends at byte {size} where a header or the "
@@ -285,7 +287,7 @@ class SplitSource:
             f.close()
         self._open.clear()
         self._slots.clear()
-        if self._own_remote:
+        if self._own_remote and self.remote is not None:
             self.remote.close()
 
 
@@ -330,8 +332,8 @@ def verify_shards(data_dir: str | Path, splits: list[str] | None = None,
     try:
         m = load_manifest(root)
         vocab = load_vocab(root)
-    except (ManifestError, OSError, ValueError) as e:
-        return [str(e)]
+    except (ManifestError, OSError, ValueError) as err:
+        return [str(err)]
     problems = []
     listed = set()
     chosen = splits or list(m["splits"])
@@ -342,25 +344,9 @@ def verify_shards(data_dir: str | Path, splits: list[str] | None = None,
         dtype, ct = np.dtype(m["dtype"]), m["chunk_tokens"]
         for e in m["splits"][split]["shards"]:
             listed.add(e["name"])
-            t0 = time.time()
-            f = None
-            try:
-                f = ShardFile(root / e["name"], e, dtype, ct, check_sha=True)
-                for k in range(e["n_chunks"]):
-                    ids = f.read_chunk(k)
-                    if ids.size and int(ids.max()) >= len(vocab):
-                        raise ShardError(f.path, f"chunk at token offset {e['offset'] + k * ct}: token id "
-                                                 f"{int(ids.max())} >= vocabulary size {len(vocab)}")
-                _check_json_members(f)
-                dt = time.time() - t0
-                log(f"ok   {e['name']}: {e['n_tokens']:,} tokens, {e['n_chunks']} chunks, "
-                    f"{e['bytes'] / 2**20 / max(dt, 1e-9):.0f} MiB/s")
-            except ShardError as err:
-                problems.append(str(err))
-                log(f"FAIL {err}")
-            finally:
-                if f is not None:
-                    f.close()
+            problem = _verify_shard(root, e, dtype, ct, len(vocab), log)
+            if problem is not None:
+                problems.append(problem)
         d = m["splits"][split].get("documents")
         if d is not None:
             listed.add(d["file"])
@@ -381,6 +367,30 @@ def verify_shards(data_dir: str | Path, splits: list[str] | None = None,
             if p.name not in listed:
                 log(f"note {p.name}: not listed in manifest.json (ignored by readers)")
     return problems
+
+
+def _verify_shard(root: Path, e: dict, dtype, ct: int, n_vocab: int, log: Callable[[str], None]) -> str | None:
+    """One listed shard read whole and checked (verify_shards) -> its problem, or None when it is sound."""
+    t0 = time.time()
+    f = None
+    try:
+        f = ShardFile(root / e["name"], e, dtype, ct, check_sha=True)
+        for k in range(e["n_chunks"]):
+            ids = f.read_chunk(k)
+            if ids.size and int(ids.max()) >= n_vocab:
+                raise ShardError(f.path, f"chunk at token offset {e['offset'] + k * ct}: token id "
+                                         f"{int(ids.max())} >= vocabulary size {n_vocab}")
+        _check_json_members(f)
+        dt = time.time() - t0
+        log(f"ok   {e['name']}: {e['n_tokens']:,} tokens, {e['n_chunks']} chunks, "
+            f"{e['bytes'] / 2**20 / max(dt, 1e-9):.0f} MiB/s")
+        return None
+    except ShardError as err:
+        log(f"FAIL {err}")
+        return str(err)
+    finally:
+        if f is not None:
+            f.close()
 
 
 def _check_json_members(f: ShardFile) -> None:

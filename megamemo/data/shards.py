@@ -9,22 +9,24 @@ so a token offset maps to (shard, chunk) from the manifest alone. Everything rea
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import numpy as np
 import webdataset as wds
 import zstandard
 
-from megamemo.util.progress import Progress
 from megamemo.util.files import AtomicFile, HashingWriter, write_text_atomic
+from megamemo.util.progress import Progress
 
 from .corpora import Corpus
 from .doc_index import DocumentStartsWriter, check_entry
-from .tokenizer import KIND as SUBWORD
+from .tokenizer import SubwordTokenizer
 
 FORMAT = "megamemo-shards"
 FORMAT_VERSION = 1
@@ -84,7 +86,10 @@ class SplitWriter:
         self.fill = 0
         self.n_tokens = 0           # tokens emitted into chunks so far
         self.shards: list[dict] = []
-        self._tar = self._file = self._hash = None
+        # the shard being written, all three or none: its file, the hash of its bytes, the tar writer over them
+        self._file: AtomicFile | None = None
+        self._hash: HashingWriter | None = None
+        self._tar: Any = None
         self.docs = DocumentStartsWriter(out_dir, split) if documents else None
 
     def write(self, ids: np.ndarray, doc_lengths=None) -> None:
@@ -121,28 +126,35 @@ class SplitWriter:
         self._tar = wds.TarWriter(self._hash, mtime=0)   # fixed mtime: same input, same shard bytes
         self.shards.append({"name": name, "offset": self.n_tokens, "n_tokens": 0, "n_chunks": 0})
 
-    def _emit(self):
+    def _open(self) -> tuple[AtomicFile, HashingWriter, Any]:
+        """The shard being written (opened first when none is)."""
         if self._tar is None:
             self._open_shard()
+        assert self._file is not None and self._hash is not None
+        return self._file, self._hash, self._tar
+
+    def _emit(self):
+        _, hasher, tar = self._open()
         n = self.fill
         arr = self.buf[:n]
         payload = self.cctx.compress(arr.tobytes())
         meta = json.dumps({"offset": self.n_tokens, "n_tokens": n, "dtype": dtype_name(self.dtype)}).encode()
-        self._tar.write({"__key__": chunk_key(self.n_tokens), "json": meta, "tokens.zst": payload})
+        tar.write({"__key__": chunk_key(self.n_tokens), "json": meta, "tokens.zst": payload})
         entry = self.shards[-1]
         entry["n_tokens"] += n
         entry["n_chunks"] += 1
         self.n_tokens += n
         self.fill = 0
-        if self._hash.n >= self.shard_bytes:
+        if hasher.n >= self.shard_bytes:
             self._close_shard()
 
     def _close_shard(self):
-        self._tar.close()
+        file, hasher, tar = self._open()
+        tar.close()
         entry = self.shards[-1]
-        entry["bytes"] = self._hash.n
-        entry["sha256"] = self._hash.hexdigest()
-        self._file.commit()
+        entry["bytes"] = hasher.n
+        entry["sha256"] = hasher.hexdigest()
+        file.commit()
         self._tar = self._file = self._hash = None
 
     def close(self) -> dict:
@@ -196,13 +208,14 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     dtype = dtype_name(corpus.dtype or vocab.dtype)
     if len(vocab) - 1 > np.iinfo(np.dtype(dtype)).max:
         raise ValueError(f"a vocabulary of {len(vocab)} symbols does not fit the token dtype {dtype}")
-    if vocab.kind == SUBWORD:            # the tokenizer file itself (tokenizer.json / tokenizer.model)
+    if isinstance(vocab, SubwordTokenizer):     # subword: the tokenizer file itself (tokenizer.json or .model)
         vocab_file, vocab_sha = vocab.save(out).name, vocab.sha256
     else:
         vocab_file, vocab_sha = VOCAB_FILE, vocab.save(out / VOCAB_FILE)
     log(f"[prepare] {corpus.name} ({corpus.mode}): vocabulary of {len(vocab)} symbols, tokens as {dtype}, "
         f"chunks of {chunk_tokens} tokens, shards of ~{shard_bytes / 2**20:.0f} MiB -> {out}")
-    splits, written = {}, [out / vocab_file]
+    splits: dict[str, dict] = {}
+    written = [out / vocab_file]
     t_start = time.time()
     try:
         _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar,
@@ -299,7 +312,7 @@ def _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zst
         splits[split] = info
     dt = max(time.time() - t0, 1e-9)
     mib = stats.get("input_bytes", 0) / 2**20
-    log(f"[prepare] " + ", ".join(f"{s} {i['n_tokens']:,} tokens ({i.get('n_documents', 0):,} documents, "
+    log("[prepare] " + ", ".join(f"{s} {i['n_tokens']:,} tokens ({i.get('n_documents', 0):,} documents, "
                                   f"{i.get('n_bytes', 0):,} bytes)" for s, i in splits.items())
         + f"; {mib:.1f} MiB of input in {dt:.1f}s = {mib / dt:.2f} MiB/s")
 
@@ -343,14 +356,7 @@ def load_manifest(data_dir: str | Path) -> dict:
     except (OSError, ValueError) as e:
         raise ManifestError(f"{path}: unreadable: {e}") from None
 
-    def need(obj, key, typ, where):
-        if not isinstance(obj, dict) or key not in obj:
-            raise ManifestError(f"{path}: missing field {where}{key}")
-        v = obj[key]
-        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            raise ManifestError(f"{path}: field {where}{key} has type {type(v).__name__}, expected {typ.__name__}")
-        return v
-
+    need = functools.partial(_need, path)
     if need(m, "format", str, "") != FORMAT:
         raise ManifestError(f"{path}: field format is {m['format']!r}, expected {FORMAT!r}")
     if need(m, "format_version", int, "") != FORMAT_VERSION:
@@ -369,29 +375,45 @@ def load_manifest(data_dir: str | Path) -> dict:
     if vsize - 1 > np.iinfo(np.dtype(m["dtype"])).max:
         raise ManifestError(f"{path}: vocab.size {vsize} does not fit dtype {m['dtype']}")
     for split, sp in need(m, "splits", dict, "").items():
-        w = f"splits.{split}."
-        n = need(sp, "n_tokens", int, w)
-        pos = 0
-        for i, s in enumerate(need(sp, "shards", list, w)):
-            ws = f"{w}shards[{i}]."
-            name = need(s, "name", str, ws)
-            if "/" in name or name.startswith("."):
-                raise ManifestError(f"{path}: field {ws}name {name!r} is not a plain file name")
-            off, cnt = need(s, "offset", int, ws), need(s, "n_tokens", int, ws)
-            nch = need(s, "n_chunks", int, ws)
-            need(s, "bytes", int, ws)
-            need(s, "sha256", str, ws)
-            if off != pos:
-                raise ManifestError(f"{path}: field {ws}offset is {off}, but the previous shards end at token {pos}")
-            if cnt < 1 or nch != -(-cnt // ct) or (off % ct):
-                raise ManifestError(f"{path}: shard {name}: {cnt} tokens in {nch} chunks at offset {off} do not "
-                                    f"fit chunks of {ct} tokens (fields {ws}n_tokens / n_chunks / offset)")
-            if cnt % ct and pos + cnt != n:
-                raise ManifestError(f"{path}: shard {name} ends with a short chunk but is not the last of {split}")
-            pos += cnt
-        if pos != n:
-            raise ManifestError(f"{path}: field {w}n_tokens is {n} but its shards hold {pos} tokens")
-        if "documents" in sp and (problem := check_entry(sp["documents"], split, sp.get("n_documents"))):
-            raise ManifestError(f"{path}: {problem}")
+        _check_split(path, split, sp, ct)
     return m
+
+
+def _need(path: Path, obj, key: str, typ: type, where: str):
+    """obj[key], which manifest.json must hold with type `typ` (`where`: the field's path, for the error)."""
+    if not isinstance(obj, dict) or key not in obj:
+        raise ManifestError(f"{path}: missing field {where}{key}")
+    v = obj[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise ManifestError(f"{path}: field {where}{key} has type {type(v).__name__}, expected {typ.__name__}")
+    return v
+
+
+def _check_split(path: Path, split: str, sp, ct: int) -> None:
+    """One split of the manifest: its fields, and that its shards tile its tokens in chunks of `ct`."""
+    need = functools.partial(_need, path)
+    w = f"splits.{split}."
+    n = need(sp, "n_tokens", int, w)
+    pos = 0
+    for i, s in enumerate(need(sp, "shards", list, w)):
+        ws = f"{w}shards[{i}]."
+        name = need(s, "name", str, ws)
+        if "/" in name or name.startswith("."):
+            raise ManifestError(f"{path}: field {ws}name {name!r} is not a plain file name")
+        off, cnt = need(s, "offset", int, ws), need(s, "n_tokens", int, ws)
+        nch = need(s, "n_chunks", int, ws)
+        need(s, "bytes", int, ws)
+        need(s, "sha256", str, ws)
+        if off != pos:
+            raise ManifestError(f"{path}: field {ws}offset is {off}, but the previous shards end at token {pos}")
+        if cnt < 1 or nch != -(-cnt // ct) or (off % ct):
+            raise ManifestError(f"{path}: shard {name}: {cnt} tokens in {nch} chunks at offset {off} do not "
+                                f"fit chunks of {ct} tokens (fields {ws}n_tokens / n_chunks / offset)")
+        if cnt % ct and pos + cnt != n:
+            raise ManifestError(f"{path}: shard {name} ends with a short chunk but is not the last of {split}")
+        pos += cnt
+    if pos != n:
+        raise ManifestError(f"{path}: field {w}n_tokens is {n} but its shards hold {pos} tokens")
+    if "documents" in sp and (problem := check_entry(sp["documents"], split, sp.get("n_documents"))):
+        raise ManifestError(f"{path}: {problem}")
 

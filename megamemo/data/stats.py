@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from .shard_reader import load_vocab, read_split
-from .shards import load_manifest
 from megamemo.util.units import bits_per_byte
 
-from .vocab import per_token
+from .shard_reader import load_vocab, read_split
+from .shards import load_manifest
+from .vocab import Vocab, per_token
 
 
 def _counts(ids, n_symbols: int) -> np.ndarray:
@@ -65,7 +66,7 @@ def unigram_baseline(data_dir: str | Path, split: str = "test", fit: str = "trai
     'unit'} for a shard directory made by `megamemo prepare`."""
     n = len(load_vocab(data_dir))
     ids, fit_ids = read_split(data_dir, split), read_split(data_dir, fit)
-    out = {"split": split, "fit": fit, "smoothing": "add-one", "bits": unigram_bits(fit_ids, ids, n),
+    out: dict[str, Any] = {"split": split, "fit": fit, "smoothing": "add-one", "bits": unigram_bits(fit_ids, ids, n),
            "self_entropy": entropy_bits(ids, n), "tokens": int(ids.size), "fit_tokens": int(fit_ids.size),
            "unit": unit(data_dir)}
     n_bytes = load_manifest(data_dir)["splits"][split].get("n_bytes")
@@ -78,7 +79,7 @@ def excerpt(data_dir: str | Path, split: str = "test", start: int = 0, n_tokens:
     """Raw bytes of `n_tokens` tokens of a byte/char split, from the first line start at or after `start` (or from
     `start` itself where no line starts with n_tokens after it); `start` is clamped to the split's last n_tokens."""
     vocab = load_vocab(data_dir)
-    if vocab.kind not in ("bytes", "chars"):
+    if not isinstance(vocab, Vocab) or vocab.kind not in ("bytes", "chars"):
         raise ValueError(f"excerpt: a {vocab.kind!r} vocabulary has no raw bytes (byte/char corpora only)")
     ids = read_split(data_dir, split)
     table = np.array([vocab.symbol_byte(s) for s in vocab.symbols], dtype=np.uint8)

@@ -89,7 +89,7 @@ class StreamReader:
         self.vocab_sha256 = self.manifest["vocab"].get("sha256", "")
         self.epoch, self.step = 0, 0                       # position of the next batch to yield
         self._buf = np.empty((self.local_batch, self.block_rows + 1), dtype=self.source.dtype)
-        self._block = None                                 # (epoch, first row, end row) held in _buf
+        self._block: tuple[int, int, int] | None = None    # (epoch, first row, end row) held in _buf
         self._shifts: tuple[int, np.ndarray] | None = None
         self._gen = 0
         self._producer: tuple[threading.Thread, threading.Event] | None = None
@@ -151,9 +151,10 @@ class StreamReader:
         """The batch at (epoch, step) without moving the reader's position."""
         if not 0 <= step < self.steps_per_epoch or epoch < 0:
             raise IndexError(f"step {step} of epoch {epoch} is outside [0, {self.steps_per_epoch})")
-        if not self._in_block(self._block, epoch, step):
-            self._block = self._fill(self._buf, epoch, step * self.tgt_len)
-        return self._slice(self._buf, self._block[1], step)
+        block = self._block
+        if block is None or not self._in_block(block, epoch, step):
+            block = self._block = self._fill(self._buf, epoch, step * self.tgt_len)
+        return self._slice(self._buf, block[1], step)
 
     # ---- iteration --------------------------------------------------------------------------------------
     def _next_pos(self, epoch: int, step: int) -> tuple[int, int]:
@@ -230,6 +231,7 @@ class StreamReader:
                     if isinstance(item, BaseException):
                         raise item
                     block, buf = item
+                assert block is not None and buf is not None        # the while ran until a block came
                 self._stale(gen)
                 inp, tgt = self._slice(buf, block[1], k)
                 self.epoch, self.step = self._next_pos(e, k)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -28,6 +28,7 @@ def encode_block(tok: SubwordTokenizer, block: tuple) -> tuple[np.ndarray, np.nd
     """(tokens per document incl. its end-of-document token, all ids as uint32, UTF-8 bytes per document)."""
     texts = parse_block(block)
     eod = tok.eod_id
+    assert eod is not None                      # prepare checked it (require_eod)
     flat: list[int] = []
     lengths = np.empty(len(texts), dtype=np.int64)
     for k, ids in enumerate(tok.encode_batch(texts)):
@@ -45,6 +46,7 @@ def _init_worker(library: str, data: bytes) -> None:
 
 
 def _encode_in_worker(block: tuple):
+    assert _WORKER_TOK is not None, "the worker's initializer loads the tokenizer"
     return encode_block(_WORKER_TOK, block)
 
 
@@ -93,12 +95,14 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
 
     how, arg = parse_spec(tokenizer)
     if how == "bpe":
+        assert isinstance(arg, int)
         train_srcs, split = plans[0]
         (log or (lambda m: None))(f"[prepare] training a byte-level BPE of {arg} symbols on the train split")
         tok = train_bpe(_train_texts(train_srcs, field, split, all_files), arg)
         if tok.vocab_size < arg:            # a warning: said under --quiet too
             print(saturated(tok.vocab_size, arg), file=sys.stderr, flush=True)
     else:
+        assert isinstance(arg, str)
         tok = SubwordTokenizer.from_file(arg)
     tok.require_eod()
     if dtype is not None:
@@ -107,7 +111,7 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
             raise ValueError(f"tokenizer {tok.where}: a vocabulary of {tok.vocab_size} symbols does not fit the "
                              f"token dtype {dtype} (ids up to {limit})")
 
-    def interleaved(stats: dict) -> Iterator[tuple[str, np.ndarray]]:
+    def interleaved(stats: dict) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
         per = stats.setdefault("splits", {s: {"n_bytes": 0, "n_documents": 0} for s in names})
         for srcs, split in plans:
             doc = 0
@@ -146,7 +150,7 @@ def _train_texts(srcs, field: str, split: DocumentSplit, files) -> Iterator[str]
         texts = parse_block(block)
         which = split.assign(doc, len(texts))
         doc += len(texts)
-        for t, w in zip(texts, which):
+        for t, w in zip(texts, which, strict=True):
             if w == 0:
                 yield t
     if doc == 0:

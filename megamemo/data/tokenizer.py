@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class SubwordTokenizer:
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str | Path, origin: str | None = None) -> "SubwordTokenizer":
+    def from_file(cls, path: str | Path, origin: str | None = None) -> SubwordTokenizer:
         p = Path(path)
         try:
             data = p.read_bytes()
@@ -95,7 +96,8 @@ class SubwordTokenizer:
                               origin if origin is not None else f"given {p.name}")
 
     @classmethod
-    def from_bytes(cls, data: bytes, library: str, where: str, origin: str = "") -> "SubwordTokenizer":
+    def from_bytes(cls, data: bytes, library: str, where: str, origin: str = "") -> SubwordTokenizer:
+        impl: Any                                   # a tokenizers.Tokenizer or a SentencePieceProcessor
         if library == "tokenizers":
             from tokenizers import Tokenizer
             try:

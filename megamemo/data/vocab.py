@@ -74,16 +74,16 @@ class Vocab:
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
-    def identity_bytes(cls) -> "Vocab":
+    def identity_bytes(cls) -> Vocab:
         """Token id == byte value, 256 symbols."""
         return cls("bytes", [str(b) for b in range(256)])
 
     @classmethod
-    def text8_alphabet(cls) -> "Vocab":
+    def text8_alphabet(cls) -> Vocab:
         return cls("chars", list(TEXT8_ALPHABET))
 
     @classmethod
-    def load(cls, path: str | Path, kind: str) -> "Vocab":
+    def load(cls, path: str | Path, kind: str) -> Vocab:
         """Read one symbol per line (first whitespace-separated field, as Transformer-XL does)."""
         symbols = []
         with open(path, encoding="utf-8") as f:
@@ -176,7 +176,8 @@ class Vocab:
         """Text of a sequence of ids (bytes are decoded as UTF-8 with replacement)."""
         ids = [int(i) for i in ids]
         if self.kind == "words":  # <eos> ends a line
-            lines, words = [], []
+            lines: list[str] = []
+            words: list[str] = []
             for i in ids:
                 if self.symbols[i] == "<eos>":
                     lines.append(" ".join(words) + "\n")

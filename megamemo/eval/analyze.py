@@ -26,7 +26,8 @@ from megamemo.model.trams import forward as inspect_forward
 
 
 class Recorder:
-    """Observer for megamemo.model.trams.forward: accumulates attention-by-distance and alpha for full-memory segments."""
+    """Observer for megamemo.model.trams.forward: accumulates attention-by-distance and alpha for full-memory
+    segments."""
 
     def __init__(self, n_layer: int, tgt_len: int, mem_len: int):
         self.n_layer, self.L, self.M = n_layer, tgt_len, mem_len
@@ -62,14 +63,14 @@ class Recorder:
 
     def result(self) -> dict:
         att = (self.att_sum / self.att_cnt.clamp(min=1)).tolist()
-        out = {"attention_by_distance": {f"layer_{l}": att[l] for l in range(self.n_layer)},
-               "memory_mass": {f"layer_{l}": float(self.mem_mass[l] / max(float(self.queries[l]), 1.0))
-                               for l in range(self.n_layer)}}
+        out = {"attention_by_distance": {f"layer_{li}": att[li] for li in range(self.n_layer)},
+               "memory_mass": {f"layer_{li}": float(self.mem_mass[li] / max(float(self.queries[li]), 1.0))
+                               for li in range(self.n_layer)}}
         mean = (self.att_sum.sum(0) / self.att_cnt.sum(0).clamp(min=1)).tolist()
         out["attention_by_distance"]["mean"] = mean
         if float(self.alpha_cnt.sum()) > 0:
             alpha = (self.alpha_sum / self.alpha_cnt.clamp(min=1)[:, None]).tolist()
-            out["alpha"] = {f"layer_{l}": alpha[l] for l in range(self.n_layer)}
+            out["alpha"] = {f"layer_{li}": alpha[li] for li in range(self.n_layer)}
         return out
 
 
@@ -137,7 +138,7 @@ def plot_alpha(results: list[dict], path: Path) -> None:
     plt = _plt()
     lam = [r for r in results if "alpha" in r]
     fig, axes = plt.subplots(1, len(lam), figsize=(5.5 * len(lam), 4), squeeze=False)
-    for ax, r in zip(axes[0], lam):
+    for ax, r in zip(axes[0], lam, strict=True):
         for name, vals in r["alpha"].items():
             ax.plot(range(len(vals)), vals, label=name.replace("_", " "))
         ax.set_xlabel("memory index (0 = oldest row)")

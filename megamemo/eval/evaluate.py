@@ -9,14 +9,14 @@ at any lengths, with TRAMS.
 CKPT is a single-device checkpoint directory (megamemo/checkpoint/single.py) or a training run / checkpoint
 directory (converted in memory, see `megamemo convert`); --ckpt may be repeated to compare models.
 
-The loop is the reference `evaluate()` (spec §4.3; megamemo/model/scoring.py evaluate): B contiguous columns (the training layout with one rank),
-memory carried down each column from empty, and the exact per-token mean NLL in nats over the split. bpc = nll /
-ln 2 for byte/character corpora, ppl = exp(nll) for word-level and subword ones (from the shard manifest's
-tokenizer); subword ones also bits_per_byte = the scored tokens' total NLL in bits / the UTF-8 bytes they stand for
-(the unit lm-evaluation-harness reports, comparable across tokenizers). A checkpoint that records a subword
-tokenizer is not scored on data made with another one.
-Defaults are the checkpoint's training lengths and batch 10 (the Transformer-XL scripts' eval batch); the score
-depends on B because the first token of every column is never predicted.
+The loop is the reference `evaluate()` (spec §4.3; megamemo/model/scoring.py evaluate): B contiguous columns (the
+training layout with one rank), memory carried down each column from empty, and the exact per-token mean NLL in nats
+over the split. bpc = nll / ln 2 for byte/character corpora, ppl = exp(nll) for word-level and subword ones (from the
+shard manifest's tokenizer); subword ones also bits_per_byte = the scored tokens' total NLL in bits / the UTF-8 bytes
+they stand for (the unit lm-evaluation-harness reports, comparable across tokenizers). A checkpoint that records a
+subword tokenizer is not scored on data made with another one. Defaults are the checkpoint's training lengths and batch
+10 (the Transformer-XL scripts' eval batch); the score depends on B because the first token of every column is never
+predicted.
 
 TRAMS: --mem-len is the pool (the cache), the current tokens attend to the newest --trams-recent rows plus the
 --trams-topk best older rows (see megamemo/model/trams.py). The TRAMS paper's setting is mem 400, topk 50, recent 150.
@@ -58,7 +58,7 @@ def check_tokenizer(meta: dict, manifest: dict, ckpt, data_dir) -> None:
     """A checkpoint trained on one subword tokenizer is not scored or sampled with another: one line naming both."""
     from megamemo.data.tokenizer import same_tokenizer
 
-    mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer")
+    mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer") or {}     # a manifest without one: bytes
     if mine and not same_tokenizer(mine, theirs):
         raise ValueError(f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
                          f" differs from the one checkpoint {ckpt} was trained with ({mine.get('kind')}, sha256 "
@@ -70,8 +70,11 @@ def token_bytes_of(data_dir, manifest: dict):
     if (manifest.get("tokenizer") or {}).get("kind") != "subword":
         return None
     from megamemo.data import load_vocab
+    from megamemo.data.tokenizer import SubwordTokenizer
 
-    return torch.from_numpy(load_vocab(data_dir).token_bytes())
+    vocab = load_vocab(data_dir)
+    assert isinstance(vocab, SubwordTokenizer)      # the manifest records a subword tokenizer
+    return torch.from_numpy(vocab.token_bytes())
 
 
 def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):

@@ -16,17 +16,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megamemo.model.generation import default_mem_len, generate, nucleus_probs
+
+if TYPE_CHECKING:
+    from megamemo.data.tokenizer import SubwordTokenizer
+    from megamemo.data.vocab import Vocab
 
 
 @dataclass
 class Continuation:
     """A checked request, ready to run: the model, the vocabulary, the encoded prompt, the starting memory."""
     model: torch.nn.Module
-    vocab: object
+    vocab: Vocab | SubwordTokenizer
     prompt: list[int]
     memory: object = None
 

@@ -12,11 +12,12 @@ the tokens trained so far (summed over the applied steps) on the x axis instead 
 the legend.
 
 The metric is bpc for byte/character corpora and perplexity for word-level and subword ones (log scale), as
-training logs it (subword runs, whose records carry bits_per_byte, get a second panel of bits per byte beside it): from the shard manifest of config.yaml's data.dir when that directory exists (relative paths are read from
-the current directory), else from config.yaml's vocabulary size (<= 256 symbols: bytes or characters), else
-from the records (a last loss above 2 nats per token is a word-level run). --metric overrides; runs that
-disagree need it. Output: --out, default RUN_DIR/metrics.png for one run, ./metrics.png for several.
-Exit codes: 0 written; 2 a missing, empty or malformed metrics.jsonl (the message names the file and line).
+training logs it (subword runs, whose records carry bits_per_byte, get a second panel of bits per byte beside it): from
+the shard manifest of config.yaml's data.dir when that directory exists (relative paths are read from the current
+directory), else from config.yaml's vocabulary size (<= 256 symbols: bytes or characters), else from the records (a last
+loss above 2 nats per token is a word-level run). --metric overrides; runs that disagree need it. Output: --out, default
+RUN_DIR/metrics.png for one run, ./metrics.png for several. Exit codes: 0 written; 2 a missing, empty or malformed
+metrics.jsonl (the message names the file and line).
 """
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
     panels = [metric] + (["bits_per_byte"] if metric == "ppl" and has_bits_per_byte(runs) else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(9 * len(panels), 5.5), squeeze=False)
     drawn: dict = {}
-    for k, (ax, m) in enumerate(zip(axes[0], panels)):
+    for k, (ax, m) in enumerate(zip(axes[0], panels, strict=True)):
         _draw(ax, runs, x, m, drawn if k == 0 else {}, plt, blended_transform_factory)
     fig.tight_layout()
     return fig, drawn

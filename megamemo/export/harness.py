@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from lm_eval.api.model import LM
@@ -92,9 +93,14 @@ class MegamemoLM(LM):
         L = self.model.cfg.tgt_len
         batches = ((t[s:s + n, None], t[s + 1:s + 1 + n, None])
                    for s in range(0, t.numel() - 1, L) for n in [min(L, t.numel() - 1 - s)])
-        nll, hit = [], []
-        evaluate(self.model, batches, mem_len=self.mem_len, device=self._device,
-                 on_segment=lambda n, h: (nll.append(n[:, 0].double().cpu()), hit.append(h[:, 0].cpu())))
+        nll: list[torch.Tensor] = []
+        hit: list[torch.Tensor] = []
+
+        def on_segment(n, h) -> None:
+            nll.append(n[:, 0].double().cpu())
+            hit.append(h[:, 0].cpu())
+
+        evaluate(self.model, batches, mem_len=self.mem_len, device=self._device, on_segment=on_segment)
         if not nll:
             return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
         return torch.cat(nll), torch.cat(hit)
@@ -169,10 +175,10 @@ def text_task(docs: list[dict]):
 
 
 def run_harness(ckpt, files: list[str], device=None, mem_len=None) -> dict:
+    import logging
+
     import lm_eval
     from lm_eval.evaluator import evaluate as lm_eval_evaluate
-
-    import logging
 
     docs = read_texts(files)
     lm = MegamemoLM(ckpt, device=device, mem_len=mem_len)
@@ -180,7 +186,7 @@ def run_harness(ckpt, files: list[str], device=None, mem_len=None) -> dict:
     # lm-eval's own evaluation of the task, without simple_evaluate's index of every installed task (20 s of YAML)
     res = lm_eval_evaluate(lm=lm, task_dict={"tasks": {TASK: text_task(docs)}, "groups": {}, "group_map": {}},
                            bootstrap_iters=0, log_samples=False)["results"][TASK]
-    out = {m: float(res[f"{m},none"]) for m in METRICS}
+    out: dict[str, Any] = {m: float(res[f"{m},none"]) for m in METRICS}
     out.update({"ckpt": str(ckpt), "files": [d["path"] for d in docs], "variant": lm.model.cfg.variant,
                 "tgt_len": lm.model.cfg.tgt_len, "mem_len": lm.mem_len, "lm_eval": lm_eval.__version__,
                 "bytes": sum(len(d["text"].encode("utf-8")) for d in docs)})

@@ -95,8 +95,8 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
     from transformers import PreTrainedTokenizerFast
 
-    from megamemo.util.files import entry_mismatch, file_sha256
     from megamemo.interop.vocabulary import vocab_for
+    from megamemo.util.files import entry_mismatch, file_sha256
 
     rec = meta.get("tokenizer") or {}
     if isinstance(rec, dict) and rec.get("file") and not data:
@@ -120,7 +120,7 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     except ValueError as e:
         raise ExportError(f"{dirs[0]}: {e}") from None
     tok = byte_tokenizer(vocab) if vocab.kind in ("bytes", "chars") else word_tokenizer(vocab)
-    specials = {"unk_token": "<unk>"} if vocab.kind == "words" and "<unk>" in vocab.sym2idx else {}
+    specials: dict[str, object] = {"unk_token": "<unk>"} if vocab.kind == "words" and "<unk>" in vocab.sym2idx else {}
     start = start_tokens(vocab)
     # split_special_tokens: the text's own "Ċ" (U+010A) stays its two UTF-8 bytes, not the newline BOS it spells
     specials.update(start, split_special_tokens=bool(start))

@@ -35,8 +35,8 @@ from megamemo.checkpoint.probe_replay import ProbeError
 from megamemo.checkpoint.single import model_from_state_dict, write_config, write_streaming
 from megamemo.checkpoint.store import MARKER, tag_for
 from megamemo.util.files import atomic_directory
-from megamemo.util.progress import Progress
 from megamemo.util.precision import torch_dtype
+from megamemo.util.progress import Progress
 
 from .load import Checkpoint, ConvertError, is_single, resolve_committed
 from .vocabulary import copy_tokenizer, data_meta, run_data_meta
@@ -87,7 +87,7 @@ def _write_single(c: Checkpoint, tmp: Path, meta: dict, dtype: str, data, memory
     total = sum(math.prod(shape) for _, _, shape in specs)
     with Progress("[convert] to-single", total=total, unit="param", scale=True, every=progress_every,
                   log=log,
-                  line=lambda q: f"[convert] {q.n / 1e6:,.1f}M of {q.total / 1e6:,.1f}M parameters written, "
+                  line=lambda q: f"[convert] {q.n / 1e6:,.1f}M of {(q.total or 0) / 1e6:,.1f}M parameters written, "
                                  f"{q.info.get('tensor', '')}") as progress:
         def produce(k):
             t = c.weight(k).to(torch_dtype(dtype))
@@ -96,7 +96,7 @@ def _write_single(c: Checkpoint, tmp: Path, meta: dict, dtype: str, data, memory
         write_streaming(tmp / "model.safetensors", specs, produce)
     if memory:
         mem = c.memory()
-        if mem is None:
+        if mem is None or mem.batch_size is None:
             raise ConvertError(f"--memory {memory}: {c.dir} holds no memory (saved at the start of an epoch)")
         cols = parse_columns(memory, mem.batch_size)
         from safetensors.torch import save_file

@@ -17,8 +17,12 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
     """A thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device checkpoint. FILE is either a
     dict with `state_dict` and `config` (the constructor's keyword arguments; ../shared/reference's format, whose
     `inputs`/`targets`/`nll` are then replayed as a check) or a bare state_dict with --config JSON."""
-    from megamemo.interop.reference import (ReferenceFormatError, config_from_reference, import_reference,
-                                            load_weights_only)
+    from megamemo.interop.reference import (
+        ReferenceFormatError,
+        config_from_reference,
+        import_reference,
+        load_weights_only,
+    )
 
     src, out = Path(path), Path(out)
     if out.exists():
@@ -58,7 +62,7 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
             want = g["nll"][scores.segments - 1]
             worst = max(worst, float((nll.float() - want.float()).abs().max()))
 
-        score_segments(model, zip(g["inputs"], g["targets"]), on_segment=compare,
+        score_segments(model, zip(g["inputs"], g["targets"], strict=True), on_segment=compare,
                        max_segments=len(g["nll"]))
         if worst > 1e-5:
             raise ReferenceImportError(f"{src}: the imported model's NLL differs from the file's reference NLL by "

@@ -20,8 +20,7 @@ import torch
 from megamemo.checkpoint.index import open_reader
 from megamemo.checkpoint.pieces import PieceError, ShardedReader
 from megamemo.checkpoint.probe_replay import check_probe, read_probe
-from megamemo.checkpoint.single import (FORMAT, SingleCheckpointError, load_single, model_from_state_dict,
-                                        read_config)
+from megamemo.checkpoint.single import FORMAT, SingleCheckpointError, load_single, model_from_state_dict, read_config
 from megamemo.checkpoint.state import rank_files
 from megamemo.checkpoint.store import MARKER, CheckpointError, newest_complete, step_of, verify
 from megamemo.model import Memory, MemTransformerLM, ModelConfig

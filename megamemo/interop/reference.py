@@ -12,6 +12,7 @@ Anything else unexpected (an unknown key, an unsupported attn_type or option) is
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -87,23 +88,39 @@ def convert_state_dict(sd: dict, cfg: ModelConfig) -> dict:
         sd.pop(k)
     for name in ("r_w_bias", "r_r_bias") + (("r_r_bias_future",) if cfg.future_bias else ()):
         out[name] = take(name)
-    for l in range(cfg.n_layer):
-        a, m = f"layers.{l}.dec_attn", f"layers.{l}"
-        if f"{a}.qkv_net.weight" in sd:
-            out[f"{m}.attn.qkv.weight"] = take(f"{a}.qkv_net.weight")
-        else:
-            out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.q_net.weight"), take(f"{a}.kv_net.weight")], 0)
-        for p in ("r_net.weight", "o_net.weight", "layer_norm.weight", "layer_norm.bias"):
-            out[f"{m}.attn.{p}"] = take(f"{a}.{p}")
-        for src, dst in (("CoreNet.0", "fc1"), ("CoreNet.3", "fc2"), ("layer_norm", "layer_norm")):
-            for p in ("weight", "bias"):
-                out[f"{m}.ff.{dst}.{p}"] = take(f"{m}.pos_ff.{src}.{p}")
+    for li in range(cfg.n_layer):
+        _take_layer(take, sd, li, out)
     n_parts = len(cfg.cutoffs) + 1
     n_tables = 1 if cfg.div_val == 1 else n_parts
     for i in range(n_tables):
         out[f"word_emb.emb_layers.{i}.weight"] = take(f"word_emb.emb_layers.{i}.weight")
     for k in [k for k in sd if re.fullmatch(r"word_emb\.emb_projs\.\d+", k)]:
         out[k] = sd.pop(k)
+    _take_output(take, sd, cfg, out)
+    if sd:
+        raise ReferenceFormatError(f"reference state_dict: unexpected keys {sorted(sd)}")
+    return out
+
+
+def _take_layer(take: Callable[[str], torch.Tensor], sd: dict, li: int, out: dict) -> None:
+    """Layer li's weights, reference names -> megamemo's (a fused qkv_net, or q_net and kv_net joined)."""
+    a, m = f"layers.{li}.dec_attn", f"layers.{li}"
+    if f"{a}.qkv_net.weight" in sd:
+        out[f"{m}.attn.qkv.weight"] = take(f"{a}.qkv_net.weight")
+    else:
+        out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.q_net.weight"), take(f"{a}.kv_net.weight")], 0)
+    for p in ("r_net.weight", "o_net.weight", "layer_norm.weight", "layer_norm.bias"):
+        out[f"{m}.attn.{p}"] = take(f"{a}.{p}")
+    for src, dst in (("CoreNet.0", "fc1"), ("CoreNet.3", "fc2"), ("layer_norm", "layer_norm")):
+        for p in ("weight", "bias"):
+            out[f"{m}.ff.{dst}.{p}"] = take(f"{m}.pos_ff.{src}.{p}")
+
+
+def _take_output(take: Callable[[str], torch.Tensor], sd: dict, cfg: ModelConfig, out: dict) -> None:
+    """The output side (crit.*): weights (or their check against the tied embedding), biases, clusters, and
+    projections (tied ones checked against the embedding's)."""
+    n_parts = len(cfg.cutoffs) + 1
+    n_tables = 1 if cfg.div_val == 1 else n_parts
     biases = []
     for i in range(n_tables):
         w = take(f"crit.out_layers.{i}.weight")
@@ -130,9 +147,6 @@ def convert_state_dict(sd: dict, cfg: ModelConfig) -> dict:
                 raise ReferenceFormatError(f"reference state_dict: {key} should be tied to {src} but differs")
         else:
             out[key] = p
-    if sd:
-        raise ReferenceFormatError(f"reference state_dict: unexpected keys {sorted(sd)}")
-    return out
 
 
 def import_reference(ref_config: dict, state_dict: dict) -> MemTransformerLM:

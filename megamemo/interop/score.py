@@ -37,5 +37,5 @@ def load_reference_file(path: str) -> dict:
 def score(g: dict) -> list[torch.Tensor]:
     model = import_reference(g["config"], g["state_dict"]).eval()
     out = []
-    score_segments(model, zip(g["inputs"], g["targets"]), on_segment=lambda s, x, y, nll: out.append(nll.float()))
+    score_segments(model, zip(g["inputs"], g["targets"], strict=True), on_segment=lambda s, x, y, nll: out.append(nll.float()))
     return out

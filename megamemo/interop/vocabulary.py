@@ -14,10 +14,11 @@ def data_meta(data_dir) -> dict:
     tokenizer is recorded as {"kind": "subword", "vocab_size", "file", "sha256", ...}: to_single copies that file
     beside config.json (generate and exports read it from there, checked by its sha256)."""
     from megamemo.data import load_manifest, load_vocab
+    from megamemo.data.tokenizer import SubwordTokenizer
 
     m = load_manifest(data_dir)
     v = load_vocab(data_dir)
-    vocab = ({"kind": v.kind, "file": v.file_name, "size": len(v)} if v.kind == "subword"
+    vocab = ({"kind": v.kind, "file": v.file_name, "size": len(v)} if isinstance(v, SubwordTokenizer)
              else {"kind": v.kind, "symbols": v.symbols})
     return {"data": {"dir": str(data_dir), "corpus": m.get("corpus")}, "tokenizer": m.get("tokenizer", {}),
             "vocab": vocab}

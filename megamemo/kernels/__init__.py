@@ -12,10 +12,19 @@ And how dropout masks are drawn (train.dropout_masks: stream | keyed), swapped i
   sites.py     which dropout of a built model is which site (its coordinates' site and layer)
 It imports only torch and megamemo.model.
 """
-from .apply import (ATTENTIONS, KERNELS, apply_attention, apply_kernels, attention_in_use, kernels_in_use,
-                    resolve_attention, resolve_kernels)
+from .apply import (
+                    ATTENTIONS,
+                    KERNELS,
+                    apply_attention,
+                    apply_kernels,
+                    attention_in_use,
+                    kernels_in_use,
+                    resolve_attention,
+                    resolve_kernels,
+)
 from .keyed import DropoutKey
-from .sites import MODES as DROPOUT_MASKS, apply_dropout_masks, dropout_masks_in_use
+from .sites import MODES as DROPOUT_MASKS
+from .sites import apply_dropout_masks, dropout_masks_in_use
 
 __all__ = ["ATTENTIONS", "DROPOUT_MASKS", "KERNELS", "DropoutKey", "apply_attention", "apply_dropout_masks",
            "apply_kernels", "attention_in_use", "dropout_masks_in_use", "kernels_in_use", "resolve_attention",

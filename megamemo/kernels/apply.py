@@ -15,9 +15,9 @@ from megamemo.model.layers import RelAttention, ReluDropout
 
 from .compiler import uncompiled
 from .dropout import CpuDropout
-from .keyed import KeyedDropout
 from .flex import flex_causal_attention, flex_lookahead_attention
 from .fused import FusedUnavailable, check_device, fused_causal_attention, fused_lookahead_attention
+from .keyed import KeyedDropout
 from .masking import add_mask_bias
 
 KERNELS = ("auto", "plain", "cpu")
@@ -42,12 +42,16 @@ def resolve_kernels(choice: str, device) -> str:
     return choice
 
 
-def _swap(dropout: nn.Dropout, cpu: bool) -> nn.Dropout:
+def _swap(dropout: nn.Module, cpu: bool) -> nn.Module:
+    """A dropout module (one of _DROPOUTS) as the CPU kernel or as torch's, its p, ReLU and mode kept."""
     relu = dropout.relu if isinstance(dropout, CpuDropout) else isinstance(dropout, ReluDropout)
+    p = dropout.p
+    assert isinstance(p, float | int), p
+    new: nn.Module
     if cpu:
-        new = CpuDropout(dropout.p, relu=relu)
+        new = CpuDropout(p, relu=relu)
     else:
-        new = ReluDropout(dropout.p) if relu else nn.Dropout(dropout.p)
+        new = ReluDropout(p) if relu else nn.Dropout(p)
     return new.train(dropout.training)
 
 

@@ -15,8 +15,8 @@ swap still runs torch's own dropout.
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 _DIRECT_TIES = 1 << 14  # below this many bytes, find ties with one nonzero over all of them
 

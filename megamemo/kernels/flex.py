@@ -29,12 +29,12 @@ import torch
 try:
     from torch.nn.attention.flex_attention import AuxRequest
 except ImportError:                     # torch < 2.9
-    AuxRequest = None
+    AuxRequest = None  # type: ignore[assignment,misc]  # absent there: None says so to the callers
 
 from megamemo.model.attention import _drops, _rows, causal_attention, lookahead_attention, select_lse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 

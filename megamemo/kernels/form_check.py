@@ -42,6 +42,7 @@ def _inputs(layer, cfg, B: int, L: int, M: int, device, dtype, seed: int = 0):
     pos_emb = sinusoid(pos, d, dtype).requires_grad_()
     mask = causal_mask(L, M, cfg.mem_len, cfg.same_length, device)
     u, vb, vf = rnd(n, dh, scale=0.1), rnd(n, dh, scale=0.1), rnd(n, dh, scale=0.1)
+    args: tuple
     if isinstance(layer, LaMemoLayer):
         cat, ctx_old = rnd(klen, B, d), rnd(M, B, n, dh)
         lse_old = rnd(M, B, n).detach().float().add_(2.0).requires_grad_()
@@ -59,7 +60,7 @@ def _run(layer, args, grads):
     y = out[0] if isinstance(out, tuple) else out
     w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device, y.dtype)
     got = torch.autograd.grad((y * w).sum(), grads, allow_unused=True)
-    return [y.detach()] + [torch.zeros_like(x) if g is None else g for x, g in zip(grads, got)]
+    return [y.detach()] + [torch.zeros_like(x) if g is None else g for x, g in zip(grads, got, strict=True)]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,8 +122,8 @@ def check_form(layer, cfg, B: int, L: int, M: int, form: Form, backend: str = "i
         except Exception as e:          # noqa: BLE001 - whatever a form cannot do here is reported, not raised
             return False, f"{form} failed at {where}: {_first_line(e)}", None
         names = ["output"] + [f"d/d input {k}" for k in range(len(grads))]
-        diffs = {name: _rel(a, b) for name, a, b in zip(names, got, ref)}
-        worst = max(diffs, key=diffs.get)
+        diffs = {name: _rel(a, b) for name, a, b in zip(names, got, ref, strict=True)}
+        worst = max(diffs, key=lambda k: diffs[k])
         tol = TOLERANCE.get(dtype, 3e-2)
         line = (f"{form} vs eager at {where}: worst {worst} mean relative difference {diffs[worst]:.2e} "
                 f"(tolerance {tol:.0e})")

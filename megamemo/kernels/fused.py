@@ -27,7 +27,7 @@ class FusedUnavailable(RuntimeError):
     """The fused kernels cannot run here (no triton, or CPU tensors without the interpreter)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels():
     try:        # triton only when the kernels are used: the CPU wheel of torch does not bring it
         import megamemo.kernels.relattn_triton as kernels

@@ -31,8 +31,8 @@ micro-batch of each pipe layer it runs (megamemo/parallel/pipeline.py); the mode
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from .dropout import _KeepScale, _ReluKeepScale, _ties
 from .philox import philox, philox_words32
@@ -89,7 +89,7 @@ class DropoutKey:
                              f"{len(self.columns)}")
         return self.columns[self.micro_batch]
 
-    def set(self, step: int | None = None, micro_batch: int | None = None) -> "DropoutKey":
+    def set(self, step: int | None = None, micro_batch: int | None = None) -> DropoutKey:
         """The step (applied optimizer steps so far) and/or the micro-batch (index into columns) masks are drawn
         for from now on."""
         if step is not None and step != self.step:
@@ -103,12 +103,12 @@ class DropoutKey:
                 self.words[2].fill_(self.columns[self.micro_batch])
         return self
 
-    def to(self, device) -> "DropoutKey":
+    def to(self, device) -> DropoutKey:
         self.words = self.words.to(device)
         return self
 
 
-def coordinates(layout: str, shape, column, split: int, device):
+def coordinates(layout: str | None, shape, column, split: int, device):
     """(row, column, head, feature offset) of a site's tensor of `shape`: int64 tensors broadcastable to
     shape[:-1] (or ints), and the global index of its first feature. column: the micro-batch's first global
     column (int or 0-d tensor); split: this rank's TP rank for a split site, else 0."""
@@ -147,6 +147,7 @@ def keep_full(shape, p: float, base, row, column, head, f0: int, k0, k1, device)
         w = torch.stack(torch.broadcast_tensors(*words), -1)             # [*lead, G, 4 words]
         b = ((w.unsqueeze(-1) >> shifts) & 255).flatten(-3)[..., s:s + Fl]   # [*lead, Fl]: byte j of its group
         u = b if u is None else (u << 8) | b
+    assert u is not None
     return u >= threshold(p)
 
 

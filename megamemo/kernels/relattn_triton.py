@@ -82,7 +82,7 @@ def _load_queries(Q, U, VB, q_row0, z, h, q_len, sq_z, sq_t, DH: tl.constexpr, B
 
 
 @triton.jit
-def _fwd(Q, K, V, R, U, VB, MASK, TILES, O, LSE,
+def _fwd(Q, K, V, R, U, VB, MASK, TILES, OUT, LSE,
          n_batch, q_len, k_len, r_rows, s0, scale, n_kt,
          sq_z, sq_t, sk_z, sk_t, sr_h, sr_t,
          DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
@@ -115,7 +115,7 @@ def _fwd(Q, K, V, R, U, VB, MASK, TILES, O, LSE,
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)                            # rows past q_len: never stored
     offs_m = q_row0 + tl.arange(0, BM)
     rows_in = offs_m < q_len
-    tl.store(O + z * sq_z + offs_m[:, None] * sq_t + offs_d[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
+    tl.store(OUT + z * sq_z + offs_m[:, None] * sq_t + offs_d[None, :], (acc / l_safe[:, None]).to(OUT.dtype.element_ty),
              mask=rows_in[:, None])
     tl.store(LSE + z * q_len + offs_m, m_i + tl.log(l_safe), mask=rows_in)
 

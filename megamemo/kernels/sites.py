@@ -64,7 +64,9 @@ def apply_dropout_masks(model: nn.Module, mode: str, key: DropoutKey | None = No
     modules = dict(model.named_modules())
     for name, (site, layer) in sites.items():
         old = modules[name]
+        new: nn.Module
         if mode == "keyed":
+            assert key is not None                  # checked above
             new = KeyedDropout(old.p, key, site, layer, relu=_relu(old), split=tp_rank if site in SPLIT else 0)
         elif isinstance(old, KeyedDropout):
             new = ReluDropout(old.p) if old.relu else nn.Dropout(old.p)

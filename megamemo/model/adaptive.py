@@ -13,8 +13,8 @@ last rows: they are masked inside that cluster's softmax, and the head and every
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 def cluster_bounds(n_token: int, cutoffs: list[int]) -> list[int]:
@@ -106,11 +106,10 @@ class AdaptiveLogSoftmax(nn.Module):
         out = []
         for i in range(len(self.bounds) - 1):
             lo, hi = self.bounds[i], self.bounds[i + 1]
-            if self.div_val == 1:
-                table = emb.emb_layers[0].weight if self.tie_weight else self.out_weights[0]
-                w = table[lo:hi]
-            else:
-                w = emb.emb_layers[i].weight if self.tie_weight else self.out_weights[i]
+            k = 0 if self.div_val == 1 else i       # div_val 1: one table, this cluster's rows of it
+            table = emb.emb_layers[k].weight if self.tie_weight else self.out_weights[k]
+            assert isinstance(table, torch.Tensor)
+            w = table[lo:hi] if self.div_val == 1 else table
             b = mask_padding(self.out_bias[lo:hi], lo, self.n_vocab)
             if not self.has_proj[i]:
                 p = None

@@ -76,6 +76,7 @@ class Decoder:
         out = None
         for i in range(0, len(ids), c.tgt_len):
             out = self._run(list(ids[i:i + c.tgt_len]))
+        assert out is not None          # ids is not empty (checked above): the loop ran
         return out
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from .attention import causal_attention, interpolate, lookahead_attention, mask_scores, memorizing_coefficient
 from .positions import lookahead_mask

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ class MemTransformerLM(nn.Module):
         if cfg.future_bias:
             self.r_r_bias_future = nn.Parameter(torch.empty(n, dh))
         layer = LaMemoLayer if cfg.lamemo else XLLayer
-        self.layers = nn.ModuleList(layer(cfg, l) for l in range(cfg.n_layer))
+        self.layers = nn.ModuleList(layer(cfg, li) for li in range(cfg.n_layer))
         self.crit = AdaptiveLogSoftmax(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val,
                                        cfg.tie_weight, cfg.tie_projs, n_vocab=cfg.n_vocab)
         self.check_inputs = True  # token-range checks cost a host sync: a training loop on GPU may turn them off
@@ -74,8 +75,8 @@ class MemTransformerLM(nn.Module):
         if not self.cfg.has_memory:
             return []
         if self.cfg.lamemo:
-            return ["emb"] + [f"{kind}.{l}" for l in range(self.cfg.n_layer) for kind in ("ctx", "lse")]
-        return [f"hid.{l}" for l in range(self.cfg.n_layer)]
+            return ["emb"] + [f"{kind}.{li}" for li in range(self.cfg.n_layer) for kind in ("ctx", "lse")]
+        return [f"hid.{li}" for li in range(self.cfg.n_layer)]
 
     def empty_memory(self, batch_size: int) -> Memory:
         return Memory({}, batch_size=batch_size)
@@ -100,7 +101,8 @@ class MemTransformerLM(nn.Module):
         if sorted(mem.tensors) != sorted(names):
             raise ValueError(f"memory tensors {sorted(mem.tensors)} do not match this model ({cfg.variant}, "
                              f"{cfg.n_layer} layers) which expects {names}")
-        n_local = self.layers[0].attn.n_head
+        first: Any = self.layers[0]             # a layer's attention (plain or TP-split) knows its heads
+        n_local = first.attn.n_head
         for k, t in mem.tensors.items():
             tail = {"emb": (cfg.d_model,), "hid": (cfg.d_model,), "ctx": (n_local, cfg.d_head),
                     "lse": (n_local,)}[k.split(".")[0]]
@@ -140,9 +142,9 @@ class MemTransformerLM(nn.Module):
         pos = position_sequence(klen, M, clamp_len, cfg.future_positions, h0.device)
         pos_emb = self.drop_pos(sinusoid(pos, cfg.d_model, h0.dtype))
         mask = causal_mask(L, M, mem_len, same_length, h0.device)
-        hooks = [((attend(l, layer) if attend is not None else None),
-                  (functools.partial(observe, layer=l) if observe is not None else None))
-                 for l, layer in enumerate(self.layers)]
+        hooks = [((attend(li, layer) if attend is not None else None),
+                  (functools.partial(observe, layer=li) if observe is not None else None))
+                 for li, layer in enumerate(self.layers)]
         if cfg.lamemo:
             return self._encode_lamemo(h0, mem, pos_emb, mask, mem_len, hooks)
         return self._encode_xl(h0, mem, pos_emb, mask, mem_len, hooks)
@@ -156,15 +158,15 @@ class MemTransformerLM(nn.Module):
 
     def _encode_xl(self, h0, mem, pos_emb, mask, mem_len, hooks):
         h, hids = h0, []
-        for l, layer in enumerate(self.layers):
+        for li, layer in enumerate(self.layers):
             hids.append(h)
-            h = self._call(layer, h, mem.get(f"hid.{l}"), pos_emb, self.r_w_bias, self.r_r_bias, mask,
-                           attend=hooks[l][0])
+            h = self._call(layer, h, mem.get(f"hid.{li}"), pos_emb, self.r_w_bias, self.r_r_bias, mask,
+                           attend=hooks[li][0])
         new = {}
         if mem_len > 0:
             with torch.no_grad():
-                for l, x in enumerate(hids):
-                    new[f"hid.{l}"] = xl_update(mem.get(f"hid.{l}"), x, mem_len)
+                for li, x in enumerate(hids):
+                    new[f"hid.{li}"] = xl_update(mem.get(f"hid.{li}"), x, mem_len)
         return self.drop_out(h), Memory(new, batch_size=h0.size(1))
 
     def _encode_lamemo(self, h0, mem, pos_emb, mask, mem_len, hooks):
@@ -173,11 +175,11 @@ class MemTransformerLM(nn.Module):
         M = 0 if emb is None else emb.size(0)
         rows, new = (h0 if emb is None else torch.cat([emb.to(h0.dtype), h0], 0)), {}
         top = len(self.layers) - 1
-        for l, layer in enumerate(self.layers):
-            ctx_old, lse_old = mem.get(f"ctx.{l}"), mem.get(f"lse.{l}")
-            rows, new[f"ctx.{l}"], new[f"lse.{l}"] = self._call(
+        for li, layer in enumerate(self.layers):
+            ctx_old, lse_old = mem.get(f"ctx.{li}"), mem.get(f"lse.{li}")
+            rows, new[f"ctx.{li}"], new[f"lse.{li}"] = self._call(
                 layer, rows, M, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len,
-                *hooks[l], mem_rows_out=l < top)  # the top layer's memory rows would be thrown away
+                *hooks[li], mem_rows_out=li < top)  # the top layer's memory rows would be thrown away
         with torch.no_grad():
             new["emb"] = xl_update(emb, h0, mem_len)
         return self.drop_out(rows[rows.size(0) - h0.size(0):]), Memory(new, batch_size=h0.size(1))

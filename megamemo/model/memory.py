@@ -51,7 +51,7 @@ class Memory:
         return f"Memory(M={self.length}, B={self.batch_size}, {shapes})"
 
     # ---- streams -----------------------------------------------------------------------------------------
-    def select_batch(self, index) -> "Memory":
+    def select_batch(self, index) -> Memory:
         """The memory of some streams (batch columns): index is a slice or a LongTensor of columns."""
         if isinstance(index, slice):
             out = {k: t[:, index] for k, t in self.tensors.items()}
@@ -62,10 +62,10 @@ class Memory:
             bs = int(index.numel())
         return Memory(out, batch_size=bs)
 
-    def detach(self) -> "Memory":
+    def detach(self) -> Memory:
         return Memory({k: t.detach() for k, t in self.tensors.items()}, batch_size=self.batch_size)
 
-    def to(self, *args, **kwargs) -> "Memory":
+    def to(self, *args, **kwargs) -> Memory:
         return Memory({k: t.to(*args, **kwargs) for k, t in self.tensors.items()}, batch_size=self.batch_size)
 
     # ---- serialisation -----------------------------------------------------------------------------------
@@ -75,11 +75,11 @@ class Memory:
         return d
 
     @classmethod
-    def from_state_dict(cls, d: dict[str, torch.Tensor]) -> "Memory":
+    def from_state_dict(cls, d: dict[str, torch.Tensor]) -> Memory:
         d = dict(d)
         bs = int(d.pop("__batch_size__", torch.tensor(-1)))
         return cls(d, batch_size=None if bs < 0 else bs)
 
-    def equal(self, other: "Memory") -> bool:
+    def equal(self, other: Memory) -> bool:
         return (self.tensors.keys() == other.tensors.keys() and self.batch_size == other.batch_size
                 and all(torch.equal(self.tensors[k], other.tensors[k]) for k in self.tensors))

@@ -16,14 +16,14 @@ def _cluster_dims(m) -> tuple[list[int], list[int]]:
     bounds = [0, *m.cutoffs, m.n_token]
     if m.div_val == 1:
         return [m.n_token], [m.embed_dim]
-    return [hi - lo for lo, hi in zip(bounds, bounds[1:])], [m.embed_dim // m.div_val ** i
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)], [m.embed_dim // m.div_val ** i
                                                             for i in range(len(bounds) - 1)]
 
 
 def input_params(m) -> int:
     """The input embedding: its tables and, where their width is not d_model, their projections."""
     rows, dims = _cluster_dims(m)
-    return sum(r * w + (m.d_model * w if w != m.d_model or m.div_val > 1 else 0) for r, w in zip(rows, dims))
+    return sum(r * w + (m.d_model * w if w != m.d_model or m.div_val > 1 else 0) for r, w in zip(rows, dims, strict=True))
 
 
 def output_params(m) -> int:
@@ -32,7 +32,7 @@ def output_params(m) -> int:
     rows, dims = _cluster_dims(m)
     n_parts = len(m.cutoffs) + 1
     tie = list(m.tie_projs) + [m.tie_projs[-1] if m.tie_projs else False] * n_parts
-    own = 0 if m.tie_weight else sum(r * w for r, w in zip(rows, dims))
+    own = 0 if m.tie_weight else sum(r * w for r, w in zip(rows, dims, strict=True))
     projs = 0
     for i in range(n_parts):
         w = dims[i] if m.div_val > 1 else dims[0]

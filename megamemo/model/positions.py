@@ -17,7 +17,7 @@ def inv_freq(d_model: int) -> torch.Tensor:
     return 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0, dtype=torch.float32, device="cpu") / d_model))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _inv_freq_on(d_model: int, device: torch.device) -> torch.Tensor:
     return inv_freq(d_model).to(device)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 

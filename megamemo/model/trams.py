@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ class TramsConfig:
     def topk(self) -> int:
         return self.attend - self.recent
 
-    def validate(self) -> "TramsConfig":
+    def validate(self) -> TramsConfig:
         if not 0 <= self.recent <= self.attend <= self.pool:
             raise ValueError(f"trams: need 0 <= recent ({self.recent}) <= attend ({self.attend}) <= pool "
                              f"({self.pool})")
@@ -120,7 +120,7 @@ class _Causal:
         self.model, self.select, self.observe = model, select, observe
         self.clamp_len, self.same_length = clamp_len, same_length
 
-    def __call__(self, l, layer, q_cur, k, v, M, r_full, mask_full):
+    def __call__(self, li, layer, q_cur, k, v, M, r_full, mask_full):
         """q_cur [n,B,L,dh]; k, v [n,B,M+L,dh]; r_full [n, >=M+L, dh] (rows: distance M+L-1 ... 0 first).
         -> (ctx [n,B,L,dh], lse [n,B,L]) of the current queries."""
         m = self.model
@@ -133,6 +133,7 @@ class _Causal:
         if index is None:
             kk, vv, mlen, r, mask = k, v, M, r_full, mask_full
         else:
+            assert self.select is not None          # index is set only when selecting
             mlen = index.size(-1)
             cur = torch.arange(M, M + L, device=k.device).expand(*index.shape[:2], L)
             full = torch.cat([index, cur], -1)
@@ -144,7 +145,7 @@ class _Causal:
                                     lse="grad" if m.cfg.lamemo else "none", masking=attn.masking)  # as the layer
         if self.observe is not None:  # observers see batch-major [B,n,...] (megamemo/eval/analyze.py)
             probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, attn.scale)
-            self.observe(layer=l, kind="causal", probs=probs.transpose(0, 1), mlen=mlen,
+            self.observe(layer=li, kind="causal", probs=probs.transpose(0, 1), mlen=mlen,
                          index=None if index is None else index.transpose(0, 1))
         return ctx, lse
 
@@ -168,4 +169,4 @@ def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *
     clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
     causal = _Causal(model, select, clamp_len, same_length, observe)
     return model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len,
-                 attend=lambda l, layer: functools.partial(causal, l, layer), observe=observe)
+                 attend=lambda li, layer: functools.partial(causal, li, layer), observe=observe)

@@ -183,7 +183,7 @@ def grad_norm(params) -> float:
     _, size = tp_rank_size()
     if size > 1:
         ps, _ = _mcore()
-        split = sq[:1].clone()
-        dist.all_reduce(split, group=ps.get_tensor_model_parallel_group())
-        sq = torch.cat([split, sq[1:]])
+        split_sq = sq[:1].clone()
+        dist.all_reduce(split_sq, group=ps.get_tensor_model_parallel_group())
+        sq = torch.cat([split_sq, sq[1:]])
     return float(sq.sum().sqrt())

@@ -31,8 +31,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megamemo.model.adaptive import mask_padding
@@ -75,11 +75,11 @@ class StageContext:
     def __init__(self, cfg, tp: int = 1, tp_rank: int = 0):
         self.cfg = cfg
         self.bank = StageMemory()
-        self.rel_bias = None
+        self.rel_bias: RelBiasPipe | None = None
         # the lengths the layers run with; validation swaps in its own (train/validate.py)
         self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
         self.tp, self.tp_rank = tp, tp_rank
-        self._meta = None                   # (meta tensor, its values as ints): see meta_ints
+        self._meta: tuple[torch.Tensor, tuple] | None = None    # (meta tensor, its values as ints): meta_ints
         # keyed dropout masks: the run's DropoutKey (megamemo/kernels/keyed.py), told the micro-batch each pipe
         # layer computes; None with stream masks
         self.dropout_key = None
@@ -191,18 +191,19 @@ class LayerPipe(nn.Module):
     def forward(self, inputs):
         rows, meta = inputs
         mb, M, L = self.ctx.micro_batch(meta)
-        cfg, bank, l, b = self.cfg, self.ctx.bank, self.index, self.ctx.rel_bias
+        cfg, bank, li, b = self.cfg, self.ctx.bank, self.index, self.ctx.rel_bias
+        assert b is not None                    # the stage's RelBiasPipe runs before its layers
         mem_len = self.ctx.mem_len
         if not cfg.lamemo:
-            mem = bank.get(mb, f"hid.{l}")
+            mem = bank.get(mb, f"hid.{li}")
             M = 0 if mem is None else mem.size(0)
         pos = position_sequence(M + L, M, self.ctx.clamp_len, cfg.future_positions, rows.device)
         pos_emb = self.drop_pos(sinusoid(pos, cfg.d_model, rows.dtype))
         mask = causal_mask(L, M, mem_len, self.ctx.same_length, rows.device)
         if cfg.lamemo:
             vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias
-            top = l == cfg.n_layer - 1
-            rows, ctx_new, lse_new = self.layer(rows, M, bank.get(mb, f"ctx.{l}"), bank.get(mb, f"lse.{l}"),
+            top = li == cfg.n_layer - 1
+            rows, ctx_new, lse_new = self.layer(rows, M, bank.get(mb, f"ctx.{li}"), bank.get(mb, f"lse.{li}"),
                                                 pos_emb, b.r_w_bias, b.r_r_bias, vf, mask, mem_len,
                                                 mem_rows_out=not top)
             if cfg.future_bias and (top or not M):
@@ -213,12 +214,12 @@ class LayerPipe(nn.Module):
                 # the first gradient). A zero gradient keeps every stage's copy in: the sum, and so the update, is
                 # the single-process one.
                 rows = rows + (vf.sum() * 0).to(rows.dtype)
-            bank.put(mb, f"ctx.{l}", ctx_new)
-            bank.put(mb, f"lse.{l}", lse_new)
+            bank.put(mb, f"ctx.{li}", ctx_new)
+            bank.put(mb, f"lse.{li}", lse_new)
             return rows, meta
         out = self.layer(rows, mem, pos_emb, b.r_w_bias, b.r_r_bias, mask)
         if mem_len > 0:
-            bank.put(mb, f"hid.{l}", xl_update(mem, rows, mem_len))
+            bank.put(mb, f"hid.{li}", xl_update(mem, rows, mem_len))
         return out, meta
 
 
@@ -273,9 +274,9 @@ def layer_specs(cfg, ctx: StageContext):
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
     bias_names = ["r_w_bias", "r_r_bias"] + (["r_r_bias_future"] if cfg.future_bias else [])
     specs = [TiedLayerSpec("embed", EmbedPipe, cfg, ctx, tied_weight_attr=["weight"])]
-    for l in range(cfg.n_layer):
+    for li in range(cfg.n_layer):
         specs.append(TiedLayerSpec("relbias", RelBiasPipe, cfg, ctx, tied_weight_attr=bias_names))
-        specs.append(LayerSpec(LayerPipe, cfg, ctx, l))
+        specs.append(LayerSpec(LayerPipe, cfg, ctx, li))
     specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, ctx, tied_weight_attr=["weight"]))
     specs.append(LayerSpec(OutBiasPipe, cfg, ctx))
     return specs
@@ -336,13 +337,13 @@ def single_to_stage_names(cfg, module) -> dict[str, str]:
     names["r_r_bias"] = "tied_modules.relbias.r_r_bias"
     if cfg.future_bias:
         names["r_r_bias_future"] = "tied_modules.relbias.r_r_bias_future"
-    for l in range(cfg.n_layer):
-        idx = 2 + 2 * l
+    for li in range(cfg.n_layer):
+        idx = 2 + 2 * li
         if start <= idx < stop:
             for key in ("attn.qkv.weight", "attn.r_net.weight", "attn.o_net.weight", "attn.layer_norm.weight",
                         "attn.layer_norm.bias", "ff.fc1.weight", "ff.fc1.bias", "ff.fc2.weight", "ff.fc2.bias",
                         "ff.layer_norm.weight", "ff.layer_norm.bias"):
-                names[f"layers.{l}.{key}"] = f"{idx}.layer.{key}"
+                names[f"layers.{li}.{key}"] = f"{idx}.layer.{key}"
     if stop == n_specs:
         names["crit.out_bias"] = f"{n_specs - 1}.out_bias"
     return names
@@ -395,9 +396,9 @@ def stage_owns(pp_rank: int, single: str) -> bool:
 def stage_memory_names(cfg, pp: int, stage: int) -> list[str]:
     """The memory tensors a pipeline stage keeps: its layers' (ctx.l, lse.l | hid.l) and, first stage, LaMemo's emb."""
     b = stage_bounds(cfg.n_layer, pp, 2 * cfg.n_layer + 3)
-    layers = [l for l in range(cfg.n_layer) if b[stage] <= 2 + 2 * l < b[stage + 1]]
+    layers = [li for li in range(cfg.n_layer) if b[stage] <= 2 + 2 * li < b[stage + 1]]
     if not cfg.has_memory:
         return []
     if cfg.lamemo:
-        return (["emb"] if stage == 0 else []) + [f"{k}.{l}" for l in layers for k in ("ctx", "lse")]
-    return [f"hid.{l}" for l in layers]
+        return (["emb"] if stage == 0 else []) + [f"{k}.{li}" for li in layers for k in ("ctx", "lse")]
+    return [f"hid.{li}" for li in layers]

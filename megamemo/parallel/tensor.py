@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from megamemo.model.adaptive import mask_padding
 from megamemo.model.layers import project_split
@@ -139,7 +139,9 @@ class ForkedDropout(nn.Module):
 
     @property
     def p(self) -> float:
-        return self.inner.p
+        p = self.inner.p
+        assert isinstance(p, float | int), p          # a dropout module's probability
+        return p
 
     def forward(self, x):
         if not self.training or self.inner.p == 0 or getattr(self.inner, "keyed", False):

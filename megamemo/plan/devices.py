@@ -52,7 +52,7 @@ GPU_EFFICIENCY = ((64, 0.12), (128, 0.25), (256, 0.42), (512, 0.58), (1024, 0.68
 def log_interpolate(points, x: float) -> float:
     """y at x > points[0]'s x on the line through ((x, y), ...) sorted by x, linear in log(x) between two points;
     the last point's y past it."""
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
         if x <= x1:
             return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
     return points[-1][1]
@@ -147,6 +147,8 @@ class Device:
 
 def _gpu(kind: str, g: Gpu) -> Device:
     link = g.link
+    if g.mem_bw is None or link is None:
+        raise ValueError(f"runtime/gpus.py {kind}: a planned GPU needs its mem_bw and link figures")
     return Device(kind, {k: v * 1e12 for k, v in g.peak_tflops.items()}, GPU_EFFICIENCY, g.mem_bw,
                   tuple(x * 1e9 for x in link), (15e-6, 30e-6),
                   f"{g.row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "

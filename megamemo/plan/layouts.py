@@ -19,14 +19,21 @@ gradients and Adam: DeepSpeed's ZeRO optimizer's fp32 master (a copy even of fp3
 gradient partition and reduction bucket (parallel.reduce_bucket_size elements; two of them with
 parallel.overlap_comm: parallel/zero.py), the new memory state held until the step commits, and on a CPU layout
 the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, measured) and the checkpoint's host
-copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident memory.
+copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident
+memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megamemo.parallel.zero import DS_REDUCE_BUCKET, bf16_optimizer, fp32_accumulation, overlaps_reduction, reduce_bucket
 from megamemo.model.params import bias_params, input_params, layer_params, output_params
+from megamemo.parallel.zero import (
+    DS_REDUCE_BUCKET,
+    bf16_optimizer,
+    fp32_accumulation,
+    overlaps_reduction,
+    reduce_bucket,
+)
 from megamemo.util.precision import HALF
 
 GiB = 1024 ** 3

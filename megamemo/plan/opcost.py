@@ -121,8 +121,8 @@ def parts(ops, layers: int, first: bool, last: bool, recompute: bool, price_fn) 
                 ops.segments["bwd", part]]
         seg = type(segs[0]).concat(segs)
         cost = price_fn(seg)
-        by_op = {}
-        for name, s in zip(seg.names, cost.other):
+        by_op: dict[str, float] = {}
+        for name, s in zip(seg.names, cost.other, strict=True):
             by_op[name] = by_op.get(name, 0.0) + float(s)
         top = tuple(sorted(by_op.items(), key=lambda kv: -kv[1])[:4])
         out.append(Part(part, n, float(cost.gemm.sum()), float(cost.other.sum()), float(seg.launches.sum()),

@@ -82,19 +82,23 @@ class Segment:
     def bytes(self) -> np.ndarray:
         return self.read + self.write
 
-    def scaled(self, other: "Segment", t: float) -> "Segment":
+    def scaled(self, other: Segment, t: float) -> Segment:
         """The line through this segment (t = 0) and `other` (t = 1), at t."""
         if self.names != other.names:
             raise ValueError("op sequences differ between the micro-batches traced")
-        f = lambda a, c: a + t * (c - a)
+        def f(a, c):
+            return a + t * (c - a)
+
         return Segment(self.names, self.gemm, self.fp32, self.aligned & other.aligned, f(self.flops, other.flops),
                        f(self.read, other.read), f(self.write, other.write), f(self.rows, other.rows),
                        f(self.cols, other.cols), self.launches)
 
     @staticmethod
-    def concat(segs) -> "Segment":
+    def concat(segs) -> Segment:
         segs = list(segs)
-        cat = lambda k: np.concatenate([getattr(s, k) for s in segs]) if segs else np.zeros(0)
+        def cat(k):
+            return np.concatenate([getattr(s, k) for s in segs]) if segs else np.zeros(0)
+
         return Segment(sum((s.names for s in segs), ()), *(cat(k) for k in FIELDS))
 
 
@@ -117,7 +121,9 @@ class Trace:
         each, once = ([update], []) if self.memory_per_layer else ([], [update])
         fwd = ([s["fwd", "input"], *once] if first else []) + [s["fwd", "layer"], *each] * lower + \
               ([s["fwd", "top"], *each, s["fwd", "output"]] if last else [])
-        redo = lambda part: [s["fwd", part]] if recompute else []
+        def redo(part):
+            return [s["fwd", part]] if recompute else []
+
         bwd = ([s["bwd", "output"], *redo("top"), s["bwd", "top"]] if last else []) + \
               [*redo("layer"), s["bwd", "layer"]] * lower + ([s["bwd", "input"]] if first else [])
         return Segment.concat(fwd), Segment.concat(bwd)
@@ -173,7 +179,7 @@ def _tensors(x):
 
 def _nbytes(t: torch.Tensor) -> int:
     """Bytes of the distinct elements a kernel reads of t (an expanded, stride-0 dimension once)."""
-    return math.prod(n for n, s in zip(t.shape, t.stride()) if s != 0) * t.element_size()
+    return math.prod(n for n, s in zip(t.shape, t.stride(), strict=True) if s != 0) * t.element_size()
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -181,7 +187,7 @@ def _aligned(t: torch.Tensor) -> bool:
     but the unit one 16-byte multiples (NVIDIA Deep Learning Performance Guide, "Matrix Multiplication Background",
     Tensor Core requirements)."""
     step = 16 // t.element_size()
-    return t.storage_offset() % step == 0 and all(s % step == 0 for s, n in zip(t.stride(), t.shape)
+    return t.storage_offset() % step == 0 and all(s % step == 0 for s, n in zip(t.stride(), t.shape, strict=True)
                                                   if s != 1 and n > 1)
 
 
@@ -223,9 +229,9 @@ class _Recorder(TorchDispatchMode):
 
 
 def _segment(ops: list) -> Segment:
-    cols = list(zip(*ops)) if ops else [()] * (len(FIELDS) + 1)
+    cols = list(zip(*ops, strict=True)) if ops else [()] * (len(FIELDS) + 1)
     return Segment(tuple(cols[0]), *(np.array(c, dtype=bool if f in ("gemm", "fp32", "aligned") else float)
-                                     for f, c in zip(FIELDS, cols[1:])))
+                                     for f, c in zip(FIELDS, cols[1:], strict=True)))
 
 
 def record(fn) -> Segment:
@@ -241,13 +247,15 @@ def _memory(cfg, B: int, dtype) -> Memory:
     M, d, n, dh = cfg.mem_len, cfg.d_model, cfg.n_head, cfg.d_head
     if not cfg.has_memory:
         return Memory({}, batch_size=B)
-    empty = lambda *shape, dt=dtype: torch.empty(*shape, device="meta", dtype=dt)
+    def empty(*shape, dt=dtype):
+        return torch.empty(*shape, device="meta", dtype=dt)
+
     if cfg.lamemo:
         t = {"emb": empty(M, B, d)}
-        for l in range(cfg.n_layer):
-            t[f"ctx.{l}"], t[f"lse.{l}"] = empty(M, B, n, dh), empty(M, B, n, dt=torch.float32)
+        for li in range(cfg.n_layer):
+            t[f"ctx.{li}"], t[f"lse.{li}"] = empty(M, B, n, dh), empty(M, B, n, dt=torch.float32)
     else:
-        t = {f"hid.{l}": empty(M, B, d) for l in range(cfg.n_layer)}
+        t = {f"hid.{li}": empty(M, B, d) for li in range(cfg.n_layer)}
     return Memory(t, batch_size=B)
 
 
@@ -279,19 +287,19 @@ def _run(cfg, B: int, dtype) -> Trace:
             rec.part = part
         return hook
 
-    def before(module, args, l):
-        rec.part = ("fwd", "top" if l == top else "layer")
-        if l == 0 and args[0].requires_grad:     # its input's gradient done: the input side's backward follows
+    def before(module, args, li):
+        rec.part = ("fwd", "top" if li == top else "layer")
+        if li == 0 and args[0].requires_grad:     # its input's gradient done: the input side's backward follows
             args[0].register_hook(mark(("bwd", "input")))
 
-    def after(module, args, out, l):
-        rec.part = ("fwd", "output") if l == top else rec.part
+    def after(module, args, out, li):
+        rec.part = ("fwd", "output") if li == top else rec.part
         h = out[0] if isinstance(out, tuple) else out
-        h.register_hook(mark(("bwd", "top" if l == top else "layer")))
+        h.register_hook(mark(("bwd", "top" if li == top else "layer")))
 
-    handles = [h for l, layer in enumerate(model.layers)
-               for h in (layer.register_forward_pre_hook(functools.partial(before, l=l)),
-                         layer.register_forward_hook(functools.partial(after, l=l)))]
+    handles = [h for li, layer in enumerate(model.layers)
+               for h in (layer.register_forward_pre_hook(functools.partial(before, li=li)),
+                         layer.register_forward_hook(functools.partial(after, li=li)))]
     def update(*args):
         was, rec.part = rec.part, ("fwd", "memory")
         updates.append(len(rec.ops.get(rec.part, [])))
@@ -307,7 +315,7 @@ def _run(cfg, B: int, dtype) -> Trace:
         for module in model.modules():
             if isinstance(module, RelAttention):
                 module.causal, module.lookahead = causal, lookahead
-    updates = []
+    updates: list[int] = []                # the count of memory-update ops recorded as each update starts
     x = torch.empty(cfg.tgt_len, B, dtype=torch.long, device="meta")
     try:
         with _CudaKernels(), rec, unittest.mock.patch.object(lm, "xl_update", update):

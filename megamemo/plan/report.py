@@ -4,8 +4,9 @@ first (recommend.py); why a layout cannot run, in one line, with the nearest tha
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 from megamemo.config.run import ConfigError
 from megamemo.model.params import total_params
@@ -36,7 +37,10 @@ def _capacity(ask: Ask) -> tuple[float, str]:
             raise ValueError("--device cpu needs --host-mem-gib (the node's memory, shared by its ranks)")
         return (ask.host_mem_gib / ask.gpus_per_node,
                 f"{ask.nodes} node(s) x {ask.gpus_per_node} CPU processes sharing {ask.host_mem_gib:g} GiB")
-    return gpu(ask.gpu).memory_gib, f"{ask.nodes} node(s) x {ask.gpus_per_node} {ask.gpu}"
+    memory = gpu(ask.gpu).memory_gib
+    if memory is None:
+        raise ValueError(f"--gpu {ask.gpu}: no device memory on record (not a planned GPU)")
+    return memory, f"{ask.nodes} node(s) x {ask.gpus_per_node} {ask.gpu}"
 
 
 def _structural(base, ask: Ask, world: int) -> str | None:
@@ -50,7 +54,27 @@ def _structural(base, ask: Ask, world: int) -> str | None:
     return rec.layout_problem(dataclasses.replace(base, parallel=par), world, ask.gpus_per_node)
 
 
-def report(load: Callable[[list[str]], object], ask: Ask) -> int:
+def _print_memory(plans: list[Plan], cluster: str) -> tuple[Plan, bool]:
+    """Prints the per-rank memory table of the stages' plans -> (the largest stage's plan, whether all fit)."""
+    p = plans[0]
+    print(f"cluster: {cluster}; layout {p.layout}")
+    terms = [t for t in Plan.TERMS if any(getattr(q, t) for q in plans)]
+    print("per-rank memory (GiB), by pipeline stage:" if len(plans) > 1 else "per-rank memory:")
+    print(f"  {'':<16}" + "".join(f"{f'stage {q.stage}':>10}" for q in plans))
+    for name in terms:
+        note = "" if name != "snapshot" or p.on_host else "  (host memory, not counted)"
+        print(f"  {name:<16}" + "".join(f"{getattr(q, name) / GiB:>10.2f}" for q in plans) + note)
+    top = max(plans, key=lambda q: q.total)
+    if len(plans) > 1:
+        print(f"  {'stage total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans))
+    print(f"  {'total':<16}{top.total / GiB:>10.2f} GiB of {p.capacity / GiB:.1f} GiB"
+          + (f" (stage {top.stage}, the largest)" if len(plans) > 1 else ""))
+    ok = all(q.fits for q in plans)
+    print(f"-> {'FITS' if ok else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
+    return top, ok
+
+
+def report(load: Callable[[list[str]], Any], ask: Ask) -> int:
     """Prints the plan of the config `load(sets)` returns (sets: --set overrides of the layout) on the cluster ->
     the exit code: 0 it fits, 1 it does not, 2 the config or cluster cannot be planned (one line on stderr)."""
     from megamemo.plan import recommend as rec
@@ -101,20 +125,7 @@ def report(load: Callable[[list[str]], object], ask: Ask) -> int:
                                   fits_fails=(fits, fails))
         print()
     p = plans[0]
-    print(f"cluster: {cluster}; layout {p.layout}")
-    terms = [t for t in Plan.TERMS if any(getattr(q, t) for q in plans)]
-    print("per-rank memory (GiB), by pipeline stage:" if len(plans) > 1 else "per-rank memory:")
-    print(f"  {'':<16}" + "".join(f"{f'stage {q.stage}':>10}" for q in plans))
-    for name in terms:
-        note = "" if name != "snapshot" or p.on_host else "  (host memory, not counted)"
-        print(f"  {name:<16}" + "".join(f"{getattr(q, name) / GiB:>10.2f}" for q in plans) + note)
-    top = max(plans, key=lambda q: q.total)
-    if len(plans) > 1:
-        print(f"  {'stage total':<16}" + "".join(f"{q.total / GiB:>10.2f}" for q in plans))
-    print(f"  {'total':<16}{top.total / GiB:>10.2f} GiB of {p.capacity / GiB:.1f} GiB"
-          + (f" (stage {top.stage}, the largest)" if len(plans) > 1 else ""))
-    ok = all(q.fits for q in plans)
-    print(f"-> {'FITS' if ok else 'DOES NOT FIT'} (with {1 - HEADROOM:.0%} headroom)")
+    top, ok = _print_memory(plans, cluster)
     runs = rec.layout_problem(cfg, world, ask.gpus_per_node) is None
     if runs:
         st = step_time(cfg, world, kind, ask.gpus_per_node, plan)

@@ -34,12 +34,13 @@ On a device without a launch figure (the CPU):
   dp_comm       the gradient reduction over dp: DeepSpeed's ZeRO 0/1/2 all-reduce whole buckets (stage_1_and_2.py,
                 use_multi_rank_bucket_allreduce) of parallel.reduce_bucket_size elements (parallel/zero.py), 2 (dp-1)/dp
                 bytes in the dtype DeepSpeed reduces in (the model dtype, BF16_Optimizer's fp32 gradients cast to
-                bf16 too: parallel/zero.py reduce_dtype), once per step at the accumulation boundary (ZeRO 2: every micro-batch). DeepSpeed overlaps it
-                with the backward pass, bucket by bucket, only with parallel.overlap_comm (off by default) and only
-                where it takes effect (ZeRO 1/2 without a pipeline, not bf16's BF16_Optimizer - bf16 ZeRO 1 at
-                grad_accum > 1 -: parallel/zero.py overlaps_reduction): then all buckets but the last reduce behind the last micro-batch's backward (2/3
-                of its compute) and only the rest is exposed; on a CPU whose ranks share its cores nothing hides.
-                `overlap_hides` is what overlap hides (overlapped) or would hide (not).
+                bf16 too: parallel/zero.py reduce_dtype), once per step at the accumulation boundary (ZeRO 2: every
+                micro-batch). DeepSpeed overlaps it with the backward pass, bucket by bucket, only with
+                parallel.overlap_comm (off by default) and only where it takes effect (ZeRO 1/2 without a pipeline, not
+                bf16's BF16_Optimizer - bf16 ZeRO 1 at grad_accum > 1 -: parallel/zero.py overlaps_reduction): then all
+                buckets but the last reduce behind the last micro-batch's backward (2/3 of its compute) and only the
+                rest is exposed; on a CPU whose ranks share its cores nothing hides. `overlap_hides` is what overlap
+                hides (overlapped) or would hide (not).
   zero_gather   ZeRO 1/2's extra collective: the updated parameters all-gathered after the optimizer step.
   On a CPU whose ranks share its cores, every collective (TP, DP, ZeRO's gather, p2p) is CPU work as well:
                 measured in a group of g processes (sharing the cores max(1, g / cores) ways), it runs while all
@@ -74,8 +75,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from megamemo.parallel.zero import fp32_accumulation, overlaps_reduction, reduce_bucket, reduce_dtype
 from megamemo.model.flops import forward_flops, model_flops, step_flops
+from megamemo.parallel.zero import fp32_accumulation, overlaps_reduction, reduce_bucket, reduce_dtype
 from megamemo.plan import opcost, optrace
 from megamemo.plan.devices import Device, device, nearest_group
 from megamemo.util.precision import HALF, element_bytes
@@ -129,7 +130,7 @@ class StepTime:
 
     @property
     def dominant(self) -> str:
-        return max(self.terms, key=self.terms.get)
+        return max(self.terms, key=lambda k: self.terms[k])
 
 
 def layer_and_rest_flops(m, micro: int) -> tuple[float, float]:
@@ -144,13 +145,15 @@ def reduce_copies_seconds(dev: Device, params: float, dp: int, zero: int) -> flo
     """One gradient reduction's work beyond its collective for a rank holding `params` parameters, on a device of
     its own (step_time scales it for shared cores). DeepSpeed's ZeRO 1/2 (stage_1_and_2.py; megamemo's config:
     reduce_scatter and use_multi_rank_bucket_allreduce on, overlap_comm as parallel.overlap_comm) copies each
-    gradient into the bucket, averages it and at dp > 1 flattens the bucket's slices by owning rank into a fresh tensor for the all-reduce
-    (average_tensor -> allreduce_and_scatter), then copies the rank's own back into its partition. Measured at
-    dp's group size and the rank's size (Device.zero_reduce) or dp 1 (Device.zero_step) where it was; else DP_REDUCE_BYTES per
-    parameter held at dp > 1 at memory bandwidth (ZeRO 0's engine flattens and copies back too), 0 at dp 1."""
+    gradient into the bucket, averages it and at dp > 1 flattens the bucket's slices by owning rank into a fresh tensor
+    for the all-reduce (average_tensor -> allreduce_and_scatter), then copies the rank's own back into its partition.
+    Measured at dp's group size and the rank's size (Device.zero_reduce) or dp 1 (Device.zero_step) where it was; else
+    DP_REDUCE_BYTES per parameter held at dp > 1 at memory bandwidth (ZeRO 0's engine flattens and copies back too), 0
+    at dp 1."""
     if dev.zero_step and zero >= 1:
-        if dp > 1 and dev.zero_reduce:
-            return dev.reduce_rate(dp, params) * params
+        rate = dev.reduce_rate(dp, params) if dp > 1 else None      # None without zero_reduce figures
+        if rate is not None:
+            return rate * params
         return dev.zero_step[0] * params
     return DP_REDUCE_BYTES * params / dev.mem_bw if dp > 1 else 0.0
 
@@ -234,6 +237,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         if compute + elementwise + overhead + tp_comm > slot:
             slot = compute + elementwise + overhead + tp_comm
             stage_terms = (compute, elementwise, overhead, tp_comm, s, achieved)
+    assert stage_terms is not None, "no stage takes any time"
     compute, elementwise, overhead, tp_comm, worst, eff = stage_terms
     parts = opcost.parts(ops, plans[worst].layers, worst == 0, worst == pp - 1, recompute, price)
     work = (compute + elementwise + overhead) * share    # with every rank of the node busy

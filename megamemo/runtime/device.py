@@ -120,7 +120,7 @@ def resolve(env=None) -> str:
     return kind
 
 
-def torch_device(name: str) -> str:
+def torch_device(name: str | None) -> str:
     """The device an evaluating command runs on (eval, generate, analyze, harness: --device): "auto" is cuda where
     torch sees a CUDA device, else cpu, decided when the command runs; any other name is taken as given."""
     if name not in ("auto", None):

@@ -194,7 +194,7 @@ def _skip_shm_comm_build() -> None:
     init_distributed. Training never uses it (only inference_all_reduce does), so skip the build. The patch must
     go on the module object deepspeed.comm.torch: `import deepspeed.comm.torch as m` binds a different name."""
     mod = importlib.import_module("deepspeed.comm.torch")
-    mod.build_shm_op = lambda: None
+    setattr(mod, "build_shm_op", lambda: None)    # noqa: B010 - deepspeed's stubs do not declare it
 
 
 def init(timeout_s: float = 300.0) -> DistEnv:

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from megamemo.runtime import interruptions
@@ -99,7 +100,7 @@ class Launcher:
         self.deliver()
 
     def deliver(self) -> None:
-        for p, pending in zip(self.procs, self.pending):
+        for p, pending in zip(self.procs, self.pending, strict=True):
             for sig in sorted(pending):
                 if p.poll() is not None:
                     pending.clear()
@@ -145,11 +146,13 @@ class Launcher:
             return 2
         if not any(codes):
             return 0
-        r, c = first or _first_failure(self.procs)
+        found = first or _first_failure(self.procs)
+        assert found is not None                    # a worker exited non-zero
+        r, c = found
         self.log(f"[launch] worker {r} exited with {_describe(c)}" + (": the others were stopped" if stopped else ""))
         return c if c > 0 else 128 - c
 
-    def supervise(self, early: list[str] = ()) -> int:
+    def supervise(self, early: Sequence[str] = ()) -> int:
         """Start the workers, and again after each retryable failure while restarts are left -> the exit code.
         early: signals (TERM, USR1, ...) that arrived before the first start, passed on once it began."""
         while True:

@@ -129,7 +129,7 @@ class RunLock:
                 why = self._stale(holder)
                 if why is None:
                     raise RunLockedError(f"{self.path.parent}: another trainer is running in this run directory "
-                                         f"({describe(holder)}); stop it, or train in another --run-dir")
+                                         f"({describe(holder)}); stop it, or train in another --run-dir") from None
                 self._take_over(holder, why)
                 continue
             with os.fdopen(fd, "w") as f:

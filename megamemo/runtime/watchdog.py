@@ -49,7 +49,8 @@ def _where(frame) -> str:
 
 def stuck_frame(thread_id: int | None = None) -> str:
     """Where a thread is: its innermost frame, and the innermost of megamemo's frames below it."""
-    frame = sys._current_frames().get(thread_id or threading.main_thread().ident)
+    ident = thread_id or threading.main_thread().ident
+    frame = sys._current_frames().get(ident) if ident is not None else None
     if frame is None:
         return "an unknown frame"
     inner, ours = frame, None

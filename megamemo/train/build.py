@@ -38,11 +38,11 @@ def build_model(cfg: RunConfig):
     n_params = sum(layer_params(m)) * m.n_layer + embed_params(m)
     shard = tp * pp > 1 and (cfg.parallel.init == "shard" or (cfg.parallel.init == "auto" and n_params > 5e8))
     if pp > 1:
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         import torch.distributed as tdist
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-        from megamemo.parallel.shard_init import init_shard
         from megamemo.parallel.pipeline import build_pipeline, load_single_state, single_to_stage_names
+        from megamemo.parallel.shard_init import init_shard
 
         topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=tdist.get_world_size() // (tp * pp))
         full = None if shard else MemTransformerLM(m).state_dict()    # first: from the freshly seeded RNG
@@ -52,6 +52,7 @@ def build_model(cfg: RunConfig):
             inv = {v: k for k, v in single_to_stage_names(m, module).items()}
             init_shard(module, m, cfg.train.seed, lambda n: inv.get(n, n))
         else:
+            assert full is not None
             load_single_state(m, module, full)
         return module, None, stage
     if tp > 1:
@@ -103,14 +104,13 @@ def _threads() -> int:
 def _build(cfg: RunConfig, de, dp: int, micro: int, ranks: dict, run_dir: Path, stop, log, started: float):
     from megamemo.checkpoint.store import CheckpointStore
     from megamemo.model.flops import flops_per_token, model_flops_per_token
-    from megamemo.runtime.peak import device_peak, format_flops
-    from megamemo.runtime import dist
+    from megamemo.runtime import dist, rss
     from megamemo.runtime.device import tf32_state
+    from megamemo.runtime.interruptions import restart_count
+    from megamemo.runtime.peak import device_peak, format_flops
     from megamemo.train.data import bytes_per_token, open_reader, unit_for
     from megamemo.train.engine import Engine
     from megamemo.train.loop import Trainer
-    from megamemo.runtime import rss
-    from megamemo.runtime.interruptions import restart_count
     from megamemo.train.metrics import Metrics
     from megamemo.train.validate import Evaluator, PipelineEvaluator, eval_lengths
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -276,7 +277,7 @@ def from_dict(d: dict, source: str = "config", vocab_fallback: int | None = None
                      **kwargs).validate()
 
 
-def load(path: str | Path | None, overrides: list[str] = (), vocab_fallback: int | None = None) -> RunConfig:
+def load(path: str | Path | None, overrides: Sequence[str] = (), vocab_fallback: int | None = None) -> RunConfig:
     """The config file `path` (None: defaults) with `--set` overrides applied, validated (vocab_fallback: from_dict)."""
     d, source = read(path, overrides)
     return from_dict(d, source, vocab_fallback)

@@ -90,6 +90,7 @@ def check_data_dir(cfg: RunConfig) -> dict:
         if diff:
             raise DataError(f"{field}: {d} has another tokenizer than data.blend[0].dir ({', '.join(diff)}); the "
                             f"sources of a blend must share one")
+    assert first is not None                    # _sources gives data.dir at least
     return first
 
 

@@ -93,7 +93,7 @@ def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     o = cfg.optim
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+    return cls(model.parameters(), lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
                fused=o.fused or None)
 
 

@@ -125,7 +125,7 @@ def _time_forms(cfg: RunConfig, model, device, micro: int, forms: list[Form]) ->
 
 
 def _timing_line(forms, seconds, skipped, failed) -> str:
-    timed = sorted((s, str(f)) for f, s in zip(forms, seconds) if s != float("inf"))
+    timed = sorted((s, str(f)) for f, s in zip(forms, seconds, strict=True) if s != float("inf"))
     parts = [", ".join(f"{name} {s * 1e3:.2f} ms" for s, name in timed)]
     parts += [f"skipped {x}" for x in skipped + failed]
     return "; ".join(p for p in parts if p)
@@ -137,7 +137,7 @@ def choose_auto(cfg: RunConfig, model, device, micro: int, log) -> Form:
     forms, skipped = candidates(cfg, device, log)
     seconds, failed = _time_forms(cfg, model, device, micro, forms)
     seconds = _all_ranks(seconds, device)
-    failed += [f"{f}: failed on another rank" for f, s in zip(forms, seconds)
+    failed += [f"{f}: failed on another rank" for f, s in zip(forms, seconds, strict=True)
                if s == float("inf") and not any(line.startswith(str(f) + " ") for line in failed)]
     chosen = pick(forms, seconds)
     B, L, M = _sizes(cfg, micro)

@@ -24,13 +24,12 @@ import torch.distributed as dist
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
 from megamemo.checkpoint.store import CheckpointStore
-from megamemo.train.config import RunConfig
 from megamemo.model import Memory
+from megamemo.runtime.signals import StopRequest
+from megamemo.train.config import RunConfig
 from megamemo.train.metrics import Metrics
 from megamemo.train.numerics import ReplicaCheck, ReplicaMismatch, SpikeWatch
 from megamemo.train.resumable import DataCursor, EngineState, MemoryState
-from megamemo.runtime.signals import StopRequest
-
 
 
 def seed_streams(cfg, ranks: dict, device, step_salt: int = 0) -> tuple[int, int]:
@@ -98,8 +97,8 @@ class StepSignals:
         signals = torch.cat([loss_sum.reshape(1), host.to(loss_sum.device, non_blocking=True)])
         if world_size > 1:
             dist.all_reduce(signals)
-        loss_sum, tokens, stop, save_failed = signals.tolist()
-        return cls(loss_sum, tokens, stop > 0, save_failed > 0)
+        total, n_tokens, n_stop, n_failed = signals.tolist()
+        return cls(total, n_tokens, n_stop > 0, n_failed > 0)
 
 
 class Trainer:
@@ -133,8 +132,9 @@ class Trainer:
         self.registry.register("data", self.cursor)
         self.registry.register("rng", RNGState(), scope="rank")
         self.registry.register("counters", self.counters)
-        self._held = None           # a batch whose step was skipped: retried next
+        self._held: tuple[torch.Tensor, torch.Tensor] | None = None    # a skipped step's batch: retried next
         self.started = False        # a step was applied in this process (errors are then this rank's own)
+        self.speed: dict = {}       # the speed settings build applied (train/speedups.py), set by build
         self.rundir = None          # the run directory's lock holder (runtime/rundir.py), set by build()
         self.watchdog = None        # this rank's hang detection (runtime/watchdog.py), set by build()
         self.faults = FaultPoints(rank)     # injected crashes: tests and bench/soak.py only (checkpoint/faults.py)
@@ -227,6 +227,7 @@ class Trainer:
             loss_sum, tgt.numel(), stop=self.stop is not None and self.stop.requested,
             save_failed=self.store is not None and self.store.failed(), world_size=self.world_size)
         if signals.save_failed:             # a background save failed: every rank raises its SaveFailed here
+            assert self.store is not None       # saves are on (on every rank): one failed
             self.store.wait(timeout_s=self.cfg.checkpoint.commit_timeout_s)
         loss, tokens, stop = (signals.loss_sum / signals.tokens, int(signals.tokens) // self.model_parallel,
                               signals.stop)
@@ -329,6 +330,7 @@ class Trainer:
     def resume(self, step_dir: Path) -> dict:
         """Restore everything from a committed checkpoint of any layout (resharding on load). The RNG streams of
         this process are restored when the layout is unchanged, else re-seeded from (seed, ranks, step)."""
+        assert self.store is not None           # the step directory came from the store
         info, same, _ = self.store.check_compatible(step_dir)
         t0 = time.perf_counter()
         doc = self.store.load(step_dir, self.registry)

@@ -28,11 +28,11 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any, TextIO
 
+from megamemo.runtime.peak import format_flops
 from megamemo.util.files import write_text_atomic
 from megamemo.util.units import bits, bits_per_byte, perplexity
-from megamemo.runtime.peak import format_flops
-
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
@@ -68,13 +68,14 @@ class Metrics:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.start_step, self.tensorboard, self.config_yaml = start_step, tensorboard, config_yaml
-        self._file = None
-        self._tb = None
+        self._file: TextIO | None = None
+        self._tb: Any = None                   # a SummaryWriter when TensorBoard logs
         self._window_tokens = 0
         self._window_t0 = time.perf_counter()
         # this start, for goodput (runtime/goodput.py): {time: the process's start, step, world_size, restart}; its
         # "start" record (with `ready`, when training began) goes out with the first step
-        self.start, self._ready = start, None
+        self.start = start
+        self._ready: float | None = None
 
     def _open(self) -> None:
         """The run directory's files appear with the first record (the first step): a start that fails before it
@@ -126,7 +127,7 @@ class Metrics:
         if self.flops_per_token is None:
             return {}
         peak = self.world_size * self.peak_flops if self.peak_flops else None
-        out = {}
+        out: dict[str, float | None] = {}
         for name, per_token in (("hfu", self.flops_per_token), ("mfu", self.model_flops_per_token)):
             if per_token is not None:
                 flops = tokens_per_s * per_token

@@ -63,7 +63,7 @@ def _zero_partitions(opt):
 
     mine = [dist.get_rank(group=g) if dist.is_initialized() else 0 for g in opt.real_dp_process_group]
     own_ok = all(torch.equal(parts[p], master.to(parts[p].dtype))
-                 for parts, p, master in zip(groups, mine, masters))
+                 for parts, p, master in zip(groups, mine, masters, strict=True))
     by_partition = [[parts[p] for parts in groups] for p in range(len(groups[0]))]
     return by_partition, mine[0], own_ok
 
@@ -136,7 +136,7 @@ def verdict(everyone: list[dict]) -> tuple[list[dict], str]:
             continue
         for key in ("scalars", "state"):
             if key in members[0]:
-                for e in _odd_ones(members, lambda e: e[key]):
+                for e in _odd_ones(members, lambda e, key=key: e[key]):
                     bad.setdefault(e["rank"], "Adam's step, the LR or the loss scale" if key == "scalars"
                                    else "its weights or Adam's moments")
         if "partitions" in members[0]:
@@ -146,9 +146,10 @@ def verdict(everyone: list[dict]) -> tuple[list[dict], str]:
                     bad.setdefault(owner["rank"], f"its weights of partition {p} differ from its own fp32 master")
                 ref = [owner] if owner is not None and owner["own_ok"] else None
                 others = members if ref or owner is None else [e for e in members if e is not owner]
-                for e in _odd_ones(others, lambda e: e["partitions"][p], ref):
+                for e in _odd_ones(others, lambda e, p=p: e["partitions"][p], ref):
                     bad.setdefault(e["rank"], f"its weights of partition {p} differ from rank {owner['rank']}'s, "
-                                              f"their owner's" if ref else f"its weights of partition {p} differ")
+                                              f"their owner's" if ref and owner is not None
+                                   else f"its weights of partition {p} differ")
     suspects = [e for e in everyone if e["rank"] in bad]
     return suspects, "; ".join(f"rank {r}: {why}" for r, why in sorted(bad.items()))
 

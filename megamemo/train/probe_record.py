@@ -87,7 +87,7 @@ class Probe:
         if not writer:
             return {}
         tensors = {}
-        for i, ((x, y), nll) in enumerate(zip(batches, nlls)):
+        for i, ((x, y), nll) in enumerate(zip(batches, nlls, strict=True)):
             tensors[f"inputs.{i}"] = x.cpu().clone()          # views of one buffer: safetensors wants their own
             tensors[f"targets.{i}"] = y.cpu().clone()
             tensors[f"nll.{i}"] = nll.float().cpu().clone()

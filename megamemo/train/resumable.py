@@ -59,8 +59,8 @@ class EngineState:
         if flats is not None:
             return "zero", opt.optimizer, flats
         if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):
-            return "unfused", opt.optimizer, {id(lp): hp for lg, hg in zip(opt.fp16_groups, opt.fp32_groups)
-                                              for lp, hp in zip(lg, hg)}
+            return "unfused", opt.optimizer, {id(lp): hp for lg, hg in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
+                                              for lp, hp in zip(lg, hg, strict=True)}
         if isinstance(opt, torch.optim.Optimizer):
             return "plain", opt, {}
         raise CheckpointError(f"cannot save or restore the state of a {type(opt).__name__} optimizer")
@@ -87,11 +87,11 @@ class EngineState:
         ds = self.engine.ds
         if ds.lr_scheduler is not None and d.get("lr_scheduler"):
             ds.lr_scheduler.load_state_dict(d["lr_scheduler"])
-            for group, lr in zip(ds.lr_scheduler.optimizer.param_groups, ds.lr_scheduler.get_last_lr()):
+            for group, lr in zip(ds.lr_scheduler.optimizer.param_groups, ds.lr_scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
         ds.global_steps, ds.global_samples = int(d["global_steps"]), int(d["global_samples"])
         ds.skipped_steps = int(d["skipped_steps"])
-        for scaler, saved in zip(self._scalers(), d.get("loss_scaler") or []):
+        for scaler, saved in zip(self._scalers(), d.get("loss_scaler") or [], strict=False):
             for k, v in saved.items():
                 setattr(scaler, k, v)
         self._adam_step = int(d.get("adam_step", 0))
@@ -144,7 +144,7 @@ class EngineState:
 
         filled = set()
         with torch.no_grad():
-            for single, p, (shape, box, view) in self._params():
+            for single, p, (shape, box, _view) in self._params():
                 name = f"model/{single}"
                 if name not in reader or reader.shape(name) != shape:
                     raise CheckpointError(f"{ctx.marker.get('tag')}: {name} is "
@@ -216,7 +216,7 @@ class MemoryState:
             return
         if len(present) != len(self.names):
             raise CheckpointError(f"{ctx.marker.get('tag')}: memory holds {present}, this rank needs {self.names}")
-        out = {}
+        out: dict[int, dict] = {}
         for k, (c0, c1) in enumerate(self.columns):
             out[k] = {}
             for name in self.names:

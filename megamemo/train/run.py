@@ -8,6 +8,7 @@ is gone (runtime/interruptions.py)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from megamemo.config.run import ConfigError
@@ -15,7 +16,7 @@ from megamemo.train.build import build
 from megamemo.train.config import load
 
 
-def run(config, sets: list[str] = ()) -> int:
+def run(config, sets: Sequence[str] = ()) -> int:
     """Trains the run of config file `config` with `--set` overrides `sets` in this process (one rank of it), to its
     end or a stop signal -> the exit code (0 done or stopped after saving; 2 a bad config, data or checkpoint, said in
     one line by one rank; 1 a diverged run; 4 a peer is gone). Every way it ends tears down in one order."""
@@ -99,12 +100,12 @@ def run(config, sets: list[str] = ()) -> int:
 def anticipated_errors() -> tuple[type[BaseException], ...]:
     """Errors megamemo explains in one line (bad config, data, shard, checkpoint, a locked run directory, a
     diverged run); anything else is a bug and shows its traceback."""
-    from megamemo.data import ManifestError, ShardError
-    from megamemo.runtime.lock import RunLockedError
     from megamemo.checkpoint.pieces import PieceError
     from megamemo.checkpoint.store import CheckpointError
-    from megamemo.train.data import DataError
+    from megamemo.data import ManifestError, ShardError
     from megamemo.runtime.device import DeviceError
+    from megamemo.runtime.lock import RunLockedError
+    from megamemo.train.data import DataError
     from megamemo.train.loop import DivergedError
     from megamemo.train.numerics import ReplicaMismatch
 

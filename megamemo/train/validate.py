@@ -11,8 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megamemo.train.config import RunConfig
 from megamemo.model.scoring import score_segments
+from megamemo.train.config import RunConfig
 
 
 def eval_lengths(cfg: RunConfig) -> dict:

@@ -20,7 +20,6 @@ import functools
 import sys
 
 from megamemo.config.run import ConfigError
-
 from megamemo.model.config import PAD_MULTIPLE, padded_vocab  # noqa: F401 (the rule lives with the model's n_vocab)
 
 
@@ -51,7 +50,7 @@ def manifest_vocab(data, fallback: int | None = None) -> int:
     return size
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _say_assumed(where: str, d, size: int) -> None:
     print(f"model.n_token: auto: {where} {d or '(none)'} has no manifest.json yet; assuming a vocabulary of {size} "
           f"symbols (--vocab)", file=sys.stderr, flush=True)

@@ -19,8 +19,9 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 BLOCK = 1 << 22
 
@@ -54,7 +55,7 @@ def _put_in_place(tmp: Path, path: Path, durable: bool) -> None:
         fsync_dir(path.parent)
 
 
-def write_atomic(path: Path, write: Callable[[Path], None], *, durable: bool = True) -> None:
+def write_atomic(path: Path, write: Callable[[Path], object], *, durable: bool = True) -> None:
     """write(tmp) fills a temporary file beside `path`, which then replaces `path` in one rename."""
     path = Path(path)
     tmp = _temp_beside(path)
@@ -90,7 +91,7 @@ class AtomicFile:
         with contextlib.suppress(OSError):
             self.tmp.unlink()
 
-    def __enter__(self) -> "AtomicFile":
+    def __enter__(self) -> AtomicFile:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -29,14 +29,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 BAR_REDRAW_S = 0.5     # the bar's postfix (and its lazy fields) is refreshed at most this often
 
 
 class Progress:
     def __init__(self, desc: str, total: float | None = None, *, unit: str = "it", every: float = 10.0,
-                 line: Callable[["Progress"], str] | None = None, log: Callable[[str], None] | None = None,
+                 line: Callable[[Progress], str] | None = None, log: Callable[[str], None] | None = None,
                  bar: bool | None = None, stream=None, scale: bool = False,
                  postfix: Callable[[dict], str] | None = None, clock: Callable[[], float] = time.monotonic):
         self.desc, self.total, self.unit, self.every = desc, (total or None), unit, every
@@ -45,7 +45,9 @@ class Progress:
         self._log = log or (lambda m: print(m, file=self.stream, flush=True))
         self._postfix = postfix or _default_postfix
         self._clock = clock
-        self.n, self.info, self._raw = 0, {}, {}
+        self.n: float = 0
+        self.info: dict = {}
+        self._raw: dict = {}
         self.t0 = self._last = clock()
         if bar is None:
             bar = _isatty(self.stream)
@@ -78,7 +80,7 @@ class Progress:
         delta, self.n = n - self.n, n
         self._raw.update(info)
         now = self._clock()
-        if self.is_bar:
+        if self._bar is not None:
             if now - self._last >= BAR_REDRAW_S and self._raw:
                 self._last = now
                 self._bar.set_postfix_str(self._postfix(self._evaluate()), refresh=False)
@@ -93,13 +95,13 @@ class Progress:
         return self.info
 
     def close(self) -> None:
-        if self.is_bar:
+        if self._bar is not None:
             if self._raw:
                 self._bar.set_postfix_str(self._postfix(self._evaluate()), refresh=False)
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -115,7 +117,8 @@ def _isatty(stream) -> bool:
 
 def _size(stream) -> tuple[int, int]:
     try:
-        return tuple(os.get_terminal_size(stream.fileno()))
+        cols, rows = os.get_terminal_size(stream.fileno())
+        return cols, rows
     except (AttributeError, ValueError, OSError):     # io.UnsupportedOperation is an OSError
         return 0, 0
 

@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.tiny import tiny_config
+from megamemo.checkpoint.single import save_single
 from megamemo.data import build
 from megamemo.data.corpora import from_arrays
 from megamemo.data.vocab import Vocab
-from megamemo.checkpoint.single import save_single
 from megamemo.kernels import apply_kernels
 from megamemo.model import MemTransformerLM
-
-from helpers.tiny import tiny_config
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -4,8 +4,8 @@ transformers alone, in a Python where `import megamemo` fails, and writes what t
 JOB: a list of {"dir", "tokens": [ids], "segment": L, "prompt": [ids], "new": N, "text": str} ->
 OUT: per job {"nll": per-token NLL of tokens[1:] scored segment by segment with the cache, "greedy": N token ids
 greedily generated after prompt, "encoded": the exported tokenizer's ids of text, "loss": labels' loss of the
-first segment, "nll_first": that segment's mean NLL as read off the logits, "vocab" and "targets": the sizes of its two reductions; with "bf16": whether the model loaded
-in bf16 computes its position sinusoids in fp32}."""
+first segment, "nll_first": that segment's mean NLL as read off the logits, "vocab" and "targets": the sizes of its two
+reductions; with "bf16": whether the model loaded in bf16 computes its position sinusoids in fp32}."""
 import importlib.abc
 import json
 import sys

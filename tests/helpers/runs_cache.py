@@ -3,9 +3,9 @@
 `launch` / `wait` / `run` start ranks of `megamemo train` directly (RANK/WORLD_SIZE/MASTER_* in the environment, as
 torchrun or srun set them). `ReferenceRuns` (the `reference_runs` session fixture of tests/conftest.py) runs each
 reference once per test run (shared by the pytest-xdist workers), keyed by its number of processes, config, data and
-arguments, and hands the same run directory to every test that compares against it. A cached run is read-only to the tests: one that needs to
-write into it copies it first. Every comparison stays one between two independently produced runs: the cache only
-saves training the same reference again."""
+arguments, and hands the same run directory to every test that compares against it. A cached run is read-only to the
+tests: one that needs to write into it copies it first. Every comparison stays one between two independently produced
+runs: the cache only saves training the same reference again."""
 from __future__ import annotations
 
 import fcntl
@@ -79,7 +79,7 @@ def wait(procs, timeout: float = 180) -> list[int]:
     fails naming them and their command."""
     end = time.time() + timeout
     rcs = []
-    for r, p in enumerate(procs):
+    for _r, p in enumerate(procs):
         try:
             rcs.append(p.wait(timeout=max(1, end - time.time())))
         except subprocess.TimeoutExpired:

@@ -19,10 +19,13 @@ def sin_emb(dist, d):
     return torch.cat([a.sin(), a.cos()])
 
 
-def layer_weights(sd, l, n, dh):
-    qkv = sd[f"layers.{l}.attn.qkv.weight"].double()
+def layer_weights(sd, li, n, dh):
+    qkv = sd[f"layers.{li}.attn.qkv.weight"].double()
     nd = n * dh
-    g = lambda k: sd[f"layers.{l}.{k}"].double()
+
+    def g(k):
+        return sd[f"layers.{li}.{k}"].double()
+
     return dict(q=qkv[:nd], k=qkv[nd:2 * nd], v=qkv[2 * nd:], r=g("attn.r_net.weight"), o=g("attn.o_net.weight"),
                 ln1=(g("attn.layer_norm.weight"), g("attn.layer_norm.bias")),
                 w1=g("ff.fc1.weight"), b1=g("ff.fc1.bias"), w2=g("ff.fc2.weight"), b2=g("ff.fc2.bias"),
@@ -72,14 +75,14 @@ def run_segment(sd, cfg, x, y, mem, mem_len, same_length=False, clamp_len=-1):
 
     h_mem = mem["emb"] if lamemo and mem else None
     h = h0
-    for l in range(cfg.n_layer):
-        w = layer_weights(sd, l, n, dh)
+    for li in range(cfg.n_layer):
+        w = layer_weights(sd, li, n, dh)
         if lamemo:
             cat = torch.cat([h_mem, h]) if M else h
         else:
-            cat = torch.cat([mem[f"hid.{l}"], h]) if M else h
+            cat = torch.cat([mem[f"hid.{li}"], h]) if M else h
             if mem_len:
-                new[f"hid.{l}"] = cat[max(0, klen - mem_len):]
+                new[f"hid.{li}"] = cat[max(0, klen - mem_len):]
         Q, K, V = cat @ w["q"].T, cat @ w["k"].T, cat @ w["v"].T
         rows, lses = [], []
         for i in range(L):
@@ -98,12 +101,12 @@ def run_segment(sd, cfg, x, y, mem, mem_len, same_length=False, clamp_len=-1):
                 mrows.append(c)
                 mlses.append(s)
             A, Sm = torch.stack(mrows), torch.stack(mlses)
-            Cold, Sold = mem[f"ctx.{l}"], mem[f"lse.{l}"]
+            Cold, Sold = mem[f"ctx.{li}"], mem[f"lse.{li}"]
             alpha = (Sold.exp() / (Sold.exp() + Sm.exp() + 1e-6)).unsqueeze(-1)
             ctx = torch.cat([alpha * Cold + (1 - alpha) * A, ctx])
             lse = torch.cat([torch.logaddexp(Sold, Sm), lse])
         if lamemo:
-            new[f"ctx.{l}"], new[f"lse.{l}"] = ctx[max(0, klen - mem_len):], lse[max(0, klen - mem_len):]
+            new[f"ctx.{li}"], new[f"lse.{li}"] = ctx[max(0, klen - mem_len):], lse[max(0, klen - mem_len):]
         rows_in = cat if lamemo else h
         out = ffn(ln(rows_in + ctx.reshape(ctx.shape[0], B, n * dh) @ w["o"].T, w["ln1"]), w)
         if lamemo:

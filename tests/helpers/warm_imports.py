@@ -13,11 +13,12 @@ from megamemo.cli import prepare_process  # noqa: E402
 
 prepare_process()
 
-import torch  # noqa: E402,F401
-import torch._dynamo  # noqa: E402,F401
 import deepspeed  # noqa: E402,F401
 import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
 import megatron.core.tensor_parallel  # noqa: E402,F401
+import torch  # noqa: E402,F401
+import torch._dynamo  # noqa: E402,F401
+
 import megamemo.commands.train  # noqa: E402,F401
 import megamemo.train.build  # noqa: E402,F401
 import megamemo.train.engine  # noqa: E402,F401

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,7 @@ class AdaptiveEmbedding(nn.Module):
                 e = e @ self.emb_projs[0].t()
         else:
             e = torch.zeros(*ids.shape, self.d_proj, dtype=self.emb_projs[0].dtype, device=ids.device)
-            for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+            for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:], strict=True)):
                 inside = (ids >= lo) & (ids < hi)
                 if inside.any():
                     e[inside] = self.emb_layers[i](ids[inside] - lo) @ self.emb_projs[i].t()
@@ -135,10 +136,10 @@ class AdaptiveSoftmax(nn.Module):
 
     def _cluster(self, i, emb: AdaptiveEmbedding):
         lo, hi = self.bounds[i], self.bounds[i + 1]
-        if self.div_val == 1:
-            w = (emb.emb_layers[0].weight if self.tie_weight else self.out_weights[0])[lo:hi]
-        else:
-            w = emb.emb_layers[i].weight if self.tie_weight else self.out_weights[i]
+        k = 0 if self.div_val == 1 else i           # div_val 1: one table, this cluster's rows of it
+        table = emb.emb_layers[k].weight if self.tie_weight else self.out_weights[k]
+        assert isinstance(table, torch.Tensor)
+        w = table[lo:hi] if self.div_val == 1 else table
         p = None
         if self.has_proj:
             p = emb.emb_projs[0 if self.div_val == 1 else i] if self.tie_projs[i] else self.out_projs[str(i)]
@@ -215,6 +216,11 @@ class Layer(nn.Module):
     def __init__(self, c: MegamemoConfig):
         super().__init__()
         self.attn, self.ff = Attention(c), FeedForward(c)
+
+
+def _typed(layers: nn.ModuleList) -> list[Layer]:
+    """The model's layers as what they are (an nn.ModuleList yields bare Modules to a type checker)."""
+    return cast("list[Layer]", list(layers))
 
 
 def _interpolate(c_old, s_old, a, s_new):
@@ -298,11 +304,11 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _xl(self, h, memory, M, pos, index, hidden, mem_len):
         c, new = self.config, {}
-        for l, layer in enumerate(self.layers):
-            old = memory.get(f"hid.{l}")
+        for li, layer in enumerate(_typed(self.layers)):
+            old = memory.get(f"hid.{li}")
             keep = h if old is None else torch.cat([old, h.to(old.dtype)], 0)
             if mem_len > 0:
-                new[f"hid.{l}"] = keep[max(0, keep.size(0) - mem_len):].detach()
+                new[f"hid.{li}"] = keep[max(0, keep.size(0) - mem_len):].detach()
             x = keep.to(h.dtype)
             x = layer.attn.layer_norm(x) if c.pre_lnorm else x
             a = layer.attn
@@ -326,14 +332,14 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
             i = torch.arange(M, device=h0.device)[:, None]
             p = torch.arange(M - nk + 1, M + 1, device=h0.device)[None, :]
             ahead_index, ahead_hidden = (p - i - 1).clamp(0, M - 1), p <= i
-        for l, layer in enumerate(self.layers):
+        for li, layer in enumerate(_typed(self.layers)):
             a = layer.attn
             x = a.layer_norm(x_all) if c.pre_lnorm else x_all
             q, k, v = a.project(x, 0), a.project(x, 1), a.project(x, 2)
             r = a.r_net(pos).view(-1, c.n_head, c.d_head)
             ctx, lse = a.attend(q[M:], k, v, (r[:klen], index), self.r_w_bias, self.r_r_bias, hidden)
             if M:
-                c_old, s_old = memory[f"ctx.{l}"], memory[f"lse.{l}"].float()
+                c_old, s_old = memory[f"ctx.{li}"], memory[f"lse.{li}"].float()
                 if c.variant == "lamemo_no_lookahead":
                     c_mem, s_mem = c_old.to(ctx.dtype), s_old
                 else:
@@ -344,7 +350,7 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
                     else:
                         c_mem, s_mem = _interpolate(c_old, s_old, ahead, s_ahead)
                 ctx, lse = torch.cat([c_mem, ctx], 0), torch.cat([s_mem, lse], 0)
-            new[f"ctx.{l}"], new[f"lse.{l}"] = ctx[beg:].detach(), lse[beg:].detach()
+            new[f"ctx.{li}"], new[f"lse.{li}"] = ctx[beg:].detach(), lse[beg:].detach()
             x_all = layer.ff(a.output(x_all, ctx, c.pre_lnorm))
         keep = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
         new["emb"] = keep[max(0, keep.size(0) - mem_len):].detach()
