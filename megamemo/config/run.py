@@ -15,10 +15,11 @@ from pathlib import Path
 
 import yaml
 
+from megamemo.util.errors import MegamemoError
 from megamemo.util.typed import build
 
 
-class ConfigError(ValueError):
+class ConfigError(MegamemoError, ValueError):
     """A bad config file, key or value; the message names it."""
 
 

@@ -19,8 +19,9 @@ import numpy as np
 import webdataset as wds
 import zstandard
 
-from megamemo.util.progress import Progress
+from megamemo.util.errors import MegamemoError
 from megamemo.util.files import AtomicFile, HashingWriter, write_text_atomic
+from megamemo.util.progress import Progress
 
 from .corpora import Corpus
 from .doc_index import DocumentStartsWriter, check_entry
@@ -34,7 +35,7 @@ DTYPES = ("<u1", "<u2", "<u4", "<u8")
 _ZERO_BLOCK = bytes(512)
 
 
-class ShardError(Exception):
+class ShardError(MegamemoError):
     """A shard that is missing, damaged, or does not match its manifest entry."""
 
     def __init__(self, shard, message: str, offset: int | None = None):
@@ -42,7 +43,7 @@ class ShardError(Exception):
         super().__init__(f"shard {shard}: {message}")
 
 
-class EmptyCorpusError(ValueError):
+class EmptyCorpusError(MegamemoError, ValueError):
     """A corpus with a split too short to train or evaluate on; the message names the corpus's files."""
 
 
@@ -54,7 +55,7 @@ def _names(files) -> str:
     return str(files)
 
 
-class ManifestError(ValueError):
+class ManifestError(MegamemoError, ValueError):
     """manifest.json is missing, unreadable or inconsistent; names the file and the field."""
 
 

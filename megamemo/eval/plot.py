@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megamemo.runtime import goodput, interruptions
+from megamemo.util.errors import MegamemoError
 from megamemo.util.units import metric_value
 
 WORD_LEVEL_NATS = 2.0   # records-only guess: characters sit below this (bpc < 2.9), words above (ppl > 7.4)
 
 
-class PlotError(ValueError):
+class PlotError(MegamemoError, ValueError):
     """A missing or unreadable run; the message names the file."""
 
 

@@ -30,11 +30,12 @@ import yaml
 
 from megamemo.checkpoint.store import tag_for
 from megamemo.train.rollback import KIND, checkpoint_before, spike_records
+from megamemo.util.errors import MegamemoError
 
 UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 
-class ReplayError(ValueError):
+class ReplayError(MegamemoError, ValueError):
     """A replay that cannot be made (no such step, no checkpoint before it); the message says why."""
 
 

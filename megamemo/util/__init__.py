@@ -2,4 +2,4 @@
 function needs them, imported inside it), and megamemo.data may import them: typed.py (typed config building),
 progress.py (progress lines), files.py (the one atomic write, fsync where durable, and the one sha256), units.py
 (bpc, ppl, bits per byte), precision.py (the precision names, dtypes and sizes), seeding.py (the default random
-streams)."""
+streams), errors.py (MegamemoError: the root of every user error; UsageError)."""
