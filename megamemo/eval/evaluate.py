@@ -39,6 +39,7 @@ import torch
 from megamemo.model.memory import Memory
 from megamemo.model.scoring import evaluate
 from megamemo.model.trams import TramsConfig
+from megamemo.util.errors import UsageError
 from megamemo.util.units import metric_value
 
 
@@ -50,7 +51,7 @@ def metric_name(manifest: dict) -> str:
 
     kind = (manifest.get("tokenizer") or {}).get("kind") or (manifest.get("vocab") or {}).get("kind")
     if kind not in ("bytes", "chars", "words", "subword"):
-        raise ValueError(f"manifest.json: tokenizer.kind {kind!r} is not one of bytes | chars | words | subword")
+        raise UsageError(f"manifest.json: tokenizer.kind {kind!r} is not one of bytes | chars | words | subword")
     return unit_of(kind)
 
 
@@ -60,7 +61,7 @@ def check_tokenizer(meta: dict, manifest: dict, ckpt, data_dir) -> None:
 
     mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer")
     if mine and not same_tokenizer(mine, theirs):
-        raise ValueError(f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
+        raise UsageError(f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
                          f" differs from the one checkpoint {ckpt} was trained with ({mine.get('kind')}, sha256 "
                          f"{str(mine.get('sha256'))[:12]})")
 
@@ -162,7 +163,7 @@ def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
     manifest = manifest_of(a.data)          # a local directory or an s3:// gs:// https:// one
     metric = metric_name(manifest)
     if a.split not in manifest["splits"]:
-        raise ValueError(f"{str(a.data).rstrip('/')}/manifest.json: no split {a.split!r}")
+        raise UsageError(f"{str(a.data).rstrip('/')}/manifest.json: no split {a.split!r}")
     token_bytes = token_bytes_of(a.data, manifest)
     results = []
     for ckpt in ckpts:

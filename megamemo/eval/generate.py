@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megamemo.model.generation import default_mem_len, generate, nucleus_probs
+from megamemo.util.errors import UsageError
 
 
 @dataclass
@@ -50,14 +51,14 @@ def prepare(ckpt, prompt_file, *, max_new_tokens: int, top_p: float, temperature
     model.cfg.check_lengths(**{"--mem-len": mem_len})
     vocab = vocab_for(meta, data, ckpt)
     if len(vocab) > model.cfg.vocab_size:
-        raise ValueError(f"vocabulary of {len(vocab)} symbols does not fit the model's "
+        raise UsageError(f"vocabulary of {len(vocab)} symbols does not fit the model's "
                          f"{model.cfg.vocab_size} (model.n_vocab or n_token)")
     raw = Path(prompt_file).read_bytes()
     prompt = encode_prompt(vocab, raw, prompt_file)
     if not prompt:
-        raise ValueError(f"{prompt_file}: empty prompt")
+        raise UsageError(f"{prompt_file}: empty prompt")
     if max_new_tokens < 0:
-        raise ValueError("--max-new-tokens must be >= 0")
+        raise UsageError("--max-new-tokens must be >= 0")
     nucleus_probs(torch.zeros(2), top_p, temperature)       # argument checks
     start = None
     if memory:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megamemo.util.errors import UsageError
 from megamemo.util.typed import build
 
 # variant -> (memory kind, attention kind)
@@ -106,7 +107,7 @@ class ModelConfig:
     # ---- validation and (de)serialisation -----------------------------------------------------------------
     def validate(self) -> "ModelConfig":
         def bad(name, why):
-            raise ValueError(f"model.{name}: {why} (got {getattr(self, name)!r})")
+            raise UsageError(f"model.{name}: {why} (got {getattr(self, name)!r})")
 
         if self.variant not in VARIANTS:
             bad("variant", f"must be one of {sorted(VARIANTS)}")
@@ -158,7 +159,7 @@ class ModelConfig:
         except ValueError as e:
             for flag, name in fields.items():
                 if str(e).startswith(f"model.{name}:"):
-                    raise ValueError(flag + str(e)[len(f"model.{name}"):]) from None
+                    raise UsageError(flag + str(e)[len(f"model.{name}"):]) from None
             raise
 
     def to_dict(self) -> dict:
