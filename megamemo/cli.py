@@ -1,11 +1,19 @@
 """The `megamemo` command: a thin dispatcher. Each subcommand lives in its own module (megamemo/commands/; prepare
 and verify-shards: megamemo/data/cli.py) as `main(argv: list[str]) -> int | None`, imported only when used (so
-`megamemo prepare` never imports DeepSpeed)."""
+`megamemo prepare` never imports DeepSpeed).
+
+Errors are caught here, once: a user error (megamemo.util.errors.MegamemoError: a bad config, flag, data directory,
+checkpoint or file; or an OSError: a file missing, unreadable or unwritable) prints `megamemo COMMAND: error:
+MESSAGE`, one line, and exits 2. Any other exception is a bug: its traceback is printed and the exit code is 1.
+Training's own exit codes (megamemo/train/run.py, megamemo/runtime/interruptions.py) are returned as they are."""
 from __future__ import annotations
 
 import importlib
 import os
 import sys
+import traceback
+
+from megamemo.util.errors import MegamemoError
 
 SUBCOMMANDS = {
     "prepare": ("megamemo.data.cli:prepare_main", "build zstd webdataset shards from a raw corpus"),
@@ -72,7 +80,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megamemo: subcommand {name!r} is not available in this build ({e})", file=sys.stderr)
             return 2
         raise
-    rc = getattr(module, func_name)(rest)
+    return run_command(name, getattr(module, func_name), rest)
+
+
+def run_command(name: str, command, argv: list[str]) -> int:
+    """`command(argv)` -> its exit code; a user error -> one line and 2; a bug -> its traceback and 1."""
+    try:
+        rc = command(argv)
+    except (MegamemoError, OSError) as e:
+        print(f"megamemo {name}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        return 1
     return int(rc or 0)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from megamemo import cli
 from megamemo.data import build
 from megamemo.data.corpora import from_arrays
 from megamemo.data.vocab import Vocab
@@ -113,7 +114,7 @@ def test_a_memory_that_does_not_fit_is_refused_by_name(streams, tmp_path, capsys
              "12 rows is longer than the run's mem_len 4", memory),
             (["--ckpt", str(tmp_path / "ck"), "--batch-size", str(B), "--memory", str(model_file)],
              "not a memory file", model_file)):
-        assert evaluate.main(base + args) == 2
+        assert cli.run_command("eval", evaluate.main, base + args) == 2
         err = capsys.readouterr().err
         assert says in err and str(names) in err, err
         assert len(err.strip().splitlines()) == 1, err

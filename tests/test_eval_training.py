@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megamemo import cli
 from megamemo.commands import convert as convert_cmd, eval as evaluate
 from megamemo.interop import load as convert
 
@@ -76,8 +77,8 @@ def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     (broken / "COMMITTED").unlink()
     with pytest.raises(convert.ConvertError, match="COMMITTED"):
         convert.load_model(broken)
-    assert evaluate.main(["--ckpt", str(broken), "--data", str(shards)]) == 2
-    assert convert_cmd.main(["to-single", "--ckpt", str(broken), "--out", str(tmp_path / "x")]) == 2
+    assert cli.run_command("eval", evaluate.main, ["--ckpt", str(broken), "--data", str(shards)]) == 2
+    assert cli.run_command("convert", convert_cmd.main, ["to-single", "--ckpt", str(broken), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
     # the run directory still resolves to the newest *committed* checkpoint
     assert convert.resolve_committed(run)[0] == step_dir

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from megamemo import cli
 from megamemo.data.vocab import Vocab
 from megamemo.commands import generate as generate_cmd
 from megamemo.interop.load import load_model
@@ -250,7 +251,7 @@ def run_export(*args) -> subprocess.CompletedProcess:
 
 
 def export_in_process(capsys, *args) -> subprocess.CompletedProcess:
-    rc = export_cmd.main(["hf", *map(str, args)])
+    rc = cli.run_command("export", export_cmd.main, ["hf", *map(str, args)])
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, rc, out.out, out.err)
 
@@ -258,7 +259,7 @@ def export_in_process(capsys, *args) -> subprocess.CompletedProcess:
 def one_line_error(r, *words):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("megamemo export hf: error:"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("megamemo export: error:"), r.stderr
     for w in words:
         assert w in lines[0], (w, lines[0])
 

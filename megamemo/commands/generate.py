@@ -36,18 +36,12 @@ def main(argv: list[str]) -> int:
                    help="attention form: auto (eager: one query a step), eager, flex (FlexAttention), fused (the "
                         "Triton kernels; on the CPU only in Triton's interpreter, TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
-    from megamemo.data import ManifestError
-    from megamemo.checkpoint.single import SingleCheckpointError
     from megamemo.eval.generate import prepare
     from megamemo.runtime.device import torch_device
 
-    try:
-        job = prepare(a.ckpt, a.prompt_file, max_new_tokens=a.max_new_tokens, top_p=a.top_p,
-                      temperature=a.temperature, data=a.data, mem_len=a.mem_len, memory=a.memory,
-                      device=torch_device(a.device), attention=a.attention)
-    except (ValueError, OSError, ManifestError, SingleCheckpointError) as e:
-        print(f"megamemo generate: error: {e}", file=sys.stderr)
-        return 2
+    job = prepare(a.ckpt, a.prompt_file, max_new_tokens=a.max_new_tokens, top_p=a.top_p,
+                  temperature=a.temperature, data=a.data, mem_len=a.mem_len, memory=a.memory,
+                  device=torch_device(a.device), attention=a.attention)
     new, text = job.run(a.max_new_tokens, top_p=a.top_p, temperature=a.temperature, seed=a.seed, greedy=a.greedy,
                         mem_len=a.mem_len, log=lambda m: print(m, file=sys.stderr, flush=True))
     if a.out:
