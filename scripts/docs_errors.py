@@ -1,9 +1,9 @@
 """errors.md's rows for scripts/docs_reference.py: the one-line errors megamemo prints for bad input (every raise
 of an exception deriving from megamemo.util.errors.MegamemoError), read from the source with `ast` - each with its
-module and line, the `if` that raises it, and its message text. A message held in
-a variable is shown as the text assigned to it; a caught exception passed on (`str(e)`) as `{e}` with the kind
-caught; a ShardError as the "shard ...: why" it prints; `megamemo prepare`'s errors (the ValueError family,
-missing files) from the modules prepare runs."""
+module and line, the `if` that raises it, and its message text. A message held in a variable is shown as the text
+assigned to it; a caught exception passed on (`str(e)`) as `{e}` with the kind caught; a ShardError as the "shard
+...: why" it prints; `megamemo prepare`'s errors (the ValueError family, missing files) from the modules prepare
+runs."""
 from __future__ import annotations
 
 import ast
@@ -29,8 +29,9 @@ def user_errors() -> set[str]:
     return derived - {"MegamemoError"}
 
 
-# the user errors, and DivergedError (training's own: exit 1)
-ERRORS = frozenset(user_errors() | {"DivergedError"})
+# the user errors, and DivergedError (training's own: exit 1); not SaveFailed, whose message is the verdict of a
+# checkpoint's commit (megamemo/checkpoint/commit.py), a failed save rather than bad input
+ERRORS = frozenset(user_errors() - {"SaveFailed"} | {"DivergedError"})
 # `megamemo prepare` (megamemo/data/cli.py prepare_main) prints these as `megamemo prepare: error: ...`, exit 2
 PREPARE_FILES = {f"megamemo/data/{m}.py" for m in ("cli", "corpora", "documents", "subword", "tokenizer", "vocab",
                                                    "shards")}

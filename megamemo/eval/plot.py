@@ -241,7 +241,7 @@ def save(runs: list[Run], out: Path, x: str = "steps", metric: str | None = None
     try:
         fig.savefig(out, dpi=120)
     except OSError as e:
-        raise PlotError(f"{out}: {e.strerror or e}") from None
+        raise PlotError(f"{out}: cannot write the plot ({e.strerror or e})") from None
     finally:
         plt.close(fig)
     for r in runs:
