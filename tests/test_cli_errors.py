@@ -104,7 +104,8 @@ def test_a_fields_flag_has_its_type_default_and_comment():
     assert p.parse_args(["--path", "p", "--same"]).same is True
     helps = {a.option_strings[0]: a.help for a in p._actions if a.option_strings}
     assert helps["--ratios"] == "the ratios, comma-separated" and helps["--same"].startswith("the same lengths")
-    for bad in ([], ["--path", "p", "--count", "2"], ["--path", "p", "--count", "x"], ["--path", "p", "--ratios", "1,x"]):
+    for bad in ([], ["--path", "p", "--count", "2"], ["--path", "p", "--count", "x"],
+                ["--path", "p", "--ratios", "1,x"]):
         with pytest.raises(SystemExit) as e:
             p.parse_args(bad)
         assert e.value.code == 2, bad
