@@ -97,4 +97,5 @@ def test_cli_writes_plots_and_json(tmp_path):
     assert xl["variant"] == "xl" and "alpha" not in xl
     assert len(xl["attention_by_distance"]["mean"]) == 24 and 0.0 < xl["memory_mass"]["layer_0"] < 1.0
     rpe, _ = tiny_checkpoint(tmp_path / "rpe", "rpe")
-    assert cli.run_command("analyze", analyze_cmd.main, ["--ckpt", str(rpe), "--data", str(data), "--out", str(out)]) == 2
+    assert cli.run_command("analyze", analyze_cmd.main,
+                           ["--ckpt", str(rpe), "--data", str(data), "--out", str(out)]) == 2

@@ -119,7 +119,7 @@ def test_a_memory_that_does_not_fit_is_refused_by_name(streams, tmp_path, capsys
         assert says in err and str(names) in err, err
         assert len(err.strip().splitlines()) == 1, err
     (tmp_path / "prompt").write_bytes(b"<page>")
-    assert generate.main(["--ckpt", str(tmp_path / "ck"), "--prompt-file", str(tmp_path / "prompt"), "--memory",
-                          str(memory)]) == 2
+    assert cli.run_command("generate", generate.main, ["--ckpt", str(tmp_path / "ck"), "--prompt-file",
+                                                       str(tmp_path / "prompt"), "--memory", str(memory)]) == 2
     err = capsys.readouterr().err
     assert "memory of 3 streams, the run has 1 (generate continues one" in err and str(memory) in err, err

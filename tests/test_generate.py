@@ -105,5 +105,6 @@ def test_word_vocabulary_from_the_shards_and_errors(tmp_path, capsys):
     assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "5",
                          "--data", str(data)]) == 0
     assert len(capsys.readouterr().out.split()) >= 1
-    assert cli.run_command("generate", generate_cmd.main, ["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt")]) == 2
+    assert cli.run_command("generate", generate_cmd.main,
+                           ["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt")]) == 2
     assert "--data" in capsys.readouterr().err
