@@ -4,7 +4,8 @@ and verify-shards: megamemo/data/cli.py) as `main(argv: list[str]) -> int | None
 
 Errors are caught here, once: a user error (megamemo.util.errors.MegamemoError: a bad config, flag, data directory,
 checkpoint or file; or an OSError: a file missing, unreadable or unwritable) prints `megamemo COMMAND: error:
-MESSAGE`, one line, and exits 2. Any other exception is a bug: its traceback is printed and the exit code is 1.
+MESSAGE`, one line (its traceback too with MEGAMEMO_DEBUG=1), and exits 2. Any other exception is a bug: its
+traceback is printed and the exit code is 1.
 Training's own exit codes (megamemo/train/run.py, megamemo/runtime/interruptions.py) are returned as they are."""
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def run_command(name: str, command, argv: list[str]) -> int:
     try:
         rc = command(argv)
     except (MegamemoError, OSError) as e:
+        if os.environ.get("MEGAMEMO_DEBUG") == "1":
+            traceback.print_exc()
         print(f"megamemo {name}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception:
