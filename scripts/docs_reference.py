@@ -205,8 +205,8 @@ def errors_page() -> str:
     out = [HEADER, "# Error catalogue\n\n",
            "The one-line errors megamemo prints for bad input (exit code 2, or 1 for a diverged run), read from the "
            "source: every raise of an exception deriving from megamemo.util.errors.MegamemoError, which the "
-           "`megamemo` dispatcher prints as `megamemo COMMAND: error: MESSAGE`; where each is raised, the condition that raises it, and its message (`{...}` is filled in at "
-           "run time; `a | b`: one of two texts; `[...]`: a part said only sometimes; `{e} (the X caught, passed "
+           "`megamemo` dispatcher prints as `megamemo COMMAND: error: MESSAGE`; where each is raised, the condition "
+           "that raises it, and its message (`{...}` is filled in at run time; `a | b`: one of two texts; `[...]`: a part said only sometimes; `{e} (the X caught, passed "
            "on)`: the message of an error raised deeper, listed where that one is raised). The message says what to "
            "change; the condition says what was seen. `megamemo prepare`'s errors (kind `prepare (...)`) print as "
            "`megamemo prepare: error: MESSAGE` and exit 2.\n"]
