@@ -450,7 +450,7 @@ MUTATIONS = [
       'if "TORCHDYNAMO_DISABLE" not in os.environ:', "if True:",
       ("tests/test_cli.py::test_the_users_torchdynamo_choice_is_kept",)),
     M("cli-bug-reported-as-a-user-error", "megamemo/cli.py",
-      "except (MegamemoError, OSError) as e:", "except Exception as e:",
+      "except user_errors as e:", "except Exception as e:",
       ("tests/test_cli_errors.py::test_a_bug_in_a_command_exits_1_with_its_traceback",)),
     M("flags-optional-bool-field-loses-its-no-form", "megamemo/commands/flags.py",
       'return dict(action="store_true") if hint is bool else dict(action=argparse.BooleanOptionalAction)',

@@ -6,7 +6,9 @@ Errors are caught here, once: a user error (megamemo.util.errors.MegamemoError: 
 checkpoint or file; or an OSError: a file missing, unreadable or unwritable) prints `megamemo COMMAND: error:
 MESSAGE`, one line (its traceback too with MEGAMEMO_DEBUG=1), and exits 2. Any other exception is a bug: its
 traceback is printed and the exit code is 1.
-Training's own exit codes (megamemo/train/run.py, megamemo/runtime/interruptions.py) are returned as they are."""
+Training keeps its own exit codes (megamemo/train/run.py, megamemo/runtime/interruptions.py): `megamemo train`'s
+exceptions are not made user errors here, so an error training does not anticipate stays a crash (exit 1) that a
+launcher may retry."""
 from __future__ import annotations
 
 import importlib
@@ -15,6 +17,8 @@ import sys
 import traceback
 
 from megamemo.util.errors import MegamemoError
+
+USER_ERRORS = (MegamemoError, OSError)      # one line, exit 2 (a file missing, unreadable or unwritable: OSError)
 
 SUBCOMMANDS = {
     "prepare": ("megamemo.data.cli:prepare_main", "build zstd webdataset shards from a raw corpus"),
@@ -81,14 +85,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megamemo: subcommand {name!r} is not available in this build ({e})", file=sys.stderr)
             return 2
         raise
-    return run_command(name, getattr(module, func_name), rest)
+    # training's exit codes are its own (train/run.py reports the errors it anticipates, exit 2; any other is a
+    # crash, exit 1, which a launcher may retry): none of its exceptions is made a user error here
+    return run_command(name, getattr(module, func_name), rest, user_errors=() if name == "train" else USER_ERRORS)
 
 
-def run_command(name: str, command, argv: list[str]) -> int:
+def run_command(name: str, command, argv: list[str], user_errors: tuple = USER_ERRORS) -> int:
     """`command(argv)` -> its exit code; a user error -> one line and 2; a bug -> its traceback and 1."""
     try:
         rc = command(argv)
-    except (MegamemoError, OSError) as e:
+    except user_errors as e:
         if os.environ.get("MEGAMEMO_DEBUG") == "1":
             traceback.print_exc()
         print(f"megamemo {name}: error: {e}", file=sys.stderr, flush=True)

@@ -44,6 +44,21 @@ def test_a_bug_in_a_command_exits_1_with_its_traceback(quiet_process, monkeypatc
     assert err.rstrip().endswith(f"{type(bug).__name__}: {bug}") and "megamemo plot: error" not in err
 
 
+def test_trainings_exceptions_keep_their_own_exit_codes(quiet_process, monkeypatch, capsys):
+    """train/run.py reports what training anticipates (exit 2) itself; an error that escapes it is a crash, exit 1,
+    which a launcher may retry - not made a user error (exit 2, never retried) by the dispatcher."""
+    from megamemo.commands import train
+    from megamemo.runtime import signals
+
+    def escaped(argv):
+        raise UsageError("an error training did not anticipate")
+    monkeypatch.setattr(train, "main", escaped)
+    monkeypatch.setattr(signals, "hold", lambda: None)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "megamemo train: error" not in err, err
+
+
 def test_a_user_error_exits_2_in_one_line(quiet_process, tmp_path, capsys):
     """The real command: a run directory without metrics.jsonl is a PlotError, a MegamemoError."""
     (tmp_path / "run").mkdir()
