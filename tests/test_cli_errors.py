@@ -138,7 +138,8 @@ def test_a_field_without_a_comment_has_no_flag():
 
 @pytest.mark.parametrize("target, request_type, own", [
     ("megamemo.commands.eval:main", "megamemo.eval.evaluate:Request", {"ckpt", "json", "plot", "table"}),
-    ("megamemo.commands.plan:main", "megamemo.plan.report:Ask", {"config", "vocab", "set"})])
+    ("megamemo.commands.plan:main", "megamemo.plan.report:Ask", {"config", "vocab", "set"}),
+    ("megamemo.commands.generate:main", "megamemo.eval.generate:Request", {"ckpt", "out", "json"})])
 def test_a_commands_flags_are_its_request_types_fields(target, request_type, own):
     """Beside its own few flags, a command's flags are exactly its request type's fields, and parse into it."""
     import importlib
