@@ -52,7 +52,7 @@ def grad_accum_dtype(cfg: RunConfig) -> str | None:
     optimizer, whose reduction can overlap the backward (parallel/zero.py fp32_accumulation)."""
     from megamemo.parallel.zero import fp32_accumulation
 
-    return "fp32" if fp32_accumulation(cfg) else None
+    return "fp32" if fp32_accumulation(cfg.parallel, cfg.precision, cfg.train.grad_accum) else None
 
 
 def zero_optimization(cfg: RunConfig) -> dict:
