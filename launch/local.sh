@@ -38,7 +38,7 @@ source "$here/scripts/env.sh"      # the repo's venv on PATH
 # DS_ACCELERATOR=cpu, e.g. from scripts/env.sh on a machine whose nvidia-smi is not on PATH, does not choose)
 megamemo_select_device "${MEGAMEMO_DEVICE:-auto}" || { rc=$?; [ "$rc" = 2 ] && usage; exit "$rc"; }
 
-if ! (cd / && python -c "import megamemo.runtime.launcher, megamemo.commands.train") 2>/dev/null; then
+if ! (cd / && python -c "import megamemo.commands.launch, megamemo.runtime.launcher, megamemo.commands.train") 2>/dev/null; then
   echo "launch/local.sh: megamemo (with its train command) is not installed in $(command -v python || echo 'any python on PATH')." >&2
   echo "  Set up the environment first: bash scripts/setup.sh   (or point MEGAMEMO_VENV at one that has it)" >&2
   exit 1
@@ -48,4 +48,4 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
 echo "[launch/local] $n process(es) on $MEGAMEMO_DEVICE, OMP_NUM_THREADS=$OMP_NUM_THREADS${restarts[*]:+, ${restarts[*]}}: ${MEGAMEMO_TRAIN_CMD:-megamemo train} $*" >&2
-exec python -m megamemo.runtime.launcher "${restarts[@]}" "$n" "$@"
+exec python -m megamemo.commands.launch "${restarts[@]}" "$n" "$@"

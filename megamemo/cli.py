@@ -1,11 +1,24 @@
 """The `megamemo` command: a thin dispatcher. Each subcommand lives in its own module (megamemo/commands/; prepare
 and verify-shards: megamemo/data/cli.py) as `main(argv: list[str]) -> int | None`, imported only when used (so
-`megamemo prepare` never imports DeepSpeed)."""
+`megamemo prepare` never imports DeepSpeed).
+
+Errors are caught here, once: a user error (megamemo.util.errors.MegamemoError: a bad config, flag, data directory,
+checkpoint or file; or an OSError: a file missing, unreadable or unwritable) prints `megamemo COMMAND: error:
+MESSAGE`, one line (its traceback too with MEGAMEMO_DEBUG=1), and exits 2. Any other exception is a bug: its
+traceback is printed and the exit code is 1.
+Training keeps its own exit codes (megamemo/train/run.py, megamemo/runtime/interruptions.py): `megamemo train`'s
+exceptions are not made user errors here, so an error training does not anticipate stays a crash (exit 1) that a
+launcher may retry."""
 from __future__ import annotations
 
 import importlib
 import os
 import sys
+import traceback
+
+from megamemo.util.errors import MegamemoError
+
+USER_ERRORS = (MegamemoError, OSError)      # one line, exit 2 (a file missing, unreadable or unwritable: OSError)
 
 SUBCOMMANDS = {
     "prepare": ("megamemo.data.cli:prepare_main", "build zstd webdataset shards from a raw corpus"),
@@ -72,7 +85,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megamemo: subcommand {name!r} is not available in this build ({e})", file=sys.stderr)
             return 2
         raise
-    rc = getattr(module, func_name)(rest)
+    # training's exit codes are its own (train/run.py reports the errors it anticipates, exit 2; any other is a
+    # crash, exit 1, which a launcher may retry): none of its exceptions is made a user error here
+    return run_command(name, getattr(module, func_name), rest, user_errors=() if name == "train" else USER_ERRORS)
+
+
+def run_command(name: str, command, argv: list[str], user_errors: tuple = USER_ERRORS) -> int:
+    """`command(argv)` -> its exit code; a user error -> one line and 2; a bug -> its traceback and 1."""
+    try:
+        rc = command(argv)
+    except user_errors as e:
+        if os.environ.get("MEGAMEMO_DEBUG") == "1":
+            traceback.print_exc()
+        print(f"megamemo {name}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        return 1
     return int(rc or 0)
 
 

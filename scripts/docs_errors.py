@@ -1,8 +1,9 @@
-"""errors.md's rows for scripts/docs_reference.py: the one-line errors megamemo prints for bad input, read from the
-source with `ast` - each with its module and line, the `if` that raises it, and its message text. A message held in
-a variable is shown as the text assigned to it; a caught exception passed on (`str(e)`) as `{e}` with the kind
-caught; a ShardError as the "shard ...: why" it prints; `megamemo prepare`'s errors (the ValueError family,
-missing files) from the modules prepare runs."""
+"""errors.md's rows for scripts/docs_reference.py: the one-line errors megamemo prints for bad input (every raise
+of an exception deriving from megamemo.util.errors.MegamemoError), read from the source with `ast` - each with its
+module and line, the `if` that raises it, and its message text. A message held in a variable is shown as the text
+assigned to it; a caught exception passed on (`str(e)`) as `{e}` with the kind caught; a ShardError as the "shard
+...: why" it prints; `megamemo prepare`'s errors (the ValueError family, missing files) from the modules prepare
+runs."""
 from __future__ import annotations
 
 import ast
@@ -10,9 +11,27 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ERRORS = ("ConfigError", "DataError", "ManifestError", "ShardError", "CheckpointError", "PieceError", "ProbeError",
-          "RunLockedError", "DeviceError", "SingleCheckpointError", "DivergedError", "CompilerUnavailable",
-          "StoreUnavailableError", "BlendError", "DocumentIndexError")
+
+
+def user_errors() -> set[str]:
+    """The exception classes megamemo defines that derive from megamemo.util.errors.MegamemoError (the user errors
+    the dispatcher prints in one line, exit 2), read from the source: a new one is listed without a change here."""
+    bases = {}
+    for path in REPO.joinpath("megamemo").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = [getattr(b, "id", None) or getattr(b, "attr", None) for b in node.bases]
+    derived, grew = {"MegamemoError"}, True
+    while grew:
+        more = {name for name, bs in bases.items() if name not in derived and derived.intersection(bs)}
+        derived |= more
+        grew = bool(more)
+    return derived - {"MegamemoError"}
+
+
+# the user errors, and DivergedError (training's own: exit 1); not SaveFailed, whose message is the verdict of a
+# checkpoint's commit (megamemo/checkpoint/commit.py), a failed save rather than bad input
+ERRORS = frozenset(user_errors() - {"SaveFailed"} | {"DivergedError"})
 # `megamemo prepare` (megamemo/data/cli.py prepare_main) prints these as `megamemo prepare: error: ...`, exit 2
 PREPARE_FILES = {f"megamemo/data/{m}.py" for m in ("cli", "corpora", "documents", "subword", "tokenizer", "vocab",
                                                    "shards")}
@@ -142,11 +161,11 @@ def _conditions(tree) -> dict[int, tuple]:
 def _kind(node, rel: str) -> tuple[str | None, ast.Call | None]:
     if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
         name = getattr(node.exc.func, "id", None) or getattr(node.exc.func, "attr", None)
-        if name in ERRORS:
-            return name, node.exc
         if rel in PREPARE_FILES and name in PREPARE_ERRORS:
             return f"prepare ({'ValueError' if name == 'located' else name})" + (" (located)" if name == "located"
                                                                                  else ""), node.exc
+        if name in ERRORS:
+            return name, node.exc
     elif isinstance(node, ast.Call):
         fname = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
         if fname == "bad" and len(node.args) >= 2:

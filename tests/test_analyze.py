@@ -9,6 +9,7 @@ import torch
 from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
 from helpers.shards import enwik8_slice_shards
 
+from megamemo import cli
 from megamemo.commands import analyze as analyze_cmd
 from megamemo.eval import analyze
 from megamemo.model.positions import sinusoid
@@ -96,4 +97,5 @@ def test_cli_writes_plots_and_json(tmp_path):
     assert xl["variant"] == "xl" and "alpha" not in xl
     assert len(xl["attention_by_distance"]["mean"]) == 24 and 0.0 < xl["memory_mass"]["layer_0"] < 1.0
     rpe, _ = tiny_checkpoint(tmp_path / "rpe", "rpe")
-    assert analyze_cmd.main(["--ckpt", str(rpe), "--data", str(data), "--out", str(out)]) == 2
+    assert cli.run_command("analyze", analyze_cmd.main,
+                           ["--ckpt", str(rpe), "--data", str(data), "--out", str(out)]) == 2

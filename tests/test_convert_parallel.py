@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run
 
+from megamemo import cli
 from megamemo.commands import convert as convert_cmd
 from megamemo.interop import convert, load
 from megamemo.kernels import DropoutKey, apply_dropout_masks
@@ -262,7 +263,7 @@ def test_broken_checkpoint_is_refused_by_name(damage, tp2, tmp_path, capsys):
     checksum_level = damage in (_damage_missing, _damage_truncated, _damage_flipped)
     for cmd in ("to-single", "relayout") if checksum_level else ("to-single",):
         out = tmp_path / f"out-{cmd}"
-        assert convert_cmd.main([cmd, "--ckpt", str(s), "--out", str(out)]) == 2
+        assert cli.run_command("convert", convert_cmd.main, [cmd, "--ckpt", str(s), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert expect in err, (cmd, err)
         assert not out.exists() and not out.with_name(out.name + ".tmp").exists()

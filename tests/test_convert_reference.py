@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers.fixture_data import reference_file
 
+from megamemo import cli
 from megamemo.checkpoint.single import load_single
 from megamemo.commands import convert
 
@@ -34,7 +35,8 @@ def test_bare_state_dict_needs_its_constructor_config(tmp_path, capsys):
     torch.save(g["state_dict"], tmp_path / "sd.pt")
     (tmp_path / "cfg.json").write_text(json.dumps(g["config"]))
     out = tmp_path / "single"
-    assert convert.main(["import-reference", str(tmp_path / "sd.pt"), "--out", str(out)]) == 2
+    assert cli.run_command("convert", convert.main,
+                           ["import-reference", str(tmp_path / "sd.pt"), "--out", str(out)]) == 2
     assert "no constructor config" in capsys.readouterr().err and not out.exists()
     assert convert.main(["import-reference", str(tmp_path / "sd.pt"), "--out", str(out),
                          "--config", str(tmp_path / "cfg.json")]) == 0
@@ -49,11 +51,13 @@ def test_wrong_reference_weights_are_refused(tmp_path, capsys):
     bad = dict(g, state_dict=dict(g["state_dict"], **{"layers.0.dec_attn.extra.weight": torch.zeros(2)}))
     torch.save(bad, tmp_path / "extra.pt")
     out = tmp_path / "single"
-    assert convert.main(["import-reference", str(tmp_path / "extra.pt"), "--out", str(out)]) == 2
+    assert cli.run_command("convert", convert.main,
+                           ["import-reference", str(tmp_path / "extra.pt"), "--out", str(out)]) == 2
     assert "layers.0.dec_attn.extra.weight" in capsys.readouterr().err and not out.exists()
     # weights that load but compute something else: the file's own reference NLL catches them
     sd = dict(g["state_dict"])
     sd["layers.1.dec_attn.o_net.weight"] = sd["layers.1.dec_attn.o_net.weight"] * 1.5
     torch.save(dict(g, state_dict=sd), tmp_path / "off.pt")
-    assert convert.main(["import-reference", str(tmp_path / "off.pt"), "--out", str(out)]) == 2
+    assert cli.run_command("convert", convert.main,
+                           ["import-reference", str(tmp_path / "off.pt"), "--out", str(out)]) == 2
     assert "differs from the file's reference NLL" in capsys.readouterr().err and not out.exists()

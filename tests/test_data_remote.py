@@ -19,6 +19,7 @@ from helpers.fixture_data import ENWIK8
 from helpers.loopback_s3 import LoopbackS3
 from helpers.loopback_s3 import upload as upload_to
 
+from megamemo import cli
 from megamemo.data import ShardError, StreamReader, build, corpora
 from megamemo.data.remote import RemoteOptions, RemoteShards, StoreUnavailableError
 
@@ -409,7 +410,7 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     test_shard = json.loads((local_shards / "manifest.json").read_text())["splits"]["test"]["shards"][0]["name"]
     url = upload(local_shards, "missing-eval", lambda n, d: None if n == test_shard else d)
     capsys.readouterr()
-    assert evaluate.main(["--ckpt", str(ckpt), "--data", url, "--split", "test"]) == 2
+    assert cli.run_command("eval", evaluate.main, ["--ckpt", str(ckpt), "--data", url, "--split", "test"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"megamemo eval: error: shard {url}/{test_shard}: missing (listed in manifest.json)"]
 

@@ -58,8 +58,8 @@ def test_the_cache_dir_and_same_length_rows_say_what_they_are():
     assert "cached" in config["data.cache_dir"][4] and "s3://" not in config["data.cache_dir"][4]
     assert "s3://" in config["data.dir"][4]
     cli = rows(docs_reference.cli_page())
-    assert "same number of keys" in cli["--same-length"][4]
-    assert cli["--no-same-length"][2] == "" and "checkpoint's" in cli["--no-same-length"][4]
+    same_length = cli["--same-length`, `--no-same-length"]        # one flag, both forms (Request.same_length)
+    assert "same number of keys" in same_length[4] and "checkpoint's" in same_length[4] and same_length[2] == ""
     parser = docs_reference.command_parser("megamemo.commands.eval:main")
     assert parser.parse_args(["--ckpt", "c", "--data", "d"]).same_length is None      # the checkpoint's, really
 

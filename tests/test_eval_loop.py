@@ -9,6 +9,7 @@ import torch
 from helpers.eval_fixtures import one_thread, reference_nll, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 from helpers.shards import SMALL, sized
 
+from megamemo import cli
 from megamemo.checkpoint.single import load_single
 from megamemo.commands import eval as evaluate
 from megamemo.data import read_split
@@ -129,13 +130,13 @@ def test_mem_ratio_sweep_writes_table_and_plot(shards, tmp_path):
 
 
 def test_errors_name_the_bad_input(shards, tmp_path, capsys):
-    assert evaluate.main(["--ckpt", str(tmp_path / "nope"), "--data", str(shards)]) == 2
+    assert cli.run_command("eval", evaluate.main, ["--ckpt", str(tmp_path / "nope"), "--data", str(shards)]) == 2
     assert str(tmp_path / "nope") in capsys.readouterr().err
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "xl")
-    assert evaluate.main(["--ckpt", str(ckpt), "--data", str(shards), "--split", "dev"]) == 2
+    assert cli.run_command("eval", evaluate.main, ["--ckpt", str(ckpt), "--data", str(shards), "--split", "dev"]) == 2
     assert "dev" in capsys.readouterr().err
     (ckpt / "model.safetensors").write_bytes(b"garbage")
-    assert evaluate.main(["--ckpt", str(ckpt), "--data", str(shards)]) == 2
+    assert cli.run_command("eval", evaluate.main, ["--ckpt", str(ckpt), "--data", str(shards)]) == 2
     assert "model.safetensors" in capsys.readouterr().err
 
 
@@ -156,6 +157,6 @@ def test_lengths_are_held_to_the_training_configs_rules(shards, tmp_path, capsys
                                       "--max-new-tokens", "2"]),
                  (harness_cmd.main, ["--ckpt", str(ckpt), "--text", str(tmp_path / "p.txt")])]
     for main, argv in runs:
-        assert main(argv + flags) == 2, argv
+        assert cli.run_command("eval", main, argv + flags) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and error in err[0], (argv, err)

@@ -17,6 +17,7 @@ import torch
 from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
 from helpers.fixture_data import ENWIK8
 
+from megamemo import cli
 from megamemo.checkpoint.single import save_single
 from megamemo.commands import eval as evaluate
 from megamemo.commands import generate
@@ -112,12 +113,12 @@ def test_a_memory_that_does_not_fit_is_refused_by_name(streams, tmp_path, capsys
              "12 rows is longer than the run's mem_len 4", memory),
             (["--ckpt", str(tmp_path / "ck"), "--batch-size", str(B), "--memory", str(model_file)],
              "not a memory file", model_file)):
-        assert evaluate.main(base + args) == 2
+        assert cli.run_command("eval", evaluate.main, base + args) == 2
         err = capsys.readouterr().err
         assert says in err and str(names) in err, err
         assert len(err.strip().splitlines()) == 1, err
     (tmp_path / "prompt").write_bytes(b"<page>")
-    assert generate.main(["--ckpt", str(tmp_path / "ck"), "--prompt-file", str(tmp_path / "prompt"), "--memory",
-                          str(memory)]) == 2
+    assert cli.run_command("generate", generate.main, ["--ckpt", str(tmp_path / "ck"), "--prompt-file",
+                                                       str(tmp_path / "prompt"), "--memory", str(memory)]) == 2
     err = capsys.readouterr().err
     assert "memory of 3 streams, the run has 1 (generate continues one" in err and str(memory) in err, err

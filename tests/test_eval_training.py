@@ -14,9 +14,10 @@ from helpers.eval_fixtures import one_thread  # noqa: F401 (one_thread: autouse 
 from helpers.shards import SMALL, sized
 from safetensors.torch import load_file
 
+from megamemo import cli
 from megamemo.commands import convert as convert_cmd
 from megamemo.commands import eval as evaluate
-from megamemo.interop import load as convert
+from megamemo.interop import load
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -73,13 +74,14 @@ def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     broken = run / "checkpoints" / "step_00000009"
     shutil.copytree(step_dir, broken)
     (broken / "COMMITTED").unlink()
-    with pytest.raises(convert.ConvertError, match="COMMITTED"):
-        convert.load_model(broken)
-    assert evaluate.main(["--ckpt", str(broken), "--data", str(shards)]) == 2
-    assert convert_cmd.main(["to-single", "--ckpt", str(broken), "--out", str(tmp_path / "x")]) == 2
+    with pytest.raises(load.LoadError, match="COMMITTED"):
+        load.load_model(broken)
+    assert cli.run_command("eval", evaluate.main, ["--ckpt", str(broken), "--data", str(shards)]) == 2
+    assert cli.run_command("convert", convert_cmd.main,
+                           ["to-single", "--ckpt", str(broken), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
     # the run directory still resolves to the newest *committed* checkpoint
-    assert convert.resolve_committed(run)[0] == step_dir
+    assert load.resolve_committed(run)[0] == step_dir
 
 
 def test_bf16_zero2_data_parallel_run_is_consolidated(shards, tmp_path):
@@ -90,7 +92,7 @@ def test_bf16_zero2_data_parallel_run_is_consolidated(shards, tmp_path):
     step_dir = run / "checkpoints" / "step_00000006"
     ranks = [load_file(str(step_dir / f"rank_{r:05d}.safetensors")) for r in range(2)]
     assert all(any(k.startswith("master/") for k in t) for t in ranks)      # each rank wrote its fp32 fragments
-    model, meta = convert.load_model(run)
+    model, meta = load.load_model(run)
     assert meta["precision"] == "bf16"
     assert all(p.dtype == torch.float32 for p in model.parameters())
     # the module's bf16 weights, written once each, spread over the two DP ranks (pieces.spread_writers)

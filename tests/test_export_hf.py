@@ -21,6 +21,7 @@ from helpers.errors import failed_with_one_line
 from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from helpers.shards import sized
 
+from megamemo import cli
 from megamemo.commands import export as export_cmd
 from megamemo.commands import generate as generate_cmd
 from megamemo.data.vocab import Vocab
@@ -250,13 +251,13 @@ def run_export(*args) -> subprocess.CompletedProcess:
 
 
 def export_in_process(capsys, *args) -> subprocess.CompletedProcess:
-    rc = export_cmd.main(["hf", *map(str, args)])
+    rc = cli.run_command("export", export_cmd.main, ["hf", *map(str, args)])
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, rc, out.out, out.err)
 
 
 # refused: exit status 2 and one line that names the bad input
-export_error = partial(failed_with_one_line, returncode=2, prefix="megamemo export hf: error:")
+export_error = partial(failed_with_one_line, returncode=2, prefix="megamemo export: error:")
 
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)

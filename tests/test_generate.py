@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers.eval_fixtures import one_thread, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 
+from megamemo import cli
 from megamemo.commands import generate as generate_cmd
 from megamemo.interop.vocabulary import encode_prompt
 from megamemo.model import generation as gen_mod
@@ -103,5 +104,6 @@ def test_word_vocabulary_from_the_shards_and_errors(tmp_path, capsys):
     assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "5",
                          "--data", str(data)]) == 0
     assert len(capsys.readouterr().out.split()) >= 1
-    assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt")]) == 2
+    assert cli.run_command("generate", generate_cmd.main,
+                           ["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt")]) == 2
     assert "--data" in capsys.readouterr().err

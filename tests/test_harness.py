@@ -16,6 +16,7 @@ import pytest
 from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
 from helpers.fixture_data import ENWIK8
 
+from megamemo import cli
 from megamemo.commands import eval as eval_cmd
 from megamemo.commands import export as export_cmd
 from megamemo.commands import harness as harness_cmd
@@ -67,8 +68,8 @@ def test_harness_bits_per_byte_equals_megamemo_eval_of_the_same_bytes(ckpt, tmp_
 @pytest.mark.parametrize("content", [b"", b" \n\t\n"])
 def test_an_empty_text_is_refused(ckpt, tmp_path, capsys, content):
     (tmp_path / "empty.txt").write_bytes(content)
-    assert harness_cmd.main(["--ckpt", str(ckpt), "--text", str(tmp_path / "empty.txt"),
-                         "--json", str(tmp_path / "h.json")]) == 2
+    assert cli.run_command("harness", harness_cmd.main, ["--ckpt", str(ckpt), "--text", str(tmp_path / "empty.txt"),
+                                                         "--json", str(tmp_path / "h.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megamemo harness: error:") and "empty.txt: empty text" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]          # no --json written

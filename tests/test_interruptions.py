@@ -126,7 +126,11 @@ def test_the_slurm_helper_prints_shell_assignments(tmp_path):
     (exits / "0").write_text(f"{EXIT_PEER_LOST} node1 110.2\n")
     run_dir_file = tmp_path / "run-dir"
     run_dir_file.write_text(f"{d}\n")
-    helper = [sys.executable, "-I", str(REPO / "megamemo" / "runtime" / "interruptions.py"), "slurm"]
+    # as failure.sh runs it, isolated; -S too (no site-packages): megamemo is not importable, as on a batch host
+    # without it (a container job)
+    isolated = [sys.executable, "-I", "-S"]
+    assert subprocess.run([*isolated, "-c", "import megamemo"], capture_output=True).returncode == 1
+    helper = [*isolated, str(REPO / "scripts" / "slurm_failure.py"), "slurm"]
     common = ["--exits", str(exits), "--run-dir-file", str(run_dir_file), "--started", "94"]
     out = subprocess.run([*helper, "culprit", *common], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["c_rank=1", "c_node=node2"]

@@ -47,7 +47,7 @@ def launch(tmp_path, worker: str, n: int = 2, *flags: str) -> subprocess.Complet
     script.write_text(worker)
     env = dict(os.environ, MEGAMEMO_TRAIN_CMD=f"{sys.executable} {script} {tmp_path / 'lock'}")
     env.pop("MEGAMEMO_RESTART", None)
-    return subprocess.run([sys.executable, "-m", "megamemo.runtime.launcher", *flags, str(n)], env=env,
+    return subprocess.run([sys.executable, "-m", "megamemo.commands.launch", *flags, str(n)], env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from megamemo import cli
 from megamemo.commands import plot as plot_cmd
 from megamemo.eval import plot
 
@@ -120,7 +121,7 @@ def test_metric_without_a_manifest(tmp_path, config, loss0, metric):
 def test_runs_that_disagree_need_metric(tmp_path, capsys):
     a, _ = make_run(tmp_path, "chars")
     b, _ = make_run(tmp_path, "words", config="model: {n_token: 50000}\n")
-    assert plot_cmd.main([str(a), str(b), "--out", str(tmp_path / "x.png")]) == 2
+    assert cli.run_command("plot", plot_cmd.main, [str(a), str(b), "--out", str(tmp_path / "x.png")]) == 2
     assert "--metric" in capsys.readouterr().err
     assert plot_cmd.main([str(a), str(b), "--out", str(tmp_path / "x.png"), "--metric", "bpc"]) == 0
 
@@ -152,7 +153,7 @@ def bad_runs(tmp_path):
 def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
     good, _ = make_run(tmp_path, "good")
     for run, msg in bad_runs(tmp_path):
-        assert plot_cmd.main([str(good), str(run), "--out", str(tmp_path / "x.png")]) == 2
+        assert cli.run_command("plot", plot_cmd.main, [str(good), str(run), "--out", str(tmp_path / "x.png")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("megamemo plot: error: ") and msg in err, err
     assert not (tmp_path / "x.png").exists()

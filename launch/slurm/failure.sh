@@ -3,7 +3,7 @@
 #   megamemo_after_failure RC STARTED START_NO
 #       RC: srun's exit code; STARTED: when the step started (epoch seconds); START_NO: restarts before it (Slurm's
 #       requeues plus restarts inside the allocation). Uses the batch script's use_nodes, job_nodes, logdir and log.
-#       1. The rank at fault and its node: megamemo/runtime/interruptions.py reads what launch/slurm/task.sh wrote
+#       1. The rank at fault and its node: scripts/slurm_failure.py (megamemo/runtime/interruptions.py) reads what launch/slurm/task.sh wrote
 #          when each task ended ($MEGAMEMO_TASK_EXITS: the first failure that is not a consequence of another) and
 #          the ranks' heartbeats (a hang named by a watchdog).
 #       2. The nodes at fault: any node of the step that Slurm reports DOWN, DRAINED, FAILED, NOT_RESPONDING (a lost
@@ -40,7 +40,7 @@ megamemo_after_failure() {
   local rc="$1" started="$2" start_no="$3" py helper c_rank="" c_node="" n st
   local -a faulty=() reasons=()
   py="$(megamemo_python)"
-  helper="$MEGAMEMO_ROOT/megamemo/runtime/interruptions.py"
+  helper="$MEGAMEMO_ROOT/scripts/slurm_failure.py"
   local common=(--exits "$MEGAMEMO_TASK_EXITS" --run-dir-file "$MEGAMEMO_RUN_DIR_FILE" --started "$started")
   if [ -n "$py" ]; then
     eval "$("$py" -I "$helper" slurm culprit "${common[@]}" 2>>"$logdir/job.txt")"
@@ -111,7 +111,7 @@ megamemo_lost_start() {
   echo "end unknown restart=$n rc=255 usr1=0 (no end written: the batch script died, its node lost)" >>"$logdir/job.txt"
   log "start $n of job $SLURM_JOB_ID ended without its batch script (its node lost?): recorded as an interruption"
   py="$(megamemo_python)"
-  [ -n "$py" ] && "$py" -I "$MEGAMEMO_ROOT/megamemo/runtime/interruptions.py" slurm record \
+  [ -n "$py" ] && "$py" -I "$MEGAMEMO_ROOT/scripts/slurm_failure.py" slurm record \
     --exits "$logdir/.exits-$n" --run-dir-file "$MEGAMEMO_RUN_DIR_FILE" --started "$started" --rc 255 \
     --restart "$n" --node-fault "start $n ended without its batch script (a lost node)" --job "$SLURM_JOB_ID" \
     >/dev/null 2>>"$logdir/job.txt"

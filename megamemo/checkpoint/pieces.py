@@ -27,11 +27,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megamemo.util.errors import MegamemoError
+
 INDEX_KEY = "megamemo.index"
 Box = tuple[tuple[int, int], ...]
 
 
-class PieceError(ValueError):
+class PieceError(MegamemoError, ValueError):
     """A description that does not add up (bad box, missing coverage, duplicate piece); names the file."""
 
 

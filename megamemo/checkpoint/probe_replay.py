@@ -18,6 +18,7 @@ from safetensors import safe_open
 from megamemo.checkpoint.probe_bound import half_tolerance
 from megamemo.model import Memory, MemTransformerLM
 from megamemo.model.scoring import model_forward, score_segments
+from megamemo.util.errors import MegamemoError
 from megamemo.util.precision import torch_dtype
 from megamemo.util.rounding import RoundingCounter
 
@@ -26,7 +27,7 @@ SEGMENTS = 3
 FP32_TOLERANCE = {"max": 1e-5, "mean": 1e-5}
 
 
-class ProbeError(ValueError):
+class ProbeError(MegamemoError, ValueError):
     """An unreadable probe, or a converted model that does not reproduce it; names the file."""
 
 

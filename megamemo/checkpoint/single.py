@@ -22,12 +22,13 @@ from safetensors.torch import load_file
 
 from megamemo.checkpoint.state import read_json
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.util.errors import MegamemoError
 from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256, save_tensors
 
 FORMAT, VERSION = "megamemo-single", 1
 
 
-class SingleCheckpointError(ValueError):
+class SingleCheckpointError(MegamemoError, ValueError):
     pass
 
 

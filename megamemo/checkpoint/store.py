@@ -41,6 +41,7 @@ from megamemo.checkpoint.commit import (
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
 from megamemo.checkpoint.state import LateFiles, LoadContext, Snapshot, StateRegistry, read_json
+from megamemo.util.errors import MegamemoError
 from megamemo.util.files import entry_mismatch, file_sha256, fsync_dir, write_json_atomic
 
 MARKER = "COMMITTED"
@@ -50,7 +51,7 @@ _STEP_RE = re.compile(r"^step_(\d{8,})$")
 LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "batch_size", "grad_accum", "zero_stage")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegamemoError, RuntimeError):
     """A checkpoint that cannot be used; the message names the directory or file."""
 
 

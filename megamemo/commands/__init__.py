@@ -1,3 +1,5 @@
 """The `megamemo` subcommands: one module per command, each only its argument parsing (the flags several commands
-share come from flags.py) and a call into the library (train, eval, plan, export, interop), whose one-line errors
-it reports with exit code 2. The dispatcher (megamemo/cli.py) imports a command's module when it is used."""
+share, and the flags made from a library request type's fields, come from flags.py) and a call into the library
+(train, eval, plan, export, interop). A command catches no errors: the dispatcher (megamemo/cli.py) imports a
+command's module when it is used, reports a user error (megamemo.util.errors.MegamemoError) in one line with exit
+code 2, and a bug with its traceback and exit code 1."""

@@ -10,7 +10,6 @@ convert.py, importer.py).
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megamemo.commands import flags
 
@@ -37,21 +36,14 @@ def main(argv: list[str]) -> int:
     i.add_argument("--out", required=True, help="new directory for the single-device checkpoint")
     i.add_argument("--config", help="JSON file with the reference MemTransformerLM constructor arguments")
     a = p.parse_args(argv)
-    from megamemo.checkpoint.pieces import PieceError
-    from megamemo.checkpoint.single import SingleCheckpointError
-    from megamemo.checkpoint.store import CheckpointError
     from megamemo.interop.convert import relayout, to_single
 
-    try:
-        if a.cmd == "to-single":
-            out = to_single(a.ckpt, a.out, a.dtype, a.data, a.memory, check=not a.no_check)
-        elif a.cmd == "relayout":
-            out = relayout(a.ckpt, a.out)
-        else:
-            from megamemo.interop.importer import import_reference_file
-            out = import_reference_file(a.file, a.out, a.config)
-    except (SingleCheckpointError, CheckpointError, PieceError, ValueError, OSError) as e:
-        print(f"megamemo convert: error: {e}", file=sys.stderr)
-        return 2
+    if a.cmd == "to-single":
+        out = to_single(a.ckpt, a.out, a.dtype, a.data, a.memory, check=not a.no_check)
+    elif a.cmd == "relayout":
+        out = relayout(a.ckpt, a.out)
+    else:
+        from megamemo.interop.importer import import_reference_file
+        out = import_reference_file(a.file, a.out, a.config)
     print(f"[convert] wrote {out}", flush=True)
     return 0

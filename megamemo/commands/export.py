@@ -20,16 +20,10 @@ def main(argv: list[str]) -> int:
     h.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     flags.add(h, "data", help="shard directory whose vocabulary to use (default: the checkpoint's)")
     a = p.parse_args(argv)
-    from megamemo.checkpoint.pieces import PieceError
-    from megamemo.checkpoint.store import CheckpointError
     from megamemo.export.hf import export_hf
 
     notes: list[str] = []             # what the conversion said: shown once it succeeded, so an error is one line
-    try:
-        r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=notes.append)
-    except (ValueError, CheckpointError, PieceError, OSError) as e:    # ExportError, SingleCheckpointError too
-        print(f"megamemo export hf: error: {e}", file=sys.stderr)
-        return 2
+    r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=notes.append)
     for m in notes:
         print(m, file=sys.stderr, flush=True)
     print(f"[export] wrote {r['out']}: {r['variant']}, {r['parameters']:,} parameters ({r['dtype']}), "

@@ -11,6 +11,9 @@ torch sees a device, else the CPU): a parser, and so docs/reference/cli.md, is t
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import types
+import typing
 from typing import Any
 
 from megamemo.util.precision import NAMES as PRECISIONS
@@ -47,3 +50,55 @@ def add(parser: argparse.ArgumentParser, name: str, *, help: str | None = None, 
     if default is not None:
         spec["default"] = default
     return parser.add_argument(f"--{name}", **spec)
+
+
+def add_fields(parser: argparse.ArgumentParser, cls, *, shared: dict | None = None, **specs) -> None:
+    """Adds one flag per field of the dataclass `cls` (a library request type), `--field-name`, so the field is
+    declared once, in the library: its type, its default and its help (the comment beside the field, read by
+    megamemo/util/field_comments.py) make the flag. A field without a default is required; `bool | None` makes
+    --name / --no-name (None: neither given); `list[float]` reads comma-separated numbers. `shared` maps a field
+    to a shared flag of SHARED above ({field: dict of add()'s keywords}): its type and metavar are the shared ones,
+    its help the field's. `specs`: argparse keywords one flag adds (choices); a field's type or meaning stays the
+    field's."""
+    from megamemo.util.field_comments import field_comments
+
+    helps = field_comments(cls)
+    types = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not helps.get(f.name):
+            raise TypeError(f"{cls.__name__}.{f.name}: no comment beside the field to be its flag's help")
+        default = None if f.default is dataclasses.MISSING else f.default
+        kwargs = dict(help=helps[f.name], default=default)
+        if f.default is dataclasses.MISSING:
+            kwargs["required"] = True
+        if shared and f.name in shared:
+            add(parser, f.name.replace("_", "-"), **{**kwargs, **shared[f.name]})
+            continue
+        kwargs.update(_argparse_type(types[f.name], f.name))
+        kwargs.update(specs.get(f.name, {}))
+        parser.add_argument(f"--{f.name.replace('_', '-')}", **kwargs)
+
+
+def field_values(args: argparse.Namespace, cls) -> dict:
+    """The parsed flags add_fields made for `cls`, as its keyword arguments."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+
+
+def _argparse_type(hint, name: str) -> dict:
+    """argparse keywords for a field's type: int, float, str, bool, `X | None` of those, or list[float]."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
+    if base is bool:
+        return dict(action="store_true") if hint is bool else dict(action=argparse.BooleanOptionalAction)
+    if typing.get_origin(base) is list and typing.get_args(base) == (float,):
+        return dict(type=_numbers, metavar="X,Y,...")
+    if base in (int, float, str):
+        return dict(type=base)
+    raise TypeError(f"{name}: a field of type {hint} has no flag form")
+
+
+def _numbers(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None

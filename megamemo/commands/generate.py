@@ -16,40 +16,20 @@ from megamemo.commands import flags
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megamemo generate", description=__doc__.split("\n\n")[0])
-    flags.add(p, "ckpt")
-    p.add_argument("--prompt-file", required=True, help="UTF-8 text the generation continues")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate after the prompt")
-    p.add_argument("--top-p", type=float, default=0.95,
-                   help="nucleus sampling: sample among the most likely tokens holding this much probability")
-    p.add_argument("--temperature", type=float, default=1.0, help="divides the logits before sampling")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (the same seed, the same text)")
-    p.add_argument("--greedy", action="store_true", help="always the most likely token (no sampling)")
-    flags.add(p, "data", help="shard directory whose vocabulary to use (default: the checkpoint's)")
-    flags.add(p, "mem-len", help="memory length (default: mem_len + tgt_len - 1)")
-    p.add_argument("--memory", help="start from this stream's memory (memory.safetensors of `megamemo convert "
-                                    "to-single --memory COLUMN`, or its directory)")
-    p.add_argument("--out", help="write the continuation here instead of stdout")
-    p.add_argument("--json", help="write prompt/new token ids and the text here")
-    flags.add(p, "device")
-    p.add_argument("--attention", choices=("auto", "eager", "flex", "fused"), default="auto",
-                   help="attention form: auto (eager: one query a step), eager, flex (FlexAttention), fused (the "
-                        "Triton kernels; on the CPU only in Triton's interpreter, TRITON_INTERPRET=1)")
-    a = p.parse_args(argv)
-    from megamemo.checkpoint.single import SingleCheckpointError
-    from megamemo.data import ManifestError
-    from megamemo.eval.generate import prepare
+    from megamemo.eval.generate import Request, prepare
+    from megamemo.kernels.apply import ATTENTIONS
     from megamemo.runtime.device import torch_device
 
-    try:
-        job = prepare(a.ckpt, a.prompt_file, max_new_tokens=a.max_new_tokens, top_p=a.top_p,
-                      temperature=a.temperature, data=a.data, mem_len=a.mem_len, memory=a.memory,
-                      device=torch_device(a.device), attention=a.attention)
-    except (ValueError, OSError, ManifestError, SingleCheckpointError) as e:
-        print(f"megamemo generate: error: {e}", file=sys.stderr)
-        return 2
-    new, text = job.run(a.max_new_tokens, top_p=a.top_p, temperature=a.temperature, seed=a.seed, greedy=a.greedy,
-                        mem_len=a.mem_len, log=lambda m: print(m, file=sys.stderr, flush=True))
+    p = argparse.ArgumentParser(prog="megamemo generate", description=__doc__.split("\n\n")[0])
+    flags.add(p, "ckpt")
+    p.add_argument("--out", help="write the continuation here instead of stdout")
+    p.add_argument("--json", help="write prompt/new token ids and the text here")
+    flags.add_fields(p, Request, shared={"data": {}, "mem_len": {}, "device": {"default": "auto"}},
+                     attention={"choices": ATTENTIONS})
+    a = p.parse_args(argv)
+    request = Request(**{**flags.field_values(a, Request), "device": torch_device(a.device)})
+    job = prepare(a.ckpt, request)
+    new, text = job.run(request, log=lambda m: print(m, file=sys.stderr, flush=True))
     if a.out:
         Path(a.out).write_text(text)
     else:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 from megamemo.commands import flags
@@ -22,18 +21,13 @@ def main(argv: list[str]) -> int:
     flags.add(p, "device")
     flags.add(p, "mem-len")
     a = p.parse_args(argv)
-    from megamemo.checkpoint.single import SingleCheckpointError
-    from megamemo.data import ManifestError
     from megamemo.util.files import write_text_atomic
 
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):      # before lm-eval is imported (megamemo[eval])
         os.environ.setdefault(var, "1")
-    try:
-        from megamemo.export.harness import run_harness  # imports lm-eval (megamemo[eval])
-        r = run_harness(a.ckpt, a.text, a.device, a.mem_len)
-    except (ValueError, OSError, ManifestError, SingleCheckpointError) as e:
-        print(f"megamemo harness: error: {e}", file=sys.stderr)
-        return 2
+    from megamemo.export.harness import run_harness
+
+    r = run_harness(a.ckpt, a.text, a.device, a.mem_len)
     print(f"{r['ckpt']}: {len(r['files'])} file(s), {r['bytes']:,} bytes | word_perplexity "
           f"{r['word_perplexity']:.4f} byte_perplexity {r['byte_perplexity']:.4f} bits_per_byte "
           f"{r['bits_per_byte']:.4f} | lm-eval {r['lm_eval']}", flush=True)

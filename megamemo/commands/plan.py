@@ -19,23 +19,14 @@ from megamemo.runtime.gpus import PLANNED, unknown_kind
 
 
 def main(argv: list[str]) -> int:
+    from megamemo.plan.report import Ask
+
     ap = argparse.ArgumentParser(prog="megamemo plan", description=__doc__.splitlines()[0])
     flags.add(ap, "config")
-    ap.add_argument("--nodes", type=int, required=True, help="nodes the job runs on")
-    ap.add_argument("--gpus-per-node", type=int, required=True, help="devices (or CPU processes) per node")
-    ap.add_argument("--gpu", default="a100-80g", help=f"device kind: {', '.join(PLANNED)}")
-    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
-                    help="cpu: ranks are CPU processes sharing the node's --host-mem-gib")
-    ap.add_argument("--host-mem-gib", type=float, help="--device cpu: a node's memory the processes share (GiB)")
     ap.add_argument("--vocab", type=int, default=32000,
                     help="the vocabulary a `model.n_token: auto` config is planned with while its data directory has "
                          "no manifest.json yet (the shipped configs' bpe:32000); once prepared, the manifest's")
-    ap.add_argument("--tp", type=int, help="tensor-parallel size of the layout to price (default: recommend)")
-    ap.add_argument("--pp", type=int, help="pipeline stages of the layout to price (default: recommend)")
-    ap.add_argument("--recommend", action="store_true",
-                    help="list the layouts that fit, best first (the default when neither --tp nor --pp is given)")
-    ap.add_argument("--explain", action="store_true",
-                    help="the predicted step time's breakdown of the layout (--tp/--pp, else the first ranked)")
+    flags.add_fields(ap, Ask, device={"choices": ("gpu", "cpu")})
     flags.add(ap, "set")
 
     def one_line(message):      # argparse's error: one line (no usage block), exit 2
@@ -51,10 +42,8 @@ def main(argv: list[str]) -> int:
     if args.device == "gpu" and args.gpu not in PLANNED:
         print(f"megamemo plan: --gpu: {unknown_kind(args.gpu, PLANNED)}", file=sys.stderr)
         return 2
-    from megamemo.plan.report import Ask, report
+    from megamemo.plan.report import report
     from megamemo.train.config import load
 
     return report(lambda sets: load(args.config, [*args.set, *sets], vocab_fallback=args.vocab),
-                  Ask(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu, device=args.device,
-                      host_mem_gib=args.host_mem_gib, tp=args.tp, pp=args.pp, recommend=args.recommend,
-                      explain=args.explain))
+                  Ask(**flags.field_values(args, Ask)))

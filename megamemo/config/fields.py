@@ -2,7 +2,7 @@
 unknown key refused), and the field types here say what YAML / `--set` may give. A field's choices are a `Literal`,
 its range `Field(ge=..., gt=..., lt=...)` bounds; a rule across fields of one section is a `@model_validator` that
 calls `bad(key, why)` (megamemo/config/run.py refusal); rules across sections are the run config's
-(megamemo/train/config.py). run.py's one_line turns pydantic's report into the one-line `key: why (got value)`."""
+(megamemo/train/config.py). one_line (below) turns pydantic's report into the one-line `key: why (got value)`."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,8 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, ValidationError
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
+
+from .errors import ConfigError
 
 
 def _no_bool(v):
@@ -49,7 +51,7 @@ T = TypeVar("T")
 def section(name: str):
     """A config section named `name` (`optim`, `train.spike`): a dataclass whose construction checks every field
     against its declaration; a refused value (constructing it, dataclasses.replace) is the one-line ConfigError
-    naming the key (megamemo/config/run.py one_line)."""
+    naming the key (one_line below)."""
     @typing.dataclass_transform(field_specifiers=(dataclasses.field, Field))
     def declare(cls: type[T]) -> type[T]:
         declared = _pydantic_dataclass(cls, config=SECTION_CONFIG)
@@ -60,8 +62,6 @@ def section(name: str):
             try:
                 checked_init(self, *args, **kwargs)
             except ValidationError as e:
-                from .run import one_line  # run.py builds on this module
-
                 raise one_line(e, declared, name) from None
 
         declared.__init__ = __init__  # type: ignore[method-assign]
@@ -108,5 +108,56 @@ def literal_values(annotation):
     return None
 
 
-__all__ = ["Bool", "Field", "Float", "Int", "IntChoice", "Literal", "Switch", "choices", "literal_values", "section",
-           "type_name"]
+BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
+TYPES = {"int_type": "int", "float_type": "float", "float_parsing": "float", "bool_type": "bool",
+         "string_type": "str", "list_type": "list", "dict_type": "dict"}
+
+
+def _owner(cls, loc: tuple):
+    """(the section class holding loc's last named part, that name, loc as a dotted key `.spike.window`)."""
+    key, owner, name = "", cls, None
+    for part in loc:
+        if isinstance(part, int):
+            key += f"[{part}]"
+            continue
+        if name is not None:
+            owner = owner.__pydantic_fields__[name].annotation
+        name, key = part, key + f".{part}"
+    return owner, name, key
+
+
+def one_line(err: ValidationError, cls, where: str) -> ConfigError:
+    """The first error of pydantic's report on section `cls` (named `where`) as one line naming the key."""
+    e = err.errors(include_url=False)[0]
+    if e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
+        return e["ctx"]["error"]                       # a section's own rule (refusal): already one line
+    owner, name, key = _owner(cls, e["loc"])
+    key, value = where + key, e.get("input")
+    info = owner.__pydantic_fields__.get(name) if name else None
+    if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        return ConfigError(f"{key}: unknown field (known: {', '.join(sorted(owner.__pydantic_fields__))})")
+    if e["type"] in BOUNDS:
+        bound = next(v for k, v in e["ctx"].items() if k in ("ge", "gt", "lt", "le"))
+        unit = " seconds" if key.endswith("_s") else ""
+        return ConfigError(f"{key}: must be {BOUNDS[e['type']]} {bound}{unit} (got {value!r})")
+    if e["type"] == "literal_error" and info is not None:
+        allowed = literal_values(info.annotation) or ()
+        if allowed and not isinstance(value, type(allowed[0])):       # a number for a word, a word for a number
+            return ConfigError(f"{key}: expected {type_name(info)}, got {type(value).__name__} {value!r}")
+        return ConfigError(f"{key}: must be {choices(allowed)} (got {value!r})")
+    if e["type"] in ("too_short", "too_long"):
+        n = e["ctx"].get("min_length") if e["type"] == "too_short" else e["ctx"].get("max_length")
+        return ConfigError(f"{key}: expected {'at least' if e['type'] == 'too_short' else 'at most'} {n} items "
+                           f"(got {value!r})")
+    if e["type"].startswith("dataclass_"):
+        return ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+    if e["type"] in TYPES or e["type"].endswith(("_type", "_parsing")):
+        typ = TYPES.get(e["type"], e["type"].split("_")[0])
+        if info is not None and not isinstance(e["loc"][-1], int):      # the field itself: its declared type
+            typ = type_name(info)
+        return ConfigError(f"{key}: expected {typ}, got {type(value).__name__} {value!r}")
+    return ConfigError(f"{key}: {e['msg']} (got {value!r})")
+
+
+__all__ = ["Bool", "Field", "Float", "Int", "IntChoice", "Literal", "Switch", "choices", "literal_values", "one_line",
+           "section", "type_name"]

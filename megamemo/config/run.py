@@ -19,11 +19,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .fields import choices, literal_values, type_name
+from .errors import ConfigError
+from .fields import one_line
 
-
-class ConfigError(ValueError):
-    """A bad config file, key or value; the message names it."""
+__all__ = ["ConfigError", "Run", "apply_overrides", "check_sections", "read", "refusal", "section"]
 
 
 def section(cls, data, where: str):
@@ -45,57 +44,6 @@ def refusal(obj, prefix: str):
     def bad(key: str, why: str):
         raise ConfigError(f"{key}: {why} (got {getattr(obj, key.removeprefix(prefix + '.'))!r})")
     return bad
-
-
-BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
-TYPES = {"int_type": "int", "float_type": "float", "float_parsing": "float", "bool_type": "bool",
-         "string_type": "str", "list_type": "list", "dict_type": "dict"}
-
-
-def _owner(cls, loc: tuple):
-    """(the section class holding loc's last named part, that name, loc as a dotted key `.spike.window`)."""
-    key, owner, name = "", cls, None
-    for part in loc:
-        if isinstance(part, int):
-            key += f"[{part}]"
-            continue
-        if name is not None:
-            owner = owner.__pydantic_fields__[name].annotation
-        name, key = part, key + f".{part}"
-    return owner, name, key
-
-
-def one_line(err: ValidationError, cls, where: str) -> ConfigError:
-    """The first error of pydantic's report on section `cls` (named `where`) as one line naming the key."""
-    e = err.errors(include_url=False)[0]
-    if e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
-        return e["ctx"]["error"]                       # a section's own rule (refusal): already one line
-    owner, name, key = _owner(cls, e["loc"])
-    key, value = where + key, e.get("input")
-    info = owner.__pydantic_fields__.get(name) if name else None
-    if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        return ConfigError(f"{key}: unknown field (known: {', '.join(sorted(owner.__pydantic_fields__))})")
-    if e["type"] in BOUNDS:
-        bound = next(v for k, v in e["ctx"].items() if k in ("ge", "gt", "lt", "le"))
-        unit = " seconds" if key.endswith("_s") else ""
-        return ConfigError(f"{key}: must be {BOUNDS[e['type']]} {bound}{unit} (got {value!r})")
-    if e["type"] == "literal_error" and info is not None:
-        allowed = literal_values(info.annotation) or ()
-        if allowed and not isinstance(value, type(allowed[0])):       # a number for a word, a word for a number
-            return ConfigError(f"{key}: expected {type_name(info)}, got {type(value).__name__} {value!r}")
-        return ConfigError(f"{key}: must be {choices(allowed)} (got {value!r})")
-    if e["type"] in ("too_short", "too_long"):
-        n = e["ctx"].get("min_length") if e["type"] == "too_short" else e["ctx"].get("max_length")
-        return ConfigError(f"{key}: expected {'at least' if e['type'] == 'too_short' else 'at most'} {n} items "
-                           f"(got {value!r})")
-    if e["type"].startswith("dataclass_"):
-        return ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
-    if e["type"] in TYPES or e["type"].endswith(("_type", "_parsing")):
-        typ = TYPES.get(e["type"], e["type"].split("_")[0])
-        if info is not None and not isinstance(e["loc"][-1], int):      # the field itself: its declared type
-            typ = type_name(info)
-        return ConfigError(f"{key}: expected {typ}, got {type(value).__name__} {value!r}")
-    return ConfigError(f"{key}: {e['msg']} (got {value!r})")
 
 
 @dataclasses.dataclass

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megamemo.util.errors import MegamemoError
+
 from .remote import RemoteOptions
 from .shard_reader import SplitSource
 
@@ -37,7 +39,7 @@ ENDLESS = 1 << 62            # steps_per_epoch of a blend: one endless epoch
 KEEP_BLOCKS = 4              # blocks of draws kept per column (older ones are drawn again when asked for)
 
 
-class BlendError(ValueError):
+class BlendError(MegamemoError, ValueError):
     """Sources that cannot be blended (another tokenizer, a bad weight); the message names the source."""
 
 

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from megamemo.util.errors import MegamemoError
 from megamemo.util.files import AtomicFile, HashingWriter, bytes_sha256, entry_mismatch
 
 DTYPE = "<u8"
 CONTENT = "token offset of each document's first token in the split's stream, ascending, the first 0"
 
 
-class DocumentIndexError(ValueError):
+class DocumentIndexError(MegamemoError, ValueError):
     """A document index that does not match its manifest entry or is not a valid index; names the file."""
 
     def __init__(self, file, message: str):

@@ -21,6 +21,7 @@ import numpy as np
 import webdataset as wds
 import zstandard
 
+from megamemo.util.errors import MegamemoError
 from megamemo.util.files import AtomicFile, HashingWriter, write_text_atomic
 from megamemo.util.progress import Progress
 
@@ -36,7 +37,7 @@ DTYPES = ("<u1", "<u2", "<u4", "<u8")
 _ZERO_BLOCK = bytes(512)
 
 
-class ShardError(Exception):
+class ShardError(MegamemoError):
     """A shard that is missing, damaged, or does not match its manifest entry."""
 
     def __init__(self, shard, message: str, offset: int | None = None):
@@ -44,7 +45,7 @@ class ShardError(Exception):
         super().__init__(f"shard {shard}: {message}")
 
 
-class EmptyCorpusError(ValueError):
+class EmptyCorpusError(MegamemoError, ValueError):
     """A corpus with a split too short to train or evaluate on; the message names the corpus's files."""
 
 
@@ -56,7 +57,7 @@ def _names(files) -> str:
     return str(files)
 
 
-class ManifestError(ValueError):
+class ManifestError(MegamemoError, ValueError):
     """manifest.json is missing, unreadable or inconsistent; names the file and the field."""
 
 

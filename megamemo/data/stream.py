@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megamemo.util.errors import UsageError
+
 from .remote import RemoteOptions, is_remote
 from .shard_reader import SplitSource
 
@@ -62,7 +64,7 @@ class StreamReader:
                  verify: str = "size", block_tokens: int = 1 << 20, max_open_shards: int | None = None,
                  remote_options: RemoteOptions | None = None):
         if batch_size < 1 or tgt_len < 1:
-            raise ValueError(f"batch_size ({batch_size}) and tgt_len ({tgt_len}) must be positive")
+            raise UsageError(f"batch_size ({batch_size}) and tgt_len ({tgt_len}) must be positive")
         if world_size < 1 or batch_size % world_size:
             raise ValueError(f"batch_size {batch_size} is not divisible by world_size {world_size}")
         if not 0 <= rank < world_size:
@@ -81,7 +83,7 @@ class StreamReader:
         self.n_tokens = self.source.n_tokens
         self.n_step = self.n_tokens // batch_size          # rows per column (LMOrderedIterator.n_step)
         if self.n_step < 2:
-            raise ValueError(f"split {split!r} of {self.data_dir} has {self.n_tokens} tokens: too few for "
+            raise UsageError(f"split {split!r} of {self.data_dir} has {self.n_tokens} tokens: too few for "
                              f"{batch_size} columns of at least 2 tokens")
         self.steps_per_epoch = steps_per_epoch(self.n_tokens, batch_size, tgt_len)
         rows = max(1, block_tokens // self.local_batch) // tgt_len * tgt_len

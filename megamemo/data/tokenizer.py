@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from megamemo.util.errors import MegamemoError
 from megamemo.util.files import bytes_sha256
 
 KIND = "subword"
@@ -35,7 +36,7 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id
 HF_FILE, SPM_FILE = "tokenizer.json", "tokenizer.model"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MegamemoError, ValueError):
     """A tokenizer file that cannot be read or used; the message names the file."""
 
 

@@ -23,6 +23,7 @@ import torch
 
 from megamemo.model.scoring import score_segments
 from megamemo.model.trams import forward as inspect_forward
+from megamemo.util.errors import UsageError
 
 
 class Recorder:
@@ -79,7 +80,7 @@ def analyze(model, batches, *, tgt_len: int, mem_len: int, segments: int, device
     the full-memory ones. -> the Recorder's result plus counts."""
     cfg = model.cfg
     if not cfg.has_memory:
-        raise ValueError(f"{cfg.variant!r} has no memory to analyse")
+        raise UsageError(f"{cfg.variant!r} has no memory to analyse")
     rec = Recorder(cfg.n_layer, tgt_len, mem_len)
     used = 0
 
@@ -91,7 +92,7 @@ def analyze(model, batches, *, tgt_len: int, mem_len: int, segments: int, device
 
     seen = score_segments(model, batches, forward=observed, max_segments=segments, device=device).segments
     if used == 0:
-        raise ValueError(f"no segment with a full memory of {mem_len} rows in {seen} segments: raise --segments")
+        raise UsageError(f"no segment with a full memory of {mem_len} rows in {seen} segments: raise --segments")
     out = rec.result()
     out.update({"variant": cfg.variant, "tgt_len": tgt_len, "mem_len": mem_len, "segments_recorded": used,
                 "n_layer": cfg.n_layer})

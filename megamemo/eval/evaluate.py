@@ -39,6 +39,7 @@ import torch
 from megamemo.model.memory import Memory
 from megamemo.model.scoring import evaluate
 from megamemo.model.trams import TramsConfig
+from megamemo.util.errors import UsageError
 from megamemo.util.units import metric_value
 
 
@@ -50,7 +51,7 @@ def metric_name(manifest: dict) -> str:
 
     kind = (manifest.get("tokenizer") or {}).get("kind") or (manifest.get("vocab") or {}).get("kind")
     if kind not in ("bytes", "chars", "words", "subword"):
-        raise ValueError(f"manifest.json: tokenizer.kind {kind!r} is not one of bytes | chars | words | subword")
+        raise UsageError(f"manifest.json: tokenizer.kind {kind!r} is not one of bytes | chars | words | subword")
     return unit_of(kind)
 
 
@@ -60,7 +61,7 @@ def check_tokenizer(meta: dict, manifest: dict, ckpt, data_dir) -> None:
 
     mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer") or {}     # a manifest without one: bytes
     if mine and not same_tokenizer(mine, theirs):
-        raise ValueError(f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
+        raise UsageError(f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
                          f" differs from the one checkpoint {ckpt} was trained with ({mine.get('kind')}, sha256 "
                          f"{str(mine.get('sha256'))[:12]})")
 
@@ -134,25 +135,33 @@ def _fmt(r: dict) -> str:
 
 @dataclass
 class Request:
-    """What `megamemo eval` asks of every checkpoint (megamemo/commands/eval.py's flags). A length left None is the
-    checkpoint's; mem_ratios: the extrapolation sweep, mem_len = ratio x ratio_base (None: the checkpoint's)."""
-    data: str
-    split: str = "valid"
-    batch_size: int = 10
-    max_segments: int = 0
-    tgt_len: int | None = None
-    mem_len: int | None = None
-    clamp_len: int | None = None
-    same_length: bool | None = None
-    trams_topk: int | None = None
-    trams_recent: int = 0
-    trams_metric: str = "code"
-    mem_ratios: list[float] | None = None
-    ratio_base: int | None = None
-    memory: str | None = None
-    device: str = "cpu"
-    dtype: str = "checkpoint"
-    attention: str = "auto"
+    """What `megamemo eval` asks of every checkpoint: each field is one of its flags (megamemo/commands/eval.py makes
+    them from these fields, their comments the flags' help). A length left None is the checkpoint's; mem_ratios:
+    the extrapolation sweep, mem_len = ratio x ratio_base (None: the checkpoint's)."""
+    data: str                       # shard directory made by `megamemo prepare`, or an s3:// gs:// https:// URL of
+                                    # one (read through the verified cache in $XDG_CACHE_HOME/megamemo/shards,
+                                    # default ~/.cache/...)
+    split: str = "valid"            # valid | test (or any split of the manifest)
+    batch_size: int = 10            # columns (streams); default 10 as in the XL scripts
+    max_segments: int = 0           # stop after this many segments (0: the whole split)
+    tgt_len: int | None = None      # segment length (default: the checkpoint's tgt_len)
+    mem_len: int | None = None      # memory length (default: the checkpoint's mem_len); the TRAMS pool
+    clamp_len: int | None = None    # clamp relative distances (default: the checkpoint's)
+    same_length: bool | None = None     # every query attends over the same number of keys (no: over all keys before
+                                    # it; default: the checkpoint's same_length)
+    trams_topk: int | None = None   # TRAMS: older memory rows selected per layer/head/stream
+    trams_recent: int = 0           # TRAMS: newest memory rows always attended
+    trams_metric: str = "code"      # code: ||K'||*|sum K'| (reference code); paper: cos<K',1>*||K'||
+    mem_ratios: list[float] | None = None   # extrapolation sweep: comma-separated mem_len / ratio-base ratios
+    ratio_base: int | None = None   # base of the sweep's ratios (default: the checkpoint's mem_len)
+    memory: str | None = None       # start every column from this memory (memory.safetensors of `megamemo convert
+                                    # to-single --memory`, or its directory; its streams must be the batch size)
+    device: str = "cpu"             # torch device: auto (the command resolves it: cuda when torch sees one, else
+                                    # cpu), cpu, cuda, cuda:N
+    dtype: str = "checkpoint"       # run the model in this dtype (default: as stored)
+    attention: str = "auto"         # attention form: auto (flex on CUDA, eager on the CPU), eager, flex
+                                    # (FlexAttention), fused (the Triton kernels; on the CPU only in Triton's
+                                    # interpreter, TRITON_INTERPRET=1)
 
 
 def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
@@ -165,7 +174,7 @@ def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
     manifest = manifest_of(a.data)          # a local directory or an s3:// gs:// https:// one
     metric = metric_name(manifest)
     if a.split not in manifest["splits"]:
-        raise ValueError(f"{str(a.data).rstrip('/')}/manifest.json: no split {a.split!r}")
+        raise UsageError(f"{str(a.data).rstrip('/')}/manifest.json: no split {a.split!r}")
     token_bytes = token_bytes_of(a.data, manifest)
     results = []
     for ckpt in ckpts:

@@ -21,6 +21,29 @@ from typing import TYPE_CHECKING
 import torch
 
 from megamemo.model.generation import default_mem_len, generate, nucleus_probs
+from megamemo.util.errors import UsageError
+
+
+@dataclass
+class Request:
+    """What `megamemo generate` asks: each field is one of its flags (megamemo/commands/generate.py makes them from
+    these fields, their comments the flags' help)."""
+    prompt_file: str                # UTF-8 text the generation continues
+    max_new_tokens: int = 200       # tokens to generate after the prompt
+    top_p: float = 0.95             # nucleus sampling: sample among the most likely tokens holding this much
+                                    # probability
+    temperature: float = 1.0        # divides the logits before sampling
+    seed: int = 0                   # seed of the sampling (the same seed, the same text)
+    greedy: bool = False            # always the most likely token (no sampling)
+    data: str | None = None         # shard directory whose vocabulary to use (default: the checkpoint's)
+    mem_len: int | None = None      # memory length (default: mem_len + tgt_len - 1)
+    memory: str | None = None       # start from this stream's memory (memory.safetensors of `megamemo convert
+                                    # to-single --memory COLUMN`, or its directory)
+    device: str = "cpu"             # torch device: auto (the command resolves it: cuda when torch sees one, else
+                                    # cpu), cpu, cuda, cuda:N
+    attention: str = "auto"         # attention form: auto (eager: one query a step), eager, flex (FlexAttention),
+                                    # fused (the Triton kernels; on the CPU only in Triton's interpreter,
+                                    # TRITON_INTERPRET=1)
 
 if TYPE_CHECKING:
     from megamemo.data.tokenizer import SubwordTokenizer
@@ -35,38 +58,38 @@ class Continuation:
     prompt: list[int]
     memory: object = None
 
-    def run(self, max_new_tokens: int, *, top_p: float, temperature: float, seed: int, greedy: bool,
-            mem_len: int | None, log=None) -> tuple[list[int], str]:
+    def run(self, r: Request, log=None) -> tuple[list[int], str]:
         """-> (new token ids, their text)."""
-        new = generate(self.model, self.prompt, max_new_tokens, top_p=top_p, temperature=temperature, seed=seed,
-                       mem_len=mem_len, log=log, greedy=greedy, memory=self.memory) if max_new_tokens else []
+        new = generate(self.model, self.prompt, r.max_new_tokens, top_p=r.top_p, temperature=r.temperature,
+                       seed=r.seed, mem_len=r.mem_len, log=log, greedy=r.greedy, memory=self.memory) \
+            if r.max_new_tokens else []
         return new, self.vocab.decode(new)
 
 
-def prepare(ckpt, prompt_file, *, max_new_tokens: int, top_p: float, temperature: float, data=None,
-            mem_len: int | None = None, memory=None, device="cpu", attention: str = "auto") -> Continuation:
-    """Everything a continuation needs, checked before anything is sampled: the checkpoint on its device, its
+def prepare(ckpt, r: Request) -> Continuation:
+    """Everything a continuation of `r` needs, checked before anything is sampled: the checkpoint on its device, its
     vocabulary (which must fit the model), the prompt encoded with it, the sampling arguments and the starting
-    memory. A bad one raises the one-line error that names it (ValueError, OSError, ...)."""
+    memory. A bad one raises the one-line error that names it (a MegamemoError, or an OSError)."""
+    prompt_file, mem_len = r.prompt_file, r.mem_len
     from megamemo.interop.load import open_model
     from megamemo.interop.vocabulary import encode_prompt, vocab_for
 
-    model, meta = open_model(ckpt, device, attention=attention, generating=True)
+    model, meta = open_model(ckpt, r.device, attention=r.attention, generating=True)
     model.cfg.check_lengths(**{"--mem-len": mem_len})
-    vocab = vocab_for(meta, data, ckpt)
+    vocab = vocab_for(meta, r.data, ckpt)
     if len(vocab) > model.cfg.vocab_size:
-        raise ValueError(f"vocabulary of {len(vocab)} symbols does not fit the model's "
+        raise UsageError(f"vocabulary of {len(vocab)} symbols does not fit the model's "
                          f"{model.cfg.vocab_size} (model.n_vocab or n_token)")
     raw = Path(prompt_file).read_bytes()
     prompt = encode_prompt(vocab, raw, prompt_file)
     if not prompt:
-        raise ValueError(f"{prompt_file}: empty prompt")
-    if max_new_tokens < 0:
-        raise ValueError("--max-new-tokens must be >= 0")
-    nucleus_probs(torch.zeros(2), top_p, temperature)       # argument checks
+        raise UsageError(f"{prompt_file}: empty prompt")
+    if r.max_new_tokens < 0:
+        raise UsageError("--max-new-tokens must be >= 0")
+    nucleus_probs(torch.zeros(2), r.top_p, r.temperature)   # argument checks
     start = None
-    if memory:
+    if r.memory:
         from megamemo.eval.start_memory import load_start_memory
-        start = load_start_memory(memory, model, 1, default_mem_len(model) if mem_len is None else mem_len,
+        start = load_start_memory(r.memory, model, 1, default_mem_len(model) if mem_len is None else mem_len,
                                   what="generate continues one: convert with --memory COLUMN")
     return Continuation(model, vocab, prompt, start)

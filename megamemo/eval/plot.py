@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megamemo.runtime import goodput, interruptions
+from megamemo.util.errors import MegamemoError
 from megamemo.util.units import metric_value
 
 WORD_LEVEL_NATS = 2.0   # records-only guess: characters sit below this (bpc < 2.9), words above (ppl > 7.4)
 
 
-class PlotError(ValueError):
+class PlotError(MegamemoError, ValueError):
     """A missing or unreadable run; the message names the file."""
 
 
@@ -241,7 +242,7 @@ def save(runs: list[Run], out: Path, x: str = "steps", metric: str | None = None
     try:
         fig.savefig(out, dpi=120)
     except OSError as e:
-        raise PlotError(f"{out}: {e.strerror or e}") from None
+        raise PlotError(f"{out}: cannot write the plot ({e.strerror or e})") from None
     finally:
         plt.close(fig)
     for r in runs:

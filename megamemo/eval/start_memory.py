@@ -13,6 +13,7 @@ import torch
 
 from megamemo.checkpoint.single import load_memory
 from megamemo.model import Memory
+from megamemo.util.errors import UsageError
 
 
 def row_shape(model, name: str) -> tuple[int, ...]:
@@ -27,22 +28,22 @@ def load_start_memory(path, model, streams: int, mem_len: int, what: str = "--ba
     `mem_len`, on the model's device. ValueError naming the file when it does not fit."""
     mem = load_memory(path)
     if mem is None:
-        raise ValueError(f"{path}: holds no memory.safetensors (convert with --memory)")
+        raise UsageError(f"{path}: holds no memory.safetensors (convert with --memory)")
     c, names = model.cfg, model.memory_names()
     if not names:
-        raise ValueError(f"{path}: the model ({c.variant}) has no memory to start from")
+        raise UsageError(f"{path}: the model ({c.variant}) has no memory to start from")
     if sorted(mem.tensors) != sorted(names):
-        raise ValueError(f"{path}: memory tensors {sorted(mem.tensors)} are not this model's ({c.variant}, "
+        raise UsageError(f"{path}: memory tensors {sorted(mem.tensors)} are not this model's ({c.variant}, "
                          f"{c.n_layer} layers: {names})")
     for k, t in mem.tensors.items():
         if tuple(t.shape[2:]) != row_shape(model, k):
-            raise ValueError(f"{path}: memory tensor {k!r} has shape {list(t.shape)}, the model's rows are "
+            raise UsageError(f"{path}: memory tensor {k!r} has shape {list(t.shape)}, the model's rows are "
                              f"{list(row_shape(model, k))} (d_model {c.d_model}, n_head {c.n_head}, d_head "
                              f"{c.d_head})")
     if mem.batch_size != streams:
-        raise ValueError(f"{path}: memory of {mem.batch_size} streams, the run has {streams} ({what})")
+        raise UsageError(f"{path}: memory of {mem.batch_size} streams, the run has {streams} ({what})")
     if mem.length > mem_len:
-        raise ValueError(f"{path}: memory of {mem.length} rows is longer than the run's mem_len {mem_len}")
+        raise UsageError(f"{path}: memory of {mem.length} rows is longer than the run's mem_len {mem_len}")
     param = next(model.parameters())
     return Memory({k: t.to(param.device, torch.float32 if k.startswith("lse.") else param.dtype)
                    for k, t in mem.tensors.items()}, batch_size=mem.batch_size)

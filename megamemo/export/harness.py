@@ -32,6 +32,7 @@ from megamemo.interop.vocabulary import encode_prompt, start_symbol, vocab_for
 from megamemo.model.generation import generate
 from megamemo.model.scoring import evaluate
 from megamemo.runtime.device import torch_device
+from megamemo.util.errors import UsageError
 
 TASK = "megamemo_text"
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -69,7 +70,7 @@ class MegamemoLM(LM):
         self.model.cfg.check_lengths(**{"--mem-len": None if mem_len is None else int(mem_len)})
         self.vocab = vocab_for(meta, data)
         if len(self.vocab) > self.model.cfg.vocab_size:
-            raise ValueError(f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit the model's "
+            raise UsageError(f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit the model's "
                              f"{self.model.cfg.vocab_size} (model.n_vocab or n_token)")
         self._device = torch.device(device)
         self.mem_len = self.model.cfg.mem_len if mem_len is None else int(mem_len)
@@ -153,9 +154,9 @@ def read_texts(files: list[str]) -> list[dict]:
         try:
             text = Path(f).read_bytes().decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{f}: not UTF-8 text ({e})") from None
+            raise UsageError(f"{f}: not UTF-8 text ({e})") from None
         if not text.strip():
-            raise ValueError(f"{f}: empty text (nothing to score)")
+            raise UsageError(f"{f}: empty text (nothing to score)")
         docs.append({"path": str(f), "text": text})
     return docs
 

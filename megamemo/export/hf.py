@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from megamemo.util.errors import MegamemoError
 from megamemo.util.files import atomic_directory, save_tensors
 
 CODE = Path(__file__).with_name("hf_code")
@@ -33,7 +34,7 @@ KNOWN_VARIANTS = ("lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_looka
 GENERATION = {"do_sample": True, "top_p": 0.95, "top_k": 0, "temperature": 1.0}
 
 
-class ExportError(ValueError):
+class ExportError(MegamemoError, ValueError):
     """A checkpoint or output directory the export refuses; the message names it."""
 
 

@@ -32,14 +32,19 @@ from pathlib import Path
 import torch
 
 from megamemo.checkpoint.probe_replay import ProbeError
-from megamemo.checkpoint.single import model_from_state_dict, write_config, write_streaming
+from megamemo.checkpoint.single import SingleCheckpointError, model_from_state_dict, write_config, write_streaming
 from megamemo.checkpoint.store import MARKER, tag_for
 from megamemo.util.files import atomic_directory
 from megamemo.util.precision import torch_dtype
 from megamemo.util.progress import Progress
 
-from .load import Checkpoint, ConvertError, is_single, resolve_committed
+from .load import Checkpoint, is_single, resolve_committed
 from .vocabulary import copy_tokenizer, data_meta, run_data_meta
+
+
+class ConvertError(SingleCheckpointError):
+    """A conversion refused: its output exists, or a --memory, --data or checkpoint it cannot use; the message
+    names it."""
 
 
 def parse_columns(spec: str, batch_size: int) -> list[int]:

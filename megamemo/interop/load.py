@@ -29,8 +29,8 @@ from megamemo.util.precision import torch_dtype
 from .vocabulary import run_data_meta
 
 
-class ConvertError(SingleCheckpointError):
-    """A training checkpoint that cannot be converted; the message names the directory or file."""
+class LoadError(SingleCheckpointError):
+    """A checkpoint that cannot be loaded as a model; the message names the directory or file."""
 
 
 # ---- locating and opening a committed checkpoint -----------------------------------------------------------
@@ -46,7 +46,7 @@ def resolve_committed(path, log=print) -> tuple[Path, dict]:
     """(step directory, its COMMITTED marker) for a run dir, a checkpoints root or a step dir, every file verified."""
     p = Path(path)
     if not p.is_dir():
-        raise ConvertError(f"{p}: not a directory")
+        raise LoadError(f"{p}: not a directory")
     skipped: list[str] = []
 
     def note(msg: str) -> None:             # what newest_complete skipped: said now, and in the error if none is left
@@ -61,10 +61,10 @@ def resolve_committed(path, log=print) -> tuple[Path, dict]:
             if found is not None:
                 return found, verify(found, checksums=False)
     except CheckpointError as e:
-        raise ConvertError(f"refusing {p}: {e}") from None
+        raise LoadError(f"refusing {p}: {e}") from None
     if skipped:
-        raise ConvertError(f"{p}: no committed checkpoint that verifies (skipped {'; '.join(skipped)})")
-    raise ConvertError(f"{p}: no committed checkpoint (looked for step_* directories with a {MARKER} marker in "
+        raise LoadError(f"{p}: no committed checkpoint that verifies (skipped {'; '.join(skipped)})")
+    raise LoadError(f"{p}: no committed checkpoint (looked for step_* directories with a {MARKER} marker in "
                        f"{p / 'checkpoints'} and {p})")
 
 
@@ -80,7 +80,7 @@ class Checkpoint:
             self.reader = (open_reader(self.dir) if self.marker.get("index") else
                            ShardedReader([self.dir / rank_files(r)[0] for r in range(world)]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ConvertError(f"{self.where}: {e}") from None
+            raise LoadError(f"{self.where}: {e}") from None
         self.precision = self.marker.get("precision", "fp32")
         self.layout = self.marker.get("layout") or {}
         with torch.device("meta"):
@@ -90,7 +90,7 @@ class Checkpoint:
         bad = sorted(k for k in set(self.shapes) & have
                      if math.prod(self.reader.shape(f"model/{k}")) != math.prod(self.shapes[k]))
         if missing or extra or bad:
-            raise ConvertError(f"{self.where}: the model config does not match the weights: missing {missing}, "
+            raise LoadError(f"{self.where}: the model config does not match the weights: missing {missing}, "
                                f"unexpected {extra}, wrong sizes {bad}")
 
     def weight(self, name: str) -> torch.Tensor:
@@ -102,9 +102,9 @@ class Checkpoint:
                 return module.float()
             master = self.reader.read(f"master/{name}").reshape(self.shapes[name])
         except PieceError as e:
-            raise ConvertError(str(e)) from None
+            raise LoadError(str(e)) from None
         if not torch.equal(master.to(module.dtype), module):
-            raise ConvertError(f"{self.dir}: the fp32 master of {name} does not round to the module's {module.dtype} "
+            raise LoadError(f"{self.dir}: the fp32 master of {name} does not round to the module's {module.dtype} "
                                f"copy: the files do not belong together")
         return master.float()
 
@@ -122,7 +122,7 @@ class Checkpoint:
             try:
                 out[n] = self.reader.read(f"memory/{n}", box)
             except PieceError as e:
-                raise ConvertError(str(e)) from None
+                raise LoadError(str(e)) from None
         return Memory(out, batch_size=c1 - c0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -135,13 +135,13 @@ class Checkpoint:
     def self_check(self, model: MemTransformerLM, log=print) -> dict | None:
         probe = read_probe(self.dir)
         if probe is None:
-            log(f"[convert] {self.dir}: no probe recorded (checkpoint.probe was off): weights and memory were "
+            log(f"[load] {self.dir}: no probe recorded (checkpoint.probe was off): weights and memory were "
                 f"checked for completeness, shapes and consistency only")
             return None
         c0, c1 = probe["columns"]
         res = check_probe(model, None if probe["empty_start"] else self.memory(slice(c0, c1)), probe,
                           probe.get("precision", self.precision))
-        log(f"[convert] check: single-device per-token NLL over {res['segments']} segments x {res['streams']} "
+        log(f"[load] check: single-device per-token NLL over {res['segments']} segments x {res['streams']} "
             f"streams (columns {c0}-{c1 - 1}, memory carried) vs the sharded model's: max |diff| "
             f"{res['max_abs_diff']:.2e}, mean {res['mean_abs_diff']:.2e} ({res['precision']}, tolerance max "
             f"{res['tolerance']['max']:.3g}, mean {res['tolerance']['mean']:.3g})")

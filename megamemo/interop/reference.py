@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from megamemo.model import MemTransformerLM, ModelConfig
+from megamemo.util.errors import MegamemoError
 
 ATTN_TYPES = {0: "xl", 3: "lamemo", 31: "lamemo_xlrpe"}
 CONFIG_KEYS = {"n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "dropout", "dropatt", "tie_weight",
@@ -24,7 +25,7 @@ CONFIG_KEYS = {"n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "
                "same_length", "attn_type", "clamp_len", "sample_softmax", "adapt_inp", "dtype", "tgt_len_eval"}
 
 
-class ReferenceFormatError(ValueError):
+class ReferenceFormatError(MegamemoError, ValueError):
     pass
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from megamemo.util.errors import UsageError
+
 
 def data_meta(data_dir) -> dict:
     """What generation needs from the shard directory: the tokenizer and the vocabulary's symbols. A subword
@@ -61,7 +63,7 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
     if data_dir:                            # a local directory or an s3:// gs:// https:// one
         theirs = manifest_of(data_dir).get("tokenizer") or {}
         if tok and not same_tokenizer(tok, theirs):
-            raise ValueError(f"--data {data_dir}: its tokenizer ({theirs.get('kind')}, sha256 "
+            raise UsageError(f"--data {data_dir}: its tokenizer ({theirs.get('kind')}, sha256 "
                              f"{str(theirs.get('sha256'))[:12]}) differs from the one the checkpoint was trained "
                              f"with ({tok.get('kind')}, sha256 {str(tok.get('sha256'))[:12]})")
         return load_vocab(data_dir)
@@ -71,7 +73,7 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
         d = (meta.get("data") or {}).get("dir")
         if d and (Path(d) / "manifest.json").is_file():
             return vocab_for({"tokenizer": tok}, d)
-        raise ValueError(f"the checkpoint records the subword tokenizer {tok.get('file')} (sha256 "
+        raise UsageError(f"the checkpoint records the subword tokenizer {tok.get('file')} (sha256 "
                          f"{str(tok.get('sha256'))[:12]}) but neither it nor its data directory is there: pass "
                          f"--data SHARD_DIR")
     v = meta.get("vocab")
@@ -80,7 +82,7 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
     d = (meta.get("data") or {}).get("dir")
     if d and (Path(d) / "manifest.json").is_file():
         return load_vocab(d)
-    raise ValueError("the checkpoint records no vocabulary (config.json meta.vocab / meta.data.dir): pass "
+    raise UsageError("the checkpoint records no vocabulary (config.json meta.vocab / meta.data.dir): pass "
                      "--data SHARD_DIR to use that directory's vocabulary")
 
 
@@ -91,7 +93,7 @@ def encode_prompt(vocab, raw: bytes, where: str) -> list[int]:
         try:
             return vocab.encode(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: not UTF-8 text (byte {e.start})") from None
+            raise UsageError(f"{where}: not UTF-8 text (byte {e.start})") from None
     if vocab.kind in ("bytes", "chars"):
         return [int(i) for i in vocab.encode_bytes(np.frombuffer(raw, dtype=np.uint8), where=where)]
     text = raw.decode("utf-8")

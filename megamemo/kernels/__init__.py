@@ -1,4 +1,5 @@
-"""CPU kernels for the plain-PyTorch model, and the one switch that applies them.
+"""Kernels for the plain-PyTorch model, and the switches that apply them: the CPU kernels, how dropout masks are
+drawn, the attention form and compiled layers.
 
 The model (megamemo.model) is plain PyTorch: nn.Dropout, the feed-forward's ReluDropout, masked_fill. This room
 holds what makes a training step faster on the CPU, swapped into a built model by `apply_kernels`:
@@ -10,7 +11,12 @@ And how dropout masks are drawn (train.dropout_masks: stream | keyed), swapped i
   keyed.py     KeyedDropout: a mask that is a pure function of the element's coordinates in the single-process
                model (Philox-4x32-10, philox.py), so that every parallel layout drops the same elements
   sites.py     which dropout of a built model is which site (its coordinates' site and layer)
-It imports only torch and megamemo.model.
+And the attention form (model.attention: eager | flex | fused | auto), swapped in by `apply_attention`:
+  flex.py      LaMemo's two attentions through FlexAttention (one fused kernel per call, forward and backward)
+  fused.py     the same through the Triton kernels of relattn_triton.py (CUDA, or the CPU in Triton's interpreter)
+  form_check.py  a training run's start-up check of its forms against eager, at the run's own shapes
+  compiler.py  regional torch.compile of the decoder layers (train.compile) and the TorchDynamo switch it needs
+It imports only torch, megamemo.model and megamemo.util.
 """
 from .apply import (
                     ATTENTIONS,

@@ -12,6 +12,7 @@ from torch import nn
 
 from megamemo.model.attention import causal_attention, lookahead_attention, mask_scores
 from megamemo.model.layers import RelAttention, ReluDropout
+from megamemo.util.errors import UsageError
 
 from .compiler import uncompiled
 from .dropout import CpuDropout
@@ -33,11 +34,11 @@ def resolve_kernels(choice: str, device) -> str:
     ValueError naming train.kernels for an unknown choice, or cpu kernels asked for on another device."""
     kind = torch.device(device).type
     if choice not in KERNELS:
-        raise ValueError(f"train.kernels: must be one of {', '.join(KERNELS)} (got {choice!r})")
+        raise UsageError(f"train.kernels: must be one of {', '.join(KERNELS)} (got {choice!r})")
     if choice == "auto":
         return "cpu" if kind == "cpu" else "plain"
     if choice == "cpu" and kind != "cpu":
-        raise ValueError(f"train.kernels: cpu kernels run on the CPU, this model runs on {kind} "
+        raise UsageError(f"train.kernels: cpu kernels run on the CPU, this model runs on {kind} "
                          f"(use auto or plain)")
     return choice
 
@@ -85,12 +86,12 @@ def resolve_attention(choice: str, device, generating: bool = False) -> str:
     fused runs on CUDA, or on the CPU in Triton's interpreter (a ValueError naming --attention otherwise).
     Training resolves auto itself (megamemo/train/forms.py: a start-up check and timing)."""
     if choice not in ATTENTIONS:
-        raise ValueError(f"--attention: must be one of {', '.join(ATTENTIONS)} (got {choice!r})")
+        raise UsageError(f"--attention: must be one of {', '.join(ATTENTIONS)} (got {choice!r})")
     if choice == "fused":
         try:
             check_device(device)
         except FusedUnavailable as e:
-            raise ValueError(f"--attention: {str(e).removeprefix('model.attention: ')}") from None
+            raise UsageError(f"--attention: {str(e).removeprefix('model.attention: ')}") from None
     if choice != "auto":
         return choice
     if generating or torch.device(device).type != "cuda":

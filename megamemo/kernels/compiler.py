@@ -24,12 +24,14 @@ import os
 import torch
 from torch import nn
 
+from megamemo.util.errors import MegamemoError
+
 COMPILE = ("auto", "on", "off")         # train.compile
 ENV = "TORCHDYNAMO_DISABLE"
 SET_BY_MEGAMEMO = "MEGAMEMO_SET_TORCHDYNAMO_DISABLE"   # cli.py marks a TORCHDYNAMO_DISABLE it set itself
 
 
-class CompilerUnavailable(RuntimeError):
+class CompilerUnavailable(MegamemoError, RuntimeError):
     """TorchDynamo is switched off by the user's environment."""
 
 

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from megamemo.model.attention import _drops, _rows, causal_attention, lookahead_attention, select_lse
+from megamemo.util.errors import MegamemoError
 
 
-class FusedUnavailable(RuntimeError):
+class FusedUnavailable(MegamemoError, RuntimeError):
     """The fused kernels cannot run here (no triton, or CPU tensors without the interpreter)."""
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from megamemo.config.fields import Bool, Field, Float, Int, section
 from megamemo.config.run import ConfigError
 from megamemo.config.run import section as build_section
+from megamemo.util.errors import UsageError
 
 # variant -> (memory kind, attention kind)
 VARIANTS = {
@@ -147,7 +148,7 @@ class ModelConfig:
         except ValueError as e:
             for flag, name in fields.items():
                 if str(e).startswith(f"model.{name}:"):
-                    raise ValueError(flag + str(e)[len(f"model.{name}"):]) from None
+                    raise UsageError(flag + str(e)[len(f"model.{name}"):]) from None
             raise
 
     def to_dict(self) -> dict:

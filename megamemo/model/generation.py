@@ -18,14 +18,16 @@ import time
 
 import torch
 
+from megamemo.util.errors import UsageError
+
 
 # ---- sampling --------------------------------------------------------------------------------------------------
 def nucleus_probs(logprobs: torch.Tensor, top_p: float = 1.0, temperature: float = 1.0) -> torch.Tensor:
     """[V] log-probs -> [V] fp32 sampling probabilities: temperature, then the top-p nucleus, renormalised."""
     if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+        raise UsageError(f"temperature must be positive, got {temperature}")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise UsageError(f"top_p must be in (0, 1], got {top_p}")
     probs = torch.softmax(logprobs.float() / temperature, dim=-1)
     if top_p >= 1.0:
         return probs
@@ -67,7 +69,7 @@ class Decoder:
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Append tokens (the prompt: in segments of tgt_len) -> log-probs [V] of the token after them."""
         if not ids:
-            raise ValueError("nothing to feed: the prompt is empty")
+            raise UsageError("nothing to feed: the prompt is empty")
         c = self.model.cfg
         if not c.has_memory:
             self.history = (self.history + list(ids))[-c.tgt_len:]

@@ -40,6 +40,7 @@ import torch
 from megamemo.model import Memory, MemTransformerLM
 from megamemo.model.attention import causal_attention, causal_scores
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
+from megamemo.util.errors import UsageError
 
 METRICS = ("code", "paper")
 
@@ -57,10 +58,10 @@ class TramsConfig:
 
     def validate(self) -> TramsConfig:
         if not 0 <= self.recent <= self.attend <= self.pool:
-            raise ValueError(f"trams: need 0 <= recent ({self.recent}) <= attend ({self.attend}) <= pool "
+            raise UsageError(f"trams: need 0 <= recent ({self.recent}) <= attend ({self.attend}) <= pool "
                              f"({self.pool})")
         if self.metric not in METRICS:
-            raise ValueError(f"trams.metric: must be one of {METRICS}, got {self.metric!r}")
+            raise UsageError(f"trams.metric: must be one of {METRICS}, got {self.metric!r}")
         return self
 
 
@@ -79,7 +80,7 @@ def key_scores(kp: torch.Tensor, metric: str = "code") -> torch.Tensor:
         return kp.norm(dim=-1) * kp.sum(-1).abs()
     if metric == "paper":
         return kp.sum(-1) / math.sqrt(kp.size(-1))
-    raise ValueError(f"trams metric must be one of {METRICS}, got {metric!r}")
+    raise UsageError(f"trams metric must be one of {METRICS}, got {metric!r}")
 
 
 def select_rows(k_mem: torch.Tensor, w_q: torch.Tensor, cfg: TramsConfig) -> torch.Tensor | None:
@@ -161,9 +162,9 @@ def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *
     if select is not None:
         select.validate()
         if mem_len is not None and mem_len != select.pool:
-            raise ValueError(f"mem_len {mem_len} conflicts with the TRAMS pool {select.pool}")
+            raise UsageError(f"mem_len {mem_len} conflicts with the TRAMS pool {select.pool}")
         if not cfg.has_memory:
-            raise ValueError(f"TRAMS needs a model with memory; {cfg.variant!r} has none")
+            raise UsageError(f"TRAMS needs a model with memory; {cfg.variant!r} has none")
         mem_len = select.pool
     same_length = cfg.same_length if same_length is None else same_length
     clamp_len = cfg.clamp_len if clamp_len is None else clamp_len

@@ -18,16 +18,20 @@ from .layouts import HEADROOM, GiB, Plan, plan, stage_plans
 @dataclass
 class Ask:
     """What `megamemo plan` is asked: the cluster (nodes x gpus_per_node devices of kind `gpu`, or CPU processes
-    sharing host_mem_gib a node), the layout (tp, pp: None for the config's, or to recommend) and what to show."""
-    nodes: int
-    gpus_per_node: int
-    gpu: str = "a100-80g"
-    device: str = "gpu"
-    host_mem_gib: float | None = None
-    tp: int | None = None
-    pp: int | None = None
-    recommend: bool = False
-    explain: bool = False
+    sharing host_mem_gib a node), the layout (tp, pp: None for the config's, or to recommend) and what to show. Each
+    field is one of its flags (megamemo/commands/plan.py makes them from these fields, their comments the help)."""
+    nodes: int                      # nodes the job runs on
+    gpus_per_node: int              # devices (or CPU processes) per node
+    gpu: str = "a100-80g"           # device kind: a name of megamemo/runtime/gpus.py PLANNED (an unknown one is
+                                    # named with the nearest known)
+    device: str = "gpu"             # gpu | cpu (cpu: ranks are CPU processes sharing the node's host memory)
+    host_mem_gib: float | None = None   # device cpu: a node's memory the processes share (GiB)
+    tp: int | None = None           # tensor-parallel size of the layout to price (default: recommend)
+    pp: int | None = None           # pipeline stages of the layout to price (default: recommend)
+    recommend: bool = False         # list the layouts that fit, best first (the default when neither tp nor pp is
+                                    # given)
+    explain: bool = False           # the predicted step time's breakdown of the layout (tp/pp, else the first
+                                    # ranked)
 
 
 def _capacity(ask: Ask) -> tuple[float, str]:

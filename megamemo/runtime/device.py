@@ -20,10 +20,12 @@ import sys
 import warnings
 from pathlib import Path
 
+from megamemo.util.errors import MegamemoError
+
 _ACCELERATOR = {"gpu": "cuda", "cpu": "cpu"}
 
 
-class DeviceError(RuntimeError):
+class DeviceError(MegamemoError, RuntimeError):
     """The device the user asked for cannot be used; the message says why, in one line."""
 
 

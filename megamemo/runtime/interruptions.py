@@ -21,17 +21,16 @@ node, exit_code, signal, seconds_lost (the time since the last commit, or since 
 when it committed nothing new, or its whole time when it never reached one: work to be done again), restart (how
 many restarts came before), launcher (local | slurm) and, under Slurm, job.
 
-Standard library only: train.sbatch runs this file by path (`python3 .../interruptions.py slurm ...`) on the batch
-host, which need not have megamemo installed (a container job).
+Standard library only: launch/slurm/failure.sh runs scripts/slurm_failure.py by path, isolated (`python3 -I
+.../scripts/slurm_failure.py slurm ...`), on the batch host, which need not have megamemo installed (a container
+job); that script loads this file by its path.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,7 +294,8 @@ def read_run_dir(path: str | None) -> Path | None:
     return Path(text) if text and Path(text).is_dir() else None
 
 
-def _slurm(a) -> int:
+def slurm_assignments(a) -> int:
+    """What launch/slurm/failure.sh evals (scripts/slurm_failure.py prints it): `a` is that script's arguments."""
     exits = task_exits(Path(a.exits)) if a.exits else []
     run_dir = read_run_dir(a.run_dir_file)
     beats = read_heartbeats(run_dir, since=a.started) if run_dir else {}
@@ -319,24 +319,3 @@ def _slurm(a) -> int:
           f"line={shlex.quote(summary(rec))} why={shlex.quote(why)} "
           f"recorded={shlex.quote(str(Path(run_dir) / RECORDS) if run_dir else '')}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="interruptions.py", description="train.sbatch's failure helper: prints "
-                                "shell assignments (culprit: c_rank, c_node; record: verdict, kind, step, line, why)")
-    p.add_argument("mode", choices=("slurm",))
-    p.add_argument("what", choices=("culprit", "record"))
-    p.add_argument("--exits", help="task.sh's exit folder")
-    p.add_argument("--run-dir-file", help="the file rank 0 wrote its run directory to")
-    p.add_argument("--started", type=float, default=0.0)
-    p.add_argument("--rc", type=int, default=0, help="srun's exit code")
-    p.add_argument("--restart", type=int, default=0)
-    p.add_argument("--restarts-left", type=int, default=1)
-    p.add_argument("--node", default="")
-    p.add_argument("--node-fault", default="")
-    p.add_argument("--job", default="")
-    return _slurm(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

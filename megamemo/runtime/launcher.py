@@ -1,4 +1,5 @@
-"""N local training processes: what `launch/local.sh N ARGS...` runs (`python -m megamemo.runtime.launcher N ARGS...`).
+"""N local training processes: what `launch/local.sh N ARGS...` runs (`python -m megamemo.commands.launch N ARGS...`,
+whose flags megamemo/commands/launch.py reads).
 
 Why not torchrun (which this replaced): its agent starts every worker in a session of its own, so a signal sent to
 the launcher's process group never reaches them and a `kill -9` of the launcher leaves them training; SIGTERM to it
@@ -26,12 +27,10 @@ restarts and rendezvous are not needed on one machine. This launcher:
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -201,50 +200,3 @@ def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
 
 def _describe(rc: int) -> str:
     return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
-
-
-USAGE = ("usage: python -m megamemo.runtime.launcher [--max-restarts K] N [megamemo train args...]   (N: number of "
-         "processes; K: restarts after failures, default 0)")
-
-
-def parse(argv: list[str]) -> tuple[int, int, list[str]] | None:
-    """(N, max restarts, train args) from `[--max-restarts K | --max-restarts=K] N ARGS...`, or None."""
-    restarts = 0
-    if argv and argv[0].startswith("--max-restarts"):
-        flag, _, value = argv[0].partition("=")
-        if flag != "--max-restarts":
-            return None
-        if not value:
-            if len(argv) < 2:
-                return None
-            value, argv = argv[1], argv[1:]
-        if not value.isdigit():
-            return None
-        restarts, argv = int(value), argv[1:]
-    if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
-        return None
-    return int(argv[0]), restarts, argv[1:]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parsed = parse(list(sys.argv[1:] if argv is None else argv))
-    if parsed is None:
-        print(USAGE, file=sys.stderr)
-        return 2
-    n, max_restarts, args = parsed
-    train = shlex.split(os.environ.get("MEGAMEMO_TRAIN_CMD", "")) or [sys.executable, "-m", "megamemo", "train"]
-    fd, run_dir_file = tempfile.mkstemp(prefix="megamemo-run-dir-")
-    os.close(fd)
-    launcher = Launcher(n, train + args, max_restarts=max_restarts, run_dir_file=run_dir_file)
-    for sig in FORWARDED:
-        signal.signal(sig, launcher.on_signal)
-    early = os.environ.pop("MEGAMEMO_PENDING_SIGNALS", "").split()     # caught by launch/local.sh before us
-    try:
-        return launcher.supervise(early)
-    finally:
-        launcher.kill()
-        os.unlink(run_dir_file)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,12 +25,13 @@ import time
 from pathlib import Path
 
 from megamemo.runtime.interruptions import restart_count
+from megamemo.util.errors import MegamemoError
 from megamemo.util.files import write_text_atomic
 
 LOCK = "LOCK"
 
 
-class RunLockedError(RuntimeError):
+class RunLockedError(MegamemoError, RuntimeError):
     """Another live trainer holds the run directory; the message names it."""
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from megamemo.data.config import DataConfig
 from megamemo.train.config import RunConfig
+from megamemo.util.errors import MegamemoError
 
 
-class DataError(ValueError):
+class DataError(MegamemoError, ValueError):
     """A missing or unusable data directory; the message names it."""
 
 

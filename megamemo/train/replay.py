@@ -30,11 +30,12 @@ import yaml
 
 from megamemo.checkpoint.store import tag_for
 from megamemo.train.rollback import KIND, checkpoint_before, spike_records
+from megamemo.util.errors import MegamemoError
 
 UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 
-class ReplayError(ValueError):
+class ReplayError(MegamemoError, ValueError):
     """A replay that cannot be made (no such step, no checkpoint before it); the message says why."""
 
 
@@ -110,7 +111,7 @@ def run_replay(p: Plan, work: Path, log) -> Path:
     log(f"[replay] steps {int(p.start.name[5:]) + 1}..{p.step} of {p.run_dir} from {p.start}, in {dp * tp * pp} "
         f"process(es) (dp {dp}, tp {tp}, pp {pp}; {'the run' if p.same_layout else 'not the run'}'s layout)")
     with open(work / "replay.log", "w") as f:
-        rc = subprocess.call([sys.executable, "-m", "megamemo.runtime.launcher", *args], env=env, stdout=f,
+        rc = subprocess.call([sys.executable, "-m", "megamemo.commands.launch", *args], env=env, stdout=f,
                              stderr=subprocess.STDOUT)
     if rc != 0:
         tail = (work / "replay.log").read_text().splitlines()[-15:]
