@@ -1,0 +1,43 @@
+"""A checkpoint written before the typed seams of issue #49 (tests/fixtures/checkpoint_v3: tiny lamemo, 1 process,
+grad_accum 2, stream dropout, saved at step 4 by the code of b354491) resumes under today's code exactly: continuing
+it 4 steps gives the losses the old code gave (stored as float hex in continuation.json).
+
+Bit for bit where the machine is the fixture's (torch version, CPU capability, threads): a CPU's kernels sum in an
+order that depends on its instruction set, so elsewhere the same continuation differs in the last bits however right
+the resume is. There the test checks the weaker claim it can: every loss within 1e-5 relative (4 fp32 Adam steps of a
+2-layer model; a summation order changes a loss by ~1e-7 relative, a wrong resume - another memory, data position,
+RNG state or moment - by more than 1e-3, as the first step after it shows)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from fixture_data import FIXTURES
+from runs_cache import losses, run
+
+pytestmark = pytest.mark.multiproc      # starts a training process
+
+FIXTURE = FIXTURES / "checkpoint_v3"
+
+
+def same_machine(made: dict) -> bool:
+    return (made["torch"] == torch.__version__ and made["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+            and made["threads"] == 1)       # runs_cache.launch starts ranks with OMP_NUM_THREADS=1
+
+
+def test_old_checkpoint_resumes_to_the_old_codes_losses(shards, tmp_path):
+    expected = json.loads((FIXTURE / "continuation.json").read_text())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(FIXTURE / "checkpoints", run_dir / "checkpoints")
+    run(1, FIXTURE / "config.yaml", shards, run_dir, "--max-steps", "8", "--set", "checkpoint.save_every=0")
+    got = losses(run_dir)
+    want = {int(s): float.fromhex(h) for s, h in expected["losses"].items()}
+    assert sorted(got) == [5, 6, 7, 8], got             # resumed at step 4, not a fresh start
+    if same_machine(expected["machine"]):
+        assert got == want, {s: (got[s].hex(), want[s].hex()) for s in want}
+    else:
+        assert got == pytest.approx(want, rel=1e-5), (got, want, expected["machine"])
