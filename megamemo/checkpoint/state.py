@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megamemo.checkpoint.index import open_reader
+from megamemo.checkpoint.layout import RunMeta
 from megamemo.checkpoint.pieces import Piece, ShardedReader, read_local, write_pieces
 from megamemo.checkpoint.staging import Staging
 from megamemo.util.files import file_sha256, write_atomic
@@ -106,6 +107,15 @@ class LoadContext:
     reader: ShardedReader
     same_layout: bool           # world size, tp/pp/dp, grad_accum, batch and ZeRO stage as when saved
     marker: dict                # the checkpoint's COMMITTED marker (saved layout, precision, step)
+
+    @property
+    def saved(self) -> RunMeta:
+        """The marker's record of the run that wrote the checkpoint (its layout, precision, model)."""
+        return RunMeta.from_record(self.marker)
+
+    @property
+    def tag(self) -> str | None:
+        return self.marker.get("tag")
 
 
 @dataclass

@@ -34,6 +34,7 @@ from megamemo.checkpoint.commit import (Collectives, OutcomeTimeout, check_and_i
                                         outcome_channel, write_and_report)
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
+from megamemo.checkpoint.layout import RankLayout, RunMeta
 from megamemo.checkpoint.state import LateFiles, LoadContext, Snapshot, StateRegistry, read_json
 from megamemo.util.files import entry_mismatch, file_sha256, fsync_dir, write_json_atomic
 
@@ -41,7 +42,6 @@ MARKER = "COMMITTED"
 FORMAT = 3                  # 3: with the merged piece index (index.json); 2: without (read through the headers)
 FORMATS = (2, 3)
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
-LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "batch_size", "grad_accum", "zero_stage")
 
 
 class CheckpointError(RuntimeError):
@@ -134,11 +134,6 @@ def remove_checkpoint(step_dir: Path, between: Callable[[], None] = lambda: None
     shutil.rmtree(step_dir, ignore_errors=True)
 
 
-def describe_layout(lay: dict) -> str:
-    return (f"tp={lay.get('tp', 1)} pp={lay.get('pp', 1)} dp={lay.get('dp')} ({lay.get('world_size')} ranks, "
-            f"grad_accum {lay.get('grad_accum', 1)}, batch {lay.get('batch_size')}, ZeRO {lay.get('zero_stage')})")
-
-
 class SaveFailed(CheckpointError):
     """A save failed on every rank alike (a rank's write error, a hole in the pieces, a rank silent past the
     timeout), nothing committed: every rank raises the same line, so one says it."""
@@ -146,7 +141,7 @@ class SaveFailed(CheckpointError):
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, rank: int, world_size: int, keep_last: int, meta: dict,
+    def __init__(self, root: Path, rank: int, world_size: int, keep_last: int, meta: RunMeta,
                  barrier: Callable[[], None], async_save: bool = False, commit_timeout_s: float = 600.0,
                  log: Callable[[str], None] = print, outcomes=None):    # outcomes: commit.py (collective)
         self.root = Path(root)
@@ -166,9 +161,10 @@ class CheckpointStore:
         self._compatible: tuple[Path, tuple[dict, bool, str]] | None = None     # check_compatible's, once
 
     # ---- save --------------------------------------------------------------------------------------------
-    def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
-             files: dict[str, Callable[[Path], None]] | None = None) -> Path:
-        """Collective. files: {name: writer(path)} this rank adds to the step directory, or a function making them
+    def save(self, step: int, registry: StateRegistry, layout: RankLayout | None = None,
+             replicas: dict | None = None, files: dict[str, Callable[[Path], None]] | None = None) -> Path:
+        """Collective. layout: this rank's (rank_<r>.json keeps it); replicas: the replica check's JSON record of
+        this step (train/numerics.py), kept as it is. files: {name: writer(path)} this rank adds to the step directory, or a function making them
         after the snapshot (the probe). A failed save raises SaveFailed on every rank: here (sync), or in wait()
         once failed() says so (async)."""
         self.wait()
@@ -183,7 +179,12 @@ class CheckpointStore:
                 shutil.rmtree(step_dir)
         self.comm.barrier()
         t0 = time.perf_counter()
-        snap = registry.snapshot(self.rank, {"step": step, **(rank_extra or {})})
+        doc = {"step": step}
+        if layout is not None:
+            doc["layout"] = layout.record()
+        if replicas is not None:
+            doc["replicas"] = replicas
+        snap = registry.snapshot(self.rank, doc)
         stall, late = time.perf_counter() - t0, LateFiles() if callable(files) else None
         snap.files, snap.files_later = ({}, late.get) if late else (dict(files or {}), None)
         overlap = late and self.async_save and self.overlap_late_files
@@ -264,7 +265,8 @@ class CheckpointStore:
                 files, problem = check_and_index(step_dir, outcomes)
             if problem is None:
                 info = {"format": FORMAT, "step": step, "tag": step_dir.name, "world_size": self.world_size,
-                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "index": INDEX_FILE, "files": files, **self.meta}
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "index": INDEX_FILE, "files": files,
+                        **self.meta.record()}
                 fsync_dir(step_dir)
                 self.faults.at("commit")
                 write_json_atomic(step_dir / MARKER, info)
@@ -370,25 +372,26 @@ class CheckpointStore:
 
     def _check_compatible(self, step_dir: Path) -> tuple[dict, bool, str]:
         info = read_marker(step_dir)
-        saved_model, want_model = info.get("model", {}), self.meta.get("model", {})
+        saved = RunMeta.from_record(info)
+        saved_model, want_model = saved.model, self.meta.model
         if saved_model != want_model:
             diffs = [f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {want_model.get(k)!r}"
                      for k in sorted(set(saved_model) | set(want_model)) if saved_model.get(k) != want_model.get(k)]
             raise CheckpointError(f"{step_dir} was saved from a different model config: " + "; ".join(diffs))
-        old, new = info.get("layout") or {}, self.meta.get("layout") or {}
-        same = all(old.get(k) == new.get(k) for k in LAYOUT_KEYS)
+        old, new = saved.layout, self.meta.layout
+        same = old == new
         notes = []
         if not same:
-            notes.append(f"saved under {describe_layout(old)}, resuming under {describe_layout(new)}: resharding on "
+            notes.append(f"saved under {old.describe()}, resuming under {new.describe()}: resharding on "
                          f"load")
-            if old.get("batch_size") != new.get("batch_size"):
-                notes.append(f"global batch {old.get('batch_size')} -> {new.get('batch_size')} streams: every stream "
+            if old.batch_size != new.batch_size:
+                notes.append(f"global batch {old.batch_size} -> {new.batch_size} streams: every stream "
                              f"restarts with empty memory")
-        masks = (info.get("dropout_masks", "stream"), self.meta.get("dropout_masks", "stream"))
+        masks = (saved.dropout_masks, self.meta.dropout_masks)
         if masks[0] != masks[1]:        # a checkpoint from before the key existed was drawn from the streams
             notes.append(f"dropout masks {masks[0]} -> {masks[1]} (train.dropout_masks)")
-        if info.get("precision") != self.meta.get("precision"):
-            notes.append(f"precision {info.get('precision')} -> {self.meta.get('precision')} (from the fp32 masters)")
+        if saved.precision != self.meta.precision:
+            notes.append(f"precision {saved.precision} -> {self.meta.precision} (from the fp32 masters)")
         return info, same, "; ".join(notes)
 
     def load(self, step_dir: Path, registry: StateRegistry) -> dict:

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from megamemo.checkpoint.layout import RankLayout
+
 EXIT_NODE_SUSPECT = 5           # megamemo/runtime/interruptions.py's
 _P = 2_147_483_629              # a prime below 2^31: a flipped bit changes a fingerprint whatever its position
 _CHUNK = 1 << 22
@@ -71,7 +73,7 @@ def _zero_partitions(opt):
 class ReplicaCheck:
     """This rank's fingerprints and the verdict over every rank's (the module's doc)."""
 
-    def __init__(self, engine, layout: dict, rank: int, world_size: int, node: str | None = None):
+    def __init__(self, engine, layout: RankLayout, rank: int, world_size: int, node: str | None = None):
         self.engine, self.layout, self.rank, self.world_size = engine, layout, rank, world_size
         self.node = node or socket.gethostname()
 
@@ -83,8 +85,8 @@ class ReplicaCheck:
         steps = sorted({int(st["step"]) for st in inner.state.values() if "step" in st})
         scalars = fingerprint([torch.tensor([float(x) for x in (*steps, self.engine.lr(), self.engine.loss_scale())],
                                             dtype=torch.float64)])
-        out = {"rank": self.rank, "node": self.node, "dp_rank": int(self.layout.get("dp_rank", 0)),
-               "group": [int(self.layout.get("tp_rank", 0)), int(self.layout.get("pp_rank", 0))], "scalars": scalars}
+        out = {"rank": self.rank, "node": self.node, "dp_rank": self.layout.dp_rank,
+               "group": [self.layout.tp_rank, self.layout.pp_rank], "scalars": scalars}
         if zero is not None:
             parts, own, ok = zero
             out.update(partitions=[fingerprint(p) for p in parts], owns=own, own_ok=ok)
