@@ -15,8 +15,8 @@ import torch
 
 from megamemo.checkpoint.commit import LocalOutcomes
 from megamemo.checkpoint.faults import FaultPoints
-from megamemo.checkpoint.index import INDEX_FILE
-from megamemo.checkpoint.layout import RunLayout, RunMeta, coverage_problems, open_reader
+from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, open_reader
+from megamemo.checkpoint.layout import RunLayout, RunMeta
 from megamemo.checkpoint.pieces import Piece, PieceError, ShardedReader, spread_writers, write_pieces
 from megamemo.checkpoint.state import (Counters, LoadContext, RNGState, StateRegistry, rank_files, save_snapshot)
 from megamemo.checkpoint.store import (MARKER, CheckpointError, CheckpointStore, SaveFailed, list_checkpoints,

@@ -95,14 +95,21 @@ class RunMeta:
     model_fingerprint: str | None = None
     layout: RunLayout = RunLayout()
     precision: str | None = None
-    dropout_masks: str = "stream"       # a checkpoint from before the key existed drew its masks from the streams
+    dropout_masks: str | None = None    # None: not recorded (a checkpoint from before the key existed)
 
     @classmethod
     def from_record(cls, record: dict) -> RunMeta:
-        """A marker's fields (of any version: what it lacks is None, dropout masks "stream")."""
-        return cls(record.get("model") or {}, record.get("model_fingerprint"), RunLayout.from_record(record.get("layout")),
-                   record.get("precision"), record.get("dropout_masks", "stream"))
+        """A marker's fields (of any version: what it lacks is None)."""
+        return cls(record.get("model") or {}, record.get("model_fingerprint"),
+                   RunLayout.from_record(record.get("layout")), record.get("precision"), record.get("dropout_masks"))
+
+    @property
+    def masks(self) -> str:
+        """How the run draws its dropout masks: a checkpoint that does not say drew them from the streams."""
+        return self.dropout_masks or "stream"
 
     def record(self) -> dict:
-        return {"model": self.model, "model_fingerprint": self.model_fingerprint, "layout": self.layout.record(),
-                "precision": self.precision, "dropout_masks": self.dropout_masks}
+        """The marker's fields (what is None is left out, as the writers of older checkpoints did)."""
+        out = {"model": self.model, "model_fingerprint": self.model_fingerprint, "layout": self.layout.record(),
+               "precision": self.precision, "dropout_masks": self.dropout_masks}
+        return {k: v for k, v in out.items() if v is not None}

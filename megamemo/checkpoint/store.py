@@ -387,7 +387,7 @@ class CheckpointStore:
             if old.batch_size != new.batch_size:
                 notes.append(f"global batch {old.batch_size} -> {new.batch_size} streams: every stream "
                              f"restarts with empty memory")
-        masks = (saved.dropout_masks, self.meta.dropout_masks)
+        masks = (saved.masks, self.meta.masks)
         if masks[0] != masks[1]:        # a checkpoint from before the key existed was drawn from the streams
             notes.append(f"dropout masks {masks[0]} -> {masks[1]} (train.dropout_masks)")
         if saved.precision != self.meta.precision:
