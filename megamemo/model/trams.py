@@ -39,6 +39,7 @@ import torch
 
 from megamemo.model import Memory, MemTransformerLM
 from megamemo.model.attention import causal_attention, causal_scores
+from megamemo.model.lengths import Lengths
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 
 METRICS = ("code", "paper")
@@ -164,8 +165,8 @@ def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *
         if not cfg.has_memory:
             raise ValueError(f"TRAMS needs a model with memory; {cfg.variant!r} has none")
         mem_len = select.pool
-    same_length = cfg.same_length if same_length is None else same_length
-    clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
+    at = Lengths(mem=mem_len, clamp=clamp_len, same_length=same_length).resolve(cfg)
+    same_length, clamp_len = at.same_length, at.clamp
     causal = _Causal(model, select, clamp_len, same_length, observe)
     return model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len,
                  attend=lambda l, layer: functools.partial(causal, l, layer), observe=observe)

@@ -165,8 +165,8 @@ def _build(cfg: RunConfig, de, layout: RankLayout, run_dir: Path, stop, log, sta
                              "restart": restart_count(), "threads": _threads()})
     evaluator = None
     if cfg.eval.every:
-        L = eval_lengths(cfg)
-        make_reader = lambda: open_reader(cfg.data, cfg.eval.split, cfg.eval.batch_size, L["tgt_len"], dp,  # noqa: E731
+        tgt_len = eval_lengths(cfg).tgt
+        make_reader = lambda: open_reader(cfg.data, cfg.eval.split, cfg.eval.batch_size, tgt_len, dp,  # noqa: E731
                                           dp_rank, train=False)
         if stage is None:
             evaluator = Evaluator(cfg, make_reader, lambda: engine.module, engine.device, de.world_size, metrics)
