@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -293,8 +294,6 @@ class RNGState:
 
 def _tp_rng_tracker():
     """megatron-core's RNG tracker (the per-TP-rank dropout streams), when this process set one up."""
-    import sys
-
     rnd = sys.modules.get("megatron.core.tensor_parallel.random")
     if rnd is None or not getattr(rnd, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
         return None

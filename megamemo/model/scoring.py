@@ -22,6 +22,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from megamemo.util.progress import Progress
+from megamemo.util.units import bits_per_byte
+
 from .lengths import Lengths
 from .memory import Memory
 from .trams import TramsConfig
@@ -91,8 +94,6 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
     on_segment(nll [L, B], hit [L, B] bool): told each segment's per-token NLL and whether each target was the
     most likely token (the harness's loglikelihood; without TRAMS).
     -> {"nll", "tokens", "segments", "seconds"[, "bytes", "bits_per_byte"]}."""
-    from megamemo.util.progress import Progress
-
     if trams is not None and on_segment is not None:
         raise ValueError("on_segment is not available with TRAMS")
     lengths = Lengths(mem=mem_len, same_length=same_length, clamp=clamp_len)
@@ -122,8 +123,6 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
     out = {"nll": scores.mean, "tokens": scores.tokens, "segments": scores.segments,
            "seconds": time.perf_counter() - t0}
     if token_bytes is not None:
-        from megamemo.util.units import bits_per_byte
-
         out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(scores.nll), n_bytes)
     return out
 

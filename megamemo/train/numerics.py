@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from megamemo.checkpoint.layout import RankLayout
 
@@ -61,8 +62,6 @@ def _zero_partitions(opt):
     masters = getattr(opt, "single_partition_of_fp32_groups", None)
     if not groups or masters is None:
         return None
-    import torch.distributed as dist
-
     mine = [dist.get_rank(group=g) if dist.is_initialized() else 0 for g in opt.real_dp_process_group]
     own_ok = all(torch.equal(parts[p], master.to(parts[p].dtype))
                  for parts, p, master in zip(groups, mine, masters))
@@ -100,8 +99,6 @@ class ReplicaCheck:
         mine = self.local()
         if self.world_size == 1:
             return [mine]
-        import torch.distributed as dist
-
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         return everyone
