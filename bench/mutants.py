@@ -340,7 +340,7 @@ MUTATIONS = [
       ("tests/test_convert_reference.py::test_imported_reference_reproduces_the_reference_nll",)),
     # ---- megamemo/train --------------------------------------------------------------------------------------
     M("train-no-reseed-under-another-layout", "megamemo/train/loop.py",
-      'self._reseed(int(info["step"]))', "pass",
+      "self._reseed(saved.step)", "pass",
       ("tests/test_convert_parallel.py::test_a_resume_under_another_layout_with_dropout_reseeds_every_stream",)),
     M("train-peer-lost-runs-interpreter-shutdown", "megamemo/train/run.py",
       "leave_without_finalizing(lost)", "pass",

@@ -14,7 +14,6 @@ import shutil
 
 import pytest
 import torch
-
 from fixture_data import FIXTURES
 from runs_cache import losses, run
 

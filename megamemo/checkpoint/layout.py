@@ -5,6 +5,7 @@ RunLayout.from_record reads a marker of any version (a key it lacks is None)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 Columns = tuple[int, int]
 
@@ -113,3 +114,15 @@ class RunMeta:
         out = {"model": self.model, "model_fingerprint": self.model_fingerprint, "layout": self.layout.record(),
                "precision": self.precision, "dropout_masks": self.dropout_masks}
         return {k: v for k, v in out.items() if v is not None}
+
+
+class Compatibility(NamedTuple):
+    """CheckpointStore.check_compatible's answer: the checkpoint's marker (the file as read), whether it was saved
+    under this run's layout, and a line saying what changed ("" when nothing did)."""
+    marker: dict
+    same_layout: bool
+    note: str
+
+    @property
+    def step(self) -> int:
+        return int(self.marker["step"])

@@ -25,16 +25,22 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from megamemo.checkpoint.commit import (Collectives, OutcomeTimeout, check_and_index, first_error,
-                                        outcome_channel, write_and_report)
+from megamemo.checkpoint.commit import (
+    Collectives,
+    OutcomeTimeout,
+    check_and_index,
+    first_error,
+    outcome_channel,
+    write_and_report,
+)
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
-from megamemo.checkpoint.layout import RankLayout, RunMeta
+from megamemo.checkpoint.layout import Compatibility, RankLayout, RunMeta
 from megamemo.checkpoint.state import LateFiles, LoadContext, Snapshot, StateRegistry, read_json
 from megamemo.util.files import entry_mismatch, file_sha256, fsync_dir, write_json_atomic
 
@@ -158,15 +164,15 @@ class CheckpointStore:
         self._error: BaseException | None = None
         self._abandoned = threading.Event()
         self.faults = FaultPoints(rank)     # crash tests and bench/soak.py only (checkpoint/faults.py)
-        self._compatible: tuple[Path, tuple[dict, bool, str]] | None = None     # check_compatible's, once
+        self._compatible: tuple[Path, Compatibility] | None = None     # check_compatible's, once
 
     # ---- save --------------------------------------------------------------------------------------------
     def save(self, step: int, registry: StateRegistry, layout: RankLayout | None = None,
              replicas: dict | None = None, files: dict[str, Callable[[Path], None]] | None = None) -> Path:
         """Collective. layout: this rank's (rank_<r>.json keeps it); replicas: the replica check's JSON record of
-        this step (train/numerics.py), kept as it is. files: {name: writer(path)} this rank adds to the step directory, or a function making them
-        after the snapshot (the probe). A failed save raises SaveFailed on every rank: here (sync), or in wait()
-        once failed() says so (async)."""
+        this step (train/numerics.py), kept as it is. files: {name: writer(path)} this rank adds to the step
+        directory, or a function making them after the snapshot (the probe). A failed save raises SaveFailed on
+        every rank: here (sync), or in wait() once failed() says so (async)."""
         self.wait()
         step_dir = self.root / tag_for(step)
         self.comm.barrier()             # every rank's previous save is written, and rank 0 has committed it
@@ -362,7 +368,7 @@ class CheckpointStore:
                     self.log(f"[checkpoint] {e}; moved {path.name} aside to {aside.name}")
         return None
 
-    def check_compatible(self, step_dir: Path) -> tuple[dict, bool, str]:
+    def check_compatible(self, step_dir: Path) -> Compatibility:
         """(marker, same layout?, a line saying what changed) after checking the model config is the same. Read and
         checked once per checkpoint: the trainer's start-up, its resume and the load all ask."""
         if self._compatible is not None and self._compatible[0] == step_dir:
@@ -370,7 +376,7 @@ class CheckpointStore:
         self._compatible = (step_dir, self._check_compatible(step_dir))
         return self._compatible[1]
 
-    def _check_compatible(self, step_dir: Path) -> tuple[dict, bool, str]:
+    def _check_compatible(self, step_dir: Path) -> Compatibility:
         info = read_marker(step_dir)
         saved = RunMeta.from_record(info)
         saved_model, want_model = saved.model, self.meta.model
@@ -392,7 +398,7 @@ class CheckpointStore:
             notes.append(f"dropout masks {masks[0]} -> {masks[1]} (train.dropout_masks)")
         if saved.precision != self.meta.precision:
             notes.append(f"precision {saved.precision} -> {self.meta.precision} (from the fp32 masters)")
-        return info, same, "; ".join(notes)
+        return Compatibility(info, same, "; ".join(notes))
 
     def load(self, step_dir: Path, registry: StateRegistry) -> dict:
         info, same, note = self.check_compatible(step_dir)

@@ -45,7 +45,7 @@ def rank_layout(cfg: RunConfig, de, dp: int, micro: int) -> RankLayout:
     if tp == 1 and pp == 1:
         dp_rank, tp_rank, pp_rank = de.rank, 0, 0
     else:
-        from megatron.core import parallel_state as ps   # megatron-core: only under model parallelism (slow import)
+        from megatron.core import parallel_state as ps  # megatron-core: only under model parallelism (slow import)
 
         init_model_parallel(tp, pp, timeout_s=cfg.parallel.collective_timeout_s)
         dp_rank, tp_rank, pp_rank = (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(),
@@ -122,14 +122,14 @@ def _build(cfg: RunConfig, de, layout: RankLayout, run_dir: Path, stop, log, sta
                             commit_timeout_s=cfg.checkpoint.commit_timeout_s, log=log)
     resume_dir = store.select(cfg.checkpoint.resume)        # collective: the newest that verifies
     if resume_dir is not None and cfg.n_token_auto:         # the checkpoint's padded tables, under any layout
-        said = adopt_checkpoint_vocab(cfg, read_marker(resume_dir).get("model") or {})
+        said = adopt_checkpoint_vocab(cfg, RunMeta.from_record(read_marker(resume_dir)).model)
         if said:
             store.meta = replace(meta, model=cfg.model.to_dict(), model_fingerprint=cfg.model_fingerprint())
             if de.rank == 0:
                 log(f"[train] {said}")
     start_step = 0
     if resume_dir is not None:
-        start_step = int(store.check_compatible(resume_dir)[0]["step"])
+        start_step = store.check_compatible(resume_dir).step
     if de.rank == 0:
         for p in store.remove_incomplete():
             log(f"[checkpoint] removed {p}: an interrupted save, never committed")

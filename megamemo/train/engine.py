@@ -1,6 +1,6 @@
-"""DeepSpeed set-up: ZeRO 0/1/2 (optionally overlapping the gradient reduction with the backward pass), fp32 / bf16 / fp16 (dynamic loss scaling), clipping, torch Adam, warmup +
-cosine schedule. Checkpoints never go through DeepSpeed's own (pickled) files: train/resumable.py reads and fills
-the engine's objects for the checkpoint layer.
+"""DeepSpeed set-up: ZeRO 0/1/2 (optionally overlapping the gradient reduction with the backward pass), fp32 /
+bf16 / fp16 (dynamic loss scaling), clipping, torch Adam, warmup + cosine schedule. Checkpoints never go through
+DeepSpeed's own (pickled) files: train/resumable.py reads and fills the engine's objects for the checkpoint layer.
 
 DeepSpeed facts this relies on (0.19.8, see shared/notes/stack-on-cpu.md):
   - `gradient_clipping` defaults to 1.0, so it is always set explicitly (0 = off);
@@ -143,7 +143,7 @@ class Engine:
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, micro_batch: int, dp: int, mpu=None):
         """mpu: the model-parallel groups for DeepSpeed (tensor parallelism); a PipelineModule brings its own."""
-        import deepspeed    # picks its accelerator when imported: only after runtime/device.resolve() chose it
+        import deepspeed  # picks its accelerator when imported: only after runtime/device.resolve() chose it
         self.cfg = cfg
         check_precision(cfg.precision.dtype)
         opt = make_optimizer(cfg, model)

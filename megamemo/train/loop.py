@@ -26,7 +26,7 @@ from megamemo.checkpoint.layout import RankLayout
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
 from megamemo.checkpoint.store import CheckpointStore
 from megamemo.kernels.compiler import run_eagerly
-from megamemo.model import MemTransformerLM, Memory
+from megamemo.model import Memory, MemTransformerLM
 from megamemo.parallel.groups import seed_rng_streams
 from megamemo.parallel.pipeline import pipe_to_single, stage_input, stage_memory_names, stage_owns
 from megamemo.runtime.rundir import RunDirectory
@@ -94,7 +94,7 @@ class StepSignals:
 
     @classmethod
     def all_reduced(cls, loss_sum: torch.Tensor, tokens: int, stop: bool, save_failed: bool,
-                    world_size: int) -> "StepSignals":
+                    world_size: int) -> StepSignals:
         """loss_sum: float64 on the device. The three host values cross in one copy (from pinned memory on a GPU: no
         host sync; the only one of the step is the .tolist() here)."""
         host = torch.tensor([float(tokens), float(stop), float(save_failed)], dtype=torch.float64)
@@ -322,20 +322,19 @@ class Trainer:
             raise
         return self._agreed
 
-    def resume(self, step_dir: Path) -> dict:
+    def resume(self, step_dir: Path) -> None:
         """Restore everything from a committed checkpoint of any layout (resharding on load). The RNG streams of
         this process are restored when the layout is unchanged, else re-seeded from (seed, ranks, step)."""
-        info, same, _ = self.store.check_compatible(step_dir)
+        saved = self.store.check_compatible(step_dir)
         t0 = time.perf_counter()
-        doc = self.store.load(step_dir, self.registry)
+        self.store.load(step_dir, self.registry)
         load_s = time.perf_counter() - t0
-        if not same:
-            self._reseed(int(info["step"]))
+        if not saved.same_layout:
+            self._reseed(saved.step)
         self._scale_before = self.engine.loss_scale()
         if self.rank == 0:
             print(f"[checkpoint] resumed from {step_dir} at step {self.counters.step} (loaded in {load_s:.2f}s)",
                   flush=True)
-        return doc
 
     def _reseed(self, step: int) -> tuple[int, int]:
         """A resume under another layout: this rank's streams from (seed, its ranks, the step), as a fresh start."""

@@ -16,7 +16,7 @@ stateful objects that speak the layout-free description (megamemo/checkpoint/pie
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -99,5 +99,5 @@ def run(config, sets: list[str] = ()) -> int:
 def anticipated_errors() -> tuple[type[BaseException], ...]:
     """Errors megamemo explains in one line (bad config, data, shard, checkpoint, a locked run directory, a
     diverged run); anything else is a bug and shows its traceback."""
-    return (ReplicaMismatch, ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError, ManifestError,
-            DivergedError, DeviceError)
+    return (ReplicaMismatch, ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError,
+            ManifestError, DivergedError, DeviceError)

@@ -11,10 +11,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from megamemo.train.config import RunConfig
 from megamemo.model.lengths import Lengths
 from megamemo.model.scoring import score_segments
 from megamemo.parallel.stage_scoring import scoring_bank, stage_forward
+from megamemo.train.config import RunConfig
 
 
 def eval_lengths(cfg: RunConfig) -> Lengths:
