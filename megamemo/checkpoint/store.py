@@ -185,7 +185,7 @@ class CheckpointStore:
                 shutil.rmtree(step_dir)
         self.comm.barrier()
         t0 = time.perf_counter()
-        doc = {"step": step}
+        doc: dict[str, object] = {"step": step}
         if layout is not None:
             doc["layout"] = layout.record()
         if replicas is not None:

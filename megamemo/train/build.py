@@ -166,6 +166,7 @@ def _build(cfg: RunConfig, de, layout: RankLayout, run_dir: Path, stop, log, sta
     evaluator = None
     if cfg.eval.every:
         tgt_len = eval_lengths(cfg).tgt
+        assert tgt_len is not None          # resolved (Lengths.resolve)
         make_reader = lambda: open_reader(cfg.data, cfg.eval.split, cfg.eval.batch_size, tgt_len, dp,  # noqa: E731
                                           dp_rank, train=False)
         if stage is None:
