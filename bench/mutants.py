@@ -136,6 +136,9 @@ MUTATIONS = [
     M("attention-position-rows-aligned-one-short", "megamemo/model/attention.py",
       "return _rows(r, -(-n // align) * align)", "return _rows(r, -(-n // align) * align - 1)",
       ("tests/test_attention_alignment.py::test_aligned_position_rows_change_nothing",)),
+    M("model-lengths-override-of-the-clamp-ignored", "megamemo/model/lengths.py",
+      "cfg.clamp_len if self.clamp is None else self.clamp,", "cfg.clamp_len,",
+      ("tests/test_seams.py::test_lengths_take_the_models_value_where_none_is_given",)),
     # ---- megamemo/kernels ------------------------------------------------------------------------------------
     M("kernels-dropout-last-digit-strict", "megamemo/kernels/dropout.py",
       "return torch.ge(b, digits[0], out=out)", "return torch.gt(b, digits[0], out=out)",
