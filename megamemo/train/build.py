@@ -113,7 +113,8 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _build(cfg: RunConfig, de, layout: RankLayout, run_dir: Path, stop, log, started: float, rundir, watchdog):
+def _build(cfg: RunConfig, de, layout: RankLayout, run_dir: Path, stop, log, started: float, rundir: RunDirectory,
+           watchdog: Watchdog) -> Trainer:
     dp, dp_rank, micro = layout.dp, layout.dp_rank, layout.micro_batch
     meta = RunMeta(cfg.model.to_dict(), cfg.model_fingerprint(), layout.run, cfg.precision.dtype,
                    cfg.train.dropout_masks)
