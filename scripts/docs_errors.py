@@ -175,3 +175,37 @@ def error_rows() -> list[tuple[str, int, str, str, str]]:
             rows.append((rel, node.lineno, kind.replace(" (located)", ""), _src(guard[1], text) if guard else "",
                          msg))
     return sorted(rows, key=lambda r: (r[0], r[1]))
+
+
+def declared_rows(sections) -> list[tuple[str, int, str, str, str]]:
+    """The refusals a config section declares (megamemo/config/fields.py): a field's Literal choices and its Field
+    bounds, each a row at the field's line, with the one-line message megamemo/config/run.py one_line writes."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from megamemo.config.fields import choices, literal_values
+
+    rows = []
+    for name, cls in sections:
+        lines, first = inspect.getsourcelines(cls)
+        rel = str(Path(inspect.getsourcefile(cls)).relative_to(REPO))
+        at = {node.target.id: first + node.lineno - 1 for node in ast.parse("".join(lines).lstrip()).body[0].body
+              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+        for f in dataclasses.fields(cls):
+            info, key = cls.__pydantic_fields__[f.name], f"{name}.{f.name}"
+            if dataclasses.is_dataclass(info.annotation):
+                rows += declared_rows([(key, info.annotation)])
+                continue
+            metadata = list(info.metadata) + [m for a in typing.get_args(info.annotation)
+                                              if typing.get_origin(a) is typing.Annotated for m in a.__metadata__]
+            unit = " seconds" if key.endswith("_s") else ""
+            for m in metadata:
+                for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+                    if getattr(m, k, None) is not None:
+                        rows.append((rel, at[f.name], "config field", f"Field({k}={getattr(m, k)})",
+                                     f"{key}: must be {op} {getattr(m, k)}{unit} (got {{value}})"))
+            if values := literal_values(info.annotation):
+                rows.append((rel, at[f.name], "config field", "Literal",
+                             f"{key}: must be {choices(values)} (got {{value}})"))
+    return rows

@@ -5,8 +5,9 @@ the committed pages are what this writes):
     python scripts/docs_reference.py --check    # exit 1 naming the pages that differ from the code
 
 * config.md: every key of a run config (the model section, megamemo.model.ModelConfig, and the others of
-  megamemo.train.config.SECTIONS, each where the package that uses it defines it): its type, default, allowed values and a one-line meaning, all read from the
-  dataclasses and the whole comments beside (or above) their fields; a key without one fails --check.
+  megamemo.train.config.SECTIONS, each where the package that uses it defines it): its type, default, allowed values
+  (a Literal's choices, a Field's bounds) and a one-line meaning, all read from the declared sections
+  (megamemo/config/fields.py) and the whole comments beside (or above) their fields; a key without one fails --check.
 * cli.md: every `megamemo` subcommand (megamemo.cli.SUBCOMMANDS) and flag, read from the commands' own argparse
   parsers (each command is started with --help under a hook that takes its parser instead of parsing).
 * errors.md: the one-line errors megamemo prints for bad input - the exceptions its commands report in one line
@@ -78,20 +79,31 @@ def _code(text: str) -> str:
     return "`` " + text.replace("|", "\\|") + " ``" if "`" in text else "`" + text.replace("|", "\\|") + "`"
 
 
-# keys whose allowed values are a constant of the code (module:name -> a tuple, list or dict of them)
-ALLOWED = {"model.variant": "megamemo.model.config:VARIANTS", "model.attention": "megamemo.kernels:ATTENTIONS",
-           "train.kernels": "megamemo.kernels:KERNELS", "train.compile": "megamemo.kernels.compiler:COMPILE",
-           "precision.dtype": "megamemo.util.precision:NAMES", "train.dropout_masks": "megamemo.kernels:DROPOUT_MASKS"}
+def _allowed(info, comment: str, typ: str) -> str:
+    """A field's choices: its Literal's values (megamemo/config/fields.py), else a list "a | b | c" that opens its
+    comment or follows its colon, each choice one word; and a range declared with Field(ge=..., gt=..., lt=...)."""
+    from megamemo.config.fields import literal_values
 
-
-def _allowed(key: str, comment: str, typ: str) -> str:
-    if key in ALLOWED:
-        mod, name = ALLOWED[key].split(":")
-        values = getattr(importlib.import_module(mod), name)
+    values = literal_values(info.annotation)
+    if values:
         return ", ".join(map(str, values)) + (" (YAML's on/off booleans too)" if typ == "Switch" else "")
-    # else a list "a | b | c" that opens the comment or follows its colon, each choice one word
+    bounds = [f"{op} {getattr(m, k)}" for m in _metadata(info) for k, op in
+              (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, k, None) is not None]
+    if bounds:
+        return " and ".join(bounds)
     m = re.search(r"(?:^|: )([\w-]+(?:\s*\|\s*[\w-]+)+)(?=[\s.(;,]|$)", comment)
     return ", ".join(x.strip() for x in m.group(1).split("|")) if m else ""
+
+
+def _metadata(info) -> list:
+    """The constraints of a field, its Optional's inner type's included (`Annotated[Int, Field(ge=1)] | None`)."""
+    import typing
+
+    out = list(info.metadata)
+    for arg in typing.get_args(info.annotation):
+        if typing.get_origin(arg) is typing.Annotated:
+            out += list(arg.__metadata__)
+    return out
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -121,6 +133,8 @@ def config_page() -> str:
            "meaning is the whole comment beside (or above) the field in the code; `megamemo train` writes the resolved config, every "
            "default filled in, to `<run_dir>/config.yaml`. Bad keys and values are one-line errors naming the key "
            "([errors](errors.md)).\n"]
+    from megamemo.config.fields import type_name
+
     for name, cls in config_sections():
         comments = _field_comments(cls)
         where = inspect.getsourcefile(cls).replace(str(REPO) + "/", "")
@@ -128,9 +142,10 @@ def config_page() -> str:
                    "|---|---|---|---|---|\n")
         for f in dataclasses.fields(cls):
             c = comments.get(f.name, "")
-            typ = str(f.type)
+            info = cls.__pydantic_fields__[f.name]
+            typ = type_name(info)
             cells = [_code(f"{name}.{f.name}"), _code(typ), _code(_default(f)),
-                     _plain(_allowed(f"{name}.{f.name}", c, typ)), _plain(c)]
+                     _plain(_allowed(info, c, typ)), _plain(c)]
             out.append("| " + " | ".join(cells) + " |\n")
     return "".join(out)
 
@@ -239,11 +254,14 @@ def errors_page() -> str:
            "run time; `a | b`: one of two texts; `[...]`: a part said only sometimes; `{e} (the X caught, passed "
            "on)`: the message of an error raised deeper, listed where that one is raised). The message says what to "
            "change; the condition says what was seen. `megamemo prepare`'s errors (kind `prepare (...)`) print as "
-           "`megamemo prepare: error: MESSAGE` and exit 2.\n"]
+           "`megamemo prepare: error: MESSAGE` and exit 2. Kind `config field`: a refusal a config key declares (its "
+           "Literal choices, its Field bounds), and a key of the wrong type is `KEY: expected TYPE, got ...`, an "
+           "unknown one `KEY: unknown field (known: ...)`.\n"]
     current = None
-    from docs_errors import error_rows
+    from docs_errors import declared_rows, error_rows
 
-    for rel, line, kind, cond, msg in error_rows():
+    rows = sorted(error_rows() + declared_rows(config_sections()), key=lambda r: (r[0], r[1]))
+    for rel, line, kind, cond, msg in rows:
         if rel != current:
             out.append(f"\n## `{rel}`\n\n| line | kind | when | message |\n|---|---|---|---|\n")
             current = rel

@@ -25,13 +25,19 @@ CASES = [(BF16_OVERLAP + ["parallel.reduce_bucket_size=4096"], "DeepSpeedZeroOpt
          (["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer")]
 
 
+def sections(cfg) -> tuple:
+    """What megamemo/parallel/zero.py reads of a run config: its parallel and precision sections, train.grad_accum."""
+    return cfg.parallel, cfg.precision, cfg.train.grad_accum
+
+
 def test_the_shipped_large_configs_overlap_in_buckets_of_5e7():
     from megamemo.parallel.zero import bf16_optimizer, overlaps_reduction, reduce_bucket
     from megamemo.train.engine import ds_config
 
     for name, sets in (("lamemo-7b", []), ("lamemo-1.3b", ["precision.dtype=bf16"]), ("lamemo-1.3b", [])):
         cfg = load(REPO / "configs" / f"{name}.yaml", sets, vocab_fallback=32000)     # n_token auto: no data here
-        assert overlaps_reduction(cfg) and reduce_bucket(cfg) == 50_000_000 and not bf16_optimizer(cfg), name
+        assert overlaps_reduction(*sections(cfg)) and reduce_bucket(*sections(cfg)) == 50_000_000, name
+        assert not bf16_optimizer(*sections(cfg)), name
         ds = ds_config(cfg, 8, 8)
         assert ds["zero_optimization"] == {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 50_000_000}
         if cfg.precision.dtype == "bf16":           # one micro-batch a step: nothing to accumulate in fp32
@@ -57,8 +63,9 @@ def _reduce_worker(rank, world):
             cfg = load(REPO / "configs/tiny-cpu.yaml", ["model.n_layer=1", "model.dropout=0.0", *sets])
             eng = Engine(cfg, MemTransformerLM(cfg.model), 2, 1)
             opt = eng.ds.optimizer
-            assert type(opt).__name__ == cls and (cls == "BF16_Optimizer") == bf16_optimizer(cfg), (sets, opt)
-            assert getattr(opt, "overlap_comm", False) == overlaps_reduction(cfg), sets
+            assert type(opt).__name__ == cls, (sets, opt)
+            assert (cls == "BF16_Optimizer") == bf16_optimizer(*sections(cfg)), (sets, opt)
+            assert getattr(opt, "overlap_comm", False) == overlaps_reduction(*sections(cfg)), sets
             data = torch.randint(0, 256, (33, 2))
             seen.clear()
             for k in range(cfg.train.grad_accum):
@@ -66,7 +73,7 @@ def _reduce_worker(rank, world):
                 eng.backward(nll.float().mean())
                 eng.micro_step()
             grads = [d for d, n in seen if n > 1000]           # the gradient buckets, not the overflow flags
-            want = {"bf16": torch.bfloat16, "fp32": torch.float32}[reduce_dtype(cfg)]
+            want = {"bf16": torch.bfloat16, "fp32": torch.float32}[reduce_dtype(cfg.precision)]
             assert grads and set(grads) == {want}, (sets, seen)
     finally:
         torch.distributed.all_reduce = real

@@ -84,7 +84,7 @@ def test_the_message_of_a_variable_a_shard_error_and_a_caught_error():
     shard = [m for (rel, _), m in by.items() if rel == "megamemo/data/shard_reader.py" and "truncated tar" in m]
     assert shard and all(m.startswith("shard {shard}: truncated tar") for m in shard), shard
     assert any(m.startswith("{e} (the ValueError caught, passed on)") for (rel, _), m in by.items()
-               if rel == "megamemo/config/run.py")
+               if rel == "megamemo/train/speedups.py")
     utf8 = [m for (rel, _), m in by.items() if rel == "megamemo/data/documents.py" and "not UTF-8" in m]
     assert any("line {line}: column {column}: not UTF-8 (byte 0x{data[e.start]:02x}" in m for m in utf8), utf8
 

@@ -93,7 +93,7 @@ def test_no_import_cycles():
 # The layers, lowest first. A module imports from its own package and from packages of LOWER layers only: nothing
 # low imports something high, and packages of one layer know nothing of each other. Every package has a layer.
 LAYERS = (
-    ("megamemo.util",),                     # typed building, atomic files, digests, progress: nothing of megamemo
+    ("megamemo.util",),                     # atomic files, digests, progress, precision: nothing of megamemo
     ("megamemo.config",),                   # composes a run's config from its sections: YAML, --set, their checks
     ("megamemo.data", "megamemo.model"),    # shards and tokenizers (the data section); the single-device model
     ("megamemo.parallel", "megamemo.kernels"),  # the model's TP / PP forms (the parallel section); its CPU kernels

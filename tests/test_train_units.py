@@ -149,6 +149,11 @@ def test_reduction_settings_deepspeed_would_not_apply_are_refused_by_name(overri
     assert msg.startswith(names + ":") and why in msg and "\n" not in msg, msg
 
 
+def sections(cfg) -> tuple:
+    """What megamemo/parallel/zero.py reads of a run config: its parallel and precision sections, train.grad_accum."""
+    return cfg.parallel, cfg.precision, cfg.train.grad_accum
+
+
 @pytest.mark.parametrize("overrides", [
     ["parallel.zero_stage=1"],                                         # fp32 ZeRO 1: its ZeRO optimizer
     ["parallel.zero_stage=2", "precision.dtype=bf16"],
@@ -167,10 +172,10 @@ def test_overlap_and_bucket_size_reach_deepspeeds_zero_config(overrides):
     assert zero == {"stage": cfg.parallel.zero_stage, "overlap_comm": True, "reduce_bucket_size": 123456}
     parsed = DeepSpeedZeroConfig(**zero)
     assert parsed.overlap_comm is True and parsed.reduce_bucket_size == 123456
-    assert overlaps_reduction(cfg) and reduce_bucket(cfg) == 123456
+    assert overlaps_reduction(*sections(cfg)) and reduce_bucket(*sections(cfg)) == 123456
     plain = C.load(REPO / "configs" / "tiny-cpu.yaml", overrides)         # the defaults: DeepSpeed's own
     assert ds_config(plain, 4, 2)["zero_optimization"] == {"stage": cfg.parallel.zero_stage}
-    assert not overlaps_reduction(plain) and reduce_bucket(plain) == 500_000_000
+    assert not overlaps_reduction(*sections(plain)) and reduce_bucket(*sections(plain)) == 500_000_000
     assert DeepSpeedZeroConfig(stage=plain.parallel.zero_stage).overlap_comm is False    # off below ZeRO 3
 
 
@@ -447,3 +452,63 @@ def test_a_training_process_loads_no_compiler(tiny_cfg, shards, tmp_path):
                               env={**env, **extra}).stdout.split()[-1]
 
     assert after_main() == "1" and after_main(TORCHDYNAMO_DISABLE="0") == "0"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_steps=true", "train.max_steps: expected int, got bool True"),      # a bool is no int here
+    ("parallel.zero_stage=true", "parallel.zero_stage: expected int, got bool True"),
+    ("optim.lr=false", "optim.lr: expected float, got bool False"),
+    ("train.kernels=1", "train.kernels: expected str, got int 1"),
+    ("parallel.tp=0", "parallel.tp: must be >= 1 (got 0)"),
+    ("optim.betas=[0.9, 1.5]", "optim.betas[1]: must be < 1 (got 1.5)"),
+    ("train.spike={window: 1}", "train.spike.window: must be >= 2 (got 1)"),
+    ("train.spike={windows: 9}", "train.spike.windows: unknown field (known: action, max_rollbacks, rule, "
+                                 "skip_batches, threshold, window)"),
+    ("eval.mem_len=-1", "eval.mem_len: must be >= 0 (got -1)"),
+])
+def test_declared_fields_refuse_in_one_line(override, message):
+    """The sections' declared types, choices and bounds (megamemo/config/fields.py) as one-line errors."""
+    with pytest.raises(C.ConfigError) as e:
+        C.load(REPO / "configs" / "tiny-cpu.yaml", [override])
+    assert str(e.value) == message
+
+
+def test_declared_fields_take_yamls_readings():
+    """PyYAML reads 1e-4 (no dot) as a string and unquoted on/off as booleans: float and Switch fields take them."""
+    cfg = C.load(REPO / "configs" / "tiny-cpu.yaml", ["optim.lr=1e-4", "train.compile=true", "eval.tgt_len=null"])
+    assert cfg.optim.lr == 1e-4 and isinstance(cfg.optim.lr, float) and cfg.train.compile == "on"
+    assert C.load(REPO / "configs" / "tiny-cpu.yaml", ["train.compile=off"]).train.compile == "off"
+
+
+def test_a_section_built_in_code_refuses_in_one_line_too():
+    """Constructing a section or dataclasses.replace on one (plan, vocab, eval's length flags) checks it as a config
+    file's value is checked, with the same one-line error naming the key."""
+    import dataclasses
+
+    from megamemo.model import ModelConfig
+
+    with pytest.raises(C.ConfigError, match=r"^model\.dropout: must be < 1 \(got 1\.5\)$"):
+        dataclasses.replace(ModelConfig(), dropout=1.5)
+    with pytest.raises(C.ConfigError, match=r"^train\.spike\.window: must be >= 2 \(got 1\)$"):
+        C.TrainConfig(spike={"window": 1})
+    with pytest.raises(C.ConfigError, match=r"^optim\.min_lr: must be in \[0, optim\.lr\] \(got 1\.0\)$"):
+        C.OptimConfig(min_lr=1.0)
+
+
+def test_declared_choices_are_the_codes_own():
+    """A Literal's choices are the values the code that reads the key knows (kernels, compiler, precision names)."""
+    import typing
+
+    from megamemo.kernels import ATTENTIONS, DROPOUT_MASKS, KERNELS
+    from megamemo.kernels.compiler import COMPILE
+    from megamemo.model import ModelConfig
+    from megamemo.util.precision import NAMES
+
+    def choices(cls, name):
+        from megamemo.config.fields import literal_values
+        return tuple(literal_values(cls.__pydantic_fields__[name].annotation))
+
+    assert choices(C.TrainConfig, "kernels") == KERNELS and choices(C.TrainConfig, "compile") == COMPILE
+    assert choices(C.TrainConfig, "dropout_masks") == tuple(DROPOUT_MASKS)
+    assert choices(ModelConfig, "attention") == ATTENTIONS and choices(C.PrecisionConfig, "dtype") == NAMES
+    assert typing.get_args(C.ParallelConfig.__pydantic_fields__["zero_stage"].annotation) == (0, 1, 2)

@@ -1,12 +1,13 @@
 """A run's configuration, composed: one YAML file plus `--set a.b=value` overrides, read into typed sections.
 
-Every section is a dataclass that the package using it defines and checks: the model's (megamemo/model/config.py),
+Every section is a declared dataclass (megamemo/config/fields.py: pydantic checks each value against its type,
+choices and bounds on construction) that the package using it defines: the model's (megamemo/model/config.py),
 the data's (megamemo/data/config.py), the parallel layout's (megamemo/parallel/config.py), and training's own
 (optim, precision, train, checkpoint, log, eval: megamemo/train/config.py, which also declares which sections a
-training run has). This module only composes them: it reads the YAML, applies `--set`, builds every section typed
-(an unknown or ill-typed key is a `ConfigError` naming it: `optim.lr: expected float, got str 'fast'`) and runs each
-section's `check(run, bad)`, which sees the whole run and calls `bad(key, why)` for a value it refuses. It imports
-nothing of megamemo but util.
+training run has and holds the rules across sections). This module only composes them: it reads the YAML, applies
+`--set`, builds every section (an unknown, ill-typed or out-of-range key is a one-line `ConfigError` naming it:
+`optim.lr: expected float, got str 'fast'`, `parallel.tp: must be >= 1 (got 0)`). It imports nothing of megamemo but
+util.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import dataclasses
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
-from megamemo.util.typed import build
+from .fields import choices, literal_values, type_name
 
 
 class ConfigError(ValueError):
@@ -23,22 +25,81 @@ class ConfigError(ValueError):
 
 
 def section(cls, data, where: str):
-    """Section `cls` from plain data (a mapping, or None for every default): every key and value checked against
-    the dataclass's fields; a section with its own `from_dict(data, where=)` (the model's) is built through it."""
-    if hasattr(cls, "from_dict"):
-        try:
-            return cls.from_dict(data or {}, where=where)
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    return build(cls, data, where, ConfigError)
+    """Section `cls` (a declared dataclass, fields.section) from plain data (a mapping, or None for every default);
+    the first bad key or value is a one-line ConfigError naming it."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    try:
+        return cls.__pydantic_validator__.validate_python(data)     # as cls(**data), its errors named by `where`
+    except ValidationError as e:
+        raise one_line(e, cls, where) from None
+
+
+def refusal(obj, prefix: str):
+    """bad(key, why) for a section's own rules (a model_validator): ConfigError `key: why (got value)`, the value
+    read from obj, the section named `prefix`."""
+    def bad(key: str, why: str):
+        raise ConfigError(f"{key}: {why} (got {getattr(obj, key.removeprefix(prefix + '.'))!r})")
+    return bad
+
+
+BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
+TYPES = {"int_type": "int", "float_type": "float", "float_parsing": "float", "bool_type": "bool",
+         "string_type": "str", "list_type": "list", "dict_type": "dict"}
+
+
+def _owner(cls, loc: tuple):
+    """(the section class holding loc's last named part, that name, loc as a dotted key `.spike.window`)."""
+    key, owner, name = "", cls, None
+    for part in loc:
+        if isinstance(part, int):
+            key += f"[{part}]"
+            continue
+        if name is not None:
+            owner = owner.__pydantic_fields__[name].annotation
+        name, key = part, key + f".{part}"
+    return owner, name, key
+
+
+def one_line(err: ValidationError, cls, where: str) -> ConfigError:
+    """The first error of pydantic's report on section `cls` (named `where`) as one line naming the key."""
+    e = err.errors(include_url=False)[0]
+    if e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
+        return e["ctx"]["error"]                       # a section's own rule (refusal): already one line
+    owner, name, key = _owner(cls, e["loc"])
+    key, value = where + key, e.get("input")
+    info = owner.__pydantic_fields__.get(name) if name else None
+    if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        return ConfigError(f"{key}: unknown field (known: {', '.join(sorted(owner.__pydantic_fields__))})")
+    if e["type"] in BOUNDS:
+        bound = next(v for k, v in e["ctx"].items() if k in ("ge", "gt", "lt", "le"))
+        unit = " seconds" if key.endswith("_s") else ""
+        return ConfigError(f"{key}: must be {BOUNDS[e['type']]} {bound}{unit} (got {value!r})")
+    if e["type"] == "literal_error" and info is not None:
+        allowed = literal_values(info.annotation) or ()
+        if allowed and not isinstance(value, type(allowed[0])):       # a number for a word, a word for a number
+            return ConfigError(f"{key}: expected {type(allowed[0]).__name__}, got {type(value).__name__} {value!r}")
+        return ConfigError(f"{key}: must be {choices(allowed)} (got {value!r})")
+    if e["type"] in ("too_short", "too_long"):
+        n = e["ctx"].get("min_length") if e["type"] == "too_short" else e["ctx"].get("max_length")
+        return ConfigError(f"{key}: expected {'at least' if e['type'] == 'too_short' else 'at most'} {n} items "
+                           f"(got {value!r})")
+    if e["type"].startswith("dataclass_"):
+        return ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+    if e["type"] in TYPES or e["type"].endswith(("_type", "_parsing")):
+        typ = TYPES.get(e["type"], e["type"].split("_")[0])
+        if info is not None and not isinstance(e["loc"][-1], int):      # the field itself: its declared type
+            typ = type_name(info)
+        return ConfigError(f"{key}: expected {typ}, got {type(value).__name__} {value!r}")
+    return ConfigError(f"{key}: {e['msg']} (got {value!r})")
 
 
 @dataclasses.dataclass
 class Run:
-    """A run's config: its dataclass fields whose values are sections (dataclasses), in order, and plain fields
-    beside them (not written out)."""
+    """A run's config: its dataclass fields whose values are sections (declared dataclasses), in order, and plain
+    fields beside them (not written out)."""
 
     def sections(self) -> dict[str, object]:
         return {f.name: v for f in dataclasses.fields(self)
@@ -59,14 +120,16 @@ class Run:
         return obj
 
     def validate(self):
-        """Each section's checks, in order; the first refusal is a ConfigError `key: why (got value)`."""
+        """The rules across sections (the subclass's `check(bad)`; each section's own were kept on construction);
+        the first refusal is a ConfigError `key: why (got value)`."""
         def bad(key: str, why: str):
             raise ConfigError(f"{key}: {why} (got {self.get(key)!r})")
 
-        for s in self.sections().values():
-            if hasattr(s, "check"):
-                s.check(self, bad)
+        self.check(bad)
         return self
+
+    def check(self, bad) -> None:
+        """Calls bad(key, why) for a value the combination of sections refuses (none here)."""
 
 
 def check_sections(d, known: list[str], source: str) -> None:

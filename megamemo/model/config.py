@@ -1,12 +1,17 @@
-"""The model's typed configuration, the `model` section of a run config: one dataclass; `from_dict` rejects unknown
-or ill-typed fields by name and `validate` checks the model itself (what a checkpoint records); `check` adds what a
-training run asks of it."""
+"""The model's typed configuration, the `model` section of a run config: one declared dataclass (megamemo/config/
+fields.py: each field's type, choices and bounds are checked on construction); `from_dict` turns a bad field into a
+one-line error naming it, and `validate` checks the rules between fields (what a checkpoint records). What a training
+run asks of it beyond that is the run config's (megamemo/train/config.py RunConfig.check)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import typing
+from dataclasses import field
+from typing import Annotated, Literal
 
-from megamemo.util.typed import build
+from megamemo.config.fields import Bool, Field, Float, Int, section
+from megamemo.config.run import ConfigError
+from megamemo.config.run import section as build_section
 
 # variant -> (memory kind, attention kind)
 VARIANTS = {
@@ -17,6 +22,8 @@ VARIANTS = {
     "xl": "Transformer-XL (relative positions, per-layer FIFO memory; reference attn_type 0)",
     "rpe": "Transformer with XL relative positions and no memory",
 }
+Variant = Literal["lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "xl", "rpe"]   # model.variant
+assert typing.get_args(Variant) == tuple(VARIANTS), "model.variant's choices are VARIANTS"
 
 
 
@@ -30,46 +37,48 @@ def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
     n = -(-vocab // step) * step
     return n, (vocab if n != vocab else None)
 
-@dataclass
+@section("model")
 class ModelConfig:
-    variant: str = "lamemo"         # the architecture: LaMemo, its ablations, Transformer-XL or a Transformer
-                                    # without memory (VARIANTS)
-    n_token: int = 256              # rows of the embedding and softmax tables (a run config may say `auto`: see
-                                    # megamemo/train/vocab.py)
+    # the architecture: LaMemo, its ablations, Transformer-XL or a Transformer without memory (VARIANTS)
+    variant: Variant = "lamemo"
+    # rows of the embedding and softmax tables (a run config may say `auto`: see megamemo/train/vocab.py)
+    n_token: Annotated[Int, Field(ge=1)] = 256
     # The vocabulary's symbols when the tables are padded beyond it (ids n_vocab .. n_token-1 are padding: masked
     # out of the softmax, never input, target or sampled); None: every row is a symbol (n_vocab = n_token)
-    n_vocab: int | None = None
-    n_layer: int = 2                # Transformer layers
-    d_model: int = 64               # width of the residual stream
-    n_head: int = 2                 # attention heads per layer
-    d_head: int = 32                # width of each head (n_head x d_head need not be d_model)
-    d_inner: int = 128              # hidden width of the position-wise feed-forward
-    dropout: float = 0.1            # dropout of embeddings, sublayer outputs and memory
-    dropatt: float = 0.0            # dropout of the attention probabilities (> 0 keeps eager attention)
-    tgt_len: int = 64               # tokens per segment: the rows one forward step predicts
-    mem_len: int = 64               # memory rows carried over from the previous segments (0: none)
-    clamp_len: int = -1             # relative distances beyond this share its position (-1: none clamped)
-    same_length: bool = False       # every query attends over the same number of keys (XL's same_length)
-    pre_lnorm: bool = False         # layer norm before each sublayer (pre-LN) instead of after it
-    cutoffs: list[int] = field(default_factory=list)    # adaptive softmax and input: cluster boundaries by id
+    n_vocab: Int | None = None
+    n_layer: Annotated[Int, Field(ge=1)] = 2        # Transformer layers
+    d_model: Annotated[Int, Field(ge=1)] = 64       # width of the residual stream
+    n_head: Annotated[Int, Field(ge=1)] = 2         # attention heads per layer
+    d_head: Annotated[Int, Field(ge=1)] = 32        # width of each head (n_head x d_head need not be d_model)
+    d_inner: Annotated[Int, Field(ge=1)] = 128      # hidden width of the position-wise feed-forward
+    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.1      # dropout of embeddings, sublayer outputs and memory
+    # dropout of the attention probabilities (> 0 keeps eager attention)
+    dropatt: Annotated[Float, Field(ge=0, lt=1)] = 0.0
+    tgt_len: Annotated[Int, Field(ge=1)] = 64       # tokens per segment: the rows one forward step predicts
+    mem_len: Annotated[Int, Field(ge=0)] = 64       # memory rows carried over from the previous segments (0: none)
+    clamp_len: Int = -1             # relative distances beyond this share its position (-1: none clamped)
+    same_length: Bool = False       # every query attends over the same number of keys (XL's same_length)
+    pre_lnorm: Bool = False         # layer norm before each sublayer (pre-LN) instead of after it
+    cutoffs: list[Int] = field(default_factory=list)    # adaptive softmax and input: cluster boundaries by id
                                                         # ([]: one full softmax)
-    div_val: int = 1                # adaptive input: each later cluster's width divided by this again (1: all d_embed)
-    tie_weight: bool = True         # the output softmax shares the input embedding's table
-    tie_projs: list[bool] = field(default_factory=lambda: [False])    # per adaptive-softmax cluster: its
+    # adaptive input: each later cluster's width divided by this again (1: all d_embed)
+    div_val: Annotated[Int, Field(ge=1)] = 1
+    tie_weight: Bool = True         # the output softmax shares the input embedding's table
+    tie_projs: list[Bool] = field(default_factory=lambda: [False])    # per adaptive-softmax cluster: its
                                                                       # projection shared with the input's
-    d_embed: int | None = None      # embedding width (None: d_model; projected to d_model when another)
-    init_std: float = 0.02          # std of the normal initialisation of weights and position biases
-    proj_init_std: float = 0.01     # std of the normal initialisation of the adaptive projections
+    d_embed: Int | None = None      # embedding width (None: d_model; projected to d_model when another)
+    init_std: Float = 0.02          # std of the normal initialisation of weights and position biases
+    proj_init_std: Float = 0.01     # std of the normal initialisation of the adaptive projections
     # The reference LaMemo training script never re-initialises r_r_bias_future, so it keeps xavier_uniform_
     # (~15x the scale of r_r_bias). "xavier" reproduces that; "normal" uses N(0, init_std) like the other biases.
-    future_bias_init: str = "xavier"
+    future_bias_init: Literal["xavier", "normal"] = "xavier"
     # How attention is computed: eager (megamemo/model/attention.py) | flex (FlexAttention, one fused kernel;
     # megamemo/kernels/flex.py) | fused (Triton kernels with the rel-shifted position term on chip;
     # megamemo/kernels/fused.py) | auto (training on CUDA: the fastest of the forms that pass a start-up check
     # against eager, timed on one layer at the run's own shapes, megamemo/train/forms.py; on the CPU eager;
     # eval/generate: flex on CUDA). Attention dropout (dropatt > 0) keeps eager in training.
     # Not part of the model's identity (RUNTIME_FIELDS): a checkpoint resumes and converts under any form.
-    attention: str = "auto"
+    attention: Literal["auto", "eager", "flex", "fused"] = "auto"
 
     RUNTIME_FIELDS = ("attention",)
 
@@ -104,24 +113,15 @@ class ModelConfig:
         return self.d_model if self.d_embed is None else self.d_embed
 
     # ---- validation and (de)serialisation -----------------------------------------------------------------
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
+        """The rules between fields (each field's own type, choices and bounds were checked on construction)."""
         def bad(name, why):
-            raise ValueError(f"model.{name}: {why} (got {getattr(self, name)!r})")
+            raise ConfigError(f"model.{name}: {why} (got {getattr(self, name)!r})")
 
-        if self.variant not in VARIANTS:
-            bad("variant", f"must be one of {sorted(VARIANTS)}")
-        for name in ("n_token", "n_layer", "d_model", "n_head", "d_head", "d_inner", "tgt_len", "div_val"):
-            if getattr(self, name) < 1:
-                bad(name, "must be >= 1")
         if self.n_vocab is not None and not 1 <= self.n_vocab <= self.n_token:
             bad("n_vocab", f"must be in [1, n_token={self.n_token}] (the symbols of a padded vocabulary)")
-        if self.mem_len < 0:
-            bad("mem_len", "must be >= 0")
         if self.lamemo and self.mem_len == 0:
             bad("mem_len", "LaMemo needs a memory (mem_len >= 1)")
-        for name in ("dropout", "dropatt"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                bad(name, "must be in [0, 1)")
         if self.d_model % 2:
             bad("d_model", "must be even (sinusoidal positions)")
         cut = list(self.cutoffs)
@@ -134,20 +134,9 @@ class ModelConfig:
             bad("tie_projs", f"needs 1 or {n_clusters} entries (one per cluster)")
         if self.embed_dim % (self.div_val ** len(cut)):
             bad("div_val", "d_embed must be divisible by div_val ** len(cutoffs)")
-        if self.future_bias_init not in ("xavier", "normal"):
-            bad("future_bias_init", "must be 'xavier' or 'normal'")
-        if self.attention not in ("auto", "eager", "flex", "fused"):
-            bad("attention", "must be one of auto, eager, flex, fused")
         return self
 
-    def check(self, run, bad) -> None:
-        """The run's checks of the model section (megamemo/config/run.py), beyond validate's: FlexAttention and the
-        fused kernels, which a training run with attention flex or fused uses, cannot drop attention weights."""
-        if self.attention in ("flex", "fused") and self.dropatt > 0:
-            bad("model.attention", f"{self.attention} cannot drop attention weights (model.dropatt={self.dropatt}): "
-                                   f"use auto or eager, or dropatt 0")
-
-    def check_lengths(self, **flags) -> "ModelConfig":
+    def check_lengths(self, **flags) -> ModelConfig:
         """An evaluation's lengths (eval, generate, harness): flags {"--mem-len": M, ...} (None: the checkpoint's)
         applied and held to validate's rules, as a training config's; -> the config they make. An error names the
         flag: `--mem-len: must be >= 0 (got -5)`."""
@@ -174,5 +163,5 @@ class ModelConfig:
         return {k: v for k, v in self.to_dict().items() if k not in self.RUNTIME_FIELDS}
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "model") -> "ModelConfig":
-        return build(cls, d, where).validate()
+    def from_dict(cls, d: dict, where: str = "model") -> ModelConfig:
+        return build_section(cls, d, where).validate()

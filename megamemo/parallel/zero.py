@@ -1,7 +1,8 @@
 """What DeepSpeed 0.19.8 does with a run's gradient-reduction settings (parallel.overlap_comm and
 parallel.reduce_bucket_size): which of its optimizers reduces the gradients, in buckets of how many elements, and
-whether the reduction overlaps the backward pass. The parallel section's checks (parallel/config.py), the DeepSpeed
-config (train/engine.py ds_config) and `megamemo plan` (plan/steptime.py, plan/layouts.py) all ask here.
+whether the reduction overlaps the backward pass. The run config's rules across sections (train/config.py), the
+DeepSpeed config (train/engine.py ds_config) and `megamemo plan` (plan/steptime.py, plan/layouts.py) all ask here,
+handing over the parallel and precision sections and train.grad_accum explicitly.
 
 Read from DeepSpeed 0.19.8 (runtime/engine.py, runtime/zero/stage_1_and_2.py, runtime/zero/config.py):
   - ZeRO 1 and 2 run its ZeRO optimizer (stage_1_and_2.py), which reads zero_optimization.reduce_bucket_size
@@ -35,71 +36,68 @@ from __future__ import annotations
 DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size default and its non-ZeRO all-reduce bucket
 
 
-def fp32_accumulation(cfg) -> bool:
-    """Whether DeepSpeed accumulates cfg's gradients in fp32 (data_types.grad_accum_dtype fp32; else the model
+def fp32_accumulation(parallel, precision, grad_accum: int) -> bool:
+    """Whether DeepSpeed accumulates the gradients in fp32 (data_types.grad_accum_dtype fp32; else the model
     dtype): precision.grad_accum_dtype fp32, or auto for half precision on ZeRO 1/2 but bf16 on ZeRO 1 at
     train.grad_accum 1 without a pipeline (see above)."""
-    p, zero = cfg.precision, cfg.parallel.zero_stage
+    p, zero = precision, parallel.zero_stage
     if p.dtype == "fp32" or p.grad_accum_dtype == "model" or zero == 0:
         return False
-    one_micro_batch = cfg.train.grad_accum == 1 and cfg.parallel.pp == 1
+    one_micro_batch = grad_accum == 1 and parallel.pp == 1
     return not (p.grad_accum_dtype == "auto" and p.dtype == "bf16" and zero == 1 and one_micro_batch)
 
 
-def bf16_optimizer(cfg) -> bool:
-    """Whether DeepSpeed runs its BF16_Optimizer for cfg (bf16 on ZeRO 1 with fp32 accumulation)."""
-    return cfg.parallel.zero_stage == 1 and cfg.precision.dtype == "bf16" and fp32_accumulation(cfg)
+def bf16_optimizer(parallel, precision, grad_accum: int) -> bool:
+    """Whether DeepSpeed runs its BF16_Optimizer (bf16 on ZeRO 1 with fp32 accumulation)."""
+    return parallel.zero_stage == 1 and precision.dtype == "bf16" and fp32_accumulation(parallel, precision, grad_accum)
 
 
-def reduce_dtype(cfg) -> str:
-    """The dtype DeepSpeed all-reduces cfg's gradients in: the model dtype, with every optimizer (see above)."""
-    return cfg.precision.dtype
+def reduce_dtype(precision) -> str:
+    """The dtype DeepSpeed all-reduces the gradients in: the model dtype, with every optimizer (see above)."""
+    return precision.dtype
 
 
-def zero_optimizer(cfg) -> bool:
-    """Whether DeepSpeed reduces cfg's gradients with its ZeRO 1/2 optimizer (the one that reads
-    reduce_bucket_size and overlap_comm)."""
-    return cfg.parallel.zero_stage in (1, 2) and not bf16_optimizer(cfg)
+def zero_optimizer(parallel, precision, grad_accum: int) -> bool:
+    """Whether DeepSpeed reduces the gradients with its ZeRO 1/2 optimizer (the one that reads reduce_bucket_size
+    and overlap_comm)."""
+    return parallel.zero_stage in (1, 2) and not bf16_optimizer(parallel, precision, grad_accum)
 
 
-def reduce_bucket(cfg) -> int:
+def reduce_bucket(parallel, precision, grad_accum: int) -> int:
     """Elements per gradient-reduction bucket: parallel.reduce_bucket_size where the ZeRO optimizer reads it, else
     DeepSpeed's 5e8."""
-    size = cfg.parallel.reduce_bucket_size
-    return size if size is not None and zero_optimizer(cfg) else DS_REDUCE_BUCKET
+    size = parallel.reduce_bucket_size
+    return size if size is not None and zero_optimizer(parallel, precision, grad_accum) else DS_REDUCE_BUCKET
 
 
-def _without_zero_optimizer(cfg) -> str:
-    if cfg.parallel.zero_stage == 0:
+def _without_zero_optimizer(parallel) -> str:
+    if parallel.zero_stage == 0:
         return "needs parallel.zero_stage 1 or 2 (ZeRO 0 all-reduces after the backward pass, in its own buckets)"
     return ("not with precision.dtype bf16 on ZeRO 1 with fp32 gradient accumulation (train.grad_accum > 1, or "
             "precision.grad_accum_dtype fp32): DeepSpeed 0.19.8 runs its BF16_Optimizer there, which all-reduces "
             "after the backward pass (use parallel.zero_stage 2, or precision.grad_accum_dtype model)")
 
 
-def overlap_problem(cfg) -> str | None:
-    """Why DeepSpeed would not overlap cfg's gradient reduction with the backward pass, or None."""
-    if not zero_optimizer(cfg):
-        return _without_zero_optimizer(cfg)
-    if cfg.parallel.pp > 1:
+def overlap_problem(parallel, precision, grad_accum: int) -> str | None:
+    """Why DeepSpeed would not overlap the gradient reduction with the backward pass, or None."""
+    if not zero_optimizer(parallel, precision, grad_accum):
+        return _without_zero_optimizer(parallel)
+    if parallel.pp > 1:
         return "not with parallel.pp > 1 (DeepSpeed's pipeline engine turns overlap_comm off)"
     return None
 
 
-def overlaps_reduction(cfg) -> bool:
-    """Whether cfg's gradient reduction overlaps the backward pass: parallel.overlap_comm where it takes effect."""
-    return cfg.parallel.overlap_comm and overlap_problem(cfg) is None
+def overlaps_reduction(parallel, precision, grad_accum: int) -> bool:
+    """Whether the gradient reduction overlaps the backward pass: parallel.overlap_comm where it takes effect."""
+    return parallel.overlap_comm and overlap_problem(parallel, precision, grad_accum) is None
 
 
-def problems(cfg) -> list[tuple[str, str]]:
-    """(key, why) for each reduction setting cfg asks for that DeepSpeed would not apply."""
+def problems(parallel, precision, grad_accum: int) -> list[tuple[str, str]]:
+    """(key, why) for each reduction setting the parallel section asks for that DeepSpeed would not apply (its
+    range, reduce_bucket_size >= 1, is the section's own)."""
     out = []
-    if cfg.parallel.overlap_comm and (why := overlap_problem(cfg)):
+    if parallel.overlap_comm and (why := overlap_problem(parallel, precision, grad_accum)):
         out.append(("parallel.overlap_comm", why))
-    size = cfg.parallel.reduce_bucket_size
-    if size is not None:
-        if size < 1:
-            out.append(("parallel.reduce_bucket_size", "must be >= 1 (elements), or null for DeepSpeed's 5e8"))
-        elif not zero_optimizer(cfg):
-            out.append(("parallel.reduce_bucket_size", _without_zero_optimizer(cfg)))
+    if parallel.reduce_bucket_size is not None and not zero_optimizer(parallel, precision, grad_accum):
+        out.append(("parallel.reduce_bucket_size", _without_zero_optimizer(parallel)))
     return out

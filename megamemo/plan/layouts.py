@@ -97,7 +97,8 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
     grads_b = params * p_bytes / (dp if zero >= 2 else 1)
     opt_b = params * opt_per_param / (dp if zero >= 1 else 1)
     zero_b = 0.0
-    if bf16_optimizer(cfg):
+    reduction = (cfg.parallel, cfg.precision, cfg.train.grad_accum)     # what parallel/zero.py reads
+    if bf16_optimizer(*reduction):
         # DeepSpeed's BF16_Optimizer (bf16 + ZeRO 1 with fp32 accumulation, train/engine.py): a full fp32 gradient
         # buffer on every rank (not partitioned) and its all-reduce buffer of up to reduce_bucket_size bf16 values
         bucket = DS_REDUCE_BUCKET if device != "cpu" else min(DS_REDUCE_BUCKET, params)
@@ -108,9 +109,9 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
         # dtype (ZeRO 2; ZeRO 1 accumulating in it: bf16 at grad_accum 1, parallel/zero.py), a second
         # one to fill while the first reduces under overlap_comm; on the CPU only the pages gradients are copied
         # into become resident
-        size = reduce_bucket(cfg)
-        bucket = (size if device != "cpu" else min(size, params)) * (2 if overlaps_reduction(cfg) else 1)
-        zero_b = 4 * params / dp + bucket * (4 if zero == 1 and fp32_accumulation(cfg) else p_bytes)
+        size = reduce_bucket(*reduction)
+        bucket = (size if device != "cpu" else min(size, params)) * (2 if overlaps_reduction(*reduction) else 1)
+        zero_b = 4 * params / dp + bucket * (4 if zero == 1 and fp32_accumulation(*reduction) else p_bytes)
 
     L, M, B = m.tgt_len, (m.mem_len if m.has_memory else 0), micro
     klen = L + M

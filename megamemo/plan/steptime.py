@@ -165,7 +165,7 @@ def accumulation_seconds(dev: Device, cfg, params: float, tensors: int) -> float
     takes its bytes at bandwidth or its launches, whichever is longer."""
     p = cfg.precision
     pbytes = element_bytes(p.dtype)
-    fp32 = p.dtype in HALF and fp32_accumulation(cfg)
+    fp32 = p.dtype in HALF and fp32_accumulation(cfg.parallel, cfg.precision, cfg.train.grad_accum)
     seconds = (pbytes + 16 if fp32 else 3 * pbytes) * params / dev.mem_bw
     if dev.launch:
         seconds = max(seconds, (2 if fp32 else 1) * tensors * dev.launch)
@@ -252,9 +252,10 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     # data parallelism: gradient all-reduce, ZeRO's parameter all-gather, the optimizer
     params = plans[worst].params / pbytes                # the rank's parameters (elements)
     grad_bytes = params * pbytes
-    wire = params * element_bytes(reduce_dtype(cfg))     # what DeepSpeed all-reduces in (parallel/zero.py)
+    reduction = (cfg.parallel, cfg.precision, cfg.train.grad_accum)     # what parallel/zero.py reads
+    wire = params * element_bytes(reduce_dtype(cfg.precision))    # what DeepSpeed all-reduces in (zero.py)
     across = tp * dp > gpus_per_node
-    buckets = max(1, math.ceil(params / reduce_bucket(cfg)))
+    buckets = max(1, math.ceil(params / reduce_bucket(*reduction)))
     per_reduction = buckets * dev.collective(dp, wire / buckets, across) * shared(dp)
     dp_comm = per_reduction * (ga if zero == 2 else 1)
     gathers = max(1, math.ceil(params / DS_GATHER_BUCKET))
@@ -282,7 +283,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         backward = 2 / 3 * compute                       # the last micro-batch's backward
         exposed = max(per_reduction / buckets, per_reduction - backward)
         hides = dp_comm - exposed * (ga if zero == 2 else 1)
-    overlapped = overlaps_reduction(cfg)
+    overlapped = overlaps_reduction(*reduction)
     if overlapped:
         dp_comm -= hides
     terms = {"compute": compute * share * ga, "elementwise": elementwise * share * ga,

@@ -53,7 +53,7 @@ def grad_accum_dtype(cfg: RunConfig) -> str | None:
     config is half precision on ZeRO 0; tests/test_grad_accum.py checks them all) - but bf16 on ZeRO 1 at grad_accum
     1 without a pipeline, which has nothing to accumulate and takes the model dtype so that DeepSpeed runs its ZeRO
     optimizer, whose reduction can overlap the backward (parallel/zero.py fp32_accumulation)."""
-    return "fp32" if fp32_accumulation(cfg) else None
+    return "fp32" if fp32_accumulation(cfg.parallel, cfg.precision, cfg.train.grad_accum) else None
 
 
 def zero_optimization(cfg: RunConfig) -> dict:
