@@ -56,7 +56,7 @@ def s3_rates(data_dir: Path, tmp: Path, a) -> dict:
 
     from megamemo.data import StreamReader
     sys.path.insert(0, str(REPO / "tests"))          # the loopback servers are test support (tests/loopback*.py)
-    from loopback_s3 import LoopbackS3, upload
+    from helpers.loopback_s3 import LoopbackS3, upload
     from megamemo.data.remote import RemoteOptions
 
     runs = iter(range(1_000_000))

@@ -470,11 +470,11 @@ MUTATIONS = [
       "addr=\"$(getent ahostsv4 \"$addr\" 2>/dev/null | awk 'NR == 1 {print $1}')\"", ":",
       (f"{CLUSTER_ENV}::test_the_socket_interfaces_are_the_route_to_master_addr",)),
     # ---- tests' own instruments ---------------------------------------------------------------------------------
-    M("sync-sites-warnings-frames-taken-for-the-sync", "tests/sync_sites.py",
+    M("sync-sites-warnings-frames-taken-for-the-sync", "tests/helpers/sync_sites.py",
       "while stack and os.path.realpath(stack[-1].filename) in skip:", "while False:",
       (f"{SYNCS}::test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules",
        f"{SYNCS}::test_attribution_by_the_innermost_frame")),
-    M("sync-sites-unneeded-own-syncs-allowed", "tests/sync_sites.py",
+    M("sync-sites-unneeded-own-syncs-allowed", "tests/helpers/sync_sites.py",
       'out = [f"an unneeded host sync at {s}" for s in sorted(set(own) - NEEDED_SYNCS)]', "out = []",
       (f"{SYNCS}::test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules",)),
     # ---- scripts/gpu_check (the device check, rehearsed on the CPU) -----------------------------------------

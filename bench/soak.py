@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         data = a.out / "shards"
         if not (data / "manifest.json").exists():
             sys.path.insert(0, str(REPO / "tests"))
-            from fixture_data import ENWIK8
+            from helpers.fixture_data import ENWIK8
 
             from megamemo.data.cli import prepare_main
             shutil.rmtree(data, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""Test-session rules. Data comes from the repository's own fixtures (tests/fixture_data.py), never ../shared.
+"""Test-session rules. Data comes from the repository's own fixtures (tests/helpers/fixture_data.py), never
+../shared. What the tests share lives in tests/helpers/ (imported as `helpers.X`: this folder is on sys.path).
 
 Skips. A test may skip only for a capability the machine lacks (root for the Slurm dev cluster, CUDA), with its
 reason. With MEGAMEMO_FORBID_SKIPS=1 (what .ci/run sets) any skip fails the session. GPU tests (`@pytest.mark.gpu`)
@@ -8,11 +9,21 @@ that need 4 (`@pytest.mark.gpu4`, beside multigpu) where it sees fewer than 4. T
 many tests ran, passed, failed and skipped.
 """
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from fixture_data import ENWIK8
+from helpers.shards import ShardsBySize
+
+# The test files live in folders that mirror the packages (tests/train/, tests/model/, ...; tests/helpers/ holds
+# what they share), without __init__.py: pytest imports each by its basename, unique across the folders. Every
+# folder is put on sys.path here, so that a test module imports another by that name (`from test_train_runs import
+# run`) whatever order the folders are collected in, on every pytest-xdist worker alike.
+TEST_FOLDERS = sorted(p for p in Path(__file__).resolve().parent.iterdir()
+                      if p.is_dir() and p.name not in ("fixtures", "helpers") and any(p.glob("test_*.py")))
+sys.path[:0] = [str(p) for p in TEST_FOLDERS if str(p) not in sys.path]
 
 
 def cuda_count() -> int:
@@ -57,19 +68,22 @@ def rendezvous_untouched():
 
 
 @pytest.fixture(scope="session")
-def shards(tmp_path_factory):
-    """Byte-level shards of the enwik8 fixture (`megamemo prepare enwik8`), once per session. Read-only to tests."""
-    from megamemo.data.cli import prepare_main
+def shards_by_size(tmp_path_factory) -> ShardsBySize:
+    """The session's enwik8 shard directories, one per size (tests/helpers/shards.py). Read-only to tests."""
+    return ShardsBySize(tmp_path_factory.mktemp("shards"))
 
-    out = tmp_path_factory.mktemp("shards") / "enwik8"
-    assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(out), "--quiet"]) == 0
-    return out
+
+@pytest.fixture(scope="session")
+def shards(shards_by_size):
+    """Byte-level shards of the whole enwik8 fixture (`megamemo prepare enwik8`), once per session. Read-only to
+    tests. A module that wants a smaller directory overrides it: `shards = sized(N)` (tests/helpers/shards.py)."""
+    return shards_by_size.get(None)
 
 
 @pytest.fixture(scope="session")
 def tiny_cfg(tmp_path_factory):
-    """The training tests' tiny config (tests/runs_cache.py TINY) as a file."""
-    from runs_cache import TINY
+    """The training tests' tiny config (tests/helpers/runs_cache.py TINY) as a file."""
+    from helpers.runs_cache import TINY
 
     p = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
     p.write_text(TINY)
@@ -78,9 +92,9 @@ def tiny_cfg(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory):
-    """The test run's cache of reference training runs (tests/runs_cache.py): each trained once, shared by the
+    """The test run's cache of reference training runs (tests/helpers/runs_cache.py): each trained once, shared by the
     tests and by the pytest-xdist workers."""
-    from runs_cache import ReferenceRuns
+    from helpers.runs_cache import ReferenceRuns
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):       # <run's root>/popen-gwN: the root is shared by the workers

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from megamemo.config.run import ConfigError
 from megamemo.train.config import load
 from megamemo.kernels import DropoutKey, apply_dropout_masks

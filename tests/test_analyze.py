@@ -11,7 +11,8 @@ from megamemo.commands import analyze as analyze_cmd
 from megamemo.eval import analyze
 from megamemo.model.positions import sinusoid
 
-from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
+from helpers.shards import enwik8_slice_shards
 
 
 def segments(n, B=3, L=6, seed=0):

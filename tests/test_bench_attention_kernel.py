@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from runs_cache import REPO
+from helpers.runs_cache import REPO
 
 
 def test_the_cpu_smoke_rows_are_written_form_by_form(tmp_path, capsys):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from megamemo.config.run import ConfigError
 
 GPUS = {"v100": ((7, 0), "Tesla V100-SXM2-32GB"), "t4": ((7, 5), "Tesla T4"),

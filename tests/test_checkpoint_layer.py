@@ -22,7 +22,7 @@ from megamemo.checkpoint.state import (Counters, LoadContext, RNGState, StateReg
 from megamemo.checkpoint.store import (MARKER, CheckpointError, CheckpointStore, SaveFailed, list_checkpoints,
                                        newest_complete, tag_for, verify)
 from megamemo.parallel.tensor import global_box, shard_tensor
-from distributed import run_distributed
+from helpers.distributed import run_distributed
 
 
 # ---- pieces --------------------------------------------------------------------------------------------------

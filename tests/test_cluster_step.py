@@ -10,11 +10,11 @@ import importlib
 import pytest
 import torch
 
-from distributed import run_distributed
-from fixture_data import REPO
+from helpers.distributed import run_distributed
+from helpers.fixture_data import REPO
 from megamemo.model import MemTransformerLM
 from megamemo.train.config import load
-from runs_cache import KEYED, logs
+from helpers.runs_cache import KEYED, logs
 from test_train_runs import losses, run
 
 BF16_OVERLAP = ["precision.dtype=bf16", "parallel.zero_stage=1", "parallel.overlap_comm=true"]

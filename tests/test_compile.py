@@ -23,7 +23,7 @@ from megamemo.config.run import ConfigError
 from megamemo.train.config import from_dict
 from megamemo.kernels import compiler
 from megamemo.model import MemTransformerLM, ModelConfig
-from runs_cache import REPO, logs, losses, run
+from helpers.runs_cache import REPO, logs, losses, run
 
 EXACT_20 = ("--set", "model.dropout=0.0", "--max-steps", "20", "--save-every", "10", "--set", "eval.every=10",
             "--set", "eval.batch_size=4", "--set", "eval.max_segments=3", "--set", "log.tensorboard=false")

@@ -4,7 +4,7 @@
   * `megamemo train` started in a run directory under another layout resumes in place, resharding on load:
     N ranks -> 1 (TP=2, DP=2, PP=2, TP=2 x PP=2), 1 -> N (TP=2, DP=2) and TP=2 -> PP=2; the next steps' losses and
     the final weights equal those of the run that stayed in its layout (1e-5), dropout 0.1 and dropatt 0.1 with keyed
-    masks (tests/runs_cache.py KEYED: the resumed layout drops what the original one would have); `convert relayout` copies a checkpoint
+    masks (helpers/runs_cache.py KEYED: the resumed layout drops what the original one would have); `convert relayout` copies a checkpoint
     into a new run directory that resumes the same way;
   * a different global batch resumes at the same fraction of the epoch with empty memory (checked by hand);
   * broken checkpoints (missing, truncated or flipped file, wrong config, a piece written twice, memory of the wrong
@@ -25,7 +25,7 @@ from megamemo.interop import convert, load
 from megamemo.kernels import DropoutKey, apply_dropout_masks
 from megamemo.util.files import file_sha256
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
-from runs_cache import KEYED
+from helpers.runs_cache import KEYED
 from test_train_runs import ONE_PROCESS_EXACT, logs, losses, run
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
@@ -109,7 +109,7 @@ def test_sharded_checkpoint_converts_to_the_same_model(layout, request, tmp_path
 @pytest.fixture
 def one(tiny_cfg, shards, reference_runs):
     """One process with EXACT's settings (and a validation at step 6, which changes no training loss): the session's
-    one-process reference (tests/runs_cache.py ONE_PROCESS_EXACT), copied before any test writes to it."""
+    one-process reference (tests/helpers/runs_cache.py ONE_PROCESS_EXACT), copied before any test writes to it."""
     return reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT)
 
 
@@ -322,7 +322,7 @@ def test_a_resume_under_another_layout_with_dropout_reseeds_every_stream(tiny_cf
 
     from megamemo.train.config import load
     from megamemo.parallel.groups import TP_RNG, dropout_seeds
-    from runs_cache import TWO_RANKS_12_STEPS
+    from helpers.runs_cache import TWO_RANKS_12_STEPS
 
     src = reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_12_STEPS)
     new = tmp_path / "run"

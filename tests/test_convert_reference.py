@@ -10,7 +10,7 @@ import torch
 
 from megamemo.commands import convert
 from megamemo.checkpoint.single import load_single
-from fixture_data import reference_file
+from helpers.fixture_data import reference_file
 
 
 @pytest.mark.parametrize("name", ["lamemo_at3_tgt8_mem8", "txl_tgt8_mem8"])

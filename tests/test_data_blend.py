@@ -8,7 +8,7 @@ import pytest
 
 from megamemo.data import Vocab, build, corpora, read_split
 from megamemo.data.blend import BlendError, BlendReader
-from fixture_data import ENWIK8, TEXT8
+from helpers.fixture_data import ENWIK8, TEXT8
 
 VOCAB = Vocab("words", [f"w{i}" for i in range(64)])
 CT = 256                      # chunk_tokens: the unit of a source without documents; documents span chunks and shards

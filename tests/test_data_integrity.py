@@ -10,7 +10,7 @@ import zstandard
 
 from megamemo.data import ManifestError, ShardError, StreamReader, build, corpora, load_manifest
 from megamemo.data.cli import verify_main
-from fixture_data import ENWIK8
+from helpers.fixture_data import ENWIK8
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import zstandard
 from megamemo.data import load_manifest, load_vocab, read_split
 from megamemo.data.cli import prepare_main
 from megamemo.data.corpora import split_points
-from fixture_data import ENWIK8, TEXT8, WIKITEXT
+from helpers.fixture_data import ENWIK8, TEXT8, WIKITEXT
 
 
 def prepare(*argv):

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megamemo.data import ShardError, StreamReader, build, corpora
-from loopback_s3 import LoopbackS3, upload as upload_to
+from helpers.loopback_s3 import LoopbackS3, upload as upload_to
 from megamemo.data.remote import RemoteOptions, RemoteShards, StoreUnavailableError
-from fixture_data import ENWIK8
+from helpers.fixture_data import ENWIK8
 
 BUCKET = "megamemo-test"
 
@@ -358,7 +358,7 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
     """gs:// through gcsfs against a GCS emulator on 127.0.0.1 (gcp-storage-emulator; STORAGE_EMULATOR_HOST)."""
     import json
 
-    from loopback_gcs import LoopbackGCS, upload as upload_gs
+    from helpers.loopback_gcs import LoopbackGCS, upload as upload_gs
 
     with serving(LoopbackGCS):
         url = upload_gs(local_shards, BUCKET, "enwik8")
@@ -384,7 +384,7 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     one error line naming it."""
     import json
 
-    from eval_fixtures import tiny_checkpoint
+    from helpers.eval_fixtures import tiny_checkpoint
     from megamemo.commands import analyze, eval as evaluate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -6,7 +6,7 @@ import pytest
 
 from megamemo.data.cli import prepare_main
 from megamemo.data.stats import entropy_bits, excerpt, unigram_baseline, unigram_bits
-from fixture_data import ENWIK8
+from helpers.fixture_data import ENWIK8
 
 
 def test_unigram_bits_add_one_by_hand():

@@ -8,7 +8,7 @@ import torch
 
 from megamemo.data import StreamReader, Vocab, build, corpora
 from megamemo.data.shard_reader import SplitSource
-from fixture_data import ENWIK8, reference_file
+from helpers.fixture_data import ENWIK8, reference_file
 
 
 def xl_batches(stream: torch.Tensor, bsz: int, bptt: int, shifts=None):

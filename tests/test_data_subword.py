@@ -7,11 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +18,9 @@ import pytest
 from megamemo.data import read_split
 from megamemo.data.cli import prepare_main
 from megamemo.data.tokenizer import SubwordTokenizer, train_bpe
-import forked
-from fixture_data import TEXT
+from helpers import forked
+from helpers.env import cpu_env
+from helpers.fixture_data import TEXT
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = TEXT / "wiki_paragraphs.jsonl"
@@ -299,17 +298,8 @@ def test_bits_per_byte_by_hand():
 
 
 # ---- the subword path end to end, 2 processes -------------------------------------------------------------------------
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 def _megamemo(*args, timeout=600):
-    return forked.run_megamemo(args, _env(), REPO, timeout)
+    return forked.run_megamemo(args, cpu_env(), REPO, timeout)
 
 
 def _one_error_line(r, rc: int, message: str) -> None:
@@ -331,7 +321,7 @@ def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(b
     r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", "--config", str(REPO / "configs" /
                         "subword-cpu.yaml"), "--data", str(data), "--run-dir", str(run), "--max-steps", "20",
                         "--set", "checkpoint.save_every=10", "--set", "eval.every=10", "--set", "log.every=5",
-                        "--set", "log.tensorboard=false"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                        "--set", "log.tensorboard=false"], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
                        timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "world 2 (env)" in out, out[-4000:]

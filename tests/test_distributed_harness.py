@@ -1,4 +1,4 @@
-"""tests/distributed.py's run_distributed, which the multi-process tests rely on: a failing rank fails the test with
+"""helpers/distributed.py's run_distributed, which the multi-process tests rely on: a failing rank fails the test with
 its own traceback and stops the others at once; a hang ends in a bounded time naming the ranks that hung, with their
 stacks."""
 import inspect
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from distributed import run_distributed
+from helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.multiproc
 

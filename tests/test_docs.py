@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import docs_reference  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from test_launch_sbatch_args import batch, stubs, train_args  # noqa: F401 (stubs: a fixture)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import re
 import sys
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import docs_reference  # noqa: E402

@@ -12,12 +12,11 @@ from megamemo.commands import eval as evaluate
 from megamemo.checkpoint.single import load_single
 from megamemo.model import MemTransformerLM
 
-from eval_fixtures import one_thread, enwik8_slice_shards, reference_nll, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
+from helpers.eval_fixtures import one_thread, reference_nll, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
+from helpers.shards import SMALL, sized
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return enwik8_slice_shards(tmp_path_factory.mktemp("shards") / "enwik8")
+shards = sized(SMALL)
 
 
 @pytest.mark.parametrize("variant", ["lamemo", "xl", "rpe"])

@@ -18,13 +18,13 @@ import torch
 from megamemo.data import build
 from megamemo.data.corpora import from_arrays
 from megamemo.data.vocab import Vocab
-from fixture_data import ENWIK8
+from helpers.fixture_data import ENWIK8
 from megamemo.checkpoint.single import save_single
 from megamemo.commands import eval as evaluate, generate
 from megamemo.model import generation
 from megamemo.model import Memory
 
-from eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
 
 B, L, K, N_SEG = 3, 12, 2, 6            # streams, tgt_len, segments in memory, segments in all
 

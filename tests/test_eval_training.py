@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from megamemo.commands import convert as convert_cmd, eval as evaluate
 from megamemo.interop import load as convert
 
-from eval_fixtures import enwik8_slice_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
+from helpers.eval_fixtures import one_thread  # noqa: F401 (one_thread: autouse fixture)
+from helpers.shards import SMALL, sized
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -23,9 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return enwik8_slice_shards(tmp_path_factory.mktemp("shards") / "enwik8")
+shards = sized(SMALL)
 
 
 def train(run_dir: Path, data: Path, *extra: str, procs: int = 1) -> list[dict]:

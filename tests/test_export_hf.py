@@ -1,6 +1,6 @@
 """`megamemo export hf`: a tiny 2-process run, converted, and randomly initialised models of every variant (adaptive
 softmax, pre-LN, same_length, clamp_len, other memory lengths, chars and words vocabularies, padded vocabularies) are
-exported and loaded with transformers in a process where `import megamemo` fails (tests/hf_without_megamemo.py).
+exported and loaded with transformers in a process where `import megamemo` fails (tests/helpers/hf_without_megamemo.py).
 There, scored segment
 by segment with the cache, the per-token NLL equals megamemo's single-device eval of the same tokens (batch 1)
 within 1e-5, greedy generate() equals `megamemo generate --greedy` token for token, labels give the mean NLL, and
@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +24,13 @@ from megamemo.eval.evaluate import evaluate, open_batches
 from megamemo.commands import export as export_cmd
 from megamemo.export import hf
 
-import forked
-from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+from helpers import HELPERS, forked
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+from helpers.errors import failed_with_one_line
+from helpers.shards import sized
 
 REPO = Path(__file__).resolve().parents[1]
-ISOLATED = Path(__file__).with_name("hf_without_megamemo.py")
+ISOLATED = HELPERS / "hf_without_megamemo.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 PROMPT = b"<page>\n  <title>Anarchism</title>\n  <id>12</id>\n"
@@ -84,9 +87,7 @@ def greedy_by_megamemo(ckpt: Path, prompt_ids: list[int], n: int, tmp: Path, voc
     return doc["new_ids"]
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return enwik8_slice_shards(tmp_path_factory.mktemp("shards") / "enwik8", n_bytes=200_000)
+shards = sized(200_000)
 
 
 @pytest.fixture(scope="module")
@@ -255,12 +256,8 @@ def export_in_process(capsys, *args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, rc, out.out, out.err)
 
 
-def one_line_error(r, *words):
-    assert r.returncode == 2, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("megamemo export hf: error:"), r.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
+# refused: exit status 2 and one line that names the bad input
+export_error = partial(failed_with_one_line, returncode=2, prefix="megamemo export hf: error:")
 
 
 @pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
@@ -270,7 +267,7 @@ def test_an_uncommitted_checkpoint_is_refused(run_dir, tmp_path):
     shutil.copytree(step, copy)
     (copy / "COMMITTED").unlink()
     r = run_export("--ckpt", copy, "--out", tmp_path / "out")
-    one_line_error(r, str(copy))
+    export_error(r, str(copy))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpts"]
 
 
@@ -281,7 +278,7 @@ def test_a_corrupt_checkpoint_is_refused(tmp_path, capsys):
     data[-5] ^= 0xFF
     f.write_bytes(bytes(data))
     r = export_in_process(capsys, "--ckpt", ck, "--out", tmp_path / "out")
-    one_line_error(r, "model.safetensors", "corrupt")
+    export_error(r, "model.safetensors", "corrupt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
@@ -290,7 +287,7 @@ def test_an_existing_output_needs_overwrite(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("keep")
-    one_line_error(export_in_process(capsys, "--ckpt", ck, "--out", out), str(out), "--overwrite")
+    export_error(export_in_process(capsys, "--ckpt", ck, "--out", out), str(out), "--overwrite")
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
     r = export_in_process(capsys, "--ckpt", ck, "--out", out, "--overwrite")
     assert r.returncode == 0, r.stderr
@@ -303,7 +300,7 @@ def test_an_unknown_variant_is_refused(tmp_path, capsys):
     doc = json.loads((ck / "config.json").read_text())
     doc["model"]["variant"] = "mamba"
     (ck / "config.json").write_text(json.dumps(doc))
-    one_line_error(export_in_process(capsys, "--ckpt", ck, "--out", tmp_path / "out"), "variant", "'mamba'")
+    export_error(export_in_process(capsys, "--ckpt", ck, "--out", tmp_path / "out"), "variant", "'mamba'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+from helpers.eval_fixtures import eval_record, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
 from megamemo.config.run import ConfigError
 from megamemo.train.config import from_dict as load_dict
 from megamemo.kernels import apply_attention, attention_in_use, resolve_attention
@@ -65,19 +65,14 @@ def test_flex_forward_equals_eager_for_every_variant(variant, same_length, flex_
     assert len(flex_calls) >= 3 * calls_per_forward      # the first segment has no memory: no look-ahead
 
 
-def test_eval_and_generate_take_attention_flex(tmp_path, capsys, flex_calls):
+def test_eval_and_generate_take_attention_flex(tmp_path, capsys, flex_calls, shards_by_size):
     """`megamemo eval --attention flex` scores as `--attention eager`; generate's greedy tokens are the same."""
-    from megamemo.commands import eval as evaluate, generate
+    from megamemo.commands import generate
 
     ckpt, _ = tiny_checkpoint(tmp_path / "ckpt")
-    data = enwik8_slice_shards(tmp_path / "shards", 20_000)
-    got = {}
-    for form in ("eager", "flex"):
-        out = tmp_path / f"{form}.json"
-        assert evaluate.main(["--ckpt", str(ckpt), "--data", str(data), "--batch-size", "3", "--max-segments", "4",
-                              "--device", "cpu", "--attention", form, "--json", str(out)]) == 0
-        rec = json.loads(out.read_text())
-        got[form] = rec[0] if isinstance(rec, list) else rec
+    data = shards_by_size.get(20_000)
+    got = {form: eval_record(ckpt, data, tmp_path / f"{form}.json", "--batch-size", "3", "--max-segments", "4",
+                             "--device", "cpu", "--attention", form) for form in ("eager", "flex")}
     assert got["eager"]["tokens"] == got["flex"]["tokens"]
     assert abs(got["eager"]["nll"] - got["flex"]["nll"]) <= 1e-5, got
     n_eval = len(flex_calls)

@@ -23,6 +23,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamemo.model import MemTransformerLM, ModelConfig
+
+from helpers.tiny import tiny_config
 from megamemo.model.flops import flops_per_token, forward_flops, step_flops
 
 TOLERANCE = 0.02   # analytic / torch - 1, from the two differences above (0.5-1.6% at these sizes)
@@ -60,9 +62,8 @@ def known_differences(cfg: ModelConfig, B: int) -> int:
 
 
 def tiny(variant: str, L: int, M: int, **kw) -> ModelConfig:
-    base = dict(variant=variant, n_token=96, n_layer=3, d_model=32, n_head=2, d_head=16, d_inner=80, dropout=0.1,
-                tgt_len=L, mem_len=M)
-    return ModelConfig(**{**base, **kw})
+    return tiny_config(variant, **{"n_token": 96, "n_layer": 3, "d_model": 32, "d_head": 16, "d_inner": 80,
+                                   "dropout": 0.1, "tgt_len": L, "mem_len": M, **kw})
 
 
 CASES = [

@@ -6,12 +6,11 @@ the fused kernels' fp32 online softmax differs from eager's in the last bits, ~1
 is slow (about 2 s a step at this size), so the runs are 3 steps."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
-from runs_cache import logs, losses, run
+from helpers.eval_fixtures import eval_record, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+from helpers.runs_cache import logs, losses, run
 
 pytestmark = pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 
@@ -32,17 +31,10 @@ def test_training_with_fused_attention_equals_eager(n, variant, tiny_cfg, shards
     assert max(abs(got["fused"][s] - got["eager"][s]) for s in got["eager"]) <= 1e-5, got
 
 
-def test_eval_takes_attention_fused(tmp_path):
-    from megamemo.commands import eval as evaluate
-
+def test_eval_takes_attention_fused(tmp_path, shards_by_size):
     ckpt, _ = tiny_checkpoint(tmp_path / "ckpt")
-    data = enwik8_slice_shards(tmp_path / "shards", 20_000)
-    got = {}
-    for form in ("eager", "fused"):
-        out = tmp_path / f"{form}.json"
-        assert evaluate.main(["--ckpt", str(ckpt), "--data", str(data), "--batch-size", "3", "--max-segments", "3",
-                              "--device", "cpu", "--attention", form, "--json", str(out)]) == 0
-        rec = json.loads(out.read_text())
-        got[form] = rec[0] if isinstance(rec, list) else rec
+    data = shards_by_size.get(20_000)
+    got = {form: eval_record(ckpt, data, tmp_path / f"{form}.json", "--batch-size", "3", "--max-segments", "3",
+                             "--device", "cpu", "--attention", form) for form in ("eager", "fused")}
     assert got["eager"]["tokens"] == got["fused"]["tokens"]
     assert abs(got["eager"]["nll"] - got["fused"]["nll"]) <= 1e-5, got

@@ -10,7 +10,7 @@ from megamemo.model import generation as gen_mod
 from megamemo.interop.vocabulary import encode_prompt
 from megamemo.model.generation import Decoder, generate, nucleus_probs
 
-from eval_fixtures import one_thread, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
+from helpers.eval_fixtures import one_thread, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 
 PROMPT = "<page>\n  <title>Anarchism</title>\n  <id>12</id>\n  <revision>\n".encode()
 

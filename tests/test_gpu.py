@@ -24,12 +24,12 @@ import time
 import pytest
 import torch
 
-from fixture_data import REPO, reference_file
+from helpers.fixture_data import REPO, reference_file
 from megamemo.interop.reference import import_reference
 from megamemo.runtime.dist import free_port
 from megamemo.kernels import apply_kernels, kernels_in_use
 from megamemo.interop.score import load_reference_file
-from sync_sites import SYNC_SETS, unneeded
+from helpers.sync_sites import SYNC_SETS, unneeded
 from test_model_reference import FILES, check_grads, close, ref_memory_tensors
 from test_gpu_checks_on_cpu import assert_positions_are_fp32s, resumed_adam_steps, tf32_runs
 from test_train_runs import (assert_no_corrupt_checkpoint, committed_steps, fp16_overflow_run, launch, logs,  # noqa: F401
@@ -341,13 +341,13 @@ def test_bf16_convert_and_eval_at_width(tiny_cfg, shards, tmp_path):
 
 # ---- host syncs of a training step --------------------------------------------------------------------------------
 def test_host_syncs_of_a_training_step_are_the_needed_ones(shards, tmp_path):
-    """A step under torch.cuda.set_sync_debug_mode (tests/sync_sites.py, the script): every synchronizing call is
+    """A step under torch.cuda.set_sync_debug_mode (helpers/sync_sites.py, the script): every synchronizing call is
     listed by its megamemo call site; each must be one of sync_sites.NEEDED_SYNCS, and megamemo's own stay at most
     MAX_OWN a step. The attribution skips warnings.py's frames (else every sync read "outside megamemo" and this
     test could not fail: tests/test_sync_sites.py)."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                **GPU)
-    r = subprocess.run([sys.executable, str(REPO / "tests/sync_sites.py"), str(REPO / "configs/tiny-cpu.yaml"),
+    r = subprocess.run([sys.executable, str(REPO / "tests/helpers/sync_sites.py"), str(REPO / "configs/tiny-cpu.yaml"),
                         *SYNC_SETS, f"data.dir={shards}", f"train.run_dir={tmp_path}/r"], env=env,
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]

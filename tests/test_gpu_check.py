@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from runs_cache import REPO
+from helpers.runs_cache import REPO
 
 sys.path[:0] = [str(REPO / "scripts")]
 import gpu_check  # noqa: E402

@@ -22,9 +22,9 @@ import sys
 import pytest
 import torch
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from megamemo.runtime.dist import free_port
-from runs_cache import logs, losses, run
+from helpers.runs_cache import logs, losses, run
 
 # ---- TF32 ----------------------------------------------------------------------------------------------------------
 TF32_STATES = {"fp32": "| TF32 off |", "tf32": "| TF32 on |"}

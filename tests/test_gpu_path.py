@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
-from fixture_data import REPO
+from helpers.distributed import run_distributed
+from helpers.fixture_data import REPO
 from megamemo.config.run import ConfigError
 from megamemo.train.config import load
 from megamemo.model import MemTransformerLM, ModelConfig

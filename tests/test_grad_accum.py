@@ -19,8 +19,8 @@ import importlib
 import pytest
 import torch
 
-from distributed import run_distributed
-from fixture_data import REPO
+from helpers.distributed import run_distributed
+from helpers.fixture_data import REPO
 from megamemo.train.config import load
 from megamemo.model import MemTransformerLM
 from test_train_runs import losses, run

@@ -17,13 +17,13 @@ import pytest
 from megamemo.data import build
 from megamemo.data.corpora import from_arrays
 from megamemo.data.vocab import Vocab
-from fixture_data import ENWIK8
+from helpers.fixture_data import ENWIK8
 from megamemo.commands import eval as eval_cmd
 from megamemo.commands import export as export_cmd, harness as harness_cmd
 from megamemo.export import harness
 from megamemo.model.generation import generate
 
-from eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
 
 BYTES = {"vocab": {"kind": "bytes", "symbols": Vocab.identity_bytes().symbols}}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -12,15 +12,14 @@ from megamemo.train.config import from_dict
 from megamemo.kernels import apply_kernels, kernels_in_use, resolve_kernels
 from megamemo.kernels.dropout import CpuDropout
 from megamemo.kernels.masking import add_mask_bias
-from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.attention import mask_scores
 from megamemo.model.layers import ReluDropout
 
+from helpers.tiny import tiny_model
+
 
 def tiny(variant="lamemo", dropout=0.0):
-    torch.manual_seed(0)
-    return MemTransformerLM(ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=2, d_head=8,
-                                        d_inner=32, dropout=dropout, dropatt=dropout, tgt_len=6, mem_len=6))
+    return tiny_model(variant, dropout=dropout, dropatt=dropout, tgt_len=6, mem_len=6).train()
 
 
 def test_auto_is_cpu_kernels_on_a_cpu_and_plain_pytorch_elsewhere():

@@ -28,7 +28,7 @@ from megamemo.kernels.keyed import SITES, KeyedDropout, coordinates, keep_bytes,
 from megamemo.kernels.philox import philox, philox_words32
 from megamemo.kernels.sites import dropout_sites
 from megamemo.model import MemTransformerLM, ModelConfig
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 
 # Random123's kat_vectors: counter (4 words), key (2 words) -> output (4 words)
 KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),

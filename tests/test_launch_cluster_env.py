@@ -9,7 +9,6 @@
     (it was 10000 + (id mod 2000) * 10), and moved off a port something already listens on at the first node."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -17,16 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.fake_bin import SCONTROL, fake_binary, fake_env, recorded_env, recorder
+
 REPO = Path(__file__).resolve().parents[1]
 NETWORK = {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "GLOO_SOCKET_IFNAME": "ib0",
            "NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "0,1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-
-
-def _fake(bin_dir: Path, name: str, body: str) -> None:
-    p = bin_dir / name
-    p.write_text("#!/bin/bash\n" + body + "\n")
-    p.chmod(0o755)
 
 
 @pytest.fixture
@@ -34,21 +29,13 @@ def fakes(tmp_path):
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
-    _fake(bin_dir, "nvidia-smi", "exit 1")
-    _fake(bin_dir, "scontrol", 'case "$1 $2" in "show hostnames") echo node1 ;; '
-                               '"show node") echo "NodeName=node1 NodeAddr=127.0.0.1" ;; esac')
+    fake_binary(bin_dir, "nvidia-smi", "exit 1")
+    fake_binary(bin_dir, "scontrol", SCONTROL)
     for name in ("srun", "docker", "podman"):
-        _fake(bin_dir, name, f'env > "$FAKE_OUT/{name}.env"; printf "%s\\n" "$@" > "$FAKE_OUT/{name}.args"')
-    _fake(bin_dir, "mpirun", '[ "$1" = --version ] && { echo "mpirun (Open MPI) 4.1.4"; exit 0; }; '
-                             'printf "%s\\n" "$@" > "$FAKE_OUT/mpirun.args"')
+        fake_binary(bin_dir, name, recorder(name))
+    fake_binary(bin_dir, "mpirun", '[ "$1" = --version ] && { echo "mpirun (Open MPI) 4.1.4"; exit 0; }; '
+                                   'printf "%s\\n" "$@" > "$FAKE_OUT/mpirun.args"')
     return bin_dir, out
-
-
-def _env(bin_dir: Path, out: Path, **extra) -> dict:
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out),
-           "MEGAMEMO_NVIDIA_DEVICES": str(out / "no-dev" / "nvidia[0-9]*")}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
 
 
 def _named(args: list[str], flag: str) -> set[str]:
@@ -59,8 +46,8 @@ def _named(args: list[str], flag: str) -> set[str]:
 # ---- the network and CUDA settings ---------------------------------------------------------------------------------
 def test_open_mpi_ranks_get_the_network_and_cuda_settings(fakes):
     bin_dir, out = fakes
-    env = _env(bin_dir, out, MEGAMEMO_VENV=Path(sys.executable).parents[1], MEGAMEMO_GPU_PROBE="echo 2",
-               MEGAMEMO_TRAIN_CMD="true", MPIRUN=bin_dir / "mpirun", UNRELATED_SETTING="x", **NETWORK)
+    env = fake_env(bin_dir, out, MEGAMEMO_VENV=Path(sys.executable).parents[1], MEGAMEMO_GPU_PROBE="echo 2",
+                   MEGAMEMO_TRAIN_CMD="true", MPIRUN=bin_dir / "mpirun", UNRELATED_SETTING="x", **NETWORK)
     r = subprocess.run(["bash", str(REPO / "launch/mpi/train.sh"), "2", "--config", "x.yaml"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -75,9 +62,9 @@ def test_open_mpi_ranks_get_the_network_and_cuda_settings(fakes):
 @pytest.mark.parametrize("runtime", ["docker", "podman"])
 def test_docker_ranks_get_the_network_and_cuda_settings(fakes, runtime):
     bin_dir, out = fakes
-    env = _env(bin_dir, out, MEGAMEMO_CONTAINER="megamemo:latest", MEGAMEMO_CONTAINER_RUNTIME=runtime,
-               MEGAMEMO_DEVICE="gpu", MEGAMEMO_ROOT=REPO, SLURM_SUBMIT_DIR=out, SLURM_PROCID=0, SLURM_NTASKS=2,
-               MASTER_ADDR="10.0.0.1", MASTER_PORT=12345, DS_ACCELERATOR="cuda", UNRELATED_SETTING="x", **NETWORK)
+    env = fake_env(bin_dir, out, MEGAMEMO_CONTAINER="megamemo:latest", MEGAMEMO_CONTAINER_RUNTIME=runtime,
+                   MEGAMEMO_DEVICE="gpu", MEGAMEMO_ROOT=REPO, SLURM_SUBMIT_DIR=out, SLURM_PROCID=0, SLURM_NTASKS=2,
+                   MASTER_ADDR="10.0.0.1", MASTER_PORT=12345, DS_ACCELERATOR="cuda", UNRELATED_SETTING="x", **NETWORK)
     r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
                        capture_output=True, text=True, timeout=60, cwd=out)
     assert r.returncode == 0, r.stderr
@@ -93,14 +80,14 @@ def test_docker_ranks_get_the_network_and_cuda_settings(fakes, runtime):
 def _sbatch_port(bin_dir: Path, out: Path, job_id: int, restarts: int = 0) -> tuple[int, str]:
     """train.sbatch as Slurm starts it for job `job_id`: the MASTER_PORT its training step gets, and its output."""
     (out / "srun.env").unlink(missing_ok=True)
-    env = _env(bin_dir, out, SLURM_JOB_ID=job_id, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out,
-               SLURM_JOB_NODELIST="node1", SLURM_NTASKS=1, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=1,
-               SLURM_RESTART_COUNT=restarts, MEGAMEMO_ROOT=REPO, MEGAMEMO_TRAIN_CMD="true",
-               MEGAMEMO_VENV=out / "no-venv", MEGAMEMO_GPU_PROBE="echo 0")
+    env = fake_env(bin_dir, out, SLURM_JOB_ID=job_id, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out,
+                   SLURM_JOB_NODELIST="node1", SLURM_NTASKS=1, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=1,
+                   SLURM_RESTART_COUNT=restarts, MEGAMEMO_ROOT=REPO, MEGAMEMO_TRAIN_CMD="true",
+                   MEGAMEMO_VENV=out / "no-venv", MEGAMEMO_GPU_PROBE="echo 0")
     r = subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), "--config", "x.yaml"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    step = dict(line.split("=", 1) for line in (out / "srun.env").read_text().splitlines() if "=" in line)
+    step = recorded_env(out / "srun.env")
     return int(step["MASTER_PORT"]), r.stdout + r.stderr
 
 
@@ -187,15 +174,15 @@ esac"""
 
 def _task(bin_dir: Path, out: Path, **extra) -> tuple[dict, str]:
     """task.sh on the host: (the environment `megamemo train` got, task.sh's output)."""
-    _fake(bin_dir, "ip", IP)
-    _fake(bin_dir, "getent", '[ "$2" = node2 ] && echo "10.0.0.1        STREAM node2" || exit 2')
-    _fake(bin_dir, "train", f'env > "{out}/train.env"')
+    fake_binary(bin_dir, "ip", IP)
+    fake_binary(bin_dir, "getent", '[ "$2" = node2 ] && echo "10.0.0.1        STREAM node2" || exit 2')
+    fake_binary(bin_dir, "train", f'env > "{out}/train.env"')
     (out / "train.env").unlink(missing_ok=True)
-    env = _env(bin_dir, out, MEGAMEMO_TRAIN_CMD=bin_dir / "train", SLURM_PROCID=0, **extra)
+    env = fake_env(bin_dir, out, MEGAMEMO_TRAIN_CMD=bin_dir / "train", SLURM_PROCID=0, **extra)
     r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
                        capture_output=True, text=True, timeout=60, cwd=out)
     assert r.returncode == 0, r.stdout + r.stderr
-    got = dict(line.split("=", 1) for line in (out / "train.env").read_text().splitlines() if "=" in line)
+    got = recorded_env(out / "train.env")
     return got, r.stdout
 
 
@@ -230,9 +217,9 @@ def test_the_compile_caches_are_node_local_unless_set(fakes, script):
                                     ({"MEGAMEMO_NODE_CACHE": "/nvme", "TRITON_CACHE_DIR": "/mine"},
                                      "/nvme/megamemo-cache-", "/mine")):
         r = subprocess.run(["bash", str(REPO / "launch/slurm" / script), "--config", "x.yaml"],
-                           env=_env(bin_dir, out, **base, **extra), capture_output=True, text=True, timeout=120)
+                           env=fake_env(bin_dir, out, **base, **extra), capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
-        step = dict(line.split("=", 1) for line in (out / "srun.env").read_text().splitlines() if "=" in line)
+        step = recorded_env(out / "srun.env")
         assert step["TORCHINDUCTOR_CACHE_DIR"].startswith(inductor), step["TORCHINDUCTOR_CACHE_DIR"]
         assert step["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor")
         assert step["TRITON_CACHE_DIR"].startswith(triton) and "/.triton" not in step["TRITON_CACHE_DIR"], step

@@ -10,20 +10,15 @@ runtimes on PATH stand for a GPU node, and record what the training step would h
     obey an inherited DS_ACCELERATOR=cpu."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.fake_bin import SCONTROL, devices_dir, fake_binary, fake_env, recorded_env, recorder
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _fake(bin_dir: Path, name: str, body: str) -> None:
-    p = bin_dir / name
-    p.write_text("#!/bin/bash\n" + body + "\n")
-    p.chmod(0o755)
 
 
 @pytest.fixture
@@ -32,28 +27,14 @@ def fakes(tmp_path):
     their environment and arguments into $FAKE_OUT."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _fake(bin_dir, "nvidia-smi", 'for ((i = 0; i < ${FAKE_GPUS:-0}; i++)); do '
-                                 'echo "GPU $i: Tesla V100-SXM2-32GB (UUID: GPU-$i)"; done')
-    _fake(bin_dir, "scontrol", 'case "$1 $2" in "show hostnames") echo node1 ;; '
-                               '"show node") echo "NodeName=node1 NodeAddr=127.0.0.1" ;; esac')
+    fake_binary(bin_dir, "nvidia-smi", 'for ((i = 0; i < ${FAKE_GPUS:-0}; i++)); do '
+                                       'echo "GPU $i: Tesla V100-SXM2-32GB (UUID: GPU-$i)"; done')
+    fake_binary(bin_dir, "scontrol", SCONTROL)
     for name in ("srun", "apptainer", "docker"):
-        _fake(bin_dir, name, f'env > "$FAKE_OUT/{name}.env"; printf "%s\\n" "$@" > "$FAKE_OUT/{name}.args"')
+        fake_binary(bin_dir, name, recorder(name))
     out = tmp_path / "out"
     out.mkdir()
     return bin_dir, out
-
-
-def _env(bin_dir: Path, out: Path, **extra) -> dict:
-    """A clean environment; this machine's own GPU device files (if any) are not looked at: MEGAMEMO_NVIDIA_DEVICES
-    points at a folder with none (a test that wants some creates them there)."""
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out),
-           "MEGAMEMO_NVIDIA_DEVICES": str(out.parent / "dev" / "nvidia[0-9]*")}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _recorded_env(path: Path) -> dict:
-    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
 
 
 @pytest.mark.parametrize("gpus, preset, want, device_file", [(0, None, "cpu", False), (8, None, "unset", False),
@@ -66,13 +47,13 @@ def test_env_sh_picks_the_cpu_accelerator_only_without_gpus(fakes, gpus, preset,
         _device_files(out, 1)
     extra = {"FAKE_GPUS": gpus} | ({"DS_ACCELERATOR": preset} if preset else {})
     r = subprocess.run(["bash", "-c", f'source "{REPO}/scripts/env.sh"; echo "${{DS_ACCELERATOR-unset}}"'],
-                       env=_env(bin_dir, out, **extra), capture_output=True, text=True, timeout=60)
+                       env=fake_env(bin_dir, out, **extra), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
 
 
 def _device_files(out: Path, n: int) -> None:
     """n GPU device files where _env's MEGAMEMO_NVIDIA_DEVICES looks (nvidia0..., besides nvidiactl)."""
-    dev = out.parent / "dev"
+    dev = devices_dir(out)
     dev.mkdir(exist_ok=True)
     for name in ["nvidiactl"] + [f"nvidia{i}" for i in range(n)]:
         (dev / name).touch()
@@ -80,9 +61,9 @@ def _device_files(out: Path, n: int) -> None:
 
 def _sbatch(bin_dir: Path, out: Path, gpus: int, **extra) -> subprocess.CompletedProcess:
     """train.sbatch as Slurm would start it on an 8-task node; the fake srun records the step's environment."""
-    env = _env(bin_dir, out, FAKE_GPUS=gpus, SLURM_JOB_ID=4242, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out,
-               SLURM_JOB_NODELIST="node1", SLURM_NTASKS=8, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=8,
-               MEGAMEMO_ROOT=REPO, MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", **extra)
+    env = fake_env(bin_dir, out, FAKE_GPUS=gpus, SLURM_JOB_ID=4242, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out,
+                   SLURM_JOB_NODELIST="node1", SLURM_NTASKS=8, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=8,
+                   MEGAMEMO_ROOT=REPO, MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", **extra)
     return subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), "--config", "x.yaml"], env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -91,7 +72,7 @@ def test_sbatch_resets_an_inherited_cpu_accelerator_for_a_gpu_job(fakes):
     bin_dir, out = fakes
     r = _sbatch(bin_dir, out, 8, DS_ACCELERATOR="cpu", SLURM_CPUS_PER_TASK=6)     # env.sh on a login node
     assert r.returncode == 0, r.stdout + r.stderr
-    step = _recorded_env(out / "srun.env")
+    step = recorded_env(out / "srun.env")
     assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
     assert step["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and step["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert step["SRUN_CPUS_PER_TASK"] == "6" and "CUDA_VISIBLE_DEVICES" not in step
@@ -103,7 +84,7 @@ def test_sbatch_on_a_cpu_node_or_asked_for_cpu(fakes):
     for gpus, extra in ((0, {}), (8, {"MEGAMEMO_DEVICE": "cpu"})):
         r = _sbatch(bin_dir, out, gpus, **extra)
         assert r.returncode == 0, r.stdout + r.stderr
-        step = _recorded_env(out / "srun.env")
+        step = recorded_env(out / "srun.env")
         assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"], step["CUDA_VISIBLE_DEVICES"]) == ("cpu", "cpu", "")
         assert "SRUN_CPUS_PER_TASK" not in step and "CUDA_DEVICE_MAX_CONNECTIONS" not in step
     r = _sbatch(bin_dir, out, 8, MEGAMEMO_DEVICE="tpu")
@@ -116,7 +97,7 @@ def test_sbatch_decides_from_what_torch_sees_without_nvidia_smi(fakes):
     bin_dir, out = fakes
     r = _sbatch(bin_dir, out, 0, MEGAMEMO_GPU_PROBE="echo 8", DS_ACCELERATOR="cpu")
     assert r.returncode == 0, r.stdout + r.stderr
-    step = _recorded_env(out / "srun.env")
+    step = recorded_env(out / "srun.env")
     assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu") and "CUDA_VISIBLE_DEVICES" not in step
 
 
@@ -127,7 +108,8 @@ GPU_NODE = {"slurm-gpus-on-node": {"SLURM_GPUS_ON_NODE": 4}, "slurm-job-gpus": {
 
 def _launch(launcher: str, bin_dir: Path, out: Path, **extra) -> subprocess.CompletedProcess:
     """One of the three launchers, MEGAMEMO_DEVICE unset (auto), with recorders for what it would start."""
-    _fake(bin_dir, "mpirun", f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env')
+    fake_binary(bin_dir, "mpirun",
+                      f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env')
     if launcher == "train.sbatch":
         return _sbatch(bin_dir, out, extra.pop("FAKE_GPUS", 0), **extra)
     script = {"local.sh": "launch/local.sh", "mpi/train.sh": "launch/mpi/train.sh"}[launcher]
@@ -172,7 +154,7 @@ def test_auto_without_gpu_evidence_or_asked_for_cpu_still_runs_on_the_cpu(fakes,
         r = _launch(launcher, bin_dir, out, MEGAMEMO_GPU_PROBE="echo 0", **extra)
         started = _started(out)
         assert r.returncode == 0 and len(started) == 1, (extra, r.stdout + r.stderr)
-        step = _recorded_env(out / started[0])
+        step = recorded_env(out / started[0])
         assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cpu", "cpu"), extra
 
 
@@ -196,7 +178,7 @@ def test_gpu_presets_require_a_gpu(fakes, preset):
                MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", FAKE_GPUS=8)
     for seen in (0, 8):
         r = subprocess.run(["bash", str(REPO / "launch/slurm" / preset), "--config", "x.yaml"],
-                           env=_env(bin_dir, out, MEGAMEMO_GPU_PROBE=f"echo {seen}", **env), capture_output=True,
+                           env=fake_env(bin_dir, out, MEGAMEMO_GPU_PROBE=f"echo {seen}", **env), capture_output=True,
                            text=True, timeout=120)
         if seen == 0:
             errors = [line for line in (r.stdout + r.stderr).splitlines() if "error" in line]
@@ -204,7 +186,7 @@ def test_gpu_presets_require_a_gpu(fakes, preset):
             assert not (out / "srun.env").exists()
         else:
             assert r.returncode == 0, r.stdout + r.stderr
-            assert _recorded_env(out / "srun.env")["MEGAMEMO_DEVICE"] == "gpu"
+            assert recorded_env(out / "srun.env")["MEGAMEMO_DEVICE"] == "gpu"
 
 
 def test_sbatch_fp16_on_the_cpu_is_an_error(fakes):
@@ -216,7 +198,7 @@ def test_sbatch_fp16_on_the_cpu_is_an_error(fakes):
 
 def _venv_env(bin_dir, out, **extra):
     """The real venv (local.sh checks that megamemo imports), this checkout first on the import path."""
-    return _env(bin_dir, out, MEGAMEMO_VENV=Path(sys.executable).parents[1], PYTHONPATH=REPO, **extra)
+    return fake_env(bin_dir, out, MEGAMEMO_VENV=Path(sys.executable).parents[1], PYTHONPATH=REPO, **extra)
 
 
 def test_local_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus(fakes):
@@ -227,7 +209,7 @@ def test_local_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus(fak
                                      MEGAMEMO_TRAIN_CMD=cmd),
                        capture_output=True, text=True, timeout=120)
     assert "1 process(es) on gpu" in r.stderr and "ignoring the inherited DS_ACCELERATOR=cpu" in r.stderr, r.stderr
-    worker = _recorded_env(out / "worker.env")
+    worker = recorded_env(out / "worker.env")
     assert (worker["DS_ACCELERATOR"], worker["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
     r = subprocess.run(["bash", str(REPO / "launch/local.sh"), "1", "--config", "x.yaml"],
                        env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 0", MEGAMEMO_DEVICE="gpu",
@@ -237,13 +219,14 @@ def test_local_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus(fak
 
 def test_mpi_train_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus(fakes):
     bin_dir, out = fakes
-    _fake(bin_dir, "mpirun", f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env')
+    fake_binary(bin_dir, "mpirun",
+                      f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env')
     r = subprocess.run(["bash", str(REPO / "launch/mpi/train.sh"), "2", "--config", "x.yaml"],
                        env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 2", DS_ACCELERATOR="cpu",
                                      MEGAMEMO_TRAIN_CMD="true", MPIRUN=bin_dir / "mpirun"),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    step = _recorded_env(out / "mpirun.env")
+    step = recorded_env(out / "mpirun.env")
     assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
 
 
@@ -251,9 +234,9 @@ def test_mpi_train_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus
 @pytest.mark.parametrize("device", ["gpu", "cpu"])
 def test_task_sh_gives_the_container_the_gpus_of_a_gpu_job(fakes, runtime, flag, device):
     bin_dir, out = fakes
-    env = _env(bin_dir, out, MEGAMEMO_CONTAINER="megamemo.sif", MEGAMEMO_CONTAINER_RUNTIME=runtime,
-               MEGAMEMO_DEVICE=device, MEGAMEMO_ROOT=REPO, SLURM_SUBMIT_DIR=out, SLURM_PROCID=0,
-               DS_ACCELERATOR="cuda" if device == "gpu" else "cpu", CUDA_DEVICE_MAX_CONNECTIONS=1)
+    env = fake_env(bin_dir, out, MEGAMEMO_CONTAINER="megamemo.sif", MEGAMEMO_CONTAINER_RUNTIME=runtime,
+                   MEGAMEMO_DEVICE=device, MEGAMEMO_ROOT=REPO, SLURM_SUBMIT_DIR=out, SLURM_PROCID=0,
+                   DS_ACCELERATOR="cuda" if device == "gpu" else "cpu", CUDA_DEVICE_MAX_CONNECTIONS=1)
     r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
                        capture_output=True, text=True, timeout=60, cwd=out)
     assert r.returncode == 0, r.stderr

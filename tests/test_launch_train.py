@@ -14,13 +14,12 @@ import random
 import re
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from fixture_data import ENWIK8
+from helpers.env import cpu_env
 from megamemo.checkpoint.store import newest_complete
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
@@ -34,13 +33,10 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 
 def _env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_CONF"):
-        env.pop(k, None)
-    return env
+    """cpu_env without the Slurm configuration of the shell (the dev cluster's is set by its tests), DeepSpeed's
+    compiled extensions cached in the repository."""
+    return cpu_env("SLURM_CONF", TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                                     REPO / ".cache" / "torch_extensions"))
 
 
 def _tail(text: str, n: int = 4000) -> str:
@@ -59,16 +55,6 @@ def read_losses(run_dir: Path) -> dict[int, float]:
     steps = [r["step"] for r in rows]
     assert steps == sorted(set(steps)), f"steps logged out of order or twice: {steps}"
     return {r["step"]: r["loss"] for r in rows}
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("launch-data") / "enwik8"
-    r = subprocess.run([sys.executable, "-m", "megamemo", "prepare", "enwik8", "--raw",
-                        str(ENWIK8), "--out", str(out), "--quiet"],
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return out
 
 
 @pytest.fixture(scope="module")

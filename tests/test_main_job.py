@@ -4,14 +4,14 @@ prints at the end."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from fixture_data import ENWIK8
+from helpers.env import cpu_env
+from helpers.fixture_data import ENWIK8
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
@@ -19,13 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_main_job_small(tmp_path):
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", MEGAMEMO_VENV=sys.prefix,
-               MEGAMEMO_MAIN_DIR=str(tmp_path / "main"), MEGAMEMO_MAIN_CONFIG="configs/tiny-cpu.yaml",
-               MEGAMEMO_MAIN_STEPS="24", MEGAMEMO_MAIN_SAMPLE="8")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = cpu_env(MEGAMEMO_VENV=sys.prefix, MEGAMEMO_MAIN_DIR=tmp_path / "main",
+                  MEGAMEMO_MAIN_CONFIG="configs/tiny-cpu.yaml", MEGAMEMO_MAIN_STEPS=24, MEGAMEMO_MAIN_SAMPLE=8)
     p = subprocess.run(["bash", "scripts/main.sh", str(ENWIK8)], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -5,17 +5,15 @@ import pytest
 import torch
 
 from megamemo.kernels.dropout import CpuDropout
-from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.model import Memory, ModelConfig
 from megamemo.model.attention import interpolate
 from megamemo.model.layers import ReluDropout
 
+from helpers.tiny import tiny_model
+
 
 def tiny(variant="lamemo", **kw):
-    torch.manual_seed(0)
-    base = dict(variant=variant, n_token=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, dropout=0.0,
-                tgt_len=5, mem_len=10)
-    base.update(kw)
-    return MemTransformerLM(ModelConfig(**base)).eval()
+    return tiny_model(variant, **{"n_token": 50, "tgt_len": 5, "mem_len": 10, **kw})
 
 
 @pytest.mark.parametrize("scale", [1.0, 300.0])

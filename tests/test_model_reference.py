@@ -8,8 +8,8 @@ import torch
 
 from megamemo.interop.reference import convert_state_dict, import_reference
 from megamemo.interop.score import load_reference_file
-from fixture_data import reference_file
-from kernel_paths import PATHS, on_path
+from helpers.fixture_data import reference_file
+from helpers.kernel_paths import PATHS, on_path
 
 pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 

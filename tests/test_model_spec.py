@@ -1,4 +1,4 @@
-"""The model against a naive query-by-query statement of the spec (tests/spec_oracle.py), for the
+"""The model against a naive query-by-query statement of the spec (tests/helpers/spec_oracle.py), for the
 configurations the golden files do not cover: mem_len != tgt_len, same_length, clamp_len, attn_type 31,
 evaluation at other lengths than the model was built with, and Transformer+RPE (no golden file at all)."""
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from megamemo.model import MemTransformerLM, ModelConfig
 
-from kernel_paths import PATHS, on_path
-from spec_oracle import run_segment
+from helpers.kernel_paths import PATHS, on_path
+from helpers.spec_oracle import run_segment
 
 pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 
@@ -28,7 +28,7 @@ CASES = [
 
 @pytest.mark.parametrize("variant,L,mem_len,eval_mem,same_length,clamp", CASES)
 def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp):
-    """On both execution paths (plain PyTorch and the CPU kernels, tests/kernel_paths.py) against one run of
+    """On both execution paths (plain PyTorch and the CPU kernels, tests/helpers/kernel_paths.py) against one run of
     the oracle (the expensive part)."""
     torch.manual_seed(0)
     cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=24,

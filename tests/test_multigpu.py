@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from megamemo.train.engine import BF16_MIN_CAPABILITY
 from test_train_runs import (ONE_PROCESS_EXACT, assert_no_corrupt_checkpoint, committed_steps, eval_records,
                              launch, logs, losses, run, wait)
@@ -111,7 +111,7 @@ class Devices:
         return {"DS_ACCELERATOR": "cuda", "MEGAMEMO_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": visible}
 
     def train(self, n, cfg, shards, run_dir: Path, *args, timeout=300) -> Path:
-        """n ranks of `megamemo train` on these devices (tests/runs_cache.py run: RANK/WORLD_SIZE/MASTER_*)."""
+        """n ranks of `megamemo train` on these devices (tests/helpers/runs_cache.py run: RANK/WORLD_SIZE/MASTER_*)."""
         run(n, cfg, shards, run_dir, *args, env_extra=self.env(n), timeout=timeout)
         return run_dir
 

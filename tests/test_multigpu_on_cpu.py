@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from test_multigpu import (NO_SAVES, ONE_PROCESS_EXACT, Devices, half_bound, half_layout_tracks_one_device,
                            half_precision)
 from test_train_runs import losses
@@ -21,7 +21,7 @@ CPU = Devices("cpu", "bf16")
 
 @pytest.fixture
 def one_cpu_exact(tiny_cfg, shards, reference_runs):
-    """The session's one-process fp32 reference (tests/runs_cache.py ONE_PROCESS_EXACT), shared with other modules."""
+    """The session's one-process fp32 reference (helpers/runs_cache.py ONE_PROCESS_EXACT), shared with other modules."""
     return reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT)
 
 

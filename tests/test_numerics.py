@@ -22,12 +22,12 @@ import time
 import pytest
 import torch
 
-import local_launch
+from helpers import local_launch
 from megamemo.config.run import ConfigError
 from megamemo.runtime import goodput, interruptions
 from megamemo.runtime.interruptions import EXIT_NODE_SUSPECT, Exit
 from megamemo.train.numerics import SpikeWatch, fingerprint, verdict
-from runs_cache import ONE_PROCESS_EXACT, REPO, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, losses, run
+from helpers.runs_cache import ONE_PROCESS_EXACT, REPO, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, losses, run
 
 multiproc = pytest.mark.multiproc
 

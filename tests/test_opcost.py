@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from megamemo.train import config
 from megamemo.plan import opcost
 from megamemo.plan.devices import Device

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
-from kernel_paths import PARALLEL_PATH, on_path
+from helpers.distributed import run_distributed
+from helpers.kernel_paths import PARALLEL_PATH, on_path
 from megamemo.model import MemTransformerLM, ModelConfig
 
 STEPS, L, B, GAS = 4, 6, 2, 2
@@ -109,7 +109,7 @@ def _check_variant(world, variant):
 @pytest.mark.multiproc
 def test_pipeline_parallel_equals_single_device():
     """LaMemo, then Transformer-XL, on the same two ranks, on the kernels path MEGAMEMO_TEST_KERNELS (plain unless
-    set; tests/kernel_paths.py)."""
+    set; tests/helpers/kernel_paths.py)."""
     run_distributed(_pp_worker, 2, ("lamemo", "xl"))
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
-from kernel_paths import PARALLEL_PATH, on_path
+from helpers.distributed import run_distributed
+from helpers.kernel_paths import PARALLEL_PATH, on_path
 from megamemo.model import ModelConfig
 
 STEPS, L, B = 4, 6, 2
@@ -125,7 +125,7 @@ def _tp_worker(rank, world):
 
 @pytest.mark.multiproc
 def test_tensor_parallel_equals_single_device():
-    """On the kernels path MEGAMEMO_TEST_KERNELS (plain unless set; tests/kernel_paths.py)."""
+    """On the kernels path MEGAMEMO_TEST_KERNELS (plain unless set; tests/helpers/kernel_paths.py)."""
     pytest.importorskip("megatron.core")
     run_distributed(_tp_worker, 2)
 

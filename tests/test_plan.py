@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from megamemo.train import config
 from megamemo.model import MemTransformerLM
 from megamemo.commands.plan import main

@@ -27,7 +27,7 @@ from megamemo.plan.devices import CPU_CALIBRATION, cpu_device
 from megamemo.plan.layouts import plan
 from megamemo.plan.steptime import step_time
 from megamemo.train.config import load
-from runs_cache import REPO, run
+from helpers.runs_cache import REPO, run
 
 pytestmark = pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 

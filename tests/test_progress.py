@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from megamemo.data import build, corpora
-from eval_fixtures import enwik8_slice_shards, one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
-from fixture_data import ENWIK8
+from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse)
+from helpers.shards import enwik8_slice_shards
+from helpers.fixture_data import ENWIK8
 from megamemo.eval import evaluate
 from megamemo.interop.load import open_model
 from megamemo.util.progress import BAR_REDRAW_S, Progress

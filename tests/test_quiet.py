@@ -30,7 +30,7 @@ TINY = TRAIN_TINY.replace("max_steps: 8", "max_steps: 2").replace("save_every: 3
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from megamemo.data.cli import prepare_main
-    from fixture_data import ENWIK8
+    from helpers.fixture_data import ENWIK8
 
     root = tmp_path_factory.mktemp("quiet")
     assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(root / "shards"), "--quiet"]) == 0

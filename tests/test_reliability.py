@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
-import local_launch
-from local_launch import start, text, wait_for_step
+from helpers import local_launch
+from helpers.local_launch import start, text, wait_for_step
 from test_train_runs import TWO_RANKS_12_STEPS, committed_steps, launch, logs, losses, wait
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)

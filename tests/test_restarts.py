@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from megamemo.runtime.interruptions import history
-import local_launch
-from local_launch import text, wait_for_step
-from runs_cache import TWO_RANKS_12_STEPS, losses
+from helpers import local_launch
+from helpers.local_launch import text, wait_for_step
+from helpers.runs_cache import TWO_RANKS_12_STEPS, losses
 
 pytestmark = pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
 

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from fixture_data import REPO
+from helpers.errors import one_line_error
+from helpers.fixture_data import REPO
 from megamemo.train import config
 from megamemo.commands.plan import main
 from megamemo.plan.layouts import plan
@@ -255,23 +256,16 @@ def test_explain_prints_the_breakdown(capsys):
 
 
 # ---- input the planner cannot use: one line, why, and the nearest that runs ------------------------------------
-def one_line_error(capsys) -> str:
-    cap = capsys.readouterr()
-    lines = cap.err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in cap.err, cap.err
-    return lines[0]
-
-
 def test_unknown_device_kind(capsys):
     assert main(["--config", str(TINY), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "a100-81g"]) == 2
-    line = one_line_error(capsys)
+    line = one_line_error(capsys.readouterr().err)
     assert "unknown device kind 'a100-81g'" in line and "nearest: a100-80g" in line
 
 
 def test_a_precision_the_device_lacks(capsys):
     assert main(["--config", str(REPO / "configs" / "lamemo-7b.yaml"), "--nodes", "8", "--gpus-per-node", "8",
                  "--gpu", "v100-32g"]) == 2
-    assert "v100-32g has no bf16 tensor cores" in one_line_error(capsys)
+    assert "v100-32g has no bf16 tensor cores" in one_line_error(capsys.readouterr().err)
 
 
 def test_cluster_that_fits_nothing_names_the_smallest_that_does(capsys):
@@ -281,7 +275,7 @@ def test_cluster_that_fits_nothing_names_the_smallest_that_does(capsys):
     path = REPO / "configs" / "lamemo-7b.yaml"
     assert main(["--config", str(path), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "v100-16g",
                  "--set", "precision.dtype=fp16"]) == 1
-    line = one_line_error(capsys)
+    line = one_line_error(capsys.readouterr().err)
     assert line.startswith("megamemo plan: no layout fits 1 x 8 v100-16g: the smallest need is ")
     nodes = int(line.split("nearest that runs: ")[1].split()[0])
     cfg = load(path, ["precision.dtype=fp16"])
@@ -299,7 +293,7 @@ def test_a_layout_that_cannot_run_names_the_nearest_that_does(tp, pp, why, capsy
     path = REPO / "configs" / "lamemo-1.3b.yaml"
     assert main(["--config", str(path), "--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100-32g", "--tp", tp,
                  "--pp", pp]) == 2
-    line = one_line_error(capsys)
+    line = one_line_error(capsys.readouterr().err)
     assert why in line and "nearest layout that runs: tp=" in line
     assert capsys.readouterr().out == ""
     near = line.split("nearest layout that runs: ")[1]
@@ -315,7 +309,7 @@ def test_a_layout_that_does_not_fit_in_memory_names_the_nearest_that_does(capsys
     assert main(["--config", str(path), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "v100-16g", "--tp", "1",
                  "--pp", "1", "--set", "eval.every=0", "--set", "parallel.zero_stage=0",
                  "--set", "train.grad_accum=8", *(a for s in DS_DEFAULTS for a in ("--set", s))]) == 1
-    line = one_line_error(capsys)
+    line = one_line_error(capsys.readouterr().err)
     assert "needs 25.1 GiB" in line and "nearest layout that fits: tp=1 pp=1 dp=8 zero=1" in line
 
 
@@ -449,7 +443,7 @@ def test_an_impossible_cluster_shape_or_device_is_one_line(args, why, capsys):
     except SystemExit as e:         # argparse's own errors exit
         code = e.code
     assert code == 2
-    assert why in one_line_error(capsys)
+    assert why in one_line_error(capsys.readouterr().err)
     assert capsys.readouterr().out == ""
 
 

@@ -1,4 +1,4 @@
-"""The host-sync test's attribution (tests/sync_sites.py, used by tests/test_gpu.py on a GPU), replayed on the
+"""The host-sync test's attribution (tests/helpers/sync_sites.py, used by tests/test_gpu.py on a GPU), replayed on the
 CPU with stacks as traceback.extract_stack() gives them: a sync whose innermost frame is in megamemo's package is
 megamemo's own, named by its path below the package whatever the checkout's folder is called; a library's sync
 (DeepSpeed, torch, a site-packages inside the checkout) is "outside megamemo", with the megamemo frame it came
@@ -14,9 +14,9 @@ import warnings
 
 import pytest
 
-from fixture_data import REPO
+from helpers.fixture_data import REPO
 from megamemo.runtime.dist import free_port
-from sync_sites import NEEDED_SYNCS, SYNC_SETS, attribute, package_root, recording, unneeded
+from helpers.sync_sites import NEEDED_SYNCS, SYNC_SETS, attribute, package_root, recording, unneeded
 
 
 def frame(path, name):
@@ -78,12 +78,12 @@ def test_the_needed_syncs_are_functions_that_exist():
 
 @pytest.mark.multiproc   # starts a training process
 def test_a_cpu_step_under_the_recorder_reports_no_sync(shards, tmp_path):
-    """The GPU test's own script (tests/sync_sites.py) runs one tiny-cpu step after a warm-up on the CPU, where
+    """The GPU test's own script (tests/helpers/sync_sites.py) runs one tiny-cpu step after a warm-up on the CPU, where
     torch reports no sync: no SYNC line, so a planted one (bench/mutants.py sync-planted-in-the-micro-steps) is
     what it reports and the check refuses."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
-    r = subprocess.run([sys.executable, str(REPO / "tests/sync_sites.py"), str(REPO / "configs/tiny-cpu.yaml"),
+    r = subprocess.run([sys.executable, str(REPO / "tests/helpers/sync_sites.py"), str(REPO / "configs/tiny-cpu.yaml"),
                         *SYNC_SETS, f"data.dir={shards}", f"train.run_dir={tmp_path}/r"],
                        env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runs_cache import KEYED, TWO_RANKS_ACCUM, logs
+from helpers.runs_cache import KEYED, TWO_RANKS_ACCUM, logs
 from test_train_runs import ONE_PROCESS_EXACT, eval_records, losses, run
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
@@ -20,7 +20,7 @@ EXACT = [*KEYED, "--max-steps", str(STEPS), "--save-every", "0",
 @pytest.fixture
 def one_process(tiny_cfg, shards, reference_runs) -> dict[int, float]:
     """The DP=1 fp32 run every comparison here is made against (ZeRO-1 on one rank partitions nothing): the
-    session's one-process reference (tests/runs_cache.py ONE_PROCESS_EXACT: these settings, plus the checkpoints and
+    session's one-process reference (helpers/runs_cache.py ONE_PROCESS_EXACT: these settings, plus the checkpoints and
     the validation at step 6 that other modules need, which change no training loss)."""
     got = losses(reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT))
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -31,7 +31,7 @@ def test_zero2_overlapping_the_reduction_equals_zero1(tiny_cfg, shards, referenc
     """Two ranks x 2 micro-batches of 1 stream, fp32, keyed dropout: ZeRO 2 reducing every micro-batch's gradients
     during its backward pass (parallel.overlap_comm) in buckets of 4,096 elements - the model's 27,424 parameters in
     several buckets, its 8,192-element embedding larger than one - against the session's ZeRO 1 run of the same
-    layout (tests/runs_cache.py TWO_RANKS_ACCUM), which reduces once a step after the last backward in one bucket:
+    layout (helpers/runs_cache.py TWO_RANKS_ACCUM), which reduces once a step after the last backward in one bucket:
     the per-step losses within 1e-6 (fp32: only the order of the gradient sums differs), and the validation
     loss of the step-6 weights too. The start-up lines say what DeepSpeed's optimizer was built with (read from
     it: Engine.reduction), so the comparison is between the two reductions, not two of the same."""

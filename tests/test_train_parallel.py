@@ -1,7 +1,7 @@
 """`megamemo train` under tensor (TP=2), pipeline (PP=2) and both (TP=2 x PP=2) parallelism, with real processes: the same per-step
 losses as one process (with gradient accumulation: a memory per micro-batch), the same memory once the ranks'
 shards are put together, and bit-exact resume after a rank is killed while saving. Dropout 0.1 and dropatt 0.1 with
-keyed masks (tests/runs_cache.py KEYED): every layout drops what the one process drops (with stream masks it would
+keyed masks (helpers/runs_cache.py KEYED): every layout drops what the one process drops (with stream masks it would
 not: each TP rank and each pipeline stage draws from streams of its own)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megamemo.checkpoint.store import newest_complete
-from runs_cache import KEYED
+from helpers.runs_cache import KEYED
 from test_train_runs import (assert_no_corrupt_checkpoint, checkpoint_memory, checkpoint_model, committed_steps, launch, logs,  # noqa
                              losses, run, wait)
 

@@ -18,9 +18,9 @@ import torch
 
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
 from megamemo.runtime.dist import free_port
-from runs_cache import (ONE_PROCESS_EXACT, REPO, TINY, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, launch, logs,  # noqa: F401
+from helpers.runs_cache import (ONE_PROCESS_EXACT, REPO, TINY, TWO_RANKS_12_STEPS, TWO_RANKS_ACCUM, launch, logs,  # noqa: F401
                         losses, run, wait)
-from fixture_data import ENWIK8
+from helpers.fixture_data import ENWIK8
 
 pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 

@@ -6,18 +6,14 @@ import pytest
 import torch
 
 from megamemo.model import trams
-from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.model import Memory
 from megamemo.model.trams import TramsConfig, key_scores, select_rows
 
-from eval_fixtures import one_thread  # noqa: F401 (autouse fixture)
+from helpers.eval_fixtures import one_thread  # noqa: F401 (autouse fixture)
+from helpers.tiny import tiny_model
 
 
-def tiny(variant, **kw):
-    torch.manual_seed(0)
-    base = dict(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, dropout=0.0,
-                tgt_len=4, mem_len=8)
-    base.update(kw)
-    return MemTransformerLM(ModelConfig(**base)).eval()
+tiny = tiny_model
 
 
 VARIANTS = ["xl", "lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "rpe"]

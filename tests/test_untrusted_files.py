@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-import forked
+from helpers import forked
+from helpers.errors import failed_with_one_line
 
 from megamemo.util.files import file_sha256
 from megamemo.checkpoint.store import MARKER
@@ -47,14 +49,8 @@ def megamemo(*args, timeout=180) -> subprocess.CompletedProcess:
     return forked.run_megamemo(args, env, REPO, timeout)
 
 
-def one_line_error(out: subprocess.CompletedProcess, *names: str) -> str:
-    assert out.returncode != 0, out.stdout[-1500:]
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    lines = [x for x in out.stderr.splitlines() if "error" in x.lower()]
-    assert len(lines) == 1, out.stderr[-3000:]
-    for n in names:
-        assert n in lines[0], lines[0]
-    return lines[0]
+# refused: a failed command whose one error line (among its log lines) names the bad file
+refused = partial(failed_with_one_line, among_logs=True)
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +88,12 @@ def test_a_pickle_in_a_checkpoint_runs_nothing_on_resume_or_convert(trained, tin
     bad = _swap_in_pickle(ckpt, payload)
 
     out = megamemo("convert", "to-single", "--ckpt", run_dir, "--out", tmp_path / "single")
-    one_line_error(out, bad.name)
+    refused(out, bad.name)
     assert not (tmp_path / "single").exists()
 
     out = megamemo("train", "--config", tiny_cfg, "--data", shards, "--run-dir", run_dir, "--max-steps", "3",
                    "--set", "checkpoint.probe=false", "--set", "log.tensorboard=false")
-    one_line_error(out, bad.name)
+    refused(out, bad.name)
     assert not payload.exists()
 
 
@@ -109,20 +105,20 @@ def test_a_pickle_as_a_single_checkpoint_or_reference_file_runs_nothing(trained,
     doc = json.loads((single / "config.json").read_text())
     doc["files"]["model.safetensors"].update(bytes=model.stat().st_size, sha256=file_sha256(model))
     (single / "config.json").write_text(json.dumps(doc))
-    one_line_error(megamemo("eval", "--ckpt", single, "--data", shards, "--split", "valid"), "model.safetensors")
+    refused(megamemo("eval", "--ckpt", single, "--data", shards, "--split", "valid"), "model.safetensors")
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("the ")
-    one_line_error(megamemo("generate", "--ckpt", single, "--data", shards, "--prompt-file", prompt,
+    refused(megamemo("generate", "--ckpt", single, "--data", shards, "--prompt-file", prompt,
                             "--max-new-tokens", "4", "--out", tmp_path / "generated.txt"), "model.safetensors")
-    one_line_error(megamemo("analyze", "--ckpt", single, "--data", shards, "--out", tmp_path / "analysis",
+    refused(megamemo("analyze", "--ckpt", single, "--data", shards, "--out", tmp_path / "analysis",
                             "--segments", "4", "--batch-size", "2"), "model.safetensors")
     assert not payload.exists() and not (tmp_path / "generated.txt").exists()
     assert not (tmp_path / "analysis").exists() or not any((tmp_path / "analysis").iterdir())
 
     ref = tmp_path / "reference.pt"
     evil_pickle(ref, payload)
-    one_line_error(megamemo("reference-score", ref, "--out", tmp_path / "scores.pt"), "reference.pt")
-    one_line_error(megamemo("convert", "import-reference", ref, "--out", tmp_path / "imported"),
+    refused(megamemo("reference-score", ref, "--out", tmp_path / "scores.pt"), "reference.pt")
+    refused(megamemo("convert", "import-reference", ref, "--out", tmp_path / "imported"),
                    "reference.pt")
     assert not payload.exists() and not (tmp_path / "scores.pt").exists() and not (tmp_path / "imported").exists()
     torch.load(ref, weights_only=False)     # the payload is real: an unrestricted load runs it
@@ -135,11 +131,11 @@ def test_a_flipped_byte_in_a_single_checkpoint_is_refused(trained, shards, tmp_p
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0x10
     model.write_bytes(bytes(data))
-    one_line_error(megamemo("eval", "--ckpt", single, "--data", shards, "--split", "valid"), "model.safetensors",
+    refused(megamemo("eval", "--ckpt", single, "--data", shards, "--split", "valid"), "model.safetensors",
                    "sha256")
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("the ")
-    one_line_error(megamemo("generate", "--ckpt", single, "--data", shards, "--prompt-file", prompt,
+    refused(megamemo("generate", "--ckpt", single, "--data", shards, "--prompt-file", prompt,
                             "--max-new-tokens", "8"), "model.safetensors", "sha256")
 
 
@@ -149,6 +145,6 @@ def test_prepare_refuses_an_empty_or_too_short_corpus(tmp_path, kind, content):
     raw.write_bytes(content)
     out_dir = tmp_path / "shards"
     out = megamemo("prepare", kind, "--raw", raw, "--out", out_dir)
-    line = one_line_error(out, "corpus.txt")
+    line = refused(out, "corpus.txt")
     assert "empty or too short" in line
     assert not out_dir.exists()

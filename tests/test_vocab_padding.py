@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from fixture_data import TEXT8
+from helpers.fixture_data import TEXT8
 from megamemo.config.run import ConfigError
 from megamemo.train.config import load
 from megamemo.train.vocab import adopt_checkpoint_vocab, padded_vocab
@@ -101,9 +101,9 @@ def test_an_explicit_n_token_above_the_datas_vocabulary_is_one_warning_naming_th
     """Issue 50: an explicit n_token larger than the corpus's vocabulary (a 32k config over a BPE that saturated
     early) trains rows no target ever is: the run starts, with one warning line naming them; auto and an exact
     n_token say nothing."""
-    import forked
+    from helpers import forked
     from megamemo.train.data import check_data_dir, unused_ids
-    from runs_cache import REPO
+    from helpers.runs_cache import REPO
 
     run = ["--max-steps", "0", "--set", "eval.every=0", "--set", "log.tensorboard=false"]
     cfg_file = config_file(tmp_path, n_token=64, data=text8_shards)
@@ -280,7 +280,7 @@ def test_an_auto_run_converts_evaluates_generates_and_resumes_under_another_tp(t
     import yaml
 
     from megamemo.data import read_split
-    from eval_fixtures import reference_nll
+    from helpers.eval_fixtures import reference_nll
     from megamemo.commands import eval as eval_cmd, generate as generate_cmd
     from megamemo.commands import convert
     from megamemo.interop import load

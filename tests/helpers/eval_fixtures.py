@@ -1,6 +1,7 @@
 """Small shard directories and checkpoints shared by the eval / generate / analyze tests."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +11,11 @@ import torch
 from megamemo.data import build
 from megamemo.data.corpora import from_arrays
 from megamemo.data.vocab import Vocab
-from fixture_data import ENWIK8
 from megamemo.checkpoint.single import save_single
 from megamemo.kernels import apply_kernels
-from megamemo.model import MemTransformerLM, ModelConfig
+from megamemo.model import MemTransformerLM
+
+from helpers.tiny import tiny_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,15 +27,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def enwik8_slice_shards(out: Path, n_bytes: int = 60_000) -> Path:
-    """Byte-level shards of the first n_bytes of the enwik8 fixture, split 80/10/10, small chunks and shards."""
-    raw = np.frombuffer(ENWIK8.read_bytes()[:n_bytes], dtype=np.uint8)
-    a, b = int(n_bytes * 0.8), int(n_bytes * 0.9)
-    corpus = from_arrays({"train": raw[:a], "valid": raw[a:b], "test": raw[b:]}, Vocab.identity_bytes(), "enwik8")
-    build(corpus, out, chunk_tokens=1000, shard_bytes=2000, log=lambda m: None)
-    return out
-
-
 def word_shards(out: Path, n_words: int = 50, n_tokens: int = 3000, seed: int = 0) -> Path:
     """A word-level corpus (random ids over a made-up vocabulary): eval must report perplexity."""
     rng = np.random.default_rng(seed)
@@ -43,16 +36,22 @@ def word_shards(out: Path, n_words: int = 50, n_tokens: int = 3000, seed: int = 
     return out
 
 
-def tiny_cfg(variant="lamemo", n_token=256, **kw) -> ModelConfig:
-    base = dict(variant=variant, n_token=n_token, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64,
-                dropout=0.1, tgt_len=12, mem_len=12)
-    base.update(kw)
-    return ModelConfig(**base)
+# the eval tests' model: byte vocabulary, wider than helpers.tiny's TINY, segments of 12
+EVAL_SIZE = dict(n_token=256, d_model=32, d_head=16, d_inner=64, dropout=0.1, tgt_len=12, mem_len=12)
+
+
+def eval_record(ckpt: Path, data: Path, out: Path, *args: str) -> dict:
+    """`megamemo eval --ckpt CKPT --data DATA --json OUT ARGS` in this process; its record (of the one split)."""
+    from megamemo.commands import eval as evaluate
+
+    assert evaluate.main(["--ckpt", str(ckpt), "--data", str(data), *args, "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    return rec[0] if isinstance(rec, list) else rec
 
 
 def tiny_checkpoint(out: Path, variant="lamemo", seed=0, meta=None, **kw) -> tuple[Path, MemTransformerLM]:
     torch.manual_seed(seed)
-    cfg = tiny_cfg(variant, **kw)
+    cfg = tiny_config(variant, **{**EVAL_SIZE, **kw})
     model = MemTransformerLM(cfg)
     with torch.no_grad():      # sharper than the 0.02 init, so memory and selection matter to the scores
         for p in model.parameters():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from loopback import LoopbackServer, upload_dir
+from helpers.loopback import LoopbackServer, upload_dir
 
 
 class LoopbackGCS(LoopbackServer):

@@ -1,11 +1,11 @@
-"""Imported once by the fork server of tests/forked.py: what a rank of `megamemo train` would import, with the
+"""Imported once by the fork server of tests/helpers/forked.py: what a rank of `megamemo train` would import, with the
 process set up first as megamemo's command sets it up (megamemo/cli.py prepare_process) and the environment the
 tests' ranks share (one thread, DeepSpeed's CPU accelerator). TorchDynamo is imported too (a ZeRO rank imports it
 with DeepSpeed's Muon module, and a TP or pipeline rank with megatron-core): torch reads TORCHDYNAMO_DISABLE at each
 compile call, so a rank that compiles still lifts it for itself."""
 import os
 
-from forked import SERVER_ENV
+from helpers.forked import SERVER_ENV
 
 os.environ.update(SERVER_ENV)
 

@@ -3,7 +3,7 @@
 A fresh `python -m megamemo train` spends 3-4 s of CPU importing torch, TorchDynamo, DeepSpeed, megatron-core and
 megamemo before its first step, more than the tests' tiny runs spend training; on the 2 cores of CI that was about
 a third of the suite. `ForkedRank` forks a rank from a fork server (multiprocessing's forkserver, one per pytest
-process) that imported all that once (tests/warm_imports.py), then runs `megamemo.cli.main` with the rank's own
+process) that imported all that once (tests/helpers/warm_imports.py), then runs `megamemo.cli.main` with the rank's own
 environment, working directory and log, as `python -m megamemo` would, and returns a handle with Popen's methods.
 
 What a forked rank does not show, so the tests of those things start real interpreters (runs_cache.launch(...,
@@ -25,8 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}     # set by tests/warm_imports.py
+TESTS = Path(__file__).resolve().parents[1]     # what puts the helpers package on the server's path
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}     # set by tests/helpers/warm_imports.py
 _context = None
 
 
@@ -40,7 +40,7 @@ def usable(env: dict) -> bool:
 
 
 def for_functions() -> bool:
-    """Whether tests/distributed.py may fork its ranks from the warm server: not where CUDA is (the server's imports
+    """Whether helpers/distributed.py may fork its ranks from the warm server: not where CUDA is (the server's imports
     read DS_ACCELERATOR=cpu), nor with MEGAMEMO_TEST_FORK=0."""
     import torch
 
@@ -49,14 +49,14 @@ def for_functions() -> bool:
 
 def context():
     """The multiprocessing context whose processes are forked from the warm server: multiprocessing's fork server,
-    started once with tests/warm_imports.py imported. Python 3.11's server does not take the test process's
+    started once with tests/helpers/warm_imports.py imported. Python 3.11's server does not take the test process's
     sys.path, so it finds that module through PYTHONPATH, set while it starts."""
     global _context
     if _context is None:
         server = multiprocessing.get_context("forkserver")
-        server.set_forkserver_preload(["warm_imports"])
+        server.set_forkserver_preload(["helpers.warm_imports"])
         before = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *([before] if before else [])])
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([before] if before else [])])
         try:
             multiprocessing.forkserver.ensure_running()
         finally:
@@ -69,8 +69,8 @@ def context():
 
 
 def _rank_main(argv: list[str], env: dict, out_path: str, err_path: str, cwd: str) -> None:
-    if "warm_imports" not in sys.modules:      # the server swallows its preload's ImportError: no silent slow path
-        raise RuntimeError("tests/forked.py: the fork server did not import tests/warm_imports.py")
+    if "helpers.warm_imports" not in sys.modules:  # the server swallows its preload's ImportError: no silent slow path
+        raise RuntimeError("tests/helpers/forked.py: the fork server did not import tests/helpers/warm_imports.py")
     for target, path in ((1, out_path), (2, err_path)):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, target)

@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-import forked
+from helpers import forked
 from megamemo.runtime.dist import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = """
 model: {variant: lamemo, n_token: 256, n_layer: 2, d_model: 32, n_head: 2, d_head: 16, d_inner: 64,
@@ -55,7 +55,7 @@ TWO_RANKS_ACCUM = (*ONE_PROCESS_EXACT, "--set", "train.grad_accum=2")
 def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None,
            fresh: bool = False):
     """Start n ranks of `megamemo train`; each rank logs to run_dir/../<name>.rank<r>.log. A rank is forked from the
-    warm server of tests/forked.py (its imports done once) unless `fresh` (a new interpreter: the tests of start-up)
+    warm server of helpers/forked.py (its imports done once) unless `fresh` (a new interpreter: the tests of start-up)
     or its environment differs from the server's in what imports read (env_extra of the GPU tests)."""
     port = free_port()
     procs = []

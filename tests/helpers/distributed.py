@@ -9,7 +9,7 @@ Each rank ends by destroying its process groups and leaving with os._exit: what 
 their groups is then never destroyed by the interpreter's shutdown (where gloo's threads can abort the process,
 "terminate called without an active exception", long after the test's own work passed).
 
-The ranks are forked from the warm server of tests/forked.py (torch, DeepSpeed and megatron-core imported once) with
+The ranks are forked from the warm server of helpers/forked.py (torch, DeepSpeed and megatron-core imported once) with
 the test process's environment, or spawned where that server may not serve (CUDA, MEGAMEMO_TEST_FORK=0).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import forked
+from helpers import forked
 from megamemo.runtime.dist import free_port
 
 TIMEOUT_S = float(os.environ.get("MEGAMEMO_TEST_DIST_TIMEOUT_S", "300"))

@@ -2,7 +2,7 @@
 need ../shared: a bare clone of the repository runs the whole suite."""
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 TEXT = FIXTURES / "text"
 

@@ -5,7 +5,7 @@ there). Inside megamemo's package (resolved against megamemo.__file__, whatever 
 is megamemo's own sync, named `<path below the package>:<function>`; anywhere else (DeepSpeed, torch,
 site-packages) it is a library's, named "outside megamemo" with the megamemo call site it came from.
 
-    python tests/sync_sites.py CONFIG [KEY=VALUE ...]     # one step after a warm-up: a `SYNC <site>` line a sync
+    python helpers/sync_sites.py CONFIG [KEY=VALUE ...]     # one step after a warm-up: a `SYNC <site>` line a sync
 (needs the RANK / WORLD_SIZE / MASTER_* environment of one process; on a machine without CUDA nothing is reported
 by torch, only what a planted `warnings.warn` says)."""
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from loopback import LoopbackServer, upload_dir
+from helpers.loopback import LoopbackServer, upload_dir
 
 
 class LoopbackS3(LoopbackServer):

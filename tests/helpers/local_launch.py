@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megamemo.checkpoint.store import list_checkpoints
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = ["--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]
 
 
