@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 import torch
-from fixture_data import FIXTURES
-from runs_cache import losses, run
+from helpers.fixture_data import FIXTURES
+from helpers.runs_cache import losses, run
 
 pytestmark = pytest.mark.multiproc      # starts a training process
 

@@ -415,9 +415,9 @@ def test_train_sets_tf32_as_the_config_allows(monkeypatch, tmp_path, sets, want)
         raise Stop()
     monkeypatch.setattr(run, "build", stop)
     monkeypatch.setattr(device, "resolve", lambda env=None: "cpu")
-    monkeypatch.setattr("megamemo.train.data.check_data_dir", lambda cfg: None)
-    monkeypatch.setattr("megamemo.train.engine.check_precision", lambda dtype: None)
-    monkeypatch.setattr("megamemo.runtime.rundir.die_with_parent", lambda: None)
+    monkeypatch.setattr("megamemo.train.run.check_data_dir", lambda cfg: None)
+    monkeypatch.setattr("megamemo.train.run.check_precision", lambda dtype: None)
+    monkeypatch.setattr("megamemo.train.run.die_with_parent", lambda: None)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fixture_data import FIXTURES
+from helpers.fixture_data import FIXTURES
 
 from megamemo.checkpoint.layout import RankLayout, RunLayout, RunMeta
 from megamemo.model import ModelConfig
