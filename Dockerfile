@@ -64,7 +64,7 @@ RUN python3 -m venv /opt/venv \
     && pip install -c /opt/venv/torch-constraint.txt \
        "mpi4py==${MPI4PY_VERSION}" "webdataset==${WEBDATASET_VERSION}" \
        "zstandard==${ZSTANDARD_VERSION}" "megatron-core==${MEGATRON_CORE_VERSION}" \
-       "numpy==${NUMPY_VERSION}" "pyyaml==6.0.3" "safetensors==0.8.0" "tensorboard==2.21.0" \
+       "numpy==${NUMPY_VERSION}" "pyyaml==6.0.3" "pydantic==2.14.4" "safetensors==0.8.0" "tensorboard==2.21.0" \
        "matplotlib==3.11.2" "ninja==1.13.2" "tokenizers==0.23.3" "sentencepiece==0.2.3" "pyarrow==26.0.1" \
        "fsspec==2026.9.0" "aiohttp==3.14.5" "s3fs==2026.9.0" "gcsfs==2026.10.1" \
        "transformers==5.24.0" "lm-eval==0.4.13" "accelerate==1.15.0" \

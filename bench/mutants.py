@@ -136,6 +136,9 @@ MUTATIONS = [
     M("attention-position-rows-aligned-one-short", "megamemo/model/attention.py",
       "return _rows(r, -(-n // align) * align)", "return _rows(r, -(-n // align) * align - 1)",
       ("tests/test_attention_alignment.py::test_aligned_position_rows_change_nothing",)),
+    M("model-lengths-override-of-the-clamp-ignored", "megamemo/model/lengths.py",
+      "cfg.clamp_len if self.clamp is None else self.clamp,", "cfg.clamp_len,",
+      ("tests/test_seams.py::test_lengths_take_the_models_value_where_none_is_given",)),
     # ---- megamemo/kernels ------------------------------------------------------------------------------------
     M("kernels-dropout-last-digit-strict", "megamemo/kernels/dropout.py",
       "return torch.ge(b, digits[0], out=out)", "return torch.gt(b, digits[0], out=out)",
@@ -257,6 +260,9 @@ MUTATIONS = [
     M("checkpoint-retention-keeps-the-marker-to-the-end", "megamemo/checkpoint/store.py",
       "marker.unlink()", "pass",
       ("tests/test_checkpoint_layer.py::test_retention_removes_the_marker_first",)),
+    M("checkpoint-old-marker-layout-not-read", "megamemo/checkpoint/layout.py",
+      "return cls(**{f.name: record.get(f.name) for f in fields(cls)})", "return cls()",
+      ("tests/test_checkpoint_compat.py::test_old_checkpoint_resumes_to_the_old_codes_losses",)),
     M("checkpoint-global-state-from-the-ranks-own-file", "megamemo/checkpoint/state.py",
       "own_rank = rank if ctx.same_layout else 0", "own_rank = rank",
       ("tests/test_checkpoint_layer.py::test_registry_round_trip_is_exact_and_pickle_free",)),
@@ -346,7 +352,7 @@ MUTATIONS = [
       ("tests/test_convert_reference.py::test_imported_reference_reproduces_the_reference_nll",)),
     # ---- megamemo/train --------------------------------------------------------------------------------------
     M("train-no-reseed-under-another-layout", "megamemo/train/loop.py",
-      'self._reseed(int(info["step"]))', "pass",
+      "self._reseed(saved.step)", "pass",
       ("tests/test_convert_parallel.py::test_a_resume_under_another_layout_with_dropout_reseeds_every_stream",)),
     M("train-peer-lost-runs-interpreter-shutdown", "megamemo/train/run.py",
       "leave_without_finalizing(lost)", "pass",

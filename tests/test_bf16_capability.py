@@ -76,8 +76,8 @@ def test_train_start_up_refuses_bf16_on_a_v100(fake_gpu, monkeypatch, capsys, tm
     fake_gpu(gpu)
     monkeypatch.setattr(run, "build", build)
     monkeypatch.setattr(device, "resolve", lambda env=None: "cuda")
-    monkeypatch.setattr("megamemo.train.data.check_data_dir", lambda cfg: None)
-    monkeypatch.setattr("megamemo.runtime.rundir.die_with_parent", lambda: None)
+    monkeypatch.setattr("megamemo.train.run.check_data_dir", lambda cfg: None)
+    monkeypatch.setattr("megamemo.train.run.die_with_parent", lambda: None)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     args = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--run-dir", str(tmp_path / "run"),
             "--set", "precision.dtype=bf16"]

@@ -17,6 +17,7 @@ from helpers.distributed import run_distributed
 from megamemo.checkpoint.commit import LocalOutcomes
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, open_reader
+from megamemo.checkpoint.layout import RunLayout, RunMeta
 from megamemo.checkpoint.pieces import Piece, PieceError, ShardedReader, spread_writers, write_pieces
 from megamemo.checkpoint.state import Counters, LoadContext, RNGState, StateRegistry, rank_files, save_snapshot
 from megamemo.checkpoint.store import (
@@ -224,8 +225,8 @@ def test_registry_refuses_missing_entries(tmp_path):
 
 # ---- the store --------------------------------------------------------------------------------------------------
 def _store(root, rank=0, world=1, keep=2, model=None, barrier=lambda: None, async_save=False, outcomes=None):
-    meta = {"model": model or {"n_layer": 2}, "layout": {"world_size": world, "dp": world, "batch_size": 4},
-            "precision": "fp32"}
+    meta = RunMeta(model or {"n_layer": 2}, layout=RunLayout(world_size=world, dp=world, batch_size=4),
+                   precision="fp32")
     return CheckpointStore(root, rank, world, keep, meta, barrier=barrier, async_save=async_save, commit_timeout_s=30,
                            log=lambda m: None, outcomes=outcomes)
 
@@ -486,7 +487,7 @@ def _failing_rank_in_processes(rank, world, root):
 
     for async_save in (False, True):
         where = Path(root) / ("async" if async_save else "sync")
-        store = CheckpointStore(where, rank, world, 2, {"model": {}, "layout": {}, "precision": "fp32"},
+        store = CheckpointStore(where, rank, world, 2, RunMeta({}, precision="fp32"),
                                 barrier=dist.barrier, async_save=async_save, commit_timeout_s=3, log=lambda m: None)
         store.faults = FaultPoints(rank, {"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
         store.save(2, _registry(rank, world, 2))

@@ -116,7 +116,7 @@ def test_under_tensor_parallelism_the_attention_regions_are_compiled_and_said():
                      "parallel": {"tp": 2}, "train": {"compile": "on"}})
     lines, model = [], MemTransformerLM(cfg.model)
     got = apply_speedups(cfg, model, "cpu", 2, lines.append)
-    assert got["compiled"] == 2 and len(lines) == 1
+    assert got.compiled == 2 and len(lines) == 1
     assert lines[0].startswith("[train] compile: attention regions under tensor parallelism (parallel.tp=2): "
                                "megatron-core's parallel linears all-reduce with async_op=True"), lines
     attns = [m for m in model.modules() if isinstance(m, RelAttention)]
@@ -126,7 +126,7 @@ def test_under_tensor_parallelism_the_attention_regions_are_compiled_and_said():
     assert not any(getattr(layer, "_compiled_call_impl", None) for layer in model.layers)
     cfg.parallel.tp = 1
     got = apply_speedups(cfg, MemTransformerLM(cfg.model), "cpu", 2, lines.append)
-    assert got["compiled"] == 2 and len(lines) == 1
+    assert got.compiled == 2 and len(lines) == 1
 
 
 def test_a_users_dynamo_switch_with_compile_on_is_one_line(tiny_cfg, shards, tmp_path):

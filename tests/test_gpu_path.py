@@ -181,6 +181,7 @@ def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatc
     the default stream is shared by exactly the TP ranks of a (dp, pp) group, every TP stream is its rank's own,
     and a resume's streams are none of the fresh start's (megatron's seed + 2718 + tp_rank, which _reseed used,
     gave (dp 0, tp 1) and (dp 1, tp 0) one stream and every stage the same default one)."""
+    from megamemo.checkpoint.layout import RankLayout
     from megamemo.parallel import groups
     from megamemo.train import loop
 
@@ -189,8 +190,8 @@ def test_fresh_start_and_resume_seed_alike_and_uniquely_over_the_grid(monkeypatc
     cfg = load(REPO / "configs/tiny-cpu.yaml", ["parallel.tp=2", "parallel.pp=2"])
     seeds = {}
     for d, t, p in itertools.product(range(3), range(3), range(3)):
-        ranks = {"dp_rank": d, "tp_rank": t, "pp_rank": p}
-        stub = SimpleNamespace(cfg=cfg, _layout=lambda ranks=ranks: ranks, engine=SimpleNamespace(device=torch.device("cpu")))
+        ranks = RankLayout(((0, 1),), dp_rank=d, tp_rank=t, pp_rank=p)
+        stub = SimpleNamespace(cfg=cfg, layout=ranks, engine=SimpleNamespace(device=torch.device("cpu")))
         for path, step in (("fresh", None), ("resume", 40)):
             installed.clear()
             got = loop.seed_streams(cfg, ranks, "cpu") if step is None else loop.Trainer._reseed(stub, step)
@@ -414,9 +415,9 @@ def test_train_sets_tf32_as_the_config_allows(monkeypatch, tmp_path, sets, want)
         raise Stop()
     monkeypatch.setattr(run, "build", stop)
     monkeypatch.setattr(device, "resolve", lambda env=None: "cpu")
-    monkeypatch.setattr("megamemo.train.data.check_data_dir", lambda cfg: None)
-    monkeypatch.setattr("megamemo.train.engine.check_precision", lambda dtype: None)
-    monkeypatch.setattr("megamemo.runtime.rundir.die_with_parent", lambda: None)
+    monkeypatch.setattr("megamemo.train.run.check_data_dir", lambda cfg: None)
+    monkeypatch.setattr("megamemo.train.run.check_precision", lambda dtype: None)
+    monkeypatch.setattr("megamemo.train.run.die_with_parent", lambda: None)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want
     try:

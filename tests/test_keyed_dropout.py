@@ -314,12 +314,12 @@ def test_a_checkpoint_records_its_masks_and_a_switch_on_resume_is_one_line(tmp_p
     """Old runs: a checkpoint from before train.dropout_masks existed (no record) was drawn from the streams: it
     resumes in stream mode without a word, and under keyed masks with one line saying so; a keyed checkpoint
     resumed with stream masks says that too."""
+    from megamemo.checkpoint.layout import RunLayout, RunMeta
     from megamemo.checkpoint.state import Counters, StateRegistry
     from megamemo.checkpoint.store import CheckpointStore, read_marker, tag_for
 
     def store(**extra):
-        meta = {"model": {"n_layer": 2}, "layout": {"world_size": 1, "dp": 1, "batch_size": 4}, "precision": "fp32",
-                **extra}
+        meta = RunMeta({"n_layer": 2}, layout=RunLayout(world_size=1, dp=1, batch_size=4), precision="fp32", **extra)
         return CheckpointStore(tmp_path / "ckpt", 0, 1, 3, meta, barrier=lambda: None, async_save=False,
                                commit_timeout_s=30, log=lambda m: None)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
+from megamemo.model.lengths import Lengths
 from megamemo.model.scoring import score_segments
 
 L, B, N_SEG = 5, 3, 4
@@ -71,7 +72,7 @@ def test_lamemo_equals_a_hand_loop(start, limit):
 def test_lengths_reach_the_model_and_training_mode_comes_back_after_an_error():
     model = _model("xl")
     _, segments = _segments()
-    s = score_segments(model, segments, mem_len=2 * L)
+    s = score_segments(model, segments, lengths=Lengths(mem=2 * L))
     assert s.memory.length == 2 * L
 
     def broken(model, inp, tgt, mem):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from megamemo.checkpoint.index import open_reader
+from megamemo.checkpoint.layout import RunMeta
 from megamemo.checkpoint.pieces import Piece, ShardedReader, read_local, write_pieces
 from megamemo.checkpoint.staging import Staging
 from megamemo.util.files import file_sha256, write_atomic
@@ -107,6 +109,15 @@ class LoadContext:
     reader: ShardedReader
     same_layout: bool           # world size, tp/pp/dp, grad_accum, batch and ZeRO stage as when saved
     marker: dict                # the checkpoint's COMMITTED marker (saved layout, precision, step)
+
+    @property
+    def saved(self) -> RunMeta:
+        """The marker's record of the run that wrote the checkpoint (its layout, precision, model)."""
+        return RunMeta.from_record(self.marker)
+
+    @property
+    def tag(self) -> str | None:
+        return self.marker.get("tag")
 
 
 @dataclass
@@ -286,8 +297,6 @@ class RNGState:
 
 def _tp_rng_tracker():
     """megatron-core's RNG tracker (the per-TP-rank dropout streams), when this process set one up."""
-    import sys
-
     rnd = sys.modules.get("megatron.core.tensor_parallel.random")
     if rnd is None or not getattr(rnd, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
         return None

@@ -25,8 +25,8 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -40,6 +40,7 @@ from megamemo.checkpoint.commit import (
 )
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
+from megamemo.checkpoint.layout import Compatibility, RankLayout, RunMeta
 from megamemo.checkpoint.state import LateFiles, LoadContext, Snapshot, StateRegistry, read_json
 from megamemo.util.errors import MegamemoError
 from megamemo.util.files import entry_mismatch, file_sha256, fsync_dir, write_json_atomic
@@ -48,7 +49,6 @@ MARKER = "COMMITTED"
 FORMAT = 3                  # 3: with the merged piece index (index.json); 2: without (read through the headers)
 FORMATS = (2, 3)
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
-LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "batch_size", "grad_accum", "zero_stage")
 
 
 class CheckpointError(MegamemoError, RuntimeError):
@@ -141,11 +141,6 @@ def remove_checkpoint(step_dir: Path, between: Callable[[], None] = lambda: None
     shutil.rmtree(step_dir, ignore_errors=True)
 
 
-def describe_layout(lay: dict) -> str:
-    return (f"tp={lay.get('tp', 1)} pp={lay.get('pp', 1)} dp={lay.get('dp')} ({lay.get('world_size')} ranks, "
-            f"grad_accum {lay.get('grad_accum', 1)}, batch {lay.get('batch_size')}, ZeRO {lay.get('zero_stage')})")
-
-
 class SaveFailed(CheckpointError):
     """A save failed on every rank alike (a rank's write error, a hole in the pieces, a rank silent past the
     timeout), nothing committed: every rank raises the same line, so one says it."""
@@ -153,7 +148,7 @@ class SaveFailed(CheckpointError):
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, rank: int, world_size: int, keep_last: int, meta: dict,
+    def __init__(self, root: Path, rank: int, world_size: int, keep_last: int, meta: RunMeta,
                  barrier: Callable[[], None], async_save: bool = False, commit_timeout_s: float = 600.0,
                  log: Callable[[str], None] = print, outcomes=None):    # outcomes: commit.py (collective)
         self.root = Path(root)
@@ -170,14 +165,17 @@ class CheckpointStore:
         self._error: BaseException | None = None
         self._abandoned = threading.Event()
         self.faults = FaultPoints(rank)     # crash tests and bench/soak.py only (checkpoint/faults.py)
-        self._compatible: tuple[Path, tuple[dict, bool, str]] | None = None     # check_compatible's, once
+        self._compatible: tuple[Path, Compatibility] | None = None     # check_compatible's, once
 
     # ---- save --------------------------------------------------------------------------------------------
-    def save(self, step: int, registry: StateRegistry, rank_extra: dict | None = None,
-             files: dict[str, Callable[[Path], None]] | None = None) -> Path:
-        """Collective. files: {name: writer(path)} this rank adds to the step directory, or a function making them
-        after the snapshot (the probe). A failed save raises SaveFailed on every rank: here (sync), or in wait()
-        once failed() says so (async)."""
+    def save(self, step: int, registry: StateRegistry, layout: RankLayout | None = None,
+             replicas: dict | None = None,
+             files: dict[str, Callable[[Path], None]] | Callable[[], dict[str, Callable[[Path], None]]] | None = None,
+             ) -> Path:
+        """Collective. layout: this rank's (rank_<r>.json keeps it); replicas: the replica check's JSON record of
+        this step (train/numerics.py), kept as it is. files: {name: writer(path)} this rank adds to the step
+        directory, or a function making them after the snapshot (the probe). A failed save raises SaveFailed on
+        every rank: here (sync), or in wait() once failed() says so (async)."""
         self.wait()
         step_dir = self.root / tag_for(step)
         self.comm.barrier()             # every rank's previous save is written, and rank 0 has committed it
@@ -190,18 +188,28 @@ class CheckpointStore:
                 shutil.rmtree(step_dir)
         self.comm.barrier()
         t0 = time.perf_counter()
-        snap = registry.snapshot(self.rank, {"step": step, **(rank_extra or {})})
-        stall, late = time.perf_counter() - t0, LateFiles() if callable(files) else None
-        snap.files, snap.files_later = ({}, late.get) if late else (dict(files or {}), None)
-        overlap = late and self.async_save and self.overlap_late_files
-        if late and not overlap:        # e.g. the probe: after the snapshot, before the write (cores shared)
-            late.put(files)
+        doc: dict[str, object] = {"step": step}
+        if layout is not None:
+            doc["layout"] = layout.record()
+        if replicas is not None:
+            doc["replicas"] = replicas
+        snap = registry.snapshot(self.rank, doc)
+        stall = time.perf_counter() - t0
+        make, late = (files, LateFiles()) if callable(files) else (None, None)
+        if late is None:
+            assert not callable(files)
+            snap.files, snap.files_later = dict(files or {}), None
+        else:
+            snap.files, snap.files_later = {}, late.get
+        overlap = late is not None and self.async_save and self.overlap_late_files
+        if late is not None and make is not None and not overlap:   # e.g. the probe: after the snapshot, before
+            late.put(make)                                            # the write (cores shared)
         if self.async_save:
             self._thread = threading.Thread(target=self._background, args=(snap, step, step_dir, t0, stall, late),
                                             name=f"checkpoint-{step}", daemon=True)
             self._thread.start()
-        if overlap:                     # on a GPU: device work beside the write
-            late.put(files)
+        if overlap and late is not None and make is not None:     # on a GPU: device work beside the write
+            late.put(make)
         if not self.async_save:
             self._write_and_commit(snap, step, step_dir)
             self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s, synchronous)")
@@ -271,7 +279,8 @@ class CheckpointStore:
                 files, problem = check_and_index(step_dir, outcomes)
             if problem is None:
                 info = {"format": FORMAT, "step": step, "tag": step_dir.name, "world_size": self.world_size,
-                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "index": INDEX_FILE, "files": files, **self.meta}
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "index": INDEX_FILE, "files": files,
+                        **self.meta.record()}
                 fsync_dir(step_dir)
                 self.faults.at("commit")
                 write_json_atomic(step_dir / MARKER, info)
@@ -367,7 +376,7 @@ class CheckpointStore:
                     self.log(f"[checkpoint] {e}; moved {path.name} aside to {aside.name}")
         return None
 
-    def check_compatible(self, step_dir: Path) -> tuple[dict, bool, str]:
+    def check_compatible(self, step_dir: Path) -> Compatibility:
         """(marker, same layout?, a line saying what changed) after checking the model config is the same. Read and
         checked once per checkpoint: the trainer's start-up, its resume and the load all ask."""
         if self._compatible is not None and self._compatible[0] == step_dir:
@@ -375,28 +384,29 @@ class CheckpointStore:
         self._compatible = (step_dir, self._check_compatible(step_dir))
         return self._compatible[1]
 
-    def _check_compatible(self, step_dir: Path) -> tuple[dict, bool, str]:
+    def _check_compatible(self, step_dir: Path) -> Compatibility:
         info = read_marker(step_dir)
-        saved_model, want_model = info.get("model", {}), self.meta.get("model", {})
+        saved = RunMeta.from_record(info)
+        saved_model, want_model = saved.model, self.meta.model
         if saved_model != want_model:
             diffs = [f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {want_model.get(k)!r}"
                      for k in sorted(set(saved_model) | set(want_model)) if saved_model.get(k) != want_model.get(k)]
             raise CheckpointError(f"{step_dir} was saved from a different model config: " + "; ".join(diffs))
-        old, new = info.get("layout") or {}, self.meta.get("layout") or {}
-        same = all(old.get(k) == new.get(k) for k in LAYOUT_KEYS)
+        old, new = saved.layout, self.meta.layout
+        same = old == new
         notes = []
         if not same:
-            notes.append(f"saved under {describe_layout(old)}, resuming under {describe_layout(new)}: resharding on "
+            notes.append(f"saved under {old.describe()}, resuming under {new.describe()}: resharding on "
                          f"load")
-            if old.get("batch_size") != new.get("batch_size"):
-                notes.append(f"global batch {old.get('batch_size')} -> {new.get('batch_size')} streams: every stream "
+            if old.batch_size != new.batch_size:
+                notes.append(f"global batch {old.batch_size} -> {new.batch_size} streams: every stream "
                              f"restarts with empty memory")
-        masks = (info.get("dropout_masks", "stream"), self.meta.get("dropout_masks", "stream"))
+        masks = (saved.masks, self.meta.masks)
         if masks[0] != masks[1]:        # a checkpoint from before the key existed was drawn from the streams
             notes.append(f"dropout masks {masks[0]} -> {masks[1]} (train.dropout_masks)")
-        if info.get("precision") != self.meta.get("precision"):
-            notes.append(f"precision {info.get('precision')} -> {self.meta.get('precision')} (from the fp32 masters)")
-        return info, same, "; ".join(notes)
+        if saved.precision != self.meta.precision:
+            notes.append(f"precision {saved.precision} -> {self.meta.precision} (from the fp32 masters)")
+        return Compatibility(info, same, "; ".join(notes))
 
     def load(self, step_dir: Path, registry: StateRegistry) -> dict:
         info, same, note = self.check_compatible(step_dir)

@@ -68,7 +68,7 @@ def add_fields(parser: argparse.ArgumentParser, cls, *, shared: dict | None = No
         if not helps.get(f.name):
             raise TypeError(f"{cls.__name__}.{f.name}: no comment beside the field to be its flag's help")
         default = None if f.default is dataclasses.MISSING else f.default
-        kwargs = dict(help=helps[f.name], default=default)
+        kwargs: dict[str, Any] = dict(help=helps[f.name], default=default)
         if f.default is dataclasses.MISSING:
             kwargs["required"] = True
         if shared and f.name in shared:

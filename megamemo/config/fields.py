@@ -48,11 +48,11 @@ SECTION_CONFIG = ConfigDict(extra="forbid")
 T = TypeVar("T")
 
 
+@typing.dataclass_transform(field_specifiers=(dataclasses.field, Field))
 def section(name: str):
     """A config section named `name` (`optim`, `train.spike`): a dataclass whose construction checks every field
     against its declaration; a refused value (constructing it, dataclasses.replace) is the one-line ConfigError
     naming the key (one_line below)."""
-    @typing.dataclass_transform(field_specifiers=(dataclasses.field, Field))
     def declare(cls: type[T]) -> type[T]:
         declared = _pydantic_dataclass(cls, config=SECTION_CONFIG)
         checked_init = declared.__init__

@@ -12,11 +12,13 @@ Anything else unexpected (an unknown key, an unsupported attn_type or option) is
 from __future__ import annotations
 
 import re
+import typing
 from collections.abc import Callable
 
 import torch
 
 from megamemo.model import MemTransformerLM, ModelConfig
+from megamemo.model.config import Variant
 from megamemo.util.errors import MegamemoError
 
 ATTN_TYPES = {0: "xl", 3: "lamemo", 31: "lamemo_xlrpe"}
@@ -64,7 +66,7 @@ def config_from_reference(ref: dict) -> ModelConfig:
     d_model = ref["d_model"]
     d_embed = ref.get("d_embed") or d_model
     return ModelConfig(
-        variant=ATTN_TYPES[attn_type], n_token=ref["n_token"], n_layer=ref["n_layer"], d_model=d_model,
+        variant=typing.cast(Variant, ATTN_TYPES[attn_type]), n_token=ref["n_token"], n_layer=ref["n_layer"], d_model=d_model,
         n_head=ref["n_head"], d_head=ref["d_head"], d_inner=ref["d_inner"], dropout=float(ref.get("dropout", 0.0)),
         dropatt=float(ref.get("dropatt", 0.0)), tgt_len=ref.get("tgt_len") or 1, mem_len=ref.get("mem_len") or 0,
         clamp_len=ref.get("clamp_len", -1), same_length=bool(ref.get("same_length", False)),

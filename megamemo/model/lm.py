@@ -10,6 +10,7 @@ from torch import nn
 from .adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from .config import ModelConfig
 from .layers import LaMemoLayer, XLLayer
+from .lengths import Lengths
 from .memory import Memory, xl_update
 from .positions import causal_mask, position_sequence, sinusoid
 
@@ -130,11 +131,8 @@ class MemTransformerLM(nn.Module):
 
     def encode(self, inp, mem: Memory, mem_len=None, same_length=None, clamp_len=None, attend=None, observe=None):
         cfg = self.cfg
-        mem_len = cfg.mem_len if mem_len is None else mem_len
-        same_length = cfg.same_length if same_length is None else same_length
-        clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
-        if not cfg.has_memory:
-            mem_len = 0
+        at = Lengths(mem=mem_len, clamp=clamp_len, same_length=same_length).resolve(cfg)
+        mem_len, same_length, clamp_len = (at.mem if cfg.has_memory else 0), at.same_length, at.clamp
         h0 = self.drop(self.word_emb(inp))
         L, B = inp.shape
         M = mem.length

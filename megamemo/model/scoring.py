@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megamemo.util.progress import Progress
+from megamemo.util.units import bits_per_byte
+
+from .lengths import Lengths
 from .memory import Memory
 from .trams import TramsConfig
 from .trams import forward as trams_forward
@@ -41,17 +45,23 @@ class Scores:
         return float(self.nll) / self.tokens if self.tokens else float("nan")
 
 
-def model_forward(model, inp, tgt, mem, **lengths):
-    """The default forward: the model's own call, `lengths` (mem_len, same_length, clamp_len) as overrides."""
-    return model(inp, tgt, mem, **lengths)
+def model_forward(model, inp, tgt, mem, lengths: Lengths | None = None):
+    """The default forward: the model's own call at `lengths` (mem, same_length, clamp; None: the model's)."""
+    if lengths is None:
+        return model(inp, tgt, mem)
+    return model(inp, tgt, mem, mem_len=lengths.mem, same_length=lengths.same_length, clamp_len=lengths.clamp)
 
 
 @torch.no_grad()
 def score_segments(model, segments: Iterable, *, memory: Memory | None = None, forward: Callable | None = None,
                    max_segments: int | None = None, device=None, on_segment: Callable | None = None,
-                   **lengths) -> Scores:
-    """Score `segments` of (input, target) [L, B] with memory carried. -> Scores (sums, counts, final memory)."""
-    forward = forward or model_forward
+                   lengths: Lengths | None = None) -> Scores:
+    """Score `segments` of (input, target) [L, B] with memory carried. -> Scores (sums, counts, final memory).
+    forward(model, inp, tgt, mem) -> (nll, memory): default the model's own call, at `lengths` (the default
+    forward's only: a forward of one's own runs at the lengths it chooses)."""
+    if forward is not None and lengths is not None:
+        raise ValueError("score_segments: lengths are the default forward's; a forward of one's own sets its own")
+    forward = forward or functools.partial(model_forward, lengths=lengths)
     if device is None:
         device = next(model.parameters()).device
     scores = Scores(torch.zeros((), dtype=torch.float64, device=device), memory=memory)
@@ -62,7 +72,7 @@ def score_segments(model, segments: Iterable, *, memory: Memory | None = None, f
             if max_segments is not None and scores.segments >= max_segments:
                 break
             inp, tgt = inp.to(device), tgt.to(device)
-            nll, scores.memory = forward(model, inp, tgt, scores.memory, **lengths)
+            nll, scores.memory = forward(model, inp, tgt, scores.memory)
             scores.nll += nll.float().sum(dtype=torch.float64)
             scores.tokens += nll.numel()
             scores.segments += 1
@@ -84,17 +94,14 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
     on_segment(nll [L, B], hit [L, B] bool): told each segment's per-token NLL and whether each target was the
     most likely token (the harness's loglikelihood; without TRAMS).
     -> {"nll", "tokens", "segments", "seconds"[, "bytes", "bits_per_byte"]}."""
-    from megamemo.util.progress import Progress
-
     if trams is not None and on_segment is not None:
         raise ValueError("on_segment is not available with TRAMS")
-    lengths = {"mem_len": mem_len, "same_length": same_length, "clamp_len": clamp_len}
-    forward = None
-    if trams is not None:
-        del lengths["mem_len"]                  # the TRAMS pool is the memory length
-        forward = functools.partial(trams_forward, select=trams)
+    lengths = Lengths(mem=mem_len, same_length=same_length, clamp=clamp_len)
+    forward = functools.partial(model_forward, lengths=lengths)
+    if trams is not None:                       # the TRAMS pool is the memory length
+        forward = functools.partial(trams_forward, select=trams, same_length=same_length, clamp_len=clamp_len)
     elif on_segment is not None:
-        forward = functools.partial(_forward_with_hits, on_segment)
+        forward = functools.partial(_forward_with_hits, on_segment, lengths=lengths)
     n_bytes = 0
     t0 = time.perf_counter()
     n_seg = min(total_segments, max_segments or total_segments) if total_segments else (max_segments or None)
@@ -110,21 +117,19 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
 
     try:
         scores = score_segments(model, batches, memory=memory, forward=forward, max_segments=max_segments or None,
-                                device=device, on_segment=counted, **lengths)
+                                device=device, on_segment=counted)
     finally:
         progress.close()
     out = {"nll": scores.mean, "tokens": scores.tokens, "segments": scores.segments,
            "seconds": time.perf_counter() - t0}
     if token_bytes is not None:
-        from megamemo.util.units import bits_per_byte
-
         out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(scores.nll), n_bytes)
     return out
 
 
-def _forward_with_hits(on_segment, model, inp, tgt, mem, **lengths):
+def _forward_with_hits(on_segment, model, inp, tgt, mem, lengths: Lengths):
     """The model's log-probs: the targets' NLL, and whether each target was the most likely token (on_segment)."""
-    logp, mem = model(inp, None, mem, **lengths)
+    logp, mem = model_forward(model, inp, None, mem, lengths)
     nll = -logp.gather(2, tgt.long()[..., None]).squeeze(2)
     on_segment(nll, logp.argmax(2) == tgt)
     return nll, mem

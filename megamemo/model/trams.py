@@ -39,6 +39,7 @@ import torch
 
 from megamemo.model import Memory, MemTransformerLM
 from megamemo.model.attention import causal_attention, causal_scores
+from megamemo.model.lengths import Lengths
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 from megamemo.util.errors import UsageError
 
@@ -166,8 +167,9 @@ def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *
         if not cfg.has_memory:
             raise UsageError(f"TRAMS needs a model with memory; {cfg.variant!r} has none")
         mem_len = select.pool
-    same_length = cfg.same_length if same_length is None else same_length
-    clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
+    at = Lengths(mem=mem_len, clamp=clamp_len, same_length=same_length).resolve(cfg)
+    same_length, clamp_len = at.same_length, at.clamp
+    assert same_length is not None and clamp_len is not None        # resolve() takes the model's where None
     causal = _Causal(model, select, clamp_len, same_length, observe)
     return model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len,
                  attend=lambda li, layer: functools.partial(causal, li, layer), observe=observe)

@@ -15,19 +15,21 @@ import contextlib
 
 import torch
 
+from megamemo.model.lengths import Lengths
+
 from .pipeline import StageContext, StageMemory, stage_input, token_nll
 
 
 @contextlib.contextmanager
-def scoring_bank(ctx: StageContext, current: dict | None = None, **lengths):
+def scoring_bank(ctx: StageContext, current: dict | None = None, lengths: Lengths | None = None):
     """Inside the block the stage's layers keep their memory in a new bank, starting from `current` ({micro-batch:
-    {name: tensor}}; None: empty), at `lengths` (mem_len, clamp_len, same_length; those not given: as they are);
+    {name: tensor}}; None: empty), at `lengths` (resolved: Lengths.resolve; None: the lengths the stage has);
     afterwards the training bank and lengths are back, untouched."""
     saved = ctx.bank, ctx.mem_len, ctx.clamp_len, ctx.same_length
     ctx.bank = StageMemory()
     ctx.bank.replace(current or {})
-    for name, value in lengths.items():
-        setattr(ctx, name, value)
+    if lengths is not None:
+        ctx.mem_len, ctx.clamp_len, ctx.same_length = lengths.mem, lengths.clamp, lengths.same_length
     try:
         yield ctx.bank
     finally:

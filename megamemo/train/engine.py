@@ -1,6 +1,6 @@
-"""DeepSpeed set-up: ZeRO 0/1/2 (optionally overlapping the gradient reduction with the backward pass), fp32 / bf16 / fp16 (dynamic loss scaling), clipping, torch Adam, warmup +
-cosine schedule. Checkpoints never go through DeepSpeed's own (pickled) files: train/resumable.py reads and fills
-the engine's objects for the checkpoint layer.
+"""DeepSpeed set-up: ZeRO 0/1/2 (optionally overlapping the gradient reduction with the backward pass), fp32 /
+bf16 / fp16 (dynamic loss scaling), clipping, torch Adam, warmup + cosine schedule. Checkpoints never go through
+DeepSpeed's own (pickled) files: train/resumable.py reads and fills the engine's objects for the checkpoint layer.
 
 DeepSpeed facts this relies on (0.19.8, see shared/notes/stack-on-cpu.md):
   - `gradient_clipping` defaults to 1.0, so it is always set explicitly (0 = off);
@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from megamemo.config.run import ConfigError
+from megamemo.parallel.groups import grad_norm as tp_grad_norm
+from megamemo.parallel.zero import fp32_accumulation
 from megamemo.train.config import RunConfig
 
 
@@ -50,15 +53,13 @@ def grad_accum_dtype(cfg: RunConfig) -> str | None:
     config is half precision on ZeRO 0; tests/test_grad_accum.py checks them all) - but bf16 on ZeRO 1 at grad_accum
     1 without a pipeline, which has nothing to accumulate and takes the model dtype so that DeepSpeed runs its ZeRO
     optimizer, whose reduction can overlap the backward (parallel/zero.py fp32_accumulation)."""
-    from megamemo.parallel.zero import fp32_accumulation
-
     return "fp32" if fp32_accumulation(cfg.parallel, cfg.precision, cfg.train.grad_accum) else None
 
 
 def zero_optimization(cfg: RunConfig) -> dict:
     """DeepSpeed's zero_optimization section: the stage and, where the config sets them, the reduction's overlap
     with the backward pass and its bucket size (validated against what DeepSpeed applies: parallel/zero.py)."""
-    out = {"stage": cfg.parallel.zero_stage}
+    out: dict[str, int | bool] = {"stage": cfg.parallel.zero_stage}
     if cfg.parallel.overlap_comm:
         out["overlap_comm"] = True
     if cfg.parallel.reduce_bucket_size is not None:
@@ -107,8 +108,7 @@ def check_precision(dtype: str) -> tuple[int, int] | None:
     """fp16 needs an accelerator DeepSpeed supports it on (not this kind of CPU), bf16 a GPU that has it in hardware
     (compute capability 8.0 or newer); say so before starting. -> the compute capability bf16 was checked against
     (None where no capability applies)."""
-    from deepspeed.accelerator import get_accelerator
-
+    from deepspeed.accelerator import get_accelerator  # deepspeed: only after device.resolve() (see Engine)
     acc = get_accelerator()
     if dtype == "fp16" and not acc.is_fp16_supported():
         raise ConfigError(f"precision.dtype: fp16 is not supported by DeepSpeed on this {acc.device_name()} "
@@ -126,13 +126,24 @@ def check_precision(dtype: str) -> tuple[int, int] | None:
     return None
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one optimizer step did: applied (False: skipped on an fp16 overflow), the gradient norm (nan where
+    DeepSpeed reports none), the loss scale after it, the LR it used; loss: a pipeline step's mean loss over its
+    micro-batches (None for a micro-step: the loop sums the micro-batches' own)."""
+    applied: bool
+    grad_norm: float
+    loss_scale: float
+    lr: float
+    loss: float | None = None
+
+
 class Engine:
     """The DeepSpeed engine plus what the loop asks of it."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, micro_batch: int, dp: int, mpu=None):
         """mpu: the model-parallel groups for DeepSpeed (tensor parallelism); a PipelineModule brings its own."""
-        import deepspeed
-
+        import deepspeed  # picks its accelerator when imported: only after runtime/device.resolve() chose it
         self.cfg = cfg
         check_precision(cfg.precision.dtype)
         opt = make_optimizer(cfg, model)
@@ -153,17 +164,16 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss)
 
-    def micro_step(self) -> dict | None:
+    def micro_step(self) -> StepOutcome | None:
         """Called after every micro-batch's backward (DeepSpeed counts micro-steps in step()). Between
-        micro-batches it returns None; at the end of the accumulation it steps the optimizer and returns
-        {applied, grad_norm, loss_scale, lr}."""
+        micro-batches it returns None; at the end of the accumulation it steps the optimizer and returns the
+        step's outcome (its loss None: the loop sums the micro-batches' own)."""
         if not self.ds.is_gradient_accumulation_boundary():
             self.ds.step()
             return None
         lr = self.lr()
         grad_norm = None
         if self._manual_norm:           # DeepSpeed does not report the norm without ZeRO / mixed precision
-            from megamemo.parallel.groups import grad_norm as tp_grad_norm
             grad_norm = tp_grad_norm(self.ds.module.parameters())
         skipped_before = self.ds.skipped_steps
         self.ds.step()
@@ -171,17 +181,16 @@ class Engine:
         if grad_norm is None:
             n = self.ds.get_global_grad_norm()
             grad_norm = float(n) if n is not None else float("nan")
-        return {"applied": applied, "grad_norm": grad_norm, "loss_scale": self.loss_scale(), "lr": lr}
+        return StepOutcome(applied, grad_norm, self.loss_scale(), lr)
 
-    def pipeline_step(self, data_iter) -> dict:
-        """One step of a PipelineEngine (all micro-batches, then the optimizer): {applied, loss, grad_norm, ...}."""
+    def pipeline_step(self, data_iter) -> StepOutcome:
+        """One step of a PipelineEngine (all micro-batches, then the optimizer), its loss the mean over them."""
         lr = self.lr()
         skipped_before = self.ds.skipped_steps
         loss = float(self.ds.train_batch(data_iter))
         applied = self.ds.skipped_steps == skipped_before
         n = self.ds.get_global_grad_norm()
-        return {"applied": applied, "loss": loss, "grad_norm": float(n) if n is not None else float("nan"),
-                "loss_scale": self.loss_scale(), "lr": lr}
+        return StepOutcome(applied, float(n) if n is not None else float("nan"), self.loss_scale(), lr, loss)
 
     def reduction(self) -> str:
         """How the optimizer DeepSpeed built reduces the gradients, read from it (not from the config): ZeRO 1/2's

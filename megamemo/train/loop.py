@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,25 +23,31 @@ import torch
 import torch.distributed as dist
 
 from megamemo.checkpoint.faults import FaultPoints
+from megamemo.checkpoint.layout import RankLayout
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
 from megamemo.checkpoint.store import CheckpointStore
-from megamemo.model import Memory
+from megamemo.kernels.compiler import run_eagerly
+from megamemo.model import Memory, MemTransformerLM
+from megamemo.parallel.groups import seed_rng_streams
+from megamemo.parallel.pipeline import pipe_to_single, stage_input, stage_memory_names, stage_owns
+from megamemo.runtime.rundir import RunDirectory
 from megamemo.runtime.signals import StopRequest
+from megamemo.runtime.watchdog import Watchdog
 from megamemo.train.config import RunConfig
 from megamemo.train.metrics import Metrics
 from megamemo.train.numerics import ReplicaCheck, ReplicaMismatch, SpikeWatch
+from megamemo.train.probe_record import Probe
 from megamemo.train.resumable import DataCursor, EngineState, MemoryState
+from megamemo.train.rollback import roll_back, skip_plan, spike_records
+from megamemo.train.speedups import SpeedChoices
 
 
-def seed_streams(cfg, ranks: dict, device, step_salt: int = 0) -> tuple[int, int]:
+def seed_streams(cfg, ranks: RankLayout, device, step_salt: int = 0) -> tuple[int, int]:
     """Seed this rank's dropout streams, the one place that does it (a fresh start: step_salt 0; a resume under
     another layout: the step): the default streams from (seed, dp, pp, salt), shared by the TP ranks of a group,
     and under model parallelism a TP stream from (seed, dp, pp, tp, salt) (parallel.groups.dropout_seeds).
-    ranks: dp_rank, tp_rank, pp_rank (missing ones are 0). Returns the two seeds."""
-    from megamemo.parallel.groups import seed_rng_streams
-
-    return seed_rng_streams(cfg.train.seed, int(ranks.get("dp_rank", 0)), int(ranks.get("tp_rank", 0)),
-                            int(ranks.get("pp_rank", 0)), step_salt=step_salt,
+    ranks: this rank's layout (its dp_rank, tp_rank, pp_rank). Returns the two seeds."""
+    return seed_rng_streams(cfg.train.seed, ranks.dp_rank, ranks.tp_rank, ranks.pp_rank, step_salt=step_salt,
                             tp_stream=cfg.parallel.tp * cfg.parallel.pp > 1,
                             cuda=getattr(device, "type", str(device)) == "cuda")
 
@@ -88,7 +95,7 @@ class StepSignals:
 
     @classmethod
     def all_reduced(cls, loss_sum: torch.Tensor, tokens: int, stop: bool, save_failed: bool,
-                    world_size: int) -> "StepSignals":
+                    world_size: int) -> StepSignals:
         """loss_sum: float64 on the device. The three host values cross in one copy (from pinned memory on a GPU: no
         host sync; the only one of the step is the .tolist() here)."""
         host = torch.tensor([float(tokens), float(stop), float(save_failed)], dtype=torch.float64)
@@ -104,7 +111,12 @@ class StepSignals:
 class Trainer:
     def __init__(self, cfg: RunConfig, engine, reader, *, rank: int, world_size: int, micro_batch: int,
                  metrics: Metrics, store: CheckpointStore | None = None, evaluator=None,
-                 stop: StopRequest | None = None, rank_extra: dict | None = None, stage=None, dropout_key=None):
+                 stop: StopRequest | None = None, layout: RankLayout | None = None, stage=None,
+                 speed: SpeedChoices | None = None, rundir: RunDirectory | None = None,
+                 watchdog: Watchdog | None = None):
+        """layout: this rank's (default: one process's); speed: what apply_speedups chose (its dropout key: keyed
+        masks); rundir: the run directory's lock holder (released by runtime/rundir.py tear_down); watchdog: this
+        rank's hang detection (runtime/watchdog.py); stage: the pipeline stage (parallel/pipeline.py), or None."""
         self.cfg = cfg
         self.engine = engine
         self.reader = reader
@@ -116,10 +128,11 @@ class Trainer:
         self.store = store
         self.evaluator = evaluator
         self.stop = stop
-        self.rank_extra = rank_extra or {}
+        self.layout = layout or RankLayout.single(micro_batch, cfg.train.grad_accum)
+        self.speed = speed
         self.loss_factor = 0.5 if cfg.optim.half_loss else 1.0
         self.stage = stage          # pipeline parallel: the memory lives in this stage's bank, per micro-batch
-        self.dropout_key = dropout_key  # keyed dropout masks (train.dropout_masks: keyed): their step, micro-batch
+        self.dropout_key = speed.dropout_key if speed is not None else None  # keyed masks: their step, micro-batch
         self.memory = MicroBatchMemories(self.n_micro, micro_batch, engine.device) if stage is None else stage.bank
         self.model_parallel = cfg.parallel.tp * cfg.parallel.pp   # ranks that hold the same streams
         self.cursor = DataCursor(reader, log=print if rank == 0 else (lambda *a, **k: None))
@@ -134,60 +147,46 @@ class Trainer:
         self.registry.register("counters", self.counters)
         self._held: tuple[torch.Tensor, torch.Tensor] | None = None    # a skipped step's batch: retried next
         self.started = False        # a step was applied in this process (errors are then this rank's own)
-        self.speed: dict = {}       # the speed settings build applied (train/speedups.py), set by build
-        self.rundir = None          # the run directory's lock holder (runtime/rundir.py), set by build()
-        self.watchdog = None        # this rank's hang detection (runtime/watchdog.py), set by build()
+        self.rundir = rundir
+        self.watchdog = watchdog
         self.faults = FaultPoints(rank)     # injected crashes: tests and bench/soak.py only (checkpoint/faults.py)
         self._consecutive_skips = 0
         self._scale_before = engine.loss_scale()
         # numerics (train/numerics.py, train/rollback.py): the replicas' agreement, loss spikes and their rollbacks
-        self.replicas = ReplicaCheck(engine, self._layout(), rank, world_size)
+        self.replicas = ReplicaCheck(engine, self.layout, rank, world_size)
         self._agreed: dict | None = None        # the last check's record, kept by the checkpoint of its step
         self.spikes = SpikeWatch(cfg.train.spike, self.counters)
-        from megamemo.train.rollback import skip_plan, spike_records
         run_dir = Path(cfg.train.run_dir)
         self.skips, self.rollbacks = skip_plan(run_dir), len(spike_records(run_dir))
         self._position: dict = {}               # the data position of the step in progress (before any skip)
         self._taken = 0                         # the number of the batch it takes (faults.batch)
         self.probe = None               # the conversion probe recorded with each checkpoint (checkpoint.probe)
         if cfg.checkpoint.probe:
-            from megamemo.train.probe_record import Probe
-            self.probe = Probe(cfg.data, cfg.model.tgt_len, micro_batch, self.rank_extra.get("layout", {}),
-                               cfg.precision.dtype)
+            self.probe = Probe(cfg.data, cfg.model.tgt_len, micro_batch, self.layout, cfg.precision.dtype)
 
     @property
     def step(self) -> int:
         return self.counters.step
 
-    def _layout(self) -> dict:
-        return self.rank_extra.get("layout") or {"dp_rank": 0, "tp_rank": 0, "tp": 1, "pp_rank": 0, "pp": 1,
-                                                 "micro_batches": [[k * self.micro_batch, (k + 1) * self.micro_batch]
-                                                                   for k in range(self.n_micro)]}
-
     def _engine_state(self) -> EngineState:
-        lay, model = self._layout(), self.cfg.model
+        lay, model = self.layout, self.cfg.model
         if self.stage is None:
             name_of, owns = (lambda n: n), (lambda n: True)
         else:
-            from megamemo.parallel.pipeline import pipe_to_single, stage_owns
-            name_of, owns = (lambda n: pipe_to_single(model, n)), (lambda n: stage_owns(lay["pp_rank"], n))
+            name_of, owns = (lambda n: pipe_to_single(model, n)), (lambda n: stage_owns(lay.pp_rank, n))
         return EngineState(self.engine, name_of, lay, owns, self.cfg.precision.dtype)
 
     def _memory_state(self) -> MemoryState:
-        from megamemo.model import MemTransformerLM
-
-        lay, model = self._layout(), self.cfg.model
+        lay, model = self.layout, self.cfg.model
         if self.stage is None:
             with torch.device("meta"):
                 names = MemTransformerLM(model).memory_names()
             get, set_ = self.memory.tensors, self.memory.replace
         else:
-            from megamemo.parallel.pipeline import stage_memory_names
-            names = stage_memory_names(model, lay["pp"], lay["pp_rank"])
+            names = stage_memory_names(model, lay.pp, lay.pp_rank)
             get, set_ = (lambda: self.stage.bank.current), self.stage.bank.replace
         dtype = next(self.engine.module.parameters()).dtype
-        return MemoryState(get, set_, [tuple(c) for c in lay["micro_batches"]], self.cfg.data.batch_size,
-                           lay["tp_rank"], lay["tp"], names, self.engine.device, dtype)
+        return MemoryState(get, set_, lay, self.cfg.data.batch_size, names, self.engine.device, dtype)
 
     # ---- one step ------------------------------------------------------------------------------------------
     def _next_batch(self):
@@ -232,8 +231,8 @@ class Trainer:
         loss, tokens, stop = (signals.loss_sum / signals.tokens, int(signals.tokens) // self.model_parallel,
                               signals.stop)
         if self.stage is not None:
-            self.stage.bank.commit() if res["applied"] else self.stage.bank.discard()
-        if res["applied"]:
+            self.stage.bank.commit() if res.applied else self.stage.bank.discard()
+        if res.applied:
             if self.stage is None:
                 self.memory.mems = new_mems                  # memory becomes current only now
             self.cursor.advance()                            # and the data cursor moves past the batch
@@ -243,8 +242,8 @@ class Trainer:
             self.counters.tokens += tokens
             self.started = True
             seconds = time.perf_counter() - t0
-            self.metrics.train_step({"step": self.counters.step, "loss": loss, "lr": res["lr"],
-                                     "grad_norm": res["grad_norm"], "loss_scale": res["loss_scale"],
+            self.metrics.train_step({"step": self.counters.step, "loss": loss, "lr": res.lr,
+                                     "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
                                      "skipped": self.counters.skipped, "tokens": tokens, "seconds": seconds})
             if self.watchdog is not None:
                 self.watchdog.step_done(self.counters.step, seconds)
@@ -255,14 +254,14 @@ class Trainer:
             self._consecutive_skips += 1
             self.counters.skipped += 1
             self.metrics.skipped({"step": self.counters.step + 1, "loss": loss, "old_scale": self._scale_before,
-                                  "loss_scale": res["loss_scale"], "skipped": self.counters.skipped})
+                                  "loss_scale": res.loss_scale, "skipped": self.counters.skipped})
             if self._consecutive_skips >= self.cfg.precision.max_consecutive_skips:
                 raise DivergedError(
                     f"step {self.counters.step + 1}: {self._consecutive_skips} consecutive overflowing attempts "
-                    f"(loss {loss:.4g}, loss scale {res['loss_scale']:g}); the run diverged "
+                    f"(loss {loss:.4g}, loss scale {res.loss_scale:g}); the run diverged "
                     f"(precision.max_consecutive_skips={self.cfg.precision.max_consecutive_skips})")
-        self._scale_before = res["loss_scale"]
-        return StepResult(res["applied"], loss, stop)
+        self._scale_before = res.loss_scale
+        return StepResult(res.applied, loss, stop)
 
     def _micro_steps(self, inp, tgt, new_epoch):
         b = self.micro_batch
@@ -295,11 +294,10 @@ class Trainer:
             self.stage.bank.replace({})
         if self.dropout_key is not None:                # each pipe layer sets the micro-batch it computes
             self.dropout_key.set(step=self.counters.step)
-        from megamemo.parallel.pipeline import stage_input
         b = self.micro_batch
         batches = [(stage_input(inp[:, k * b:(k + 1) * b], k), tgt[:, k * b:(k + 1) * b]) for k in range(self.n_micro)]
         res = self.engine.pipeline_step(iter(batches))
-        loss_sum = torch.tensor(res["loss"] * tgt.numel(), dtype=torch.float64, device=inp.device)
+        loss_sum = torch.tensor(res.loss * tgt.numel(), dtype=torch.float64, device=inp.device)
         return loss_sum, res
 
     # ---- the loop ------------------------------------------------------------------------------------------
@@ -307,12 +305,11 @@ class Trainer:
         if self.store is None:
             return None
         agreed = self.check_replicas()          # a checkpoint is written only once its replicas agree
-        files = {}
+        files: dict | Callable[[], dict] = {}
         if self.probe is not None:      # collective: every rank runs its first streams (train/probe_record.py),
             files = lambda: _eagerly(self.probe.record, self.engine, self.stage, self.memory,   # noqa: E731
                                      self.cursor.state, self.counters.step)   # after the snapshot, as files are written
-        return self.store.save(self.counters.step, self.registry, rank_extra={**self.rank_extra, "replicas": agreed},
-                               files=files)
+        return self.store.save(self.counters.step, self.registry, layout=self.layout, replicas=agreed, files=files)
 
     def check_replicas(self) -> dict:
         """Collective: the replicas' fingerprints compared (train/numerics.py), once per step. A mismatch is noted
@@ -327,25 +324,24 @@ class Trainer:
             raise
         return self._agreed
 
-    def resume(self, step_dir: Path) -> dict:
+    def resume(self, step_dir: Path) -> None:
         """Restore everything from a committed checkpoint of any layout (resharding on load). The RNG streams of
         this process are restored when the layout is unchanged, else re-seeded from (seed, ranks, step)."""
-        assert self.store is not None           # the step directory came from the store
-        info, same, _ = self.store.check_compatible(step_dir)
+        assert self.store is not None           # a run that resumes has a checkpoint store
+        saved = self.store.check_compatible(step_dir)
         t0 = time.perf_counter()
-        doc = self.store.load(step_dir, self.registry)
+        self.store.load(step_dir, self.registry)
         load_s = time.perf_counter() - t0
-        if not same:
-            self._reseed(int(info["step"]))
+        if not saved.same_layout:
+            self._reseed(saved.step)
         self._scale_before = self.engine.loss_scale()
         if self.rank == 0:
             print(f"[checkpoint] resumed from {step_dir} at step {self.counters.step} (loaded in {load_s:.2f}s)",
                   flush=True)
-        return doc
 
     def _reseed(self, step: int) -> tuple[int, int]:
         """A resume under another layout: this rank's streams from (seed, its ranks, the step), as a fresh start."""
-        return seed_streams(self.cfg, self._layout(), self.engine.device, step_salt=step)
+        return seed_streams(self.cfg, self.layout, self.engine.device, step_salt=step)
 
     def run(self) -> str:
         """Train to train.max_steps or a stop signal. Returns "done" or "stopped". The watchdog watches the steps;
@@ -399,8 +395,6 @@ class Trainer:
 
     def _on_spike(self, step: int, loss: float, why: str) -> None:
         """A loss spike at `step` (every rank alike): stop, or roll back past its data (train/rollback.py)."""
-        from megamemo.train.rollback import roll_back
-
         roll_back(self, step, loss, why, SpikeStop)
 
     def _finish_saves(self) -> None:
@@ -411,7 +405,5 @@ class Trainer:
 def _eagerly(fn, *args):
     """fn(*args) with compiled layers running their eager code (validation, the probe: other lengths, eval mode;
     megamemo/kernels/compiler.py run_eagerly), so that a compiled run compiles its training graphs only."""
-    from megamemo.kernels.compiler import run_eagerly
-
     with run_eagerly():
         return fn(*args)

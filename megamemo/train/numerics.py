@@ -21,6 +21,9 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
+
+from megamemo.checkpoint.layout import RankLayout
 
 EXIT_NODE_SUSPECT = 5           # megamemo/runtime/interruptions.py's
 _P = 2_147_483_629              # a prime below 2^31: a flipped bit changes a fingerprint whatever its position
@@ -59,8 +62,6 @@ def _zero_partitions(opt):
     masters = getattr(opt, "single_partition_of_fp32_groups", None)
     if not groups or masters is None:
         return None
-    import torch.distributed as dist
-
     mine = [dist.get_rank(group=g) if dist.is_initialized() else 0 for g in opt.real_dp_process_group]
     own_ok = all(torch.equal(parts[p], master.to(parts[p].dtype))
                  for parts, p, master in zip(groups, mine, masters, strict=True))
@@ -71,7 +72,7 @@ def _zero_partitions(opt):
 class ReplicaCheck:
     """This rank's fingerprints and the verdict over every rank's (the module's doc)."""
 
-    def __init__(self, engine, layout: dict, rank: int, world_size: int, node: str | None = None):
+    def __init__(self, engine, layout: RankLayout, rank: int, world_size: int, node: str | None = None):
         self.engine, self.layout, self.rank, self.world_size = engine, layout, rank, world_size
         self.node = node or socket.gethostname()
 
@@ -83,8 +84,8 @@ class ReplicaCheck:
         steps = sorted({int(st["step"]) for st in inner.state.values() if "step" in st})
         scalars = fingerprint([torch.tensor([float(x) for x in (*steps, self.engine.lr(), self.engine.loss_scale())],
                                             dtype=torch.float64)])
-        out = {"rank": self.rank, "node": self.node, "dp_rank": int(self.layout.get("dp_rank", 0)),
-               "group": [int(self.layout.get("tp_rank", 0)), int(self.layout.get("pp_rank", 0))], "scalars": scalars}
+        out = {"rank": self.rank, "node": self.node, "dp_rank": self.layout.dp_rank,
+               "group": [self.layout.tp_rank, self.layout.pp_rank], "scalars": scalars}
         if zero is not None:
             parts, own, ok = zero
             out.update(partitions=[fingerprint(p) for p in parts], owns=own, own_ok=ok)
@@ -98,8 +99,6 @@ class ReplicaCheck:
         mine = self.local()
         if self.world_size == 1:
             return [mine]
-        import torch.distributed as dist
-
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         return everyone

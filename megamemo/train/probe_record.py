@@ -23,9 +23,13 @@ from __future__ import annotations
 import json
 
 import torch
+from safetensors.torch import save_file
 
+from megamemo.checkpoint.layout import RankLayout
 from megamemo.checkpoint.probe_replay import PROBE_FILE, SEGMENTS
 from megamemo.model.scoring import score_segments
+from megamemo.parallel.stage_scoring import scoring_bank, stage_forward
+from megamemo.train.data import stream
 
 
 def probe_streams(micro_batch: int) -> int:
@@ -46,16 +50,14 @@ class Probe:
     data (the data section) opened at the first save and kept for the next ones. `record` is collective over all
     ranks (called from Trainer.save); `close` lets the reader go."""
 
-    def __init__(self, data, tgt_len: int, micro_batch: int, layout: dict, precision: str):
+    def __init__(self, data, tgt_len: int, micro_batch: int, layout: RankLayout, precision: str):
         self.data, self.tgt_len, self.layout, self.precision = data, tgt_len, layout, precision
-        self.c0 = int(layout.get("micro_batches", [[0, micro_batch]])[0][0])
+        self.c0 = layout.micro_batches[0][0]
         self.P = probe_streams(micro_batch)
         self._reader = None
 
     def reader(self):
         if self._reader is None:
-            from megamemo.train.data import stream
-
             B, P = self.data.batch_size, self.P
             self._reader = stream(self.data, self.data.split, B, self.tgt_len, B // P, self.c0 // P,
                                   roll=self.data.roll, epochs=None,
@@ -82,9 +84,7 @@ class Probe:
             nlls = _run_module(engine.module, memory, batches, P, empty, device)
         else:
             nlls = _run_pipeline(engine.ds, stage, batches, P, empty, device)
-        writer = (lay.get("dp_rank", 0) == 0 and lay.get("tp_rank", 0) == 0
-                  and lay.get("pp_rank", 0) == lay.get("pp", 1) - 1)
-        if not writer:
+        if not lay.writes_probe:
             return {}
         tensors = {}
         for i, ((x, y), nll) in enumerate(zip(batches, nlls, strict=True)):
@@ -93,10 +93,9 @@ class Probe:
             tensors[f"nll.{i}"] = nll.float().cpu().clone()
         meta = {"format": "megamemo-probe", "version": 1, "step": step, "columns": [c0, c0 + P],
                 "positions": positions, "empty_start": empty, "segments": len(batches),
-                "precision": self.precision, "layout": {k: lay.get(k) for k in ("dp", "tp", "pp")}}
+                "precision": self.precision, "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}}
 
         def write(path):
-            from safetensors.torch import save_file
             save_file(tensors, str(path), metadata={"probe": json.dumps(meta)})
 
         return {PROBE_FILE: write}
@@ -115,8 +114,6 @@ def _run_module(module, memory, batches, P, empty, device) -> list[torch.Tensor]
 def _run_pipeline(ds, stage, batches, P, empty, device) -> list[torch.Tensor]:
     """Through the stages (parallel/stage_scoring.py), with the stages' banks swapped for the probe's: the first P
     streams of micro-batch 0's committed memory."""
-    from megamemo.parallel.stage_scoring import scoring_bank, stage_forward
-
     start = {} if empty else {n: t[:, :P] for n, t in stage.bank.current.get(0, {}).items()}
     out = []
     with scoring_bank(stage, {0: start} if start else None):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from megamemo.checkpoint.layout import RunLayout
 from megamemo.checkpoint.store import tag_for
 from megamemo.train.rollback import KIND, checkpoint_before, spike_records
 from megamemo.util.errors import MegamemoError
@@ -63,8 +64,8 @@ def plan(ckpt: str | Path, step: int, dp: int | None, tp: int | None, pp: int | 
     if start is None:
         raise ReplayError(f"--step {step}: no committed checkpoint before it in {run_dir / 'checkpoints'}")
     marker = json.loads((start / "COMMITTED").read_text())
-    was = marker.get("layout") or {}
-    run = (int(was.get("dp", 1)), int(was.get("tp", 1)), int(was.get("pp", 1)))
+    was = RunLayout.from_record(marker.get("layout"))
+    run = (was.dp or 1, was.tp or 1, was.pp or 1)
     layout = (dp or 1, tp or 1, pp or 1)
     return Plan(run_dir, step, start, config, layout, layout == run)
 

@@ -16,13 +16,15 @@ stateful objects that speak the layout-free description (megamemo/checkpoint/pie
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+from megamemo.checkpoint.layout import RankLayout
 from megamemo.checkpoint.pieces import Piece, spread_writers
 from megamemo.checkpoint.state import LoadContext
 from megamemo.checkpoint.store import CheckpointError
+from megamemo.data.stream import steps_per_epoch
 from megamemo.parallel.tensor import global_box, is_split, memory_box, memory_is_split
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -42,11 +44,10 @@ def _jsonable(x):
 class EngineState:
     """A Stateful (JSON: schedule, counters, loss scale, Adam step) and a sharded one (tensors) for DeepSpeed."""
 
-    def __init__(self, engine, name_of: Callable[[str], str], coords: dict, owns: Callable[[str], bool],
+    def __init__(self, engine, name_of: Callable[[str], str], layout: RankLayout, owns: Callable[[str], bool],
                  precision: str):
         self.engine, self.name_of, self.owns, self.precision = engine, name_of, owns, precision
-        self.dp_rank, self.tp_rank, self.tp = coords["dp_rank"], coords["tp_rank"], coords["tp"]
-        self.dp = int(coords.get("dp", 1))
+        self.dp_rank, self.tp_rank, self.tp, self.dp = layout.dp_rank, layout.tp_rank, layout.tp, layout.dp
         self._adam_step = 0
 
     # ---- DeepSpeed's optimizer kinds ---------------------------------------------------------------------
@@ -135,7 +136,7 @@ class EngineState:
     def load_pieces(self, ctx: LoadContext) -> None:
         reader = ctx.reader
         kind, inner, extra = self._optimizer()
-        same_precision = ctx.marker.get("precision") == self.precision
+        same_precision = ctx.saved.precision == self.precision
         moments = self._adam_step > 0 and bool(reader.names("exp_avg/"))
         fused = step_on_param_device(inner.param_groups)
 
@@ -147,7 +148,7 @@ class EngineState:
             for single, p, (shape, box, _view) in self._params():
                 name = f"model/{single}"
                 if name not in reader or reader.shape(name) != shape:
-                    raise CheckpointError(f"{ctx.marker.get('tag')}: {name} is "
+                    raise CheckpointError(f"{ctx.tag}: {name} is "
                                           f"{list(reader.shape(name)) if name in reader else 'missing'} in the "
                                           f"checkpoint, this run's model needs {list(shape)}")
                 master = f"master/{single}" if f"master/{single}" in reader else name
@@ -192,10 +193,10 @@ class MemoryState:
     """Each micro-batch's memory (this rank's streams, its heads, its stage's tensors) as global-tensor pieces.
     get() -> {micro-batch: {name: tensor [M, b, ...]}}; set(same) replaces it."""
 
-    def __init__(self, get, set_, columns: list[tuple[int, int]], batch_size: int, tp_rank: int, tp: int,
-                 names: list[str], device, dtype: torch.dtype):
+    def __init__(self, get, set_, layout: RankLayout, batch_size: int, names: list[str], device, dtype: torch.dtype):
         self.get, self.set = get, set_
-        self.columns, self.batch_size, self.tp_rank, self.tp = columns, batch_size, tp_rank, tp
+        self.columns, self.batch_size = layout.micro_batches, batch_size
+        self.tp_rank, self.tp = layout.tp_rank, layout.tp
         self.names, self.device, self.dtype = names, device, dtype
 
     def pieces(self) -> list[Piece]:
@@ -209,13 +210,13 @@ class MemoryState:
         return out
 
     def load_pieces(self, ctx: LoadContext) -> None:
-        saved = (ctx.marker.get("layout") or {}).get("batch_size")
+        saved = ctx.saved.layout.batch_size
         present = [n for n in self.names if f"memory/{n}" in ctx.reader]
         if saved != self.batch_size or not present:
             self.set({})                # another cut of the corpus (said by the store), or empty memory saved
             return
         if len(present) != len(self.names):
-            raise CheckpointError(f"{ctx.marker.get('tag')}: memory holds {present}, this rank needs {self.names}")
+            raise CheckpointError(f"{ctx.tag}: memory holds {present}, this rank needs {self.names}")
         out: dict[int, dict] = {}
         for k, (c0, c1) in enumerate(self.columns):
             out[k] = {}
@@ -259,8 +260,6 @@ class DataCursor:
         if int(d["batch_size"]) != mine["batch_size"] and d.get("kind") == "blend":
             d.update(batch_size=mine["batch_size"])     # a blend's columns do not depend on the batch: same step
         elif int(d["batch_size"]) != mine["batch_size"]:
-            from megamemo.data.stream import steps_per_epoch
-
             old = steps_per_epoch(int(d["n_tokens"]), int(d["batch_size"]), int(d["tgt_len"]))
             step = int(d["step"]) * self.reader.steps_per_epoch // max(1, old)
             self.log(f"[checkpoint] the data position moves to epoch {d['epoch']} step {step}/"

@@ -6,16 +6,35 @@ chose, and a fallback says why in one line. The attention form and compiled laye
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megamemo.config.run import ConfigError
+from megamemo.kernels import DropoutKey, apply_dropout_masks, apply_kernels
+from megamemo.kernels.compiler import compile_attention_regions, compile_layers
 from megamemo.train.config import RunConfig
+from megamemo.train.forms import choose_form
+
+
+@dataclass(frozen=True)
+class SpeedChoices:
+    """What apply_speedups chose: the kernels ("cpu" | "plain"), the DropoutKey of keyed masks (None: stream
+    masks), the attention form ("eager" | "flex" | "fused") and how many layers (or attention regions) were
+    compiled (0: none)."""
+    kernels: str
+    dropout_key: DropoutKey | None
+    attention: str
+    compiled: int
+
+    @property
+    def uses_compiler(self) -> bool:
+        """torch.compile ran for this run: compiled layers, or flex attention (compiled by torch itself)."""
+        return bool(self.compiled) or self.attention == "flex"
 
 
 def keyed_dropout(cfg: RunConfig, model, device, tp_rank: int = 0, columns=(0,)):
     """train.dropout_masks: keyed -> the run's DropoutKey, every dropout of the model keyed by it (this rank's
     TP rank offsets the split sites; columns: the first global column of each of its micro-batches); stream ->
     None, the model's dropouts as they are."""
-    from megamemo.kernels import DropoutKey, apply_dropout_masks
-
     if cfg.train.dropout_masks != "keyed":
         return None
     key = DropoutKey(cfg.train.seed, columns, device)
@@ -26,14 +45,10 @@ def keyed_dropout(cfg: RunConfig, model, device, tp_rank: int = 0, columns=(0,))
     return key
 
 
-def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int = 0, columns=(0,)) -> dict:
-    """Kernels, dropout masks, attention form and compiled layers for the built model on its device:
-    {"kernels": "cpu"|"plain", "dropout_key": the DropoutKey of keyed masks (None: stream), "attention":
-    "eager"|"flex"|"fused", "compiled": layers compiled (0: none)}. tp_rank, columns: see keyed_dropout."""
-    from megamemo.kernels import apply_kernels
-    from megamemo.kernels.compiler import compile_attention_regions, compile_layers
-    from megamemo.train.forms import choose_form
-
+def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int = 0,
+                   columns=(0,)) -> SpeedChoices:
+    """Kernels, dropout masks, attention form and compiled layers for the built model on its device.
+    tp_rank, columns: see keyed_dropout."""
     try:
         kernels = apply_kernels(model, cfg.train.kernels, device)
     except ValueError as e:
@@ -48,4 +63,4 @@ def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int 
             f"attention between the collectives is compiled instead of whole layers")
     elif form.compiled:
         compiled = compile_layers(model, cfg.train.compile_backend)
-    return {"kernels": kernels, "dropout_key": key, "attention": form.attention, "compiled": compiled}
+    return SpeedChoices(kernels, key, form.attention, compiled)

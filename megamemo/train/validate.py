@@ -11,19 +11,19 @@ import time
 import torch
 import torch.distributed as dist
 
+from megamemo.model.lengths import Lengths
 from megamemo.model.scoring import score_segments
+from megamemo.parallel.stage_scoring import scoring_bank, stage_forward
 from megamemo.train.config import RunConfig
 
 
-def eval_lengths(cfg: RunConfig) -> dict:
-    """tgt_len and the model overrides. mem_len defaults to mem_len + tgt_len - eval tgt_len (the reference
-    scripts' reset_length), so each query still sees the same number of past tokens."""
+def eval_lengths(cfg: RunConfig) -> Lengths:
+    """Validation's lengths (eval.*; None: the model's), resolved. mem_len defaults to mem_len + tgt_len - eval
+    tgt_len (the reference scripts' reset_length), so each query still sees the same number of past tokens."""
     m, e = cfg.model, cfg.eval
     tgt = e.tgt_len or m.tgt_len
     mem = e.mem_len if e.mem_len is not None else max(0, m.mem_len + m.tgt_len - tgt)
-    return {"tgt_len": tgt, "mem_len": mem,
-            "clamp_len": m.clamp_len if e.clamp_len is None else e.clamp_len,
-            "same_length": m.same_length if e.same_length is None else e.same_length}
+    return Lengths(tgt, mem, e.clamp_len, e.same_length).resolve(m)
 
 
 class Evaluator:
@@ -45,9 +45,7 @@ class Evaluator:
 
     def score(self) -> torch.Tensor:
         """This rank's [sum of token NLLs, tokens] (float64) over its streams of the split."""
-        L = self.lengths
-        s = score_segments(self.module_fn(), self.segments(), device=self.device, mem_len=L["mem_len"],
-                           same_length=L["same_length"], clamp_len=L["clamp_len"])
+        s = score_segments(self.module_fn(), self.segments(), device=self.device, lengths=self.lengths)
         return _totals(s)
 
     def run(self, step: int) -> float:
@@ -58,7 +56,8 @@ class Evaluator:
         loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
         self.metrics.eval({"step": step, "split": self.cfg.eval.split, "loss": loss,
                            "tokens": int(total[1]) // self.replicas,
-                           "seconds": time.perf_counter() - t0, **self.lengths})
+                           "seconds": time.perf_counter() - t0,
+                           **self.lengths.record()})
         return loss
 
 
@@ -74,10 +73,7 @@ class PipelineEvaluator(Evaluator):
         self.replicas = 1
 
     def score(self) -> torch.Tensor:
-        from megamemo.parallel.stage_scoring import scoring_bank, stage_forward
-
-        L = self.lengths
-        with scoring_bank(self.stage, mem_len=L["mem_len"], clamp_len=L["clamp_len"], same_length=L["same_length"]):
+        with scoring_bank(self.stage, lengths=self.lengths):
             return _totals(score_segments(self.module_fn(), self.segments(), device=self.device,
                                           forward=stage_forward(self.engine_fn(), self.stage, self.device)))
 

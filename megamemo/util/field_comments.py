@@ -20,7 +20,9 @@ def field_comments(cls) -> dict[str, str]:
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
     out = {}
-    for node in ast.parse(src).body[0].body:
+    declared = ast.parse(src).body[0]
+    assert isinstance(declared, ast.ClassDef), f"{cls.__name__}: not a class"
+    for node in declared.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             row = node.lineno
             if row in comments and not lines[row - 1].lstrip().startswith("#"):
