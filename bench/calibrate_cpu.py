@@ -35,7 +35,7 @@ from megamemo.runtime.dist import free_port
 SIZES = [2 ** k for k in range(10, 25, 2)]        # fp32 elements: 4 KiB .. 64 MiB (and 256 MiB)
 
 
-# the clock timings are read from: wall time here (alone on the machine); tests/test_plan_measured.py reads this
+# the clock timings are read from: wall time here (alone on the machine); tests/plan/test_plan_measured.py reads this
 # process's CPU time instead, comparable with its runs' cpu_s however busy the machine is
 CLOCK = time.perf_counter
 

@@ -1,4 +1,4 @@
-"""The docs' generated references, written from the code so that they cannot drift (tests/test_docs.py checks that
+"""The docs' generated references, written from the code so that they cannot drift (tests/docs/test_docs.py checks that
 the committed pages are what this writes):
 
     python scripts/docs_reference.py            # (re)write docs/reference/{config,cli,errors}.md
@@ -169,7 +169,7 @@ def _flag_rows(opts) -> list[str]:
 
 
 def cli_flags() -> dict[str, set[str]]:
-    """subcommand (with its sub-subcommand) -> its flags: what tests/test_docs.py checks the docs' flags against."""
+    """subcommand (with its sub-subcommand) -> its flags: what tests/docs/test_docs.py checks the docs' flags against."""
     from megamemo.cli import SUBCOMMANDS
 
     out = {}

@@ -20,7 +20,7 @@ Sections, in order (scripts/gpu_check_sections.py, gpu_check_train.py):
 A section that finishes early leaves its unspent time to the next ones; a budget given with --budget is the
 section's own (no carried time). Every section writes its rows as soon as it has them (DIR/SECTION.jsonl, the
 training phases, each test's line of the pytest log), and the report is rewritten after every section, so a kill
-keeps what ran. --device cpu runs the same plumbing at tiny sizes (tests/test_gpu_check.py), so it cannot rot.
+keeps what ran. --device cpu runs the same plumbing at tiny sizes (tests/gpu/test_gpu_check.py), so it cannot rot.
 """
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ def test_rows(log_text: str) -> list[dict]:
 def tests_section(ctx):
     xml = ctx.out / "pytest.xml"
     per_test = max(60, int(ctx.left("tests") * 0.8))
-    args = ["-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider", f"--timeout={per_test}", "-v", "-rfEs",
+    args = ["-m", "gpu", "tests/gpu/test_gpu.py", "-p", "no:cacheprovider", f"--timeout={per_test}", "-v", "-rfEs",
             f"--junitxml={xml}"]
     if ctx.cuda:
         args += ["-n", "4"]                 # 16 cores and one GPU: the runs overlap well (the first run: 2 min)
@@ -191,7 +191,7 @@ def _summary(results: list[dict]) -> dict:
 def multigpu_section(ctx):
     if ctx.gpus < 2:
         return {"skipped": f"{ctx.gpus} GPU(s): the multi-GPU set needs 2 or more"}
-    sh([sys.executable, "-m", "pytest", "-m", "multigpu", "tests/test_multigpu.py", "-p", "no:cacheprovider", "-q",
+    sh([sys.executable, "-m", "pytest", "-m", "multigpu", "tests/gpu/test_multigpu.py", "-p", "no:cacheprovider", "-q",
         "-rA"], ctx.out / "multigpu.log", ctx.left("multigpu"), check=False)
     return {"summary": ctx.out.joinpath("multigpu.log").read_text().strip().splitlines()[-1]}
 

@@ -21,7 +21,7 @@ N_rep is counted (util/rounding.py); N_rec is N_rep plus what tensor parallelism
 row-parallel GEMMs (attention output, second feed-forward) rounds its tp partial products and the tp - 1 sums of
 the all-reduce instead of one product, 4 (tp - 1) per layer. A fault (a layer swapped, a tensor-parallel shard
 misplaced, a stale memory) moves the NLL by a sizeable fraction of S on most tokens, far past the mean bound:
-tests/test_probe_bound.py checks both directions at d_model 1024.
+tests/checkpoint/test_probe_bound.py checks both directions at d_model 1024.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ A counter of four 32-bit words and a key of two are mapped to four 32-bit words 
 Every word is held in an int64 tensor (or, for a key word, a Python int or a 0-d int64 tensor) with a value in
 [0, 2^32); the counters broadcast against each other, so counters that vary along different dimensions (a row
 index, a column index, a feature group) are never materialised before the products make them full. Two forms,
-the same numbers (tests/test_keyed_dropout.py checks both against Random123's known-answer vectors):
+the same numbers (tests/kernels/test_keyed_dropout.py checks both against Random123's known-answer vectors):
   * `philox` - int64 arithmetic only (products wrap modulo 2^64, the high word is a shift and a mask): what
     torch.compile traces and fuses, on any device, with tensor keys;
   * `philox_words32` - the eager CPU form: the products' high and low words are read as int32 views of the

@@ -27,7 +27,7 @@ as 2·m·n·k; a training step is 3x the forward (the backward computes each pro
     output projections between d_embed and d_model when d_embed != d_model (div_val 1).
 
 Not counted: softmax, masks, dropout, layer norms, interpolation and Adam (elementwise work, not FLOPs a
-tensor core does). tests/test_flops.py checks the count against torch's FlopCounterMode on a real
+tensor core does). tests/model/test_flops.py checks the count against torch's FlopCounterMode on a real
 forward+backward.
 
 MFU: the PaLM convention with a memory

@@ -1,6 +1,6 @@
 """Parameter counts of a model config by arithmetic (no model built): per layer, split by tensor parallelism or
 replicated, the embedding and softmax, the position biases. `megamemo plan` and the trainer's start-up line use
-them; tests/test_plan.py checks them against built models."""
+them; tests/plan/test_plan.py checks them against built models."""
 from __future__ import annotations
 
 

@@ -12,7 +12,7 @@ TRAMS (lwaekfjlk/TRAMS, spec §6.2), per layer, head and stream:
     as if the attended memory were contiguous (slot t of A attended rows is at distance A + i - t from query i).
 The cache keeps every pool row; selection is redone at every segment. clamp_len applies to the compressed
 distances; same_length limits each query to `attend` keys. With attend == pool nothing is dropped and
-the result is the plain model with mem_len = pool, bit for bit (tests/test_trams.py).
+the result is the plain model with mem_len = pool, bit for bit (tests/model/test_trams.py).
 
 TRAMS for LaMemo (an option no paper has tried; our definition). LaMemo's memory is the embedding FIFO E and per
 layer the context cache C and its log-normaliser S, and the memory rows' states are recomputed every segment.

@@ -18,7 +18,7 @@ Read from DeepSpeed 0.19.8 (runtime/engine.py, runtime/zero/stage_1_and_2.py, ru
   - Every one of them puts the model dtype on the wire (engine.py communication_data_type: bf16 / fp16 / fp32,
     data_types.communication_data_type unset): BF16_Optimizer flattens its fp32 gradients and casts them to bf16
     for the all-reduce (engine.py allreduce_bucket); the ZeRO optimizer reduces its bucket in that dtype too
-    (stage_1_and_2.py gradient_reduction_w_predivide). tests/test_cluster_step.py records it.
+    (stage_1_and_2.py gradient_reduction_w_predivide). tests/train/test_cluster_step.py records it.
   - ZeRO 0 has no ZeRO optimizer: the engine all-reduces after the backward pass (buffered_allreduce_fallback,
     5e8 elements): neither setting reaches it.
   - Under pipeline parallelism the engine turns overlap_comm off with a warning ("Pipeline parallelism does not

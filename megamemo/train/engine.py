@@ -50,7 +50,7 @@ def grad_accum_dtype(cfg: RunConfig) -> str | None:
     other half-precision ZeRO 1/2 case is its ZeRO optimizer, which accumulates in an fp32 `grad_accum`
     (zero/stage_1_and_2.py, gradient_accumulation_dtype). Without ZeRO it has none (NotImplementedError), so
     auto gives fp32 wherever ZeRO is on, with or without a pipeline, and the model dtype on ZeRO 0 (no shipped
-    config is half precision on ZeRO 0; tests/test_grad_accum.py checks them all) - but bf16 on ZeRO 1 at grad_accum
+    config is half precision on ZeRO 0; tests/train/test_grad_accum.py checks them all) - but bf16 on ZeRO 1 at grad_accum
     1 without a pipeline, which has nothing to accumulate and takes the model dtype so that DeepSpeed runs its ZeRO
     optimizer, whose reduction can overlap the backward (parallel/zero.py fp32_accumulation)."""
     return "fp32" if fp32_accumulation(cfg.parallel, cfg.precision, cfg.train.grad_accum) else None

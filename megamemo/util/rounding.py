@@ -5,7 +5,7 @@ the dtype's unit roundoff (2^-8 for bf16, 2^-11 for fp16); data movement (views,
 ReLU, max, eval-mode dropout) writes values it was given and rounds nothing, nor does a cast that does not narrow.
 A GEMM additionally accumulates its K products (fp32 on CPUs and in cuBLAS) before that rounding, off by at most
 K * 2^-24 relative. `RoundingCounter` counts the rounding operations of a forward on the run itself, so that a
-bound can follow the model's depth and structure (tests/test_half_positions.py, checkpoint/probe_bound.py).
+bound can follow the model's depth and structure (tests/model/test_half_positions.py, checkpoint/probe_bound.py).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Where a host sync of a CUDA step comes from (tests/test_gpu.py's host-sync test; replayed on the CPU by
-tests/test_sync_sites.py): the innermost Python frame of the call that synchronised, below the warnings module's own
+"""Where a host sync of a CUDA step comes from (tests/gpu/test_gpu.py's host-sync test; replayed on the CPU by
+tests/gpu/test_sync_sites.py): the innermost Python frame of the call that synchronised, below the warnings module's own
 frames (a replaced `warnings.showwarning` is called from warnings.py's _showwarnmsg, so the stack always ends
 there). Inside megamemo's package (resolved against megamemo.__file__, whatever the checkout's folder is called) it
 is megamemo's own sync, named `<path below the package>:<function>`; anywhere else (DeepSpeed, torch,
