@@ -184,9 +184,9 @@ def test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit(t
     assert g["interruptions"] == 1 and g["lost_s"] == pytest.approx(rec["seconds_lost"]) and g["steps"] == 12
 
 
-def replay(run_dir, step):
+def replay(run_dir, step, *args):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-m", "megamemo", "replay", "--ckpt", str(run_dir), "--step", str(step)],
+    p = subprocess.run([sys.executable, "-m", "megamemo", "replay", "--ckpt", str(run_dir), "--step", str(step), *args],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     return p.returncode, p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr
 
@@ -206,6 +206,20 @@ def test_replay_is_identical_under_the_runs_layout_and_finds_a_tampered_step(tin
     (tampered / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     rc, line = replay(tampered, 6)
     assert rc == 1 and line.startswith("replay: differs at step 5: grad_norm "), line
+
+
+@multiproc
+def test_replay_past_warmup_follows_the_runs_lr_schedule(tiny_cfg, shards, reference_runs):
+    """Steps 7..8 of the 12-step 2-rank run (warmup 2, cosine over its 12 steps) replayed under its layout from the
+    step-6 checkpoint: the replay trains to step 8 only, yet its steps must take the run's LRs - the cosine resumed at
+    step 6 of a 12-step schedule, not one over the replay's 8 steps (step 8's update at 0.07 x lr, not 0.5 x; a
+    step's loss comes before its update, so the replay compares each step's LR too) nor one started again from step
+    0 (a warmup's 0.5 x lr at step 7)."""
+    from megamemo.train.engine import lr_factor
+
+    assert lr_factor(7, 2, 12, "cosine", 0.0) == pytest.approx(0.5) and lr_factor(7, 2, 8, "cosine", 0.0) < 0.07
+    two = reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_12_STEPS)
+    assert replay(two, 8, "--dp", "2") == (0, "replay: identical")
 
 
 @multiproc

@@ -5,9 +5,9 @@ The replay is a training run of its own, started through the launcher (runtime/l
 directory: the run's resolved config (RUN_DIR/config.yaml), resumed from that checkpoint (any layout reads it), to
 step S, saved there, with nothing else (no probe, no validation, no spike rule, no injected faults). The run's
 rollbacks (interruptions.jsonl, kind spike) are copied, so it skips the batches the run skipped. By default it runs in
-one process whatever the run's layout; `--tp/--pp/--dp` choose one. Then, per replayed step, the loss and gradient
-norm against RUN_DIR/metrics.jsonl, and where S is a checkpoint step of the run, every tensor its checkpoint holds
-(weights, fp32 masters, Adam's moments, memory) against the replay's, read whole under either layout.
+one process whatever the run's layout; `--tp/--pp/--dp` choose one. Then, per replayed step, the loss, gradient
+norm and LR against RUN_DIR/metrics.jsonl, and where S is a checkpoint step of the run, every tensor its checkpoint
+holds (weights, fp32 masters, Adam's moments, memory) against the replay's, read whole under either layout.
 
 Verdict, one line:
   replay: identical                      every number bit for bit (the run's own layout)
@@ -131,12 +131,13 @@ def tolerance(p: Plan, steps: int) -> tuple[float, str]:
 
 
 def compare_steps(run: dict[int, dict], replayed: dict[int, dict], steps: range, tol: float | None):
-    """(first difference or None, largest relative difference) over the steps' losses and gradient norms."""
+    """(first difference or None, largest relative difference) over the steps' losses, gradient norms and LRs (a
+    step's loss and gradient norm come before its update: only its LR shows the schedule at the last step)."""
     worst = 0.0
     for s in steps:
         if s not in replayed:
             return f"step {s} was not replayed", worst
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", "lr"):    # the LR: the schedule's, seen at the replay's last step too
             a, b = run[s].get(key), replayed[s].get(key)
             d = _relative(a, b)
             worst = max(worst, d)
