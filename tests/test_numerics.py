@@ -6,9 +6,11 @@
   * 2 ranks: a bit flipped in rank 1's weights at a check is caught, named, and the job resumes from the checkpoint
     before it with the losses of an uninterrupted run, bit for bit;
   * 2 ranks: a bad batch's spike is rolled back past its data, recorded (interruptions.jsonl, goodput), and a second
-    run with the same injection has the same losses bit for bit;
-  * megamemo replay: identical under the run's own layout, within its stated tolerance for a DP 2 run with keyed
-    dropout replayed in one process, differs at the step whose recorded loss was tampered with;
+    run with the same injection has the same losses bit for bit; the undone attempt's records are kept, and the
+    spike, replayed as it first happened (`--rolled-back`), is identical with the bad batch and differs without;
+  * megamemo replay: identical under the run's own layout (its LR schedule resumed past warmup), within its stated
+    tolerance for a DP 2 run with keyed dropout replayed in one process, differs at the step whose recorded loss was
+    tampered with;
   * the replica check's cost on the CPU at the default interval."""
 from __future__ import annotations
 
@@ -182,10 +184,20 @@ def test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit(t
     assert first[8] < 5.4 and first[8] not in (rec["loss"], reference[8])   # batch 10 now, not batch 8 or 9
     g = goodput.of_run(runs[0])
     assert g["interruptions"] == 1 and g["lost_s"] == pytest.approx(rec["seconds_lost"]) and g["steps"] == 12
+    # the undone attempt's steps 7 and 8 (the spike) kept beside metrics.jsonl, and replayed as they first happened
+    kept = [json.loads(x) for x in (runs[0] / "metrics.rolled_back.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["rolled_back"]) for r in kept] == [("train", s, {"spike": 8, "to": 6})
+                                                                        for s in (7, 8)]
+    assert kept[0]["loss"] == first[7] and kept[1]["loss"] == rec["loss"]
+    bad = {"MEGAMEMO_FAULT_BAD_BATCH": "8"}
+    assert replay(runs[0], 8, "--dp", "2", "--rolled-back", env=bad) == (0, "replay: identical")   # the data's fault
+    rc, line = replay(runs[0], 8, "--dp", "2", "--rolled-back")        # other data (no bad batch): not the spike
+    assert rc == 1 and line.startswith("replay: differs at step 8: loss "), line
+    assert replay(runs[0], 8, "--dp", "2", env=bad) == (0, "replay: identical")     # the attempt that stood: skipped
 
 
-def replay(run_dir, step, *args):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+def replay(run_dir, step, *args, env=None):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO), **(env or {}))
     p = subprocess.run([sys.executable, "-m", "megamemo", "replay", "--ckpt", str(run_dir), "--step", str(step), *args],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     return p.returncode, p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr
