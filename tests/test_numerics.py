@@ -2,9 +2,12 @@
   * fingerprints see any one flipped bit; the verdict over every rank's names the replica at fault: partition p's
     owner under ZeRO 1/2 (its fp32 master made it), the majority under ZeRO 0, both of a pair that cannot tell;
   * a replica mismatch is recorded as node-suspect, naming the rank and its host, and retried;
+  * the supervisor's decision by replay (runtime/suspect.py, MEGAMEMO_REPLAY_SUSPECT=1): a verdict in, a decision
+    out; the replay's process read, or killed with its children past its timeout;
   * the spike rules; their config errors name the key;
-  * 2 ranks: a bit flipped in rank 1's weights at a check is caught, named, and the job resumes from the checkpoint
-    before it with the losses of an uninterrupted run, bit for bit;
+  * 2 ranks: a bit flipped in rank 1's weights at a check is caught, named, replayed by the launcher before its
+    restart (MEGAMEMO_REPLAY_SUSPECT=1: "resume"), and the job resumes from the checkpoint before it with the losses
+    of an uninterrupted run, bit for bit;
   * 2 ranks: a bad batch's spike is rolled back past its data, recorded (interruptions.jsonl, goodput), and a second
     run with the same injection has the same losses bit for bit; the undone attempt's records are kept, and the
     spike, replayed as it first happened (`--rolled-back`), is identical with the bad batch and differs without;
@@ -89,6 +92,33 @@ def test_a_replica_mismatch_is_recorded_as_node_suspect_and_retried(tmp_path):
     assert interruptions.decide(rec, [rec, rec], restarts_left=1) == (True, "")    # never "deterministic"
 
 
+# ---- the supervisor's decision by replay (runtime/suspect.py) --------------------------------------------------------
+def test_the_supervisors_decision_by_replay_from_its_verdict(tmp_path):
+    from megamemo.runtime import suspect
+
+    same, within = "replay: identical", "replay: within 1.1e-05 relative = 3 steps x 64 tokens x u 6.0e-08"
+    differs = "replay: differs at step 6: loss 5.3 replayed, 5.2 recorded (relative difference 1.92e-02)"
+    assert [suspect.decide("node", v, 6)[0] for v in (same, within, differs, "timed out after 600 s", "")] == \
+        ["resume", "resume", "exclude", "default", "default"]
+    assert [suspect.decide("spike", v, 8)[0] for v in (same, differs)] == ["rollback", "exclude"]
+    rec = {"kind": "node", "step": 6}
+    assert suspect.enabled(rec, {"MEGAMEMO_REPLAY_SUSPECT": "1"})
+    assert not suspect.enabled(rec, {}) and not suspect.enabled(rec, {"MEGAMEMO_REPLAY_SUSPECT": "0"})
+    assert not suspect.enabled({"kind": "crash", "step": 6}, {"MEGAMEMO_REPLAY_SUSPECT": "1"})   # a crash: no replay
+    # the replay's process: its last verdict line read, a failure's last line of error, a timeout
+    fake = tmp_path / "fake"
+    for script, verdict in ((f'echo "[replay] steps 4..6"; echo "{differs}"; exit 1', differs),
+                            ('echo "megamemo replay: error: --step 6: no checkpoint" >&2; exit 2',
+                             "megamemo replay: error: --step 6: no checkpoint"),
+                            ("sleep 30 & sleep 30", "timed out after 1 s")):     # a child of its own too
+        fake.write_text(f"#!/bin/bash\n{script}\n")
+        fake.chmod(0o755)
+        env = {"MEGAMEMO_REPLAY_CMD": str(fake), "MEGAMEMO_REPLAY_TIMEOUT_S": "1", "PATH": os.environ["PATH"]}
+        out = suspect.replay(tmp_path, rec, environ=env)
+        assert (out["verdict"], out["decision"]) == (verdict, suspect.decide("node", verdict, 6)[0]), out
+        assert out["seconds"] < 15, out                  # the timed-out one's children killed with it, not waited for
+
+
 # ---- spikes ------------------------------------------------------------------------------------------------------
 class _Rule:
     def __init__(self, rule, window=4, threshold=None):
@@ -147,13 +177,19 @@ def test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_ex
     run_dir = tmp_path / "run"
     # synchronous saves: the step-3 checkpoint is committed before step 4 (an asynchronous commit can still be under
     # way at the step-6 failure on a loaded machine, and the restart would then start afresh)
+    # MEGAMEMO_REPLAY_SUSPECT=1: before the restart the launcher replays steps 4..6 in two other processes (the
+    # step-3 checkpoint's layout): the flip came after step 6's last recorded number, so they reproduce -> "resume",
+    # written into the failure's record (without it: no replay, test_launch_sbatch_args.py's node-suspect test)
     p = local_launch.start(tiny_cfg, shards, run_dir, "--max-steps", "12", "--set", "checkpoint.async_save=false",
-                           n=2, restarts=1, env={"MEGAMEMO_FAULT_FLIP": "weights:6:1@0"})   # the step-6 check, start 1
+                           n=2, restarts=1, env={"MEGAMEMO_FAULT_FLIP": "weights:6:1@0",   # the step-6 check, start 1
+                                                 "MEGAMEMO_REPLAY_SUSPECT": "1"})
     assert local_launch.finish(p, 300) == 0, local_launch.text(run_dir)[-3000:]
     out = local_launch.text(run_dir)
     assert "megamemo train: error: replica check after step 6: rank 1 (" in out, out[-3000:]
     [rec] = interruptions.history(run_dir)
     assert (rec["kind"], rec["rank"], rec["step"], rec["committed"], rec["exit_code"]) == ("node", 1, 6, 3, 5)
+    assert (rec["replay"]["verdict"], rec["replay"]["decision"]) == ("replay: identical", "resume"), rec
+    assert "--step 6 --dp 2 --tp 1 --pp 1" in out and "[replay] replay: identical -> resume" in out, out[-3000:]
     assert rec["node"] == os.uname().nodename and rec["node_fault"].startswith("replica mismatch: rank 1")
     assert f"resumed from {run_dir}/checkpoints/step_00000003" in out
     assert losses(run_dir) == reference
