@@ -560,6 +560,10 @@ MUTATIONS = [
     M("suspect-replay-in-one-process-whatever-the-layout", "megamemo/runtime/suspect.py",
       'return [a for k in ("dp", "tp", "pp") for a in (f"--{k}", str(int(layout.get(k, 1))))]', "return []",
       (f"{NUMERICS}::test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_exact",)),
+    M("launcher-restarts-after-a-stop-during-the-record", "megamemo/runtime/launcher.py",
+      "if self.stopping:           # a stop signal while the failure was recorded (a replay takes a while)",
+      "if False:",
+      (f"{NUMERICS}::test_a_stop_signal_during_the_failures_replay_is_not_lost_to_a_restart",)),
     # ---- launch (the Slurm batch scripts' shell) -------------------------------------------------------------
     M("slurm-node-suspect-excludes-no-node", "launch/slurm/failure.sh",
       'if [ "$kind" = node ] && [ -n "$c_suspects" ]; then     # exit 5: the replica check\'s suspects',

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -117,6 +118,25 @@ def test_the_supervisors_decision_by_replay_from_its_verdict(tmp_path):
         out = suspect.replay(tmp_path, rec, environ=env)
         assert (out["verdict"], out["decision"]) == (verdict, suspect.decide("node", verdict, 6)[0]), out
         assert out["seconds"] < 15, out                  # the timed-out one's children killed with it, not waited for
+
+
+def test_a_stop_signal_during_the_failures_replay_is_not_lost_to_a_restart(monkeypatch):
+    """The launcher records a failure (and replays it, which takes a while) between its workers' end and their
+    restart: a stop signal that arrives meanwhile ends the job instead of starting it again (the signal would have
+    gone to the dead workers, and the new ones would train on)."""
+    from megamemo.runtime.launcher import Launcher
+
+    launcher = Launcher(2, ["true"], log=lambda m: None, max_restarts=3)
+    starts = []
+    monkeypatch.setattr(launcher, "start", lambda: starts.append(1))
+    monkeypatch.setattr(launcher, "wait", lambda: EXIT_NODE_SUSPECT)
+
+    def record():
+        launcher.on_signal(signal.SIGTERM, None)                # during the replay
+        return True, "", None
+
+    monkeypatch.setattr(launcher, "record", record)
+    assert launcher.supervise() == EXIT_NODE_SUSPECT and len(starts) == 1
 
 
 # ---- spikes ------------------------------------------------------------------------------------------------------

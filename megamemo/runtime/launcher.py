@@ -164,6 +164,8 @@ class Launcher:
             if rc == 0 or self.stopping:
                 return rc
             retry, why, rec = self.record()
+            if self.stopping:           # a stop signal while the failure was recorded (a replay takes a while)
+                return rc
             if not retry:
                 if self.max_restarts and why:
                     self.log(f"[launch] not restarting: {why}" + (f" ({interruptions.summary(rec)})" if rec else ""))
