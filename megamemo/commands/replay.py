@@ -1,6 +1,6 @@
 """`megamemo replay`: recompute a training run's steps from the newest checkpoint before a step up to it, and compare
-every replayed step's loss and gradient norm (and, at a checkpoint step, every saved tensor) with what the run
-recorded (megamemo/train/replay.py).
+every replayed step's loss, gradient norm and LR (and, at a checkpoint step, every saved tensor) with what the run
+recorded (megamemo/train/replay.py); `--rolled-back`: the attempt at S that a loss spike's rollback undid.
 
     megamemo replay --ckpt RUN_DIR --step S [--rolled-back] [--dp N --tp N --pp N] [--keep]
 
