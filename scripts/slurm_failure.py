@@ -1,5 +1,5 @@
 """launch/slurm/failure.sh's helper after a failed start: prints shell assignments for it to eval (culprit: c_rank,
-c_node; record: verdict, kind, step, line, why, recorded), from megamemo/runtime/interruptions.py.
+c_node, c_suspects; record: verdict, kind, step, replay_decision, replay_verdict, line, why, recorded), from megamemo/runtime/interruptions.py.
 
     python3 -I scripts/slurm_failure.py slurm culprit|record --exits DIR --run-dir-file FILE --started T [...]
 
@@ -27,7 +27,8 @@ def interruptions():
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="slurm_failure.py", description="train.sbatch's failure helper: prints "
-                                "shell assignments (culprit: c_rank, c_node; record: verdict, kind, step, line, why)")
+                                "shell assignments (culprit: c_rank, c_node, c_suspects; record: verdict, kind, step, "
+                                "replay_decision, replay_verdict, line, why)")
     p.add_argument("mode", choices=("slurm",))
     p.add_argument("what", choices=("culprit", "record"))
     p.add_argument("--exits", help="task.sh's exit folder")

@@ -3,15 +3,19 @@
 #   megamemo_after_failure RC STARTED START_NO
 #       RC: srun's exit code; STARTED: when the step started (epoch seconds); START_NO: restarts before it (Slurm's
 #       requeues plus restarts inside the allocation). Uses the batch script's use_nodes, job_nodes, logdir and log.
-#       1. The rank at fault and its node: scripts/slurm_failure.py (megamemo/runtime/interruptions.py) reads what launch/slurm/task.sh wrote
-#          when each task ended ($MEGAMEMO_TASK_EXITS: the first failure that is not a consequence of another) and
-#          the ranks' heartbeats (a hang named by a watchdog).
+#       1. The rank at fault and its node: scripts/slurm_failure.py (megamemo/runtime/interruptions.py) reads what
+#          launch/slurm/task.sh wrote when each task ended ($MEGAMEMO_TASK_EXITS: the first failure that is not a
+#          consequence of another) and the ranks' heartbeats (a hang named by a watchdog).
 #       2. The nodes at fault: any node of the step that Slurm reports DOWN, DRAINED, FAILED, NOT_RESPONDING (a lost
 #          node), and the failed rank's node when MEGAMEMO_NODE_CHECK (a command run there with srun, e.g. a GPU
 #          or DCGM check) fails on it. A rank that crashed or hung on a healthy node puts no node at fault.
 #       3. The record in <run_dir>/interruptions.jsonl and the verdict: stop after exit 2, after the same step
 #          failed 3 times in a row, or after MEGAMEMO_MAX_FAILURES failures of this job (default 10; preemptions
 #          do not count: MEGAMEMO_MAX_REQUEUES).
+#       4. Exit 5 (node-suspect: the data-parallel replicas disagreed, kind node): the nodes of the ranks the replica
+#          check named (their heartbeats) are at fault too - unless MEGAMEMO_REPLAY_SUSPECT=1 and the replay of the
+#          suspect step in other processes reproduced the run's recorded numbers (megamemo/runtime/suspect.py,
+#          run from step 3's helper on this host: MEGAMEMO_REPLAY_CMD, MEGAMEMO_REPLAY_TIMEOUT_S).
 #       Sets `action`: stop | here (restart inside the allocation without the nodes at fault: MEGAMEMO_SPARE_NODES
 #       allows that many to drop out; the run resumes under the smaller world size through the checkpoint's
 #       relayout) | requeue (with the nodes at fault in `exclude`); `healthy`: the nodes left for `here`.
@@ -37,7 +41,7 @@ megamemo_node_check() {     # MEGAMEMO_NODE_CHECK on node $1 (a job step of one 
 }
 
 megamemo_after_failure() {
-  local rc="$1" started="$2" start_no="$3" py helper c_rank="" c_node="" n st
+  local rc="$1" started="$2" start_no="$3" py helper c_rank="" c_node="" c_suspects="" n st
   local -a faulty=() reasons=()
   py="$(megamemo_python)"
   helper="$MEGAMEMO_ROOT/scripts/slurm_failure.py"
@@ -58,7 +62,8 @@ megamemo_after_failure() {
   for i in "${!faulty[@]}"; do        # the failed rank's node first, else the first node at fault
     if [ "${faulty[$i]}" = "$c_node" ] || [ -z "$fault_node" ]; then fault_node="${faulty[$i]}"; fault_why="${reasons[$i]#*: }"; fi
   done
-  local failures left verdict="retry" line="exit code $rc" why="" kind="" step="" recorded=""
+  local failures left verdict="retry" line="exit code $rc" why="" kind="" step="" recorded="" replay_decision=""
+  local replay_verdict=""
   failures="$(grep -cE '^end .* rc=[1-9][0-9]* usr1=0' "$logdir/job.txt" || true)"
   left=$(( ${MEGAMEMO_MAX_FAILURES:-10} - failures + 1 ))
   if [ -n "$py" ]; then
@@ -70,6 +75,17 @@ megamemo_after_failure() {
     [ "$left" -le 0 ] && { verdict=stop; why="no restarts left"; }
   fi
   log "training failed (failure $failures of this job): $line${recorded:+; recorded in $recorded}"
+  if [ "$kind" = node ] && [ -n "$c_suspects" ]; then     # exit 5: the replica check's suspects
+    if [ "$replay_decision" = resume ]; then
+      log "replay of step $step: $replay_verdict: not the device's computation; excluding none of $c_suspects"
+    else
+      for n in $c_suspects; do
+        [[ " ${faulty[*]} " == *" $n "* ]] && continue
+        faulty+=("$n")
+        reasons+=("$n: replica mismatch (exit 5)${replay_verdict:+, replay: ${replay_verdict#replay: }}")
+      done
+    fi
+  fi
   echo "failure restart=$start_no rc=$rc kind=${kind:-?} rank=${c_rank:-?} node=${c_node:-?} faulty=${faulty[*]:-none}" \
     >>"$logdir/job.txt"
   exclude=(); healthy=()

@@ -1,8 +1,8 @@
 """`megamemo replay`: recompute a training run's steps from the newest checkpoint before a step up to it, and compare
-every replayed step's loss and gradient norm (and, at a checkpoint step, every saved tensor) with what the run
-recorded (megamemo/train/replay.py).
+every replayed step's loss, gradient norm and LR (and, at a checkpoint step, every saved tensor) with what the run
+recorded (megamemo/train/replay.py); `--rolled-back`: the attempt at S that a loss spike's rollback undid.
 
-    megamemo replay --ckpt RUN_DIR --step S [--dp N --tp N --pp N] [--keep]
+    megamemo replay --ckpt RUN_DIR --step S [--rolled-back] [--dp N --tp N --pp N] [--keep]
 
 One line of verdict: `replay: identical`, `replay: within <tolerance>` or `replay: differs at step N: <what>`.
 Exit codes: 0 identical or within; 1 differs; 2 the replay cannot be made (no such step, no checkpoint before it).
@@ -20,6 +20,9 @@ def parse_args(argv):
     p.add_argument("--step", type=int, required=True, help="the step to replay up to")
     for name in ("dp", "tp", "pp"):
         p.add_argument(f"--{name}", type=int, help=f"replay under this {name} size (default 1: one process)")
+    p.add_argument("--rolled-back", action="store_true",
+                   help="replay the attempt at S that a loss spike's rollback undid, against its records "
+                        "(metrics.rolled_back.jsonl), its skipped batches unskipped")
     p.add_argument("--keep", action="store_true", help="keep the replay's run directory (its path is said)")
     return p.parse_args(argv)
 
@@ -28,6 +31,6 @@ def main(argv: list[str]) -> int:
     from megamemo.train.replay import replay
 
     a = parse_args(argv)
-    line = replay(a.ckpt, a.step, a.dp, a.tp, a.pp, keep=a.keep)
+    line = replay(a.ckpt, a.step, a.dp, a.tp, a.pp, keep=a.keep, rolled_back=a.rolled_back)
     print(line, flush=True)
     return 1 if " differs at " in line else 0

@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,9 +214,10 @@ def replica_suspects(beats: dict[int, dict]) -> list[dict]:
 
 # ---- one failure -------------------------------------------------------------------------------------------------
 def record(run_dir: Path | None, exits: list[Exit], *, started: float, now: float | None = None, restart: int = 0,
-           launcher: str = "local", node_fault: str = "", node: str | None = None, **extra) -> dict:
+           launcher: str = "local", node_fault: str = "", node: str | None = None, consult=None, **extra) -> dict:
     """The record of a failed start (see the module's doc; the rank at fault: at_fault), appended to the run
-    directory's interruptions.jsonl when there is one."""
+    directory's interruptions.jsonl when there is one. `consult(rec)` -> fields added before it is written (the
+    replay's verdict and decision: runtime/suspect.py)."""
     now = time.time() if now is None else now
     beats = read_heartbeats(run_dir, since=started) if run_dir else {}
     kind, rank = at_fault(exits, beats)
@@ -242,6 +244,8 @@ def record(run_dir: Path | None, exits: list[Exit], *, started: float, now: floa
            "signal": describe(code)[7:] if code is not None and signal_of(code) else None,
            "seconds_lost": round(max(0.0, now - max(ready, t_commit)), 3), "restart": restart,
            "launcher": launcher, **({"node_fault": node_fault} if node_fault else {}), **extra}
+    if consult is not None and run_dir is not None:
+        rec.update(consult(rec))
     if run_dir is not None:
         append(run_dir, rec)
     return rec
@@ -307,15 +311,35 @@ def slurm_assignments(a) -> int:
         _, rank = at_fault(exits, beats)
         node = (beats.get(rank, {}).get("node") if rank is not None else None) or \
             next((e.node for e in exits if e.rank == rank), "")
-        print(f"c_rank={shlex.quote('' if rank is None else str(rank))} c_node={shlex.quote(node or '')}")
+        suspects = " ".join(dict.fromkeys(str(s["node"]) for s in replica_suspects(beats) if s.get("node")))
+        print(f"c_rank={shlex.quote('' if rank is None else str(rank))} c_node={shlex.quote(node or '')} "
+              f"c_suspects={shlex.quote(suspects)}")
         return 0
     past = history(run_dir) if run_dir else []
     if not exits and a.rc:                   # no task said how it ended (a container job, a lost node)
         exits = [Exit(-1, a.rc, time.time())]
     rec = record(run_dir, exits, started=a.started, restart=a.restart, launcher="slurm", node_fault=a.node_fault,
-                 node=a.node or None, job=a.job)
+                 node=a.node or None, job=a.job, consult=_consult(run_dir))
     retry, why = decide(rec, past, a.restarts_left)
+    replay = rec.get("replay") or {}
     print(f"verdict={'retry' if retry else 'stop'} kind={rec['kind']} step={rec['step']} "
+          f"replay_decision={shlex.quote(replay.get('decision', ''))} "
+          f"replay_verdict={shlex.quote(replay.get('verdict', ''))} "
           f"line={shlex.quote(summary(rec))} why={shlex.quote(why)} "
           f"recorded={shlex.quote(str(Path(run_dir) / RECORDS) if run_dir else '')}")
     return 0
+
+
+def _consult(run_dir: Path | None):
+    """runtime/suspect.py's replay of a node-suspect stop (MEGAMEMO_REPLAY_SUSPECT=1), loaded from beside this file
+    (train.sbatch runs this one by path, isolated: no package to import it from)."""
+    import importlib.util
+
+    if run_dir is None:
+        return None
+    spec = importlib.util.spec_from_file_location("megamemo_suspect", Path(__file__).with_name("suspect.py"))
+    assert spec is not None and spec.loader is not None, "suspect.py beside interruptions.py"
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    say = lambda m: print(m, file=sys.stderr, flush=True)     # noqa: E731  (failure.sh: to job.txt)
+    return lambda rec: {"replay": mod.replay(run_dir, rec, say)} if mod.enabled(rec) else {}

@@ -20,6 +20,9 @@ restarts and rendezvous are not needed on one machine. This launcher:
   * records the failure in <run_dir>/interruptions.jsonl (runtime/interruptions.py: rank 0 tells it the run
     directory) and, with --max-restarts N (torchrun's meaning), starts all the workers again, at most N times, after
     a retryable failure: they resume from the newest committed checkpoint. One line per restart says its cause.
+    With MEGAMEMO_REPLAY_SUSPECT=1 a node-suspect stop (exit 5) is first replayed in other processes and the
+    replay's verdict and decision go into its record (runtime/suspect.py; one machine: there is no node to exclude,
+    the job restarts from the newest agreeing checkpoint whatever the decision).
     Never after exit 2 (bad usage, config, data, a refused checkpoint), nor after a stop signal, nor after failing
     SAME_STEP_LIMIT times in a row at the same step (deterministic: one line says so). Each start gets a fresh
     MASTER_PORT (unless the environment fixes one) and MEGAMEMO_RESTART = the restarts before it.
@@ -35,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from megamemo.runtime import interruptions
+from megamemo.runtime import interruptions, suspect
 from megamemo.runtime.dist import free_port
 from megamemo.runtime.interruptions import Exit
 
@@ -163,6 +166,8 @@ class Launcher:
             if rc == 0 or self.stopping:
                 return rc
             retry, why, rec = self.record()
+            if self.stopping:           # a stop signal while the failure was recorded (a replay takes a while)
+                return rc
             if not retry:
                 if self.max_restarts and why:
                     self.log(f"[launch] not restarting: {why}" + (f" ({interruptions.summary(rec)})" if rec else ""))
@@ -184,7 +189,9 @@ class Launcher:
         if run_dir is None or first is None:            # failed before rank 0 named its run directory
             return left > 0, "" if left > 0 else "no restarts left", None
         past = interruptions.history(run_dir)
-        rec = interruptions.record(run_dir, exits, started=self.started, restart=self.restarts, launcher="local")
+        rec = interruptions.record(run_dir, exits, started=self.started, restart=self.restarts, launcher="local",
+                                   consult=lambda r: {"replay": suspect.replay(run_dir, r, self.log)}
+                                   if suspect.enabled(r) else {})
         retry, why = interruptions.decide(rec, past, left)
         return retry, why, rec
 

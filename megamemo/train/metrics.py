@@ -8,6 +8,8 @@ threads: beside time it tells a step's own work from a wait for cores that other
 test_plan_measured.py); on log lines also tokens_per_s, hfu_flops_per_s, hfu,
 mfu_flops_per_s and mfu),
 "skip" (an overflowing attempt that was not applied), "eval", "resume" (step, time: a run resumed there).
+A loss spike's rollback (train/rollback.py) moves the undone steps' "train" and "skip" records to
+metrics.rolled_back.jsonl beside it, each tagged "rolled_back": {"spike": its step, "to": the step rolled back to}.
 On resume from step S the file keeps only what happened up to S, so it reads like one uninterrupted run; the
 "resume" record marks where it restarted (`megamemo plot` draws it).
 
@@ -34,12 +36,14 @@ from megamemo.runtime.peak import format_flops
 from megamemo.util.files import write_text_atomic
 from megamemo.util.units import bits, bits_per_byte, perplexity
 
+ROLLED_BACK = "metrics.rolled_back.jsonl"
 
-def trim_jsonl(path: Path, last_step: int) -> None:
-    """Drop records after `last_step` (written by a run that died after its last checkpoint)."""
+
+def trim_jsonl(path: Path, last_step: int) -> list[dict]:
+    """Drop records after `last_step` (written by a run that died after its last checkpoint) -> those dropped."""
     if not path.is_file():
-        return
-    keep = []
+        return []
+    keep, dropped = [], []
     for line in path.read_text().splitlines():
         try:
             rec = json.loads(line)
@@ -47,7 +51,27 @@ def trim_jsonl(path: Path, last_step: int) -> None:
             continue                                  # a line cut by a crash
         if rec.get("step", 0) <= last_step and not (rec.get("kind") == "resume" and rec["step"] == last_step):
             keep.append(line)                         # (a resume at last_step is written again by the new run)
+        else:
+            dropped.append(rec)
     write_text_atomic(path, "".join(k + "\n" for k in keep), durable=False)
+    return dropped
+
+
+def rolled_back_steps(run_dir: Path, spike_step: int) -> dict[int, dict]:
+    """{step: its "train" record} of the attempt that the rollback at the spike of step `spike_step` undid (the
+    newest such rollback's), from metrics.rolled_back.jsonl."""
+    path = Path(run_dir) / ROLLED_BACK
+    out: dict[int, dict] = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "train" and (rec.get("rolled_back") or {}).get("spike") == spike_step:
+            if out and rec["step"] <= max(out):       # a later rollback of the same spike: its attempt replaces
+                out = {s: r for s, r in out.items() if s < rec["step"]}
+            out[int(rec["step"])] = rec
+    return out
 
 
 class Metrics:
@@ -90,8 +114,9 @@ class Metrics:
             trim_jsonl(self.path, self.start_step)
         elif self.start is not None and self.start.get("restart", 0) > 0:
             trim_jsonl(self.path, 0)        # a restart before the first commit: the earlier starts stay (goodput)
-        elif self.path.exists():
-            self.path.unlink()
+        else:
+            for stale in (self.path, self.run_dir / ROLLED_BACK):     # a fresh run
+                stale.unlink(missing_ok=True)
         self._file = open(self.path, "a", buffering=1)
         if self.start_step > 0:
             self._write({"kind": "resume", "step": self.start_step, "time": time.time()})
@@ -193,14 +218,17 @@ class Metrics:
                 self._tb.add_scalar(f"{rec['split']}/bits_per_byte", rec["bits_per_byte"], rec["step"])
 
     def rolled_back(self, step: int, spike_step: int) -> None:
-        """A loss spike at `spike_step` rolled the run back to `step` (train/rollback.py): the records after it go,
-        and a "resume" record marks it, as after a restart."""
+        """A loss spike at `spike_step` rolled the run back to `step` (train/rollback.py): the records after it move
+        to metrics.rolled_back.jsonl (tagged "rolled_back": {spike, to}: what the undone attempt saw, which `megamemo
+        replay --rolled-back` compares with), and a "resume" record marks it, as after a restart."""
         if not self.enabled:
             return
         if self._file is not None:
             self._file.close()
             self._file = None
-        trim_jsonl(self.path, step)
+        undone = [r for r in trim_jsonl(self.path, step) if r.get("kind") in ("train", "skip")]
+        with open(self.run_dir / ROLLED_BACK, "a") as f:      # kept for `megamemo replay --rolled-back`
+            f.writelines(json.dumps({**r, "rolled_back": {"spike": spike_step, "to": step}}) + "\n" for r in undone)
         self._file = open(self.path, "a", buffering=1)
         self._write({"kind": "resume", "step": step, "time": time.time(), "spike": spike_step})
 

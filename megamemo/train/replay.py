@@ -3,11 +3,18 @@ compare them with what the run recorded: "was it the data or the device?" answer
 
 The replay is a training run of its own, started through the launcher (runtime/launcher.py) in a temporary run
 directory: the run's resolved config (RUN_DIR/config.yaml), resumed from that checkpoint (any layout reads it), to
-step S, saved there, with nothing else (no probe, no validation, no spike rule, no injected faults). The run's
-rollbacks (interruptions.jsonl, kind spike) are copied, so it skips the batches the run skipped. By default it runs in
-one process whatever the run's layout; `--tp/--pp/--dp` choose one. Then, per replayed step, the loss and gradient
-norm against RUN_DIR/metrics.jsonl, and where S is a checkpoint step of the run, every tensor its checkpoint holds
-(weights, fp32 masters, Adam's moments, memory) against the replay's, read whole under either layout.
+step S, saved there, with nothing else (no probe, no validation, no spike rule, no injected faults but a bad batch's:
+a fault of the data, which the replay reads again). The run's rollbacks (interruptions.jsonl, kind spike) are copied,
+so it skips the batches the run skipped. By default it runs in one process whatever the run's layout; `--tp/--pp/--dp`
+choose one. Then, per replayed step, the loss, gradient norm and LR against RUN_DIR/metrics.jsonl, and where S is a
+checkpoint step of the run, every tensor its checkpoint holds (weights, fp32 masters, Adam's moments, memory) against
+the replay's, read whole under either layout.
+
+`--rolled-back` replays the attempt at S that a loss spike's rollback undid (the spike itself, as it first happened):
+only the rollbacks before that one are copied (its batches as that attempt took them, the spike's unskipped), and
+the steps are compared with that attempt's records, which the rollback moved to RUN_DIR/metrics.rolled_back.jsonl.
+Identical: the spike comes from the data (or the numerics), and a rollback past it is the answer; differs: the
+process or device that trained it.
 
 Verdict, one line:
   replay: identical                      every number bit for bit (the run's own layout)
@@ -30,9 +37,11 @@ import yaml
 
 from megamemo.checkpoint.layout import RunLayout
 from megamemo.checkpoint.store import tag_for
+from megamemo.train.metrics import ROLLED_BACK, rolled_back_steps
 from megamemo.train.rollback import KIND, checkpoint_before, spike_records
 from megamemo.util.errors import MegamemoError
 
+DATA_FAULT = "MEGAMEMO_FAULT_BAD_BATCH"      # an injected fault of the data (checkpoint/faults.py)
 UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 
@@ -48,9 +57,13 @@ class Plan:
     config: dict                # the run's resolved config
     layout: tuple[int, int, int]    # (dp, tp, pp) of the replay
     same_layout: bool
+    recorded: dict[int, dict]   # {step: the run's "train" record} of the attempt replayed
+    spikes: list[dict]          # the run's rollbacks that attempt had behind it (its skipped batches)
+    rolled_back: bool = False   # an attempt a rollback undid (metrics.rolled_back.jsonl), not metrics.jsonl's
 
 
-def plan(ckpt: str | Path, step: int, dp: int | None, tp: int | None, pp: int | None) -> Plan:
+def plan(ckpt: str | Path, step: int, dp: int | None, tp: int | None, pp: int | None,
+         rolled_back: bool = False) -> Plan:
     run_dir = Path(ckpt)
     if run_dir.parent.name == "checkpoints":        # a step directory given: its run
         run_dir = run_dir.parent.parent
@@ -58,8 +71,7 @@ def plan(ckpt: str | Path, step: int, dp: int | None, tp: int | None, pp: int | 
     if not cfg_path.is_file():
         raise ReplayError(f"--ckpt {ckpt}: no config.yaml in {run_dir} (not a run directory)")
     config = yaml.safe_load(cfg_path.read_text())
-    if step not in recorded_steps(run_dir):
-        raise ReplayError(f"--step {step}: {run_dir / 'metrics.jsonl'} records no such step")
+    recorded, spikes = attempt(run_dir, step, rolled_back)
     start = checkpoint_before(run_dir / "checkpoints", step)
     if start is None:
         raise ReplayError(f"--step {step}: no committed checkpoint before it in {run_dir / 'checkpoints'}")
@@ -67,7 +79,28 @@ def plan(ckpt: str | Path, step: int, dp: int | None, tp: int | None, pp: int | 
     was = RunLayout.from_record(marker.get("layout"))
     run = (was.dp or 1, was.tp or 1, was.pp or 1)
     layout = (dp or 1, tp or 1, pp or 1)
-    return Plan(run_dir, step, start, config, layout, layout == run)
+    return Plan(run_dir, step, start, config, layout, layout == run, recorded, spikes, rolled_back)
+
+
+def attempt(run_dir: Path, step: int, rolled_back: bool) -> tuple[dict[int, dict], list[dict]]:
+    """(the records to compare with, the rollbacks before them) of the attempt at `step` replayed: the run's as it
+    stands (metrics.jsonl, every rollback), or with `rolled_back` the newest one that a rollback undid past `step`
+    (metrics.rolled_back.jsonl, the rollbacks before that one: its batches as that attempt took them)."""
+    spikes = spike_records(run_dir)
+    if not rolled_back:
+        recorded = recorded_steps(run_dir)
+        if step not in recorded:
+            raise ReplayError(f"--step {step}: {Path(run_dir) / 'metrics.jsonl'} records no such step")
+        return recorded, spikes
+    undid = [i for i, r in enumerate(spikes) if int(r["rollback_to"]) < step <= int(r["step"])]
+    if not undid:
+        raise ReplayError(f"--step {step} --rolled-back: no rollback in {Path(run_dir) / 'interruptions.jsonl'} "
+                          f"undid it")
+    i = undid[-1]
+    recorded = rolled_back_steps(run_dir, int(spikes[i]["step"]))
+    if step not in recorded:
+        raise ReplayError(f"--step {step} --rolled-back: {Path(run_dir) / ROLLED_BACK} keeps no record of it")
+    return recorded, spikes[:i]
 
 
 def recorded_steps(run_dir: Path) -> dict[int, dict]:
@@ -95,7 +128,7 @@ def run_replay(p: Plan, work: Path, log) -> Path:
     out = work / "run"
     out.mkdir(parents=True)
     with open(out / "interruptions.jsonl", "w") as f:      # the run's rollbacks: the same batches skipped
-        for rec in spike_records(p.run_dir):
+        for rec in p.spikes:
             f.write(json.dumps({**rec, "kind": KIND}) + "\n")
     dp, tp, pp = p.layout
     sets = {"checkpoint.save_every": 0, "checkpoint.save_at_end": True, "checkpoint.probe": False,
@@ -106,7 +139,8 @@ def run_replay(p: Plan, work: Path, log) -> Path:
     args = [str(dp * tp * pp), "--config", str(p.run_dir / "config.yaml")]
     for k, v in sets.items():
         args += ["--set", f"{k}={json.dumps(v)}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAMEMO_FAULT_") and k != "MEGAMEMO_RESTART"}
+    env = {k: v for k, v in os.environ.items()      # a bad batch stays: a fault of the data, which a replay reads too
+           if k not in ("MEGAMEMO_RESTART",) and (k == DATA_FAULT or not k.startswith("MEGAMEMO_FAULT_"))}
     if run_threads(p.run_dir):          # a CPU kernel's sums split by its threads: as many as the run's
         env["OMP_NUM_THREADS"] = str(run_threads(p.run_dir))
     log(f"[replay] steps {int(p.start.name[5:]) + 1}..{p.step} of {p.run_dir} from {p.start}, in {dp * tp * pp} "
@@ -133,12 +167,13 @@ def tolerance(p: Plan, steps: int) -> tuple[float, str]:
 
 
 def compare_steps(run: dict[int, dict], replayed: dict[int, dict], steps: range, tol: float | None):
-    """(first difference or None, largest relative difference) over the steps' losses and gradient norms."""
+    """(first difference or None, largest relative difference) over the steps' losses, gradient norms and LRs (a
+    step's loss and gradient norm come before its update: only its LR shows the schedule at the last step)."""
     worst = 0.0
     for s in steps:
         if s not in replayed:
             return f"step {s} was not replayed", worst
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", "lr"):    # the LR: the schedule's, seen at the replay's last step too
             a, b = run[s].get(key), replayed[s].get(key)
             d = _relative(a, b)
             worst = max(worst, d)
@@ -177,20 +212,20 @@ def _relative(a, b) -> float:
     return abs(a - b) / max(abs(a), 1e-30)
 
 
-def replay(ckpt, step: int, dp=None, tp=None, pp=None, keep: bool = False, log=print) -> str:
+def replay(ckpt, step: int, dp=None, tp=None, pp=None, keep: bool = False, log=print, rolled_back=False) -> str:
     """The replay's verdict line (the module's doc)."""
-    p = plan(ckpt, step, dp, tp, pp)
+    p = plan(ckpt, step, dp, tp, pp, rolled_back)
     work = Path(tempfile.mkdtemp(prefix="megamemo-replay-"))
     try:
         out = run_replay(p, work, log)
         first = int(p.start.name[5:]) + 1
         steps = range(first, step + 1)
         tol, why = (None, "") if p.same_layout else tolerance(p, len(steps))
-        diff, worst = compare_steps(recorded_steps(p.run_dir), recorded_steps(out), steps, tol)
+        diff, worst = compare_steps(p.recorded, recorded_steps(out), steps, tol)
         if diff is not None:
             return f"replay: differs at step {diff}" if not diff.startswith("step ") else f"replay: differs at {diff}"
         at = p.run_dir / "checkpoints" / tag_for(step)
-        if (at / "COMMITTED").is_file():
+        if (at / "COMMITTED").is_file() and not p.rolled_back:    # (a checkpoint of the attempt that stood)
             diff, w, n = compare_checkpoints(at, out / "checkpoints" / at.name, tol)
             worst = max(worst, w)
             if diff is not None:

@@ -5,12 +5,14 @@ Every rank sees the same all-reduced loss, so every rank decides alike, in the s
      interruptions.jsonl (kind "spike": the step, the loss, the checkpoint rolled back to, the skipped batches, the
      seconds lost, which goodput counts);
   2. every rank resumes from the newest committed checkpoint before S (weights, optimizer, memory, data cursor,
-     RNG, the spike window) and metrics.jsonl is cut back to it;
+     RNG, the spike window) and metrics.jsonl is cut back to it (the undone steps' records move to
+     metrics.rolled_back.jsonl: `megamemo replay --rolled-back` replays that attempt against them);
   3. the steps up to S - 1 run again on their own batches (bit for bit as before); step S then skips
      train.spike.skip_batches batches of every stream, from the spike's batch on.
 The skip plan {S: N} is read back from interruptions.jsonl at every start (`skip_plan`), so a restart that resumes a
 checkpoint from before the rollback skips the same batches, and `megamemo replay` (which copies the records) too:
-the run stays replayable. After train.spike.max_rollbacks rollbacks the run stops with one line.
+the run stays replayable (`--rolled-back` copies only the rollbacks before the one that undid the attempt it
+replays). After train.spike.max_rollbacks rollbacks the run stops with one line.
 """
 from __future__ import annotations
 

@@ -299,3 +299,63 @@ def test_a_start_that_died_with_its_node_is_recorded_by_the_next(stubs):
         ("node", 0, 1893492000.0, 7, 6), lost
     assert "ended without its batch script" in lost["node_fault"]
     assert crash["restart"] == 1 and rc == 1 and "not restarting: 2 failures (MEGAMEMO_MAX_FAILURES=0)" in out, out
+
+
+def _replica_suspect(run_dir: Path, rank: int = 1, node: str = "node2") -> None:
+    """The ranks' heartbeats as a replica check that named `rank` leaves them (train/numerics.py, watchdog.note)."""
+    beats = run_dir / "heartbeats"
+    beats.mkdir()
+    note = {"suspects": [{"rank": rank, "node": node}], "step": 7, "line": "replica check after step 7: ..."}
+    for r in range(2):
+        (beats / f"rank{r}.json").write_text(json.dumps({"rank": r, "node": f"node{r + 1}", "beat": time.time() + 600,
+                                                         "step": 7, "replicas": note}))
+
+
+def _fake_replay(stubs: Path, verdict: str) -> str:
+    """MEGAMEMO_REPLAY_CMD: records its arguments, says `verdict`."""
+    script = stubs / "bin" / "fake-replay"
+    script.write_text(f'#!/bin/bash\necho "$@" > "{stubs}/replay.args"\necho "{verdict}"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_node_suspect_stop_excludes_the_node_of_the_rank_the_replica_check_named(stubs):
+    """Exit 5 on node2's rank 1 (both nodes healthy as Slurm sees them): the replica check's suspect's node is at
+    fault: requeued without it, or, with a spare node, restarted inside the allocation on the other one."""
+    run_dir = run_dir_at_step(stubs)
+    _replica_suspect(run_dir)
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="5:1:node2",
+                              STUB_RUN_DIR=str(run_dir), **TWO_NODES)
+    assert rc == 0, out
+    assert "node(s) at fault: node2: replica mismatch (exit 5); requeueing job 4242 with node2 excluded" in out, out
+    assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now ExcNodeList=node2"]
+    [rec] = records(run_dir)
+    assert (rec["kind"], rec["rank"], rec["node"], rec["exit_code"]) == ("node", 1, "node2", 5), rec
+    assert "replay" not in rec                                          # opt-in
+    (stubs / "srun.n").unlink()
+    rc, out, srun, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="5:1:node2 0",
+                                 STUB_RUN_DIR=str(run_dir), MEGAMEMO_SPARE_NODES="1", **TWO_NODES)
+    assert rc == 0 and "restarting inside the allocation on node1" in out, out
+    assert not any("requeue" in c for c in calls) and "--nodelist=node1" in srun, (calls, srun)
+
+
+@pytest.mark.parametrize("verdict", ["replay: identical", "replay: differs at step 7: loss 9.1 replayed, 5.2 recorded"])
+def test_a_node_suspect_stop_is_replayed_first_when_asked_and_decided_by_the_verdict(stubs, verdict):
+    run_dir = run_dir_at_step(stubs)
+    _replica_suspect(run_dir)
+    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="5:1:node2",
+                              STUB_RUN_DIR=str(run_dir), MEGAMEMO_REPLAY_SUSPECT="1",
+                              MEGAMEMO_REPLAY_CMD=_fake_replay(stubs, verdict), **TWO_NODES)
+    assert rc == 0, out
+    assert (stubs / "replay.args").read_text().split() == ["--ckpt", str(run_dir), "--step", "7", "--dp", "1",
+                                                           "--tp", "1", "--pp", "1"]
+    [rec] = records(run_dir)
+    assert rec["kind"] == "node" and rec["replay"]["verdict"] == verdict, rec
+    if "identical" in verdict:                  # the recorded steps reproduce: no node excluded
+        assert rec["replay"]["decision"] == "resume"
+        assert "replay of step 7: replay: identical: not the device's computation; excluding none of node2" in out
+        assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now"], calls
+    else:
+        assert rec["replay"]["decision"] == "exclude"
+        assert "node(s) at fault: node2: replica mismatch (exit 5), replay: differs at step 7: loss 9.1" in out, out
+        assert calls[-1] == "scontrol update JobId=4242 StartTime=now ExcNodeList=node2", calls

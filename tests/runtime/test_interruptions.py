@@ -133,7 +133,7 @@ def test_the_slurm_helper_prints_shell_assignments(tmp_path):
     helper = [*isolated, str(REPO / "scripts" / "slurm_failure.py"), "slurm"]
     common = ["--exits", str(exits), "--run-dir-file", str(run_dir_file), "--started", "94"]
     out = subprocess.run([*helper, "culprit", *common], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["c_rank=1", "c_node=node2"]
+    assert out.split() == ["c_rank=1", "c_node=node2", "c_suspects=''"]
     out = subprocess.run([*helper, "record", *common, "--rc", "137", "--restarts-left", "3", "--job", "7"],
                          capture_output=True, text=True, check=True).stdout
     got = subprocess.run(["bash", "-c", f"eval {json.dumps(out)}; echo \"$verdict|$kind|$step|$line\""],
@@ -145,7 +145,7 @@ def test_the_slurm_helper_prints_shell_assignments(tmp_path):
     (exits / "1").unlink()
     beat(d, 1, "node2", 7, 100.0)
     out = subprocess.run([*helper, "culprit", *common], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["c_rank=1", "c_node=node2"]
+    assert out.split() == ["c_rank=1", "c_node=node2", "c_suspects=''"]
     subprocess.run([*helper, "record", *common, "--rc", "4"], capture_output=True, text=True, check=True)
     rec = interruptions.history(d)[-1]
     assert (rec["kind"], rec["rank"], rec["node"], rec["signal"]) == ("hang", 1, "node2", None), rec

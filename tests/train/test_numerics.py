@@ -2,19 +2,25 @@
   * fingerprints see any one flipped bit; the verdict over every rank's names the replica at fault: partition p's
     owner under ZeRO 1/2 (its fp32 master made it), the majority under ZeRO 0, both of a pair that cannot tell;
   * a replica mismatch is recorded as node-suspect, naming the rank and its host, and retried;
+  * the supervisor's decision by replay (runtime/suspect.py, MEGAMEMO_REPLAY_SUSPECT=1): a verdict in, a decision
+    out; the replay's process read, or killed with its children past its timeout;
   * the spike rules; their config errors name the key;
-  * 2 ranks: a bit flipped in rank 1's weights at a check is caught, named, and the job resumes from the checkpoint
-    before it with the losses of an uninterrupted run, bit for bit;
+  * 2 ranks: a bit flipped in rank 1's weights at a check is caught, named, replayed by the launcher before its
+    restart (MEGAMEMO_REPLAY_SUSPECT=1: "resume"), and the job resumes from the checkpoint before it with the losses
+    of an uninterrupted run, bit for bit;
   * 2 ranks: a bad batch's spike is rolled back past its data, recorded (interruptions.jsonl, goodput), and a second
-    run with the same injection has the same losses bit for bit;
-  * megamemo replay: identical under the run's own layout, within its stated tolerance for a DP 2 run with keyed
-    dropout replayed in one process, differs at the step whose recorded loss was tampered with;
+    run with the same injection has the same losses bit for bit; the undone attempt's records are kept, and the
+    spike, replayed as it first happened (`--rolled-back`), is identical with the bad batch and differs without;
+  * megamemo replay: identical under the run's own layout (its LR schedule resumed past warmup), within its stated
+    tolerance for a DP 2 run with keyed dropout replayed in one process, differs at the step whose recorded loss was
+    tampered with;
   * the replica check's cost on the CPU at the default interval."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +93,52 @@ def test_a_replica_mismatch_is_recorded_as_node_suspect_and_retried(tmp_path):
     assert interruptions.decide(rec, [rec, rec], restarts_left=1) == (True, "")    # never "deterministic"
 
 
+# ---- the supervisor's decision by replay (runtime/suspect.py) --------------------------------------------------------
+def test_the_supervisors_decision_by_replay_from_its_verdict(tmp_path):
+    from megamemo.runtime import suspect
+
+    same, within = "replay: identical", "replay: within 1.1e-05 relative = 3 steps x 64 tokens x u 6.0e-08"
+    differs = "replay: differs at step 6: loss 5.3 replayed, 5.2 recorded (relative difference 1.92e-02)"
+    assert [suspect.decide("node", v, 6)[0] for v in (same, within, differs, "timed out after 600 s", "")] == \
+        ["resume", "resume", "exclude", "default", "default"]
+    assert [suspect.decide("spike", v, 8)[0] for v in (same, differs)] == ["rollback", "exclude"]
+    rec = {"kind": "node", "step": 6}
+    assert suspect.enabled(rec, {"MEGAMEMO_REPLAY_SUSPECT": "1"})
+    assert not suspect.enabled(rec, {}) and not suspect.enabled(rec, {"MEGAMEMO_REPLAY_SUSPECT": "0"})
+    assert not suspect.enabled({"kind": "crash", "step": 6}, {"MEGAMEMO_REPLAY_SUSPECT": "1"})   # a crash: no replay
+    # the replay's process: its last verdict line read, a failure's last line of error, a timeout
+    fake = tmp_path / "fake"
+    for script, verdict in ((f'echo "[replay] steps 4..6"; echo "{differs}"; exit 1', differs),
+                            ('echo "megamemo replay: error: --step 6: no checkpoint" >&2; exit 2',
+                             "megamemo replay: error: --step 6: no checkpoint"),
+                            ("sleep 30 & sleep 30", "timed out after 1 s")):     # a child of its own too
+        fake.write_text(f"#!/bin/bash\n{script}\n")
+        fake.chmod(0o755)
+        env = {"MEGAMEMO_REPLAY_CMD": str(fake), "MEGAMEMO_REPLAY_TIMEOUT_S": "1", "PATH": os.environ["PATH"]}
+        out = suspect.replay(tmp_path, rec, environ=env)
+        assert (out["verdict"], out["decision"]) == (verdict, suspect.decide("node", verdict, 6)[0]), out
+        assert out["seconds"] < 15, out                  # the timed-out one's children killed with it, not waited for
+
+
+def test_a_stop_signal_during_the_failures_replay_is_not_lost_to_a_restart(monkeypatch):
+    """The launcher records a failure (and replays it, which takes a while) between its workers' end and their
+    restart: a stop signal that arrives meanwhile ends the job instead of starting it again (the signal would have
+    gone to the dead workers, and the new ones would train on)."""
+    from megamemo.runtime.launcher import Launcher
+
+    launcher = Launcher(2, ["true"], log=lambda m: None, max_restarts=3)
+    starts = []
+    monkeypatch.setattr(launcher, "start", lambda: starts.append(1))
+    monkeypatch.setattr(launcher, "wait", lambda: EXIT_NODE_SUSPECT)
+
+    def record():
+        launcher.on_signal(signal.SIGTERM, None)                # during the replay
+        return True, "", None
+
+    monkeypatch.setattr(launcher, "record", record)
+    assert launcher.supervise() == EXIT_NODE_SUSPECT and len(starts) == 1
+
+
 # ---- spikes ------------------------------------------------------------------------------------------------------
 class _Rule:
     def __init__(self, rule, window=4, threshold=None):
@@ -145,13 +197,19 @@ def test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_ex
     run_dir = tmp_path / "run"
     # synchronous saves: the step-3 checkpoint is committed before step 4 (an asynchronous commit can still be under
     # way at the step-6 failure on a loaded machine, and the restart would then start afresh)
+    # MEGAMEMO_REPLAY_SUSPECT=1: before the restart the launcher replays steps 4..6 in two other processes (the
+    # step-3 checkpoint's layout): the flip came after step 6's last recorded number, so they reproduce -> "resume",
+    # written into the failure's record (without it: no replay, test_launch_sbatch_args.py's node-suspect test)
     p = local_launch.start(tiny_cfg, shards, run_dir, "--max-steps", "12", "--set", "checkpoint.async_save=false",
-                           n=2, restarts=1, env={"MEGAMEMO_FAULT_FLIP": "weights:6:1@0"})   # the step-6 check, start 1
+                           n=2, restarts=1, env={"MEGAMEMO_FAULT_FLIP": "weights:6:1@0",   # the step-6 check, start 1
+                                                 "MEGAMEMO_REPLAY_SUSPECT": "1"})
     assert local_launch.finish(p, 300) == 0, local_launch.text(run_dir)[-3000:]
     out = local_launch.text(run_dir)
     assert "megamemo train: error: replica check after step 6: rank 1 (" in out, out[-3000:]
     [rec] = interruptions.history(run_dir)
     assert (rec["kind"], rec["rank"], rec["step"], rec["committed"], rec["exit_code"]) == ("node", 1, 6, 3, 5)
+    assert (rec["replay"]["verdict"], rec["replay"]["decision"]) == ("replay: identical", "resume"), rec
+    assert "--step 6 --dp 2 --tp 1 --pp 1" in out and "[replay] replay: identical -> resume" in out, out[-3000:]
     assert rec["node"] == os.uname().nodename and rec["node_fault"].startswith("replica mismatch: rank 1")
     assert f"resumed from {run_dir}/checkpoints/step_00000003" in out
     assert losses(run_dir) == reference
@@ -182,11 +240,21 @@ def test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit(t
     assert first[8] < 5.4 and first[8] not in (rec["loss"], reference[8])   # batch 10 now, not batch 8 or 9
     g = goodput.of_run(runs[0])
     assert g["interruptions"] == 1 and g["lost_s"] == pytest.approx(rec["seconds_lost"]) and g["steps"] == 12
+    # the undone attempt's steps 7 and 8 (the spike) kept beside metrics.jsonl, and replayed as they first happened
+    kept = [json.loads(x) for x in (runs[0] / "metrics.rolled_back.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["rolled_back"]) for r in kept] == [("train", s, {"spike": 8, "to": 6})
+                                                                        for s in (7, 8)]
+    assert kept[0]["loss"] == first[7] and kept[1]["loss"] == rec["loss"]
+    bad = {"MEGAMEMO_FAULT_BAD_BATCH": "8"}
+    assert replay(runs[0], 8, "--dp", "2", "--rolled-back", env=bad) == (0, "replay: identical")   # the data's fault
+    rc, line = replay(runs[0], 8, "--dp", "2", "--rolled-back")        # other data (no bad batch): not the spike
+    assert rc == 1 and line.startswith("replay: differs at step 8: loss "), line
+    assert replay(runs[0], 8, "--dp", "2", env=bad) == (0, "replay: identical")     # the attempt that stood: skipped
 
 
-def replay(run_dir, step):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-m", "megamemo", "replay", "--ckpt", str(run_dir), "--step", str(step)],
+def replay(run_dir, step, *args, env=None):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO), **(env or {}))
+    p = subprocess.run([sys.executable, "-m", "megamemo", "replay", "--ckpt", str(run_dir), "--step", str(step), *args],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     return p.returncode, p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr
 
@@ -206,6 +274,20 @@ def test_replay_is_identical_under_the_runs_layout_and_finds_a_tampered_step(tin
     (tampered / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     rc, line = replay(tampered, 6)
     assert rc == 1 and line.startswith("replay: differs at step 5: grad_norm "), line
+
+
+@multiproc
+def test_replay_past_warmup_follows_the_runs_lr_schedule(tiny_cfg, shards, reference_runs):
+    """Steps 7..8 of the 12-step 2-rank run (warmup 2, cosine over its 12 steps) replayed under its layout from the
+    step-6 checkpoint: the replay trains to step 8 only, yet its steps must take the run's LRs - the cosine resumed at
+    step 6 of a 12-step schedule, not one over the replay's 8 steps (step 8's update at 0.07 x lr, not 0.5 x; a
+    step's loss comes before its update, so the replay compares each step's LR too) nor one started again from step
+    0 (a warmup's 0.5 x lr at step 7)."""
+    from megamemo.train.engine import lr_factor
+
+    assert lr_factor(7, 2, 12, "cosine", 0.0) == pytest.approx(0.5) and lr_factor(7, 2, 8, "cosine", 0.0) < 0.07
+    two = reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_12_STEPS)
+    assert replay(two, 8, "--dp", "2") == (0, "replay: identical")
 
 
 @multiproc
