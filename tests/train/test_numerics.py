@@ -108,15 +108,15 @@ def test_the_supervisors_decision_by_replay_from_its_verdict(tmp_path):
     assert not suspect.enabled({"kind": "crash", "step": 6}, {"MEGAMEMO_REPLAY_SUSPECT": "1"})   # a crash: no replay
     # the replay's process: its last verdict line read, a failure's last line of error, a timeout
     fake = tmp_path / "fake"
-    for script, verdict in ((f'echo "[replay] steps 4..6"; echo "{differs}"; exit 1', differs),
-                            ('echo "megamemo replay: error: --step 6: no checkpoint" >&2; exit 2',
-                             "megamemo replay: error: --step 6: no checkpoint"),
-                            ("sleep 30 & sleep 30", "timed out after 1 s")):     # a child of its own too
+    for script, expected in ((f'echo "[replay] steps 4..6"; echo "{differs}"; exit 1', differs),
+                             ('echo "megamemo replay: error: --step 6: no checkpoint" >&2; exit 2',
+                              "megamemo replay: error: --step 6: no checkpoint"),
+                             ("sleep 30 & sleep 30", "timed out after 1 s")):     # a child of its own too
         fake.write_text(f"#!/bin/bash\n{script}\n")
         fake.chmod(0o755)
         env = {"MEGAMEMO_REPLAY_CMD": str(fake), "MEGAMEMO_REPLAY_TIMEOUT_S": "1", "PATH": os.environ["PATH"]}
         out = suspect.replay(tmp_path, rec, environ=env)
-        assert (out["verdict"], out["decision"]) == (verdict, suspect.decide("node", verdict, 6)[0]), out
+        assert (out["verdict"], out["decision"]) == (expected, suspect.decide("node", expected, 6)[0]), out
         assert out["seconds"] < 15, out                  # the timed-out one's children killed with it, not waited for
 
 
