@@ -35,3 +35,10 @@ def forward_bound(cfg, scale: float, dtype=torch.float32, klen: int | None = Non
     """How far `runs` computations of a forward pass's output of magnitude `scale` can be apart when they order its
     sums differently: sum_bound over all of forward_reductions(cfg, klen), to first order."""
     return sum_bound(forward_reductions(cfg, klen), scale, dtype, runs)
+
+
+def backward_bound(cfg, scale: float, tokens: int, dtype=torch.float32, klen: int | None = None,
+                   runs: int = 2) -> float:
+    """The same for a gradient of magnitude `scale`: the backward pass runs the forward's reductions again transposed
+    (twice: the forward's own and its transpose), then a weight's gradient sums over the `tokens` positions."""
+    return 2 * forward_bound(cfg, scale, dtype, klen, runs) + sum_bound(tokens, scale, dtype, runs)
