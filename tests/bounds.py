@@ -42,3 +42,16 @@ def backward_bound(cfg, scale: float, tokens: int, dtype=torch.float32, klen: in
     """The same for a gradient of magnitude `scale`: the backward pass runs the forward's reductions again transposed
     (twice: the forward's own and its transpose), then a weight's gradient sums over the `tokens` positions."""
     return 2 * forward_bound(cfg, scale, dtype, klen, runs) + sum_bound(tokens, scale, dtype, runs)
+
+
+def weight_drift(a: dict, b: dict) -> float:
+    """rho: the largest relative difference max|a - b| / max|a| of a floating-point tensor between two state dicts."""
+    return max(float((w - b[k]).abs().max()) / max(float(w.abs().max()), 1e-30)
+               for k, w in a.items() if w.is_floating_point())
+
+
+def drift_bound(cfg, rho: float, scale: float) -> float:
+    """How far a forward pass's output of magnitude `scale` can move between two runs whose weights drifted apart
+    by rho (weight_drift) and whose sums run in other orders: to first order each of the n_layer + 1 stages (the
+    embedding, then each layer) moves its output by at most rho relative, plus forward_bound's rounding."""
+    return (cfg.n_layer + 1) * rho * scale + forward_bound(cfg, scale)
