@@ -8,6 +8,10 @@ from helpers.fixture_data import ENWIK8
 from megamemo.data.cli import prepare_main
 from megamemo.data.stats import entropy_bits, excerpt, unigram_baseline, unigram_bits
 
+# Tolerances here: pytest.approx (default rel 1e-6) and rel=1e-12 compare float64 evaluations of the same formula
+# (IEEE arithmetic, rounded alike on any CPU; numpy's sums in another order at most): they differ by a few u64
+# (1.1e-16) relative, so either tolerance only says 'the same number'. Nothing here depends on a CPU's kernels.
+
 
 def test_unigram_bits_add_one_by_hand():
     # fitted on [0, 0, 1] over 2 symbols: counts + 1 = [3, 2] -> p = [0.6, 0.4]

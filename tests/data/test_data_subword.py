@@ -22,6 +22,10 @@ from megamemo.data import read_split
 from megamemo.data.cli import prepare_main
 from megamemo.data.tokenizer import SubwordTokenizer, train_bpe
 
+# Tolerances here: pytest.approx (default rel 1e-6) and rel=1e-12 compare float64 evaluations of the same formula
+# (IEEE arithmetic, rounded alike on any CPU; numpy's sums in another order at most): they differ by a few u64
+# (1.1e-16) relative, so either tolerance only says 'the same number'. Nothing here depends on a CPU's kernels.
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = TEXT / "wiki_paragraphs.jsonl"
 EOD = "<|endoftext|>"

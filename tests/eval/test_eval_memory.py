@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers.bounds import sum_bound
 from helpers.eval_fixtures import one_thread, tiny_checkpoint  # noqa: F401 (one_thread: autouse fixture)
 from helpers.fixture_data import ENWIK8
 
@@ -48,6 +49,7 @@ def _with_memory(ckpt_dir, model, memory: Memory):
     return ckpt_dir / "memory.safetensors"
 
 
+@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 @pytest.mark.parametrize("variant", ["lamemo", "xl"])
 def test_eval_from_the_saved_memory_continues_the_streams(streams, tmp_path, variant):
     shards, data = streams
@@ -69,8 +71,10 @@ def test_eval_from_the_saved_memory_continues_the_streams(streams, tmp_path, var
                               "--batch-size", str(B), "--json", str(out)] + extra) == 0
         res[name] = json.loads(out.read_text())
     assert res["from"]["tokens"] == tokens == (N_SEG - K) * L * B and res["from"]["memory"] == str(memory)
-    assert res["from"]["nll"] == pytest.approx(rest / tokens, rel=1e-9)
-    assert abs(res["empty"]["nll"] - res["from"]["nll"]) > 1e-4         # the memory matters
+    # the same model, kernels and shapes in one process: the per-token fp32 values are equal bit for bit; only the
+    # fp64 totals' order differs: 2 N u64 relative to the (positive) mean
+    assert res["from"]["nll"] == pytest.approx(rest / tokens, rel=sum_bound(tokens, 1.0, torch.float64), abs=0)
+    assert abs(res["empty"]["nll"] - res["from"]["nll"]) > 1e-4         # the memory matters (far above that)
     assert res["dir"]["nll"] == res["from"]["nll"]                      # the converted directory names it too
 
 

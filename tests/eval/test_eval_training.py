@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.bounds import sum_bound
 from helpers.eval_fixtures import one_thread  # noqa: F401 (one_thread: autouse fixture)
 from helpers.shards import SMALL, sized
 from safetensors.torch import load_file
@@ -47,6 +48,7 @@ def run_eval(ckpt, data, *extra) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     run = tmp_path / "run"
     evals = train(run, shards, "--set", "eval.max_segments=0")
@@ -55,8 +57,10 @@ def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     got = run_eval(run, shards, "--batch-size", "8")            # the run directory, converted in memory
     assert (got["tgt_len"], got["mem_len"]) == (val["tgt_len"], val["mem_len"])
     assert got["tokens"] == val["tokens"]
-    assert got["nll"] == pytest.approx(val["loss"], rel=1e-7)
-    assert got["bpc"] == pytest.approx(val["bpc"], rel=1e-7)
+    # the same weights, shapes and kernels in one process each: the per-token fp32 values are equal bit for bit;
+    # only the fp64 totals' order may differ: 2 N u64 relative to the (positive) mean, bpc one division more
+    assert got["nll"] == pytest.approx(val["loss"], rel=sum_bound(got["tokens"], 1.0, torch.float64), abs=0)
+    assert got["bpc"] == pytest.approx(val["bpc"], rel=sum_bound(got["tokens"] + 1, 1.0, torch.float64), abs=0)
 
     single = tmp_path / "single"
     assert convert_cmd.main(["to-single", "--ckpt", str(run), "--out", str(single)]) == 0
@@ -106,4 +110,6 @@ def test_bf16_zero2_data_parallel_run_is_consolidated(shards, tmp_path):
     val = evals[-1]
     got = run_eval(run, shards, "--batch-size", "8", "--max-segments", "20", "--dtype", "bf16")
     assert got["tokens"] == val["tokens"]
+    # bf16 both: eval's bf16 forward against the validation's bf16 forward in DeepSpeed's engine (its own casts and
+    # module; not derived here: bf16's u = 3.9e-3 makes the operation-count bound exceed the value itself)
     assert got["nll"] == pytest.approx(val["loss"], rel=1e-4)

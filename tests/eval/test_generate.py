@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from helpers.bounds import forward_bound, unit_roundoff
 from helpers.eval_fixtures import one_thread, tiny_checkpoint, word_shards  # noqa: F401 (one_thread: autouse fixture)
 
 from megamemo import cli
@@ -11,6 +12,8 @@ from megamemo.commands import generate as generate_cmd
 from megamemo.interop.vocabulary import encode_prompt
 from megamemo.model import generation as gen_mod
 from megamemo.model.generation import Decoder, generate, nucleus_probs
+
+pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 
 PROMPT = b"<page>\n  <title>Anarchism</title>\n  <id>12</id>\n  <revision>\n"
 
@@ -33,10 +36,15 @@ def test_first_token_distribution_is_the_models_next_token_distribution(tmp_path
             lp, _ = model(torch.tensor(ids[-c.tgt_len:])[:, None])
             last = lp[-1, 0]
     new, dists = generate(model, ids, 3, top_p=1.0, seed=0, return_logprobs=True)
-    assert torch.allclose(dists[0], last, atol=1e-5)
-    assert torch.allclose(Decoder(model).feed(ids), last, atol=1e-5)
-    # and the sampler draws from exactly that distribution when top_p = 1
-    assert torch.allclose(nucleus_probs(dists[0]), last.exp(), atol=1e-6)
+    # generate() and the Decoder cut the prompt into other segments than the loop above: the same sums in other
+    # shapes, so other orders. fp32, two orders of the forward pass's reductions (tests/helpers/bounds.py): at max|log p|
+    tol = forward_bound(c, float(last.abs().max()), klen=mem_len + c.tgt_len)
+    assert torch.allclose(dists[0], last, atol=tol, rtol=0), (float((dists[0] - last).abs().max()), tol)
+    assert torch.allclose(Decoder(model).feed(ids), last, atol=tol, rtol=0)
+    # and the sampler draws from exactly that distribution when top_p = 1: probabilities <= 1 from one exp and a
+    # normaliser of n_token terms each, so within 2 u + n_token u of exp(last), plus exp's gain on the log-probs' tol
+    tol_p = tol + (2 + c.n_token) * unit_roundoff()
+    assert torch.allclose(nucleus_probs(dists[0]), last.exp(), atol=tol_p, rtol=0)
 
 
 def test_fixed_seed_is_reproducible(tmp_path):
@@ -57,12 +65,18 @@ def test_xl_carried_memory_equals_reencoding_the_whole_context(tmp_path):
     full = torch.tensor(ids + new[:-1])[:, None]
     with torch.no_grad():
         lp, _ = model(full, None, None, mem_len=0)
+    # one-token segments against one pass: other shapes, so other orders of the same sums; fp32, two orders of a
+    # forward pass over up to 200 keys (tests/helpers/bounds.py), at the log-probabilities' size
     for k, d in enumerate(dists):
-        assert torch.allclose(d, lp[len(ids) - 1 + k, 0], atol=1e-4), k
+        want = lp[len(ids) - 1 + k, 0]
+        tol = forward_bound(model.cfg, float(want.abs().max()), klen=200 + 1)
+        assert torch.allclose(d, want, atol=tol, rtol=0), (k, float((d - want).abs().max()), tol)
 
 
 def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     lp = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    # allclose's default rtol 1e-5 (fp32): a log, a division by the temperature, an exp and a 4-term normaliser
+    # each round once, on log-probabilities up to |lp / T| = 4.2: about (3 + 4 + 4.2) u = 6.7e-7, well inside
     assert torch.allclose(nucleus_probs(lp, 0.75), torch.tensor([2 / 3, 1 / 3, 0, 0]))
     assert torch.allclose(nucleus_probs(lp, 0.76), torch.tensor([0.5, 0.25, 0.125, 0]) / 0.875)
     assert torch.allclose(nucleus_probs(lp, 0.1), torch.tensor([1.0, 0, 0, 0]))
@@ -70,7 +84,9 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     g = torch.Generator().manual_seed(0)
     probs = nucleus_probs(lp, 0.76)
     draws = torch.bincount(torch.tensor([gen_mod.sample(probs, g) for _ in range(20000)]), minlength=4)
-    assert torch.allclose(draws / 20000.0, probs, atol=0.015)
+    # sampling noise, not rounding: the frequency of a probability-p outcome in 20000 draws has standard deviation
+    # sqrt(p (1 - p) / 20000) <= 0.0036; 0.015 is 4 of them (and the seeded draws are the same on any CPU)
+    assert torch.allclose(draws / 20000.0, probs, atol=0.015, rtol=0)
     with pytest.raises(ValueError, match="top_p"):
         nucleus_probs(lp, 0.0)
 

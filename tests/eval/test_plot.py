@@ -18,6 +18,10 @@ from megamemo import cli
 from megamemo.commands import plot as plot_cmd
 from megamemo.eval import plot
 
+# Tolerances here: pytest.approx (default rel 1e-6) and rel=1e-12 compare float64 evaluations of the same formula
+# (IEEE arithmetic, rounded alike on any CPU; numpy's sums in another order at most): they differ by a few u64
+# (1.1e-16) relative, so either tolerance only says 'the same number'. Nothing here depends on a CPU's kernels.
+
 REPO = Path(__file__).resolve().parents[2]
 LN2 = math.log(2.0)
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers.bounds import forward_bound
 from helpers.fixture_data import reference_file
 
 from megamemo import cli
@@ -14,6 +15,7 @@ from megamemo.checkpoint.single import load_single
 from megamemo.commands import convert
 
 
+@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 @pytest.mark.parametrize("name", ["lamemo_at3_tgt8_mem8", "txl_tgt8_mem8"])
 def test_imported_reference_reproduces_the_reference_nll(name, tmp_path):
     src = reference_file(name)
@@ -24,12 +26,16 @@ def test_imported_reference_reproduces_the_reference_nll(name, tmp_path):
     assert meta["imported_from"].startswith(g["reference"].split("@")[0])
     mem = None
     with torch.no_grad():
-        for x, y, want in zip(g["inputs"], g["targets"], g["nll"], strict=True):
+        for k, (x, y, want) in enumerate(zip(g["inputs"], g["targets"], g["nll"], strict=True)):
             nll, mem = model(x, y, mem)
-            assert torch.allclose(nll, want, atol=1e-5, rtol=0), float((nll - want).abs().max())
+            # the reference's own fp32 run, other kernels: two orders of the forward pass's sums, once per segment
+            # the memory carried (tests/helpers/bounds.py, as tests/model/test_model_reference.py)
+            tol = (k + 1) * forward_bound(model.cfg, float(want.abs().max()))
+            assert torch.allclose(nll, want, atol=tol, rtol=0), float((nll - want).abs().max())
     assert mem.length == g["config"]["mem_len"]
 
 
+@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 def test_bare_state_dict_needs_its_constructor_config(tmp_path, capsys):
     g = torch.load(reference_file("txl_tgt8_mem8"), weights_only=True)
     torch.save(g["state_dict"], tmp_path / "sd.pt")
@@ -43,7 +49,7 @@ def test_bare_state_dict_needs_its_constructor_config(tmp_path, capsys):
     model, _ = load_single(out)
     with torch.no_grad():
         nll, _ = model(g["inputs"][0], g["targets"][0])
-    assert torch.allclose(nll, g["nll"][0], atol=1e-5, rtol=0)
+    assert torch.allclose(nll, g["nll"][0], atol=forward_bound(model.cfg, float(g["nll"][0].abs().max())), rtol=0)
 
 
 def test_wrong_reference_weights_are_refused(tmp_path, capsys):

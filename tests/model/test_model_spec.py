@@ -3,6 +3,7 @@ configurations the golden files do not cover: mem_len != tgt_len, same_length, c
 evaluation at other lengths than the model was built with, and Transformer+RPE (no golden file at all)."""
 import pytest
 import torch
+from helpers.bounds import forward_bound
 from helpers.kernel_paths import PATHS, on_path
 from helpers.spec_oracle import run_segment
 
@@ -49,9 +50,14 @@ def test_matches_naive_spec(variant, L, mem_len, eval_mem, same_length, clamp):
                 nll, mem = on_path(model, path)(x, y, mems[path], mem_len=eval_mem, same_length=same_length,
                                                 clamp_len=clamp)
                 mems[path] = mem
-                assert torch.allclose(nll.double(), onll, atol=1e-5), \
-                    f"{path} segment {s}: {(nll.double() - onll).abs().max()}"
+                # fp32 against the fp64 oracle (runs=1), the memory carrying s earlier segments' errors: (s + 1)
+                # forward passes' reductions over up to L + memory keys (tests/helpers/bounds.py). The old flat 1e-5 was
+                # used up to 0.33 by the NLLs; measured <= 0.02 of this bound at both ISAs.
+                tol = (s + 1) * forward_bound(cfg, float(onll.abs().max()), klen=L + use_mem, runs=1)
+                assert torch.allclose(nll.double(), onll, rtol=0, atol=tol), \
+                    f"{path} segment {s}: {(nll.double() - onll).abs().max()} > {tol}"
                 assert mem.length == min(use_mem, (s + 1) * L)
                 assert sorted(mem.tensors) == sorted(omem)
                 for k, t in omem.items():
-                    assert torch.allclose(mem[k].double(), t, atol=1e-5), f"{path} segment {s} memory {k}"
+                    tol = (s + 1) * forward_bound(cfg, float(t.abs().max()), klen=L + use_mem, runs=1)
+                    assert torch.allclose(mem[k].double(), t, rtol=0, atol=tol), f"{path} segment {s} memory {k}"

@@ -14,6 +14,10 @@ from megamemo.plan.optrace import Segment, trace
 from megamemo.plan.steptime import explain, step_time
 from megamemo.train import config
 
+# Tolerances here: pytest.approx (default rel 1e-6) and rel=1e-12 compare float64 evaluations of the same formula
+# (IEEE arithmetic, rounded alike on any CPU; numpy's sums in another order at most): they differ by a few u64
+# (1.1e-16) relative, so either tolerance only says 'the same number'. Nothing here depends on a CPU's kernels.
+
 
 def load(path, overrides=()):
     """A config as `megamemo plan` reads it before any data exists: the large configs' `model.n_token: auto` taken

@@ -14,6 +14,10 @@ from megamemo.model import ModelConfig
 from megamemo.model.flops import forward_flops
 from megamemo.plan.optrace import FIELDS, _run, local_config, record, trace
 
+# Tolerances here: pytest.approx (default rel 1e-6) and rel=1e-12 compare float64 evaluations of the same formula
+# (IEEE arithmetic, rounded alike on any CPU; numpy's sums in another order at most): they differ by a few u64
+# (1.1e-16) relative, so either tolerance only says 'the same number'. Nothing here depends on a CPU's kernels.
+
 
 def small(variant="lamemo", L=16, M=16, **kw) -> ModelConfig:
     base = dict(variant=variant, n_token=96, n_layer=3, d_model=32, n_head=4, d_head=8, d_inner=64, dropout=0.1,

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.bounds import forward_bound, sum_bound
 from helpers.distributed import run_distributed
 from helpers.fixture_data import REPO
 
@@ -257,10 +258,13 @@ def _tp_worker(rank, world):
     finally:
         torch.set_default_device(None)
         groups.dist.all_reduce = real_all_reduce
-    assert reduced == [torch.device("cpu")] and abs(got - want) <= 1e-9 * want, (reduced, got, want)
+    # fp64 squares of the same fp32 gradients summed in another order (and a sqrt): 2 N u64 relative, N elements
+    rel = sum_bound(sum(p.grad.numel() for p in model.parameters() if p.grad is not None), 1.0, torch.float64)
+    assert reduced == [torch.device("cpu")] and abs(got - want) <= rel * want, (reduced, got, want, rel)
 
 
 @pytest.mark.multiproc
+@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
 def test_tensor_parallel_streams_layers_and_grad_norm():
     run_distributed(_tp_worker, 2)
 
@@ -307,10 +311,13 @@ def _pp_worker(rank, world):
     assert traffic and set(traffic) == {cpu}, traffic        # header, rows and meta: all on the engine's device
     if rank == world - 1:
         want = Evaluator(cfg, lambda: iter(segments), lambda: single, cpu, 1, None).score()
-        assert torch.allclose(total, want, rtol=1e-6), (total, want)
+        # the stages compute the same layers in other processes: two orders of the forward pass's fp32 sums, per
+        # token relative to its (positive) NLL and so to the total (tests/helpers/bounds.py)
+        assert torch.allclose(total, want, rtol=forward_bound(cfg.model, 1.0), atol=0), (total, want)
 
 
 @pytest.mark.multiproc
+@pytest.mark.numerics
 def test_pipeline_evaluator_sends_only_tensors_on_the_communication_device():
     run_distributed(_pp_worker, 2)
 

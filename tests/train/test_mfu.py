@@ -15,6 +15,10 @@ from megamemo.runtime.peak import device_peak, matmul_dtype, peak_flops, table_r
 from megamemo.train import metrics as metrics_mod
 from megamemo.train.metrics import Metrics
 
+# Tolerances here: pytest.approx (default rel 1e-6) and rel=1e-12 compare float64 evaluations of the same formula
+# (IEEE arithmetic, rounded alike on any CPU; numpy's sums in another order at most): they differ by a few u64
+# (1.1e-16) relative, so either tolerance only says 'the same number'. Nothing here depends on a CPU's kernels.
+
 LINE = re.compile(r"tok/s ([\d,]+) \| ([\d.]+) ([kMGTP])FLOP/s \| HFU (n/a|[\d.]+%) \| MFU (n/a|[\d.]+%)")
 SCALE = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 

@@ -12,6 +12,10 @@ import torch
 
 from megamemo.util import files, precision, seeding, units
 
+# Tolerances here: pytest.approx (default rel 1e-6) and rel=1e-12 compare float64 evaluations of the same formula
+# (IEEE arithmetic, rounded alike on any CPU; numpy's sums in another order at most): they differ by a few u64
+# (1.1e-16) relative, so either tolerance only says 'the same number'. Nothing here depends on a CPU's kernels.
+
 
 def test_atomic_write_replaces_whole_or_leaves_the_old_file(tmp_path):
     target = tmp_path / "doc.json"
