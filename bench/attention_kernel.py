@@ -20,6 +20,7 @@ no credit for them.
 Each form's row is appended to --out (JSON lines) as soon as it is measured, so a kill keeps what ran; the table
 printed last repeats them with each form's TFLOP/s over sdpa's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,20 +30,19 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")      # compiled and flex need dynamo
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")  # compiled and flex need dynamo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from megamemo.kernels.flex import flex_causal_attention  # noqa: E402
-from megamemo.kernels.fused import fused_causal_attention  # noqa: E402
-from megamemo.model.attention import causal_attention  # noqa: E402
-from megamemo.model.positions import causal_mask  # noqa: E402
+from megamemo.kernels.flex import flex_causal_attention
+from megamemo.kernels.fused import fused_causal_attention
+from megamemo.model.attention import causal_attention
+from megamemo.model.positions import causal_mask
 
 FORMS = ("sdpa", "eager", "compiled", "flex", "fused")
-GPU_SHAPES = [dict(B=4, L=512, M=512), dict(B=4, L=512, M=2048), dict(B=4, L=512, M=4096),
-              dict(B=1, L=512, M=16384)]
+GPU_SHAPES = [dict(B=4, L=512, M=512), dict(B=4, L=512, M=2048), dict(B=4, L=512, M=4096), dict(B=1, L=512, M=16384)]
 TINY_SHAPE = dict(B=2, L=16, M=16)
 
 
@@ -51,9 +51,17 @@ def inputs(n, dh, B, L, M, device, dtype, seed=0):
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.5).to(device=device, dtype=dtype).requires_grad_()
+
     klen = M + L
-    return dict(q=rnd(n, B, L, dh), k=rnd(n, B, klen, dh), v=rnd(n, B, klen, dh), r=rnd(n, klen + 1, dh),
-                u=rnd(n, dh), vb=rnd(n, dh), mask=causal_mask(L, M, 0, False, device))
+    return dict(
+        q=rnd(n, B, L, dh),
+        k=rnd(n, B, klen, dh),
+        v=rnd(n, B, klen, dh),
+        r=rnd(n, klen + 1, dh),
+        u=rnd(n, dh),
+        vb=rnd(n, dh),
+        mask=causal_mask(L, M, 0, False, device),
+    )
 
 
 def call(form: str, x: dict, scale: float):
@@ -61,8 +69,12 @@ def call(form: str, x: dict, scale: float):
     if form == "sdpa":
         q = (x["q"] + x["u"][:, None, None]).transpose(0, 1)
         return F.scaled_dot_product_attention(q, x["k"].transpose(0, 1), x["v"].transpose(0, 1), scale=scale), None
-    fn = {"eager": causal_attention, "compiled": _compiled(), "flex": flex_causal_attention,
-          "fused": fused_causal_attention}[form]
+    fn = {
+        "eager": causal_attention,
+        "compiled": _compiled(),
+        "flex": flex_causal_attention,
+        "fused": fused_causal_attention,
+    }[form]
     return fn(x["q"], x["k"], x["v"], x["r"], x["u"], x["vb"], x["mask"], scale, lse="grad")
 
 
@@ -88,7 +100,7 @@ def _sync(device):
 
 
 def timed(fn, device, reps: int) -> float:
-    fn()                                # warm-up (compiles)
+    fn()  # warm-up (compiles)
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -121,7 +133,7 @@ def measure(form: str, x: dict, scale: float, device, reps: int) -> dict:
 def run_shape(shape: dict, forms, n, dh, dtype, device, reps: int, out: Path | None, log=print) -> list[dict]:
     x = inputs(n, dh, **shape, device=device, dtype=dtype)
     visible = int((~x["mask"]).sum())
-    scale = dh ** -0.5
+    scale = dh**-0.5
     rows = []
     for form in forms:
         row = {"form": form, **shape, "heads": n, "d_head": dh, "dtype": str(dtype)[6:], "device": str(device)}
@@ -131,7 +143,7 @@ def run_shape(shape: dict, forms, n, dh, dtype, device, reps: int, out: Path | N
             row.update(fwd_tflops=f / row["fwd_ms"] / 1e9, fwd_bwd_tflops=fb / row["fwd_bwd_ms"] / 1e9)
         except torch.cuda.OutOfMemoryError:
             row["error"] = "out of memory"
-        except Exception as e:              # noqa: BLE001 - a form that cannot run here says so in its row
+        except Exception as e:  # a form that cannot run here says so in its row
             row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -148,8 +160,10 @@ def line(row: dict) -> str:
     if "error" in row:
         return f"{what} {row['error']}"
     peak = "" if row["peak_gib"] is None else f"  peak {row['peak_gib']:.2f} GiB"
-    return (f"{what} fwd {row['fwd_ms']:8.3f} ms ({row['fwd_tflops']:7.2f} TFLOP/s)  fwd+bwd "
-            f"{row['fwd_bwd_ms']:8.3f} ms ({row['fwd_bwd_tflops']:7.2f} TFLOP/s){peak}")
+    return (
+        f"{what} fwd {row['fwd_ms']:8.3f} ms ({row['fwd_tflops']:7.2f} TFLOP/s)  fwd+bwd "
+        f"{row['fwd_bwd_ms']:8.3f} ms ({row['fwd_bwd_tflops']:7.2f} TFLOP/s){peak}"
+    )
 
 
 def ratios(rows: list[dict]) -> list[str]:
@@ -177,7 +191,7 @@ def main(argv=None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
     if a.tiny:
         shapes, n, dh, dtype = [TINY_SHAPE], 2, 16, torch.float32
-        forms = a.forms or ["eager", "fused"]     # CPU: flex has no backward, compiling would cost minutes
+        forms = a.forms or ["eager", "fused"]  # CPU: flex has no backward, compiling would cost minutes
     else:
         shapes, n, dh, dtype = [s for s in GPU_SHAPES if s["M"] <= a.max_mem], 16, 128, torch.bfloat16
         forms = a.forms or list(FORMS)

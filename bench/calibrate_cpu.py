@@ -18,6 +18,7 @@ a step per parameter held and owned (zero_step_seconds_per_param), and its gradi
 beyond the all-reduce at dp 2 and 4 (the same engine in 2 and 4 processes). The JSON line printed last is
 devices.CPU_CALIBRATION's form.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ import torch.multiprocessing as mp
 
 from megamemo.runtime.dist import free_port
 
-SIZES = [2 ** k for k in range(10, 25, 2)]        # fp32 elements: 4 KiB .. 64 MiB (and 256 MiB)
+SIZES = [2**k for k in range(10, 25, 2)]  # fp32 elements: 4 KiB .. 64 MiB (and 256 MiB)
 
 
 # the clock timings are read from: wall time here (alone on the machine); tests/plan/test_plan_measured.py reads this
@@ -63,11 +64,12 @@ def gemm_rates(d: int, repeat: int, widths=None, layers: int = 8) -> dict[int, f
             ws = [torch.randn(d, n) for _ in range(layers)]
             x, g = torch.randn(t, d), torch.randn(t, n)
 
-            def step(ws=ws, x=x, g=g):                  # this iteration's tensors, bound
+            def step(ws=ws, x=x, g=g):  # this iteration's tensors, bound
                 for w in ws:
                     x @ w
                     g @ w.T
                     x.T @ g
+
             s = _median_time(step, repeat)
             by_width.setdefault(min(t, n), []).append(3 * 2 * t * d * n * layers / s)
     return {w: statistics.median(r) for w, r in sorted(by_width.items())}
@@ -82,8 +84,12 @@ def layer_gemm_rate(d_model: int, heads_dim: int, d_inner: int, tp: int, rows: i
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    shapes = [(d_model, 3 * heads_dim // tp), (heads_dim // tp, d_model), (d_model, d_inner // tp),
-              (d_inner // tp, d_model)]
+    shapes = [
+        (d_model, 3 * heads_dim // tp),
+        (heads_dim // tp, d_model),
+        (d_model, d_inner // tp),
+        (d_inner // tp, d_model),
+    ]
     ws = [torch.randn(o, i, requires_grad=True) for i, o in shapes]
     xs = [torch.randn(rows, i, requires_grad=True) for i, _ in shapes]
     gs = [torch.randn(rows, o) for _, o in shapes]
@@ -92,6 +98,7 @@ def layer_gemm_rate(d_model: int, heads_dim: int, d_inner: int, tp: int, rows: i
         for w, x, g in zip(ws, xs, gs, strict=True):
             w.grad = x.grad = None
             F.linear(x, w).backward(g)
+
     return sum(3 * 2 * rows * i * o for i, o in shapes) / _median_time(step, repeat)
 
 
@@ -111,7 +118,7 @@ def optimizer_seconds_per_param(repeat: int) -> float:
     """torch.optim.Adam's step as megamemo makes it (optim.fused, the default: torch's fused kernel) over 16 M
     fp32 parameters, per parameter."""
     torch.set_num_threads(1)
-    p = torch.nn.Parameter(torch.randn(16 * 2 ** 20))
+    p = torch.nn.Parameter(torch.randn(16 * 2**20))
     p.grad = torch.randn_like(p)
     opt = torch.optim.Adam([p], lr=1e-4, fused=True)
     return _median_time(opt.step, repeat) / p.numel()
@@ -131,7 +138,7 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ar, ag, p2p = [], [], []
-    for n in SIZES + [2 ** 26]:
+    for n in SIZES + [2**26]:
         t = torch.ones(n)
         dist.barrier()
         s = _median_time(lambda t=t: dist.all_reduce(t), repeat)
@@ -141,6 +148,7 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
         s = _median_time(lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard), repeat)
         ag.append(((world - 1) / world * 4 * n, s))
         if world == 2:
+
             def pingpong(t=t):
                 if rank == 0:
                     dist.send(t, 1)
@@ -148,11 +156,17 @@ def _worker(rank: int, world: int, port: int, repeat: int, out: dict):
                 else:
                     dist.recv(t, 0)
                     dist.send(t, 0)
+
             dist.barrier()
             p2p.append((4 * n, _median_time(pingpong, repeat) / 2))
     if rank == 0:
-        out[world] = {"allreduce": _fit(ar), "allreduce_points": ar, "allgather": _fit(ag), "allgather_points": ag,
-                      "p2p": _fit(p2p) if p2p else None}
+        out[world] = {
+            "allreduce": _fit(ar),
+            "allreduce_points": ar,
+            "allgather": _fit(ag),
+            "allgather_points": ag,
+            "p2p": _fit(p2p) if p2p else None,
+        }
     dist.destroy_process_group()
 
 
@@ -172,14 +186,17 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
     from megamemo.train.config import load
     from megamemo.train.engine import Engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     deepspeed.init_distributed("gloo", verbose=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(weights)])
     plain = torch.nn.Sequential(*[torch.nn.Linear(1, 1, bias=False) for _ in range(weights)])
-    for mine, theirs in zip(plain, model, strict=True):      # the same weights' memory, leaves of their own (no engine hooks)
+    for mine, theirs in zip(
+        plain, model, strict=True
+    ):  # the same weights' memory, leaves of their own (no engine hooks)
         mine.weight = torch.nn.Parameter(theirs.weight.detach())
     params = sum(p.numel() for p in model.parameters())
     cfg = load(None, ["model.variant=lamemo", "train.grad_accum=1", "parallel.tp=1", "parallel.pp=1"])
@@ -204,7 +221,7 @@ def _zero_worker(rank: int, world: int, port: int, repeat: int, out: dict, weigh
         if world > 1:
             dist.all_reduce(bucket)
         t5 = time.perf_counter()
-        if i:       # the first fills DeepSpeed's buffers
+        if i:  # the first fills DeepSpeed's buffers
             times["plain"].append(plain_s)
             times["backward"].append(t2 - t1)
             times["step"].append(t3 - t2)
@@ -218,8 +235,13 @@ def zero_step_seconds_per_param(repeat: int, world: int = 1, weights: int = 8) -
     """(held, owned) seconds per parameter of DeepSpeed's ZeRO 1 work around a step at dp = world, wall time of
     one of `world` processes running it at once (see _zero_worker)."""
     out = mp.Manager().dict()
-    mp.start_processes(_zero_worker, args=(world, free_port(), max(repeat, 3), out, weights), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _zero_worker,
+        args=(world, free_port(), max(repeat, 3), out, weights),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     return out[world]
 
 
@@ -232,16 +254,27 @@ def layer_overhead_seconds(repeat: int) -> float:
     torch.set_num_threads(1)
     times = {}
     for n in (2, 6):
-        cfg = ModelConfig(variant="lamemo", n_token=16, n_layer=n, d_model=16, n_head=2, d_head=8, d_inner=32,
-                          dropout=0.0, tgt_len=32, mem_len=32)
+        cfg = ModelConfig(
+            variant="lamemo",
+            n_token=16,
+            n_layer=n,
+            d_model=16,
+            n_head=2,
+            d_head=8,
+            d_inner=32,
+            dropout=0.0,
+            tgt_len=32,
+            mem_len=32,
+        )
         model = MemTransformerLM(cfg).train()
-        apply_kernels(model, "auto", "cpu")                 # as `megamemo train` on this CPU
+        apply_kernels(model, "auto", "cpu")  # as `megamemo train` on this CPU
         x = torch.randint(0, 16, (32, 1))
         _, mem = model(x, x)
 
-        def step(model=model, x=x, mem=mem):            # this iteration's model, bound
+        def step(model=model, x=x, mem=mem):  # this iteration's model, bound
             nll, _ = model(x, x, mem)
             nll.mean().backward()
+
         times[n] = _median_time(step, max(repeat, 5))
     return (times[6] - times[2]) / 4
 
@@ -249,17 +282,18 @@ def layer_overhead_seconds(repeat: int) -> float:
 def first_touch_and_memory_rates() -> tuple[float, float]:
     """(bytes/s filling a new 1 GiB tensor, bytes/s filling it again), one thread, median of 3."""
     torch.set_num_threads(1)
-    n = 2 ** 28
+    n = 2**28
     reused = torch.empty(n)
     reused.fill_(0.0)
 
     def fresh():
         torch.empty(n).fill_(1.0)
+
     return 4 * n / _median_time(fresh, 3), 4 * n / _median_time(lambda: reused.fill_(1.0), 3)
 
 
-LAYER = (2048, 2048, 8192)      # the rehearsal's layer (d_model, heads x d_head, d_inner): lamemo-1.3b's
-LAYER_POINTS = [(tp, rows) for tp in (1, 2, 4) for rows in (64, 128, 256)]   # its layouts on 4 ranks (rows: 64 a stream)
+LAYER = (2048, 2048, 8192)  # the rehearsal's layer (d_model, heads x d_head, d_inner): lamemo-1.3b's
+LAYER_POINTS = [(tp, rows) for tp in (1, 2, 4) for rows in (64, 128, 256)]  # its layouts on 4 ranks (rows: 64 a stream)
 # the sizes ZeRO's reduction is measured at, in [2048, 2048] weights: about 1/4 and 1/2 of the rehearsal's 0.22 B
 # parameters, what a rank of its TP2 and TP4/PP layouts holds (at dp 4 on 2 cores the cost per parameter grows with
 # size: 8.6-10.9 ns at 54.5 M, 9.6-15.6 at 109 M). Not all of it: 4 processes of this benchmark holding 218 M
@@ -272,56 +306,87 @@ ZERO_REDUCE_WEIGHTS = (13, 26)
 
 def calibrate(d_model: int = 2048, repeat: int = 3, ranks: int = 4, concurrent: bool = False, log=print) -> dict:
     """Measure everything and return the calibration (devices.CPU_CALIBRATION's form)."""
-    log(f"cores: {os.cpu_count()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
-        f"load average {os.getloadavg()[0]:.2f}")
+    log(
+        f"cores: {os.cpu_count()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     rates = gemm_rates(d_model, repeat)
-    log("GEMM rate (one thread, fp32, fwd+bwd of [T, d] x [d, n]) by min(T, n): "
-        + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in rates.items()) + " GFLOP/s")
+    log(
+        "GEMM rate (one thread, fp32, fwd+bwd of [T, d] x [d, n]) by min(T, n): "
+        + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in rates.items())
+        + " GFLOP/s"
+    )
     shared = concurrent_gemm_rates(ranks, d_model, repeat) if concurrent else {}
     if shared:
-        log(f"the same in {ranks} processes at once, per process: "
-            + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in shared.items()) + " GFLOP/s")
+        log(
+            f"the same in {ranks} processes at once, per process: "
+            + ", ".join(f"{w}: {r / 1e9:.1f}" for w, r in shared.items())
+            + " GFLOP/s"
+        )
     layer = {f"{tp}x{rows}": layer_gemm_rate(*LAYER, tp, rows, repeat) for tp, rows in LAYER_POINTS}
-    log(f"a {LAYER} layer's projections (fwd+bwd through autograd) by tp x rows: "
-        + ", ".join(f"{k}: {r / 1e9:.1f}" for k, r in layer.items()) + " GFLOP/s")
+    log(
+        f"a {LAYER} layer's projections (fwd+bwd through autograd) by tp x rows: "
+        + ", ".join(f"{k}: {r / 1e9:.1f}" for k, r in layer.items())
+        + " GFLOP/s"
+    )
     zero_held, zero_owned = zero_step_seconds_per_param(repeat)
-    log(f"DeepSpeed ZeRO 1 around a step: {zero_held * 1e9:.2f} ns per parameter held (reduction copies), "
-        f"{zero_owned * 1e9:.2f} ns per parameter owned (norm, clip, Adam, copy back)")
+    log(
+        f"DeepSpeed ZeRO 1 around a step: {zero_held * 1e9:.2f} ns per parameter held (reduction copies), "
+        f"{zero_owned * 1e9:.2f} ns per parameter owned (norm, clip, Adam, copy back)"
+    )
     zero_reduce = {}
     for dp in (2, 4):
         for w in ZERO_REDUCE_WEIGHTS:
             try:
                 zero_reduce.setdefault(dp, {})[w * 2048 * 2048] = zero_step_seconds_per_param(repeat, dp, w)[0]
-            except mp.ProcessExitedException as e:      # e.g. the OOM killer: the sizes measured stand
+            except mp.ProcessExitedException as e:  # e.g. the OOM killer: the sizes measured stand
                 log(f"ZeRO's reduction at dp {dp}, {w * 2048 * 2048 / 1e6:.1f} M parameters: not measured ({e})")
-    log("DeepSpeed ZeRO 1's gradient reduction beyond its all-reduce, dp processes at once, by parameters held: "
-        + "; ".join(f"dp {dp}: " + ", ".join(f"{n / 1e6:.1f} M {s * 1e9:.2f} ns" for n, s in by.items())
-                    for dp, by in zero_reduce.items()) + " per parameter held")
+    log(
+        "DeepSpeed ZeRO 1's gradient reduction beyond its all-reduce, dp processes at once, by parameters held: "
+        + "; ".join(
+            f"dp {dp}: " + ", ".join(f"{n / 1e6:.1f} M {s * 1e9:.2f} ns" for n, s in by.items())
+            for dp, by in zero_reduce.items()
+        )
+        + " per parameter held"
+    )
     opt = optimizer_seconds_per_param(repeat)
     fresh, mem = first_touch_and_memory_rates()
     overhead = layer_overhead_seconds(repeat)
     log(f"a layer's forward + backward at d_model 16 (host overhead): {overhead * 1e3:.2f} ms")
-    log(f"Adam step: {opt * 1e9:.2f} ns per parameter; fill of fresh pages {fresh / 1e9:.2f} GB/s, of reused "
-        f"memory {mem / 1e9:.2f} GB/s")
+    log(
+        f"Adam step: {opt * 1e9:.2f} ns per parameter; fill of fresh pages {fresh / 1e9:.2f} GB/s, of reused "
+        f"memory {mem / 1e9:.2f} GB/s"
+    )
     comm = mp.Manager().dict()
     for world in (2, 4):
-        mp.start_processes(_worker, args=(world, free_port(), repeat, comm), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world, free_port(), repeat, comm), nprocs=world, join=True, start_method="spawn"
+        )
         for op, counted in (("allreduce", "2 (n-1)/n"), ("allgather", "(n-1)/n of the gathered tensor")):
             lat, bw = comm[world][op]
-            log(f"gloo {op}, {world} processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s (bytes "
-                f"counted {counted}); " + ", ".join(f"{b / 2 ** 20:.3g} MiB {s * 1e3:.1f} ms"
-                                                   for b, s in comm[world][op + "_points"]))
+            log(
+                f"gloo {op}, {world} processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s (bytes "
+                f"counted {counted}); "
+                + ", ".join(f"{b / 2**20:.3g} MiB {s * 1e3:.1f} ms" for b, s in comm[world][op + "_points"])
+            )
     lat, bw = comm[2]["p2p"]
     log(f"gloo send/recv, 2 processes: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e9:.2f} GB/s")
-    out = {"gemm": {w: round(r / 1e9, 1) for w, r in rates.items()}, "ranks": ranks, "cores": os.cpu_count(),
-           "adam_ns": round(opt * 1e9, 2), "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
-           "allgather": {w: comm[w]["allgather"] for w in (2, 4)}, "p2p": comm[2]["p2p"],
-           "fresh_page_gbs": round(fresh / 1e9, 2), "layer_overhead_ms": round(overhead * 1e3, 3),
-           "mem_gbs": round(mem / 1e9, 2), "layer_shape": list(LAYER),
-           "layer_gemm": {k: round(r / 1e9, 1) for k, r in layer.items()},
-           "zero_ns": [round(zero_held * 1e9, 2), round(zero_owned * 1e9, 2)],
-           "zero_reduce_ns": {dp: {n: round(v * 1e9, 2) for n, v in by.items()} for dp, by in zero_reduce.items()}}
+    out = {
+        "gemm": {w: round(r / 1e9, 1) for w, r in rates.items()},
+        "ranks": ranks,
+        "cores": os.cpu_count(),
+        "adam_ns": round(opt * 1e9, 2),
+        "allreduce": {w: comm[w]["allreduce"] for w in (2, 4)},
+        "allgather": {w: comm[w]["allgather"] for w in (2, 4)},
+        "p2p": comm[2]["p2p"],
+        "fresh_page_gbs": round(fresh / 1e9, 2),
+        "layer_overhead_ms": round(overhead * 1e3, 3),
+        "mem_gbs": round(mem / 1e9, 2),
+        "layer_shape": list(LAYER),
+        "layer_gemm": {k: round(r / 1e9, 1) for k, r in layer.items()},
+        "zero_ns": [round(zero_held * 1e9, 2), round(zero_owned * 1e9, 2)],
+        "zero_reduce_ns": {dp: {n: round(v * 1e9, 2) for n, v in by.items()} for dp, by in zero_reduce.items()},
+    }
     if shared:
         out["gemm_shared"] = {w: round(r / 1e9, 1) for w, r in shared.items()}
     return out
@@ -332,9 +397,12 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=4, help="processes of the runs to predict")
-    ap.add_argument("--concurrent", action="store_true",
-                    help="also measure the GEMMs in --ranks processes at once (the contention steptime then uses "
-                         "instead of ranks / cores)")
+    ap.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="also measure the GEMMs in --ranks processes at once (the contention steptime then uses "
+        "instead of ranks / cores)",
+    )
     args = ap.parse_args()
     print(json.dumps(calibrate(args.d_model, args.repeat, args.ranks, args.concurrent)))
 

@@ -15,6 +15,7 @@ beside the load's.
 
 Wrap it in `flock /tmp/megamemo-cpu.lock` on a shared machine. Exit 1 when the killed run does not resume exactly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,27 @@ STEPS, EVERY = 6, 2
 
 def launch(args, run: Path, *extra: str) -> subprocess.Popen:
     run.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [str(REPO / "launch" / "local.sh"), "4", "--config", args.config, "--data", args.data, "--run-dir",
-           str(run), "--max-steps", str(STEPS), "--save-every", str(EVERY), "--set", "log.tensorboard=false", *extra]
+    cmd = [
+        str(REPO / "launch" / "local.sh"),
+        "4",
+        "--config",
+        args.config,
+        "--data",
+        args.data,
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        str(STEPS),
+        "--save-every",
+        str(EVERY),
+        "--set",
+        "log.tensorboard=false",
+        *extra,
+    ]
     log = open(run.parent / f"{run.name}.log", "a")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -110,7 +127,7 @@ def verify_vs_load(step_dir: Path) -> tuple[float, float, int]:
         with safe_open(str(f), "pt") as st:
             for k in st.keys():
                 t = st.get_tensor(k)
-                torch.empty_like(t).copy_(t)        # every byte read (get_tensor may map the file lazily)
+                torch.empty_like(t).copy_(t)  # every byte read (get_tensor may map the file lazily)
     return t1 - t0, time.perf_counter() - t1, sum(f.stat().st_size for f in files)
 
 
@@ -137,19 +154,27 @@ def main() -> int:
     sizes = {f.name: f.stat().st_size for f in sorted(step.glob("rank_*.safetensors"))}
     print("bytes written per rank (TP2 x PP2, fp32 weights + Adam moments + memory):")
     for name, n in sizes.items():
-        print(f"  {name}: {n / 2 ** 20:8.1f} MiB")
+        print(f"  {name}: {n / 2**20:8.1f} MiB")
     for name, run in runs.items():
         s = saves(run)
-        steps_s = sorted(json.loads(line)["time"] for line in (run / "metrics.jsonl").read_text().splitlines()
-                         if json.loads(line).get("kind") == "train")
-        print(f"{name:>5} saves: " + ", ".join(f"{a:.1f}s (stall {b:.2f}s)" for a, b in s)
-              + f"; training {steps_s[-1] - steps_s[0]:.1f}s for steps 2..{STEPS}")
+        steps_s = sorted(
+            json.loads(line)["time"]
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line).get("kind") == "train"
+        )
+        print(
+            f"{name:>5} saves: "
+            + ", ".join(f"{a:.1f}s (stall {b:.2f}s)" for a, b in s)
+            + f"; training {steps_s[-1] - steps_s[0]:.1f}s for steps 2..{STEPS}"
+        )
     same = losses(runs["sync"]) == ref
     print(f"sync losses == async losses: {same}")
 
     verify_s, load_s, nbytes = verify_vs_load(step)
-    print(f"in one process over {nbytes / 2 ** 30:.2f} GiB: sha256 {verify_s:.2f}s ({nbytes / verify_s / 1e9:.2f} GB/s), "
-          f"safetensors read {load_s:.2f}s ({nbytes / load_s / 1e9:.2f} GB/s): verify/load = {verify_s / load_s:.2f}")
+    print(
+        f"in one process over {nbytes / 2**30:.2f} GiB: sha256 {verify_s:.2f}s ({nbytes / verify_s / 1e9:.2f} GB/s), "
+        f"safetensors read {load_s:.2f}s ({nbytes / load_s / 1e9:.2f} GB/s): verify/load = {verify_s / load_s:.2f}"
+    )
 
     return 0 if crash_test(args, out, ref) == 0 and same else 1
 
@@ -164,27 +189,32 @@ def crash_test(args, out: Path, ref: dict[int, float]) -> int:
     target = crash / "checkpoints" / f"step_{2 * EVERY:08d}"
     while not target.exists() and p.poll() is None:
         time.sleep(0.05)
-    delay = rng.uniform(0.0, 8.0)                    # a step-4 save takes 8-13 s at this size
+    delay = rng.uniform(0.0, 8.0)  # a step-4 save takes 8-13 s at this size
     time.sleep(delay)
     committed_at_kill = (target / "COMMITTED").exists()
     newest = sorted(d.name for d in (crash / "checkpoints").glob("step_*") if (d / "COMMITTED").exists())
     kill9(p)
     files = sorted(f.name for f in target.iterdir()) if target.exists() else []
-    print(f"killed (SIGKILL, every process) {delay:.2f}s into the step-{2 * EVERY} save (committed then: "
-          f"{committed_at_kill}; {len(files)} files there; newest committed: {newest[-1] if newest else None})")
+    print(
+        f"killed (SIGKILL, every process) {delay:.2f}s into the step-{2 * EVERY} save (committed then: "
+        f"{committed_at_kill}; {len(files)} files there; newest committed: {newest[-1] if newest else None})"
+    )
     before = losses(crash)
     rc = launch(args, crash).wait()
     log = (crash.parent / "crash.log").read_text()
     m = re.findall(r"resumed from .*step_(\d+) at step \d+ \(loaded in (\d+\.\d+)s\)", log)
     after = losses(crash)
     resumed = int(m[-1][0]) if m else None
-    exact = rc == 0 and all(after[s] == ref[s] for s in range(1, STEPS + 1)) and \
-        all(before[s] == ref[s] for s in before)
+    exact = (
+        rc == 0 and all(after[s] == ref[s] for s in range(1, STEPS + 1)) and all(before[s] == ref[s] for s in before)
+    )
     expected = int(newest[-1].split("_")[1]) if newest else None
     exact = exact and resumed == expected
-    print(f"restart: rc {rc}, resumed from step {resumed} (the newest committed at the kill: {expected}; "
-          f"load {m[-1][1] if m else '?'}s on rank 0); losses of "
-          f"steps 1..{STEPS} equal the uninterrupted run's bit for bit: {exact}")
+    print(
+        f"restart: rc {rc}, resumed from step {resumed} (the newest committed at the kill: {expected}; "
+        f"load {m[-1][1] if m else '?'}s on rank 0); losses of "
+        f"steps 1..{STEPS} equal the uninterrupted run's bit for bit: {exact}"
+    )
     for s in range(1, STEPS + 1):
         print(f"  step {s}: uninterrupted {ref[s]!r:<22} killed+resumed {after.get(s)!r}")
     return 0 if exact else 1

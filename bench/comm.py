@@ -6,6 +6,7 @@ the memory rows' states in every layer), so its minimum is klen·B·d, not L·B�
 
     python bench/comm.py [--variant lamemo xl] [--layers 4 --d-model 256 --tgt-len 128 --mem-len 128 --batch 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,15 @@ import torch.multiprocessing as mp
 
 from megamemo.runtime.dist import free_port
 
-COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-               "_reduce_scatter_base", "_all_gather_base"]
+COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "_reduce_scatter_base",
+    "_all_gather_base",
+]
 
 
 def count_collectives():
@@ -38,6 +46,7 @@ def count_collectives():
             if isinstance(t, torch.Tensor):
                 nbytes[_name] += t.numel() * t.element_size()
             return _fn(*a, **k)
+
         setattr(dist, name, wrapped)
     return calls, nbytes, originals
 
@@ -51,16 +60,25 @@ def worker(rank, world, port, args):
     from megamemo.parallel.tensor import parallelize_tensor
 
     init_model_parallel(tp=world)
-    install_tp_stream(dropout_seeds(1, 0, rank, 0)[1])      # this rank's TP dropout stream
+    install_tp_stream(dropout_seeds(1, 0, rank, 0)[1])  # this rank's TP dropout stream
     rows = []
     for variant in args.variant:
         torch.manual_seed(0)
-        cfg = ModelConfig(variant=variant, n_token=256, n_layer=args.layers, d_model=args.d_model,
-                          n_head=args.heads, d_head=args.d_model // args.heads, d_inner=4 * args.d_model,
-                          dropout=0.0, tgt_len=args.tgt_len, mem_len=args.mem_len)
+        cfg = ModelConfig(
+            variant=variant,
+            n_token=256,
+            n_layer=args.layers,
+            d_model=args.d_model,
+            n_head=args.heads,
+            d_head=args.d_model // args.heads,
+            d_inner=4 * args.d_model,
+            dropout=0.0,
+            tgt_len=args.tgt_len,
+            mem_len=args.mem_len,
+        )
         model = parallelize_tensor(copy.deepcopy(MemTransformerLM(cfg))).train()
         x = torch.randint(0, 256, (args.tgt_len, args.batch))
-        _, mem = model(x, x)                       # fill the memory: measure a steady-state step
+        _, mem = model(x, x)  # fill the memory: measure a steady-state step
         calls, nbytes, originals = count_collectives()
         nll, _ = model(x, x, mem)
         nll.mean().backward()
@@ -72,13 +90,17 @@ def worker(rank, world, port, args):
         min_bytes = 4 * cfg.n_layer * rows_per_layer * B * d * 4
         rows.append((variant, sum(calls.values()), sum(nbytes.values()), min_calls, min_bytes, dict(calls)))
     if rank == 0:
-        print(f"TP={world}, {args.layers}L d_model {args.d_model}, tgt_len {args.tgt_len} mem_len {args.mem_len} "
-              f"batch {args.batch}, fp32, one forward+backward")
+        print(
+            f"TP={world}, {args.layers}L d_model {args.d_model}, tgt_len {args.tgt_len} mem_len {args.mem_len} "
+            f"batch {args.batch}, fp32, one forward+backward"
+        )
         print(f"{'variant':<9}{'calls':>7}{'MB':>10}{'min calls':>11}{'min MB':>9}{'bytes/min':>11}  by collective")
         for v, c, b, mc, mb, by in rows:
             print(f"{v:<9}{c:>7}{b / 1e6:>10.2f}{mc:>11}{mb / 1e6:>9.2f}{b / mb:>11.3f}  {by}")
-        print("(calls beyond the minimum: the vocab-parallel embedding and cross-entropy, and the position "
-              "projection's backward; measured by wrapping torch.distributed's collectives)")
+        print(
+            "(calls beyond the minimum: the vocab-parallel embedding and cross-entropy, and the position "
+            "projection's backward; measured by wrapping torch.distributed's collectives)"
+        )
     dist.destroy_process_group()
 
 

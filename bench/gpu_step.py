@@ -21,6 +21,7 @@ blocks that call them). Compiled forms fuse across those parts: no breakdown. --
 --jsonl appends each row as soon as it is measured (a kill keeps what ran). --optimizer adds a row: the one-GPU
 optimizer step (bench/step_extras.py); --profile-layer one: the top kernels of one compiled layer (torch.profiler).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,21 +33,21 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")      # this bench compiles (megamemo's command would turn it off)
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")  # this bench compiles (megamemo's command would turn it off)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import step_extras  # noqa: E402  (bench/)
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import step_extras
+import torch
+from torch import nn
 
-from megamemo.kernels import apply_attention, apply_kernels  # noqa: E402
-from megamemo.kernels.compiler import compile_layers, compile_stats  # noqa: E402
-from megamemo.model import (  # noqa: E402
+from megamemo.kernels import apply_attention, apply_kernels
+from megamemo.kernels.compiler import compile_layers, compile_stats
+from megamemo.model import (
     MemTransformerLM,
     ModelConfig,
-    flops,  # noqa: E402
+    flops,
 )
-from megamemo.runtime.peak import device_peak  # noqa: E402
+from megamemo.runtime.peak import device_peak
 
 FORMS = ("eager", "compiled", "flex", "compiled+flex", "fused", "compiled+fused")
 TINY = dict(n_layer=2, d_model=64, n_head=4, d_head=16, d_inner=128, tgt_len=32, mem_len=32, n_token=256)
@@ -89,6 +90,7 @@ class PartTimer:
                 b = time.perf_counter()
             self.spans[name].append((a, b))
             return out
+
         return timed
 
     def ms(self, steps: int) -> dict:
@@ -171,13 +173,18 @@ def run_form(form, base, cfg, args, device, dtype, data, peak):
     tokens = B * Lt
     hfu_flops = flops.step_flops(cfg, B)
     mfu_flops = flops.model_flops(cfg, B)
-    row = {"form": form, "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
-           "first_loss": float(losses[0]), "warmup_s": t_warm,
-           "hfu": hfu_flops / dt / peak.flops if peak.flops else None,
-           "mfu": mfu_flops / dt / peak.flops if peak.flops else None,
-           "tflops": hfu_flops / dt / 1e12,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-           "parts_fwd_ms": timer.ms(args.steps) if timer is not None else None}
+    row = {
+        "form": form,
+        "ms_per_step": dt * 1e3,
+        "tokens_per_s": tokens / dt,
+        "first_loss": float(losses[0]),
+        "warmup_s": t_warm,
+        "hfu": hfu_flops / dt / peak.flops if peak.flops else None,
+        "mfu": mfu_flops / dt / peak.flops if peak.flops else None,
+        "tflops": hfu_flops / dt / 1e12,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "parts_fwd_ms": timer.ms(args.steps) if timer is not None else None,
+    }
     if compiled:
         row["compile"] = compile_stats()
     return row, model
@@ -192,15 +199,23 @@ def parse_args(argv):
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (memory fills, compiles happen)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
-    ap.add_argument("--forms", nargs="+", choices=FORMS + ("auto",), default=list(FORMS),
-                    help="auto: the forms model.attention: auto would time here")
+    ap.add_argument(
+        "--forms",
+        nargs="+",
+        choices=FORMS + ("auto",),
+        default=list(FORMS),
+        help="auto: the forms model.attention: auto would time here",
+    )
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled forms")
     ap.add_argument("--tiny", action="store_true", help="a tiny width (the CPU check of the plumbing)")
     ap.add_argument("--json", help="write the rows here at the end")
     ap.add_argument("--jsonl", help="append each row here as soon as it is measured")
     ap.add_argument("--optimizer", action="store_true", help="a row for the one-GPU optimizer step")
-    ap.add_argument("--profile-layer", action="store_true",
-                    help="a row for the top kernels of one compiled layer (the first compiled form's)")
+    ap.add_argument(
+        "--profile-layer",
+        action="store_true",
+        help="a row for the top kernels of one compiled layer (the first compiled form's)",
+    )
     return ap.parse_args(argv)
 
 
@@ -213,18 +228,21 @@ def _emit(a, row: dict, common: dict) -> None:
 def _setup(a):
     device = torch.device(a.device)
     if a.dtype == "auto":
-        a.dtype = ("bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16") \
-            if device.type == "cuda" else "fp32"
+        a.dtype = (
+            ("bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16")
+            if device.type == "cuda"
+            else "fp32"
+        )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     cfg = model_config(a.config, a.layers, a.tiny)
-    cfg.dropout, cfg.attention = 0.0, "eager"      # every form computes the same function: losses comparable
+    cfg.dropout, cfg.attention = 0.0, "eager"  # every form computes the same function: losses comparable
     skipped = []
     if a.forms == ["auto"]:
         a.forms, skipped = step_extras.auto_forms(a.config, device, log=lambda line: print(line, flush=True))
     if device.type == "cpu" and any("flex" in f for f in a.forms):
         sys.exit("gpu_step: FlexAttention has no backward on the CPU: --forms eager compiled there")
     torch.manual_seed(0)
-    with torch.device(device):                      # built where it runs: a 1.3b init on the CPU takes long
+    with torch.device(device):  # built where it runs: a 1.3b init on the CPU takes long
         base = MemTransformerLM(cfg)
     return device, dtype, cfg, base, skipped
 
@@ -237,10 +255,13 @@ def main(argv=None) -> int:
     peak = device_peak(device, a.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     n_param = sum(p.numel() for p in base.parameters())
-    print(f"gpu_step: {cfg.variant} {cfg.n_layer}L d_model {cfg.d_model} {cfg.n_head}x{cfg.d_head} d_inner "
-          f"{cfg.d_inner} vocab {cfg.n_token} ({n_param / 1e6:.1f}M params) | batch {a.batch} x tgt_len "
-          f"{cfg.tgt_len}, mem_len {cfg.mem_len} | {a.dtype} on {name} | torch {torch.__version__} | peak "
-          f"{peak.source} | forms {' '.join(a.forms)}{''.join(f' | skipped {x}' for x in skipped)}", flush=True)
+    print(
+        f"gpu_step: {cfg.variant} {cfg.n_layer}L d_model {cfg.d_model} {cfg.n_head}x{cfg.d_head} d_inner "
+        f"{cfg.d_inner} vocab {cfg.n_token} ({n_param / 1e6:.1f}M params) | batch {a.batch} x tgt_len "
+        f"{cfg.tgt_len}, mem_len {cfg.mem_len} | {a.dtype} on {name} | torch {torch.__version__} | peak "
+        f"{peak.source} | forms {' '.join(a.forms)}{''.join(f' | skipped {x}' for x in skipped)}",
+        flush=True,
+    )
     common = {"device": name, "dtype": a.dtype, "layers": cfg.n_layer, "batch": a.batch, "params": n_param}
     _emit(a, {"form": "setup", "forms": a.forms, "skipped": skipped}, common)
     rows, profiled = [], not a.profile_layer
@@ -248,22 +269,25 @@ def main(argv=None) -> int:
         model = None
         try:
             row, model = run_form(form, base, cfg, a, device, dtype, data, peak)
-        except Exception as e:          # noqa: BLE001 - one form failing never hides the others
+        except Exception as e:  # one form failing never hides the others
             row = {"form": form, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
         rows.append(row)
-        _emit(a, row, common)           # before the next form runs: a kill keeps it
+        _emit(a, row, common)  # before the next form runs: a kill keeps it
         print(format_row(row, rows[0]), flush=True)
         if not profiled and model is not None and parse_form(form)[1]:
-            rows.append(_extra(a, common, lambda model=model, form=form: step_extras.profile_row(model, cfg, a.batch, form)))
+            rows.append(
+                _extra(a, common, lambda model=model, form=form: step_extras.profile_row(model, cfg, a.batch, form))
+            )
             profiled = True
-        model = None                    # freed before empty_cache (the lambda above shares the name)
+        model = None  # freed before empty_cache (the lambda above shares the name)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if a.optimizer:
         rows.append(_extra(a, common, lambda: step_extras.optimizer_row(base, device, dtype)))
     if a.json:
-        Path(a.json).write_text(json.dumps({**common, "config": a.config, "model": cfg.to_dict(), "rows": rows},
-                                           indent=1) + "\n")
+        Path(a.json).write_text(
+            json.dumps({**common, "config": a.config, "model": cfg.to_dict(), "rows": rows}, indent=1) + "\n"
+        )
     return 0 if all("error" not in r for r in rows) else 1
 
 
@@ -271,7 +295,7 @@ def _extra(a, common: dict, fn) -> dict:
     """A row beside the forms' (the optimizer's, the profile's), written and printed; its failure is its row."""
     try:
         row = fn()
-    except Exception as e:              # noqa: BLE001 - recorded, never hides the forms' rows
+    except Exception as e:  # recorded, never hides the forms' rows
         row = {"form": "extra", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     _emit(a, row, common)
     print(format_row(row, row), flush=True)
@@ -289,13 +313,19 @@ def format_row(r: dict, first: dict) -> str:
         return f"  optimizer      {r['ms_per_step']:8.2f} ms a step: {r['what']}, {r['params'] / 1e6:.1f}M params"
     if r["form"] == "profile":
         return f"  profile of one {r['of']} layer ({r['total_ms']:.2f} ms of {r['unit']}):\n" + "\n".join(
-            f"      {k['ms']:8.3f} ms {k['calls']:5d}x  {k['name'][:90]}" for k in r["kernels"])
-    same = "" if r is first or "first_loss" not in first else \
-        f" | first loss {r['first_loss']:.5f} (eager {first['first_loss']:.5f})"
+            f"      {k['ms']:8.3f} ms {k['calls']:5d}x  {k['name'][:90]}" for k in r["kernels"]
+        )
+    same = (
+        ""
+        if r is first or "first_loss" not in first
+        else f" | first loss {r['first_loss']:.5f} (eager {first['first_loss']:.5f})"
+    )
     mem = f" | peak {r['peak_mem_gib']:.2f} GiB" if r["peak_mem_gib"] is not None else ""
-    line = (f"  {r['form']:<14} {r['tokens_per_s']:>10,.0f} tokens/s {r['ms_per_step']:8.2f} ms/step "
-            f"{r['tflops']:7.1f} TFLOP/s | HFU {_pct(r['hfu'])} | MFU {_pct(r['mfu'])}{mem} | warm-up "
-            f"{r['warmup_s']:.1f}s{same}")
+    line = (
+        f"  {r['form']:<14} {r['tokens_per_s']:>10,.0f} tokens/s {r['ms_per_step']:8.2f} ms/step "
+        f"{r['tflops']:7.1f} TFLOP/s | HFU {_pct(r['hfu'])} | MFU {_pct(r['mfu'])}{mem} | warm-up "
+        f"{r['warmup_s']:.1f}s{same}"
+    )
     if r.get("compile"):
         line += f" | {r['compile']['graphs']} graphs"
     if r["parts_fwd_ms"]:

@@ -13,6 +13,7 @@ Known answers: Random123's kat_vectors for Philox and Threefry; Squares against 
 Python integers. On this machine (1 thread, two runs) Philox's CPU form was the cheapest per byte (1.7-2.8 ns, Squares
 3.0-3.8, Threefry 6.6-7.1, mt19937 0.4), which is why the masks use it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megamemo.kernels.philox import MASK, philox, philox_words32  # noqa: E402
+from megamemo.kernels.philox import MASK, philox, philox_words32
 
-ROT = (13, 15, 26, 6, 17, 29, 16, 24)                  # Threefry-2x32's rotation constants
+ROT = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32's rotation constants
 PARITY = 0x1BD11BDA
 
 
@@ -62,7 +63,7 @@ def squares_reference(ctr: int, key: int) -> int:
     m = (1 << 64) - 1
     x = y = (ctr * key) & m
     z = (y + key) & m
-    rot = lambda v: ((v >> 32) | (v << 32)) & m      # noqa: E731
+    rot = lambda v: ((v >> 32) | (v << 32)) & m  # noqa: E731
     x = rot((x * x + y) & m)
     x = rot((x * x + z) & m)
     x = rot((x * x + y) & m)
@@ -70,15 +71,17 @@ def squares_reference(ctr: int, key: int) -> int:
 
 
 def check_known_answers() -> None:
-    t = lambda *v: [torch.tensor([x]) for x in v]    # noqa: E731
+    t = lambda *v: [torch.tensor([x]) for x in v]  # noqa: E731
     ctr, key = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)
     want = [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
     assert [int(w) for w in philox(*t(*ctr), *key)] == want
     assert [int(w.view(torch.uint32)) for w in philox_words32(*t(*ctr), *key)] == want
-    assert [int(w) for w in threefry2x32(*t(0x243F6A88, 0x85A308D3), 0x13198A2E, 0x03707344)] == \
-        [0xC4923A9C, 0x483DF7A0]
+    assert [int(w) for w in threefry2x32(*t(0x243F6A88, 0x85A308D3), 0x13198A2E, 0x03707344)] == [
+        0xC4923A9C,
+        0x483DF7A0,
+    ]
     key64 = 0xC8E4FD154CE32F6D
-    ctrs = [0, 1, 2, 12345678901, 2 ** 40 + 7]
+    ctrs = [0, 1, 2, 12345678901, 2**40 + 7]
     got = squares32(torch.tensor(ctrs), key64 - (1 << 64))
     assert [int(g) & MASK for g in got] == [squares_reference(c, key64) for c in ctrs]
 
@@ -103,11 +106,13 @@ def main() -> int:
     print(f"known answers: Philox-4x32-10 (both forms), Threefry-2x32-20, Squares: ok; {args.threads} thread(s)")
     for n in args.bytes:
         c16, c8, c4 = torch.arange(n // 16), torch.arange(n // 8), torch.arange(n // 4)
-        cands = {"mt19937 (torch random_)": lambda n=n: torch.empty(n // 8, dtype=torch.int64).random_(-2 ** 63, None),
-                 "Philox-4x32-10, int64": lambda c16=c16: philox(c16, c16, c16, c16, 1, 2),
-                 "Philox-4x32-10, CPU form": lambda c16=c16: philox_words32(c16, c16, c16, c16, 1, 2),
-                 "Threefry-2x32-20": lambda c8=c8: threefry2x32(c8, c8, 1, 2),
-                 "Squares (4 rounds)": lambda c4=c4: squares32(c4, 0x4CE32F6D)}
+        cands = {
+            "mt19937 (torch random_)": lambda n=n: torch.empty(n // 8, dtype=torch.int64).random_(-(2**63), None),
+            "Philox-4x32-10, int64": lambda c16=c16: philox(c16, c16, c16, c16, 1, 2),
+            "Philox-4x32-10, CPU form": lambda c16=c16: philox_words32(c16, c16, c16, c16, 1, 2),
+            "Threefry-2x32-20": lambda c8=c8: threefry2x32(c8, c8, 1, 2),
+            "Squares (4 rounds)": lambda c4=c4: squares32(c4, 0x4CE32F6D),
+        }
         for name, f in cands.items():
             dt = best(f)
             print(f"{n:>9} bytes  {name:<26} {dt * 1e3:8.3f} ms  {dt / n * 1e9:6.3f} ns/byte")

@@ -35,6 +35,7 @@ the device (megamemo/runtime/peak.py); there the bench also runs megamemo at con
 configs/enwik8-base.yaml model shapes (--configs; batch --gpu-batch or the config's data.batch_size, the config's
 precision).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ from megamemo.runtime.allocator import tune_cpu_allocator
 from megamemo.runtime.peak import device_peak
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE = {"ref-lamemo": ("lamemo", 3), "ref-xl": ("xl", 0)}   # name -> (megamemo variant, attn_type)
+REFERENCE = {"ref-lamemo": ("lamemo", 3), "ref-xl": ("xl", 0)}  # name -> (megamemo variant, attn_type)
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -61,10 +62,13 @@ def load_reference(path: str):
     root = Path(path)
     src = root / "pytorch" if (root / "pytorch").is_dir() else root
     if not (src / "mem_transformer.py").is_file():
-        sys.exit(f"model_step: --reference-code {path}: no pytorch/mem_transformer.py there "
-                 f"(expected a checkout of thu-coai/LaMemo)")
+        sys.exit(
+            f"model_step: --reference-code {path}: no pytorch/mem_transformer.py there "
+            f"(expected a checkout of thu-coai/LaMemo)"
+        )
     sys.path[:0] = [str(src), str(src / "utils")]
     import mem_transformer
+
     return mem_transformer
 
 
@@ -84,9 +88,21 @@ class Runner:
             self.model.check_inputs = False
         else:
             c = cfg
-            self.model = ref.MemTransformerLM(c.n_token, c.n_layer, c.n_head, c.d_model, c.d_head, c.d_inner,
-                                              c.dropout, c.dropatt, tie_weight=True, tgt_len=c.tgt_len, ext_len=0,
-                                              mem_len=c.mem_len, attn_type=REFERENCE[name][1])
+            self.model = ref.MemTransformerLM(
+                c.n_token,
+                c.n_layer,
+                c.n_head,
+                c.d_model,
+                c.d_head,
+                c.d_inner,
+                c.dropout,
+                c.dropatt,
+                tie_weight=True,
+                tgt_len=c.tgt_len,
+                ext_len=0,
+                mem_len=c.mem_len,
+                attn_type=REFERENCE[name][1],
+            )
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.normal_(0.0, 0.02)
@@ -95,13 +111,13 @@ class Runner:
         self.key = None
         if ref is None:
             apply_kernels(self.model, kernels, device)  # as training does (train.kernels; megamemo/kernels/)
-            if masks == "keyed":                         # as training does (train.dropout_masks: keyed)
+            if masks == "keyed":  # as training does (train.dropout_masks: keyed)
                 self.key = DropoutKey(0, (0,), device)
                 apply_dropout_masks(self.model, "keyed", self.key)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, fused=True)  # as training (optim.fused)
         self.mem, self.s = (tuple() if self.ref else None), 0
-        self.flops = step_flops(cfg, batch)              # executed, HFU's (megamemo/model/flops.py)
-        self.model_flops = model_flops(cfg, batch)       # PaLM's convention, MFU's
+        self.flops = step_flops(cfg, batch)  # executed, HFU's (megamemo/model/flops.py)
+        self.model_flops = model_flops(cfg, batch)  # PaLM's convention, MFU's
         self.tokens = batch * cfg.tgt_len
 
     def step(self) -> float:
@@ -145,7 +161,7 @@ class PeakProbe:
             for b, m, k, n in self.shapes:
                 a = torch.randn(*((b,) if b else ()), m, k, dtype=dtype)
                 w = torch.randn(*((b,) if b else ()), k, n, dtype=dtype)
-                a @ w                                     # warm
+                a @ w  # warm
                 t0 = time.perf_counter()
                 a @ w
                 dt = time.perf_counter() - t0
@@ -160,7 +176,7 @@ def interleaved(runners: dict, rounds: int, warmup: int, probe: PeakProbe | None
     names = list(runners)
     times = {v: [] for v in names}
     for i in range(rounds):
-        for v in (names if i % 2 == 0 else names[::-1]):
+        for v in names if i % 2 == 0 else names[::-1]:
             times[v].append(runners[v].step())
         if probe is not None:
             probe.sample()
@@ -179,59 +195,97 @@ def utilisation(r: Runner, dt: float, peak: float | None) -> str:
 
 
 def table(runners, times, precision, peak, w) -> None:
-    print(f"{'model':<{w}}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}"
-          f"{'HFU':>7}{'MFU':>7}")
+    print(
+        f"{'model':<{w}}{'prec':<6}{'tokens/s':>10}{'ms/step':>10}{'GFLOP/step':>12}{'GFLOP/s':>10}{'HFU':>7}{'MFU':>7}"
+    )
     for v, r in runners.items():
         dt = min(times[v])
-        print(f"{v:<{w}}{precision:<6}{r.tokens / dt:>10.0f}{dt * 1e3:>10.1f}{r.flops / 1e9:>12.2f}"
-              f"{r.flops / dt / 1e9:>10.1f}{utilisation(r, dt, peak)}")
+        print(
+            f"{v:<{w}}{precision:<6}{r.tokens / dt:>10.0f}{dt * 1e3:>10.1f}{r.flops / 1e9:>12.2f}"
+            f"{r.flops / dt / 1e9:>10.1f}{utilisation(r, dt, peak)}"
+        )
 
 
 def ratios(runners, times) -> None:
     if "lamemo" in times and "xl" in times:
         f_ratio = runners["lamemo"].flops / runners["xl"].flops
-        print(ratio_line("lamemo/xl", "lamemo", "xl", times, lambda t, p: (
-            f", analytic FLOP ratio {f_ratio:.3f}; time/FLOP ratio {t / f_ratio:.3f} "
-            f"(median {p / f_ratio:.3f}; "
-            f"1.0 = same efficiency)")))
+        print(
+            ratio_line(
+                "lamemo/xl",
+                "lamemo",
+                "xl",
+                times,
+                lambda t, p: (
+                    f", analytic FLOP ratio {f_ratio:.3f}; time/FLOP ratio {t / f_ratio:.3f} "
+                    f"(median {p / f_ratio:.3f}; "
+                    f"1.0 = same efficiency)"
+                ),
+            )
+        )
     for v in list(times):
         if f"{v}-keyed" in times:
             print(ratio_line(f"{v} keyed/stream masks", f"{v}-keyed", v, times, lambda t, p: ""))
     for ref, (ours, _) in REFERENCE.items():
-        if ref in times and ours in times:   # tokens/s ratio = reference time / megamemo time
+        if ref in times and ours in times:  # tokens/s ratio = reference time / megamemo time
             t = min(times[ref]) / min(times[ours])
             p = statistics.median(a / b for a, b in zip(times[ref], times[ours], strict=True))
-            print(f"{ours} megamemo/reference tokens/s: {t:.2f}x from the best steps (median of the rounds' "
-                  f"ratios {p:.2f}x)")
+            print(
+                f"{ours} megamemo/reference tokens/s: {t:.2f}x from the best steps (median of the rounds' "
+                f"ratios {p:.2f}x)"
+            )
 
 
 def model_config(args, variant) -> ModelConfig:
-    return ModelConfig(variant=variant, n_token=args.vocab, n_layer=args.layers, d_model=args.d_model,
-                       n_head=args.heads, d_head=args.d_head, d_inner=args.d_inner, dropout=args.dropout,
-                       dropatt=args.dropatt, tgt_len=args.tgt_len, mem_len=args.mem_len)
+    return ModelConfig(
+        variant=variant,
+        n_token=args.vocab,
+        n_layer=args.layers,
+        d_model=args.d_model,
+        n_head=args.heads,
+        d_head=args.d_head,
+        d_inner=args.d_inner,
+        dropout=args.dropout,
+        dropatt=args.dropatt,
+        tgt_len=args.tgt_len,
+        mem_len=args.mem_len,
+    )
 
 
 def side_by_side(args, device, ref_module, w) -> None:
-    names = []                # each reference model next to its megamemo counterpart, lamemo next to xl
+    names = []  # each reference model next to its megamemo counterpart, lamemo next to xl
     for v in args.variants:
         pair = {"lamemo": ["ref-lamemo", "lamemo"], "xl": ["xl", "ref-xl"]}.get(v) if ref_module else None
-        for n in pair or [v]:                       # each megamemo model with its masks' forms side by side
+        for n in pair or [v]:  # each megamemo model with its masks' forms side by side
             names += [n] if n in REFERENCE else [n if m == "stream" else f"{n}-keyed" for m in args.dropout_masks]
-    for threads in (args.threads if device.type == "cpu" else [torch.get_num_threads()]):
+    for threads in args.threads if device.type == "cpu" else [torch.get_num_threads()]:
         torch.set_num_threads(threads)
-        print(f"\n== {device.type}" + (f", {threads} thread(s)" if device.type == "cpu" else
-                                       f" ({torch.cuda.get_device_name(device)})"))
+        print(
+            f"\n== {device.type}"
+            + (f", {threads} thread(s)" if device.type == "cpu" else f" ({torch.cuda.get_device_name(device)})")
+        )
         for precision in args.precision:
-            runners = {v: Runner(v, model_config(args, REFERENCE.get(v, (v.removesuffix("-keyed"),))[0]), args.batch,
-                                 device, precision, ref=ref_module if v in REFERENCE else None, kernels=args.kernels,
-                                 masks="keyed" if v.endswith("-keyed") else "stream") for v in names}
+            runners = {
+                v: Runner(
+                    v,
+                    model_config(args, REFERENCE.get(v, (v.removesuffix("-keyed"),))[0]),
+                    args.batch,
+                    device,
+                    precision,
+                    ref=ref_module if v in REFERENCE else None,
+                    kernels=args.kernels,
+                    masks="keyed" if v.endswith("-keyed") else "stream",
+                )
+                for v in names
+            }
             probe = PeakProbe(runners[names[0]].cfg, args.batch, precision) if device.type == "cpu" else None
             times = interleaved(runners, args.steps, args.warmup, probe)
             if probe is not None:
                 peak = probe.best
                 kinds = "/".join(str(d).split(".")[1] for d in probe.dtypes)
-                print(f"matmul peak {peak / 1e9:.1f} GFLOP/s (best of {len(probe.shapes)} product shapes in "
-                      f"{kinds}, sampled every round; HFU and MFU are of it)")
+                print(
+                    f"matmul peak {peak / 1e9:.1f} GFLOP/s (best of {len(probe.shapes)} product shapes in "
+                    f"{kinds}, sampled every round; HFU and MFU are of it)"
+                )
             else:
                 p = device_peak(device, precision)
                 peak = p.flops
@@ -246,8 +300,9 @@ def config_shapes(args, device) -> None:
     from megamemo.train.config import load
 
     print(f"\n== {device.type}: megamemo at the configs' model shapes ({torch.cuda.get_device_name(device)})")
-    print(f"{'config':<20}{'variant':<9}{'batch':>6}{'prec':>6}{'tokens/s':>11}{'TFLOP/s':>9}{'HFU':>7}{'MFU':>7}"
-          f"  peak")
+    print(
+        f"{'config':<20}{'variant':<9}{'batch':>6}{'prec':>6}{'tokens/s':>11}{'TFLOP/s':>9}{'HFU':>7}{'MFU':>7}  peak"
+    )
     for path in args.configs:
         cfg = load(str(path), [])
         batch = args.gpu_batch or cfg.data.batch_size
@@ -261,8 +316,10 @@ def config_shapes(args, device) -> None:
             continue
         dt = min(times)
         p = device_peak(device, prec)
-        print(f"{Path(path).name:<20}{cfg.model.variant:<9}{batch:>6}{prec:>6}{r.tokens / dt:>11.0f}"
-              f"{r.flops / dt / 1e12:>9.1f}{utilisation(r, dt, p.flops)}  {p.source}")
+        print(
+            f"{Path(path).name:<20}{cfg.model.variant:<9}{batch:>6}{prec:>6}{r.tokens / dt:>11.0f}"
+            f"{r.flops / dt / 1e12:>9.1f}{utilisation(r, dt, p.flops)}  {p.source}"
+        )
         del r
         torch.cuda.empty_cache()
 
@@ -294,41 +351,71 @@ def main():
     ap.add_argument("--mem-len", type=int, default=128)
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--dropatt", type=float, default=0.0)
-    ap.add_argument("--dropout-masks", nargs="+", choices=["stream", "keyed"], default=["stream", "keyed"],
-                    help="megamemo's dropout masks, side by side (train.dropout_masks)")
+    ap.add_argument(
+        "--dropout-masks",
+        nargs="+",
+        choices=["stream", "keyed"],
+        default=["stream", "keyed"],
+        help="megamemo's dropout masks, side by side (train.dropout_masks)",
+    )
     ap.add_argument("--steps", type=int, default=16, help="rounds (each model steps once per round)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="CPU thread counts")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--variants", nargs="+", default=["lamemo", "xl", "rpe"])
-    ap.add_argument("--reference-code", metavar="DIR",
-                    help="a thu-coai/LaMemo checkout (its pytorch/ folder) to time beside megamemo")
-    ap.add_argument("--device", nargs="+", choices=["cpu", "cuda"],
-                    default=["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-    ap.add_argument("--configs", nargs="*", default=[REPO / "configs/wt103-base.yaml",
-                                                     REPO / "configs/enwik8-base.yaml"],
-                    help="on GPU: also time megamemo at these configs' model shapes")
+    ap.add_argument(
+        "--reference-code",
+        metavar="DIR",
+        help="a thu-coai/LaMemo checkout (its pytorch/ folder) to time beside megamemo",
+    )
+    ap.add_argument(
+        "--device",
+        nargs="+",
+        choices=["cpu", "cuda"],
+        default=["cpu"] + (["cuda"] if torch.cuda.is_available() else []),
+    )
+    ap.add_argument(
+        "--configs",
+        nargs="*",
+        default=[REPO / "configs/wt103-base.yaml", REPO / "configs/enwik8-base.yaml"],
+        help="on GPU: also time megamemo at these configs' model shapes",
+    )
     ap.add_argument("--gpu-batch", type=int, help="batch for --configs (default: each config's data.batch_size)")
     ap.add_argument("--gpu-steps", type=int, default=10, help="timed steps per --configs model")
     ap.add_argument("--profile", action="store_true", help="also print the top ops of lamemo and xl (1 thread)")
-    ap.add_argument("--kernels", choices=KERNELS, default="auto",
-                    help="megamemo's execution path, as train.kernels: auto (the CPU kernels on the CPU, plain "
-                         "PyTorch on CUDA), plain or cpu (megamemo/kernels/)")
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="leave glibc's malloc as it is (megamemo's commands keep freed memory: megamemo/runtime/allocator.py)")
+    ap.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default="auto",
+        help="megamemo's execution path, as train.kernels: auto (the CPU kernels on the CPU, plain "
+        "PyTorch on CUDA), plain or cpu (megamemo/kernels/)",
+    )
+    ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's malloc as it is (megamemo's commands keep freed memory: megamemo/runtime/allocator.py)",
+    )
     args = ap.parse_args()
     if "cuda" in args.device and not torch.cuda.is_available():
         sys.exit("model_step: --device cuda: torch sees no CUDA device")
     ref = load_reference(args.reference_code) if args.reference_code else None
     tuned = not args.default_malloc and tune_cpu_allocator()
     w = max(12, 2 + max(len(v) + 6 * ("keyed" in args.dropout_masks) for v in args.variants))
-    print(f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
-          f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
-          f"dropout {args.dropout} dropatt {args.dropatt}; step = forward + backward + Adam, "
-          f"best of {args.steps} interleaved rounds; "
-          f"malloc {'tuned (megamemo.runtime.allocator)' if tuned else 'glibc default'}; kernels {args.kernels}")
-    print("reference code: " + (f"{args.reference_code} (ref-lamemo: attn_type 3, ref-xl: attn_type 0)" if ref
-                                else "not given (--reference-code DIR to time thu-coai/LaMemo beside megamemo)"))
+    print(
+        f"config: {args.layers}L d_model {args.d_model} {args.heads}x{args.d_head} d_inner {args.d_inner} "
+        f"vocab {args.vocab} batch {args.batch} tgt_len {args.tgt_len} mem_len {args.mem_len} "
+        f"dropout {args.dropout} dropatt {args.dropatt}; step = forward + backward + Adam, "
+        f"best of {args.steps} interleaved rounds; "
+        f"malloc {'tuned (megamemo.runtime.allocator)' if tuned else 'glibc default'}; kernels {args.kernels}"
+    )
+    print(
+        "reference code: "
+        + (
+            f"{args.reference_code} (ref-lamemo: attn_type 3, ref-xl: attn_type 0)"
+            if ref
+            else "not given (--reference-code DIR to time thu-coai/LaMemo beside megamemo)"
+        )
+    )
     for dev in args.device:
         side_by_side(args, torch.device(dev), ref, w)
         if dev == "cuda" and args.configs:

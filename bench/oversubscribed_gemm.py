@@ -6,6 +6,7 @@ on 2 cores: steptime's ranks / cores charge. A CPU-time rate below the alone rat
 
     flock /tmp/megamemo-cpu.lock python bench/oversubscribed_gemm.py
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -17,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate_cpu import LAYER  # noqa: E402
+from calibrate_cpu import LAYER
 
-POINTS = ((1, 64), (2, 128), (4, 256))       # (tp, rows) of DP4/PP4, TP2 x PP2/DP2, TP4 at the rehearsal
+POINTS = ((1, 64), (2, 128), (4, 256))  # (tp, rows) of DP4/PP4, TP2 x PP2/DP2, TP4 at the rehearsal
 
 
 def _work(tp: int, rows: int, reps: int, q) -> None:
@@ -33,6 +34,7 @@ def _work(tp: int, rows: int, reps: int, q) -> None:
         for w, x in zip(ws, xs, strict=True):
             w.grad = x.grad = None
             F.linear(x, w).sum().backward()
+
     step()
     flops = reps * sum(3 * 2 * rows * i * o for i, o in shapes)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -52,9 +54,13 @@ def main() -> None:
             got = [q.get() for _ in procs]
             for p in procs:
                 p.join()
-            print(f"tp {tp}, {rows} rows, {n} process(es): GFLOP/s per process over wall "
-                  + " ".join(f"{w / 1e9:.1f}" for w, _ in got) + "; over its CPU time "
-                  + " ".join(f"{c / 1e9:.1f}" for _, c in got), flush=True)
+            print(
+                f"tp {tp}, {rows} rows, {n} process(es): GFLOP/s per process over wall "
+                + " ".join(f"{w / 1e9:.1f}" for w, _ in got)
+                + "; over its CPU time "
+                + " ".join(f"{c / 1e9:.1f}" for _, c in got),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Runs go one after another (wrap the command in `flock /tmp/megamemo-cpu.lock` on
 `started` mark (python, torch, DeepSpeed, megatron-core imported, gloo up, no model yet) is the measured process
 baseline the plan counts as CPU_BASELINE.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"tp2pp2": (2, 2), "tp2dp2": (2, 1), "pp4": (1, 4)}
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def run_layout(args, name: str, tp: int, pp: int) -> Path:
@@ -29,9 +30,24 @@ def run_layout(args, name: str, tp: int, pp: int) -> Path:
     if not args.reuse:
         subprocess.run(["rm", "-rf", str(run)], check=True)
         env = {**os.environ, "MEGAMEMO_RSS_REPORT": str(run / "rss"), "OMP_NUM_THREADS": "1"}
-        cmd = [str(REPO / "launch" / "local.sh"), "4", "--config", args.config, "--data", args.data,
-               "--run-dir", str(run), "--tp", str(tp), "--pp", str(pp), "--max-steps", str(args.steps),
-               "--save-every", "2"]
+        cmd = [
+            str(REPO / "launch" / "local.sh"),
+            "4",
+            "--config",
+            args.config,
+            "--data",
+            args.data,
+            "--run-dir",
+            str(run),
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--max-steps",
+            str(args.steps),
+            "--save-every",
+            "2",
+        ]
         run.parent.mkdir(parents=True, exist_ok=True)
         with open(f"{run}.log", "w") as log:
             subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -69,11 +85,17 @@ def main() -> int:
             ratio = p.total / measured
             worst = max(worst, abs(ratio - 1))
             rows.append((name, d["rank"], stage, p, measured, d["marks"]["started"]["rss"], ratio))
-    print(f"{'layout':<8}{'rank':>5}{'stage':>6}" + "".join(f"{t[:9]:>10}" for t in Plan.TERMS)
-          + f"{'predicted':>11}{'measured':>10}{'baseline':>10}{'pred/meas':>10}   (GiB)")
+    print(
+        f"{'layout':<8}{'rank':>5}{'stage':>6}"
+        + "".join(f"{t[:9]:>10}" for t in Plan.TERMS)
+        + f"{'predicted':>11}{'measured':>10}{'baseline':>10}{'pred/meas':>10}   (GiB)"
+    )
     for name, rank, stage, p, measured, base, ratio in rows:
-        print(f"{name:<8}{rank:>5}{stage:>6}" + "".join(f"{getattr(p, t) / GiB:>10.3f}" for t in Plan.TERMS)
-              + f"{p.total / GiB:>11.3f}{measured / GiB:>10.3f}{base / GiB:>10.3f}{ratio:>10.2f}")
+        print(
+            f"{name:<8}{rank:>5}{stage:>6}"
+            + "".join(f"{getattr(p, t) / GiB:>10.3f}" for t in Plan.TERMS)
+            + f"{p.total / GiB:>11.3f}{measured / GiB:>10.3f}{base / GiB:>10.3f}{ratio:>10.2f}"
+        )
     print(f"worst |predicted/measured - 1| = {worst:.1%} (target 20%)")
     return 0 if worst <= 0.2 else 1
 

@@ -9,6 +9,7 @@ instead (no measurement). Target: every layout within +-25% and the same ranking
 
     flock /tmp/megamemo-cpu.lock python bench/plan_vs_step.py [--steps 6] [--out runs/plan_vs_step] [--reuse]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,32 @@ def run_layout(args, name: str, tp: int, pp: int, ga: int) -> tuple[float, list[
     if not args.reuse:
         subprocess.run(["rm", "-rf", str(run)], check=True)
         run.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [str(REPO / "launch" / "local.sh"), "4", "--config", args.config, "--data", args.data,
-               "--run-dir", str(run), "--tp", str(tp), "--pp", str(pp), "--max-steps", str(args.steps),
-               "--save-every", "0", "--set", f"train.grad_accum={ga}", "--set", "checkpoint.save_at_end=false"]
+        cmd = [
+            str(REPO / "launch" / "local.sh"),
+            "4",
+            "--config",
+            args.config,
+            "--data",
+            args.data,
+            "--run-dir",
+            str(run),
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--max-steps",
+            str(args.steps),
+            "--save-every",
+            "0",
+            "--set",
+            f"train.grad_accum={ga}",
+            "--set",
+            "checkpoint.save_at_end=false",
+        ]
         with open(f"{run}.log", "w") as log:
-            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
-                           stderr=subprocess.STDOUT)
+            subprocess.run(
+                cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT
+            )
     loads = Path(f"{run}.load.json")
     if args.reuse and loads.exists():
         before, after = json.loads(loads.read_text())
@@ -73,6 +94,7 @@ def main() -> int:
         cal = json.loads(cal_path.read_text())
     else:
         from calibrate_cpu import calibrate
+
         cal = calibrate()
         cal_path.parent.mkdir(parents=True, exist_ok=True)
         cal_path.write_text(json.dumps(cal))
@@ -84,13 +106,17 @@ def main() -> int:
         now = dict(cal, gemm={int(w): r for w, r in cal["gemm"].items()})
         if not (args.table or args.reuse):
             from calibrate_cpu import LAYER, layer_gemm_rate
+
             m = cfg.model
             n_rows = (m.tgt_len + m.mem_len) * cfg.layout(world)[1]
             key = f"{tp}x{n_rows}"
             now["layer_gemm"] = dict(cal.get("layer_gemm", {}))
             now["layer_gemm"][key] = round(layer_gemm_rate(*LAYER, tp, n_rows, 3) / 1e9, 1)
-            print(f"[{name}] the layer's projections at tp {tp}, {n_rows} rows (GEMM width "
-                  f"{gemm_width(m, tp, cfg.layout(world)[1])}): {now['layer_gemm'][key]:.1f} GFLOP/s now", flush=True)
+            print(
+                f"[{name}] the layer's projections at tp {tp}, {n_rows} rows (GEMM width "
+                f"{gemm_width(m, tp, cfg.layout(world)[1])}): {now['layer_gemm'][key]:.1f} GFLOP/s now",
+                flush=True,
+            )
             (Path(args.out) / f"{name}.calibration.json").write_text(json.dumps(now))
         elif args.reuse and (Path(args.out) / f"{name}.calibration.json").exists():
             now = json.loads((Path(args.out) / f"{name}.calibration.json").read_text())
@@ -99,19 +125,26 @@ def main() -> int:
         rows.append((name, st, measured, gaps, load_avg, fits))
         if args.explain:
             print("\n".join(explain(st, cpu_device(now))), flush=True)
-    print(f"{'layout':<8}{'layout (micro x accum)':<42}{'predicted s':>12}{'measured s':>11}{'pred/meas':>10}"
-          f"{'tok/s pred':>11}{'tok/s meas':>11}  {'dominant':<12}load avg    steps (s)")
+    print(
+        f"{'layout':<8}{'layout (micro x accum)':<42}{'predicted s':>12}{'measured s':>11}{'pred/meas':>10}"
+        f"{'tok/s pred':>11}{'tok/s meas':>11}  {'dominant':<12}load avg    steps (s)"
+    )
     worst = 0.0
     for name, st, measured, gaps, load_avg, fits in rows:
         ratio = st.seconds / measured
         worst = max(worst, abs(ratio - 1))
-        print(f"{name:<8}{st.layout:<42}{st.seconds:>12.2f}{measured:>11.2f}{ratio:>10.2f}{st.tokens_per_s:>11.1f}"
-              f"{st.tokens / measured:>11.1f}  {st.dominant:<12}{load_avg[0][0]:.1f}-{load_avg[1][0]:.1f}   "
-              + " ".join(f"{g:.2f}" for g in gaps) + ("" if fits else "  (does not fit: plan)"))
+        print(
+            f"{name:<8}{st.layout:<42}{st.seconds:>12.2f}{measured:>11.2f}{ratio:>10.2f}{st.tokens_per_s:>11.1f}"
+            f"{st.tokens / measured:>11.1f}  {st.dominant:<12}{load_avg[0][0]:.1f}-{load_avg[1][0]:.1f}   "
+            + " ".join(f"{g:.2f}" for g in gaps)
+            + ("" if fits else "  (does not fit: plan)")
+        )
     by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1].seconds)]
     by_meas = [r[0] for r in sorted(rows, key=lambda r: r[2])]
-    print(f"ranking, predicted: {' > '.join(by_pred)}; measured: {' > '.join(by_meas)}; "
-          f"{'the same' if by_pred == by_meas else 'DIFFERENT'}")
+    print(
+        f"ranking, predicted: {' > '.join(by_pred)}; measured: {' > '.join(by_meas)}; "
+        f"{'the same' if by_pred == by_meas else 'DIFFERENT'}"
+    )
     print(f"worst |predicted/measured - 1| = {worst:.1%} (target 25%)")
     return 0 if worst <= 0.25 and by_pred == by_meas else 1
 

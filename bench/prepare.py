@@ -17,6 +17,7 @@ the machine, where the MB/s figures fall as soon as another job takes a core; an
 once, each on 1/N of the documents: what N cores give to tokenizing alone at that moment. Run it under the machine's cpu
 lock.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,7 @@ def make_corpus(path: Path, mb: float) -> tuple[list[str], int]:
 
 
 def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)     # worker processes, once they have exited
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)  # worker processes, once they have exited
     return r.ru_utime + r.ru_stime
 
 
@@ -73,7 +74,7 @@ def ceiling(tok, docs: list[str], repeats: int) -> float:
             cur, size = [], 0
     if cur:
         batches.append(cur)
-    encode = getattr(tok.impl, "encode_batch_fast", tok.impl.encode_batch)     # what prepare's workers call
+    encode = getattr(tok.impl, "encode_batch_fast", tok.impl.encode_batch)  # what prepare's workers call
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -123,8 +124,11 @@ def main(argv=None) -> int:
         tok_file = tmp / "tokenizer.json"
         tok_file.write_bytes(tok.data)
         mb = n_bytes / 1e6
-        print(f"corpus: {len(docs):,} documents, {mb:.1f} MB of text ({raw.stat().st_size / 1e6:.1f} MB of jsonl), "
-              f"BPE of {len(tok)} symbols; cpu cores visible: {os.cpu_count()}", flush=True)
+        print(
+            f"corpus: {len(docs):,} documents, {mb:.1f} MB of text ({raw.stat().st_size / 1e6:.1f} MB of jsonl), "
+            f"BPE of {len(tok)} symbols; cpu cores visible: {os.cpu_count()}",
+            flush=True,
+        )
         t_ceil = ceiling(tok, docs, a.repeats)
         ceil_mbs = mb / t_ceil
         print(f"ceiling (tokenizers batch encode, 1 process, in memory): {ceil_mbs:.2f} MB/s", flush=True)
@@ -142,20 +146,37 @@ def main(argv=None) -> int:
             mbs = mb / best
             ratio = mbs / (ceil_mbs * n)
             cpu_ratio = t_ceil / (cpu[0] + cpu[1])
-            result["runs"].append({"workers": n, "seconds": best, "mb_s": mbs, "ratio_to_ceiling_x_workers": ratio,
-                                   "cpu_s_main": cpu[0], "cpu_s_workers": cpu[1], "cpu_ratio": cpu_ratio})
-            print(f"prepare --workers {n}: {best:.2f} s, {mbs:.2f} MB/s = {ratio:.2f} x (ceiling x {n})"
-                  f"{'  (goal >= 0.8)' if ratio < 0.8 else ''} | CPU s: main {cpu[0]:.2f}, workers {cpu[1]:.2f}; "
-                  f"ceiling CPU / prepare CPU = {cpu_ratio:.2f}", flush=True)
+            result["runs"].append(
+                {
+                    "workers": n,
+                    "seconds": best,
+                    "mb_s": mbs,
+                    "ratio_to_ceiling_x_workers": ratio,
+                    "cpu_s_main": cpu[0],
+                    "cpu_s_workers": cpu[1],
+                    "cpu_ratio": cpu_ratio,
+                }
+            )
+            print(
+                f"prepare --workers {n}: {best:.2f} s, {mbs:.2f} MB/s = {ratio:.2f} x (ceiling x {n})"
+                f"{'  (goal >= 0.8)' if ratio < 0.8 else ''} | CPU s: main {cpu[0]:.2f}, workers {cpu[1]:.2f}; "
+                f"ceiling CPU / prepare CPU = {cpu_ratio:.2f}",
+                flush=True,
+            )
             if n > 1:
                 par = mb / ceiling_in_processes(tok, docs, n, a.repeats)
                 result["runs"][-1].update({"ceiling_in_n_processes_mb_s": par, "ratio_to_that": mbs / par})
-                print(f"  the ceiling itself in {n} processes at once (encode only, in memory): {par:.2f} MB/s = "
-                      f"{par / ceil_mbs:.2f} x the 1-process ceiling; prepare --workers {n} = {mbs / par:.2f} x that",
-                      flush=True)
+                print(
+                    f"  the ceiling itself in {n} processes at once (encode only, in memory): {par:.2f} MB/s = "
+                    f"{par / ceil_mbs:.2f} x the 1-process ceiling; prepare --workers {n} = {mbs / par:.2f} x that",
+                    flush=True,
+                )
         result["load_average"] = os.getloadavg()
-        print(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())} on "
-              f"{os.cpu_count()} cores", flush=True)
+        print(
+            f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())} on "
+            f"{os.cpu_count()} cores",
+            flush=True,
+        )
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     finally:

@@ -25,6 +25,7 @@ against the run-to-run noise (try --seed). Measured on this machine:
 So at a CPU budget the three are within ~0.3% of each other and the order flips with the step count: this bench
 shows the pipeline runs all three identically, not the paper's result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,9 +63,19 @@ def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
     from megamemo.kernels import DropoutKey, apply_dropout_masks
 
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(variant=variant, n_token=256, n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
-                      d_head=args.d_model // args.heads, d_inner=4 * args.d_model, dropout=args.dropout,
-                      dropatt=args.dropatt, tgt_len=args.tgt_len, mem_len=args.mem_len)
+    cfg = ModelConfig(
+        variant=variant,
+        n_token=256,
+        n_layer=args.layers,
+        d_model=args.d_model,
+        n_head=args.heads,
+        d_head=args.d_model // args.heads,
+        d_inner=4 * args.d_model,
+        dropout=args.dropout,
+        dropatt=args.dropatt,
+        tgt_len=args.tgt_len,
+        mem_len=args.mem_len,
+    )
     model = MemTransformerLM(cfg)
     key = None
     if masks == "keyed":
@@ -73,8 +84,7 @@ def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
     name = variant if masks == "stream" else f"{variant}-keyed"
     n_param = sum(p.numel() for p in model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, args.warmup, args.steps, "cosine", 0.0))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.warmup, args.steps, "cosine", 0.0))
     reader = StreamReader(data, "train", args.batch_size, args.tgt_len, epochs=None)
     model.train()
     mem, losses, tokens = None, [], 0
@@ -95,26 +105,40 @@ def train_one(variant: str, args, data: Path, masks: str = "stream") -> dict:
         tokens += nll.numel()
         if (step + 1) % args.log_every == 0:
             dt = time.perf_counter() - t0
-            print(f"[quality] {name:>6} step {step + 1:>5}/{args.steps} "
-                  f"| loss {sum(losses[-args.log_every:]) / args.log_every:.4f} "
-                  f"| bpc {sum(losses[-args.log_every:]) / args.log_every / math.log(2):.3f} | {tokens / dt:,.0f} tok/s",
-                  flush=True)
+            print(
+                f"[quality] {name:>6} step {step + 1:>5}/{args.steps} "
+                f"| loss {sum(losses[-args.log_every :]) / args.log_every:.4f} "
+                f"| bpc {sum(losses[-args.log_every :]) / args.log_every / math.log(2):.3f} | {tokens / dt:,.0f} tok/s",
+                flush=True,
+            )
     train_s = time.perf_counter() - t0
     reader.close()
     if args.save:
         from megamemo.checkpoint.single import save_single
         from megamemo.interop.vocabulary import data_meta
 
-        save_single(Path(args.save) / name, cfg, model.state_dict(),
-                    meta={"source": "bench/quality.py", "steps": args.steps, "seed": args.seed, **data_meta(data)})
+        save_single(
+            Path(args.save) / name,
+            cfg,
+            model.state_dict(),
+            meta={"source": "bench/quality.py", "steps": args.steps, "seed": args.seed, **data_meta(data)},
+        )
     valid = open_batches(data, "valid", args.eval_batch_size, args.tgt_len)
     ev = evaluate(model, valid, max_segments=args.eval_segments)
     valid.close()
-    tail = losses[-min(len(losses), 50):]
-    return {"variant": name, "params": n_param, "train_tokens": tokens, "train_seconds": train_s,
-            "train_tokens_per_s": tokens / train_s, "train_bpc_last50": sum(tail) / len(tail) / math.log(2),
-            "valid_bpc": ev["nll"] / math.log(2), "valid_nll": ev["nll"], "valid_tokens": ev["tokens"],
-            "eval_seconds": ev["seconds"]}
+    tail = losses[-min(len(losses), 50) :]
+    return {
+        "variant": name,
+        "params": n_param,
+        "train_tokens": tokens,
+        "train_seconds": train_s,
+        "train_tokens_per_s": tokens / train_s,
+        "train_bpc_last50": sum(tail) / len(tail) / math.log(2),
+        "valid_bpc": ev["nll"] / math.log(2),
+        "valid_nll": ev["nll"],
+        "valid_tokens": ev["tokens"],
+        "eval_seconds": ev["seconds"],
+    }
 
 
 def main(argv=None) -> int:
@@ -130,8 +154,13 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--dropatt", type=float, default=0.0)
-    p.add_argument("--dropout-masks", nargs="+", choices=["stream", "keyed"], default=["stream"],
-                   help="train each variant with these dropout masks (train.dropout_masks)")
+    p.add_argument(
+        "--dropout-masks",
+        nargs="+",
+        choices=["stream", "keyed"],
+        default=["stream"],
+        help="train each variant with these dropout masks (train.dropout_masks)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--clip", type=float, default=0.25)
@@ -141,22 +170,31 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--save", help="save each trained model as a single-device checkpoint DIR/<variant> "
-                                  "(for megamemo eval / analyze / generate)")
+    p.add_argument(
+        "--save",
+        help="save each trained model as a single-device checkpoint DIR/<variant> "
+        "(for megamemo eval / analyze / generate)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = shard_dir(args)
     results = [train_one(v, args, data, m) for v in args.variants.split(",") for m in args.dropout_masks]
     base = results[0]
-    print(f"\n[quality] {args.steps} steps x {args.batch_size} streams x {args.tgt_len} tokens, mem {args.mem_len}, "
-          f"{args.layers}L d{args.d_model}, dropout {args.dropout} dropatt {args.dropatt}, seed {args.seed}, "
-          f"{args.threads} thread(s); valid = "
-          f"{results[0]['valid_tokens']:,} tokens")
-    print(f"{'variant':>12} {'params':>9} {'train tok/s':>12} {'train bpc':>10} {'valid bpc':>10} "
-          f"{'vs ' + base['variant']:>9}")
+    print(
+        f"\n[quality] {args.steps} steps x {args.batch_size} streams x {args.tgt_len} tokens, mem {args.mem_len}, "
+        f"{args.layers}L d{args.d_model}, dropout {args.dropout} dropatt {args.dropatt}, seed {args.seed}, "
+        f"{args.threads} thread(s); valid = "
+        f"{results[0]['valid_tokens']:,} tokens"
+    )
+    print(
+        f"{'variant':>12} {'params':>9} {'train tok/s':>12} {'train bpc':>10} {'valid bpc':>10} "
+        f"{'vs ' + base['variant']:>9}"
+    )
     for r in results:
-        print(f"{r['variant']:>12} {r['params']:>9,} {r['train_tokens_per_s']:>12,.0f} {r['train_bpc_last50']:>10.4f} "
-              f"{r['valid_bpc']:>10.4f} {r['valid_bpc'] / base['valid_bpc']:>9.4f}")
+        print(
+            f"{r['variant']:>12} {r['params']:>9,} {r['train_tokens_per_s']:>12,.0f} {r['train_bpc_last50']:>10.4f} "
+            f"{r['valid_bpc']:>10.4f} {r['valid_bpc'] / base['valid_bpc']:>9.4f}"
+        )
     order = " > ".join(r["variant"] for r in sorted(results, key=lambda r: -r["valid_bpc"]))
     print(f"ordering by valid bpc (worst first): {order}   (paper: rpe > xl > lamemo)")
     if args.json:

@@ -16,6 +16,7 @@ checkpoints at steps 4 and 6):
 
 Wrap it in `flock /tmp/megamemo-cpu.lock` on a shared machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GiB = 2 ** 30
+GiB = 2**30
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -36,8 +37,9 @@ def timed(cmd: list[str], log: Path, **env: str) -> tuple[int, float, int]:
     """(exit code, seconds, peak RSS bytes of the command) via /usr/bin/time -f %M (KiB)."""
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB %M", *cmd], stdout=f, stderr=subprocess.STDOUT,
-                            env={**ENV, **env}).returncode
+        rc = subprocess.run(
+            ["/usr/bin/time", "-f", "MAXRSS_KB %M", *cmd], stdout=f, stderr=subprocess.STDOUT, env={**ENV, **env}
+        ).returncode
     secs = time.perf_counter() - t0
     peak = [int(line.split()[1]) * 1024 for line in log.read_text().splitlines() if line.startswith("MAXRSS_KB")]
     return rc, secs, peak[-1] if peak else 0
@@ -54,52 +56,128 @@ def relayouts(ref: Path, out: Path, config: str, data: str) -> bool:
     for name, tp, pp in (("tp1pp4", 1, 4), ("tp2dp2", 2, 1)):
         run = out / name
         shutil.rmtree(run, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "megamemo", "convert", "relayout", "--ckpt",
-                        str(ref / "checkpoints" / "step_00000004"), "--out", str(run)], check=True, env=ENV,
-                       stdout=subprocess.DEVNULL)
-        rc, secs, _ = timed([str(REPO / "launch" / "local.sh"), "4", "--config", config, "--data", data,
-                             "--run-dir", str(run), "--tp", str(tp), "--pp", str(pp), "--max-steps", "6",
-                             "--set", "checkpoint.save_at_end=false", "--set", "log.tensorboard=false"],
-                            out / f"{name}.log")
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megamemo",
+                "convert",
+                "relayout",
+                "--ckpt",
+                str(ref / "checkpoints" / "step_00000004"),
+                "--out",
+                str(run),
+            ],
+            check=True,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+        )
+        rc, secs, _ = timed(
+            [
+                str(REPO / "launch" / "local.sh"),
+                "4",
+                "--config",
+                config,
+                "--data",
+                data,
+                "--run-dir",
+                str(run),
+                "--tp",
+                str(tp),
+                "--pp",
+                str(pp),
+                "--max-steps",
+                "6",
+                "--set",
+                "checkpoint.save_at_end=false",
+                "--set",
+                "log.tensorboard=false",
+            ],
+            out / f"{name}.log",
+        )
         got = losses(run) if rc == 0 else {}
         diffs = [abs(got[s] - want[s]) for s in (5, 6) if s in got]
         good = rc == 0 and len(diffs) == 2 and max(diffs) <= 1e-5
         ok &= good
-        print(f"TP2xPP2 step 4 -> {name}: rc {rc}, {secs:.0f}s; steps 5, 6 losses "
-              + ", ".join(f"{got.get(s)!r} vs {want[s]!r}" for s in (5, 6))
-              + (f"; max |diff| {max(diffs):.2e}" if diffs else "") + f" -> {'OK' if good else 'FAIL'}")
+        print(
+            f"TP2xPP2 step 4 -> {name}: rc {rc}, {secs:.0f}s; steps 5, 6 losses "
+            + ", ".join(f"{got.get(s)!r} vs {want[s]!r}" for s in (5, 6))
+            + (f"; max |diff| {max(diffs):.2e}" if diffs else "")
+            + f" -> {'OK' if good else 'FAIL'}"
+        )
     return ok
 
 
 def to_single(ckpt: Path, out: Path, label: str, bound: float = 1.5) -> bool:
     single = out / f"{label}-single"
     shutil.rmtree(single, ignore_errors=True)
-    rc, secs, peak = timed([sys.executable, "-m", "megamemo", "convert", "to-single", "--ckpt", str(ckpt),
-                            "--out", str(single)], out / f"{label}-convert.log")
-    _, _, base = timed([sys.executable, "-c", "import torch, safetensors, megamemo.interop.convert"],
-                       out / "baseline.log")
+    rc, secs, peak = timed(
+        [sys.executable, "-m", "megamemo", "convert", "to-single", "--ckpt", str(ckpt), "--out", str(single)],
+        out / f"{label}-convert.log",
+    )
+    _, _, base = timed(
+        [sys.executable, "-c", "import torch, safetensors, megamemo.interop.convert"], out / "baseline.log"
+    )
     weights = (single / "model.safetensors").stat().st_size if rc == 0 else 0
     ratio = peak / weights if weights else float("inf")
-    print(f"convert to-single ({label}): rc {rc}, {secs:.1f}s, fp32 weights {weights / GiB:.3f} GiB, peak RSS "
-          f"{peak / GiB:.3f} GiB = {ratio:.2f}x the weights (bound {bound}x); the process baseline (python, "
-          f"torch, megamemo imported) {base / GiB:.3f} GiB, peak above it {(peak - base) / weights:.2f}x")
+    print(
+        f"convert to-single ({label}): rc {rc}, {secs:.1f}s, fp32 weights {weights / GiB:.3f} GiB, peak RSS "
+        f"{peak / GiB:.3f} GiB = {ratio:.2f}x the weights (bound {bound}x); the process baseline (python, "
+        f"torch, megamemo imported) {base / GiB:.3f} GiB, peak above it {(peak - base) / weights:.2f}x"
+    )
     return rc == 0 and ratio <= bound
 
 
 def full_size(out: Path, data: str) -> bool:
     run = out / "lamemo-1.3b"
     shutil.rmtree(run, ignore_errors=True)
-    rc, secs, _ = timed([str(REPO / "launch" / "local.sh"), "4", "--config", str(REPO / "configs" / "lamemo-1.3b.yaml"),
-                         "--data", data, "--run-dir", str(run), "--tp", "2", "--pp", "2", "--max-steps", "0",
-                         "--set", "parallel.init=shard", "--set", "precision.dtype=fp32", "--set",
-                         "parallel.zero_stage=0", "--set", "parallel.overlap_comm=false", "--set",
-                         "parallel.reduce_bucket_size=null", "--set", "train.grad_accum=2", "--set", "data.batch_size=2",
-                         "--set", "eval.every=0", "--set", "log.tensorboard=false",
-                         "--set", "model.tgt_len=32", "--set", "model.mem_len=32"],   # a cheap probe
-                        out / "lamemo-1.3b.log", MEGAMEMO_RSS_REPORT=str(run / "rss"))
+    rc, secs, _ = timed(
+        [
+            str(REPO / "launch" / "local.sh"),
+            "4",
+            "--config",
+            str(REPO / "configs" / "lamemo-1.3b.yaml"),
+            "--data",
+            data,
+            "--run-dir",
+            str(run),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--max-steps",
+            "0",
+            "--set",
+            "parallel.init=shard",
+            "--set",
+            "precision.dtype=fp32",
+            "--set",
+            "parallel.zero_stage=0",
+            "--set",
+            "parallel.overlap_comm=false",
+            "--set",
+            "parallel.reduce_bucket_size=null",
+            "--set",
+            "train.grad_accum=2",
+            "--set",
+            "data.batch_size=2",
+            "--set",
+            "eval.every=0",
+            "--set",
+            "log.tensorboard=false",
+            "--set",
+            "model.tgt_len=32",
+            "--set",
+            "model.mem_len=32",
+        ],  # a cheap probe
+        out / "lamemo-1.3b.log",
+        MEGAMEMO_RSS_REPORT=str(run / "rss"),
+    )
     peaks = [json.loads(f.read_text())["end"]["hwm"] for f in sorted((run / "rss").glob("rank_*.json"))]
-    print(f"lamemo-1.3b built (shard init) and saved at step 0 on 4 processes (TP2 x PP2, fp32, ZeRO 0): rc {rc}, "
-          f"{secs:.0f}s; peak RSS per rank " + ", ".join(f"{p / GiB:.2f}" for p in peaks) + " GiB")
+    print(
+        f"lamemo-1.3b built (shard init) and saved at step 0 on 4 processes (TP2 x PP2, fp32, ZeRO 0): rc {rc}, "
+        f"{secs:.0f}s; peak RSS per rank " + ", ".join(f"{p / GiB:.2f}" for p in peaks) + " GiB"
+    )
     return rc == 0 and to_single(run, out, "lamemo-1.3b")
 
 

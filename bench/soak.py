@@ -29,6 +29,7 @@ each time (launch/local.sh --max-restarts, megamemo/runtime/launcher.py) must en
 Prints one line per kill and a summary; writes OUT/summary.json. Exit 0 when every restart resumed and every loss
 is equal. Run it under `flock /tmp/megamemo-cpu.lock` on a shared machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,14 +56,35 @@ log: {every: 1, tensorboard: false}
 """
 
 
-def job_command(world: int, cfg: Path, shards: Path, run_dir: Path, steps: int, keep_last: int = 2,
-                max_restarts: int = 0) -> list[str]:
+def job_command(
+    world: int, cfg: Path, shards: Path, run_dir: Path, steps: int, keep_last: int = 2, max_restarts: int = 0
+) -> list[str]:
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
-    return [sys.executable, "-m", "megamemo.commands.launch", *restarts, str(world), "--config", str(cfg),
-            "--data", str(shards),
-            "--run-dir", str(run_dir), "--max-steps", str(steps), "--save-every", "1",
-            "--set", f"checkpoint.keep_last={keep_last}", "--set", "checkpoint.async_save=true",
-            "--set", "checkpoint.probe=false", "--set", "log.tensorboard=false"]
+    return [
+        sys.executable,
+        "-m",
+        "megamemo.commands.launch",
+        *restarts,
+        str(world),
+        "--config",
+        str(cfg),
+        "--data",
+        str(shards),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        str(steps),
+        "--save-every",
+        "1",
+        "--set",
+        f"checkpoint.keep_last={keep_last}",
+        "--set",
+        "checkpoint.async_save=true",
+        "--set",
+        "checkpoint.probe=false",
+        "--set",
+        "log.tensorboard=false",
+    ]
 
 
 def job_env(**extra: str) -> dict:
@@ -100,6 +122,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def committed(run_dir: Path) -> list[int]:
     from megamemo.checkpoint.store import list_checkpoints
+
     return [s for s, _, c in list_checkpoints(Path(run_dir) / "checkpoints") if c]
 
 
@@ -123,8 +146,9 @@ class Job:
     def __init__(self, cmd: list[str], env: dict, log: Path):
         self.log = log
         with open(log, "a") as f:
-            self.p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                      start_new_session=True)
+            self.p = subprocess.Popen(
+                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            )
         self.t0, self.t_wall = time.monotonic(), time.time()
         self.workers: list[int] = []
 
@@ -212,9 +236,23 @@ def _text(log: Path, start: int) -> str:
         return f.read().decode(errors="replace")
 
 
-def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: int, world: int = 2,
-         minutes: float = 15.0, kinds: tuple[str, ...] | None = None, reference: dict[int, float] | None = None,
-         keep_last: int = 2, finish: bool = True, nth: tuple[int, int] = (1, 2), say=print) -> dict:
+def soak(
+    cfg: Path,
+    shards: Path,
+    out: Path,
+    *,
+    kills: int,
+    seed: int,
+    steps: int,
+    world: int = 2,
+    minutes: float = 15.0,
+    kinds: tuple[str, ...] | None = None,
+    reference: dict[int, float] | None = None,
+    keep_last: int = 2,
+    finish: bool = True,
+    nth: tuple[int, int] = (1, 2),
+    say=print,
+) -> dict:
     """Run the soak (see the module's doc); returns the summary. `kinds`: the moments in this order (cycled) instead
     of drawn at random; `reference`: the uninterrupted run's losses when the caller has them; `finish=False` leaves
     the last run to the caller (the job gets one restart fewer than kills and ends after the last; the test damages
@@ -246,37 +284,50 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
     job = Job(cmd, job_env(**({"MEGAMEMO_FAULT_KILL_AT": plan} if plan else {})), log)
     records, resumed, refused = [], 0, []
     deadline = t_start + minutes * 60
-    at = 0                          # this start's first byte in the log
+    at = 0  # this start's first byte in the log
     for i, (kind, nth_here, _rank) in enumerate(rounds):
         if time.monotonic() > deadline:
             say(f"[soak] {minutes:g} min used up after {i} kills")
             break
         had = committed(run_dir)
         where = kind
-        nxt = job.wait_for_start(i + 1, 600)        # the launcher's restart, or the job's end
-        text = _text(log, at)[:None if nxt is None else nxt - at]
+        nxt = job.wait_for_start(i + 1, 600)  # the launcher's restart, or the job's end
+        text = _text(log, at)[: None if nxt is None else nxt - at]
         rc = job.p.returncode if nxt is None else None
         started = "fresh start" in text or "resuming at step" in text
-        if i > 0:                   # a restart: refused (the lock, a checkpoint), or not training, is a failure
+        if i > 0:  # a restart: refused (the lock, a checkpoint), or not training, is a failure
             ok = "another trainer is running" not in text and (started or kind == "start-up")
             resumed += ok
             if not ok:
                 refused.append(i + 1)
         if nxt is None and rc == 0 and "[fault]" not in text:
             where = f"none ({kind} #{nth_here} never reached: the run ended)"
-        rec = {"kill": i + 1, "kind": kind, "where": where, "rc": rc, "committed_before": had[-1] if had else None,
-               "steps_logged": len(train_records(run_dir)), "restart_trained": started,
-               "log": "\n".join(x for x in text.splitlines() if "terminate called" in x or "[launch]" in x)}
+        rec = {
+            "kill": i + 1,
+            "kind": kind,
+            "where": where,
+            "rc": rc,
+            "committed_before": had[-1] if had else None,
+            "steps_logged": len(train_records(run_dir)),
+            "restart_trained": started,
+            "log": "\n".join(x for x in text.splitlines() if "terminate called" in x or "[launch]" in x),
+        }
         records.append(rec)
         this = "trained" if started else ("was killed in start-up" if kind == "start-up" else "DID NOT TRAIN")
         say(f"[soak] kill {i + 1}: {where}; this start {this}; newest committed {committed(run_dir)[-1:] or 'none'}")
         if nxt is None:
-            break                   # the job ended: the run reached its end between kills, or no restart was left
+            break  # the job ended: the run reached its end between kills, or no restart was left
         at = nxt
-    summary = {"seed": seed, "world": world, "steps": steps, "kills": len(records),
-               "aborts": sum("terminate called" in r.get("log", "") for r in records),
-               "by_kind": {k: sum(r["where"] == k for r in records) for k in KINDS},
-               "restarts": max(0, len(records) - 1) + (1 if finish else 0), "records": records}
+    summary = {
+        "seed": seed,
+        "world": world,
+        "steps": steps,
+        "kills": len(records),
+        "aborts": sum("terminate called" in r.get("log", "") for r in records),
+        "by_kind": {k: sum(r["where"] == k for r in records) for k in KINDS},
+        "restarts": max(0, len(records) - 1) + (1 if finish else 0),
+        "records": records,
+    }
     rc = job.end(900)
     summary["restarts_trained"], summary["refused"] = resumed, refused
     summary["interruptions"] = history(run_dir)
@@ -288,17 +339,24 @@ def soak(cfg: Path, shards: Path, out: Path, *, kills: int, seed: int, steps: in
     resumed += ("resuming at step" in text or "fresh start" in text) and "another trainer is running" not in text
     got = losses(run_dir)
     differ = sorted(s for s in reference if got.get(s) != reference[s])
-    summary.update(final_rc=rc, restarts_trained=resumed, refused=refused, steps_compared=len(reference),
-                   steps_differing=differ, extra_steps=sorted(set(got) - set(reference)),
-                   seconds=round(time.monotonic() - t_start, 1))
-    summary["ok"] = (rc == 0 and not differ and not summary["extra_steps"] and
-                     resumed == summary["restarts"])
+    summary.update(
+        final_rc=rc,
+        restarts_trained=resumed,
+        refused=refused,
+        steps_compared=len(reference),
+        steps_differing=differ,
+        extra_steps=sorted(set(got) - set(reference)),
+        seconds=round(time.monotonic() - t_start, 1),
+    )
+    summary["ok"] = rc == 0 and not differ and not summary["extra_steps"] and resumed == summary["restarts"]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    say(f"[soak] {summary['kills']} kills ({', '.join(f'{k} {v}' for k, v in summary['by_kind'].items())}); "
+    say(
+        f"[soak] {summary['kills']} kills ({', '.join(f'{k} {v}' for k, v in summary['by_kind'].items())}); "
         f"{resumed}/{summary['restarts']} restarts trained; {len(reference) - len(differ)}/{len(reference)} steps' "
         f"losses bit-equal to the uninterrupted run; {summary['aborts']} surviving ranks aborted (SIGABRT) when a "
         f"peer was killed; {len(summary['interruptions'])} interruptions recorded; {summary['seconds']:.0f}s; "
-        f"seed {seed}")
+        f"seed {seed}"
+    )
     if g is not None:
         say(f"[soak] {goodput.describe(g)}")
     return summary
@@ -329,10 +387,12 @@ def main(argv: list[str] | None = None) -> int:
             from helpers.fixture_data import ENWIK8
 
             from megamemo.data.cli import prepare_main
+
             shutil.rmtree(data, ignore_errors=True)
             assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(data), "--quiet"]) == 0
-    summary = soak(cfg, data, a.out, kills=a.kills, seed=seed, steps=a.steps or 2 * a.kills + 10, world=a.world,
-                   minutes=a.minutes)
+    summary = soak(
+        cfg, data, a.out, kills=a.kills, seed=seed, steps=a.steps or 2 * a.kills + 10, world=a.world, minutes=a.minutes
+    )
     return 0 if summary["ok"] else 1
 
 

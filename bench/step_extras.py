@@ -8,6 +8,7 @@
 * profile_row: the top kernels of one compiled layer's forward + backward (torch.profiler), at the run's shapes,
   through the start-up check's inputs (megamemo/kernels/form_check.py); on the CPU, the top operators.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,7 +29,7 @@ def auto_forms(config: str, device, log=print) -> tuple[list[str], list[str]]:
     from megamemo.train.config import load
     from megamemo.train.forms import candidates
 
-    cfg = load(config, ["parallel.tp=1", "parallel.pp=1"], vocab_fallback=32000)   # the forms need no data
+    cfg = load(config, ["parallel.tp=1", "parallel.pp=1"], vocab_fallback=32000)  # the forms need no data
     forms, skipped = candidates(cfg, device, log)
     return [form_name(f.attention, f.compiled) for f in forms], skipped
 
@@ -38,8 +39,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def optimizer_row(base: torch.nn.Module, device, dtype, steps: int = 5, clip: float = 0.25,
-                  fused: bool = True) -> dict:
+def optimizer_row(base: torch.nn.Module, device, dtype, steps: int = 5, clip: float = 0.25, fused: bool = True) -> dict:
     """The optimizer step's time over every parameter of `base` (see the module docstring)."""
     master = [p.detach().to(device=device, dtype=torch.float32).requires_grad_() for p in base.parameters()]
     half = [p.detach().to(device=device, dtype=dtype) for p in master]
@@ -53,19 +53,22 @@ def optimizer_row(base: torch.nn.Module, device, dtype, steps: int = 5, clip: fl
         opt.step()
         torch._foreach_copy_(half, master)
 
-    step()                                          # the optimizer's state is made here
+    step()  # the optimizer's state is made here
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     _sync(device)
     ms = (time.perf_counter() - t0) / steps * 1e3
-    row = {"form": "optimizer", "ms_per_step": ms, "params": sum(p.numel() for p in master),
-           "what": f"AdamW{' (fused)' if fused else ''} over fp32 master weights + clip + copy to "
-                   f"{str(dtype)[6:]}"}
+    row = {
+        "form": "optimizer",
+        "ms_per_step": ms,
+        "params": sum(p.numel() for p in master),
+        "what": f"AdamW{' (fused)' if fused else ''} over fp32 master weights + clip + copy to {str(dtype)[6:]}",
+    }
     if device.type == "cuda":
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return row                                      # master, half and opt are freed with this frame
+    return row  # master, half and opt are freed with this frame
 
 
 def _device_time(e, cuda: bool) -> float:
@@ -85,7 +88,7 @@ def profile_row(model: torch.nn.Module, cfg, batch: int, form: str, top: int = 1
     p = next(layer.parameters())
     device, cuda = p.device, p.device.type == "cuda"
     args, grads = _inputs(layer, cfg, batch, cfg.tgt_len, cfg.mem_len if cfg.has_memory else 0, device, p.dtype)
-    for _ in range(2):                              # warm: a compile for the layer's own inputs happens here
+    for _ in range(2):  # warm: a compile for the layer's own inputs happens here
         _run(layer, args, grads)
     _sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -95,7 +98,20 @@ def profile_row(model: torch.nn.Module, cfg, batch: int, form: str, top: int = 1
     events = [e for e in prof.key_averages() if _device_time(e, cuda) > 0]
     total = sum(_device_time(e, cuda) for e in events)
     events.sort(key=lambda e: -_device_time(e, cuda))
-    kernels = [{"name": e.key[:140], "ms": _device_time(e, cuda) / 1e3, "calls": e.count,
-                "share": _device_time(e, cuda) / total if total else None} for e in events[:top]]
-    return {"form": "profile", "of": form, "batch": batch, "unit": "kernels" if cuda else "CPU operators",
-            "total_ms": total / 1e3, "kernels": kernels}
+    kernels = [
+        {
+            "name": e.key[:140],
+            "ms": _device_time(e, cuda) / 1e3,
+            "calls": e.count,
+            "share": _device_time(e, cuda) / total if total else None,
+        }
+        for e in events[:top]
+    ]
+    return {
+        "form": "profile",
+        "of": form,
+        "batch": batch,
+        "unit": "kernels" if cuda else "CPU operators",
+        "total_ms": total / 1e3,
+        "kernels": kernels,
+    }

@@ -18,6 +18,7 @@ The figures in megamemo/plan/devices.py (GPU_LAUNCH, GPU_ELEMENTWISE_BW, GPU_UNA
 measurements on an H100 (2026-11-26; the device tool ran a condensed copy of this script's measure() with the
 same shapes, warm-up, median and kernel-name split).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,20 +32,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megamemo.model import MemTransformerLM, ModelConfig  # noqa: E402
-from megamemo.model.memory import Memory  # noqa: E402
-from megamemo.plan import opcost  # noqa: E402
-from megamemo.plan.devices import device as device_row  # noqa: E402
-from megamemo.plan.optrace import DTYPES, trace  # noqa: E402
+from megamemo.model import MemTransformerLM, ModelConfig
+from megamemo.model.memory import Memory
+from megamemo.plan import opcost
+from megamemo.plan.devices import device as device_row
+from megamemo.plan.optrace import DTYPES, trace
 
 REPO = Path(__file__).resolve().parents[1]
 GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d\d_|fmha|attention|flash", re.IGNORECASE)
-SMALL = dict(n_token=256, n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=128, mem_len=128,
-             dropout=0.1)
+SMALL = dict(
+    n_token=256, n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=128, mem_len=128, dropout=0.1
+)
 
 
 def shapes():
     from megamemo.train.config import load
+
     out = []
     for variant in ("lamemo", "xl", "rpe"):
         for dtype in ("bf16", "fp32"):
@@ -96,21 +99,27 @@ def measure(cfg, B, dtype, dev, steps=5):
         if i >= 2:
             walls.append(time.perf_counter() - t0)
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gemm = [e for e in kernels if GEMM_KERNEL.search(e.name)]
-    model = mem = None                              # freed before empty_cache (step's closure shares them)
+    model = mem = None  # freed before empty_cache (step's closure shares them)
     torch.cuda.empty_cache()
 
     def us(e):
         return e.time_range.elapsed_us()
 
     other = [e for e in kernels if not GEMM_KERNEL.search(e.name)]
-    return {"wall_ms": 1e3 * statistics.median(walls), "kernels": len(kernels),
-            "gemm_kernels": len(gemm), "gemm_ms": sum(map(us, gemm)) / 1e3, "other_ms": sum(map(us, other)) / 1e3,
-            "top_other": sorted(((round(us(e), 1), e.name[:60]) for e in other), reverse=True)[:6]}
+    return {
+        "wall_ms": 1e3 * statistics.median(walls),
+        "kernels": len(kernels),
+        "gemm_kernels": len(gemm),
+        "gemm_ms": sum(map(us, gemm)) / 1e3,
+        "other_ms": sum(map(us, other)) / 1e3,
+        "top_other": sorted(((round(us(e), 1), e.name[:60]) for e in other), reverse=True)[:6],
+    }
 
 
 def op_loop(dev, n=2000):
@@ -130,10 +139,14 @@ def predict(cfg, B, dtype, row):
     dev = device_row(row)
     fwd, bwd = trace(cfg, B, 1, dtype).stage(cfg.n_layer, True, True)
     cost = opcost.concat([opcost.price(fwd, dev, dtype), opcost.price(bwd, dev, dtype)])
-    return {"kernels": int(fwd.launches.sum() + bwd.launches.sum()), "gemm_ms": 1e3 * cost.gemm.sum(),
-            "other_ms": 1e3 * cost.other.sum(), "wall_ms": 1e3 * opcost.run(cost)[0],
-            "gemm_tflop": float(fwd.flops.sum() + bwd.flops.sum()) / 1e12,
-            "gbytes": float(fwd.bytes.sum() + bwd.bytes.sum()) / 1e9}
+    return {
+        "kernels": int(fwd.launches.sum() + bwd.launches.sum()),
+        "gemm_ms": 1e3 * cost.gemm.sum(),
+        "other_ms": 1e3 * cost.other.sum(),
+        "wall_ms": 1e3 * opcost.run(cost)[0],
+        "gemm_tflop": float(fwd.flops.sum() + bwd.flops.sum()) / 1e12,
+        "gbytes": float(fwd.bytes.sum() + bwd.bytes.sum()) / 1e9,
+    }
 
 
 def main():
@@ -145,8 +158,10 @@ def main():
     if args.predict_only:
         for name, cfg, B, dtype in shapes():
             p = predict(cfg, B, "bf16" if dtype == "autocast" else dtype, args.device)
-            print(f"{name:<24} kernels {p['kernels']:>6}   GEMM {p['gemm_ms']:8.2f} ms   other {p['other_ms']:8.2f} ms"
-                  f"   wall {p['wall_ms']:8.2f} ms   {p['gemm_tflop']:.3f} TFLOP   {p['gbytes']:.2f} GB")
+            print(
+                f"{name:<24} kernels {p['kernels']:>6}   GEMM {p['gemm_ms']:8.2f} ms   other {p['other_ms']:8.2f} ms"
+                f"   wall {p['wall_ms']:8.2f} ms   {p['gemm_tflop']:.3f} TFLOP   {p['gbytes']:.2f} GB"
+            )
         return
     if not torch.cuda.is_available():
         sys.exit("trace_vs_profile: needs a CUDA device")
@@ -156,13 +171,14 @@ def main():
     print(f"a bare loop of small in-place adds: {loop:.1f} us an op")
     rows = [{"op_loop_us": loop}]
     for name, cfg, B, dtype in shapes():
-        got, pred = measure(cfg, B, dtype, dev), predict(cfg, B, "bf16" if dtype == "autocast" else dtype,
-                                                         args.device)
+        got, pred = measure(cfg, B, dtype, dev), predict(cfg, B, "bf16" if dtype == "autocast" else dtype, args.device)
         rows.append({"shape": name, "batch": B, "dtype": dtype, "measured": got, "predicted": pred})
-        print(f"{name:<24} kernels {got['kernels']:>6} / {pred['kernels']:>6} traced   "
-              f"GEMM {got['gemm_ms']:8.2f} / {pred['gemm_ms']:8.2f} ms   other {got['other_ms']:8.2f} / "
-              f"{pred['other_ms']:8.2f} ms   wall {got['wall_ms']:8.2f} / {pred['wall_ms']:8.2f} ms   "
-              f"host {1e3 * got['wall_ms'] / got['kernels']:.1f} us/kernel")
+        print(
+            f"{name:<24} kernels {got['kernels']:>6} / {pred['kernels']:>6} traced   "
+            f"GEMM {got['gemm_ms']:8.2f} / {pred['gemm_ms']:8.2f} ms   other {got['other_ms']:8.2f} / "
+            f"{pred['other_ms']:8.2f} ms   wall {got['wall_ms']:8.2f} / {pred['wall_ms']:8.2f} ms   "
+            f"host {1e3 * got['wall_ms'] / got['kernels']:.1f} us/kernel"
+        )
         print(f"  largest other kernels (us): {got['top_other']}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -9,6 +9,7 @@ traceback is printed and the exit code is 1.
 Training keeps its own exit codes (megamemo/train/run.py, megamemo/runtime/interruptions.py): `megamemo train`'s
 exceptions are not made user errors here, so an error training does not anticipate stays a crash (exit 1) that a
 launcher may retry."""
+
 from __future__ import annotations
 
 import importlib
@@ -18,16 +19,20 @@ import traceback
 
 from megamemo.util.errors import MegamemoError
 
-USER_ERRORS = (MegamemoError, OSError)      # one line, exit 2 (a file missing, unreadable or unwritable: OSError)
+USER_ERRORS = (MegamemoError, OSError)  # one line, exit 2 (a file missing, unreadable or unwritable: OSError)
 
 SUBCOMMANDS = {
     "prepare": ("megamemo.data.cli:prepare_main", "build zstd webdataset shards from a raw corpus"),
     "verify-shards": ("megamemo.data.cli:verify_main", "check every shard of a directory against its manifest"),
-    "reference-score": ("megamemo.commands.reference_score:main",
-                        "score a reference-format .pt file with the megamemo model"),
+    "reference-score": (
+        "megamemo.commands.reference_score:main",
+        "score a reference-format .pt file with the megamemo model",
+    ),
     "train": ("megamemo.commands.train:main", "train (one process per device; see launch/)"),
-    "replay": ("megamemo.commands.replay:main",
-               "recompute a run's steps from a checkpoint and compare them with what it recorded"),
+    "replay": (
+        "megamemo.commands.replay:main",
+        "recompute a run's steps from a checkpoint and compare them with what it recorded",
+    ),
     "eval": ("megamemo.commands.eval:main", "evaluate a checkpoint: bpc / perplexity"),
     "generate": ("megamemo.commands.generate:main", "sample text with memory carried"),
     "convert": ("megamemo.commands.convert:main", "convert a sharded checkpoint to single-GPU form"),
@@ -56,10 +61,14 @@ def prepare_process() -> None:
     if "TORCHDYNAMO_DISABLE" not in os.environ:
         os.environ["TORCHDYNAMO_DISABLE"] = os.environ["MEGAMEMO_SET_TORCHDYNAMO_DISABLE"] = "1"
     from megamemo.runtime.extensions import use_writable_extensions_dir
-    use_writable_extensions_dir()   # DeepSpeed's JIT op builds go where this user can write (containers: --user, apptainer)
+
+    # DeepSpeed's JIT op builds go where this user can write (containers: --user, apptainer)
+    use_writable_extensions_dir()
     from megamemo.runtime import quiet
-    quiet.install()         # third-party start-up warnings off the terminal; other ranks quiet (megamemo/runtime/quiet.py)
+
+    quiet.install()  # third-party start-up warnings off the terminal; other ranks quiet (megamemo/runtime/quiet.py)
     from megamemo.runtime.allocator import tune_cpu_allocator
+
     tune_cpu_allocator()  # before any tensor exists; see megamemo/runtime/allocator.py
 
 
@@ -72,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    if name == "train":     # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
+    if name == "train":  # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
         from megamemo.runtime.signals import hold
+
         hold()
     prepare_process()
     target = SUBCOMMANDS[name][0]
@@ -87,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         raise
     # training's exit codes are its own (train/run.py reports the errors it anticipates, exit 2; any other is a
     # crash, exit 1, which a launcher may retry): none of its exceptions is made a user error here
-    return run_command(name, getattr(module, func_name), rest, user_errors=() if name == "train" else USER_ERRORS)
+    # training keeps its own exit codes (runtime/interruptions.py)
+    user_errors = () if name == "train" else USER_ERRORS
+    return run_command(name, getattr(module, func_name), rest, user_errors=user_errors)
 
 
 def run_command(name: str, command, argv: list[str], user_errors: tuple = USER_ERRORS) -> int:

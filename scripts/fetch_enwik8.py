@@ -3,6 +3,7 @@
 The zip is fetched from its canonical home, unpacked, and checked against published facts about the file:
 its size (100,000,000 bytes) and the sha256 digests of its first 150,000 and 1,000,000 bytes.
 """
+
 from __future__ import annotations
 
 import hashlib

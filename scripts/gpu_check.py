@@ -22,6 +22,7 @@ section's own (no carried time). Every section writes its rows as soon as it has
 training phases, each test's line of the pytest log), and the report is rewritten after every section, so a kill
 keeps what ran. --device cpu runs the same plumbing at tiny sizes (tests/gpu/test_gpu_check.py), so it cannot rot.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,16 +40,41 @@ import gpu_check_sections as S  # noqa: E402
 from gpu_check_report import markdown  # noqa: E402
 from gpu_check_train import plan_section, train_section  # noqa: E402
 
-GPU_BUDGET_S = {"env": 10, "attention_kernel": 60, "full_step": 140, "train": 190, "plan": 10, "tests": 110,
-                "ds_ops": 10, "model_step": 0, "multigpu": 120}
-CPU_BUDGET_S = {"env": 60, "attention_kernel": 120, "full_step": 240, "train": 400, "plan": 60, "tests": 180,
-                "ds_ops": 60, "model_step": 45, "multigpu": 10}
+GPU_BUDGET_S = {
+    "env": 10,
+    "attention_kernel": 60,
+    "full_step": 140,
+    "train": 190,
+    "plan": 10,
+    "tests": 110,
+    "ds_ops": 10,
+    "model_step": 0,
+    "multigpu": 120,
+}
+CPU_BUDGET_S = {
+    "env": 60,
+    "attention_kernel": 120,
+    "full_step": 240,
+    "train": 400,
+    "plan": 60,
+    "tests": 180,
+    "ds_ops": 60,
+    "model_step": 45,
+    "multigpu": 10,
+}
 ONE_GPU_LIMIT_S = 540
-SECTIONS = [("env", S.env_section), ("attention_kernel", S.attention_kernel_section),
-            ("full_step", S.full_step_section), ("train", train_section), ("plan", plan_section),
-            ("tests", S.tests_section), ("ds_ops", S.ds_ops_section), ("model_step", S.model_step_section),
-            ("multigpu", S.multigpu_section)]
-NEEDS_GPUS = {"multigpu": 2}        # a section that cannot run with fewer GPUs takes no time
+SECTIONS = [
+    ("env", S.env_section),
+    ("attention_kernel", S.attention_kernel_section),
+    ("full_step", S.full_step_section),
+    ("train", train_section),
+    ("plan", plan_section),
+    ("tests", S.tests_section),
+    ("ds_ops", S.ds_ops_section),
+    ("model_step", S.model_step_section),
+    ("multigpu", S.multigpu_section),
+]
+NEEDS_GPUS = {"multigpu": 2}  # a section that cannot run with fewer GPUs takes no time
 
 
 def plan(device: str, gpus: int, budget: dict, scale: float = 1.0, only=None) -> list[tuple[str, float, str]]:
@@ -86,8 +112,11 @@ class Context:
         cap = torch.cuda.get_device_capability(0) if self.cuda else (0, 0)
         self.half = ("bf16" if cap[0] >= 8 else "fp16") if self.cuda else "bf16"
         name = torch.cuda.get_device_name(0) if self.cuda else "cpu"
-        self.plan_kind = plan_kind(name, torch.cuda.get_device_properties(0).total_memory / 2**30
-                                   if self.cuda else 0) if self.cuda else "a100-80g"
+        self.plan_kind = (
+            plan_kind(name, torch.cuda.get_device_properties(0).total_memory / 2**30 if self.cuda else 0)
+            if self.cuda
+            else "a100-80g"
+        )
         self.test_filter = ["-k", "resumed_adam_step"] if not self.cuda else []
         self.deadline = {}
 
@@ -125,11 +154,10 @@ def run_section(ctx: Context, name: str, fn, seconds: float) -> dict:
         result, status = fn(ctx), "ok"
     except S.Timeout as e:
         result, status = {**S.salvage(ctx, name), "error": str(e)}, "timeout"
-    except Exception as e:              # noqa: BLE001 - a section's failure is recorded, the next one runs
+    except Exception as e:  # a section's failure is recorded, the next one runs
         result, status = {**S.salvage(ctx, name), "error": f"{type(e).__name__}: {str(e)[:400]}"}, "failed"
     ctx.results[name] = result
-    return {"status": status, "seconds": round(time.time() - t0, 1), "budget_s": round(seconds, 1),
-            "result": result}
+    return {"status": status, "seconds": round(time.time() - t0, 1), "budget_s": round(seconds, 1), "result": result}
 
 
 def parse_args(argv):
@@ -143,8 +171,12 @@ def parse_args(argv):
     ap.add_argument("--budget", nargs="+", default=[], metavar="SECTION=SECONDS", help="a section's own budget")
     ap.add_argument("--train-steps", type=int, default=60, help="steps of the training section (on a GPU)")
     ap.add_argument("--tests-k", help="pytest -k expression: a subset of the GPU tests (a short check)")
-    ap.add_argument("--full-step-forms", nargs="+", default=["auto"],
-                    help="bench/gpu_step.py forms at full depth (default auto: the forms auto would time)")
+    ap.add_argument(
+        "--full-step-forms",
+        nargs="+",
+        default=["auto"],
+        help="bench/gpu_step.py forms at full depth (default auto: the forms auto would time)",
+    )
     a = ap.parse_args(argv)
     a.budgets = dict(GPU_BUDGET_S if a.device == "cuda" else CPU_BUDGET_S)
     a.hard = set()
@@ -170,8 +202,12 @@ def main(argv=None) -> int:
     ctx = Context(out, a.device, a.only)
     ctx.train_steps, ctx.tests_k, ctx.full_step_forms = a.train_steps, a.tests_k, a.full_step_forms
     t_all = time.time()
-    report = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": a.device,
-              "commit": _commit(), "sections": {}}
+    report = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": a.device,
+        "commit": _commit(),
+        "sections": {},
+    }
     carried = 0.0
     for name, seconds, note in plan(a.device, max(ctx.gpus, 1) if ctx.cuda else 0, a.budgets, a.scale, a.only):
         fn = dict(SECTIONS)[name]
@@ -201,8 +237,12 @@ def write_report(out: Path, report: dict) -> None:
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              timeout=10).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
 

@@ -1,6 +1,7 @@
 """The sections of the device check (scripts/gpu_check.py) but the training run's (gpu_check_train.py), and what
 they share: running a command within a budget, and rows written as soon as they are measured (DIR/SECTION.jsonl,
 read back by `salvage` when a section is killed, so the report keeps what ran)."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,20 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
-        "model.tgt_len=16", "model.mem_len=16", "data.batch_size=4", "eval.batch_size=4", "eval.max_segments=4",
-        "optim.warmup_steps=2"]
-FULL_STEP_MB8_MIN_S = 45        # on a GPU: micro-batch 8 runs when at least this much of the section is left
+TINY = [
+    "model.n_layer=2",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.d_head=16",
+    "model.d_inner=64",
+    "model.tgt_len=16",
+    "model.mem_len=16",
+    "data.batch_size=4",
+    "eval.batch_size=4",
+    "eval.max_segments=4",
+    "optim.warmup_steps=2",
+]
+FULL_STEP_MB8_MIN_S = 45  # on a GPU: micro-batch 8 runs when at least this much of the section is left
 
 
 class Timeout(Exception):
@@ -27,15 +38,22 @@ def sh(cmd, log: Path, budget: float, env=None, check=True) -> str:
     with open(log, "a") as f:
         f.write(f"$ {' '.join(map(str, cmd))}\n")
         f.flush()
-        p = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                             env=env or os.environ.copy(), start_new_session=True)
+        p = subprocess.Popen(
+            [str(c) for c in cmd],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env or os.environ.copy(),
+            start_new_session=True,
+        )
         try:
             rc = p.wait(timeout=max(1.0, budget))
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-            raise Timeout(f"{Path(str(cmd[1] if cmd[0] == sys.executable else cmd[0])).name} ran past "
-                          f"{budget:.0f}s") from None
+            raise Timeout(
+                f"{Path(str(cmd[1] if cmd[0] == sys.executable else cmd[0])).name} ran past {budget:.0f}s"
+            ) from None
     text = log.read_text()
     if check and rc != 0:
         raise RuntimeError(f"exit {rc}: {text.strip().splitlines()[-1][:300] if text.strip() else ''}")
@@ -57,8 +75,12 @@ def read_rows(path: Path) -> list[dict]:
 # ---- env: what the report's top line says ------------------------------------------------------------------
 def _driver() -> str | None:
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return smi.stdout.strip().splitlines()[0] if smi.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, IndexError):
         return None
@@ -71,26 +93,41 @@ def env_section(ctx):
 
     import torch
 
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
     for pkg in ("deepspeed", "triton"):
         try:
             info[pkg] = version(pkg)
         except PackageNotFoundError:
             info[pkg] = None
     if ctx.cuda:
-        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                    capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                    memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-                    nccl=".".join(map(str, torch.cuda.nccl.version())), driver=_driver())
+        info.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpus=torch.cuda.device_count(),
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+            memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            driver=_driver(),
+        )
     return info
 
 
 def ds_ops_section(ctx):
-    report = sh([sys.executable, "-m", "deepspeed.env_report"], ctx.out / "ds_report.log", ctx.left("ds_ops"),
-                check=False)
-    return {"ds_ops": {m.group(1): m.group(2) + "/" + m.group(3) for m in re.finditer(
-        r"^(\w+) \.+ \S*\[(\w+)\]\S* \.+ \S*\[(\w+)\]", re.sub(r"\x1b\[[0-9;]*m", "", report), re.M)}}
+    report = sh(
+        [sys.executable, "-m", "deepspeed.env_report"], ctx.out / "ds_report.log", ctx.left("ds_ops"), check=False
+    )
+    return {
+        "ds_ops": {
+            m.group(1): m.group(2) + "/" + m.group(3)
+            for m in re.finditer(
+                r"^(\w+) \.+ \S*\[(\w+)\]\S* \.+ \S*\[(\w+)\]", re.sub(r"\x1b\[[0-9;]*m", "", report), re.M
+            )
+        }
+    }
 
 
 # ---- the benches: rows as they come ----------------------------------------------------------------------------
@@ -98,8 +135,11 @@ def attention_kernel_section(ctx):
     """bench/attention_kernel.py, first of the measurements: each form's row is appended as it is measured."""
     rows = ctx.rows_path("attention_kernel")
     cmd = [sys.executable, "bench/attention_kernel.py", "--out", rows]
-    cmd += ["--reps", "10"] if ctx.cuda else ["--device", "cpu", "--tiny", "--reps", "1", "--forms", "sdpa",
-                                              "eager", "fused"]
+    cmd += (
+        ["--reps", "10"]
+        if ctx.cuda
+        else ["--device", "cpu", "--tiny", "--reps", "1", "--forms", "sdpa", "eager", "fused"]
+    )
     sh(cmd, ctx.out / "attention_kernel.log", ctx.left("attention_kernel"), check=False)
     return salvage_rows(ctx, "attention_kernel")
 
@@ -125,17 +165,38 @@ def full_step_section(ctx):
 
 def fastest(rows: list[dict], batch: int, k: int) -> list[str]:
     """The k forms with the most tokens/s at a micro-batch (the forms that ran)."""
-    timed = [r for r in rows if r.get("batch") == batch and r.get("tokens_per_s") and r["form"] not in
-             ("setup", "optimizer", "profile")]
+    timed = [
+        r
+        for r in rows
+        if r.get("batch") == batch and r.get("tokens_per_s") and r["form"] not in ("setup", "optimizer", "profile")
+    ]
     return [r["form"] for r in sorted(timed, key=lambda r: -r["tokens_per_s"])[:k]]
 
 
 def model_step_section(ctx):
     cmd = [sys.executable, "bench/model_step.py", "--steps", "4", "--warmup", "2"]
-    cmd += ["--device", "cuda", "--gpu-steps", "5"] if ctx.cuda else ["--threads", "1", "--precision", "fp32",
-                                                                    "--layers", "1", "--d-model", "32",
-                                                                    "--batch", "2", "--tgt-len", "8",
-                                                                    "--mem-len", "8", "--variants", "lamemo"]
+    cmd += (
+        ["--device", "cuda", "--gpu-steps", "5"]
+        if ctx.cuda
+        else [
+            "--threads",
+            "1",
+            "--precision",
+            "fp32",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--batch",
+            "2",
+            "--tgt-len",
+            "8",
+            "--mem-len",
+            "8",
+            "--variants",
+            "lamemo",
+        ]
+    )
     text = sh(cmd, ctx.out / "model_step.log", ctx.left("model_step"))
     return {"lines": [ln for ln in text.splitlines() if re.match(r"^(lamemo|xl|rpe|\w+\.yaml)\s", ln)]}
 
@@ -157,10 +218,19 @@ def test_rows(log_text: str) -> list[dict]:
 def tests_section(ctx):
     xml = ctx.out / "pytest.xml"
     per_test = max(60, int(ctx.left("tests") * 0.8))
-    args = ["-m", "gpu", "tests/gpu/test_gpu.py", "-p", "no:cacheprovider", f"--timeout={per_test}", "-v", "-rfEs",
-            f"--junitxml={xml}"]
+    args = [
+        "-m",
+        "gpu",
+        "tests/gpu/test_gpu.py",
+        "-p",
+        "no:cacheprovider",
+        f"--timeout={per_test}",
+        "-v",
+        "-rfEs",
+        f"--junitxml={xml}",
+    ]
     if ctx.cuda:
-        args += ["-n", "4"]                 # 16 cores and one GPU: the runs overlap well (the first run: 2 min)
+        args += ["-n", "4"]  # 16 cores and one GPU: the runs overlap well (the first run: 2 min)
         args += ["-k", ctx.tests_k] if ctx.tests_k else []
     else:
         args += ctx.test_filter
@@ -191,8 +261,23 @@ def _summary(results: list[dict]) -> dict:
 def multigpu_section(ctx):
     if ctx.gpus < 2:
         return {"skipped": f"{ctx.gpus} GPU(s): the multi-GPU set needs 2 or more"}
-    sh([sys.executable, "-m", "pytest", "-m", "multigpu", "tests/gpu/test_multigpu.py", "-p", "no:cacheprovider", "-q",
-        "-rA"], ctx.out / "multigpu.log", ctx.left("multigpu"), check=False)
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "multigpu",
+            "tests/gpu/test_multigpu.py",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+        ],
+        ctx.out / "multigpu.log",
+        ctx.left("multigpu"),
+        check=False,
+    )
     return {"summary": ctx.out.joinpath("multigpu.log").read_text().strip().splitlines()[-1]}
 
 

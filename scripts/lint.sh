@@ -5,25 +5,16 @@
 #   ruff format --check   the formatter's layout
 #   mypy                  megamemo/ at the strictness stated in pyproject.toml
 # Every tool runs; the exit status is 1 when any of them found something, and the last line names which.
-# MEGAMEMO_SKIP_FORMAT_CHECK=1 skips the format check, and with it the line-length rule (lines the formatter would
-# wrap), until the tree's one formatting commit; it says so when it does.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$here/scripts/env.sh"
 cd "$here"
 paths=(megamemo tests scripts bench)
 failed=()
-ignore=()
-if [ "${MEGAMEMO_SKIP_FORMAT_CHECK:-0}" = 1 ]; then
-  echo "[lint] ruff format --check and E501 skipped (MEGAMEMO_SKIP_FORMAT_CHECK=1)"
-  ignore=(--extend-ignore E501)
-fi
 echo "[lint] ruff check ${paths[*]}"
-ruff check "${ignore[@]}" "${paths[@]}" || failed+=("ruff check")
-if [ "${MEGAMEMO_SKIP_FORMAT_CHECK:-0}" != 1 ]; then
-  echo "[lint] ruff format --check ${paths[*]}"
-  ruff format --check "${paths[@]}" || failed+=("ruff format --check")
-fi
+ruff check "${paths[@]}" || failed+=("ruff check")
+echo "[lint] ruff format --check ${paths[*]}"
+ruff format --check "${paths[@]}" || failed+=("ruff format --check")
 echo "[lint] mypy (megamemo/)"
 mypy || failed+=("mypy")
 if [ ${#failed[@]} -gt 0 ]; then

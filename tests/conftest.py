@@ -8,6 +8,7 @@ the reason); so are multi-GPU tests (`@pytest.mark.multigpu`, `-m multigpu`) whe
 that need 4 (`@pytest.mark.gpu4`, beside multigpu) where it sees fewer than 4. The session ends with one line: how
 many tests ran, passed, failed and skipped.
 """
+
 import os
 import sys
 import time
@@ -20,8 +21,11 @@ from helpers.shards import ShardsBySize
 # what they share), without __init__.py: pytest imports each by its basename, unique across the folders. Every
 # folder is put on sys.path here, so that a test module imports another by that name (`from test_train_runs import
 # run`) whatever order the folders are collected in, on every pytest-xdist worker alike.
-TEST_FOLDERS = sorted(p for p in Path(__file__).resolve().parent.iterdir()
-                      if p.is_dir() and p.name not in ("fixtures", "helpers") and any(p.glob("test_*.py")))
+TEST_FOLDERS = sorted(
+    p
+    for p in Path(__file__).resolve().parent.iterdir()
+    if p.is_dir() and p.name not in ("fixtures", "helpers") and any(p.glob("test_*.py"))
+)
 sys.path[:0] = [str(p) for p in TEST_FOLDERS if str(p) not in sys.path]
 
 
@@ -96,7 +100,7 @@ def reference_runs(tmp_path_factory):
     from helpers.runs_cache import ReferenceRuns
 
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):       # <run's root>/popen-gwN: the root is shared by the workers
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # <run's root>/popen-gwN: the root is shared by the workers
         root = root.parent
     return ReferenceRuns(root / "references")
 
@@ -108,13 +112,21 @@ def pytest_configure(config):
     os.environ.setdefault("MEGAMEMO_FAULT_SEED", str(time.time_ns() % 10_000))
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run with `pytest -m gpu`)")
     config.addinivalue_line("markers", "multigpu: needs 2 or more CUDA devices (run with `pytest -m multigpu`)")
-    config.addinivalue_line("markers", "gpu4: needs 4 or more CUDA devices (a multigpu test: `pytest -m multigpu` "
-                                       "skips it naming the count where fewer are seen)")
-    config.addinivalue_line("markers", "multiproc: starts training or distributed worker processes; the fast subset "
-                                       "is `pytest -m 'not multiproc'`")
-    config.addinivalue_line("markers", "numerics: a tolerance that depends on floating-point rounding; CI runs these a "
-                                       "second time with torch's kernels on another instruction set "
-                                       "(scripts/test_other_isa.sh)")
+    config.addinivalue_line(
+        "markers",
+        "gpu4: needs 4 or more CUDA devices (a multigpu test: `pytest -m multigpu` "
+        "skips it naming the count where fewer are seen)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "multiproc: starts training or distributed worker processes; the fast subset is `pytest -m 'not multiproc'`",
+    )
+    config.addinivalue_line(
+        "markers",
+        "numerics: a tolerance that depends on floating-point rounding; CI runs these a "
+        "second time with torch's kernels on another instruction set "
+        "(scripts/test_other_isa.sh)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -155,14 +167,18 @@ def pytest_testnodedown(node, error):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     stats = terminalreporter.stats
-    count = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") in ("call", "setup")])
-             for k in ("passed", "failed", "error", "skipped")}
+    count = {
+        k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") in ("call", "setup")])
+        for k in ("passed", "failed", "error", "skipped")
+    }
     ran = count["passed"] + count["failed"]
     gpu = getattr(config, "_megamemo_gpu_deselected", 0)
     terminalreporter.write_line(
         f"megamemo: {ran} tests ran ({count['passed']} passed, {count['failed']} failed, {count['error']} errors), "
-        f"{count['skipped']} skipped" + (f", {gpu} GPU tests deselected (too few CUDA devices)" if gpu else "")
-        + f"; fault injection seed {os.environ['MEGAMEMO_FAULT_SEED']} (MEGAMEMO_FAULT_SEED replays it)")
+        f"{count['skipped']} skipped"
+        + (f", {gpu} GPU tests deselected (too few CUDA devices)" if gpu else "")
+        + f"; fault injection seed {os.environ['MEGAMEMO_FAULT_SEED']} (MEGAMEMO_FAULT_SEED replays it)"
+    )
 
 
 def _forbid_skips(session):

@@ -15,6 +15,7 @@ save would need a second path. Here both kinds of save run the same code, and th
 all-reduce it makes each step anyway, whether a save failed (train/loop.py), so that every rank stops at the same
 step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,6 +37,7 @@ class Collectives:
     @staticmethod
     def _dist():
         import torch.distributed as dist
+
         return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
     def broadcast(self, obj):
@@ -84,9 +86,11 @@ class OutcomeGroup:
             return fn()
         except RuntimeError as e:
             what = "timed out" if "timed out" in str(e).lower() else "failed"
-            raise OutcomeTimeout(f"the ranks' save outcomes did not all arrive ({what} after at most "
-                                 f"checkpoint.commit_timeout_s={self.timeout_s:g} s: a rank hung or died while "
-                                 f"writing)") from e
+            raise OutcomeTimeout(
+                f"the ranks' save outcomes did not all arrive ({what} after at most "
+                f"checkpoint.commit_timeout_s={self.timeout_s:g} s: a rank hung or died while "
+                f"writing)"
+            ) from e
 
     def gather(self, obj) -> list | None:
         """Rank 0: every rank's obj, by rank; the others: None."""
@@ -107,18 +111,21 @@ def outcome_channel(world_size: int, timeout_s: float):
     if world_size == 1:
         return LocalOutcomes()
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size):
-        raise ValueError(f"a checkpoint store of {world_size} ranks needs their process group (or an outcome "
-                         f"channel)")
+        raise ValueError(f"a checkpoint store of {world_size} ranks needs their process group (or an outcome channel)")
     return OutcomeGroup(timeout_s)
 
 
 def write_and_report(snap: Snapshot, step: int, step_dir: Path, faults) -> dict:
     """This rank's files written -> its outcome for rank 0: its files and pieces, or the line saying what failed."""
     try:
-        written = save_snapshot(snap, step_dir, before_done=lambda: faults.at("save", step),
-                                before_write=lambda path: faults.write(step, path))
+        written = save_snapshot(
+            snap,
+            step_dir,
+            before_done=lambda: faults.at("save", step),
+            before_write=lambda path: faults.write(step, path),
+        )
         return {"rank": snap.rank, "error": None, "files": written.files, "index": written.index}
-    except Exception as e:  # noqa: BLE001 - every failure becomes this rank's one-line outcome
+    except Exception as e:  # every failure becomes this rank's one-line outcome
         why = str(e) if isinstance(e, WriteError) else f"failed writing {step_dir}: {type(e).__name__}: {e}"
         return {"rank": snap.rank, "error": f"rank {snap.rank} {why}"}
 
@@ -142,9 +149,11 @@ def check_and_index(step_dir: Path, outcomes: list[dict]) -> tuple[dict | None, 
             p = Path(step_dir) / rel
             size = p.stat().st_size if p.is_file() else None
             if size != entry["bytes"]:
-                return None, (f"rank {o['rank']} reported {p} ({entry['bytes']} bytes) but rank 0 "
-                              f"{'cannot see it' if size is None else f'sees {size} bytes'} (not a shared file "
-                              f"system?)")
+                return None, (
+                    f"rank {o['rank']} reported {p} ({entry['bytes']} bytes) but rank 0 "
+                    f"{'cannot see it' if size is None else f'sees {size} bytes'} (not a shared file "
+                    f"system?)"
+                )
             files[rel] = entry
     merged = merge([o["index"] for o in outcomes])
     holes = coverage_problems(merged)

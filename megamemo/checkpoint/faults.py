@@ -32,6 +32,7 @@ so that a seed replays the same kills on any host under any load (never a moment
       (both take "SPEC@K,..." plans too: in the start with MEGAMEMO_RESTART=K only)
 Unset (always, outside tests and the soak), each check is one comparison.
 """
+
 from __future__ import annotations
 
 import errno
@@ -46,7 +47,7 @@ POINTS = ("save", "commit", "retention", "removal", "start-up", "step")
 
 def _point(env, key: str) -> tuple[str, int, int | None] | None:
     """(point, N, rank or None) of POINT:N[:RANK] in env[key]; None when unset."""
-    value = for_this_start(env.get(key, ""), env)     # a plan per start: launch/local.sh --max-restarts
+    value = for_this_start(env.get(key, ""), env)  # a plan per start: launch/local.sh --max-restarts
     if not value:
         return None
     name, n, *rank = value.split(":")
@@ -106,9 +107,11 @@ class FaultPoints:
         p = next(p for p in module.parameters() if p.numel())
         t = p.data if what == "weights" else p.grad
         if t is None:
-            raise RuntimeError(f"MEGAMEMO_FAULT_FLIP=grad: rank {self.rank} holds no gradient in its parameters at "
-                               f"step {step} (ZeRO 1/2 move it into their buckets during the backward: use "
-                               f"parallel.zero_stage=0)")
+            raise RuntimeError(
+                f"MEGAMEMO_FAULT_FLIP=grad: rank {self.rank} holds no gradient in its parameters at "
+                f"step {step} (ZeRO 1/2 move it into their buckets during the backward: use "
+                f"parallel.zero_stage=0)"
+            )
         flat = t.view(-1)[:1].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
         flat ^= 1 << self.flip[3]
         print(f"[fault] rank {self.rank} flips bit {self.flip[3]} of its {what} at step {step}", flush=True)
@@ -116,8 +119,7 @@ class FaultPoints:
     def write(self, step: int, path: Path) -> None:
         """Before this rank writes `path` of step `step`: an injected write error when asked for."""
         if self.fail_write_at == (step, self.rank) and Path(path).name.endswith(".safetensors"):
-            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: MEGAMEMO_FAULT_FAIL_WRITE)",
-                          str(path))
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: MEGAMEMO_FAULT_FAIL_WRITE)", str(path))
 
     def at(self, point: str, step: int | None = None) -> None:
         if point == "save" and self.kill_in_save == (step, self.rank):
@@ -125,8 +127,10 @@ class FaultPoints:
         if point not in self.points:
             return
         n = self.passed[point] = self.passed.get(point, 0) + 1
-        for (name, nth, rank), sig in ((self.kill_at or ("", 0, None), signal.SIGKILL),
-                                       (self.stop_at or ("", 0, None), signal.SIGSTOP)):
+        for (name, nth, rank), sig in (
+            (self.kill_at or ("", 0, None), signal.SIGKILL),
+            (self.stop_at or ("", 0, None), signal.SIGSTOP),
+        ):
             if name == point and n == nth and rank in (None, self.rank):
                 self._die(f"at {point} #{n}", sig)
 

@@ -13,6 +13,7 @@ Before COMMITTED, every global tensor must be written exactly once: the boxes it
 without overlap, and within a box the flat fragments (ZeRO partitions) tile the box's flattening. A hole or an
 overlap fails the save, naming the tensor and the files.
 """
+
 from __future__ import annotations
 
 import json
@@ -117,8 +118,10 @@ def _boxes_problem(name: str, shape: tuple[int, ...], boxes: dict[Box, list[str]
         active.append(box)
     covered = sum(math.prod(box_shape(b)) for b in boxes)
     if covered != total:
-        return (f"{name}: the pieces cover {covered} of its {total} values {list(shape)} (a hole: a rank's share "
-                f"was never written)")
+        return (
+            f"{name}: the pieces cover {covered} of its {total} values {list(shape)} (a hole: a rank's share "
+            f"was never written)"
+        )
     return None
 
 

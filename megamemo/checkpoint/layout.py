@@ -2,6 +2,7 @@
 part of it a checkpoint's marker records (RunLayout). Both are frozen records; the checkpoint files keep the JSON
 they always held (the marker's "layout": RunLayout.record(); rank_<r>.json's "layout": RankLayout.record()), and
 RunLayout.from_record reads a marker of any version (a key it lacks is None)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -14,11 +15,12 @@ Columns = tuple[int, int]
 class RunLayout:
     """The run-wide layout a checkpoint was written under (its marker's "layout"): a resume under another one
     reshards on load, and another global batch (batch_size) restarts every stream's memory."""
+
     world_size: int | None = None
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
-    batch_size: int | None = None       # the global batch, in streams
+    batch_size: int | None = None  # the global batch, in streams
     grad_accum: int | None = None
     zero_stage: int | None = None
 
@@ -32,14 +34,17 @@ class RunLayout:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     def describe(self) -> str:
-        return (f"tp={self.tp or 1} pp={self.pp or 1} dp={self.dp} ({self.world_size} ranks, "
-                f"grad_accum {self.grad_accum or 1}, batch {self.batch_size}, ZeRO {self.zero_stage})")
+        return (
+            f"tp={self.tp or 1} pp={self.pp or 1} dp={self.dp} ({self.world_size} ranks, "
+            f"grad_accum {self.grad_accum or 1}, batch {self.batch_size}, ZeRO {self.zero_stage})"
+        )
 
 
 @dataclass(frozen=True)
 class RankLayout:
     """This rank's coordinates in the TP x PP x DP grid and the global columns (streams) of each of its
     micro-batches, with the run-wide layout (`run`). `single` is one process's."""
+
     micro_batches: tuple[Columns, ...]  # global [first, end) columns of each micro-batch of this rank
     rank: int = 0
     world_size: int = 1
@@ -73,8 +78,7 @@ class RankLayout:
 
     @property
     def run(self) -> RunLayout:
-        return RunLayout(self.world_size, self.dp, self.tp, self.pp, self.batch_size, self.grad_accum,
-                         self.zero_stage)
+        return RunLayout(self.world_size, self.dp, self.tp, self.pp, self.batch_size, self.grad_accum, self.zero_stage)
 
     @property
     def writes_probe(self) -> bool:
@@ -83,26 +87,41 @@ class RankLayout:
 
     def record(self) -> dict:
         """rank_<r>.json's "layout" (the form checkpoints have always held)."""
-        return {"rank": self.rank, "world_size": self.world_size, "dp_rank": self.dp_rank, "dp": self.dp,
-                "tp_rank": self.tp_rank, "tp": self.tp, "pp_rank": self.pp_rank, "pp": self.pp,
-                "columns": list(self.columns), "micro_batches": [list(c) for c in self.micro_batches]}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "dp_rank": self.dp_rank,
+            "dp": self.dp,
+            "tp_rank": self.tp_rank,
+            "tp": self.tp,
+            "pp_rank": self.pp_rank,
+            "pp": self.pp,
+            "columns": list(self.columns),
+            "micro_batches": [list(c) for c in self.micro_batches],
+        }
 
 
 @dataclass(frozen=True)
 class RunMeta:
     """What a run records in every checkpoint's marker and checks on resume: its model config (ModelConfig.to_dict)
     and fingerprint, its layout, precision and dropout masks (train.dropout_masks)."""
+
     model: dict
     model_fingerprint: str | None = None
     layout: RunLayout = RunLayout()
     precision: str | None = None
-    dropout_masks: str | None = None    # None: not recorded (a checkpoint from before the key existed)
+    dropout_masks: str | None = None  # None: not recorded (a checkpoint from before the key existed)
 
     @classmethod
     def from_record(cls, record: dict) -> RunMeta:
         """A marker's fields (of any version: what it lacks is None)."""
-        return cls(record.get("model") or {}, record.get("model_fingerprint"),
-                   RunLayout.from_record(record.get("layout")), record.get("precision"), record.get("dropout_masks"))
+        return cls(
+            record.get("model") or {},
+            record.get("model_fingerprint"),
+            RunLayout.from_record(record.get("layout")),
+            record.get("precision"),
+            record.get("dropout_masks"),
+        )
 
     @property
     def masks(self) -> str:
@@ -111,14 +130,20 @@ class RunMeta:
 
     def record(self) -> dict:
         """The marker's fields (what is None is left out, as the writers of older checkpoints did)."""
-        out = {"model": self.model, "model_fingerprint": self.model_fingerprint, "layout": self.layout.record(),
-               "precision": self.precision, "dropout_masks": self.dropout_masks}
+        out = {
+            "model": self.model,
+            "model_fingerprint": self.model_fingerprint,
+            "layout": self.layout.record(),
+            "precision": self.precision,
+            "dropout_masks": self.dropout_masks,
+        }
         return {k: v for k, v in out.items() if v is not None}
 
 
 class Compatibility(NamedTuple):
     """CheckpointStore.check_compatible's answer: the checkpoint's marker (the file as read), whether it was saved
     under this run's layout, and a line saying what changed ("" when nothing did)."""
+
     marker: dict
     same_layout: bool
     note: str

@@ -15,6 +15,7 @@ bytes it needs. `ShardedReader.read(name, box, flat)` assembles any box (or flat
 tensor from whatever pieces the writers held - the same layout (an exact piece: read as is) or another one.
 Nothing is unpickled: safetensors files and JSON only.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,10 +40,10 @@ class PieceError(MegamemoError, ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    name: str                           # global tensor name
-    tensor: torch.Tensor                # box-shaped data, or 1-D when `flat` is set
-    shape: tuple[int, ...]              # global shape
-    box: Box | None = None              # None: the whole tensor
+    name: str  # global tensor name
+    tensor: torch.Tensor  # box-shaped data, or 1-D when `flat` is set
+    shape: tuple[int, ...]  # global shape
+    box: Box | None = None  # None: the whole tensor
     flat: tuple[int, int] | None = None  # a [start, stop) range of the box's row-major flattening
 
     def resolved_box(self) -> Box:
@@ -87,11 +88,16 @@ def write_pieces(path: Path, pieces: list[Piece], local: dict[str, torch.Tensor]
         box = p.resolved_box()
         want = (p.flat[1] - p.flat[0],) if p.flat is not None else box_shape(box)
         if tuple(p.tensor.shape) != want:
-            raise PieceError(f"{path}: piece {p.name}: data {list(p.tensor.shape)} does not fit box {box} flat "
-                             f"{p.flat}")
+            raise PieceError(
+                f"{path}: piece {p.name}: data {list(p.tensor.shape)} does not fit box {box} flat {p.flat}"
+            )
         tensors[key] = p.tensor
-        index[key] = {"name": p.name, "shape": list(p.shape), "box": [list(b) for b in box],
-                      "flat": list(p.flat) if p.flat is not None else None}
+        index[key] = {
+            "name": p.name,
+            "shape": list(p.shape),
+            "box": [list(b) for b in box],
+            "flat": list(p.flat) if p.flat is not None else None,
+        }
     for k, t in (local or {}).items():
         tensors[f"local/{k}"] = t
     save_file(tensors, str(path), metadata={INDEX_KEY: json.dumps(index, separators=(",", ":"))})
@@ -132,8 +138,8 @@ def read_local(path: Path) -> dict[str, torch.Tensor]:
     """The rank-local tensors of one rank file."""
     try:
         with safe_open(str(path), "pt") as f:
-            return {k[len("local/"):]: f.get_tensor(k) for k in f.keys() if k.startswith("local/")}
-    except Exception as e:  # noqa: BLE001 - safetensors errors, named by file
+            return {k[len("local/") :]: f.get_tensor(k) for k in f.keys() if k.startswith("local/")}
+    except Exception as e:  # safetensors errors, named by file
         raise PieceError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from None
 
 
@@ -143,7 +149,7 @@ def _header_index(path: Path) -> dict:
         with safe_open(str(path), "pt") as f:
             index = json.loads((f.metadata() or {}).get(INDEX_KEY, "{}"))
             return {k: {**d, "dtype": str(f.get_slice(k).get_dtype())} for k, d in index.items()}
-    except Exception as e:  # noqa: BLE001 - safetensors / JSON errors, named by file
+    except Exception as e:  # safetensors / JSON errors, named by file
         raise PieceError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from None
 
 
@@ -153,7 +159,7 @@ class ShardedReader:
     def __init__(self, files: list[Path]):
         """From the rank files' headers (one open per file: a checkpoint of format 2, or any set of files)."""
         self.entries: dict[str, list[_Entry]] = defaultdict(list)
-        self._listed: dict[Path, tuple[Path, dict]] = {}     # from an index: each file's pieces, checked at first read
+        self._listed: dict[Path, tuple[Path, dict]] = {}  # from an index: each file's pieces, checked at first read
         for path in files:
             self._add(Path(path), _header_index(Path(path)))
         self._check_all()
@@ -174,27 +180,38 @@ class ShardedReader:
 
     def _add(self, path: Path, index: dict) -> None:
         for key, d in index.items():
-            e = _Entry(path, key, tuple(int(n) for n in d["shape"]), tuple(as_pair(b) for b in d["box"]),
-                       as_pair(d["flat"]) if d["flat"] is not None else None, str(d["dtype"]))
+            e = _Entry(
+                path,
+                key,
+                tuple(int(n) for n in d["shape"]),
+                tuple(as_pair(b) for b in d["box"]),
+                as_pair(d["flat"]) if d["flat"] is not None else None,
+                str(d["dtype"]),
+            )
             self._check(e)
             self.entries[d["name"]].append(e)
 
     def _check_all(self) -> None:
         for name, es in self.entries.items():
             if len({(e.shape, e.dtype) for e in es}) > 1:
-                raise PieceError(f"{es[0].file}: {name}: pieces disagree on shape or dtype "
-                                 f"({sorted({(e.shape, e.dtype) for e in es})})")
+                raise PieceError(
+                    f"{es[0].file}: {name}: pieces disagree on shape or dtype "
+                    f"({sorted({(e.shape, e.dtype) for e in es})})"
+                )
             seen: dict[tuple, Path] = {}
             for e in es:
                 if (e.box, e.flat) in seen:
-                    raise PieceError(f"{e.file}: {name}: box {e.box} flat {e.flat} written twice (also in "
-                                     f"{seen[(e.box, e.flat)].name})")
+                    raise PieceError(
+                        f"{e.file}: {name}: box {e.box} flat {e.flat} written twice (also in "
+                        f"{seen[(e.box, e.flat)].name})"
+                    )
                 seen[(e.box, e.flat)] = e.file
 
     @staticmethod
     def _check(e: _Entry) -> None:
-        ok = len(e.box) == len(e.shape) and all(0 <= a < b <= n or a == b == 0 == n
-                                                for (a, b), n in zip(e.box, e.shape, strict=True))
+        ok = len(e.box) == len(e.shape) and all(
+            0 <= a < b <= n or a == b == 0 == n for (a, b), n in zip(e.box, e.shape, strict=True)
+        )
         if ok and e.flat is not None:
             ok = 0 <= e.flat[0] < e.flat[1] <= math.prod(box_shape(e.box))
         if not ok:
@@ -220,24 +237,26 @@ class ShardedReader:
         box = full_box(es[0].shape) if box is None else tuple(as_pair(b) for b in box)
         n = math.prod(box_shape(box))
         want = None if flat is None or tuple(flat) == (0, n) else tuple(flat)
-        for e in es:                                    # the same layout wrote exactly this piece
+        for e in es:  # the same layout wrote exactly this piece
             have = None if e.flat is None or e.flat == (0, n) else e.flat
             if e.box == box and have == want:
                 t = self._load(e)
                 return t.reshape(-1) if flat is not None else t.reshape(box_shape(box))
         out = self._assemble(name, es, box)
-        return out.reshape(-1)[flat[0]:flat[1]].clone() if flat is not None else out
+        return out.reshape(-1)[flat[0] : flat[1]].clone() if flat is not None else out
 
     def _load(self, e: _Entry, index=None) -> torch.Tensor:
-        if e.file in self._listed:              # the first read of a file the index describes: does it agree?
+        if e.file in self._listed:  # the first read of a file the index describes: does it agree?
             where, listed = self._listed.pop(e.file)
             if _header_index(e.file) != listed:
-                raise PieceError(f"{e.file}: its pieces differ from the ones {where} lists for it (the file was "
-                                 f"replaced after the save?)")
+                raise PieceError(
+                    f"{e.file}: its pieces differ from the ones {where} lists for it (the file was "
+                    f"replaced after the save?)"
+                )
         try:
             with safe_open(str(e.file), "pt") as f:
                 return f.get_tensor(e.key) if index is None else f.get_slice(e.key)[index]
-        except Exception as err:  # noqa: BLE001 - safetensors errors, named by file
+        except Exception as err:  # safetensors errors, named by file
             raise PieceError(f"{e.file}: unreadable rank file ({type(err).__name__}: {err})") from None
 
     def _assemble(self, name: str, es: list[_Entry], box: Box) -> torch.Tensor:
@@ -258,9 +277,11 @@ class ShardedReader:
             covered += math.prod(box_shape(inter))
         if covered != math.prod(box_shape(box)):
             files = sorted({str(e.file.name) for e in es})
-            raise PieceError(f"{es[0].file.parent}: {name}: the pieces in {files} cover {covered} of the "
-                             f"{math.prod(box_shape(box))} values of box {list(map(list, box))} (shards missing "
-                             f"or overlapping)")
+            raise PieceError(
+                f"{es[0].file.parent}: {name}: the pieces in {files} cover {covered} of the "
+                f"{math.prod(box_shape(box))} values of box {list(map(list, box))} (shards missing "
+                f"or overlapping)"
+            )
         return out
 
     def _join_flat(self, name: str, stored: Box, parts: list[_Entry]) -> torch.Tensor:
@@ -269,19 +290,32 @@ class ShardedReader:
         pos = 0
         for e in parts:
             if e.span[0] != pos:
-                raise PieceError(f"{e.file}: {name}: box {stored}: fragments leave values [{pos}, {e.span[0]}) "
-                                 f"unwritten or overlap (a ZeRO partition file missing?)")
+                raise PieceError(
+                    f"{e.file}: {name}: box {stored}: fragments leave values [{pos}, {e.span[0]}) "
+                    f"unwritten or overlap (a ZeRO partition file missing?)"
+                )
             pos = e.span[1]
         if pos != math.prod(box_shape(stored)):
-            raise PieceError(f"{parts[-1].file}: {name}: box {stored}: fragments end at {pos} of "
-                             f"{math.prod(box_shape(stored))} values (a ZeRO partition file missing?)")
+            raise PieceError(
+                f"{parts[-1].file}: {name}: box {stored}: fragments end at {pos} of "
+                f"{math.prod(box_shape(stored))} values (a ZeRO partition file missing?)"
+            )
         return torch.cat([self._load(e) for e in parts]).view(box_shape(stored))
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}       # safetensors' names, as get_slice().get_dtype() gives them
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}  # safetensors' names, as get_slice().get_dtype() gives them
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -23,6 +23,7 @@ the all-reduce instead of one product, 4 (tp - 1) per layer. A fault (a layer sw
 misplaced, a stale memory) moves the NLL by a sizeable fraction of S on most tokens, far past the mean bound:
 tests/checkpoint/test_probe_bound.py checks both directions at d_model 1024.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ import torch
 from megamemo.model import Memory, MemTransformerLM
 from megamemo.util.rounding import ACCUMULATION_ROUNDOFF, unit_roundoff
 
-SCALE_ROWS = 256                            # log-prob rows at a time for the scale (large vocabularies)
+SCALE_ROWS = 256  # log-prob rows at a time for the scale (large vocabularies)
 
 
 def accumulation_width(model: MemTransformerLM, segment_len: int) -> int:
@@ -67,8 +68,9 @@ def logprob_scale(model: MemTransformerLM, segment: torch.Tensor, memory: Memory
     return math.sqrt(total / count)
 
 
-def half_tolerance(model: MemTransformerLM, dtype: torch.dtype, replay_roundings: int, probe: dict,
-                   memory: Memory | None) -> dict:
+def half_tolerance(
+    model: MemTransformerLM, dtype: torch.dtype, replay_roundings: int, probe: dict, memory: Memory | None
+) -> dict:
     """The max and mean bounds (nats) for a probe recorded in `dtype` and replayed by `model` (already in `dtype`)
     with `replay_roundings` rounding operations per forward; `memory` is what the replay started from (or None)."""
     first = probe["segments"][0][0]
@@ -76,5 +78,8 @@ def half_tolerance(model: MemTransformerLM, dtype: torch.dtype, replay_roundings
     u = unit_roundoff(dtype) + accumulation_width(model, first.size(0)) * ACCUMULATION_ROUNDOFF
     n = 2 * replay_roundings + tp_roundings(model, tp)
     scale = logprob_scale(model, first, memory)
-    return {"max": 2 * n * u * scale, "mean": 2 * math.sqrt(n) * u * scale,
-            "derived": {"roundings": n, "unit_roundoff": u, "logprob_scale": scale, "tp": tp}}
+    return {
+        "max": 2 * n * u * scale,
+        "mean": 2 * math.sqrt(n) * u * scale,
+        "derived": {"roundings": n, "unit_roundoff": u, "logprob_scale": scale, "tp": tp},
+    }

@@ -7,6 +7,7 @@ same columns: fp32 within 1e-5 per token; bf16/fp16 runs compare the model cast 
 derived from the dtype's unit roundoff, the model's depth and width and the scale of its log-probs (probe_bound.py:
 the recording and the replay round in different places, which at d_model 1024 alone moves tokens by 0.1 nats).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ def read_probe(step_dir: Path) -> dict | None:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("probe", "{}"))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ProbeError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
     n = int(meta.get("segments", 0))
     try:
@@ -71,8 +72,13 @@ def single_device_nll(model, memory: Memory | None, probe: dict, counter_dtype=N
         counts.append(counter.count)
         return res
 
-    score_segments(model, ((x, y) for x, y, _ in probe["segments"]), memory=replay_memory(memory, probe),
-                   forward=forward, on_segment=lambda scores, x, y, nll: out.append(nll.float()))
+    score_segments(
+        model,
+        ((x, y) for x, y, _ in probe["segments"]),
+        memory=replay_memory(memory, probe),
+        forward=forward,
+        on_segment=lambda scores, x, y, nll: out.append(nll.float()),
+    )
     return out if counter_dtype is None else (out, max(counts))
 
 
@@ -89,12 +95,23 @@ def check_probe(model: MemTransformerLM, memory: Memory | None, probe: dict, pre
         run.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
         got, roundings = single_device_nll(run, memory, probe, counter_dtype=dtype)
         tol = half_tolerance(run, dtype, roundings, probe, replay_memory(memory, probe))
-    diffs = torch.cat([(g - want.float()).abs().reshape(-1) for g, (_, _, want) in zip(got, probe["segments"], strict=True)])
+    diffs = torch.cat(
+        [(g - want.float()).abs().reshape(-1) for g, (_, _, want) in zip(got, probe["segments"], strict=True)]
+    )
     c0, c1 = probe["columns"]
-    res = {"segments": len(got), "streams": c1 - c0, "columns": [c0, c1], "max_abs_diff": float(diffs.max()),
-           "mean_abs_diff": float(diffs.mean()), "tolerance": tol, "precision": precision}
+    res = {
+        "segments": len(got),
+        "streams": c1 - c0,
+        "columns": [c0, c1],
+        "max_abs_diff": float(diffs.max()),
+        "mean_abs_diff": float(diffs.mean()),
+        "tolerance": tol,
+        "precision": precision,
+    }
     if not (res["max_abs_diff"] <= tol["max"] and res["mean_abs_diff"] <= tol["mean"]):
-        raise ProbeError(f"{probe['path']}: the converted model's per-token NLL differs from the sharded model's on "
-                         f"the recorded probe: max |diff| {res['max_abs_diff']:.3g}, mean {res['mean_abs_diff']:.3g} "
-                         f"(tolerance max {tol['max']:.3g}, mean {tol['mean']:.3g} for {precision}); nothing written")
+        raise ProbeError(
+            f"{probe['path']}: the converted model's per-token NLL differs from the sharded model's on "
+            f"the recorded probe: max |diff| {res['max_abs_diff']:.3g}, mean {res['mean_abs_diff']:.3g} "
+            f"(tolerance max {tol['max']:.3g}, mean {tol['mean']:.3g} for {precision}); nothing written"
+        )
     return res

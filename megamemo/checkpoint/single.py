@@ -8,6 +8,7 @@
 Loading it needs nothing but megamemo (or, by hand: build MemTransformerLM(ModelConfig(**config["model"]))
 and load_state_dict(safetensors.torch.load_file(...))).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,20 +33,27 @@ class SingleCheckpointError(MegamemoError, ValueError):
     pass
 
 
-def save_single(out_dir, model_cfg: ModelConfig, state_dict: dict, memory: Memory | None = None,
-                meta: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+def save_single(
+    out_dir,
+    model_cfg: ModelConfig,
+    state_dict: dict,
+    memory: Memory | None = None,
+    meta: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write atomically (util.files.atomic_directory: DIR appears whole or not at all; an existing DIR is an error,
     nothing is overwritten)."""
     out = Path(out_dir)
     if out.exists():
         raise SingleCheckpointError(f"{out}: already exists; refusing to overwrite")
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
-               for k, v in state_dict.items()}
+    tensors = {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
+        for k, v in state_dict.items()
+    }
     with atomic_directory(out) as tmp:
         save_tensors(tensors, tmp / "model.safetensors")
         if memory is not None:
-            save_tensors({k: v.contiguous().cpu() for k, v in memory.state_dict().items()},
-                         tmp / "memory.safetensors")
+            save_tensors({k: v.contiguous().cpu() for k, v in memory.state_dict().items()}, tmp / "memory.safetensors")
         write_config(tmp, model_cfg, meta or {})
     return out
 
@@ -73,18 +81,37 @@ def verify_file(path: Path) -> Path:
     entry = (doc.get("files") or {}).get(path.name)
     if not path.is_file():
         raise SingleCheckpointError(f"{path}: missing")
-    if entry is not None and (problem := entry_mismatch(entry, path.stat().st_size, lambda: file_sha256(path),
-                                                        recorded=str(path.parent / "config.json"), what="size")):
+    if entry is not None and (
+        problem := entry_mismatch(
+            entry,
+            path.stat().st_size,
+            lambda: file_sha256(path),
+            recorded=str(path.parent / "config.json"),
+            what="size",
+        )
+    ):
         raise SingleCheckpointError(f"{path}: {problem}: the file changed after it was written (corrupt)")
     return path
 
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
-def write_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                    produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def write_streaming(
+    path: Path,
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    produce: Callable[[str], torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> None:
     """A safetensors file written one tensor at a time: the header (names, dtypes, shapes, offsets) first, then
     each tensor as `produce(name)` returns it. Peak memory is one tensor, where safetensors' own save_file wants
     every tensor at once (a whole 7B model in host memory). The format: 8 bytes of little-endian header length,
@@ -104,8 +131,9 @@ def write_streaming(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, .
         for name, dtype, shape in specs:
             t = produce(name)
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise SingleCheckpointError(f"{path}: {name} came as {t.dtype} {list(t.shape)}, the header says "
-                                            f"{dtype} {list(shape)}")
+                raise SingleCheckpointError(
+                    f"{path}: {name} came as {t.dtype} {list(t.shape)}, the header says {dtype} {list(shape)}"
+                )
             f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())
@@ -125,8 +153,9 @@ def read_config(path) -> tuple[ModelConfig, dict]:
         raise SingleCheckpointError(f"{p}: missing (not a megamemo single-device checkpoint)")
     cfg = read_json(p, SingleCheckpointError)
     if cfg.get("format") != FORMAT or cfg.get("version") != VERSION:
-        raise SingleCheckpointError(f"{p}: format {cfg.get('format')!r} v{cfg.get('version')!r}, "
-                                    f"expected {FORMAT!r} v{VERSION}")
+        raise SingleCheckpointError(
+            f"{p}: format {cfg.get('format')!r} v{cfg.get('version')!r}, expected {FORMAT!r} v{VERSION}"
+        )
     return ModelConfig.from_dict(cfg["model"], where=f"{p}:model"), cfg.get("meta", {})
 
 
@@ -136,15 +165,17 @@ def load_single(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
     f = verify_file(Path(path) / "model.safetensors")
     try:
         sd = load_file(str(f), device=str(map_location))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise SingleCheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from e
     model = MemTransformerLM(cfg)
     expected = model.state_dict()
     missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     bad = [k for k in set(sd) & set(expected) if sd[k].shape != expected[k].shape]
     if missing or extra or bad:
-        raise SingleCheckpointError(f"{f}: does not match {Path(path) / 'config.json'}: missing {missing}, "
-                                    f"unexpected {extra}, wrong shapes {sorted(bad)}")
+        raise SingleCheckpointError(
+            f"{f}: does not match {Path(path) / 'config.json'}: missing {missing}, "
+            f"unexpected {extra}, wrong shapes {sorted(bad)}"
+        )
     dtype = next(iter(sd.values())).dtype if sd else torch.float32
     model = model.to(dtype)
     model.load_state_dict(sd)
@@ -166,5 +197,5 @@ def load_memory(path) -> Memory | None:
         verify_file(f)
     try:
         return Memory.from_state_dict(load_file(str(f)))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise SingleCheckpointError(f"{f}: not a memory file ({type(e).__name__}: {e})") from None

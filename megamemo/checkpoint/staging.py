@@ -11,6 +11,7 @@ The cost: the buffers stay allocated between saves (host memory the size of the 
 A snapshot's tensors are valid until the registry's next snapshot; the store waits for the previous save's write
 before it takes the next one.
 """
+
 from __future__ import annotations
 
 import torch

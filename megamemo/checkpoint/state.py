@@ -12,6 +12,7 @@ Per rank, in the step directory: `rank_<r>.safetensors` (the pieces and the tens
 `rank_<r>.json` (the JSON states, the rank's layout, and the size and sha256 of its other files). The JSON file is
 written last, atomically: its presence says the rank's files are complete. Nothing is ever unpickled.
 """
+
 from __future__ import annotations
 
 import json
@@ -107,8 +108,8 @@ def read_json(path: Path, error=ValueError) -> Any:
 @dataclass
 class LoadContext:
     reader: ShardedReader
-    same_layout: bool           # world size, tp/pp/dp, grad_accum, batch and ZeRO stage as when saved
-    marker: dict                # the checkpoint's COMMITTED marker (saved layout, precision, step)
+    same_layout: bool  # world size, tp/pp/dp, grad_accum, batch and ZeRO stage as when saved
+    marker: dict  # the checkpoint's COMMITTED marker (saved layout, precision, step)
 
     @property
     def saved(self) -> RunMeta:
@@ -123,12 +124,13 @@ class LoadContext:
 @dataclass
 class Snapshot:
     """One rank's share of a checkpoint, copied to host memory: written by save_snapshot, in any thread."""
+
     rank: int
     pieces: list[Piece]
     local: dict[str, torch.Tensor]
     doc: dict
     files: dict[str, Callable[[Path], None]] = field(default_factory=dict)
-    files_later: Callable[[], dict] | None = None     # the extra files, when known only after the snapshot
+    files_later: Callable[[], dict] | None = None  # the extra files, when known only after the snapshot
 
 
 class LateFiles:
@@ -159,7 +161,7 @@ class StateRegistry:
     def __init__(self):
         self.entries: dict[str, tuple[Stateful, str]] = {}
         self.sharded: dict[str, Any] = {}
-        self.staging = Staging()    # the pieces' host buffers, kept from one snapshot to the next
+        self.staging = Staging()  # the pieces' host buffers, kept from one snapshot to the next
 
     def _check_new(self, name: str) -> None:
         if name in self.entries or name in self.sharded:
@@ -180,16 +182,19 @@ class StateRegistry:
         """Copy everything this rank saves (collectives inside `pieces()` are not allowed: ranks differ)."""
         local: dict[str, torch.Tensor] = {}
         state = {name: split_tensors(obj.state_dict(), name, local) for name, (obj, _) in self.entries.items()}
-        pieces = [Piece(p.name, self.staging.copy((entry, i), p.tensor), p.shape, p.box, p.flat)
-                  for entry, obj in self.sharded.items() for i, p in enumerate(obj.pieces())]
-        self.staging.done()         # buffers reused by the next snapshot (staging.py): write this one first
+        pieces = [
+            Piece(p.name, self.staging.copy((entry, i), p.tensor), p.shape, p.box, p.flat)
+            for entry, obj in self.sharded.items()
+            for i, p in enumerate(obj.pieces())
+        ]
+        self.staging.done()  # buffers reused by the next snapshot (staging.py): write this one first
         doc = {"format": FORMAT, "version": VERSION, "rank": rank, "state": state, **(extra or {})}
         return Snapshot(rank, pieces, local, doc)
 
     # ---- load --------------------------------------------------------------------------------------------
     def load(self, directory: Path, rank: int, ctx_for: Callable[[ShardedReader], LoadContext]) -> dict:
         """Restore every entry from the rank files in `directory`; -> this rank's (or rank 0's) JSON document."""
-        reader = open_reader(directory)      # the merged index, or every rank file's header (format 2)
+        reader = open_reader(directory)  # the merged index, or every rank file's header (format 2)
         ctx = ctx_for(reader)
         own_rank = rank if ctx.same_layout else 0
         st_name, js_name = rank_files(own_rank)
@@ -217,8 +222,7 @@ class WriteError(CheckpointStateError):
 
     def __init__(self, path: Path, error: BaseException):
         self.path = Path(path)
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else \
-            f"{type(error).__name__}: {error}"
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
         super().__init__(f"could not write {path}: {reason}")
 
 
@@ -226,6 +230,7 @@ class WriteError(CheckpointStateError):
 class Written:
     """What one rank wrote: {relative path: {bytes, sha256}} (its JSON included) and its piece index
     ({rank file: {safetensors key: name, shape, box, flat, dtype}}: pieces.write_pieces)."""
+
     files: dict
     index: dict
 
@@ -237,12 +242,16 @@ def _write_file(path: Path, write: Callable[[Path], object], before_write: Calla
         return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
     except WriteError:
         raise
-    except Exception as e:  # noqa: BLE001 - any failure to write names the file (OSError, safetensors, ...)
+    except Exception as e:  # any failure to write names the file (OSError, safetensors, ...
         raise WriteError(path, e) from e
 
 
-def save_snapshot(snap: Snapshot, directory: Path, before_done: Callable[[], None] = lambda: None,
-                  before_write: Callable[[Path], None] = lambda path: None) -> Written:
+def save_snapshot(
+    snap: Snapshot,
+    directory: Path,
+    before_done: Callable[[], None] = lambda: None,
+    before_write: Callable[[Path], None] = lambda path: None,
+) -> Written:
     """Write one rank's files into `directory`: the rank safetensors file and extra files (each via a tmp file,
     fsync and rename), then the rank JSON, listing the others' sizes and sha256, last (`before_done` runs just
     before it: the crash tests kill the process there; `before_write(path)` before each file: the injected write
@@ -250,8 +259,11 @@ def save_snapshot(snap: Snapshot, directory: Path, before_done: Callable[[], Non
     st_name, js_name = rank_files(snap.rank)
     directory.mkdir(parents=True, exist_ok=True)
     index: dict = {}
-    files = {st_name: _write_file(directory / st_name,
-                                  lambda p: index.update(write_pieces(p, snap.pieces, snap.local)), before_write)}
+    files = {
+        st_name: _write_file(
+            directory / st_name, lambda p: index.update(write_pieces(p, snap.pieces, snap.local)), before_write
+        )
+    }
     extra = snap.files if snap.files_later is None else snap.files_later()
     for rel, writer in extra.items():
         files[rel] = _write_file(directory / rel, writer, before_write)
@@ -268,12 +280,19 @@ class RNGState:
     def state_dict(self) -> dict:
         version, internal, gauss = random.getstate()
         legacy = np.random.get_state()
-        assert isinstance(legacy, tuple)        # the legacy form (the default): MT19937's 5-tuple
+        assert isinstance(legacy, tuple)  # the legacy form (the default): MT19937's 5-tuple
         name, keys, pos, has_gauss, cached = legacy
-        d = {"python": {"version": version, "state": list(internal), "gauss": gauss},
-             "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                       "cached_gaussian": float(cached)},
-             "torch": torch.get_rng_state()}
+        d = {
+            "python": {"version": version, "state": list(internal), "gauss": gauss},
+            "numpy": {
+                "name": name,
+                "keys": keys.tolist(),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+            "torch": torch.get_rng_state(),
+        }
         if torch.cuda.is_available():
             d["cuda"] = torch.cuda.get_rng_state()
         tracker = _tp_rng_tracker()
@@ -285,8 +304,9 @@ class RNGState:
         py = d["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
         n = d["numpy"]
-        np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                             n["cached_gaussian"]))
+        np.random.set_state(
+            (n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
         torch.set_rng_state(d["torch"])
         if "cuda" in d and torch.cuda.is_available():
             torch.cuda.set_rng_state(d["cuda"])
@@ -309,7 +329,8 @@ class Counters:
     def __init__(self, **values):
         self.__dict__.update(values)
 
-    if TYPE_CHECKING:                           # for the type checker only: the counters are named at run time
+    if TYPE_CHECKING:  # for the type checker only: the counters are named at run time
+
         def __getattr__(self, name: str) -> Any: ...
 
         def __setattr__(self, name: str, value: Any) -> None: ...

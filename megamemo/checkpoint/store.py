@@ -18,6 +18,7 @@ outcome to rank 0 (commit.py); rank 0 checks the pieces cover every tensor once,
 rank the verdict: a failed save fails on every rank alike (SaveFailed). A crash anywhere before the rename leaves
 the previous checkpoint the newest. Async saves run the writing and the commit in a background thread.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,7 +47,7 @@ from megamemo.util.errors import MegamemoError
 from megamemo.util.files import entry_mismatch, file_sha256, fsync_dir, write_json_atomic
 
 MARKER = "COMMITTED"
-FORMAT = 3                  # 3: with the merged piece index (index.json); 2: without (read through the headers)
+FORMAT = 3  # 3: with the merged piece index (index.json); 2: without (read through the headers)
 FORMATS = (2, 3)
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -75,11 +76,18 @@ def check_file(step_dir: Path, rel: str, entry: dict, checksum: bool = True) -> 
     p = Path(step_dir) / rel
     if not p.is_file():
         raise CheckpointError(f"{p}: listed in {Path(step_dir) / MARKER} but missing")
-    problem = entry_mismatch(entry, p.stat().st_size, (lambda: file_sha256(p)) if checksum else None,
-                             recorded=str(Path(step_dir) / MARKER), what="size")
+    problem = entry_mismatch(
+        entry,
+        p.stat().st_size,
+        (lambda: file_sha256(p)) if checksum else None,
+        recorded=str(Path(step_dir) / MARKER),
+        what="size",
+    )
     if problem:
-        raise CheckpointError(f"{p}: {problem}" + (": the file changed after it was written (corrupt)"
-                                                    if problem.startswith("sha256") else ""))
+        raise CheckpointError(
+            f"{p}: {problem}"
+            + (": the file changed after it was written (corrupt)" if problem.startswith("sha256") else "")
+        )
 
 
 def verify(step_dir: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> dict:
@@ -87,9 +95,10 @@ def verify(step_dir: Path, checksums: bool = True, share: tuple[int, int] = (0, 
     sha256. share=(i, n): only every n-th file from the i-th (ranks verify a checkpoint together)."""
     info = read_marker(step_dir)
     if info.get("format") not in FORMATS or not isinstance(info.get("files"), dict):
-        raise CheckpointError(f"{Path(step_dir) / MARKER}: not a megamemo checkpoint of format 2 or 3 (format "
-                              f"{info.get('format')!r})")
-    for rel in sorted(info["files"])[share[0]::share[1]]:
+        raise CheckpointError(
+            f"{Path(step_dir) / MARKER}: not a megamemo checkpoint of format 2 or 3 (format {info.get('format')!r})"
+        )
+    for rel in sorted(info["files"])[share[0] :: share[1]]:
         check_file(step_dir, rel, info["files"][rel], checksums)
     return info
 
@@ -144,42 +153,57 @@ def remove_checkpoint(step_dir: Path, between: Callable[[], None] = lambda: None
 class SaveFailed(CheckpointError):
     """A save failed on every rank alike (a rank's write error, a hole in the pieces, a rank silent past the
     timeout), nothing committed: every rank raises the same line, so one says it."""
+
     same_on_every_rank = True
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, rank: int, world_size: int, keep_last: int, meta: RunMeta,
-                 barrier: Callable[[], None], async_save: bool = False, commit_timeout_s: float = 600.0,
-                 log: Callable[[str], None] = print, outcomes=None):    # outcomes: commit.py (collective)
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        meta: RunMeta,
+        barrier: Callable[[], None],
+        async_save: bool = False,
+        commit_timeout_s: float = 600.0,
+        log: Callable[[str], None] = print,
+        outcomes=None,
+    ):  # outcomes: commit.py (collective)
         self.root = Path(root)
         self.rank, self.world_size = rank, world_size
         self.keep_last = keep_last
-        self.meta = meta            # model config + fingerprint, layout, precision: recorded, checked on resume
+        self.meta = meta  # model config + fingerprint, layout, precision: recorded, checked on resume
         self.comm = Collectives(barrier)
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
-        self.overlap_late_files = torch.cuda.is_available()     # files made after the snapshot, beside the write
+        self.overlap_late_files = torch.cuda.is_available()  # files made after the snapshot, beside the write
         self.outcomes = outcomes if outcomes is not None else outcome_channel(world_size, commit_timeout_s)
         self.log = log if rank == 0 else (lambda *a, **k: None)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._abandoned = threading.Event()
-        self.faults = FaultPoints(rank)     # crash tests and bench/soak.py only (checkpoint/faults.py)
-        self._compatible: tuple[Path, Compatibility] | None = None     # check_compatible's, once
+        self.faults = FaultPoints(rank)  # crash tests and bench/soak.py only (checkpoint/faults.py)
+        self._compatible: tuple[Path, Compatibility] | None = None  # check_compatible's, once
 
     # ---- save --------------------------------------------------------------------------------------------
-    def save(self, step: int, registry: StateRegistry, layout: RankLayout | None = None,
-             replicas: dict | None = None,
-             files: dict[str, Callable[[Path], None]] | Callable[[], dict[str, Callable[[Path], None]]] | None = None,
-             ) -> Path:
+    def save(
+        self,
+        step: int,
+        registry: StateRegistry,
+        layout: RankLayout | None = None,
+        replicas: dict | None = None,
+        files: dict[str, Callable[[Path], None]] | Callable[[], dict[str, Callable[[Path], None]]] | None = None,
+    ) -> Path:
         """Collective. layout: this rank's (rank_<r>.json keeps it); replicas: the replica check's JSON record of
         this step (train/numerics.py), kept as it is. files: {name: writer(path)} this rank adds to the step
         directory, or a function making them after the snapshot (the probe). A failed save raises SaveFailed on
         every rank: here (sync), or in wait() once failed() says so (async)."""
         self.wait()
         step_dir = self.root / tag_for(step)
-        self.comm.barrier()             # every rank's previous save is written, and rank 0 has committed it
-        if (step_dir / MARKER).is_file():   # e.g. the final save right after a periodic one (all ranks see it)
+        self.comm.barrier()  # every rank's previous save is written, and rank 0 has committed it
+        if (step_dir / MARKER).is_file():  # e.g. the final save right after a periodic one (all ranks see it)
             return step_dir
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -202,13 +226,17 @@ class CheckpointStore:
         else:
             snap.files, snap.files_later = {}, late.get
         overlap = late is not None and self.async_save and self.overlap_late_files
-        if late is not None and make is not None and not overlap:   # e.g. the probe: after the snapshot, before
-            late.put(make)                                            # the write (cores shared)
+        if late is not None and make is not None and not overlap:  # e.g. the probe: after the snapshot, before
+            late.put(make)  # the write (cores shared)
         if self.async_save:
-            self._thread = threading.Thread(target=self._background, args=(snap, step, step_dir, t0, stall, late),
-                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._background,
+                args=(snap, step, step_dir, t0, stall, late),
+                name=f"checkpoint-{step}",
+                daemon=True,
+            )
             self._thread.start()
-        if overlap and late is not None and make is not None:     # on a GPU: device work beside the write
+        if overlap and late is not None and make is not None:  # on a GPU: device work beside the write
             late.put(make)
         if not self.async_save:
             self._write_and_commit(snap, step, step_dir)
@@ -218,10 +246,13 @@ class CheckpointStore:
     def _background(self, snap: Snapshot, step: int, step_dir: Path, t0: float, stall: float, late) -> None:
         try:
             self._write_and_commit(snap, step, step_dir)
-            self.log(f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s in the background, "
-                     f"training stalled {stall:.2f}s" + (f", then {late.seconds:.2f}s for the files made after the "
-                                                         f"snapshot" if late else "") + ")")
-        except BaseException as e:  # noqa: BLE001 - reported by wait() on the main thread
+            self.log(
+                f"[checkpoint] committed {step_dir} ({time.perf_counter() - t0:.1f}s in the background, "
+                f"training stalled {stall:.2f}s"
+                + (f", then {late.seconds:.2f}s for the files made after the snapshot" if late else "")
+                + ")"
+            )
+        except BaseException as e:  # reported by wait() on the main thread
             self._error = e
 
     def _write_and_commit(self, snap: Snapshot, step: int, step_dir: Path) -> None:
@@ -248,8 +279,10 @@ class CheckpointStore:
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
-                raise SaveFailed(f"rank {self.rank}: its checkpoint write did not end within {timeout_s:g} s after "
-                                 f"the save failed (a hung file system?); nothing committed")
+                raise SaveFailed(
+                    f"rank {self.rank}: its checkpoint write did not end within {timeout_s:g} s after "
+                    f"the save failed (a hung file system?); nothing committed"
+                )
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
@@ -278,9 +311,16 @@ class CheckpointStore:
             if problem is None:
                 files, problem = check_and_index(step_dir, outcomes)
             if problem is None:
-                info = {"format": FORMAT, "step": step, "tag": step_dir.name, "world_size": self.world_size,
-                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "index": INDEX_FILE, "files": files,
-                        **self.meta.record()}
+                info = {
+                    "format": FORMAT,
+                    "step": step,
+                    "tag": step_dir.name,
+                    "world_size": self.world_size,
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "index": INDEX_FILE,
+                    "files": files,
+                    **self.meta.record(),
+                }
                 fsync_dir(step_dir)
                 self.faults.at("commit")
                 write_json_atomic(step_dir / MARKER, info)
@@ -299,9 +339,9 @@ class CheckpointStore:
         for p in committed[: max(0, len(committed) - self.keep_last)]:
             remove_checkpoint(p, between=lambda: self.faults.at("removal"))
         if committed:
-            newest = [s for s, _, c in ckpts if c][-1]     # committed[-1]'s step
+            newest = [s for s, _, c in ckpts if c][-1]  # committed[-1]'s step
             for s, p, c in ckpts:
-                if not c and s < newest:          # an interrupted save that a newer commit superseded
+                if not c and s < newest:  # an interrupted save that a newer commit superseded
                     shutil.rmtree(p, ignore_errors=True)
 
     def remove_incomplete(self) -> list[Path]:
@@ -353,8 +393,10 @@ class CheckpointStore:
                 raise CheckpointError(f"checkpoint.resume: {problems[0]}")
             if self.rank == 0:
                 aside = move_aside(path)
-                self.log(f"[checkpoint] {problems[0]}; moved {path.name} aside to {aside.name} and trying the "
-                         f"next newest checkpoint")
+                self.log(
+                    f"[checkpoint] {problems[0]}; moved {path.name} aside to {aside.name} and trying the "
+                    f"next newest checkpoint"
+                )
             self.comm.barrier()
 
     def _newest_sized(self, roots: list[Path], may_move: bool) -> str | None:
@@ -389,20 +431,24 @@ class CheckpointStore:
         saved = RunMeta.from_record(info)
         saved_model, want_model = saved.model, self.meta.model
         if saved_model != want_model:
-            diffs = [f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {want_model.get(k)!r}"
-                     for k in sorted(set(saved_model) | set(want_model)) if saved_model.get(k) != want_model.get(k)]
+            diffs = [
+                f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {want_model.get(k)!r}"
+                for k in sorted(set(saved_model) | set(want_model))
+                if saved_model.get(k) != want_model.get(k)
+            ]
             raise CheckpointError(f"{step_dir} was saved from a different model config: " + "; ".join(diffs))
         old, new = saved.layout, self.meta.layout
         same = old == new
         notes = []
         if not same:
-            notes.append(f"saved under {old.describe()}, resuming under {new.describe()}: resharding on "
-                         f"load")
+            notes.append(f"saved under {old.describe()}, resuming under {new.describe()}: resharding on load")
             if old.batch_size != new.batch_size:
-                notes.append(f"global batch {old.batch_size} -> {new.batch_size} streams: every stream "
-                             f"restarts with empty memory")
+                notes.append(
+                    f"global batch {old.batch_size} -> {new.batch_size} streams: every stream "
+                    f"restarts with empty memory"
+                )
         masks = (saved.masks, self.meta.masks)
-        if masks[0] != masks[1]:        # a checkpoint from before the key existed was drawn from the streams
+        if masks[0] != masks[1]:  # a checkpoint from before the key existed was drawn from the streams
             notes.append(f"dropout masks {masks[0]} -> {masks[1]} (train.dropout_masks)")
         if saved.precision != self.meta.precision:
             notes.append(f"precision {saved.precision} -> {self.meta.precision} (from the fp32 masters)")

@@ -4,6 +4,7 @@ distance, the memorizing coefficient).
     megamemo analyze --ckpt CKPT [--ckpt CKPT ...] --data DIR [--split valid] [--out DIR] [--segments N]
                      [--batch-size B] [--tgt-len N] [--mem-len N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,16 @@ def main(argv: list[str]) -> int:
     from megamemo.runtime.device import torch_device
 
     say = lambda line: print(line, flush=True)  # noqa: E731
-    results = analyze_checkpoints(a.ckpt, a.data, a.split, segments=a.segments, batch_size=a.batch_size,
-                                  tgt_len=a.tgt_len, mem_len=a.mem_len, device=torch_device(a.device), log=say)
+    results = analyze_checkpoints(
+        a.ckpt,
+        a.data,
+        a.split,
+        segments=a.segments,
+        batch_size=a.batch_size,
+        tgt_len=a.tgt_len,
+        mem_len=a.mem_len,
+        device=torch_device(a.device),
+        log=say,
+    )
     write_analysis(results, a.out, a.split, a.batch_size, log=say)
     return 0

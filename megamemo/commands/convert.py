@@ -7,6 +7,7 @@ convert.py, importer.py).
     megamemo convert relayout --ckpt RUN_DIR | STEP_DIR --out NEW_RUN_DIR
     megamemo convert import-reference FILE.pt --out DIR [--config CONSTRUCTOR.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,15 @@ def main(argv: list[str]) -> int:
     flags.add(s, "data", help="shard directory whose tokenizer/vocabulary to record (default: the run's)")
     s.add_argument("--memory", help="streams whose memory to write: 'all' or global columns like 0-3,7")
     s.add_argument("--no-check", action="store_true", help="skip the self-check on the recorded probe")
-    r = sub.add_parser("relayout", help="copy a committed checkpoint into a new run directory (training resumes "
-                                        "from it under any tp/pp/dp)")
+    r = sub.add_parser(
+        "relayout",
+        help="copy a committed checkpoint into a new run directory (training resumes from it under any tp/pp/dp)",
+    )
     flags.add(r, "ckpt", help=TRAINING_CHECKPOINT)
     r.add_argument("--out", required=True, help="new run directory")
-    i = sub.add_parser("import-reference", help="thu-coai/LaMemo or kimiyoung/transformer-xl weights -> "
-                                                "single-device checkpoint")
+    i = sub.add_parser(
+        "import-reference", help="thu-coai/LaMemo or kimiyoung/transformer-xl weights -> single-device checkpoint"
+    )
     i.add_argument("file", help=".pt with {state_dict, config} (or a bare state_dict with --config)")
     i.add_argument("--out", required=True, help="new directory for the single-device checkpoint")
     i.add_argument("--config", help="JSON file with the reference MemTransformerLM constructor arguments")
@@ -44,6 +48,7 @@ def main(argv: list[str]) -> int:
         out = relayout(a.ckpt, a.out)
     else:
         from megamemo.interop.importer import import_reference_file
+
         out = import_reference_file(a.file, a.out, a.config)
     print(f"[convert] wrote {out}", flush=True)
     return 0

@@ -6,6 +6,7 @@
                   [--max-segments K] [--trams-topk K --trams-recent R [--trams-metric code|paper]]
                   [--mem-ratios 1,2,4,... [--ratio-base N] [--plot FILE.png] [--table FILE.tsv]] [--memory FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,19 @@ def parse_args(argv):
     from megamemo.eval.evaluate import Request
 
     p = argparse.ArgumentParser(prog="megamemo eval", description=__doc__.split("\n\n")[0])
-    flags.add(p, "ckpt", repeat=True, help="single-device checkpoint dir, or a training run / checkpoint dir "
-                                          "(repeatable)")
+    flags.add(
+        p, "ckpt", repeat=True, help="single-device checkpoint dir, or a training run / checkpoint dir (repeatable)"
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", default="mem_sweep.png", help="sweep plot (PNG)")
     p.add_argument("--table", help="sweep table (TSV; default: the plot's name with .tsv)")
-    flags.add_fields(p, Request, shared={"data": {}, "mem_len": {}, "device": {"default": "auto"},
-                                         "dtype": {"extra_choices": ("checkpoint",)}},
-                     trams_metric={"choices": METRICS}, attention={"choices": ATTENTIONS})
+    flags.add_fields(
+        p,
+        Request,
+        shared={"data": {}, "mem_len": {}, "device": {"default": "auto"}, "dtype": {"extra_choices": ("checkpoint",)}},
+        trams_metric={"choices": METRICS},
+        attention={"choices": ATTENTIONS},
+    )
     return p.parse_args(argv)
 
 

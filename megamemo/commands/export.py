@@ -3,6 +3,7 @@
 
     megamemo export hf --ckpt CKPT --out DIR [--overwrite] [--data SHARD_DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,12 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from megamemo.export.hf import export_hf
 
-    notes: list[str] = []             # what the conversion said: shown once it succeeded, so an error is one line
+    notes: list[str] = []  # what the conversion said: shown once it succeeded, so an error is one line
     r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=notes.append)
     for m in notes:
         print(m, file=sys.stderr, flush=True)
-    print(f"[export] wrote {r['out']}: {r['variant']}, {r['parameters']:,} parameters ({r['dtype']}), "
-          f"{r['tokenizer']}", flush=True)
+    print(
+        f"[export] wrote {r['out']}: {r['variant']}, {r['parameters']:,} parameters ({r['dtype']}), {r['tokenizer']}",
+        flush=True,
+    )
     return 0

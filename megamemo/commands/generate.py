@@ -5,6 +5,7 @@
                       [--seed S] [--greedy] [--data SHARD_DIR] [--mem-len M] [--memory FILE] [--out FILE]
                       [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,9 @@ def main(argv: list[str]) -> int:
     flags.add(p, "ckpt")
     p.add_argument("--out", help="write the continuation here instead of stdout")
     p.add_argument("--json", help="write prompt/new token ids and the text here")
-    flags.add_fields(p, Request, shared={"data": {}, "mem_len": {}, "device": {"default": "auto"}},
-                     attention={"choices": ATTENTIONS})
+    flags.add_fields(
+        p, Request, shared={"data": {}, "mem_len": {}, "device": {"default": "auto"}}, attention={"choices": ATTENTIONS}
+    )
     a = p.parse_args(argv)
     request = Request(**{**flags.field_values(a, Request), "device": torch_device(a.device)})
     job = prepare(a.ckpt, request)
@@ -36,6 +38,17 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
         sys.stdout.flush()
     if a.json:
-        Path(a.json).write_text(json.dumps({"prompt_ids": job.prompt, "new_ids": new, "text": text, "seed": a.seed,
-                                            "top_p": a.top_p, "temperature": a.temperature}) + "\n")
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "prompt_ids": job.prompt,
+                    "new_ids": new,
+                    "text": text,
+                    "seed": a.seed,
+                    "top_p": a.top_p,
+                    "temperature": a.temperature,
+                }
+            )
+            + "\n"
+        )
     return 0

@@ -3,6 +3,7 @@ no download), reporting lm-eval's word_perplexity, byte_perplexity and bits_per_
 
     megamemo harness --ckpt CKPT --text FILE... [--json OUT] [--device D] [--mem-len N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,17 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from megamemo.util.files import write_text_atomic
 
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):      # before lm-eval is imported (megamemo[eval])
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # before lm-eval is imported (megamemo[eval])
         os.environ.setdefault(var, "1")
     from megamemo.export.harness import run_harness
 
     r = run_harness(a.ckpt, a.text, a.device, a.mem_len)
-    print(f"{r['ckpt']}: {len(r['files'])} file(s), {r['bytes']:,} bytes | word_perplexity "
-          f"{r['word_perplexity']:.4f} byte_perplexity {r['byte_perplexity']:.4f} bits_per_byte "
-          f"{r['bits_per_byte']:.4f} | lm-eval {r['lm_eval']}", flush=True)
+    print(
+        f"{r['ckpt']}: {len(r['files'])} file(s), {r['bytes']:,} bytes | word_perplexity "
+        f"{r['word_perplexity']:.4f} byte_perplexity {r['byte_perplexity']:.4f} bits_per_byte "
+        f"{r['bits_per_byte']:.4f} | lm-eval {r['lm_eval']}",
+        flush=True,
+    )
     if a.json:
         write_text_atomic(Path(a.json), json.dumps(r, indent=1) + "\n", durable=False)
     return 0

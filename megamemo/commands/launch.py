@@ -7,6 +7,7 @@ bench/soak.py).
 Exit code: the failed worker's (2 for bad usage, config, data or checkpoint), else 0; 2 for a bad command line.
 MEGAMEMO_TRAIN_CMD replaces the worker command (`python -m megamemo train`; tests run scripted workers).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,10 @@ import signal
 import sys
 import tempfile
 
-USAGE = ("usage: python -m megamemo.commands.launch [--max-restarts K] N [megamemo train args...]   (N: number of "
-         "processes; K: restarts after failures, default 0)")
+USAGE = (
+    "usage: python -m megamemo.commands.launch [--max-restarts K] N [megamemo train args...]   (N: number of "
+    "processes; K: restarts after failures, default 0)"
+)
 
 
 def parse(argv: list[str]) -> tuple[int, int, list[str]] | None:
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     launcher = Launcher(n, train + args, max_restarts=max_restarts, run_dir_file=run_dir_file)
     for sig in FORWARDED:
         signal.signal(sig, launcher.on_signal)
-    early = os.environ.pop("MEGAMEMO_PENDING_SIGNALS", "").split()     # caught by launch/local.sh before us
+    early = os.environ.pop("MEGAMEMO_PENDING_SIGNALS", "").split()  # caught by launch/local.sh before us
     try:
         return launcher.supervise(early)
     finally:

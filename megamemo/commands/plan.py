@@ -9,6 +9,7 @@ time, and the layouts that fit (megamemo/plan/: layouts.py, steptime.py, recomme
 
 --device here is the kind of ranks planned for (GPUs, or CPU processes sharing a node's memory), not a torch device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,19 +24,29 @@ def main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="megamemo plan", description=__doc__.splitlines()[0])
     flags.add(ap, "config")
-    ap.add_argument("--vocab", type=int, default=32000,
-                    help="the vocabulary a `model.n_token: auto` config is planned with while its data directory has "
-                         "no manifest.json yet (the shipped configs' bpe:32000); once prepared, the manifest's")
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=32000,
+        help="the vocabulary a `model.n_token: auto` config is planned with while its data directory has "
+        "no manifest.json yet (the shipped configs' bpe:32000); once prepared, the manifest's",
+    )
     flags.add_fields(ap, Ask, device={"choices": ("gpu", "cpu")})
     flags.add(ap, "set")
 
-    def one_line(message):      # argparse's error: one line (no usage block), exit 2
+    def one_line(message):  # argparse's error: one line (no usage block), exit 2
         print(f"megamemo plan: {message}", file=sys.stderr)
         raise SystemExit(2)
+
     ap.error = one_line  # type: ignore[method-assign]  # argparse's error made one line (exit 2)
     args = ap.parse_args(argv)
-    for flag, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node), ("--tp", args.tp),
-                    ("--pp", args.pp), ("--vocab", args.vocab)):
+    for flag, v in (
+        ("--nodes", args.nodes),
+        ("--gpus-per-node", args.gpus_per_node),
+        ("--tp", args.tp),
+        ("--pp", args.pp),
+        ("--vocab", args.vocab),
+    ):
         if v is not None and v < 1:
             print(f"megamemo plan: {flag} must be at least 1 (got {v})", file=sys.stderr)
             return 2
@@ -45,5 +56,7 @@ def main(argv: list[str]) -> int:
     from megamemo.plan.report import report
     from megamemo.train.config import load
 
-    return report(lambda sets: load(args.config, [*args.set, *sets], vocab_fallback=args.vocab),
-                  Ask(**flags.field_values(args, Ask)))
+    return report(
+        lambda sets: load(args.config, [*args.set, *sets], vocab_fallback=args.vocab),
+        Ask(**flags.field_values(args, Ask)),
+    )

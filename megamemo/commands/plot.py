@@ -5,6 +5,7 @@
 
 Exit codes: 0 written; 2 a missing, empty or malformed metrics.jsonl (the message names the file and line).
 """
+
 from __future__ import annotations
 
 import argparse

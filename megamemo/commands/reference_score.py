@@ -1,5 +1,6 @@
 """`megamemo reference-score FILE.pt --out OUT.pt`: score a reference-format file with the megamemo model
 (megamemo/interop/score.py)."""
+
 from __future__ import annotations
 
 import argparse

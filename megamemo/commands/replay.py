@@ -7,6 +7,7 @@ recorded (megamemo/train/replay.py); `--rolled-back`: the attempt at S that a lo
 One line of verdict: `replay: identical`, `replay: within <tolerance>` or `replay: differs at step N: <what>`.
 Exit codes: 0 identical or within; 1 differs; 2 the replay cannot be made (no such step, no checkpoint before it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,12 @@ def parse_args(argv):
     p.add_argument("--step", type=int, required=True, help="the step to replay up to")
     for name in ("dp", "tp", "pp"):
         p.add_argument(f"--{name}", type=int, help=f"replay under this {name} size (default 1: one process)")
-    p.add_argument("--rolled-back", action="store_true",
-                   help="replay the attempt at S that a loss spike's rollback undid, against its records "
-                        "(metrics.rolled_back.jsonl), its skipped batches unskipped")
+    p.add_argument(
+        "--rolled-back",
+        action="store_true",
+        help="replay the attempt at S that a loss spike's rollback undid, against its records "
+        "(metrics.rolled_back.jsonl), its skipped batches unskipped",
+    )
     p.add_argument("--keep", action="store_true", help="keep the replay's run directory (its path is said)")
     return p.parse_args(argv)
 

@@ -6,6 +6,7 @@ it, and says its exit codes.
 
 A start in a run directory that holds a committed checkpoint resumes from the newest one (checkpoint.resume).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,15 @@ import argparse
 from megamemo.commands import flags
 
 # a flag that sets a config key
-KEYS = (("data", "data.dir"), ("run_dir", "train.run_dir"), ("max_steps", "train.max_steps"),
-        ("save_every", "checkpoint.save_every"), ("resume", "checkpoint.resume"), ("tp", "parallel.tp"),
-        ("pp", "parallel.pp"))
+KEYS = (
+    ("data", "data.dir"),
+    ("run_dir", "train.run_dir"),
+    ("max_steps", "train.max_steps"),
+    ("save_every", "checkpoint.save_every"),
+    ("resume", "checkpoint.resume"),
+    ("tp", "parallel.tp"),
+    ("pp", "parallel.pp"),
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

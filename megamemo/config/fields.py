@@ -3,6 +3,7 @@ unknown key refused), and the field types here say what YAML / `--set` may give.
 its range `Field(ge=..., gt=..., lt=...)` bounds; a rule across fields of one section is a `@model_validator` that
 calls `bad(key, why)` (megamemo/config/run.py refusal); rules across sections are the run config's
 (megamemo/train/config.py). one_line (below) turns pydantic's report into the one-line `key: why (got value)`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,7 @@ from .errors import ConfigError
 
 
 def _no_bool(v):
-    if isinstance(v, bool):     # a bool is an int to Python: not a number here
+    if isinstance(v, bool):  # a bool is an int to Python: not a number here
         raise PydanticCustomError("float_type", "Input should be a valid number, not a bool")
     return v
 
@@ -35,11 +36,11 @@ def _switch(v):
     return ("on" if v else "off") if isinstance(v, bool) else v
 
 
-Int = Annotated[int, Strict()]                          # an int, never a bool or a float or a numeric string
-Bool = Annotated[bool, Strict()]                        # true / false only (not 1, "yes")
-Float = Annotated[float, BeforeValidator(_no_bool)]     # an int or float, or a numeric string: PyYAML reads "1e-4"
-                                                        # (no dot) as one; never a bool
-IntChoice = BeforeValidator(_int_not_bool)             # with Literal[0, 1, 2]: True is no 1 there
+Int = Annotated[int, Strict()]  # an int, never a bool or a float or a numeric string
+Bool = Annotated[bool, Strict()]  # true / false only (not 1, "yes")
+Float = Annotated[float, BeforeValidator(_no_bool)]  # an int or float, or a numeric string: PyYAML reads "1e-4"
+# (no dot) as one; never a bool
+IntChoice = BeforeValidator(_int_not_bool)  # with Literal[0, 1, 2]: True is no 1 there
 # a choice that includes "on" / "off", which YAML 1.1 reads as booleans when unquoted (`compile: on`): a boolean is
 # taken as "on" / "off" here, and nowhere else
 Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
@@ -53,6 +54,7 @@ def section(name: str):
     """A config section named `name` (`optim`, `train.spike`): a dataclass whose construction checks every field
     against its declaration; a refused value (constructing it, dataclasses.replace) is the one-line ConfigError
     naming the key (one_line below)."""
+
     def declare(cls: type[T]) -> type[T]:
         declared = _pydantic_dataclass(cls, config=SECTION_CONFIG)
         checked_init = declared.__init__
@@ -66,6 +68,7 @@ def section(name: str):
 
         declared.__init__ = __init__  # type: ignore[method-assign]
         return typing.cast("type[T]", declared)
+
     return declare
 
 
@@ -109,8 +112,15 @@ def literal_values(annotation):
 
 
 BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
-TYPES = {"int_type": "int", "float_type": "float", "float_parsing": "float", "bool_type": "bool",
-         "string_type": "str", "list_type": "list", "dict_type": "dict"}
+TYPES = {
+    "int_type": "int",
+    "float_type": "float",
+    "float_parsing": "float",
+    "bool_type": "bool",
+    "string_type": "str",
+    "list_type": "list",
+    "dict_type": "dict",
+}
 
 
 def _owner(cls, loc: tuple):
@@ -130,7 +140,7 @@ def one_line(err: ValidationError, cls, where: str) -> ConfigError:
     """The first error of pydantic's report on section `cls` (named `where`) as one line naming the key."""
     e = err.errors(include_url=False)[0]
     if e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
-        return e["ctx"]["error"]                       # a section's own rule (refusal): already one line
+        return e["ctx"]["error"]  # a section's own rule (refusal): already one line
     owner, name, key = _owner(cls, e["loc"])
     key, value = where + key, e.get("input")
     info = owner.__pydantic_fields__.get(name) if name else None
@@ -142,22 +152,35 @@ def one_line(err: ValidationError, cls, where: str) -> ConfigError:
         return ConfigError(f"{key}: must be {BOUNDS[e['type']]} {bound}{unit} (got {value!r})")
     if e["type"] == "literal_error" and info is not None:
         allowed = literal_values(info.annotation) or ()
-        if allowed and not isinstance(value, type(allowed[0])):       # a number for a word, a word for a number
+        if allowed and not isinstance(value, type(allowed[0])):  # a number for a word, a word for a number
             return ConfigError(f"{key}: expected {type_name(info)}, got {type(value).__name__} {value!r}")
         return ConfigError(f"{key}: must be {choices(allowed)} (got {value!r})")
     if e["type"] in ("too_short", "too_long"):
         n = e["ctx"].get("min_length") if e["type"] == "too_short" else e["ctx"].get("max_length")
-        return ConfigError(f"{key}: expected {'at least' if e['type'] == 'too_short' else 'at most'} {n} items "
-                           f"(got {value!r})")
+        return ConfigError(
+            f"{key}: expected {'at least' if e['type'] == 'too_short' else 'at most'} {n} items (got {value!r})"
+        )
     if e["type"].startswith("dataclass_"):
         return ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
     if e["type"] in TYPES or e["type"].endswith(("_type", "_parsing")):
         typ = TYPES.get(e["type"], e["type"].split("_")[0])
-        if info is not None and not isinstance(e["loc"][-1], int):      # the field itself: its declared type
+        if info is not None and not isinstance(e["loc"][-1], int):  # the field itself: its declared type
             typ = type_name(info)
         return ConfigError(f"{key}: expected {typ}, got {type(value).__name__} {value!r}")
     return ConfigError(f"{key}: {e['msg']} (got {value!r})")
 
 
-__all__ = ["Bool", "Field", "Float", "Int", "IntChoice", "Literal", "Switch", "choices", "literal_values", "one_line",
-           "section", "type_name"]
+__all__ = [
+    "Bool",
+    "Field",
+    "Float",
+    "Int",
+    "IntChoice",
+    "Literal",
+    "Switch",
+    "choices",
+    "literal_values",
+    "one_line",
+    "section",
+    "type_name",
+]

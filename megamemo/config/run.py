@@ -9,6 +9,7 @@ training run has and holds the rules across sections). This module only composes
 `optim.lr: expected float, got str 'fast'`, `parallel.tp: must be >= 1 (got 0)`). It imports nothing of megamemo but
 util.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,7 @@ def section(cls, data, where: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
     try:
-        return cls.__pydantic_validator__.validate_python(data)     # as cls(**data), its errors named by `where`
+        return cls.__pydantic_validator__.validate_python(data)  # as cls(**data), its errors named by `where`
     except ValidationError as e:
         raise one_line(e, cls, where) from None
 
@@ -41,8 +42,10 @@ def section(cls, data, where: str):
 def refusal(obj, prefix: str):
     """bad(key, why) for a section's own rules (a model_validator): ConfigError `key: why (got value)`, the value
     read from obj, the section named `prefix`."""
+
     def bad(key: str, why: str):
         raise ConfigError(f"{key}: {why} (got {getattr(obj, key.removeprefix(prefix + '.'))!r})")
+
     return bad
 
 
@@ -52,12 +55,12 @@ class Run:
     fields beside them (not written out)."""
 
     def sections(self) -> dict[str, Any]:
-        return {f.name: v for f in dataclasses.fields(self)
-                if dataclasses.is_dataclass(v := getattr(self, f.name))}
+        return {f.name: v for f in dataclasses.fields(self) if dataclasses.is_dataclass(v := getattr(self, f.name))}
 
     def to_dict(self) -> dict:
-        return {name: s.to_dict() if hasattr(s, "to_dict") else dataclasses.asdict(s)
-                for name, s in self.sections().items()}
+        return {
+            name: s.to_dict() if hasattr(s, "to_dict") else dataclasses.asdict(s) for name, s in self.sections().items()
+        }
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -72,6 +75,7 @@ class Run:
     def validate(self):
         """The rules across sections (the subclass's `check(bad)`; each section's own were kept on construction);
         the first refusal is a ConfigError `key: why (got value)`."""
+
         def bad(key: str, why: str):
             raise ConfigError(f"{key}: {why} (got {self.get(key)!r})")
 

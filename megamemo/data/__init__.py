@@ -5,16 +5,27 @@ See megamemo/data/README.md. Main entry points:
     build, corpora    `megamemo prepare` in Python
     verify_shards     `megamemo verify-shards` in Python
 """
+
 from .shard_reader import load_vocab, read_split, verify_shards
 from .shards import ManifestError, ShardError, build, load_manifest
 from .vocab import Vocab
 
-__all__ = ["StreamReader", "ShardError", "ManifestError", "build", "load_manifest", "load_vocab", "read_split",
-           "verify_shards", "Vocab"]
+__all__ = [
+    "StreamReader",
+    "ShardError",
+    "ManifestError",
+    "build",
+    "load_manifest",
+    "load_vocab",
+    "read_split",
+    "verify_shards",
+    "Vocab",
+]
 
 
 def __getattr__(name):  # StreamReader imports torch; `megamemo prepare` should not pay for that
     if name == "StreamReader":
         from .stream import StreamReader
+
         return StreamReader
     raise AttributeError(f"module 'megamemo.data' has no attribute {name!r}")

@@ -19,6 +19,7 @@ size and sha256, and the tokenizer's kind and sha256 where recorded), else Blend
 (over all B columns, so every rank computes the same numbers) is logged every ``mix_every`` steps by rank 0 and
 returned by ``token_mix()``.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -33,10 +34,10 @@ from megamemo.util.errors import MegamemoError
 from .remote import RemoteOptions
 from .shard_reader import SplitSource
 
-STATE_VERSION = 2            # 2: units are documents where indexed; draws weighted by tokens
-DRAWS = 256                  # units drawn per generator (a column's schedule grows by this many at a time)
-ENDLESS = 1 << 62            # steps_per_epoch of a blend: one endless epoch
-KEEP_BLOCKS = 4              # blocks of draws kept per column (older ones are drawn again when asked for)
+STATE_VERSION = 2  # 2: units are documents where indexed; draws weighted by tokens
+DRAWS = 256  # units drawn per generator (a column's schedule grows by this many at a time)
+ENDLESS = 1 << 62  # steps_per_epoch of a blend: one endless epoch
+KEEP_BLOCKS = 4  # blocks of draws kept per column (older ones are drawn again when asked for)
 
 
 class BlendError(MegamemoError, ValueError):
@@ -45,8 +46,13 @@ class BlendError(MegamemoError, ValueError):
 
 def tokenizer_identity(manifest: dict) -> dict:
     v, t = manifest["vocab"], manifest.get("tokenizer") or {}
-    return {"vocab.kind": v.get("kind"), "vocab.size": v.get("size"), "vocab.sha256": v.get("sha256"),
-            "tokenizer.kind": t.get("kind"), "tokenizer.sha256": t.get("sha256")}
+    return {
+        "vocab.kind": v.get("kind"),
+        "vocab.size": v.get("size"),
+        "vocab.sha256": v.get("sha256"),
+        "tokenizer.kind": t.get("kind"),
+        "tokenizer.sha256": t.get("sha256"),
+    }
 
 
 class Units:
@@ -76,13 +82,14 @@ class _Schedule:
     def __init__(self, column: int, seed: int, probs: np.ndarray, units: list[Units]):
         self.column, self.seed, self.probs, self.units = column, seed, probs, units
         n = len(units)
-        self.first = np.array([np.random.default_rng([seed, 7919, column, s]).integers(u.n)
-                               for s, u in enumerate(units)], dtype=np.int64)
-        self.block_start = [0]                              # first token of block b; [-1]: the next block's
-        self.used_before = [np.zeros(n, dtype=np.int64)]    # units of each source drawn before block b
+        self.first = np.array(
+            [np.random.default_rng([seed, 7919, column, s]).integers(u.n) for s, u in enumerate(units)], dtype=np.int64
+        )
+        self.block_start = [0]  # first token of block b; [-1]: the next block's
+        self.used_before = [np.zeros(n, dtype=np.int64)]  # units of each source drawn before block b
         self.tokens_before = [np.zeros(n, dtype=np.int64)]  # tokens of each source before block b
         self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
-        self.current: tuple[int, int, int, int] | None = None   # the unit last read: source, offset, first, end
+        self.current: tuple[int, int, int, int] | None = None  # the unit last read: source, offset, first, end
 
     def block(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source, unit, first token in the column) of the draws of block b; starts has one more entry: the end."""
@@ -90,7 +97,7 @@ class _Schedule:
         if got is not None:
             self._blocks.move_to_end(b)
             return got
-        while len(self.block_start) <= b:                   # blocks before b first (their counts)
+        while len(self.block_start) <= b:  # blocks before b first (their counts)
             self.block(len(self.block_start) - 1)
         src = np.random.default_rng([self.seed, self.column, b]).choice(len(self.probs), size=DRAWS, p=self.probs)
         unit, lens = np.empty(DRAWS, dtype=np.int64), np.empty(DRAWS, dtype=np.int64)
@@ -130,7 +137,7 @@ class _Schedule:
         b, i = divmod(self.find(stop - 1), DRAWS)
         src, _, starts = self.block(b)
         out = self.tokens_before[b].copy()
-        np.add.at(out, src[:i], np.diff(starts[:i + 1]))
+        np.add.at(out, src[:i], np.diff(starts[: i + 1]))
         out[src[i]] += stop - starts[i]
         return out
 
@@ -146,14 +153,27 @@ class BlendReader:
         remote_options: for s3:// gs:// https:// sources (megamemo.data.remote.RemoteOptions).
     """
 
-    def __init__(self, sources: list[tuple[str | Path, float]], split: str, batch_size: int, tgt_len: int,
-                 world_size: int = 1, rank: int = 0, *, seed: int = 0, mix_every: int = 0, log=print,
-                 remote_options: RemoteOptions | None = None):
+    def __init__(
+        self,
+        sources: list[tuple[str | Path, float]],
+        split: str,
+        batch_size: int,
+        tgt_len: int,
+        world_size: int = 1,
+        rank: int = 0,
+        *,
+        seed: int = 0,
+        mix_every: int = 0,
+        log=print,
+        remote_options: RemoteOptions | None = None,
+    ):
         if not sources:
             raise BlendError("a blend needs at least one source")
         if batch_size < 1 or tgt_len < 1 or world_size < 1 or batch_size % world_size or not 0 <= rank < world_size:
-            raise ValueError(f"batch_size {batch_size} / tgt_len {tgt_len} / world_size {world_size} / rank {rank} "
-                             f"do not make a layout")
+            raise ValueError(
+                f"batch_size {batch_size} / tgt_len {tgt_len} / world_size {world_size} / rank {rank} "
+                f"do not make a layout"
+            )
         w = np.array([float(x) for _, x in sources])
         for i, x in enumerate(w):
             if not np.isfinite(x) or x <= 0:
@@ -168,16 +188,18 @@ class BlendReader:
         self.sources: list[SplitSource] = []
         try:
             for d in self.dirs:
-                self.sources.append(SplitSource(d, split, remote_options=remote_options,
-                                                max_open=min(self.local_batch + 2, 256)))
+                self.sources.append(
+                    SplitSource(d, split, remote_options=remote_options, max_open=min(self.local_batch + 2, 256))
+                )
             ident = [tokenizer_identity(s.manifest) for s in self.sources]
             for i in range(1, len(ident)):
                 diff = [k for k in ident[0] if ident[i][k] != ident[0][k]]
                 if diff:
-                    raise BlendError(f"blend source {i} ({self.dirs[i]}) has another tokenizer than source 0 "
-                                     f"({self.dirs[0]}): " + ", ".join(f"{k} {ident[i][k]!r} vs {ident[0][k]!r}"
-                                                                       for k in diff))
-            self.units = [Units(s) for s in self.sources]   # reads (and verifies) the document indexes
+                    raise BlendError(
+                        f"blend source {i} ({self.dirs[i]}) has another tokenizer than source 0 "
+                        f"({self.dirs[0]}): " + ", ".join(f"{k} {ident[i][k]!r} vs {ident[0][k]!r}" for k in diff)
+                    )
+            self.units = [Units(s) for s in self.sources]  # reads (and verifies) the document indexes
         except BaseException:
             self.close()
             raise
@@ -186,7 +208,7 @@ class BlendReader:
         self.n_tokens = sum(s.n_tokens for s in self.sources)
         self.steps_per_epoch = ENDLESS
         self.n_units = [u.n for u in self.units]
-        p = self.weights / np.array([u.mean_tokens for u in self.units])   # weights are shares of tokens
+        p = self.weights / np.array([u.mean_tokens for u in self.units])  # weights are shares of tokens
         self.probs = p / p.sum()
         self._schedules: dict[int, _Schedule] = {}
         self.epoch, self.step = 0, 0
@@ -202,15 +224,15 @@ class BlendReader:
         sch, pos, o = self.schedule(column), start, 0
         while pos < stop:
             cur = sch.current
-            if cur is None or not cur[2] <= pos < cur[3]:       # entering another unit
+            if cur is None or not cur[2] <= pos < cur[3]:  # entering another unit
                 j = sch.find(pos)
                 s, u, first, last = sch.entry(j)
                 cur = sch.current = (s, int(self.units[s].start(u)) - first, first, last)
-                ns, nu, _, _ = sch.entry(j + 1)     # read-ahead (remote sources): the column's next unit
+                ns, nu, _, _ = sch.entry(j + 1)  # read-ahead (remote sources): the column's next unit
                 self.sources[ns].prefetch_at(int(self.units[ns].start(nu)))
             s, base, _, last = cur
             end = min(stop, last)
-            self.sources[s].read(base + pos, base + end, out[o:o + end - pos], slot=column)
+            self.sources[s].read(base + pos, base + end, out[o : o + end - pos], slot=column)
             o += end - pos
             pos = end
 
@@ -256,28 +278,47 @@ class BlendReader:
     _IDENTITY = ("kind", "split", "batch_size", "tgt_len", "seed", "sources", "vocab_sha256")
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": "blend", "epoch": 0, "step": self.step, "split": self.split,
-                "batch_size": self.batch_size, "tgt_len": self.tgt_len, "roll": False, "seed": self.seed,
-                "sources": [[s.n_tokens, u.kind, u.n, float(w)] for s, u, w in zip(self.sources, self.units,
-                                                                                   self.weights, strict=True)],
-                "dirs": list(self.dirs), "n_tokens": self.n_tokens,
-                "vocab_sha256": self.vocab_sha256, "world_size": self.world_size, "rank": self.rank}
+        return {
+            "version": STATE_VERSION,
+            "kind": "blend",
+            "epoch": 0,
+            "step": self.step,
+            "split": self.split,
+            "batch_size": self.batch_size,
+            "tgt_len": self.tgt_len,
+            "roll": False,
+            "seed": self.seed,
+            "sources": [
+                [s.n_tokens, u.kind, u.n, float(w)]
+                for s, u, w in zip(self.sources, self.units, self.weights, strict=True)
+            ],
+            "dirs": list(self.dirs),
+            "n_tokens": self.n_tokens,
+            "vocab_sha256": self.vocab_sha256,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"BlendReader.load_state_dict: state version {state.get('version')!r} is not "
-                             f"{STATE_VERSION}")
+            raise ValueError(
+                f"BlendReader.load_state_dict: state version {state.get('version')!r} is not {STATE_VERSION}"
+            )
         for k in self._IDENTITY:
             theirs = state.get(k)
             if k == "sources" and theirs is not None:
                 theirs = [[int(n), str(kind), int(nu), float(w)] for n, kind, nu, w in theirs]
             if theirs != mine[k]:
-                raise ValueError(f"BlendReader.load_state_dict: field {k!r} is {theirs!r} in the saved state but "
-                                 f"{mine[k]!r} in this reader")
+                raise ValueError(
+                    f"BlendReader.load_state_dict: field {k!r} is {theirs!r} in the saved state but "
+                    f"{mine[k]!r} in this reader"
+                )
         if int(state["epoch"]) != 0 or int(state["step"]) < 0:
-            raise ValueError(f"BlendReader.load_state_dict: position (epoch {state['epoch']}, step "
-                             f"{state['step']}) is not in a blend's one epoch")
+            raise ValueError(
+                f"BlendReader.load_state_dict: position (epoch {state['epoch']}, step "
+                f"{state['step']}) is not in a blend's one epoch"
+            )
         self.step = int(state["step"])
 
     def cache_info(self) -> dict:

@@ -16,6 +16,7 @@ Supported corpora (see `megamemo prepare --help`):
   with a given vocabulary file. When every file is ``.jsonl``, each record is a document (recorded in a document
   index); plain text is a flat stream (no documents: readers cut it into chunks).
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,13 +42,13 @@ class Corpus:
     name: str
     mode: str
     vocab: Vocab | SubwordTokenizer
-    tokenizer: dict                                       # what the manifest records about tokenisation
+    tokenizer: dict  # what the manifest records about tokenisation
     splits: dict[str, Callable[[dict], Iterator[Any]] | None]  # split -> f(stats) -> id blocks (see documents)
     input_bytes: dict[str, int] = field(default_factory=dict)  # per split, for progress ("all": interleaved)
     source: dict = field(default_factory=dict)
     # all splits in one pass: f(stats) -> (split, ids) pairs; `splits` then only names the splits (subword.py)
-    interleaved: Callable[[dict], Iterator[tuple]] | None = None      # (split, ids) or (split, ids, counts)
-    dtype: str | None = None                               # token dtype (None: the smallest that holds the vocab)
+    interleaved: Callable[[dict], Iterator[tuple]] | None = None  # (split, ids) or (split, ids, counts)
+    dtype: str | None = None  # token dtype (None: the smallest that holds the vocab)
     # a corpus of documents: its streams yield (ids, token counts of the whole documents in ids) and the shards get
     # a document index (megamemo/data/doc_index.py); interleaved yields (split, ids, counts)
     documents: bool = False
@@ -105,6 +106,7 @@ def _byte_stream(vocab: Vocab, path: Path, a: int, b: int, drop: int | None = No
             if drop is not None:
                 raw = raw[raw != drop]
             yield vocab.encode_bytes(raw, where=str(path), base=off)
+
     return gen
 
 
@@ -121,13 +123,23 @@ def enwik8(raw: str | Path, mode: str = "bytes") -> Corpus:
         drop = 10
         counts, first = _count_bytes([(path, 0, n)], drop=drop)
         vocab = Vocab("bytes", [str(v) for v in frequency_order(counts, first)])
-        tok = {"kind": "bytes", "newlines": "dropped (prep_enwik8.py)",
-               "vocab": "byte values present in train+valid+test, by decreasing frequency (Transformer-XL)"}
+        tok = {
+            "kind": "bytes",
+            "newlines": "dropped (prep_enwik8.py)",
+            "vocab": "byte values present in train+valid+test, by decreasing frequency (Transformer-XL)",
+        }
     else:
         raise ValueError(f"enwik8: unknown mode {mode!r} (bytes | reference)")
     splits = {s: _byte_stream(vocab, path, a, b, drop) for s, (a, b) in ranges.items()}
-    return Corpus("enwik8", mode, vocab, tok, splits, {s: b - a for s, (a, b) in ranges.items()},
-                  {"files": [{"path": str(path), "bytes": n}], "split_bytes": ranges})
+    return Corpus(
+        "enwik8",
+        mode,
+        vocab,
+        tok,
+        splits,
+        {s: b - a for s, (a, b) in ranges.items()},
+        {"files": [{"path": str(path), "bytes": n}], "split_bytes": ranges},
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- text8
@@ -166,13 +178,23 @@ def text8(raw: str | Path, mode: str = "chars") -> Corpus:
         if bad:
             raise ValueError(f"{path}: text8 must hold only a-z and spaces; found byte 0x{bad[0]:02x}")
         vocab = Vocab("chars", ["_" if v == 32 else chr(v) for v in frequency_order(counts, first)])
-        tok = {"kind": "chars", "strip": True,
-               "vocab": "characters of train+valid+test, by decreasing frequency (Transformer-XL)"}
+        tok = {
+            "kind": "chars",
+            "strip": True,
+            "vocab": "characters of train+valid+test, by decreasing frequency (Transformer-XL)",
+        }
     else:
         raise ValueError(f"text8: unknown mode {mode!r} (chars | reference)")
     splits = {s: _byte_stream(vocab, path, a, b) for s, (a, b) in ranges.items()}
-    return Corpus("text8", mode, vocab, tok, splits, {s: b - a for s, (a, b) in ranges.items()},
-                  {"files": [{"path": str(path), "bytes": n}], "split_bytes": ranges})
+    return Corpus(
+        "text8",
+        mode,
+        vocab,
+        tok,
+        splits,
+        {s: b - a for s, (a, b) in ranges.items()},
+        {"files": [{"path": str(path), "bytes": n}], "split_bytes": ranges},
+    )
 
 
 # ---------------------------------------------------------------------------------------------- wikitext-103
@@ -185,6 +207,7 @@ def _xl_lines(path: Path) -> Iterator[tuple[int, list[str], int]]:
 
 def _word_stream(vocab: Vocab, lines: Callable[[], Iterator], where: str, documents: bool = False):
     """Blocks of ids; with `documents`, each item of `lines` is one document and blocks are (ids, lengths)."""
+
     def gen(stats: dict) -> Iterator[np.ndarray | tuple[np.ndarray, list[int]]]:
         buf: list[int] = []
         lengths: list[int] = []
@@ -200,6 +223,7 @@ def _word_stream(vocab: Vocab, lines: Callable[[], Iterator], where: str, docume
                 buf, lengths = [], []
         if buf:
             yield (np.asarray(buf, dtype=np.int64), lengths) if documents else np.asarray(buf, dtype=np.int64)
+
     return gen
 
 
@@ -214,8 +238,10 @@ def wikitext103(raw: str | Path, vocab_file: str | Path | None = None) -> Corpus
         vsrc = f"file {vocab_file}"
     else:
         if "train" not in present:
-            raise FileNotFoundError(f"wikitext-103: {files['train']} is missing (the vocabulary is built from "
-                                    f"train only; pass --vocab FILE to use a given vocabulary instead)")
+            raise FileNotFoundError(
+                f"wikitext-103: {files['train']} is missing (the vocabulary is built from "
+                f"train only; pass --vocab FILE to use a given vocabulary instead)"
+            )
         counts: dict[str, int] = {}
         for _, words, _ in _xl_lines(present["train"]):
             for w in words[:-1]:
@@ -226,21 +252,36 @@ def wikitext103(raw: str | Path, vocab_file: str | Path | None = None) -> Corpus
     if not present:
         raise FileNotFoundError(f"wikitext-103: no wiki.{{train,valid,test}}.tokens in {d}")
     splits = {s: _word_stream(vocab, functools.partial(_xl_lines, p), str(p)) for s, p in present.items()}
-    tok = {"kind": "words", "split": "whitespace", "eos": "<eos> after every line", "lower_case": False,
-           "unknown_words": "<unk>", "vocab": vsrc}
-    return Corpus("wikitext-103", "words", vocab, tok, splits, {s: p.stat().st_size for s, p in present.items()},
-                  {"files": [{"path": str(p), "bytes": p.stat().st_size} for p in present.values()]})
+    tok = {
+        "kind": "words",
+        "split": "whitespace",
+        "eos": "<eos> after every line",
+        "lower_case": False,
+        "unknown_words": "<unk>",
+        "vocab": vsrc,
+    }
+    return Corpus(
+        "wikitext-103",
+        "words",
+        vocab,
+        tok,
+        splits,
+        {s: p.stat().st_size for s, p in present.items()},
+        {"files": [{"path": str(p), "bytes": p.stat().st_size} for p in present.values()]},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- arrays
-def from_arrays(arrays: dict[str, np.ndarray], vocab: Vocab, name: str = "arrays",
-                documents: dict[str, np.ndarray] | None = None) -> Corpus:
+def from_arrays(
+    arrays: dict[str, np.ndarray], vocab: Vocab, name: str = "arrays", documents: dict[str, np.ndarray] | None = None
+) -> Corpus:
     """Token id arrays already in memory (tests, conversions); `documents`: per split, the token counts of its
     documents in order (then the shards get a document index)."""
+
     def gen_of(split, arr):
         def gen(stats):
             a = np.asarray(arr)
-            if documents is not None:           # whole documents per block
+            if documents is not None:  # whole documents per block
                 lengths = np.asarray(documents[split], dtype=np.int64)
                 ends = np.cumsum(lengths)
                 if ends[-1] != a.size:
@@ -248,12 +289,20 @@ def from_arrays(arrays: dict[str, np.ndarray], vocab: Vocab, name: str = "arrays
                 d = 0
                 while d < lengths.size:
                     e = max(d + 1, int(np.searchsorted(ends, ends[d] - lengths[d] + WORD_BLOCK, side="right")))
-                    yield a[ends[d] - lengths[d]:ends[e - 1]].astype(np.int64), lengths[d:e]
+                    yield a[ends[d] - lengths[d] : ends[e - 1]].astype(np.int64), lengths[d:e]
                     d = e
                 return
             for i in range(0, a.size, WORD_BLOCK):
-                yield a[i:i + WORD_BLOCK].astype(np.int64)
+                yield a[i : i + WORD_BLOCK].astype(np.int64)
+
         return gen
-    return Corpus(name, "ids", vocab, {"kind": vocab.kind, "vocab": "given"},
-                  {s: gen_of(s, a) for s, a in arrays.items()}, {s: int(np.asarray(a).size) for s, a in arrays.items()},
-                  documents=documents is not None)
+
+    return Corpus(
+        name,
+        "ids",
+        vocab,
+        {"kind": vocab.kind, "vocab": "given"},
+        {s: gen_of(s, a) for s, a in arrays.items()},
+        {s: int(np.asarray(a).size) for s, a in arrays.items()},
+        documents=documents is not None,
+    )

@@ -14,6 +14,7 @@ corpus), and is verified like a shard (size and sha256 from the manifest, then t
 through the verified cache of a remote directory. Manifests without it (flat corpora: one enwik8 file, ...; and
 directories prepared before it existed) have no document boundaries, and readers fall back to chunks.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -63,17 +64,23 @@ class DocumentStartsWriter:
         self.n += lengths.size
 
     def _open(self) -> tuple[AtomicFile, HashingWriter]:
-        if self._f is None or self._hash is None:         # both or neither
+        if self._f is None or self._hash is None:  # both or neither
             self._f = AtomicFile(self.path)
             self._hash = HashingWriter(self._f.file)
         return self._f, self._hash
 
     def close(self) -> dict:
-        f, hasher = self._open()                  # no documents at all: an empty split (an error elsewhere)
+        f, hasher = self._open()  # no documents at all: an empty split (an error elsewhere)
         f.commit()
         sha256, self._f, self._hash = hasher.hexdigest(), None, None
-        return {"file": self.name, "n_documents": self.n, "dtype": DTYPE, "bytes": 8 * self.n,
-                "sha256": sha256, "content": CONTENT}
+        return {
+            "file": self.name,
+            "n_documents": self.n,
+            "dtype": DTYPE,
+            "bytes": 8 * self.n,
+            "sha256": sha256,
+            "content": CONTENT,
+        }
 
     def abort(self) -> None:
         if self._f is not None:
@@ -107,12 +114,14 @@ def check_entry(entry, split: str, n_documents: int | None = None) -> str | None
 
 def parse(data: bytes, entry: dict, n_tokens: int, where) -> np.ndarray:
     """The verified start offsets (int64) from the bytes of the file `where`."""
-    problem = entry_mismatch(entry, len(data), lambda: bytes_sha256(data), recorded="manifest.json",
-                             what="the document index")
+    problem = entry_mismatch(
+        entry, len(data), lambda: bytes_sha256(data), recorded="manifest.json", what="the document index"
+    )
     if problem:
         raise DocumentIndexError(where, problem if problem.startswith("the ") else f"document index: {problem}")
     starts = np.frombuffer(data, dtype=DTYPE).astype(np.int64)
     if starts[0] != 0 or (starts.size > 1 and not np.all(np.diff(starts) > 0)) or starts[-1] >= n_tokens:
-        raise DocumentIndexError(where, f"document index: offsets are not ascending from 0 below the split's "
-                                        f"{n_tokens} tokens")
+        raise DocumentIndexError(
+            where, f"document index: offsets are not ascending from 0 below the split's {n_tokens} tokens"
+        )
     return starts

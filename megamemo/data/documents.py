@@ -13,6 +13,7 @@ process only reads). Block boundaries depend on the input alone, never on the nu
 group of T = sum(ratio) consecutive documents, a permutation drawn from numpy's default_rng([seed, group])
 sends ratio[0] of them to train, ratio[1] to valid and ratio[2] to test.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ SPLITS = ("train", "valid", "test")
 @dataclass(frozen=True)
 class Source:
     path: Path
-    kind: str              # jsonl | parquet | text
+    kind: str  # jsonl | parquet | text
 
     @property
     def size(self) -> int:
@@ -45,8 +46,10 @@ def list_sources(paths) -> list[Source]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            files = sorted((f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")),
-                           key=lambda f: f.relative_to(p).as_posix())
+            files = sorted(
+                (f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")),
+                key=lambda f: f.relative_to(p).as_posix(),
+            )
             out += [Source(f, _kind(f)) for f in files]
         elif p.is_file():
             out.append(Source(p, _kind(p)))
@@ -62,13 +65,16 @@ def check_sources(sources: list[Source], field: str) -> None:
     for s in sources:
         if s.kind == "parquet":
             import pyarrow.parquet as pq
+
             try:
                 names = pq.ParquetFile(s.path).schema_arrow.names
-            except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            except Exception as e:  # pyarrow raises several types for a bad file
                 raise ValueError(f"{s.path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
             if field not in names:
-                raise ValueError(f"{s.path}: parquet file has no column {field!r} (columns: {', '.join(names)}); "
-                                 f"choose it with --jsonl-field")
+                raise ValueError(
+                    f"{s.path}: parquet file has no column {field!r} (columns: {', '.join(names)}); "
+                    f"choose it with --jsonl-field"
+                )
 
 
 def iter_blocks(sources: list[Source], field: str, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, tuple]]:
@@ -80,15 +86,20 @@ def iter_blocks(sources: list[Source], field: str, block_bytes: int = BLOCK_BYTE
             yield from _jsonl_blocks(s.path, field, block_bytes)
         elif s.kind == "parquet":
             yield from _parquet_blocks(s.path, field, block_bytes)
-        else:       # plain-text files: several small ones share a block
+        else:  # plain-text files: several small ones share a block
             data = s.path.read_bytes()
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
-                line = data[:e.start].count(b"\n") + 1
+                line = data[: e.start].count(b"\n") + 1
                 column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-                raise located(s.path, line, ValueError(f"column {column}: not UTF-8 (byte 0x{data[e.start]:02x}; "
-                                                       f"the corpus must be UTF-8 text)")) from None
+                raise located(
+                    s.path,
+                    line,
+                    ValueError(
+                        f"column {column}: not UTF-8 (byte 0x{data[e.start]:02x}; the corpus must be UTF-8 text)"
+                    ),
+                ) from None
             if first is None:
                 first = s.path
             texts.append(text)
@@ -120,7 +131,7 @@ def _parquet_blocks(path: Path, field: str, block_bytes: int):
 
     pf = pq.ParquetFile(path)
     total_rows = max(pf.metadata.num_rows, 1)
-    per_row = path.stat().st_size / total_rows            # progress: the file's bytes spread over its rows
+    per_row = path.stat().st_size / total_rows  # progress: the file's bytes spread over its rows
     row = 0
     texts, size, first = [], 0, 0
     for batch in pf.iter_batches(batch_size=1024, columns=[field]):
@@ -143,8 +154,9 @@ def record_text(line: bytes, field: str | None) -> str:
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"column {e.start + 1}: not UTF-8 (byte 0x{line[e.start]:02x}; the corpus must be UTF-8 "
-                         f"text)") from None
+        raise ValueError(
+            f"column {e.start + 1}: not UTF-8 (byte 0x{line[e.start]:02x}; the corpus must be UTF-8 text)"
+        ) from None
     if field is None:
         return s
     try:
@@ -212,6 +224,10 @@ class DocumentSplit:
     def record(self) -> dict:
         if self.fixed is not None:
             return {"by": "file group", "split": self.fixed}
-        return {"by": "whole documents", "ratio": list(self.ratio), "seed": self.seed,
-                "rule": "per group of sum(ratio) consecutive documents, numpy default_rng([seed, group])"
-                        ".permutation: the first ratio[0] slots train, then valid, then test"}
+        return {
+            "by": "whole documents",
+            "ratio": list(self.ratio),
+            "seed": self.seed,
+            "rule": "per group of sum(ratio) consecutive documents, numpy default_rng([seed, group])"
+            ".permutation: the first ratio[0] slots train, then valid, then test",
+        }

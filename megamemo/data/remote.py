@@ -23,6 +23,7 @@ The libraries' own retries are switched off where they can be (s3fs/botocore) so
 policy. Credentials come only from each library's standard environment and configuration files: a URL with
 ``user:password@`` is refused, and nothing here writes them anywhere.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +48,7 @@ from megamemo.util.files import (
 
 from .shards import MANIFEST, ManifestError, ShardError, _parse_size, load_manifest
 
-SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "https": None, "http": None}   # scheme -> pip extra
+SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "https": None, "http": None}  # scheme -> pip extra
 
 
 class StoreUnavailableError(ShardError):
@@ -61,7 +62,7 @@ class StoreUnavailableError(ShardError):
 # manifests staged by this process, by URL: a process reads one manifest per directory for its whole life (the
 # trainer's readers, the checkpoint probe's and the evaluator's agree, and a save needs no request to the store)
 _STAGED: dict[str, dict] = {}
-_LISTED: dict[str, dict] = {}      # URL -> {object name: size} of its one listing
+_LISTED: dict[str, dict] = {}  # URL -> {object name: size} of its one listing
 # cached files this process has hashed (or downloaded and hashed as they streamed): trusted from then on
 _VERIFIED: set[str] = set()
 
@@ -87,11 +88,12 @@ def default_cache_dir() -> str:
 @dataclass
 class RemoteOptions:
     """How a remote shard directory is read (data.cache_dir, data.cache_size, data.retries, ...)."""
-    cache_dir: str = ""              # "" -> $XDG_CACHE_HOME/megamemo/shards (~/.cache/...)
-    cache_size: str | int = "50G"    # size limit of the cache directory; least recently used shards are evicted
-    retries: int = 5                 # retries of a transient error (then StoreUnavailableError)
-    retry_backoff_s: float = 1.0     # first wait; doubled after each retry, at most 30 s
-    fetch_threads: int = 4           # concurrent shard downloads of the read-ahead
+
+    cache_dir: str = ""  # "" -> $XDG_CACHE_HOME/megamemo/shards (~/.cache/...)
+    cache_size: str | int = "50G"  # size limit of the cache directory; least recently used shards are evicted
+    retries: int = 5  # retries of a transient error (then StoreUnavailableError)
+    retry_backoff_s: float = 1.0  # first wait; doubled after each retry, at most 30 s
+    fetch_threads: int = 4  # concurrent shard downloads of the read-ahead
     log: Callable[[str], None] = print
 
 
@@ -109,8 +111,20 @@ def _size(n: int) -> str:
 
 def _permanent(e: BaseException) -> bool:
     """Errors that retrying cannot cure: a missing object, refused access, a damaged shard, a bug."""
-    return isinstance(e, (FileNotFoundError, PermissionError, ShardError, ManifestError, ValueError, TypeError,
-                          KeyError, AttributeError, MemoryError))
+    return isinstance(
+        e,
+        (
+            FileNotFoundError,
+            PermissionError,
+            ShardError,
+            ManifestError,
+            ValueError,
+            TypeError,
+            KeyError,
+            AttributeError,
+            MemoryError,
+        ),
+    )
 
 
 class Retry:
@@ -122,12 +136,13 @@ class Retry:
         for attempt in range(self.retries + 1):
             try:
                 return fn()
-            except Exception as e:  # noqa: BLE001 - classified below: permanent ones are raised as they are
+            except Exception as e:  # classified below: permanent ones are raised as they are
                 if _permanent(e):
                     raise
                 if attempt == self.retries:
-                    raise StoreUnavailableError(what, f"the store did not answer after {self.retries + 1} tries "
-                                                      f"(last: {_one_line(e)})") from None
+                    raise StoreUnavailableError(
+                        what, f"the store did not answer after {self.retries + 1} tries (last: {_one_line(e)})"
+                    ) from None
                 self.log(f"[data] {what}: {_one_line(e)}; retry {attempt + 1}/{self.retries} in {wait:.1f}s")
                 time.sleep(wait)
                 wait = min(2 * wait, 30.0)
@@ -147,21 +162,29 @@ def _filesystem(url: str):
     scheme = urlsplit(url).scheme
     parts = urlsplit(url)
     if parts.username or parts.password or parts.query:
-        raise ManifestError(f"{parts.scheme}://{parts.hostname}{parts.path}: credentials in the URL (user:password@ "
-                            f"or a signed query string) are not accepted; they come from the storage library's "
-                            f"standard environment/config")
+        raise ManifestError(
+            f"{parts.scheme}://{parts.hostname}{parts.path}: credentials in the URL (user:password@ "
+            f"or a signed query string) are not accepted; they come from the storage library's "
+            f"standard environment/config"
+        )
     try:
         import fsspec
+
         opts = {}
-        if scheme == "s3":    # one retry policy (ours, logged): botocore's and s3fs's own retries off
-            opts = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 10,
-                                      "read_timeout": 60}, "skip_instance_cache": True}
+        if scheme == "s3":  # one retry policy (ours, logged): botocore's and s3fs's own retries off
+            opts = {
+                "config_kwargs": {
+                    "retries": {"max_attempts": 1, "mode": "standard"},
+                    "connect_timeout": 10,
+                    "read_timeout": 60,
+                },
+                "skip_instance_cache": True,
+            }
         fs, root = fsspec.core.url_to_fs(url, **opts)
     except ImportError as e:
         extra = SCHEMES.get(scheme)
         hint = f"pip install 'megamemo[{extra}]'" if extra else "pip install fsspec aiohttp"
-        raise ManifestError(f"{url}: reading {scheme}:// needs a library that is not installed ({e}); {hint}") \
-            from None
+        raise ManifestError(f"{url}: reading {scheme}:// needs a library that is not installed ({e}); {hint}") from None
     if scheme == "s3":
         fs.retries = 1
     return fs, root.rstrip("/")
@@ -192,7 +215,7 @@ class RemoteShards:
         self._pending: dict[str, Future] = {}
         self._mutex = threading.Lock()
         self.fetched_bytes = 0
-        self.wait_s = 0.0          # time the reader waited for shards (read-ahead not far enough ahead)
+        self.wait_s = 0.0  # time the reader waited for shards (read-ahead not far enough ahead)
         self._over_limit_said = False
 
     # ---- names ------------------------------------------------------------------------------------------
@@ -213,11 +236,14 @@ class RemoteShards:
         try:
             data = self.retry(man, lambda: self.fs.cat_file(self._path(MANIFEST)))
         except FileNotFoundError:
-            raise ManifestError(f"{man}: not found (is {self.url} a directory made by `megamemo prepare` and "
-                                f"uploaded whole?)") from None
+            raise ManifestError(
+                f"{man}: not found (is {self.url} a directory made by `megamemo prepare` and uploaded whole?)"
+            ) from None
         except PermissionError as e:
-            raise ManifestError(f"{man}: access denied ({_one_line(e)}); credentials come from the storage "
-                                f"library's standard environment/config") from None
+            raise ManifestError(
+                f"{man}: access denied ({_one_line(e)}); credentials come from the storage "
+                f"library's standard environment/config"
+            ) from None
         write_bytes_atomic(self.meta_dir / MANIFEST, data, durable=False)
         try:
             m = load_manifest(self.meta_dir)
@@ -229,8 +255,7 @@ class RemoteShards:
         try:
             vdata = self.retry(self.object_url(vocab), lambda: self.fs.cat_file(self._path(vocab)))
         except FileNotFoundError:
-            raise ManifestError(f"{self.object_url(vocab)}: missing (listed in manifest.json as vocab.file)") \
-                from None
+            raise ManifestError(f"{self.object_url(vocab)}: missing (listed in manifest.json as vocab.file)") from None
         sha = m["vocab"].get("sha256")
         if sha and bytes_sha256(vdata) != sha:
             raise ManifestError(f"{self.object_url(vocab)}: sha256 does not match manifest.json field vocab.sha256")
@@ -250,8 +275,11 @@ class RemoteShards:
             if e["name"] not in sizes:
                 raise ShardError(url, "missing (listed in manifest.json)")
             if sizes[e["name"]] is not None and sizes[e["name"]] != e["bytes"]:
-                raise ShardError(url, f"the object is {sizes[e['name']]} bytes, manifest.json says {e['bytes']}"
-                                      + (" (truncated?)" if sizes[e["name"]] < e["bytes"] else ""))
+                raise ShardError(
+                    url,
+                    f"the object is {sizes[e['name']]} bytes, manifest.json says {e['bytes']}"
+                    + (" (truncated?)" if sizes[e["name"]] < e["bytes"] else ""),
+                )
 
     # ---- shards -----------------------------------------------------------------------------------------
     def prefetch(self, entry: dict) -> None:
@@ -276,7 +304,7 @@ class RemoteShards:
             fd = os.open(path, os.O_RDONLY)
         except ShardError as e:
             raise type(e)(e.shard, f"{where}: {e.detail}", e.offset) from None
-        except FileNotFoundError:           # evicted by another process between fetch and open: once more
+        except FileNotFoundError:  # evicted by another process between fetch and open: once more
             fd = os.open(self._fetch(entry), os.O_RDONLY)
         finally:
             self.wait_s += time.perf_counter() - t0
@@ -295,10 +323,12 @@ class RemoteShards:
             if self._cached(entry):
                 if str(dst) in _VERIFIED or file_sha256(dst) == entry["sha256"]:
                     _VERIFIED.add(str(dst))
-                    os.utime(dst)                               # least recently used = oldest mtime
+                    os.utime(dst)  # least recently used = oldest mtime
                     return dst
-                self.opts.log(f"[data] cache {dst}: its sha256 does not match {url}'s in manifest.json (damaged "
-                              f"in place); fetching it again")
+                self.opts.log(
+                    f"[data] cache {dst}: its sha256 does not match {url}'s in manifest.json (damaged "
+                    f"in place); fetching it again"
+                )
                 dst.unlink()
             self.retry(url, lambda: self._download(entry, url, dst))
             _VERIFIED.add(str(dst))
@@ -321,8 +351,7 @@ class RemoteShards:
                     while block := src.read(8 << 20):
                         got.write(block)
                         if got.n > entry["bytes"]:
-                            raise ShardError(url, f"the object is larger than manifest.json's {entry['bytes']} "
-                                                  f"bytes")
+                            raise ShardError(url, f"the object is larger than manifest.json's {entry['bytes']} bytes")
             problem = entry_mismatch(entry, got.n, got.hexdigest, recorded="manifest.json", what="the object")
             if problem:
                 raise ShardError(url, problem)
@@ -337,7 +366,7 @@ class RemoteShards:
             pinned = set(self._pending) | {keep.name.split(".")[0]}
         files = []
         for d in os.scandir(self.shard_dir):
-            if not d.name.startswith("."):                      # not a lock file or a download in progress
+            if not d.name.startswith("."):  # not a lock file or a download in progress
                 with contextlib.suppress(FileNotFoundError):
                     st = d.stat()
                     files.append((st.st_mtime, st.st_size, d.name))
@@ -351,8 +380,10 @@ class RemoteShards:
                 total -= size
         if total > self.limit and not self._over_limit_said:
             self._over_limit_said = True
-            self.opts.log(f"[data] cache {self.shard_dir}: {_size(total)} in use by shards being read, over "
-                          f"data.cache_size ({_size(self.limit)}); raise it to at least two shards per column")
+            self.opts.log(
+                f"[data] cache {self.shard_dir}: {_size(total)} in use by shards being read, over "
+                f"data.cache_size ({_size(self.limit)}); raise it to at least two shards per column"
+            )
 
     def info(self) -> dict:
         return {"fetched_bytes": self.fetched_bytes, "wait_s": self.wait_s}

@@ -2,6 +2,7 @@
 decompressed and checked against the manifest, a split as random-access token ranges (`SplitSource`), whole
 splits (`read_split`), the vocabulary, and `verify_shards`. Every inconsistency is a `ShardError` naming the
 shard and the byte or token offset."""
+
 from __future__ import annotations
 
 import bisect
@@ -33,8 +34,12 @@ def scan_tar(fd: int, size: int, shard: str | Path) -> list[tuple[str, int, int]
     pos = 0
     while True:
         if pos + 512 > size:
-            raise ShardError(shard, f"truncated tar: the file ends at byte {size} where a header or the "
-                                    f"end-of-archive marker should start (byte {pos})", pos)
+            raise ShardError(
+                shard,
+                f"truncated tar: the file ends at byte {size} where a header or the "
+                f"end-of-archive marker should start (byte {pos})",
+                pos,
+            )
         hdr = os.pread(fd, 512, pos)
         if hdr == _ZERO_BLOCK:
             if pos + 1024 > size:
@@ -52,12 +57,17 @@ def scan_tar(fd: int, size: int, shard: str | Path) -> list[tuple[str, int, int]
         if prefix:
             name = prefix.decode("utf-8", "replace") + "/" + name
         if hdr[156:157] not in (b"0", b"\0"):
-            raise ShardError(shard, f"tar member {name!r} at byte {pos} has type {hdr[156:157]!r}, expected a "
-                                    f"regular file", pos)
+            raise ShardError(
+                shard, f"tar member {name!r} at byte {pos} has type {hdr[156:157]!r}, expected a regular file", pos
+            )
         data = pos + 512
         if data + size_field > size:
-            raise ShardError(shard, f"truncated tar: member {name!r} (header at byte {pos}) needs bytes up to "
-                                    f"{data + size_field} but the file ends at byte {size}", pos)
+            raise ShardError(
+                shard,
+                f"truncated tar: member {name!r} (header at byte {pos}) needs bytes up to "
+                f"{data + size_field} but the file ends at byte {size}",
+                pos,
+            )
         members.append((name, data, size_field))
         pos = data + (size_field + 511) // 512 * 512
 
@@ -65,8 +75,15 @@ def scan_tar(fd: int, size: int, shard: str | Path) -> list[tuple[str, int, int]
 class ShardFile:
     """One open shard: its tar structure checked against the manifest entry, chunks readable by index."""
 
-    def __init__(self, path: Path | str, entry: dict, dtype: np.dtype, chunk_tokens: int, check_sha: bool = False,
-                 fd: int | None = None):
+    def __init__(
+        self,
+        path: Path | str,
+        entry: dict,
+        dtype: np.dtype,
+        chunk_tokens: int,
+        check_sha: bool = False,
+        fd: int | None = None,
+    ):
         """`path` names the shard in errors; `fd`, when given, is an open copy of it (a verified cached object)."""
         self.path = path
         self.entry, self.dtype, self.chunk_tokens = entry, dtype, chunk_tokens
@@ -102,8 +119,12 @@ class ShardFile:
                 continue
             expect = chunk_key(e["offset"] + k * self.chunk_tokens)
             if ext != "tokens.zst" or key != expect or k >= e["n_chunks"]:
-                raise ShardError(path, f"unexpected tar member {name!r} (data at byte {off}); expected "
-                                       f"{expect}.tokens.zst as chunk {k} of {e['n_chunks']}", off)
+                raise ShardError(
+                    path,
+                    f"unexpected tar member {name!r} (data at byte {off}); expected "
+                    f"{expect}.tokens.zst as chunk {k} of {e['n_chunks']}",
+                    off,
+                )
             self.index[k] = (off, n)
             k += 1
         if k != e["n_chunks"]:
@@ -125,14 +146,21 @@ class ShardFile:
         try:
             content = zstandard.frame_content_size(data)
             if content != expected:
-                raise ShardError(self.path, f"{where}: holds {content / self.dtype.itemsize:g} tokens by its zstd "
-                                            f"frame header, expected {self.chunk_count(k)}", off)
+                raise ShardError(
+                    self.path,
+                    f"{where}: holds {content / self.dtype.itemsize:g} tokens by its zstd "
+                    f"frame header, expected {self.chunk_count(k)}",
+                    off,
+                )
             raw = self.dctx.decompress(data)
         except zstandard.ZstdError as err:
             raise ShardError(self.path, f"{where}: broken zstd frame: {err}", off) from None
         if len(raw) != expected:
-            raise ShardError(self.path, f"{where}: holds {len(raw) // self.dtype.itemsize} tokens, "
-                                        f"expected {self.chunk_count(k)}", off)
+            raise ShardError(
+                self.path,
+                f"{where}: holds {len(raw) // self.dtype.itemsize} tokens, expected {self.chunk_count(k)}",
+                off,
+            )
         return np.frombuffer(raw, dtype=self.dtype)
 
     def close(self):
@@ -147,9 +175,16 @@ class SplitSource:
     Memory is bounded: at most ``max_open`` shards open (file handle + chunk index) and, per caller slot
     (one per batch column), the one decompressed chunk it last used."""
 
-    def __init__(self, data_dir: str | Path, split: str, verify: str = "size", max_open: int = 64,
-                 manifest: dict | None = None, remote: RemoteShards | None = None,
-                 remote_options: RemoteOptions | None = None):
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        verify: str = "size",
+        max_open: int = 64,
+        manifest: dict | None = None,
+        remote: RemoteShards | None = None,
+        remote_options: RemoteOptions | None = None,
+    ):
         """`data_dir` is a local directory or an s3:// gs:// https:// URL (read through `remote`, a
         RemoteShards: whole shards fetched, sha256-verified, into a local cache; megamemo/data/remote.py)."""
         if verify not in ("size", "sha256"):
@@ -167,11 +202,11 @@ class SplitSource:
         self.starts = [e["offset"] for e in self.entries]
         self.dtype = np.dtype(self.manifest["dtype"])
         self.chunk_tokens = self.manifest["chunk_tokens"]
-        d = sp.get("documents")         # the document index, as a file entry (None: no documents, chunks)
+        d = sp.get("documents")  # the document index, as a file entry (None: no documents, chunks)
         self.documents = None if d is None else {"name": d["file"], "bytes": d["bytes"], "sha256": d["sha256"]}
         self._starts: np.ndarray | None = None
         files = self.entries + ([self.documents] if self.documents else [])
-        if self.remote is not None:     # one listing: every object there at its size (sha256: when fetched)
+        if self.remote is not None:  # one listing: every object there at its size (sha256: when fetched)
             self.remote.check_listing(files)
         for e in files if self.remote is None else ():  # cheap check that the files are the listed ones
             p = self.root / e["name"]
@@ -180,8 +215,11 @@ class SplitSource:
             except FileNotFoundError:
                 raise ShardError(p, "missing (listed in manifest.json)") from None
             if size != e["bytes"]:
-                raise ShardError(p, f"the file is {size} bytes, manifest.json says {e['bytes']}"
-                                    + (" (truncated?)" if size < e["bytes"] else ""))
+                raise ShardError(
+                    p,
+                    f"the file is {size} bytes, manifest.json says {e['bytes']}"
+                    + (" (truncated?)" if size < e["bytes"] else ""),
+                )
         self._open: OrderedDict[int, ShardFile] = OrderedDict()
         self._sha_checked: set[int] = set()
         self._slots: dict[int, tuple[int, np.ndarray]] = {}
@@ -193,11 +231,12 @@ class SplitSource:
             self._open.move_to_end(i)
             return f
         e = self.entries[i]
-        if self.remote is not None:     # verified against the manifest's sha256 when it was fetched
-            f = ShardFile(self.remote.object_url(e["name"]), e, self.dtype, self.chunk_tokens,
-                          fd=self.remote.open(e, where))
+        if self.remote is not None:  # verified against the manifest's sha256 when it was fetched
+            f = ShardFile(
+                self.remote.object_url(e["name"]), e, self.dtype, self.chunk_tokens, fd=self.remote.open(e, where)
+            )
             if i + 1 < len(self.entries):
-                self.remote.prefetch(self.entries[i + 1])      # read-ahead: the column's next shard
+                self.remote.prefetch(self.entries[i + 1])  # read-ahead: the column's next shard
         else:
             check = self.verify == "sha256" and i not in self._sha_checked
             f = ShardFile(self.root / e["name"], e, self.dtype, self.chunk_tokens, check_sha=check)
@@ -265,7 +304,7 @@ class SplitSource:
             arr = cached[1]
             a = pos - g * ct
             b = min(stop - g * ct, arr.size)
-            out[o:o + b - a] = arr[a:b]
+            out[o : o + b - a] = arr[a:b]
             o += b - a
             pos += b - a
 
@@ -276,8 +315,11 @@ class SplitSource:
         return out
 
     def cache_info(self) -> dict:
-        info = {"open_shards": len(self._open), "cached_chunks": len(self._slots),
-                "cached_bytes": sum(a.nbytes for _, a in self._slots.values())}
+        info = {
+            "open_shards": len(self._open),
+            "cached_chunks": len(self._slots),
+            "cached_bytes": sum(a.nbytes for _, a in self._slots.values()),
+        }
         if self.remote is not None:
             info.update(self.remote.info())
         return info
@@ -303,7 +345,7 @@ def read_split(data_dir: str | Path, split: str, verify: str = "size") -> np.nda
 def load_vocab(data_dir: str | Path, remote_options: RemoteOptions | None = None) -> Vocab | SubwordTokenizer:
     """The directory's vocabulary (a `Vocab`), or its subword tokenizer (a `SubwordTokenizer`, kind "subword"),
     checked against the manifest's sha256 and size. A remote directory is read from its staged copy."""
-    if is_remote(data_dir):         # the staged copy of a remote directory's manifest and vocabulary
+    if is_remote(data_dir):  # the staged copy of a remote directory's manifest and vocabulary
         remote = RemoteShards(str(data_dir), remote_options)
         remote.close()
         return load_vocab(remote.meta_dir)
@@ -324,8 +366,9 @@ def load_vocab(data_dir: str | Path, remote_options: RemoteOptions | None = None
 
 
 # ================================================================================================ verify
-def verify_shards(data_dir: str | Path, splits: list[str] | None = None,
-                  log: Callable[[str], None] = print) -> list[str]:
+def verify_shards(
+    data_dir: str | Path, splits: list[str] | None = None, log: Callable[[str], None] = print
+) -> list[str]:
     """Check every shard against the manifest: size, sha256, tar structure, each chunk's json member, zstd frame,
     token count and id range. Returns the list of problems (empty when all is well); logs progress."""
     root = Path(data_dir)
@@ -378,12 +421,17 @@ def _verify_shard(root: Path, e: dict, dtype, ct: int, n_vocab: int, log: Callab
         for k in range(e["n_chunks"]):
             ids = f.read_chunk(k)
             if ids.size and int(ids.max()) >= n_vocab:
-                raise ShardError(f.path, f"chunk at token offset {e['offset'] + k * ct}: token id "
-                                         f"{int(ids.max())} >= vocabulary size {n_vocab}")
+                raise ShardError(
+                    f.path,
+                    f"chunk at token offset {e['offset'] + k * ct}: token id "
+                    f"{int(ids.max())} >= vocabulary size {n_vocab}",
+                )
         _check_json_members(f)
         dt = time.time() - t0
-        log(f"ok   {e['name']}: {e['n_tokens']:,} tokens, {e['n_chunks']} chunks, "
-            f"{e['bytes'] / 2**20 / max(dt, 1e-9):.0f} MiB/s")
+        log(
+            f"ok   {e['name']}: {e['n_tokens']:,} tokens, {e['n_chunks']} chunks, "
+            f"{e['bytes'] / 2**20 / max(dt, 1e-9):.0f} MiB/s"
+        )
         return None
     except ShardError as err:
         log(f"FAIL {err}")

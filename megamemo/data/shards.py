@@ -7,6 +7,7 @@ token offset o = k·chunk_tokens and is the sample with key ``%012d`` % o: ``<ke
 so a token offset maps to (shard, chunk) from the manifest alone. Everything read is checked; a mismatch raises
 `ShardError` naming the shard and the byte/token offset; nothing is skipped.
 """
+
 from __future__ import annotations
 
 import functools
@@ -76,8 +77,17 @@ class SplitWriter:
     ``abort()``: nothing it wrote stays). With ``documents``, every ``write`` gives the token counts of the whole
     documents its ids make up, and a document index is written too (megamemo/data/doc_index.py)."""
 
-    def __init__(self, out_dir: str | Path, split: str, n_symbols: int, dtype: str, chunk_tokens: int,
-                 shard_bytes: int, zstd_level: int = 3, documents: bool = False):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        split: str,
+        n_symbols: int,
+        dtype: str,
+        chunk_tokens: int,
+        shard_bytes: int,
+        zstd_level: int = 3,
+        documents: bool = False,
+    ):
         if chunk_tokens < 1 or shard_bytes < 1:
             raise ValueError("chunk_tokens and shard_bytes must be positive")
         self.out, self.split, self.n_symbols = Path(out_dir), split, n_symbols
@@ -85,7 +95,7 @@ class SplitWriter:
         self.cctx = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True, write_content_size=True)
         self.buf = np.empty(chunk_tokens, dtype=self.dtype)
         self.fill = 0
-        self.n_tokens = 0           # tokens emitted into chunks so far
+        self.n_tokens = 0  # tokens emitted into chunks so far
         self.shards: list[dict] = []
         # the shard being written, all three or none: its file, the hash of its bytes, the tar writer over them
         self._file: AtomicFile | None = None
@@ -97,20 +107,23 @@ class SplitWriter:
         ids = np.asarray(ids)
         if self.docs is not None:
             if doc_lengths is None or int(np.sum(doc_lengths)) != ids.size:
-                raise ValueError(f"split {self.split}: {ids.size} tokens written without the lengths of the "
-                                 f"documents they make up")
+                raise ValueError(
+                    f"split {self.split}: {ids.size} tokens written without the lengths of the documents they make up"
+                )
             self.docs.add(self.tokens_written, doc_lengths)
         if ids.size == 0:
             return
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.n_symbols:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"split {self.split}: token id {bad} out of range for a vocabulary of "
-                             f"{self.n_symbols} symbols (near token {self.n_tokens + self.fill})")
+            raise ValueError(
+                f"split {self.split}: token id {bad} out of range for a vocabulary of "
+                f"{self.n_symbols} symbols (near token {self.n_tokens + self.fill})"
+            )
         pos = 0
         while pos < ids.size:
             take = min(self.chunk_tokens - self.fill, ids.size - pos)
-            self.buf[self.fill:self.fill + take] = ids[pos:pos + take]
+            self.buf[self.fill : self.fill + take] = ids[pos : pos + take]
             self.fill += take
             pos += take
             if self.fill == self.chunk_tokens:
@@ -123,8 +136,8 @@ class SplitWriter:
     def _open_shard(self):
         name = f"{self.split}-{len(self.shards):06d}.tar"
         self._file = AtomicFile(self.out / name)
-        self._hash = HashingWriter(self._file.file)   # a shard is never read back to hash it
-        self._tar = wds.TarWriter(self._hash, mtime=0)   # fixed mtime: same input, same shard bytes
+        self._hash = HashingWriter(self._file.file)  # a shard is never read back to hash it
+        self._tar = wds.TarWriter(self._hash, mtime=0)  # fixed mtime: same input, same shard bytes
         self.shards.append({"name": name, "offset": self.n_tokens, "n_tokens": 0, "n_chunks": 0})
 
     def _open(self) -> tuple[AtomicFile, HashingWriter, Any]:
@@ -188,9 +201,17 @@ def _parse_size(s: str | int) -> int:
     return int(s)
 
 
-def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shard_bytes: int | str = 256 << 20,
-          zstd_level: int = 3, overwrite: bool = False, log: Callable[[str], None] | None = None,
-          progress_every: float = 2.0, bar: bool | None = False) -> dict:
+def build(
+    corpus: Corpus,
+    out_dir: str | Path,
+    chunk_tokens: int = 1 << 16,
+    shard_bytes: int | str = 256 << 20,
+    zstd_level: int = 3,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+    progress_every: float = 2.0,
+    bar: bool | None = False,
+) -> dict:
     """Write every split of ``corpus`` as shards under ``out_dir`` and return the manifest (also written).
     Progress: a line to `log` every `progress_every` seconds, or a tqdm bar on stderr (bar=True; None: when
     stderr is a terminal)."""
@@ -209,19 +230,22 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     dtype = dtype_name(corpus.dtype or vocab.dtype)
     if len(vocab) - 1 > np.iinfo(np.dtype(dtype)).max:
         raise ValueError(f"a vocabulary of {len(vocab)} symbols does not fit the token dtype {dtype}")
-    if isinstance(vocab, SubwordTokenizer):     # subword: the tokenizer file itself (tokenizer.json or .model)
+    if isinstance(vocab, SubwordTokenizer):  # subword: the tokenizer file itself (tokenizer.json or .model)
         vocab_file, vocab_sha = vocab.save(out).name, vocab.sha256
     else:
         vocab_file, vocab_sha = VOCAB_FILE, vocab.save(out / VOCAB_FILE)
-    log(f"[prepare] {corpus.name} ({corpus.mode}): vocabulary of {len(vocab)} symbols, tokens as {dtype}, "
-        f"chunks of {chunk_tokens} tokens, shards of ~{shard_bytes / 2**20:.0f} MiB -> {out}")
+    log(
+        f"[prepare] {corpus.name} ({corpus.mode}): vocabulary of {len(vocab)} symbols, tokens as {dtype}, "
+        f"chunks of {chunk_tokens} tokens, shards of ~{shard_bytes / 2**20:.0f} MiB -> {out}"
+    )
     splits: dict[str, dict] = {}
     written = [out / vocab_file]
     t_start = time.time()
     try:
-        _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar,
-                      splits, written)
-    except BaseException:               # nothing half-written stays: what this build wrote goes
+        _write_splits(
+            corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar, splits, written
+        )
+    except BaseException:  # nothing half-written stays: what this build wrote goes
         for f in written + [t for split in corpus.splits for t in out.glob(f"{split}-*.tar*")]:
             f.unlink(missing_ok=True)
         if created:
@@ -231,13 +255,20 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
                 pass
         raise
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
-        "corpus": corpus.name, "mode": corpus.mode, "tokenizer": corpus.tokenizer,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "corpus": corpus.name,
+        "mode": corpus.mode,
+        "tokenizer": corpus.tokenizer,
         "vocab": {"file": vocab_file, "kind": vocab.kind, "size": len(vocab), "sha256": vocab_sha},
-        "dtype": dtype, "chunk_tokens": chunk_tokens,
+        "dtype": dtype,
+        "chunk_tokens": chunk_tokens,
         "compression": {"codec": "zstd", "level": zstd_level, "checksum": True},
-        "sample": {"key": "%012d token offset of the chunk in its split's stream",
-                   "json": "offset, n_tokens, dtype", "tokens.zst": "zstd frame of n_tokens little-endian ids"},
+        "sample": {
+            "key": "%012d token offset of the chunk in its split's stream",
+            "json": "offset, n_tokens, dtype",
+            "tokens.zst": "zstd frame of n_tokens little-endian ids",
+        },
         "source": corpus.source,
         "splits": splits,
     }
@@ -246,26 +277,36 @@ def build(corpus: Corpus, out_dir: str | Path, chunk_tokens: int = 1 << 16, shar
     return manifest
 
 
-def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar, splits,
-                  written) -> None:
+def _write_splits(
+    corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar, splits, written
+) -> None:
     """Every split's shards (their paths appended to `written` as they appear); a split of fewer than 2 tokens
     (an empty or too short corpus) is an error naming the corpus's files."""
     if corpus.interleaved is not None:
-        return _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log,
-                                  progress_every, bar, splits, written)
+        return _write_interleaved(
+            corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar, splits, written
+        )
     for split, gen in corpus.splits.items():
         w = SplitWriter(out, split, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level, corpus.documents)
         stats: dict = {}
         t0 = time.time()
         try:
-            with Progress(f"[prepare] {split}", total=corpus.input_bytes.get(split, 0), unit="B", scale=True,
-                          every=progress_every, bar=bar, log=log, line=_progress_line(split)) as progress:
+            with Progress(
+                f"[prepare] {split}",
+                total=corpus.input_bytes.get(split, 0),
+                unit="B",
+                scale=True,
+                every=progress_every,
+                bar=bar,
+                log=log,
+                line=_progress_line(split),
+            ) as progress:
                 for item in gen(stats):
                     w.write(*(item if corpus.documents else (item,)))
                     progress.update_to(stats.get("input_bytes", 0), tokens=w.tokens_written, shards=len(w.shards))
             info = w.close()
         except BaseException:
-            w.abort()        # its open shard and document index (build removes the finished shards)
+            w.abort()  # its open shard and document index (build removes the finished shards)
             raise
         written += _files_of(out, info)
         _check_not_empty(corpus, split, info)
@@ -273,37 +314,54 @@ def _write_splits(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_lev
         splits[split] = info
         dt = max(time.time() - t0, 1e-9)
         size = sum(s["bytes"] for s in info["shards"])
-        log(f"[prepare] {split}: {info['n_tokens']:,} tokens in {len(info['shards'])} shards "
+        log(
+            f"[prepare] {split}: {info['n_tokens']:,} tokens in {len(info['shards'])} shards "
             f"({size / 2**20:.1f} MiB), {info['n_tokens'] / dt / 1e6:.1f} M tokens/s"
-            + (f", {info['n_unk_mapped']:,} unknown words -> <unk>" if info.get("n_unk_mapped") else ""))
+            + (f", {info['n_unk_mapped']:,} unknown words -> <unk>" if info.get("n_unk_mapped") else "")
+        )
 
 
 def _check_not_empty(corpus, split: str, info: dict) -> None:
     if info["n_tokens"] < 2:
         files = corpus.source.get("files", corpus.name)
-        raise EmptyCorpusError(f"{_names(files)}: the {split} split holds {info['n_tokens']} tokens (at least 2 "
-                               f"needed): the corpus is empty or too short")
+        raise EmptyCorpusError(
+            f"{_names(files)}: the {split} split holds {info['n_tokens']} tokens (at least 2 "
+            f"needed): the corpus is empty or too short"
+        )
 
 
-def _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar,
-                       splits, written) -> None:
+def _write_interleaved(
+    corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zstd_level, log, progress_every, bar, splits, written
+) -> None:
     """All splits of a document corpus in one pass: each (split, ids) the corpus yields goes to that split's
     writer; the corpus counts each split's documents and UTF-8 bytes (recorded as n_documents, n_bytes)."""
-    writers = {s: SplitWriter(out, s, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level, corpus.documents)
-               for s in corpus.splits}
+    writers = {
+        s: SplitWriter(out, s, len(vocab), dtype, chunk_tokens, shard_bytes, zstd_level, corpus.documents)
+        for s in corpus.splits
+    }
     stats: dict = {}
     t0 = time.time()
     try:
-        with Progress("[prepare] all splits", total=corpus.input_bytes.get("all", 0), unit="B", scale=True,
-                      every=progress_every, bar=bar, log=log, line=_progress_line("all splits")) as progress:
+        with Progress(
+            "[prepare] all splits",
+            total=corpus.input_bytes.get("all", 0),
+            unit="B",
+            scale=True,
+            every=progress_every,
+            bar=bar,
+            log=log,
+            line=_progress_line("all splits"),
+        ) as progress:
             for split, *item in corpus.interleaved(stats):
                 writers[split].write(*item)
-                progress.update_to(stats.get("input_bytes", 0),
-                                   tokens=sum(w.tokens_written for w in writers.values()),
-                                   shards=sum(len(w.shards) for w in writers.values()))
+                progress.update_to(
+                    stats.get("input_bytes", 0),
+                    tokens=sum(w.tokens_written for w in writers.values()),
+                    shards=sum(len(w.shards) for w in writers.values()),
+                )
         infos = {split: w.close() for split, w in writers.items()}
     except BaseException:
-        for w in writers.values():       # the shard each writer had open goes too (build removes the rest)
+        for w in writers.values():  # the shard each writer had open goes too (build removes the rest)
             w.abort()
         raise
     written += [f for info in infos.values() for f in _files_of(out, info)]
@@ -313,9 +371,14 @@ def _write_interleaved(corpus, out, vocab, dtype, chunk_tokens, shard_bytes, zst
         splits[split] = info
     dt = max(time.time() - t0, 1e-9)
     mib = stats.get("input_bytes", 0) / 2**20
-    log("[prepare] " + ", ".join(f"{s} {i['n_tokens']:,} tokens ({i.get('n_documents', 0):,} documents, "
-                                  f"{i.get('n_bytes', 0):,} bytes)" for s, i in splits.items())
-        + f"; {mib:.1f} MiB of input in {dt:.1f}s = {mib / dt:.2f} MiB/s")
+    log(
+        "[prepare] "
+        + ", ".join(
+            f"{s} {i['n_tokens']:,} tokens ({i.get('n_documents', 0):,} documents, {i.get('n_bytes', 0):,} bytes)"
+            for s, i in splits.items()
+        )
+        + f"; {mib:.1f} MiB of input in {dt:.1f}s = {mib / dt:.2f} MiB/s"
+    )
 
 
 def _files_of(out: Path, info: dict) -> list[Path]:
@@ -326,8 +389,11 @@ def _progress_line(split: str):
     def line(p: Progress) -> str:
         pct = f" ({100 * p.n / p.total:.0f}%)" if p.total else ""
         eta = f", ETA {_duration((p.total - p.n) / p.rate)}" if p.total and p.rate > 0 and p.n < p.total else ""
-        return (f"[prepare] {split}: {p.n / 2**20:.1f} MiB read{pct}, {p.info['tokens']:,} tokens, "
-                f"{p.info['shards']} shards, {p.rate / 2**20:.1f} MiB/s{eta}")
+        return (
+            f"[prepare] {split}: {p.n / 2**20:.1f} MiB read{pct}, {p.info['tokens']:,} tokens, "
+            f"{p.info['shards']} shards, {p.rate / 2**20:.1f} MiB/s{eta}"
+        )
+
     return line
 
 
@@ -361,8 +427,10 @@ def load_manifest(data_dir: str | Path) -> dict:
     if need(m, "format", str, "") != FORMAT:
         raise ManifestError(f"{path}: field format is {m['format']!r}, expected {FORMAT!r}")
     if need(m, "format_version", int, "") != FORMAT_VERSION:
-        raise ManifestError(f"{path}: format_version {m['format_version']} is not supported (this reader reads "
-                            f"version {FORMAT_VERSION})")
+        raise ManifestError(
+            f"{path}: format_version {m['format_version']} is not supported (this reader reads "
+            f"version {FORMAT_VERSION})"
+        )
     need(m, "corpus", str, "")
     if need(m, "dtype", str, "") not in DTYPES:
         raise ManifestError(f"{path}: field dtype is {m['dtype']!r}, expected one of {DTYPES}")
@@ -408,8 +476,10 @@ def _check_split(path: Path, split: str, sp, ct: int) -> None:
         if off != pos:
             raise ManifestError(f"{path}: field {ws}offset is {off}, but the previous shards end at token {pos}")
         if cnt < 1 or nch != -(-cnt // ct) or (off % ct):
-            raise ManifestError(f"{path}: shard {name}: {cnt} tokens in {nch} chunks at offset {off} do not "
-                                f"fit chunks of {ct} tokens (fields {ws}n_tokens / n_chunks / offset)")
+            raise ManifestError(
+                f"{path}: shard {name}: {cnt} tokens in {nch} chunks at offset {off} do not "
+                f"fit chunks of {ct} tokens (fields {ws}n_tokens / n_chunks / offset)"
+            )
         if cnt % ct and pos + cnt != n:
             raise ManifestError(f"{path}: shard {name} ends with a short chunk but is not the last of {split}")
         pos += cnt
@@ -417,4 +487,3 @@ def _check_split(path: Path, split: str, sp, ct: int) -> None:
         raise ManifestError(f"{path}: field {w}n_tokens is {n} but its shards hold {pos} tokens")
     if "documents" in sp and (problem := check_entry(sp["documents"], split, sp.get("n_documents"))):
         raise ManifestError(f"{path}: {problem}")
-

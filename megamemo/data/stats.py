@@ -10,6 +10,7 @@
 
 For byte- and character-level corpora a token is a character, so bits per token are bits per character (bpc).
 """
+
 from __future__ import annotations
 
 import math
@@ -66,11 +67,18 @@ def unigram_baseline(data_dir: str | Path, split: str = "test", fit: str = "trai
     'unit'} for a shard directory made by `megamemo prepare`."""
     n = len(load_vocab(data_dir))
     ids, fit_ids = read_split(data_dir, split), read_split(data_dir, fit)
-    out: dict[str, Any] = {"split": split, "fit": fit, "smoothing": "add-one", "bits": unigram_bits(fit_ids, ids, n),
-           "self_entropy": entropy_bits(ids, n), "tokens": int(ids.size), "fit_tokens": int(fit_ids.size),
-           "unit": unit(data_dir)}
+    out: dict[str, Any] = {
+        "split": split,
+        "fit": fit,
+        "smoothing": "add-one",
+        "bits": unigram_bits(fit_ids, ids, n),
+        "self_entropy": entropy_bits(ids, n),
+        "tokens": int(ids.size),
+        "fit_tokens": int(fit_ids.size),
+        "unit": unit(data_dir),
+    }
     n_bytes = load_manifest(data_dir)["splits"][split].get("n_bytes")
-    if n_bytes:                      # subword corpora: the whole split is scored, so its recorded UTF-8 bytes
+    if n_bytes:  # subword corpora: the whole split is scored, so its recorded UTF-8 bytes
         out["bits_per_byte"] = bits_per_byte(out["bits"] * out["tokens"] * math.log(2.0), n_bytes)
     return out
 
@@ -84,12 +92,12 @@ def excerpt(data_dir: str | Path, split: str = "test", start: int = 0, n_tokens:
     ids = read_split(data_dir, split)
     table = np.array([vocab.symbol_byte(s) for s in vocab.symbols], dtype=np.uint8)
     raw = table[np.asarray(ids, dtype=np.int64)]
-    start = min(max(start, 0), max(raw.size - n_tokens, 0))     # a short split: its last n_tokens
+    start = min(max(start, 0), max(raw.size - n_tokens, 0))  # a short split: its last n_tokens
     if start > 0:
-        nl = np.flatnonzero(raw[start - 1:] == 10)
+        nl = np.flatnonzero(raw[start - 1 :] == 10)
         if nl.size and start + int(nl[0]) + n_tokens <= raw.size:
             start += int(nl[0])
-    out = raw[start:start + n_tokens].tobytes()
+    out = raw[start : start + n_tokens].tobytes()
     if not out:
         raise ValueError(f"excerpt: split {split!r} has no tokens at or after {start}")
     return out

@@ -12,6 +12,7 @@ W=1 batch) — the LaMemo scripts' ``--roll``.
 
 The position is just (epoch, step): everything else is a function of it, which makes resume exact.
 """
+
 from __future__ import annotations
 
 import queue
@@ -59,10 +60,24 @@ class StreamReader:
             threads (megamemo.data.remote.RemoteOptions).
     """
 
-    def __init__(self, data_dir: str | Path, split: str, batch_size: int, tgt_len: int, world_size: int = 1,
-                 rank: int = 0, *, roll: bool = False, seed: int = 0, epochs: int | None = 1, prefetch: int = 0,
-                 verify: str = "size", block_tokens: int = 1 << 20, max_open_shards: int | None = None,
-                 remote_options: RemoteOptions | None = None):
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        batch_size: int,
+        tgt_len: int,
+        world_size: int = 1,
+        rank: int = 0,
+        *,
+        roll: bool = False,
+        seed: int = 0,
+        epochs: int | None = 1,
+        prefetch: int = 0,
+        verify: str = "size",
+        block_tokens: int = 1 << 20,
+        max_open_shards: int | None = None,
+        remote_options: RemoteOptions | None = None,
+    ):
         if batch_size < 1 or tgt_len < 1:
             raise UsageError(f"batch_size ({batch_size}) and tgt_len ({tgt_len}) must be positive")
         if world_size < 1 or batch_size % world_size:
@@ -77,21 +92,28 @@ class StreamReader:
         self.roll, self.seed, self.epochs, self.prefetch = bool(roll), int(seed), epochs, int(prefetch)
         self.local_batch = batch_size // world_size
         self.col0 = rank * self.local_batch
-        self.source = SplitSource(self.data_dir, split, verify=verify, remote_options=remote_options,
-                                  max_open=max_open_shards or min(self.local_batch + 2, 256))
+        self.source = SplitSource(
+            self.data_dir,
+            split,
+            verify=verify,
+            remote_options=remote_options,
+            max_open=max_open_shards or min(self.local_batch + 2, 256),
+        )
         self.manifest = self.source.manifest
         self.n_tokens = self.source.n_tokens
-        self.n_step = self.n_tokens // batch_size          # rows per column (LMOrderedIterator.n_step)
+        self.n_step = self.n_tokens // batch_size  # rows per column (LMOrderedIterator.n_step)
         if self.n_step < 2:
-            raise UsageError(f"split {split!r} of {self.data_dir} has {self.n_tokens} tokens: too few for "
-                             f"{batch_size} columns of at least 2 tokens")
+            raise UsageError(
+                f"split {split!r} of {self.data_dir} has {self.n_tokens} tokens: too few for "
+                f"{batch_size} columns of at least 2 tokens"
+            )
         self.steps_per_epoch = steps_per_epoch(self.n_tokens, batch_size, tgt_len)
         rows = max(1, block_tokens // self.local_batch) // tgt_len * tgt_len
         self.block_rows = max(tgt_len, rows)
         self.vocab_sha256 = self.manifest["vocab"].get("sha256", "")
-        self.epoch, self.step = 0, 0                       # position of the next batch to yield
+        self.epoch, self.step = 0, 0  # position of the next batch to yield
         self._buf = np.empty((self.local_batch, self.block_rows + 1), dtype=self.source.dtype)
-        self._block: tuple[int, int, int] | None = None    # (epoch, first row, end row) held in _buf
+        self._block: tuple[int, int, int] | None = None  # (epoch, first row, end row) held in _buf
         self._shifts: tuple[int, np.ndarray] | None = None
         self._gen = 0
         self._producer: tuple[threading.Thread, threading.Event] | None = None
@@ -121,7 +143,7 @@ class StreamReader:
         r1 = min(r0 + self.block_rows + 1, self.n_step)
         m, n = r1 - r0, self.n_step
         shifts = self.roll_shifts(epoch)
-        if self.source.remote is not None:      # read-ahead: the shards this block and the next one start in
+        if self.source.remote is not None:  # read-ahead: the shards this block and the next one start in
             for j in range(self.local_batch):
                 c = self.col0 + j
                 for r in (r0, r1):
@@ -141,7 +163,7 @@ class StreamReader:
         i = step * self.tgt_len
         m = self.seq_len(step) + 1
         out = np.empty((m, self.local_batch), dtype=np.int64)
-        out[...] = buf[:, i - r0:i - r0 + m].T
+        out[...] = buf[:, i - r0 : i - r0 + m].T
         t = torch.from_numpy(out)
         return t[:-1], t[1:]
 
@@ -172,7 +194,7 @@ class StreamReader:
         r0 = step * self.tgt_len
         while self.epochs is None or epoch < self.epochs:
             yield epoch, r0
-            r0 += self.block_rows      # a multiple of tgt_len: every step lies inside one block
+            r0 += self.block_rows  # a multiple of tgt_len: every step lies inside one block
             if r0 >= self.n_step - 1:
                 epoch, r0 = epoch + 1, 0
 
@@ -183,8 +205,10 @@ class StreamReader:
 
     def _stale(self, gen: int) -> None:
         if gen != self._gen:
-            raise RuntimeError("StreamReader: the reader was re-iterated or its state reloaded while this "
-                               "iteration was running; start a new `for batch in reader` loop")
+            raise RuntimeError(
+                "StreamReader: the reader was re-iterated or its state reloaded while this "
+                "iteration was running; start a new `for batch in reader` loop"
+            )
 
     def _iter_plain(self, gen: int):
         for e, k in self._positions(self.epoch, self.step):
@@ -233,7 +257,7 @@ class StreamReader:
                     if isinstance(item, BaseException):
                         raise item
                     block, buf = item
-                assert block is not None and buf is not None        # the while ran until a block came
+                assert block is not None and buf is not None  # the while ran until a block came
                 self._stale(gen)
                 inp, tgt = self._slice(buf, block[1], k)
                 self.epoch, self.step = self._next_pos(e, k)
@@ -258,35 +282,52 @@ class StreamReader:
     def state_dict(self) -> dict:
         """Position of the next batch plus what must match on resume. (epoch, step) is global: it may be loaded
         into a reader with another world_size/rank (same batch_size), which then yields its own columns."""
-        return {"version": STATE_VERSION, "epoch": self.epoch, "step": self.step,
-                "split": self.split, "batch_size": self.batch_size, "tgt_len": self.tgt_len,
-                "roll": self.roll, "seed": self.seed, "n_tokens": self.n_tokens,
-                "vocab_sha256": self.vocab_sha256, "world_size": self.world_size, "rank": self.rank}
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "step": self.step,
+            "split": self.split,
+            "batch_size": self.batch_size,
+            "tgt_len": self.tgt_len,
+            "roll": self.roll,
+            "seed": self.seed,
+            "n_tokens": self.n_tokens,
+            "vocab_sha256": self.vocab_sha256,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"StreamReader.load_state_dict: state version {state.get('version')!r} is not "
-                             f"{STATE_VERSION}")
+            raise ValueError(
+                f"StreamReader.load_state_dict: state version {state.get('version')!r} is not {STATE_VERSION}"
+            )
         keys = self._IDENTITY + (("seed",) if self.roll else ())
         mine = self.state_dict()
-        if state.get("vocab_sha256") not in (None, mine["vocab_sha256"]):   # before n_tokens: say why they differ
-            raise ValueError(f"{self.data_dir}: its vocabulary/tokenizer file (sha256 {mine['vocab_sha256'][:12]})"
-                             f" differs from the one the checkpoint was trained with (sha256 "
-                             f"{str(state['vocab_sha256'])[:12]}): a different tokenizer")
+        if state.get("vocab_sha256") not in (None, mine["vocab_sha256"]):  # before n_tokens: say why they differ
+            raise ValueError(
+                f"{self.data_dir}: its vocabulary/tokenizer file (sha256 {mine['vocab_sha256'][:12]})"
+                f" differs from the one the checkpoint was trained with (sha256 "
+                f"{str(state['vocab_sha256'])[:12]}): a different tokenizer"
+            )
         for k in keys:
             if k not in state:
                 raise ValueError(f"StreamReader.load_state_dict: field {k!r} is missing from the saved state")
             if state[k] != mine[k]:
-                raise ValueError(f"StreamReader.load_state_dict: field {k!r} is {state[k]!r} in the saved state "
-                                 f"but {mine[k]!r} in this reader")
+                raise ValueError(
+                    f"StreamReader.load_state_dict: field {k!r} is {state[k]!r} in the saved state "
+                    f"but {mine[k]!r} in this reader"
+                )
         epoch, step = int(state["epoch"]), int(state["step"])
         if epoch < 0 or not 0 <= step <= self.steps_per_epoch:
-            raise ValueError(f"StreamReader.load_state_dict: position (epoch {epoch}, step {step}) is outside "
-                             f"an epoch of {self.steps_per_epoch} steps")
+            raise ValueError(
+                f"StreamReader.load_state_dict: position (epoch {epoch}, step {step}) is outside "
+                f"an epoch of {self.steps_per_epoch} steps"
+            )
         if step == self.steps_per_epoch:
             epoch, step = epoch + 1, 0
         self._stop_producer()
-        self._gen += 1          # an iteration running from the old position must not continue
+        self._gen += 1  # an iteration running from the old position must not continue
         self.epoch, self.step = epoch, step
 
     # ---- housekeeping -----------------------------------------------------------------------------------
@@ -307,6 +348,8 @@ class StreamReader:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"StreamReader({str(self.data_dir)!r}, split={self.split!r}, batch_size={self.batch_size}, "
-                f"tgt_len={self.tgt_len}, world_size={self.world_size}, rank={self.rank}, roll={self.roll}, "
-                f"epoch={self.epoch}, step={self.step}/{self.steps_per_epoch})")
+        return (
+            f"StreamReader({str(self.data_dir)!r}, split={self.split!r}, batch_size={self.batch_size}, "
+            f"tgt_len={self.tgt_len}, world_size={self.world_size}, rank={self.rank}, roll={self.roll}, "
+            f"epoch={self.epoch}, step={self.step}/{self.steps_per_epoch})"
+        )

@@ -8,6 +8,7 @@ pass first, over the train split's documents only, when a BPE is trained). Block
 go to the workers in order; at most 2N+1 are in flight, and their results are written in input order, so the
 shards are the same bytes for any N and memory does not grow with the corpus.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -28,7 +29,7 @@ def encode_block(tok: SubwordTokenizer, block: tuple) -> tuple[np.ndarray, np.nd
     """(tokens per document incl. its end-of-document token, all ids as uint32, UTF-8 bytes per document)."""
     texts = parse_block(block)
     eod = tok.eod_id
-    assert eod is not None                      # prepare checked it (require_eod)
+    assert eod is not None  # prepare checked it (require_eod)
     flat: list[int] = []
     lengths = np.empty(len(texts), dtype=np.int64)
     for k, ids in enumerate(tok.encode_batch(texts)):
@@ -72,9 +73,18 @@ def encoded_blocks(tok: SubwordTokenizer, blocks, workers: int) -> Iterator[tupl
         pool.join()
 
 
-def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", field: str = "text",
-                 ratio=(90, 5, 5), seed: int = 1234, workers: int = 1, dtype: str | None = None,
-                 log=None) -> Corpus:
+def subword_text(
+    files,
+    valid=None,
+    test=None,
+    tokenizer: str = "bpe:32000",
+    field: str = "text",
+    ratio=(90, 5, 5),
+    seed: int = 1234,
+    workers: int = 1,
+    dtype: str | None = None,
+    log=None,
+) -> Corpus:
     """A Corpus whose splits are written together in one pass (`Corpus.interleaved`)."""
     single_threaded()
     if workers < 1:
@@ -99,7 +109,7 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
         train_srcs, split = plans[0]
         (log or (lambda m: None))(f"[prepare] training a byte-level BPE of {arg} symbols on the train split")
         tok = train_bpe(_train_texts(train_srcs, field, split, all_files), arg)
-        if tok.vocab_size < arg:            # a warning: said under --quiet too
+        if tok.vocab_size < arg:  # a warning: said under --quiet too
             print(saturated(tok.vocab_size, arg), file=sys.stderr, flush=True)
     else:
         assert isinstance(arg, str)
@@ -108,8 +118,10 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
     if dtype is not None:
         limit = np.iinfo(np.dtype(dtype)).max
         if tok.vocab_size - 1 > limit:
-            raise ValueError(f"tokenizer {tok.where}: a vocabulary of {tok.vocab_size} symbols does not fit the "
-                             f"token dtype {dtype} (ids up to {limit})")
+            raise ValueError(
+                f"tokenizer {tok.where}: a vocabulary of {tok.vocab_size} symbols does not fit the "
+                f"token dtype {dtype} (ids up to {limit})"
+            )
 
     def interleaved(stats: dict) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
         per = stats.setdefault("splits", {s: {"n_bytes": 0, "n_documents": 0} for s in names})
@@ -131,17 +143,31 @@ def subword_text(files, valid=None, test=None, tokenizer: str = "bpe:32000", fie
     rec = tok.record()
     rec.update({"end_of_document": "after every document", "jsonl_field": field})
     sizes = {s: sum(x.size for x in srcs) for s, srcs in groups.items()}
-    src = {"files": {s: [{"path": str(x.path), "bytes": x.size} for x in srcs] for s, srcs in groups.items()},
-           "split": plans[0][1].record() if len(plans) == 1 else {"by": "one file group per split"}}
-    return Corpus("text", "subword", tok, rec, {s: None for s in names}, {"all": sum(sizes.values())}, src,
-                  interleaved=interleaved, dtype=dtype, documents=True)
+    src = {
+        "files": {s: [{"path": str(x.path), "bytes": x.size} for x in srcs] for s, srcs in groups.items()},
+        "split": plans[0][1].record() if len(plans) == 1 else {"by": "one file group per split"},
+    }
+    return Corpus(
+        "text",
+        "subword",
+        tok,
+        rec,
+        {s: None for s in names},
+        {"all": sum(sizes.values())},
+        src,
+        interleaved=interleaved,
+        dtype=dtype,
+        documents=True,
+    )
 
 
 def saturated(got: int, asked: int) -> str:
     """The line prepare prints when a BPE stops short of its requested size (no pair left that occurs twice)."""
-    return (f"[prepare] warning: the BPE saturated at {got:,} of the {asked:,} symbols asked for (no pair of the train "
-            f"split left that occurs twice): the manifest records {got:,}; a config's model.n_token: auto sizes its "
-            f"tables to it, an explicit n_token: {asked} would train {asked - got:,} ids that never occur")
+    return (
+        f"[prepare] warning: the BPE saturated at {got:,} of the {asked:,} symbols asked for (no pair of the train "
+        f"split left that occurs twice): the manifest records {got:,}; a config's model.n_token: auto sizes its "
+        f"tables to it, an explicit n_token: {asked} would train {asked - got:,} ids that never occur"
+    )
 
 
 def _train_texts(srcs, field: str, split: DocumentSplit, files) -> Iterator[str]:

@@ -18,6 +18,7 @@ total NLL by the bytes of its scored tokens (megamemo/units.py).
 The library is the field's standard (Rust, fast, deterministic training); SentencePiece models are read with
 `sentencepiece` itself because `tokenizers`' converter needs a protobuf file downloaded at run time.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,7 +72,7 @@ class SubwordTokenizer:
             self.vocab_size = impl.get_vocab_size(with_added_tokens=True)
             spec = json.loads(data)
             self.model = (spec.get("model") or {}).get("type", "?")
-            self.byte_level = ((spec.get("decoder") or {}).get("type") == "ByteLevel")
+            self.byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
             self.specials = {t["id"] for t in spec.get("added_tokens") or [] if t.get("special")}
             found = [t for t in EOD_CANDIDATES if impl.token_to_id(t) is not None]
             self.eod = found[0] if found else None
@@ -93,26 +94,32 @@ class SubwordTokenizer:
             data = p.read_bytes()
         except OSError as e:
             raise TokenizerError(f"tokenizer {p}: unreadable: {e.strerror or e}") from None
-        return cls.from_bytes(data, "sentencepiece" if p.suffix == ".model" else "tokenizers", str(p),
-                              origin if origin is not None else f"given {p.name}")
+        return cls.from_bytes(
+            data,
+            "sentencepiece" if p.suffix == ".model" else "tokenizers",
+            str(p),
+            origin if origin is not None else f"given {p.name}",
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes, library: str, where: str, origin: str = "") -> SubwordTokenizer:
-        impl: Any                                   # a tokenizers.Tokenizer or a SentencePieceProcessor
+        impl: Any  # a tokenizers.Tokenizer or a SentencePieceProcessor
         if library == "tokenizers":
             from tokenizers import Tokenizer
+
             try:
                 impl = Tokenizer.from_str(data.decode("utf-8"))
                 json.loads(data)
-            except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception
+            except Exception as e:  # the Rust parser raises a bare Exception
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise TokenizerError(f"tokenizer {where}: not a tokenizers tokenizer.json file ({first})") from None
         elif library == "sentencepiece":
             import sentencepiece
+
             impl = sentencepiece.SentencePieceProcessor()
             try:
                 impl.LoadFromSerializedProto(data)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise TokenizerError(f"tokenizer {where}: not a SentencePiece model ({first})") from None
         else:
@@ -121,9 +128,11 @@ class SubwordTokenizer:
 
     def require_eod(self) -> int:
         if self.eod_id is None:
-            raise TokenizerError(f"tokenizer {self.where}: no end-of-document token (one of "
-                                 f"{', '.join(EOD_CANDIDATES)}, or a SentencePiece eos piece) to put between "
-                                 f"documents")
+            raise TokenizerError(
+                f"tokenizer {self.where}: no end-of-document token (one of "
+                f"{', '.join(EOD_CANDIDATES)}, or a SentencePiece eos piece) to put between "
+                f"documents"
+            )
         return self.eod_id
 
     # ---- use ----------------------------------------------------------------------------------------
@@ -141,7 +150,7 @@ class SubwordTokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if self.library == "tokenizers":   # the _fast variant skips offsets (same ids, ~20% faster)
+        if self.library == "tokenizers":  # the _fast variant skips offsets (same ids, ~20% faster)
             encode = getattr(self.impl, "encode_batch_fast", self.impl.encode_batch)
             return [e.ids for e in encode(texts, add_special_tokens=False)]
         return self.impl.encode(texts)
@@ -162,7 +171,7 @@ class SubwordTokenizer:
                     continue
                 piece = self.impl.id_to_token(i) or ""
                 if alpha is not None:
-                    out[i] = len(piece)        # one character per byte
+                    out[i] = len(piece)  # one character per byte
                 else:
                     out[i] = len(_piece_text(piece).encode("utf-8"))
             return out
@@ -174,9 +183,18 @@ class SubwordTokenizer:
 
     def record(self) -> dict:
         """What the manifest and a converted checkpoint record about this tokenizer."""
-        return {"kind": KIND, "vocab_size": self.vocab_size, "file": self.file_name, "sha256": self.sha256,
-                "library": self.library, "model": self.model, "byte_level": self.byte_level,
-                "eod": self.eod, "eod_id": self.eod_id, "origin": self.origin}
+        return {
+            "kind": KIND,
+            "vocab_size": self.vocab_size,
+            "file": self.file_name,
+            "sha256": self.sha256,
+            "library": self.library,
+            "model": self.model,
+            "byte_level": self.byte_level,
+            "eod": self.eod,
+            "eod_id": self.eod_id,
+            "origin": self.origin,
+        }
 
     def save(self, directory: str | Path) -> Path:
         p = Path(directory) / self.file_name
@@ -199,8 +217,9 @@ def parse_spec(spec: str) -> tuple[str, int | str]:
         except ValueError:
             n = 0
         if n < 257:
-            raise TokenizerError(f"--tokenizer {spec}: bpe:N needs an integer N >= 257 (256 byte symbols and "
-                                 f"<|endoftext|>)")
+            raise TokenizerError(
+                f"--tokenizer {spec}: bpe:N needs an integer N >= 257 (256 byte symbols and <|endoftext|>)"
+            )
         return "bpe", n
     return "file", spec
 
@@ -213,8 +232,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> SubwordTokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOD_CANDIDATES[0]],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOD_CANDIDATES[0]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     data = tok.to_str().encode("utf-8")
     return SubwordTokenizer.from_bytes(data, "tokenizers", HF_FILE, f"bpe:{vocab_size} trained on the train split")
@@ -227,11 +251,14 @@ def load_recorded(directory: str | Path, record: dict, where: str) -> SubwordTok
     p = Path(directory) / record["file"]
     tok = SubwordTokenizer.from_file(p, record.get("origin", ""))
     if record.get("sha256") and tok.sha256 != record["sha256"]:
-        raise TokenizerError(f"tokenizer {p}: sha256 {tok.sha256[:12]}... differs from {where} field "
-                             f"tokenizer.sha256 ({record['sha256'][:12]}...)")
+        raise TokenizerError(
+            f"tokenizer {p}: sha256 {tok.sha256[:12]}... differs from {where} field "
+            f"tokenizer.sha256 ({record['sha256'][:12]}...)"
+        )
     if record.get("vocab_size") is not None and len(tok) != record["vocab_size"]:
-        raise TokenizerError(f"tokenizer {p}: {len(tok)} symbols, {where} field tokenizer.vocab_size says "
-                             f"{record['vocab_size']}")
+        raise TokenizerError(
+            f"tokenizer {p}: {len(tok)} symbols, {where} field tokenizer.vocab_size says {record['vocab_size']}"
+        )
     return tok
 
 

@@ -10,6 +10,7 @@ Three kinds:
 Frequency-ordered vocabularies follow Transformer-XL's ``Vocab.build_vocab``: specials first, then symbols by
 decreasing count, ties in order of first occurrence (``Counter.most_common`` is a stable sort).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -151,8 +152,9 @@ class Vocab:
         ids = self.byte_table[raw]
         if ids.size and ids.min() < 0:
             k = int(np.argmax(ids < 0))
-            raise ValueError(f"{where}: byte 0x{int(raw[k]):02x} at byte offset {base + k} "
-                             f"is not in the {self.kind} vocabulary")
+            raise ValueError(
+                f"{where}: byte 0x{int(raw[k]):02x} at byte offset {base + k} is not in the {self.kind} vocabulary"
+            )
         return ids
 
     # ---- word kind ----------------------------------------------------------------------------------

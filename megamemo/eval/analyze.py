@@ -14,6 +14,7 @@ and records, once the memory is full (M = mem_len; the warm-up segments are skip
     mem_len - 1 = the newest), averaged over streams, heads and segments.
 Writes DIR/attention_by_distance.png, DIR/alpha.png (when a LaMemo checkpoint is given) and DIR/analysis.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,22 +52,26 @@ class Recorder:
             j = torch.arange(klen)[None, :]
             dist = (mlen + i - j).to(probs.device)
             valid = dist >= 0
-            summed = probs.sum((0, 1))                                 # [L, klen]
+            summed = probs.sum((0, 1))  # [L, klen]
             d = dist.clamp(min=0)[valid].cpu()
             self.att_sum[layer].index_add_(0, d, summed[valid].cpu())
             self.att_cnt[layer].index_add_(0, d, torch.full((d.numel(),), float(B * n), dtype=torch.float64))
             self.mem_mass[layer] += float(summed[:, :mlen].sum())
             self.queries[layer] += B * n * L
         elif kind == "alpha":
-            a = kw["alpha"].double()                                   # [B, n, M]
+            a = kw["alpha"].double()  # [B, n, M]
             self.alpha_sum[layer] += a.sum((0, 1)).cpu()
             self.alpha_cnt[layer] += a.shape[0] * a.shape[1]
 
     def result(self) -> dict:
         att = (self.att_sum / self.att_cnt.clamp(min=1)).tolist()
-        out = {"attention_by_distance": {f"layer_{li}": att[li] for li in range(self.n_layer)},
-               "memory_mass": {f"layer_{li}": float(self.mem_mass[li] / max(float(self.queries[li]), 1.0))
-                               for li in range(self.n_layer)}}
+        out = {
+            "attention_by_distance": {f"layer_{li}": att[li] for li in range(self.n_layer)},
+            "memory_mass": {
+                f"layer_{li}": float(self.mem_mass[li] / max(float(self.queries[li]), 1.0))
+                for li in range(self.n_layer)
+            },
+        }
         mean = (self.att_sum.sum(0) / self.att_cnt.sum(0).clamp(min=1)).tolist()
         out["attention_by_distance"]["mean"] = mean
         if float(self.alpha_cnt.sum()) > 0:
@@ -94,8 +99,15 @@ def analyze(model, batches, *, tgt_len: int, mem_len: int, segments: int, device
     if used == 0:
         raise UsageError(f"no segment with a full memory of {mem_len} rows in {seen} segments: raise --segments")
     out = rec.result()
-    out.update({"variant": cfg.variant, "tgt_len": tgt_len, "mem_len": mem_len, "segments_recorded": used,
-                "n_layer": cfg.n_layer})
+    out.update(
+        {
+            "variant": cfg.variant,
+            "tgt_len": tgt_len,
+            "mem_len": mem_len,
+            "segments_recorded": used,
+            "n_layer": cfg.n_layer,
+        }
+    )
     return out
 
 
@@ -154,8 +166,18 @@ def plot_alpha(results: list[dict], path: Path) -> None:
 
 
 # ---- the runs ------------------------------------------------------------------------------------------------
-def analyze_checkpoints(ckpts: list, data, split: str = "valid", *, segments: int = 50, batch_size: int = 10,
-                        tgt_len: int | None = None, mem_len: int | None = None, device="cpu", log=print) -> list[dict]:
+def analyze_checkpoints(
+    ckpts: list,
+    data,
+    split: str = "valid",
+    *,
+    segments: int = 50,
+    batch_size: int = 10,
+    tgt_len: int | None = None,
+    mem_len: int | None = None,
+    device="cpu",
+    log=print,
+) -> list[dict]:
     """Each checkpoint over the first `segments` segments of the split (lengths None: the checkpoint's), a line or
     two to `log` each -> the results (write_analysis writes them). A bad checkpoint or data directory raises the
     one-line error that names it."""
@@ -175,8 +197,10 @@ def analyze_checkpoints(ckpts: list, data, split: str = "valid", *, segments: in
         r["ckpt"], r["name"] = str(ckpt), Path(ckpt).name
         results.append(r)
         mass = ", ".join(f"{v:.3f}" for v in r["memory_mass"].values())
-        log(f"[analyze] {ckpt}: {r['variant']} tgt {L} mem {M}, {r['segments_recorded']} segments; attention "
-            f"mass on memory per layer: {mass}")
+        log(
+            f"[analyze] {ckpt}: {r['variant']} tgt {L} mem {M}, {r['segments_recorded']} segments; attention "
+            f"mass on memory per layer: {mass}"
+        )
         if "alpha" in r:
             log("[analyze]   mean alpha per layer: " + ", ".join(f"{sum(v) / len(v):.3f}" for v in r["alpha"].values()))
     return results
@@ -189,7 +213,8 @@ def write_analysis(results: list[dict], out, split: str, batch_size: int, log=pr
     plot_attention(results, out / "attention_by_distance.png")
     if any("alpha" in r for r in results):
         plot_alpha(results, out / "alpha.png")
-    (out / "analysis.json").write_text(json.dumps({"split": split, "batch_size": batch_size,
-                                                   "models": results}, indent=1) + "\n")
+    (out / "analysis.json").write_text(
+        json.dumps({"split": split, "batch_size": batch_size, "models": results}, indent=1) + "\n"
+    )
     log(f"[analyze] wrote {out}/")
     return out

@@ -29,6 +29,7 @@ TRAMS: --mem-len is the pool (the cache), the current tokens attend to the newes
 ratio x base (--ratio-base, default the checkpoint's training mem_len), one evaluation per ratio and checkpoint;
 the table (TSV) and the plot (PNG) are written, and --json gets every result.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,11 +60,13 @@ def check_tokenizer(meta: dict, manifest: dict, ckpt, data_dir) -> None:
     """A checkpoint trained on one subword tokenizer is not scored or sampled with another: one line naming both."""
     from megamemo.data.tokenizer import same_tokenizer
 
-    mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer") or {}     # a manifest without one: bytes
+    mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer") or {}  # a manifest without one: bytes
     if mine and not same_tokenizer(mine, theirs):
-        raise UsageError(f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
-                         f" differs from the one checkpoint {ckpt} was trained with ({mine.get('kind')}, sha256 "
-                         f"{str(mine.get('sha256'))[:12]})")
+        raise UsageError(
+            f"{data_dir}: its tokenizer ({theirs.get('kind')}, sha256 {str(theirs.get('sha256'))[:12]})"
+            f" differs from the one checkpoint {ckpt} was trained with ({mine.get('kind')}, sha256 "
+            f"{str(mine.get('sha256'))[:12]})"
+        )
 
 
 def token_bytes_of(data_dir, manifest: dict):
@@ -74,7 +77,7 @@ def token_bytes_of(data_dir, manifest: dict):
     from megamemo.data.tokenizer import SubwordTokenizer
 
     vocab = load_vocab(data_dir)
-    assert isinstance(vocab, SubwordTokenizer)      # the manifest records a subword tokenizer
+    assert isinstance(vocab, SubwordTokenizer)  # the manifest records a subword tokenizer
     return torch.from_numpy(vocab.token_bytes())
 
 
@@ -85,40 +88,86 @@ def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
     return StreamReader(data_dir, split, batch_size, tgt_len, world_size=1, rank=0, epochs=1)
 
 
-def run_one(model, meta: dict, data_dir, split: str, *, tgt_len: int, mem_len: int, clamp_len: int,
-            same_length: bool, batch_size: int, trams: TramsConfig | None = None, max_segments: int = 0,
-            metric: str, device=None, log=print, bar: bool | None = False,
-            token_bytes: torch.Tensor | None = None, memory: Memory | None = None) -> dict:
+def run_one(
+    model,
+    meta: dict,
+    data_dir,
+    split: str,
+    *,
+    tgt_len: int,
+    mem_len: int,
+    clamp_len: int,
+    same_length: bool,
+    batch_size: int,
+    trams: TramsConfig | None = None,
+    max_segments: int = 0,
+    metric: str,
+    device=None,
+    log=print,
+    bar: bool | None = False,
+    token_bytes: torch.Tensor | None = None,
+    memory: Memory | None = None,
+) -> dict:
     reader = open_batches(data_dir, split, batch_size, tgt_len)
     try:
-        out = evaluate(model, reader, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, trams=trams,
-                       max_segments=max_segments, device=device, log=log, total_segments=reader.steps_per_epoch,
-                       bar=bar, token_bytes=token_bytes, memory=memory)
+        out = evaluate(
+            model,
+            reader,
+            mem_len=mem_len,
+            same_length=same_length,
+            clamp_len=clamp_len,
+            trams=trams,
+            max_segments=max_segments,
+            device=device,
+            log=log,
+            total_segments=reader.steps_per_epoch,
+            bar=bar,
+            token_bytes=token_bytes,
+            memory=memory,
+        )
     finally:
         reader.close()
     out[metric] = metric_value(out["nll"], metric)
-    out.update({"metric": metric, "split": split, "tgt_len": tgt_len, "mem_len": mem_len, "clamp_len": clamp_len,
-                "same_length": same_length, "batch_size": batch_size, "variant": model.cfg.variant,
-                "tokens_per_s": out["tokens"] / max(out["seconds"], 1e-9)})
+    out.update(
+        {
+            "metric": metric,
+            "split": split,
+            "tgt_len": tgt_len,
+            "mem_len": mem_len,
+            "clamp_len": clamp_len,
+            "same_length": same_length,
+            "batch_size": batch_size,
+            "variant": model.cfg.variant,
+            "tokens_per_s": out["tokens"] / max(out["seconds"], 1e-9),
+        }
+    )
     if trams is not None:
-        out["trams"] = {"pool": trams.pool, "attend": trams.attend, "recent": trams.recent, "topk": trams.topk,
-                        "metric": trams.metric}
+        out["trams"] = {
+            "pool": trams.pool,
+            "attend": trams.attend,
+            "recent": trams.recent,
+            "topk": trams.topk,
+            "metric": trams.metric,
+        }
     return out
 
 
 def _lengths(model, a, mem_len=None) -> dict:
     c = model.cfg
-    return {"tgt_len": a.tgt_len or c.tgt_len,
-            "mem_len": (a.mem_len if a.mem_len is not None else c.mem_len) if mem_len is None else mem_len,
-            "clamp_len": c.clamp_len if a.clamp_len is None else a.clamp_len,
-            "same_length": c.same_length if a.same_length is None else a.same_length}
+    return {
+        "tgt_len": a.tgt_len or c.tgt_len,
+        "mem_len": (a.mem_len if a.mem_len is not None else c.mem_len) if mem_len is None else mem_len,
+        "clamp_len": c.clamp_len if a.clamp_len is None else a.clamp_len,
+        "same_length": c.same_length if a.same_length is None else a.same_length,
+    }
 
 
 def _trams(a, mem_len: int) -> TramsConfig | None:
     if a.trams_topk is None:
         return None
-    return TramsConfig(pool=mem_len, attend=a.trams_topk + a.trams_recent, recent=a.trams_recent,
-                       metric=a.trams_metric).validate()
+    return TramsConfig(
+        pool=mem_len, attend=a.trams_topk + a.trams_recent, recent=a.trams_recent, metric=a.trams_metric
+    ).validate()
 
 
 def _fmt(r: dict) -> str:
@@ -127,10 +176,12 @@ def _fmt(r: dict) -> str:
     extra = f" | TRAMS attend {t['attend']} of pool {t['pool']} (recent {t['recent']}, {t['metric']})" if t else ""
     bpb = f" | bits_per_byte {r['bits_per_byte']:.4f} ({r['bytes']:,} bytes)" if "bits_per_byte" in r else ""
     extra += f" | from memory {r['memory']}" if "memory" in r else ""
-    return (f"{r['ckpt']}: {r['split']} {m} {r[m]:.4f} (nll {r['nll']:.5f} nats/token, {r['tokens']:,} tokens)"
-            f"{bpb} | "
-            f"{r['variant']} tgt {r['tgt_len']} mem {r['mem_len']} clamp {r['clamp_len']} "
-            f"same_length {r['same_length']} B {r['batch_size']}{extra} | {r['tokens_per_s']:,.0f} tokens/s")
+    return (
+        f"{r['ckpt']}: {r['split']} {m} {r[m]:.4f} (nll {r['nll']:.5f} nats/token, {r['tokens']:,} tokens)"
+        f"{bpb} | "
+        f"{r['variant']} tgt {r['tgt_len']} mem {r['mem_len']} clamp {r['clamp_len']} "
+        f"same_length {r['same_length']} B {r['batch_size']}{extra} | {r['tokens_per_s']:,.0f} tokens/s"
+    )
 
 
 @dataclass
@@ -138,30 +189,31 @@ class Request:
     """What `megamemo eval` asks of every checkpoint: each field is one of its flags (megamemo/commands/eval.py makes
     them from these fields, their comments the flags' help). A length left None is the checkpoint's; mem_ratios:
     the extrapolation sweep, mem_len = ratio x ratio_base (None: the checkpoint's)."""
-    data: str                       # shard directory made by `megamemo prepare`, or an s3:// gs:// https:// URL of
-                                    # one (read through the verified cache in $XDG_CACHE_HOME/megamemo/shards,
-                                    # default ~/.cache/...)
-    split: str = "valid"            # valid | test (or any split of the manifest)
-    batch_size: int = 10            # columns (streams); default 10 as in the XL scripts
-    max_segments: int = 0           # stop after this many segments (0: the whole split)
-    tgt_len: int | None = None      # segment length (default: the checkpoint's tgt_len)
-    mem_len: int | None = None      # memory length (default: the checkpoint's mem_len); the TRAMS pool
-    clamp_len: int | None = None    # clamp relative distances (default: the checkpoint's)
-    same_length: bool | None = None     # every query attends over the same number of keys (no: over all keys before
-                                    # it; default: the checkpoint's same_length)
-    trams_topk: int | None = None   # TRAMS: older memory rows selected per layer/head/stream
-    trams_recent: int = 0           # TRAMS: newest memory rows always attended
-    trams_metric: str = "code"      # code: ||K'||*|sum K'| (reference code); paper: cos<K',1>*||K'||
-    mem_ratios: list[float] | None = None   # extrapolation sweep: comma-separated mem_len / ratio-base ratios
-    ratio_base: int | None = None   # base of the sweep's ratios (default: the checkpoint's mem_len)
-    memory: str | None = None       # start every column from this memory (memory.safetensors of `megamemo convert
-                                    # to-single --memory`, or its directory; its streams must be the batch size)
-    device: str = "cpu"             # torch device: auto (the command resolves it: cuda when torch sees one, else
-                                    # cpu), cpu, cuda, cuda:N
-    dtype: str = "checkpoint"       # run the model in this dtype (default: as stored)
-    attention: str = "auto"         # attention form: auto (flex on CUDA, eager on the CPU), eager, flex
-                                    # (FlexAttention), fused (the Triton kernels; on the CPU only in Triton's
-                                    # interpreter, TRITON_INTERPRET=1)
+
+    data: str  # shard directory made by `megamemo prepare`, or an s3:// gs:// https:// URL of
+    # one (read through the verified cache in $XDG_CACHE_HOME/megamemo/shards,
+    # default ~/.cache/...)
+    split: str = "valid"  # valid | test (or any split of the manifest)
+    batch_size: int = 10  # columns (streams); default 10 as in the XL scripts
+    max_segments: int = 0  # stop after this many segments (0: the whole split)
+    tgt_len: int | None = None  # segment length (default: the checkpoint's tgt_len)
+    mem_len: int | None = None  # memory length (default: the checkpoint's mem_len); the TRAMS pool
+    clamp_len: int | None = None  # clamp relative distances (default: the checkpoint's)
+    same_length: bool | None = None  # every query attends over the same number of keys (no: over all keys before
+    # it; default: the checkpoint's same_length)
+    trams_topk: int | None = None  # TRAMS: older memory rows selected per layer/head/stream
+    trams_recent: int = 0  # TRAMS: newest memory rows always attended
+    trams_metric: str = "code"  # code: ||K'||*|sum K'| (reference code); paper: cos<K',1>*||K'||
+    mem_ratios: list[float] | None = None  # extrapolation sweep: comma-separated mem_len / ratio-base ratios
+    ratio_base: int | None = None  # base of the sweep's ratios (default: the checkpoint's mem_len)
+    memory: str | None = None  # start every column from this memory (memory.safetensors of `megamemo convert
+    # to-single --memory`, or its directory; its streams must be the batch size)
+    device: str = "cpu"  # torch device: auto (the command resolves it: cuda when torch sees one, else
+    # cpu), cpu, cuda, cuda:N
+    dtype: str = "checkpoint"  # run the model in this dtype (default: as stored)
+    attention: str = "auto"  # attention form: auto (flex on CUDA, eager on the CPU), eager, flex
+    # (FlexAttention), fused (the Triton kernels; on the CPU only in Triton's
+    # interpreter, TRITON_INTERPRET=1)
 
 
 def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
@@ -171,7 +223,7 @@ def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
     from megamemo.eval.start_memory import load_start_memory
     from megamemo.interop.load import open_model
 
-    manifest = manifest_of(a.data)          # a local directory or an s3:// gs:// https:// one
+    manifest = manifest_of(a.data)  # a local directory or an s3:// gs:// https:// one
     metric = metric_name(manifest)
     if a.split not in manifest["splits"]:
         raise UsageError(f"{str(a.data).rstrip('/')}/manifest.json: no split {a.split!r}")
@@ -188,9 +240,21 @@ def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
                 mem_len = max(0, round(ratio * base))
             L = _lengths(model, a, mem_len)
             start = load_start_memory(a.memory, model, a.batch_size, L["mem_len"]) if a.memory else None
-            r = run_one(model, meta, a.data, a.split, batch_size=a.batch_size, trams=_trams(a, L["mem_len"]),
-                        max_segments=a.max_segments, metric=metric, device=a.device, bar=None,
-                        token_bytes=token_bytes, memory=start, **L)
+            r = run_one(
+                model,
+                meta,
+                a.data,
+                a.split,
+                batch_size=a.batch_size,
+                trams=_trams(a, L["mem_len"]),
+                max_segments=a.max_segments,
+                metric=metric,
+                device=a.device,
+                bar=None,
+                token_bytes=token_bytes,
+                memory=start,
+                **L,
+            )
             r["ckpt"] = str(ckpt)
             if a.memory:
                 r["memory"] = str(a.memory)
@@ -214,8 +278,21 @@ def write_table(results: list[dict], path: Path) -> None:
     metric = results[0]["metric"]
     lines = ["\t".join(["ckpt", "variant", "mem_ratio", "tgt_len", "mem_len", "nll", metric, "tokens"])]
     for r in results:
-        lines.append("\t".join(str(x) for x in (r["ckpt"], r["variant"], r.get("mem_ratio", ""), r["tgt_len"],
-                                                 r["mem_len"], f"{r['nll']:.6f}", f"{r[metric]:.6f}", r["tokens"])))
+        lines.append(
+            "\t".join(
+                str(x)
+                for x in (
+                    r["ckpt"],
+                    r["variant"],
+                    r.get("mem_ratio", ""),
+                    r["tgt_len"],
+                    r["mem_len"],
+                    f"{r['nll']:.6f}",
+                    f"{r[metric]:.6f}",
+                    r["tokens"],
+                )
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -229,10 +306,13 @@ def plot_sweep(results: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for ckpt in dict.fromkeys(r["ckpt"] for r in results):
         rs = [r for r in results if r["ckpt"] == ckpt]
-        ax.plot([r["mem_ratio"] for r in rs], [r[metric] for r in rs], marker="o",
-                label=f"{rs[0]['variant']} ({Path(ckpt).name})")
-    ax.set_xlabel(f"memory length / {results[0]['ratio_base']} (tgt_len "
-                  f"{results[0]['tgt_len']})")
+        ax.plot(
+            [r["mem_ratio"] for r in rs],
+            [r[metric] for r in rs],
+            marker="o",
+            label=f"{rs[0]['variant']} ({Path(ckpt).name})",
+        )
+    ax.set_xlabel(f"memory length / {results[0]['ratio_base']} (tgt_len {results[0]['tgt_len']})")
     ax.set_ylabel(f"{results[0]['split']} {metric}")
     ax.set_title("memory length extrapolation")
     ax.grid(alpha=0.3)

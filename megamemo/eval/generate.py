@@ -12,6 +12,7 @@ read the file's raw bytes, word vocabularies split lines on whitespace and close
 --memory FILE starts from a saved memory instead of an empty one: one stream's, as `megamemo convert to-single
 --memory COLUMN` writes it (memory.safetensors, or the converted directory), so the prompt continues that stream.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,22 +29,24 @@ from megamemo.util.errors import UsageError
 class Request:
     """What `megamemo generate` asks: each field is one of its flags (megamemo/commands/generate.py makes them from
     these fields, their comments the flags' help)."""
-    prompt_file: str                # UTF-8 text the generation continues
-    max_new_tokens: int = 200       # tokens to generate after the prompt
-    top_p: float = 0.95             # nucleus sampling: sample among the most likely tokens holding this much
-                                    # probability
-    temperature: float = 1.0        # divides the logits before sampling
-    seed: int = 0                   # seed of the sampling (the same seed, the same text)
-    greedy: bool = False            # always the most likely token (no sampling)
-    data: str | None = None         # shard directory whose vocabulary to use (default: the checkpoint's)
-    mem_len: int | None = None      # memory length (default: mem_len + tgt_len - 1)
-    memory: str | None = None       # start from this stream's memory (memory.safetensors of `megamemo convert
-                                    # to-single --memory COLUMN`, or its directory)
-    device: str = "cpu"             # torch device: auto (the command resolves it: cuda when torch sees one, else
-                                    # cpu), cpu, cuda, cuda:N
-    attention: str = "auto"         # attention form: auto (eager: one query a step), eager, flex (FlexAttention),
-                                    # fused (the Triton kernels; on the CPU only in Triton's interpreter,
-                                    # TRITON_INTERPRET=1)
+
+    prompt_file: str  # UTF-8 text the generation continues
+    max_new_tokens: int = 200  # tokens to generate after the prompt
+    top_p: float = 0.95  # nucleus sampling: sample among the most likely tokens holding this much
+    # probability
+    temperature: float = 1.0  # divides the logits before sampling
+    seed: int = 0  # seed of the sampling (the same seed, the same text)
+    greedy: bool = False  # always the most likely token (no sampling)
+    data: str | None = None  # shard directory whose vocabulary to use (default: the checkpoint's)
+    mem_len: int | None = None  # memory length (default: mem_len + tgt_len - 1)
+    memory: str | None = None  # start from this stream's memory (memory.safetensors of `megamemo convert
+    # to-single --memory COLUMN`, or its directory)
+    device: str = "cpu"  # torch device: auto (the command resolves it: cuda when torch sees one, else
+    # cpu), cpu, cuda, cuda:N
+    attention: str = "auto"  # attention form: auto (eager: one query a step), eager, flex (FlexAttention),
+    # fused (the Triton kernels; on the CPU only in Triton's interpreter,
+    # TRITON_INTERPRET=1)
+
 
 if TYPE_CHECKING:
     from megamemo.data.tokenizer import SubwordTokenizer
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
 @dataclass
 class Continuation:
     """A checked request, ready to run: the model, the vocabulary, the encoded prompt, the starting memory."""
+
     model: torch.nn.Module
     vocab: Vocab | SubwordTokenizer
     prompt: list[int]
@@ -60,9 +64,22 @@ class Continuation:
 
     def run(self, r: Request, log=None) -> tuple[list[int], str]:
         """-> (new token ids, their text)."""
-        new = generate(self.model, self.prompt, r.max_new_tokens, top_p=r.top_p, temperature=r.temperature,
-                       seed=r.seed, mem_len=r.mem_len, log=log, greedy=r.greedy, memory=self.memory) \
-            if r.max_new_tokens else []
+        new = (
+            generate(
+                self.model,
+                self.prompt,
+                r.max_new_tokens,
+                top_p=r.top_p,
+                temperature=r.temperature,
+                seed=r.seed,
+                mem_len=r.mem_len,
+                log=log,
+                greedy=r.greedy,
+                memory=self.memory,
+            )
+            if r.max_new_tokens
+            else []
+        )
         return new, self.vocab.decode(new)
 
 
@@ -78,18 +95,26 @@ def prepare(ckpt, r: Request) -> Continuation:
     model.cfg.check_lengths(**{"--mem-len": mem_len})
     vocab = vocab_for(meta, r.data, ckpt)
     if len(vocab) > model.cfg.vocab_size:
-        raise UsageError(f"vocabulary of {len(vocab)} symbols does not fit the model's "
-                         f"{model.cfg.vocab_size} (model.n_vocab or n_token)")
+        raise UsageError(
+            f"vocabulary of {len(vocab)} symbols does not fit the model's "
+            f"{model.cfg.vocab_size} (model.n_vocab or n_token)"
+        )
     raw = Path(prompt_file).read_bytes()
     prompt = encode_prompt(vocab, raw, prompt_file)
     if not prompt:
         raise UsageError(f"{prompt_file}: empty prompt")
     if r.max_new_tokens < 0:
         raise UsageError("--max-new-tokens must be >= 0")
-    nucleus_probs(torch.zeros(2), r.top_p, r.temperature)   # argument checks
+    nucleus_probs(torch.zeros(2), r.top_p, r.temperature)  # argument checks
     start = None
     if r.memory:
         from megamemo.eval.start_memory import load_start_memory
-        start = load_start_memory(r.memory, model, 1, default_mem_len(model) if mem_len is None else mem_len,
-                                  what="generate continues one: convert with --memory COLUMN")
+
+        start = load_start_memory(
+            r.memory,
+            model,
+            1,
+            default_mem_len(model) if mem_len is None else mem_len,
+            what="generate continues one: convert with --memory COLUMN",
+        )
     return Continuation(model, vocab, prompt, start)

@@ -19,6 +19,7 @@ loss above 2 nats per token is a word-level run). --metric overrides; runs that 
 RUN_DIR/metrics.png for one run, ./metrics.png for several. Exit codes: 0 written; 2 a missing, empty or malformed
 metrics.jsonl (the message names the file and line).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -31,7 +32,7 @@ from megamemo.runtime import goodput, interruptions
 from megamemo.util.errors import MegamemoError
 from megamemo.util.units import metric_value
 
-WORD_LEVEL_NATS = 2.0   # records-only guess: characters sit below this (bpc < 2.9), words above (ppl > 7.4)
+WORD_LEVEL_NATS = 2.0  # records-only guess: characters sit below this (bpc < 2.9), words above (ppl > 7.4)
 
 
 class PlotError(MegamemoError, ValueError):
@@ -42,11 +43,11 @@ class PlotError(MegamemoError, ValueError):
 class Run:
     name: str
     path: Path
-    train: list[dict] = field(default_factory=list)     # kind "train", in file order
+    train: list[dict] = field(default_factory=list)  # kind "train", in file order
     evals: list[dict] = field(default_factory=list)
     skips: list[dict] = field(default_factory=list)
     resumes: list[dict] = field(default_factory=list)
-    interruptions: list[dict] = field(default_factory=list)    # interruptions.jsonl, in the run's history
+    interruptions: list[dict] = field(default_factory=list)  # interruptions.jsonl, in the run's history
     goodput: dict | None = None
     metric: str = "bpc"
     metric_from: str = ""
@@ -94,7 +95,7 @@ def load_run(run_dir: str | Path) -> Run:
     for i, rec in records:
         kind = rec.get("kind", "train")
         if kind not in lists:
-            continue                                  # a kind this version does not draw
+            continue  # a kind this version does not draw
         for key in NEEDS[kind]:
             if not isinstance(rec.get(key), (int, float)) or isinstance(rec.get(key), bool):
                 raise PlotError(f"{path}:{i}: {kind!r} record without a numeric {key!r}")
@@ -132,7 +133,7 @@ def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
 
                 return unit_of(kind), f"{manifest} (tokenizer {kind})"
         model = (cfg.get("model") or {}) if isinstance(cfg, dict) else {}
-        n_token = model.get("n_vocab") or model.get("n_token")       # a padded vocabulary's symbols
+        n_token = model.get("n_vocab") or model.get("n_token")  # a padded vocabulary's symbols
         if isinstance(n_token, int):
             return ("bpc" if n_token <= 256 else "ppl"), f"{cfg_path} (vocabulary of {n_token})"
     last = (run.evals or run.train)[-1]["loss"]
@@ -185,22 +186,37 @@ def _draw(ax, runs: list[Run], x: str, metric: str, drawn: dict, plt, blended_tr
         c = colours[i % len(colours)]
         if run.train:
             good = f" (goodput {run.goodput['goodput']:.1%})" if run.goodput else ""
-            (drawn[run.name, "train"],) = ax.plot(xs(run, [r["step"] for r in run.train]),
-                                                  [value(r, metric) for r in run.train], color=c,
-                                                  lw=0.8, alpha=0.6, label=f"{run.name} train{good}")
+            (drawn[run.name, "train"],) = ax.plot(
+                xs(run, [r["step"] for r in run.train]),
+                [value(r, metric) for r in run.train],
+                color=c,
+                lw=0.8,
+                alpha=0.6,
+                label=f"{run.name} train{good}",
+            )
         if run.evals:
             split = run.evals[0].get("split", "valid")
-            (drawn[run.name, "eval"],) = ax.plot(xs(run, [r["step"] for r in run.evals]),
-                                                 [value(r, metric) for r in run.evals], color=c, lw=1.8,
-                                                 marker="o", ms=4, label=f"{run.name} {split}")
-        drawn[run.name, "resume"] = [ax.axvline(xv, color=c, ls=":", lw=1.2)
-                                     for xv in xs(run, [r["step"] for r in run.resumes])]
-        drawn[run.name, "interruption"] = [ax.axvline(xv, color=c, ls="--", lw=1.2, alpha=0.8)
-                                           for xv in xs(run, [r["step"] for r in run.interruptions])]
-        if run.skips:   # at the step attempted; by tokens, where that attempt began (it trained none)
+            (drawn[run.name, "eval"],) = ax.plot(
+                xs(run, [r["step"] for r in run.evals]),
+                [value(r, metric) for r in run.evals],
+                color=c,
+                lw=1.8,
+                marker="o",
+                ms=4,
+                label=f"{run.name} {split}",
+            )
+        drawn[run.name, "resume"] = [
+            ax.axvline(xv, color=c, ls=":", lw=1.2) for xv in xs(run, [r["step"] for r in run.resumes])
+        ]
+        drawn[run.name, "interruption"] = [
+            ax.axvline(xv, color=c, ls="--", lw=1.2, alpha=0.8)
+            for xv in xs(run, [r["step"] for r in run.interruptions])
+        ]
+        if run.skips:  # at the step attempted; by tokens, where that attempt began (it trained none)
             at = [r["step"] for r in run.skips] if x == "steps" else [run.tokens_at(r["step"] - 1) for r in run.skips]
-            (drawn[run.name, "skip"],) = ax.plot(at, [0.02] * len(at), ls="none", marker="x", color=c,
-                                                 transform=foot, clip_on=False)
+            (drawn[run.name, "skip"],) = ax.plot(
+                at, [0.02] * len(at), ls="none", marker="x", color=c, transform=foot, clip_on=False
+            )
     ax.set_xlabel("step" if x == "steps" else "tokens trained")
     ax.set_ylabel(LABELS[metric])
     if metric == "ppl":
@@ -224,8 +240,11 @@ def load_runs(run_dirs: list, metric: str | None = None) -> list[Run]:
     if len(set(names)) != len(names):
         raise PlotError(f"run directories share a name, the plot could not tell them apart: {run_dirs}")
     if metric is None and len({r.metric for r in runs}) > 1:
-        raise PlotError("runs disagree on the metric (" + ", ".join(f"{r.name}: {r.metric} from "
-                        f"{r.metric_from}" for r in runs) + "); pass --metric bpc or --metric ppl")
+        raise PlotError(
+            "runs disagree on the metric ("
+            + ", ".join(f"{r.name}: {r.metric} from {r.metric_from}" for r in runs)
+            + "); pass --metric bpc or --metric ppl"
+        )
     return runs
 
 
@@ -246,9 +265,11 @@ def save(runs: list[Run], out: Path, x: str = "steps", metric: str | None = None
     finally:
         plt.close(fig)
     for r in runs:
-        log(f"[plot] {r.name}: {len(r.train)} steps, {len(r.evals)} evaluations, {len(r.resumes)} resumes, "
+        log(
+            f"[plot] {r.name}: {len(r.train)} steps, {len(r.evals)} evaluations, {len(r.resumes)} resumes, "
             f"{len(r.skips)} skipped steps, {len(r.interruptions)} interruptions; {metric or r.metric} "
-            f"({'--metric' if metric else r.metric_from})")
+            f"({'--metric' if metric else r.metric_from})"
+        )
         if r.goodput:
             log(f"[plot] {r.name}: {goodput.describe(r.goodput)}")
     log(f"[plot] wrote {out}")

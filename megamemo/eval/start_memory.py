@@ -7,6 +7,7 @@ hold as many streams as the run has columns (eval --batch-size; generate: one), 
 length the run keeps (a longer memory would be attended to whole on the first segment, then cut). The tensors are
 moved to the model's device and dtype (LaMemo's log-normalisers `lse.*` stay fp32, as in training).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,8 @@ def row_shape(model, name: str) -> tuple[int, ...]:
     """The shape of one memory row of tensor `name` for this (single-device) model: [M, B, *row_shape]."""
     c = model.cfg
     return {"emb": (c.d_model,), "hid": (c.d_model,), "ctx": (c.n_head, c.d_head), "lse": (c.n_head,)}[
-        name.split(".")[0]]
+        name.split(".")[0]
+    ]
 
 
 def load_start_memory(path, model, streams: int, mem_len: int, what: str = "--batch-size") -> Memory:
@@ -33,17 +35,23 @@ def load_start_memory(path, model, streams: int, mem_len: int, what: str = "--ba
     if not names:
         raise UsageError(f"{path}: the model ({c.variant}) has no memory to start from")
     if sorted(mem.tensors) != sorted(names):
-        raise UsageError(f"{path}: memory tensors {sorted(mem.tensors)} are not this model's ({c.variant}, "
-                         f"{c.n_layer} layers: {names})")
+        raise UsageError(
+            f"{path}: memory tensors {sorted(mem.tensors)} are not this model's ({c.variant}, "
+            f"{c.n_layer} layers: {names})"
+        )
     for k, t in mem.tensors.items():
         if tuple(t.shape[2:]) != row_shape(model, k):
-            raise UsageError(f"{path}: memory tensor {k!r} has shape {list(t.shape)}, the model's rows are "
-                             f"{list(row_shape(model, k))} (d_model {c.d_model}, n_head {c.n_head}, d_head "
-                             f"{c.d_head})")
+            raise UsageError(
+                f"{path}: memory tensor {k!r} has shape {list(t.shape)}, the model's rows are "
+                f"{list(row_shape(model, k))} (d_model {c.d_model}, n_head {c.n_head}, d_head "
+                f"{c.d_head})"
+            )
     if mem.batch_size != streams:
         raise UsageError(f"{path}: memory of {mem.batch_size} streams, the run has {streams} ({what})")
     if mem.length > mem_len:
         raise UsageError(f"{path}: memory of {mem.length} rows is longer than the run's mem_len {mem_len}")
     param = next(model.parameters())
-    return Memory({k: t.to(param.device, torch.float32 if k.startswith("lse.") else param.dtype)
-                   for k, t in mem.tensors.items()}, batch_size=mem.batch_size)
+    return Memory(
+        {k: t.to(param.device, torch.float32 if k.startswith("lse.") else param.dtype) for k, t in mem.tensors.items()},
+        batch_size=mem.batch_size,
+    )

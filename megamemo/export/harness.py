@@ -17,6 +17,7 @@ samples, with do_sample) through `megamemo generate`'s decoder.
 `megamemo harness` runs one lm-eval rolling-loglikelihood task over the given files (one document per file, no
 hub, no download) and reports lm-eval's `word_perplexity`, `byte_perplexity` and `bits_per_byte`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -58,8 +59,16 @@ class MegamemoLM(LM):
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
         return cls(**lm_eval_arguments(dict(arg_dict), additional_config))
 
-    def __init__(self, ckpt: str, device: str | None = None, dtype: str = "checkpoint", mem_len: int | None = None,
-                 max_gen_toks: int = 256, data: str | None = None, **_ignored):
+    def __init__(
+        self,
+        ckpt: str,
+        device: str | None = None,
+        dtype: str = "checkpoint",
+        mem_len: int | None = None,
+        max_gen_toks: int = 256,
+        data: str | None = None,
+        **_ignored,
+    ):
         super().__init__()
         if device not in (None, "auto") and str(device).startswith("cuda") and not torch.cuda.is_available():
             # lm_eval passes --device (default cuda) to every model; HFLM falls back too
@@ -70,8 +79,10 @@ class MegamemoLM(LM):
         self.model.cfg.check_lengths(**{"--mem-len": None if mem_len is None else int(mem_len)})
         self.vocab = vocab_for(meta, data)
         if len(self.vocab) > self.model.cfg.vocab_size:
-            raise UsageError(f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit the model's "
-                             f"{self.model.cfg.vocab_size} (model.n_vocab or n_token)")
+            raise UsageError(
+                f"{ckpt}: vocabulary of {len(self.vocab)} symbols does not fit the model's "
+                f"{self.model.cfg.vocab_size} (model.n_vocab or n_token)"
+            )
         self._device = torch.device(device)
         self.mem_len = self.model.cfg.mem_len if mem_len is None else int(mem_len)
         self.max_gen_toks = int(max_gen_toks)
@@ -92,8 +103,11 @@ class MegamemoLM(LM):
         carried over segments of tgt_len (batch 1: megamemo eval's batches of one stream)."""
         t = torch.tensor(ids, dtype=torch.long)
         L = self.model.cfg.tgt_len
-        batches = ((t[s:s + n, None], t[s + 1:s + 1 + n, None])
-                   for s in range(0, t.numel() - 1, L) for n in [min(L, t.numel() - 1 - s)])
+        batches = (
+            (t[s : s + n, None], t[s + 1 : s + 1 + n, None])
+            for s in range(0, t.numel() - 1, L)
+            for n in [min(L, t.numel() - 1 - s)]
+        )
         nll: list[torch.Tensor] = []
         hit: list[torch.Tensor] = []
 
@@ -113,7 +127,7 @@ class MegamemoLM(LM):
             ctx = self.encode(context) or [self.start_token()]
             cont = self.encode(continuation)
             nll, hit = self.score(ctx + cont)
-            nll, hit = nll[len(ctx) - 1:], hit[len(ctx) - 1:]
+            nll, hit = nll[len(ctx) - 1 :], hit[len(ctx) - 1 :]
             out.append((-float(nll.sum()), bool(hit.all())))
             self.cache_hook.add_partial("loglikelihood", (context, continuation), out[-1])
         return out
@@ -136,12 +150,19 @@ class MegamemoLM(LM):
             n = int(kw.get("max_gen_toks", self.max_gen_toks))
             ids = self.encode(context) or [self.start_token()]
             sample = bool(kw.get("do_sample", False)) and float(kw.get("temperature", 1.0)) > 0
-            new = generate(self.model, ids, n, greedy=not sample, top_p=float(kw.get("top_p", 1.0)),
-                           temperature=float(kw.get("temperature", 1.0)), seed=int(kw.get("seed", 0)))
+            new = generate(
+                self.model,
+                ids,
+                n,
+                greedy=not sample,
+                top_p=float(kw.get("top_p", 1.0)),
+                temperature=float(kw.get("temperature", 1.0)),
+                seed=int(kw.get("seed", 0)),
+            )
             text = self.vocab.decode(new)
             for stop in until:
                 if stop and stop in text:
-                    text = text[:text.index(stop)]
+                    text = text[: text.index(stop)]
             out.append(text)
             self.cache_hook.add_partial("generate_until", (context, kw), text)
         return out
@@ -166,12 +187,23 @@ def text_task(docs: list[dict]):
     import datasets
     from lm_eval.api.task import ConfigurableTask
 
-    config = {"task": TASK, "output_type": "loglikelihood_rolling", "test_split": "test",
-              "custom_dataset": lambda **_: {"test": datasets.Dataset.from_list(docs)},
-              "doc_to_text": "", "doc_to_target": lambda doc: doc["text"],
-              "metric_list": [{"metric": m, "aggregation": "bits_per_byte" if m == "bits_per_byte" else
-                               "weighted_perplexity", "higher_is_better": False} for m in METRICS],
-              "metadata": {"version": 1.0}}
+    config = {
+        "task": TASK,
+        "output_type": "loglikelihood_rolling",
+        "test_split": "test",
+        "custom_dataset": lambda **_: {"test": datasets.Dataset.from_list(docs)},
+        "doc_to_text": "",
+        "doc_to_target": lambda doc: doc["text"],
+        "metric_list": [
+            {
+                "metric": m,
+                "aggregation": "bits_per_byte" if m == "bits_per_byte" else "weighted_perplexity",
+                "higher_is_better": False,
+            }
+            for m in METRICS
+        ],
+        "metadata": {"version": 1.0},
+    }
     return ConfigurableTask(config=config)
 
 
@@ -183,12 +215,24 @@ def run_harness(ckpt, files: list[str], device=None, mem_len=None) -> dict:
 
     docs = read_texts(files)
     lm = MegamemoLM(ckpt, device=device, mem_len=mem_len)
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)     # its notes on custom datasets are not for this user
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on custom datasets are not for this user
     # lm-eval's own evaluation of the task, without simple_evaluate's index of every installed task (20 s of YAML)
-    res = lm_eval_evaluate(lm=lm, task_dict={"tasks": {TASK: text_task(docs)}, "groups": {}, "group_map": {}},
-                           bootstrap_iters=0, log_samples=False)["results"][TASK]
+    res = lm_eval_evaluate(
+        lm=lm,
+        task_dict={"tasks": {TASK: text_task(docs)}, "groups": {}, "group_map": {}},
+        bootstrap_iters=0,
+        log_samples=False,
+    )["results"][TASK]
     out: dict[str, Any] = {m: float(res[f"{m},none"]) for m in METRICS}
-    out.update({"ckpt": str(ckpt), "files": [d["path"] for d in docs], "variant": lm.model.cfg.variant,
-                "tgt_len": lm.model.cfg.tgt_len, "mem_len": lm.mem_len, "lm_eval": lm_eval.__version__,
-                "bytes": sum(len(d["text"].encode("utf-8")) for d in docs)})
+    out.update(
+        {
+            "ckpt": str(ckpt),
+            "files": [d["path"] for d in docs],
+            "variant": lm.model.cfg.variant,
+            "tgt_len": lm.model.cfg.tgt_len,
+            "mem_len": lm.mem_len,
+            "lm_eval": lm_eval.__version__,
+            "bytes": sum(len(d["text"].encode("utf-8")) for d in docs),
+        }
+    )
     return out

@@ -18,6 +18,7 @@ DIR gets:
   generation_config.json   megamemo generate's defaults (nucleus sampling, top_p 0.95, no top-k)
 DIR appears by an atomic rename; an existing DIR is refused unless --overwrite, and a failure leaves nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -106,10 +107,16 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
             where.append(Path(meta["data"]["dir"]) / rec["file"])
         src = next((p for p in where if p.is_file()), None)
         if src is None:
-            raise ExportError(f"{dirs[0] / 'config.json'}: tokenizer file {rec['file']!r} not found in "
-                              f"{' or '.join(str(p.parent) for p in where)}")
-        problem = entry_mismatch({"sha256": rec.get("sha256")}, src.stat().st_size, lambda: file_sha256(src),
-                                 recorded="the checkpoint's tokenizer.sha256")
+            raise ExportError(
+                f"{dirs[0] / 'config.json'}: tokenizer file {rec['file']!r} not found in "
+                f"{' or '.join(str(p.parent) for p in where)}"
+            )
+        problem = entry_mismatch(
+            {"sha256": rec.get("sha256")},
+            src.stat().st_size,
+            lambda: file_sha256(src),
+            recorded="the checkpoint's tokenizer.sha256",
+        )
         if problem:
             raise ExportError(f"{src}: {problem} (corrupt or replaced)")
         eod = {"bos_token": rec["eod"], "eos_token": rec["eod"]} if rec.get("eod") else {}
@@ -133,11 +140,19 @@ def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
 def hf_config(model_cfg: dict, dtype: str, source: str) -> dict:
     fields = dict(model_cfg)
     fields.pop("init_std", None), fields.pop("proj_init_std", None), fields.pop("future_bias_init", None)
-    return {**fields, "model_type": "megamemo", "architectures": ["MegamemoForCausalLM"],
-            "auto_map": {"AutoConfig": "configuration_megamemo.MegamemoConfig",
-                         "AutoModelForCausalLM": "modeling_megamemo.MegamemoForCausalLM"},
-            "generation_mem_len": model_cfg["mem_len"] + model_cfg["tgt_len"] - 1,
-            "tie_word_embeddings": False, "dtype": dtype, "megamemo_source": source}
+    return {
+        **fields,
+        "model_type": "megamemo",
+        "architectures": ["MegamemoForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_megamemo.MegamemoConfig",
+            "AutoModelForCausalLM": "modeling_megamemo.MegamemoForCausalLM",
+        },
+        "generation_mem_len": model_cfg["mem_len"] + model_cfg["tgt_len"] - 1,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "megamemo_source": source,
+    }
 
 
 def _check_variant(single: Path) -> None:
@@ -146,8 +161,10 @@ def _check_variant(single: Path) -> None:
     except (OSError, ValueError) as e:
         raise ExportError(f"{single / 'config.json'}: unreadable ({e})") from None
     if variant not in KNOWN_VARIANTS:
-        raise ExportError(f"{single / 'config.json'}: model.variant {variant!r} is not one the export knows "
-                          f"({', '.join(KNOWN_VARIANTS)})")
+        raise ExportError(
+            f"{single / 'config.json'}: model.variant {variant!r} is not one the export knows "
+            f"({', '.join(KNOWN_VARIANTS)})"
+        )
 
 
 def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
@@ -181,11 +198,13 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
             for name in CODE_FILES:
                 shutil.copyfile(CODE / name, tmp / name)
             import transformers
+
             cfg = hf_config(model.cfg.to_dict(), dtype, str(ckpt))
             cfg["transformers_version"] = transformers.__version__
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
             (tmp / "generation_config.json").write_text(
-                json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n")
+                json.dumps({**GENERATION, "transformers_version": transformers.__version__}, indent=2) + "\n"
+            )
             tok = write_tokenizer(meta, list(dict.fromkeys([single, ckpt])), tmp, data)
     finally:
         shutil.rmtree(work, ignore_errors=True)

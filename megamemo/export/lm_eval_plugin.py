@@ -9,6 +9,7 @@ import hook that, right after lm_eval.models has registered its own models, regi
 The hook is written into the .pth itself, so it imports nothing of megamemo at interpreter start (a Python that
 cannot import megamemo is unaffected) and costs one string comparison per import until lm_eval.models is loaded.
 """
+
 from __future__ import annotations
 
 import sys

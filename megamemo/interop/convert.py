@@ -23,6 +23,7 @@ to memory.safetensors (Memory state_dict form, the chosen columns in order; thei
 relayout copies a verified checkpoint into a new run directory (training resumes in place under any layout, so
 this is only for branching a run).
 """
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,16 @@ def parse_columns(spec: str, batch_size: int) -> list[int]:
     return cols
 
 
-def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = None, check: bool = True,
-              log=print, progress_every: float = 10.0) -> Path:
+def to_single(
+    ckpt,
+    out,
+    dtype: str = "fp32",
+    data=None,
+    memory: str | None = None,
+    check: bool = True,
+    log=print,
+    progress_every: float = 10.0,
+) -> Path:
     p, out = Path(ckpt), Path(out)
     if is_single(p):
         raise ConvertError(f"{p}: already a single-device checkpoint")
@@ -84,20 +93,31 @@ def to_single(ckpt, out, dtype: str = "fp32", data=None, memory: str | None = No
     return out
 
 
-def _write_single(c: Checkpoint, tmp: Path, meta: dict, dtype: str, data, memory: str | None, check: bool, log,
-                  progress_every: float) -> None:
+def _write_single(
+    c: Checkpoint, tmp: Path, meta: dict, dtype: str, data, memory: str | None, check: bool, log, progress_every: float
+) -> None:
     """The single-device checkpoint of `c` into the directory `tmp`: weights tensor by tensor, the chosen streams'
     memory, the self-check on the probe, the vocabulary and the config."""
     specs = [(k, torch_dtype(dtype), shape) for k, shape in c.shapes.items()]
     total = sum(math.prod(shape) for _, _, shape in specs)
-    with Progress("[convert] to-single", total=total, unit="param", scale=True, every=progress_every,
-                  log=log,
-                  line=lambda q: f"[convert] {q.n / 1e6:,.1f}M of {(q.total or 0) / 1e6:,.1f}M parameters written, "
-                                 f"{q.info.get('tensor', '')}") as progress:
+    with Progress(
+        "[convert] to-single",
+        total=total,
+        unit="param",
+        scale=True,
+        every=progress_every,
+        log=log,
+        line=lambda q: (
+            f"[convert] {q.n / 1e6:,.1f}M of {(q.total or 0) / 1e6:,.1f}M parameters written, "
+            f"{q.info.get('tensor', '')}"
+        ),
+    ) as progress:
+
         def produce(k):
             t = c.weight(k).to(torch_dtype(dtype))
             progress.update(t.numel(), tensor=k)
             return t
+
         write_streaming(tmp / "model.safetensors", specs, produce)
     if memory:
         mem = c.memory()
@@ -105,13 +125,18 @@ def _write_single(c: Checkpoint, tmp: Path, meta: dict, dtype: str, data, memory
             raise ConvertError(f"--memory {memory}: {c.dir} holds no memory (saved at the start of an epoch)")
         cols = parse_columns(memory, mem.batch_size)
         from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in mem.select_batch(torch.tensor(cols)).state_dict().items()},
-                  str(tmp / "memory.safetensors"))
+
+        save_file(
+            {k: v.contiguous() for k, v in mem.select_batch(torch.tensor(cols)).state_dict().items()},
+            str(tmp / "memory.safetensors"),
+        )
         meta["memory_columns"] = cols
     if check:
         from safetensors.torch import load_file
-        model = model_from_state_dict(c.cfg, {k: v.float() for k, v in
-                                              load_file(str(tmp / "model.safetensors")).items()})
+
+        model = model_from_state_dict(
+            c.cfg, {k: v.float() for k, v in load_file(str(tmp / "model.safetensors")).items()}
+        )
         meta["check"] = c.self_check(model, log)
         del model
     meta.update(data_meta(data) if data else run_data_meta(c.dir))
@@ -129,5 +154,5 @@ def relayout(ckpt, out, log=print) -> Path:
     with atomic_directory(out) as tmp:
         dst = tmp / "checkpoints" / name
         shutil.copytree(step_dir, dst, ignore=shutil.ignore_patterns(MARKER))
-        shutil.copyfile(step_dir / MARKER, dst / MARKER)          # the marker last
+        shutil.copyfile(step_dir / MARKER, dst / MARKER)  # the marker last
     return out / "checkpoints" / name

@@ -1,5 +1,6 @@
 """`megamemo convert import-reference`: a thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device
 checkpoint (megamemo/checkpoint/single.py), replaying the file's reference NLL as a check when it carries one."""
+
 from __future__ import annotations
 
 import json
@@ -37,23 +38,29 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
         sd, ref_cfg = g["state_dict"], g.get("config")
     else:
         sd, ref_cfg = g, None
-    if sd and all(k.startswith("module.") for k in sd):     # saved from a DistributedDataParallel wrapper
-        sd = {k[len("module."):]: v for k, v in sd.items()}
+    if sd and all(k.startswith("module.") for k in sd):  # saved from a DistributedDataParallel wrapper
+        sd = {k[len("module.") :]: v for k, v in sd.items()}
     if config_path is not None:
         try:
             ref_cfg = json.loads(Path(config_path).read_text())
         except (OSError, ValueError) as e:
             raise ReferenceImportError(f"--config {config_path}: unreadable JSON ({e})") from None
     if not isinstance(ref_cfg, dict):
-        raise ReferenceImportError(f"{src}: no constructor config (a 'config' entry, or --config JSON with the "
-                           f"MemTransformerLM keyword arguments)")
+        raise ReferenceImportError(
+            f"{src}: no constructor config (a 'config' entry, or --config JSON with the "
+            f"MemTransformerLM keyword arguments)"
+        )
     try:
         model = import_reference(ref_cfg, sd).eval()
     except (ReferenceFormatError, ValueError, KeyError) as e:
         raise ReferenceImportError(f"{src}: {e}") from None
-    meta = {"source": str(src), "imported_from": g.get("reference") or _reference_kind(sd),
-            "reference_config": {k: v for k, v in ref_cfg.items() if isinstance(v, (int, float, bool, str, list))
-                                 or v is None}}
+    meta = {
+        "source": str(src),
+        "imported_from": g.get("reference") or _reference_kind(sd),
+        "reference_config": {
+            k: v for k, v in ref_cfg.items() if isinstance(v, (int, float, bool, str, list)) or v is None
+        },
+    }
     if all(k in g for k in ("inputs", "targets", "nll")):
         worst = 0.0
 
@@ -62,14 +69,19 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
             want = g["nll"][scores.segments - 1]
             worst = max(worst, float((nll.float() - want.float()).abs().max()))
 
-        score_segments(model, zip(g["inputs"], g["targets"], strict=True), on_segment=compare,
-                       max_segments=len(g["nll"]))
+        score_segments(
+            model, zip(g["inputs"], g["targets"], strict=True), on_segment=compare, max_segments=len(g["nll"])
+        )
         if worst > 1e-5:
-            raise ReferenceImportError(f"{src}: the imported model's NLL differs from the file's reference NLL by "
-                                       f"{worst:.3g} (> 1e-5); nothing written")
+            raise ReferenceImportError(
+                f"{src}: the imported model's NLL differs from the file's reference NLL by "
+                f"{worst:.3g} (> 1e-5); nothing written"
+            )
         meta["check"] = {"segments": len(g["nll"]), "max_abs_diff": worst, "tolerance": 1e-5}
-        log(f"[convert] check: imported model reproduces the reference per-token NLL over {len(g['nll'])} segments "
-            f"(max |diff| {worst:.2e})")
+        log(
+            f"[convert] check: imported model reproduces the reference per-token NLL over {len(g['nll'])} segments "
+            f"(max |diff| {worst:.2e})"
+        )
     config_from_reference(ref_cfg)
     return save_single(out, model.cfg, model.state_dict(), meta=meta)
 
@@ -78,4 +90,3 @@ def _reference_kind(sd: dict) -> str:
     if any(k.endswith("dec_attn.q_net.weight") for k in sd):
         return "thu-coai/LaMemo"
     return "kimiyoung/transformer-xl (or LaMemo with a fused qkv_net)"
-

@@ -9,6 +9,7 @@ it is refused. Checkpoints are layout-free (checkpoint/pieces.py): each global t
 PP x DP layout and ZeRO stage wrote it; bf16/fp16 runs give their fp32 masters, checked to round to the module's
 copies.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def resolve_committed(path, log=print) -> tuple[Path, dict]:
         raise LoadError(f"{p}: not a directory")
     skipped: list[str] = []
 
-    def note(msg: str) -> None:             # what newest_complete skipped: said now, and in the error if none is left
+    def note(msg: str) -> None:  # what newest_complete skipped: said now, and in the error if none is left
         skipped.append(msg.removeprefix("[checkpoint] skipping "))
         log(msg)
 
@@ -64,8 +65,10 @@ def resolve_committed(path, log=print) -> tuple[Path, dict]:
         raise LoadError(f"refusing {p}: {e}") from None
     if skipped:
         raise LoadError(f"{p}: no committed checkpoint that verifies (skipped {'; '.join(skipped)})")
-    raise LoadError(f"{p}: no committed checkpoint (looked for step_* directories with a {MARKER} marker in "
-                       f"{p / 'checkpoints'} and {p})")
+    raise LoadError(
+        f"{p}: no committed checkpoint (looked for step_* directories with a {MARKER} marker in "
+        f"{p / 'checkpoints'} and {p})"
+    )
 
 
 class Checkpoint:
@@ -77,21 +80,29 @@ class Checkpoint:
         try:
             self.cfg = ModelConfig.from_dict(self.marker["model"], where=f"{self.where}:model")
             world = int(self.marker["world_size"])
-            self.reader = (open_reader(self.dir) if self.marker.get("index") else
-                           ShardedReader([self.dir / rank_files(r)[0] for r in range(world)]))
+            self.reader = (
+                open_reader(self.dir)
+                if self.marker.get("index")
+                else ShardedReader([self.dir / rank_files(r)[0] for r in range(world)])
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise LoadError(f"{self.where}: {e}") from None
         self.precision = self.marker.get("precision", "fp32")
         self.layout = self.marker.get("layout") or {}
         with torch.device("meta"):
             self.shapes = {k: tuple(v.shape) for k, v in MemTransformerLM(self.cfg).state_dict().items()}
-        have = {n[len("model/"):] for n in self.reader.names("model/")}
+        have = {n[len("model/") :] for n in self.reader.names("model/")}
         missing, extra = sorted(set(self.shapes) - have), sorted(have - set(self.shapes))
-        bad = sorted(k for k in set(self.shapes) & have
-                     if math.prod(self.reader.shape(f"model/{k}")) != math.prod(self.shapes[k]))
+        bad = sorted(
+            k
+            for k in set(self.shapes) & have
+            if math.prod(self.reader.shape(f"model/{k}")) != math.prod(self.shapes[k])
+        )
         if missing or extra or bad:
-            raise LoadError(f"{self.where}: the model config does not match the weights: missing {missing}, "
-                               f"unexpected {extra}, wrong sizes {bad}")
+            raise LoadError(
+                f"{self.where}: the model config does not match the weights: missing {missing}, "
+                f"unexpected {extra}, wrong sizes {bad}"
+            )
 
     def weight(self, name: str) -> torch.Tensor:
         """One fp32 tensor of the single-device model (the fp32 master of a bf16/fp16 run, checked against the
@@ -104,13 +115,15 @@ class Checkpoint:
         except PieceError as e:
             raise LoadError(str(e)) from None
         if not torch.equal(master.to(module.dtype), module):
-            raise LoadError(f"{self.dir}: the fp32 master of {name} does not round to the module's {module.dtype} "
-                               f"copy: the files do not belong together")
+            raise LoadError(
+                f"{self.dir}: the fp32 master of {name} does not round to the module's {module.dtype} "
+                f"copy: the files do not belong together"
+            )
         return master.float()
 
     def memory(self, columns: slice | None = None) -> Memory | None:
         """The memory of global streams `columns` (all when None), or None when the checkpoint holds none."""
-        names = [n[len("memory/"):] for n in self.reader.names("memory/")]
+        names = [n[len("memory/") :] for n in self.reader.names("memory/")]
         if not names:
             return None
         B = int(self.layout.get("batch_size", self.reader.shape(f"memory/{names[0]}")[1]))
@@ -129,22 +142,35 @@ class Checkpoint:
         return {k: self.weight(k) for k in self.shapes}
 
     def meta(self) -> dict:
-        return {"source": str(self.dir), "step": self.marker.get("step"), "layout": self.layout,
-                "precision": self.precision, "model_fingerprint": self.marker.get("model_fingerprint")}
+        return {
+            "source": str(self.dir),
+            "step": self.marker.get("step"),
+            "layout": self.layout,
+            "precision": self.precision,
+            "model_fingerprint": self.marker.get("model_fingerprint"),
+        }
 
     def self_check(self, model: MemTransformerLM, log=print) -> dict | None:
         probe = read_probe(self.dir)
         if probe is None:
-            log(f"[load] {self.dir}: no probe recorded (checkpoint.probe was off): weights and memory were "
-                f"checked for completeness, shapes and consistency only")
+            log(
+                f"[load] {self.dir}: no probe recorded (checkpoint.probe was off): weights and memory were "
+                f"checked for completeness, shapes and consistency only"
+            )
             return None
         c0, c1 = probe["columns"]
-        res = check_probe(model, None if probe["empty_start"] else self.memory(slice(c0, c1)), probe,
-                          probe.get("precision", self.precision))
-        log(f"[load] check: single-device per-token NLL over {res['segments']} segments x {res['streams']} "
+        res = check_probe(
+            model,
+            None if probe["empty_start"] else self.memory(slice(c0, c1)),
+            probe,
+            probe.get("precision", self.precision),
+        )
+        log(
+            f"[load] check: single-device per-token NLL over {res['segments']} segments x {res['streams']} "
             f"streams (columns {c0}-{c1 - 1}, memory carried) vs the sharded model's: max |diff| "
             f"{res['max_abs_diff']:.2e}, mean {res['mean_abs_diff']:.2e} ({res['precision']}, tolerance max "
-            f"{res['tolerance']['max']:.3g}, mean {res['tolerance']['mean']:.3g})")
+            f"{res['tolerance']['max']:.3g}, mean {res['tolerance']['mean']:.3g})"
+        )
         return res
 
 
@@ -154,7 +180,7 @@ def load_model(path, map_location="cpu") -> tuple[MemTransformerLM, dict]:
     if is_single(p):
         return load_single(p, map_location)
     if (p / "config.json").is_file():
-        read_config(p)      # raises with the file name: a config.json that is not ours
+        read_config(p)  # raises with the file name: a config.json that is not ours
     c = Checkpoint(p)
     model = model_from_state_dict(c.cfg, c.state_dict()).to(map_location)
     return model, {**c.meta(), **run_data_meta(c.dir)}

@@ -9,6 +9,7 @@ Differences handled here:
   * buffers the reference keeps in its state_dict (pos_emb.inv_freq, *_logits_constant) are dropped.
 Anything else unexpected (an unknown key, an unsupported attn_type or option) is an error that names it.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,9 +23,32 @@ from megamemo.model.config import Variant
 from megamemo.util.errors import MegamemoError
 
 ATTN_TYPES = {0: "xl", 3: "lamemo", 31: "lamemo_xlrpe"}
-CONFIG_KEYS = {"n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "dropout", "dropatt", "tie_weight",
-               "d_embed", "div_val", "tie_projs", "pre_lnorm", "tgt_len", "ext_len", "mem_len", "cutoffs",
-               "same_length", "attn_type", "clamp_len", "sample_softmax", "adapt_inp", "dtype", "tgt_len_eval"}
+CONFIG_KEYS = {
+    "n_token",
+    "n_layer",
+    "n_head",
+    "d_model",
+    "d_head",
+    "d_inner",
+    "dropout",
+    "dropatt",
+    "tie_weight",
+    "d_embed",
+    "div_val",
+    "tie_projs",
+    "pre_lnorm",
+    "tgt_len",
+    "ext_len",
+    "mem_len",
+    "cutoffs",
+    "same_length",
+    "attn_type",
+    "clamp_len",
+    "sample_softmax",
+    "adapt_inp",
+    "dtype",
+    "tgt_len_eval",
+}
 
 
 class ReferenceFormatError(MegamemoError, ValueError):
@@ -36,17 +60,19 @@ def load_weights_only(path) -> object:
     unpickling would build anything else (a whole pickled model, or a payload) is refused, saying what it holds."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError...
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError...
         text = str(e)
-        found = re.search(r"(unsupported GLOBAL [\w.]+|Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+)",
-                          text, re.I)
+        found = re.search(
+            r"(unsupported GLOBAL [\w.]+|Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+)", text, re.I
+        )
         if found or "Weights only load failed" in text:
             what = f" ({found.group(0)})" if found else ""
             raise ReferenceFormatError(
                 f"{path}: refused: unpickling it would build objects other than tensors and plain data{what}, which "
                 f"could run code. megamemo reads .pt files with torch's weights-only loader only; a whole pickled "
                 f"model (the reference train.py's torch.save(model)) must be saved as its state_dict first, with the "
-                f"reference code: torch.save(torch.load(FILE).state_dict(), 'sd.pt')") from None
+                f"reference code: torch.save(torch.load(FILE).state_dict(), 'sd.pt')"
+            ) from None
         first = text.strip().splitlines()[0][:200] if text.strip() else ""
         raise ReferenceFormatError(f"{path}: not a readable torch file ({type(e).__name__}: {first})") from None
 
@@ -57,8 +83,9 @@ def config_from_reference(ref: dict) -> ModelConfig:
         raise ReferenceFormatError(f"reference config: unknown keys {unknown}")
     attn_type = ref.get("attn_type", 0)
     if attn_type not in ATTN_TYPES:
-        raise ReferenceFormatError(f"reference config: attn_type {attn_type} is not supported "
-                                   f"(supported: {sorted(ATTN_TYPES)})")
+        raise ReferenceFormatError(
+            f"reference config: attn_type {attn_type} is not supported (supported: {sorted(ATTN_TYPES)})"
+        )
     if ref.get("ext_len", 0):
         raise ReferenceFormatError(f"reference config: ext_len={ref['ext_len']} is not supported (only 0)")
     if ref.get("sample_softmax", -1) > 0:
@@ -66,12 +93,23 @@ def config_from_reference(ref: dict) -> ModelConfig:
     d_model = ref["d_model"]
     d_embed = ref.get("d_embed") or d_model
     return ModelConfig(
-        variant=typing.cast(Variant, ATTN_TYPES[attn_type]), n_token=ref["n_token"], n_layer=ref["n_layer"], d_model=d_model,
-        n_head=ref["n_head"], d_head=ref["d_head"], d_inner=ref["d_inner"], dropout=float(ref.get("dropout", 0.0)),
-        dropatt=float(ref.get("dropatt", 0.0)), tgt_len=ref.get("tgt_len") or 1, mem_len=ref.get("mem_len") or 0,
-        clamp_len=ref.get("clamp_len", -1), same_length=bool(ref.get("same_length", False)),
-        pre_lnorm=bool(ref.get("pre_lnorm", False)), cutoffs=list(ref.get("cutoffs") or []),
-        div_val=ref.get("div_val", 1), tie_weight=bool(ref.get("tie_weight", True)),
+        variant=typing.cast(Variant, ATTN_TYPES[attn_type]),
+        n_token=ref["n_token"],
+        n_layer=ref["n_layer"],
+        d_model=d_model,
+        n_head=ref["n_head"],
+        d_head=ref["d_head"],
+        d_inner=ref["d_inner"],
+        dropout=float(ref.get("dropout", 0.0)),
+        dropatt=float(ref.get("dropatt", 0.0)),
+        tgt_len=ref.get("tgt_len") or 1,
+        mem_len=ref.get("mem_len") or 0,
+        clamp_len=ref.get("clamp_len", -1),
+        same_length=bool(ref.get("same_length", False)),
+        pre_lnorm=bool(ref.get("pre_lnorm", False)),
+        cutoffs=list(ref.get("cutoffs") or []),
+        div_val=ref.get("div_val", 1),
+        tie_weight=bool(ref.get("tie_weight", True)),
         tie_projs=[bool(x) for x in (ref.get("tie_projs") or [False])],
         d_embed=None if d_embed == d_model else d_embed,
     ).validate()
@@ -129,8 +167,10 @@ def _take_output(take: Callable[[str], torch.Tensor], sd: dict, cfg: ModelConfig
         w = take(f"crit.out_layers.{i}.weight")
         if cfg.tie_weight:
             if not torch.equal(w, out[f"word_emb.emb_layers.{i}.weight"]):
-                raise ReferenceFormatError(f"reference state_dict: crit.out_layers.{i}.weight should be tied to "
-                                           f"word_emb.emb_layers.{i}.weight but differs")
+                raise ReferenceFormatError(
+                    f"reference state_dict: crit.out_layers.{i}.weight should be tied to "
+                    f"word_emb.emb_layers.{i}.weight but differs"
+                )
         else:
             out[f"crit.out_weights.{i}"] = w
         biases.append(take(f"crit.out_layers.{i}.bias"))
@@ -159,6 +199,7 @@ def import_reference(ref_config: dict, state_dict: dict) -> MemTransformerLM:
     converted = convert_state_dict(state_dict, cfg)
     missing, unexpected = model.load_state_dict(converted, strict=False)
     if missing or unexpected:
-        raise ReferenceFormatError(f"reference weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        raise ReferenceFormatError(
+            f"reference weights do not fit the model: missing {missing}, unexpected {unexpected}"
+        )
     return model
-

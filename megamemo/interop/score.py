@@ -5,6 +5,7 @@ The file holds `state_dict`, `config`, `inputs`, `targets` (see ../shared/refere
 through the importer and the segments run in order, in eval mode, with memory carried. Output:
 {"nll": [float32 tensor [L, B] per segment, in position order]}.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,9 +14,27 @@ from megamemo.model.scoring import score_segments
 
 from .reference import ReferenceFormatError, import_reference, load_weights_only
 
-KNOWN_KEYS = {"name", "reference", "model_class", "config", "seed", "init", "state_dict", "param_names", "stream",
-              "data_matrix", "inputs", "targets", "nll", "nll_keep_order", "mems", "layer_outputs", "analysis",
-              "train", "torch_version"}
+KNOWN_KEYS = {
+    "name",
+    "reference",
+    "model_class",
+    "config",
+    "seed",
+    "init",
+    "state_dict",
+    "param_names",
+    "stream",
+    "data_matrix",
+    "inputs",
+    "targets",
+    "nll",
+    "nll_keep_order",
+    "mems",
+    "layer_outputs",
+    "analysis",
+    "train",
+    "torch_version",
+}
 REQUIRED = ("state_dict", "config", "inputs", "targets")
 
 
@@ -37,5 +56,7 @@ def load_reference_file(path: str) -> dict:
 def score(g: dict) -> list[torch.Tensor]:
     model = import_reference(g["config"], g["state_dict"]).eval()
     out = []
-    score_segments(model, zip(g["inputs"], g["targets"], strict=True), on_segment=lambda s, x, y, nll: out.append(nll.float()))
+    score_segments(
+        model, zip(g["inputs"], g["targets"], strict=True), on_segment=lambda s, x, y, nll: out.append(nll.float())
+    )
     return out

@@ -3,6 +3,7 @@ the tokenizer and the vocabulary's symbols; a subword tokenizer's file copied be
 vocabulary to encode and decode with (vocab_for: --data's, the checkpoint's file, its symbols, or its training data
 directory's) and text encoded with it (encode_prompt). convert writes the record; generate, the harness and the
 exports read it."""
+
 from __future__ import annotations
 
 import shutil
@@ -20,10 +21,16 @@ def data_meta(data_dir) -> dict:
 
     m = load_manifest(data_dir)
     v = load_vocab(data_dir)
-    vocab = ({"kind": v.kind, "file": v.file_name, "size": len(v)} if isinstance(v, SubwordTokenizer)
-             else {"kind": v.kind, "symbols": v.symbols})
-    return {"data": {"dir": str(data_dir), "corpus": m.get("corpus")}, "tokenizer": m.get("tokenizer", {}),
-            "vocab": vocab}
+    vocab = (
+        {"kind": v.kind, "file": v.file_name, "size": len(v)}
+        if isinstance(v, SubwordTokenizer)
+        else {"kind": v.kind, "symbols": v.symbols}
+    )
+    return {
+        "data": {"dir": str(data_dir), "corpus": m.get("corpus")},
+        "tokenizer": m.get("tokenizer", {}),
+        "vocab": vocab,
+    }
 
 
 def copy_tokenizer(meta: dict, out: Path) -> None:
@@ -34,7 +41,7 @@ def copy_tokenizer(meta: dict, out: Path) -> None:
     from megamemo.data.tokenizer import load_recorded
 
     src = Path((meta.get("data") or {}).get("dir", ""))
-    load_recorded(src, tok, f"{src / 'manifest.json'}")           # raises on a changed or missing file
+    load_recorded(src, tok, f"{src / 'manifest.json'}")  # raises on a changed or missing file
     shutil.copyfile(src / tok["file"], out / tok["file"])
 
 
@@ -46,7 +53,7 @@ def run_data_meta(step_dir: Path) -> dict:
 
         d = (yaml.safe_load(cfg.read_text()) or {}).get("data", {}).get("dir") if cfg.is_file() else None
         return data_meta(d) if d and (Path(d) / "manifest.json").is_file() else {}
-    except Exception:  # noqa: BLE001 - the vocabulary is a convenience for generate
+    except Exception:  # the vocabulary is a convenience for generate
         return {}
 
 
@@ -60,12 +67,14 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
     from megamemo.data.vocab import Vocab
 
     tok = meta.get("tokenizer") or {}
-    if data_dir:                            # a local directory or an s3:// gs:// https:// one
+    if data_dir:  # a local directory or an s3:// gs:// https:// one
         theirs = manifest_of(data_dir).get("tokenizer") or {}
         if tok and not same_tokenizer(tok, theirs):
-            raise UsageError(f"--data {data_dir}: its tokenizer ({theirs.get('kind')}, sha256 "
-                             f"{str(theirs.get('sha256'))[:12]}) differs from the one the checkpoint was trained "
-                             f"with ({tok.get('kind')}, sha256 {str(tok.get('sha256'))[:12]})")
+            raise UsageError(
+                f"--data {data_dir}: its tokenizer ({theirs.get('kind')}, sha256 "
+                f"{str(theirs.get('sha256'))[:12]}) differs from the one the checkpoint was trained "
+                f"with ({tok.get('kind')}, sha256 {str(tok.get('sha256'))[:12]})"
+            )
         return load_vocab(data_dir)
     if tok.get("kind") == "subword":
         if ckpt and (Path(ckpt) / str(tok.get("file"))).is_file():
@@ -73,17 +82,21 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
         d = (meta.get("data") or {}).get("dir")
         if d and (Path(d) / "manifest.json").is_file():
             return vocab_for({"tokenizer": tok}, d)
-        raise UsageError(f"the checkpoint records the subword tokenizer {tok.get('file')} (sha256 "
-                         f"{str(tok.get('sha256'))[:12]}) but neither it nor its data directory is there: pass "
-                         f"--data SHARD_DIR")
+        raise UsageError(
+            f"the checkpoint records the subword tokenizer {tok.get('file')} (sha256 "
+            f"{str(tok.get('sha256'))[:12]}) but neither it nor its data directory is there: pass "
+            f"--data SHARD_DIR"
+        )
     v = meta.get("vocab")
     if isinstance(v, dict) and "symbols" in v and "kind" in v:
         return Vocab(v["kind"], list(v["symbols"]))
     d = (meta.get("data") or {}).get("dir")
     if d and (Path(d) / "manifest.json").is_file():
         return load_vocab(d)
-    raise UsageError("the checkpoint records no vocabulary (config.json meta.vocab / meta.data.dir): pass "
-                     "--data SHARD_DIR to use that directory's vocabulary")
+    raise UsageError(
+        "the checkpoint records no vocabulary (config.json meta.vocab / meta.data.dir): pass "
+        "--data SHARD_DIR to use that directory's vocabulary"
+    )
 
 
 def encode_prompt(vocab, raw: bytes, where: str) -> list[int]:

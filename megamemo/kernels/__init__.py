@@ -18,20 +18,32 @@ And the attention form (model.attention: eager | flex | fused | auto), swapped i
   compiler.py  regional torch.compile of the decoder layers (train.compile) and the TorchDynamo switch it needs
 It imports only torch, megamemo.model and megamemo.util.
 """
+
 from .apply import (
-                    ATTENTIONS,
-                    KERNELS,
-                    apply_attention,
-                    apply_kernels,
-                    attention_in_use,
-                    kernels_in_use,
-                    resolve_attention,
-                    resolve_kernels,
+    ATTENTIONS,
+    KERNELS,
+    apply_attention,
+    apply_kernels,
+    attention_in_use,
+    kernels_in_use,
+    resolve_attention,
+    resolve_kernels,
 )
 from .keyed import DropoutKey
 from .sites import MODES as DROPOUT_MASKS
 from .sites import apply_dropout_masks, dropout_masks_in_use
 
-__all__ = ["ATTENTIONS", "DROPOUT_MASKS", "KERNELS", "DropoutKey", "apply_attention", "apply_dropout_masks",
-           "apply_kernels", "attention_in_use", "dropout_masks_in_use", "kernels_in_use", "resolve_attention",
-           "resolve_kernels"]
+__all__ = [
+    "ATTENTIONS",
+    "DROPOUT_MASKS",
+    "KERNELS",
+    "DropoutKey",
+    "apply_attention",
+    "apply_dropout_masks",
+    "apply_kernels",
+    "attention_in_use",
+    "dropout_masks_in_use",
+    "kernels_in_use",
+    "resolve_attention",
+    "resolve_kernels",
+]

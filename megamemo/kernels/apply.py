@@ -5,6 +5,7 @@ form (parallel/tensor.py wraps the split dropouts in ForkedDropout, whose inner 
 pipeline's stages. Only parameter-free modules are replaced, so weights, state_dict and optimizer state are
 untouched; the swap can be done before or after DeepSpeed wraps the model, and undone.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,15 +23,17 @@ from .keyed import KeyedDropout
 from .masking import add_mask_bias
 
 KERNELS = ("auto", "plain", "cpu")
-ATTENTIONS = ("auto", "eager", "flex", "fused")     # model.attention
-_ATTENTION_FUNCTIONS = {"eager": (causal_attention, lookahead_attention),
-                        "flex": (flex_causal_attention, flex_lookahead_attention),
-                        "fused": (fused_causal_attention, fused_lookahead_attention)}
+ATTENTIONS = ("auto", "eager", "flex", "fused")  # model.attention
+_ATTENTION_FUNCTIONS = {
+    "eager": (causal_attention, lookahead_attention),
+    "flex": (flex_causal_attention, flex_lookahead_attention),
+    "fused": (fused_causal_attention, fused_lookahead_attention),
+}
 _DROPOUTS = (nn.Dropout, ReluDropout, CpuDropout)  # exactly these types (no other library's subclass is touched)
 
 
 def resolve_kernels(choice: str, device) -> str:
-    """"plain" or "cpu" for a `train.kernels` choice on a device (a torch.device or its type name). Raises a
+    """ "plain" or "cpu" for a `train.kernels` choice on a device (a torch.device or its type name). Raises a
     ValueError naming train.kernels for an unknown choice, or cpu kernels asked for on another device."""
     kind = torch.device(device).type
     if choice not in KERNELS:
@@ -38,8 +41,7 @@ def resolve_kernels(choice: str, device) -> str:
     if choice == "auto":
         return "cpu" if kind == "cpu" else "plain"
     if choice == "cpu" and kind != "cpu":
-        raise UsageError(f"train.kernels: cpu kernels run on the CPU, this model runs on {kind} "
-                         f"(use auto or plain)")
+        raise UsageError(f"train.kernels: cpu kernels run on the CPU, this model runs on {kind} (use auto or plain)")
     return choice
 
 
@@ -71,16 +73,19 @@ def apply_kernels(model: nn.Module, choice: str = "auto", device="cpu") -> str:
 
 
 def kernels_in_use(model: nn.Module) -> str:
-    """"cpu", "plain" or "mixed": which form the model's dropouts and attention masking are in (keyed dropouts,
+    """ "cpu", "plain" or "mixed": which form the model's dropouts and attention masking are in (keyed dropouts,
     megamemo/kernels/keyed.py, are the same on both paths and not counted)."""
-    forms = {isinstance(m, CpuDropout) for m in model.modules()
-             if isinstance(m, nn.Dropout) and not isinstance(m, KeyedDropout)}     # keyed ones: either path
+    forms = {
+        isinstance(m, CpuDropout)
+        for m in model.modules()
+        if isinstance(m, nn.Dropout) and not isinstance(m, KeyedDropout)
+    }  # keyed ones: either path
     forms |= {m.masking is add_mask_bias for m in model.modules() if isinstance(m, RelAttention)}
     return "mixed" if len(forms) > 1 else ("cpu" if forms == {True} else "plain")
 
 
 def resolve_attention(choice: str, device, generating: bool = False) -> str:
-    """"eager", "flex" or "fused" for an inference `--attention` choice (eval, generate, the probe): auto is flex on
+    """ "eager", "flex" or "fused" for an inference `--attention` choice (eval, generate, the probe): auto is flex on
     CUDA (where dynamo can run) and eager on the CPU (flex's CPU form is a reference implementation, forward only),
     and eager for generation (one query a step: a compiled kernel per new length would cost more than it saves).
     fused runs on CUDA, or on the CPU in Triton's interpreter (a ValueError naming --attention otherwise).
@@ -97,6 +102,7 @@ def resolve_attention(choice: str, device, generating: bool = False) -> str:
     if generating or torch.device(device).type != "cuda":
         return "eager"
     from .compiler import CompilerUnavailable, enable_compiler
+
     try:
         enable_compiler()
     except CompilerUnavailable:
@@ -119,8 +125,13 @@ def apply_attention(model: nn.Module, form: str) -> str:
 
 
 def attention_in_use(model: nn.Module) -> str:
-    """"eager", "flex", "fused" or "mixed": which form the model's attention modules compute in (compiled
+    """ "eager", "flex", "fused" or "mixed": which form the model's attention modules compute in (compiled
     attention regions count as their form)."""
-    forms = {name for m in model.modules() if isinstance(m, RelAttention)
-             for name, fns in _ATTENTION_FUNCTIONS.items() if uncompiled(m.causal) is fns[0]}
+    forms = {
+        name
+        for m in model.modules()
+        if isinstance(m, RelAttention)
+        for name, fns in _ATTENTION_FUNCTIONS.items()
+        if uncompiled(m.causal) is fns[0]
+    }
     return "mixed" if len(forms) != 1 else forms.pop()

@@ -17,6 +17,7 @@ megamemo's command sets TORCHDYNAMO_DISABLE=1 when the user did not (cli.py: not
 and DeepSpeed's start-up would load inductor for nothing); `enable_compiler()` lifts it again for a run that
 compiles, and says in one line why it cannot when the user set it.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,9 @@ from torch import nn
 
 from megamemo.util.errors import MegamemoError
 
-COMPILE = ("auto", "on", "off")         # train.compile
+COMPILE = ("auto", "on", "off")  # train.compile
 ENV = "TORCHDYNAMO_DISABLE"
-SET_BY_MEGAMEMO = "MEGAMEMO_SET_TORCHDYNAMO_DISABLE"   # cli.py marks a TORCHDYNAMO_DISABLE it set itself
+SET_BY_MEGAMEMO = "MEGAMEMO_SET_TORCHDYNAMO_DISABLE"  # cli.py marks a TORCHDYNAMO_DISABLE it set itself
 
 
 class CompilerUnavailable(MegamemoError, RuntimeError):
@@ -53,8 +54,9 @@ def enable_compiler() -> None:
         del os.environ[ENV]
         os.environ.pop(SET_BY_MEGAMEMO, None)
         return
-    raise CompilerUnavailable(f"{ENV}=1 is set in the environment: torch.compile and FlexAttention's kernel "
-                              f"need TorchDynamo (unset it)")
+    raise CompilerUnavailable(
+        f"{ENV}=1 is set in the environment: torch.compile and FlexAttention's kernel need TorchDynamo (unset it)"
+    )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

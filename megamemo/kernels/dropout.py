@@ -12,6 +12,7 @@ own: the backward reads the output, which the next layer keeps anyway. Same dist
 the same masks. Off the CPU (CUDA's fused kernel) it is `F.dropout` itself, so a model moved to a GPU after the
 swap still runs torch's own dropout.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,7 @@ _DIRECT_TIES = 1 << 14  # below this many bytes, find ties with one nonzero over
 
 def random_bytes(n: int, device=None) -> torch.Tensor:
     """n uniform random bytes (uint8) from the default generator, as the head of a buffer of whole 64-bit draws."""
-    words = torch.empty((n + 7) // 8, dtype=torch.int64, device=device).random_(-2 ** 63, None)
+    words = torch.empty((n + 7) // 8, dtype=torch.int64, device=device).random_(-(2**63), None)
     return words.view(torch.uint8)[:n]
 
 
@@ -58,8 +59,8 @@ def _fill_keep(out: torch.Tensor, digits: tuple[int, ...]) -> torch.Tensor:
 def keep_mask(shape, p: float, device=None, dtype=torch.bool) -> torch.Tensor:
     """1 (True) with probability 1 - round(p * 2^32) / 2^32, else 0, from the default generator."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    T = round(p * 2 ** 32)
-    if T <= 0 or T >= 2 ** 32:
+    T = round(p * 2**32)
+    if T <= 0 or T >= 2**32:
         return out.fill_(T <= 0)
     _fill_keep(out.view(-1), tuple((T >> s) & 255 for s in (24, 16, 8, 0)))
     return out

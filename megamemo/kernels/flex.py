@@ -19,6 +19,7 @@ flex_attention (TorchDynamo must be on: megamemo.kernels.compiler.enable_compile
 (torch 2.13 has no CPU backward): eval, generate and the probe can use it, training cannot. Attention dropout
 (model.dropatt > 0 in training) is not expressible as a score_mod: a call that would drop runs the eager form.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,7 +29,7 @@ import torch
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest
-except ImportError:                     # torch < 2.9
+except ImportError:  # torch < 2.9
     AuxRequest = None  # type: ignore[assignment,misc]  # absent there: None says so to the callers
 
 from megamemo.model.attention import _drops, _rows, causal_attention, lookahead_attention, select_lse
@@ -48,7 +49,7 @@ def _flex_call(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling() or device_type == "cpu":
-        return flex_attention               # compiled with the enclosing region / the CPU's reference form
+        return flex_attention  # compiled with the enclosing region / the CPU's reference form
     return _compiled_flex()
 
 
@@ -56,7 +57,8 @@ def flex_relative(q, k, v, r_rows, u, vb, s0, mask, scale):
     """q [n,B,Q,dh], k, v [n,B,K,dh], r_rows [n,W,dh], u, vb [n,dh], mask [Q,K] bool (True = hidden) ->
     (context [n,B,Q,dh] in q's dtype, log-normaliser [n,B,Q] fp32) of the score in the module docstring."""
     W = r_rows.size(1)
-    bd = torch.matmul((q + vb[:, None, None]) * scale, r_rows.transpose(1, 2)[:, None])     # [n, B, Q, W]
+    bd = torch.matmul((q + vb[:, None, None]) * scale, r_rows.transpose(1, 2)[:, None])  # [n, B, Q, W]
+
     def score_mod(score, b, h, i, j):
         pos = bd[b, h, i, (s0 - i + j).clamp(0, W - 1)]
         # -inf as a Python scalar: a captured 0-d tensor becomes a constant buffer inductor cannot lower inside a
@@ -65,9 +67,9 @@ def flex_relative(q, k, v, r_rows, u, vb, s0, mask, scale):
 
     flex = _flex_call(q.device.type)
     query = q + u[:, None, None].to(q.dtype)
-    with warnings.catch_warnings():     # the CPU's reference form says it is not the fused kernel: known
+    with warnings.catch_warnings():  # the CPU's reference form says it is not the fused kernel: known
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        if AuxRequest is not None:      # torch >= 2.9's form; return_lse is deprecated there
+        if AuxRequest is not None:  # torch >= 2.9's form; return_lse is deprecated there
             out, aux = flex(query, k, v, score_mod=score_mod, scale=scale, return_aux=AuxRequest(lse=True))
             return out, aux.lse
         return flex(query, k, v, score_mod=score_mod, scale=scale, return_lse=True)

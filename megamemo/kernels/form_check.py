@@ -13,6 +13,7 @@ in bf16 / fp16, where eager and flex round differently: the first H100 run measu
 bf16 form and fp32 at L = M = 128, maximum). Whatever a form raises (a compile error, a kernel that cannot launch)
 is a disagreement, named in one line: a form that cannot run is skipped, never a crash.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,6 +71,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @dataclass(frozen=True)
 class Form:
     """How the layers compute: an attention form (eager | flex | fused) and whether the layer is compiled."""
+
     attention: str
     compiled: bool = False
 
@@ -99,8 +101,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check_form(layer, cfg, B: int, L: int, M: int, form: Form, backend: str = "inductor",
-               time_reps: int = 0, regions: bool = False) -> tuple[bool, str, float | None]:
+def check_form(
+    layer, cfg, B: int, L: int, M: int, form: Form, backend: str = "inductor", time_reps: int = 0, regions: bool = False
+) -> tuple[bool, str, float | None]:
     """(agrees, one line of what was seen, seconds of one forward + backward in `form` when it agrees and
     time_reps > 0, else None) for one decoder layer (of the run's own model, on its device, in its dtype) at a
     micro-batch of B streams, L rows and M memory rows. Any exception of the form is a disagreement, named. A
@@ -119,18 +122,20 @@ def check_form(layer, cfg, B: int, L: int, M: int, form: Form, backend: str = "i
         try:
             runner = _runner(layer, form, backend, regions)
             got = _run(runner, args, grads)
-        except Exception as e:          # noqa: BLE001 - whatever a form cannot do here is reported, not raised
+        except Exception as e:  # whatever a form cannot do here is reported, not raised
             return False, f"{form} failed at {where}: {_first_line(e)}", None
         names = ["output"] + [f"d/d input {k}" for k in range(len(grads))]
         diffs = {name: _rel(a, b) for name, a, b in zip(names, got, ref, strict=True)}
         worst = max(diffs, key=lambda k: diffs[k])
         tol = TOLERANCE.get(dtype, 3e-2)
-        line = (f"{form} vs eager at {where}: worst {worst} mean relative difference {diffs[worst]:.2e} "
-                f"(tolerance {tol:.0e})")
+        line = (
+            f"{form} vs eager at {where}: worst {worst} mean relative difference {diffs[worst]:.2e} "
+            f"(tolerance {tol:.0e})"
+        )
         ok = diffs[worst] <= tol and all(torch.isfinite(t).all() for t in got)
         seconds = None
         if ok and time_reps > 0:
-            torch.backends.cuda.matmul.allow_tf32 = tf32        # timed as the run computes
+            torch.backends.cuda.matmul.allow_tf32 = tf32  # timed as the run computes
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(time_reps):

@@ -12,6 +12,7 @@ On CUDA the kernels are compiled by Triton. On CPU tensors they run in Triton's 
 TRITON_INTERPRET=1 set before triton is imported (the suite sets it): exact, and far too slow for anything but
 tests at tiny shapes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,7 +31,7 @@ class FusedUnavailable(MegamemoError, RuntimeError):
 
 @functools.cache
 def _kernels():
-    try:        # triton only when the kernels are used: the CPU wheel of torch does not bring it
+    try:  # triton only when the kernels are used: the CPU wheel of torch does not bring it
         import megamemo.kernels.relattn_triton as kernels
     except ImportError as e:
         raise FusedUnavailable(f"model.attention: fused needs triton ({e})") from None
@@ -46,8 +47,10 @@ def check_device(device) -> None:
     """Raises FusedUnavailable, one line, where the kernels cannot run on `device`."""
     kind = torch.device(device).type
     if kind == "cpu" and not interpreted():
-        raise FusedUnavailable("model.attention: fused runs on CUDA, or on the CPU in Triton's interpreter "
-                               "(set TRITON_INTERPRET=1 before the process starts; tiny shapes only)")
+        raise FusedUnavailable(
+            "model.attention: fused runs on CUDA, or on the CPU in Triton's interpreter "
+            "(set TRITON_INTERPRET=1 before the process starts; tiny shapes only)"
+        )
     if kind not in ("cpu", "cuda"):
         raise FusedUnavailable(f"model.attention: fused runs on CUDA (this model is on {kind})")
     _kernels()
@@ -82,11 +85,19 @@ class _Problem:
         self.mask = mask.to(torch.int8).contiguous()
         self.s0, self.scale = int(s0), float(scale)
         self.prec = "ieee" if q.dtype == torch.float32 else None
-        self.upcast = q.dtype != torch.float32 and q.device.type == "cpu"     # the interpreter: see _mm
+        self.upcast = q.dtype != torch.float32 and q.device.type == "cpu"  # the interpreter: see _mm
         self.options = _launch_options(q.device.type, dh)
 
     def consts(self):
-        return dict(DH=self.dh, BM=self.block, BN=self.block, T=2 * self.block, PREC=self.prec, UPCAST=self.upcast, **self.options)
+        return dict(
+            DH=self.dh,
+            BM=self.block,
+            BN=self.block,
+            T=2 * self.block,
+            PREC=self.prec,
+            UPCAST=self.upcast,
+            **self.options,
+        )
 
     def strides(self):
         # q-like [n*B, Q, dh] and k-like [n*B, K, dh] contiguous; r [n, W, dh] contiguous
@@ -97,8 +108,26 @@ def _forward(pb: _Problem, q, k, v, r, u, vb):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _kernels()._fwd[(pb.n_qt, pb.n * pb.B)](
-        q, k, v, r, u, vb, pb.mask, pb.tiles, out, lse,
-        pb.B, pb.Q, pb.K, pb.W, pb.s0, pb.scale, pb.n_kt, *pb.strides(), **pb.consts())
+        q,
+        k,
+        v,
+        r,
+        u,
+        vb,
+        pb.mask,
+        pb.tiles,
+        out,
+        lse,
+        pb.B,
+        pb.Q,
+        pb.K,
+        pb.W,
+        pb.s0,
+        pb.scale,
+        pb.n_kt,
+        *pb.strides(),
+        **pb.consts(),
+    )
     return out, lse
 
 
@@ -110,12 +139,12 @@ def _r_grad(pb: _Problem, bands: torch.Tensor) -> torch.Tensor:
     base0 = pb.s0 - (bn - 1) - (pb.n_qt - 1) * bn
     buf = bands.new_zeros(n, (D + 2) * bn, dh)
     even, odd = bands[:, 0::2].reshape(n, -1, dh), bands[:, 1::2].reshape(n, -1, dh)
-    buf[:, :even.size(1)] += even
-    buf[:, bn:bn + odd.size(1)] += odd
+    buf[:, : even.size(1)] += even
+    buf[:, bn : bn + odd.size(1)] += odd
     out = bands.new_zeros(n, pb.W, dh)
     lo, hi = max(0, base0), min(pb.W, base0 + buf.size(1))
     if hi > lo:
-        out[:, lo:hi] = buf[:, lo - base0:hi - base0]
+        out[:, lo:hi] = buf[:, lo - base0 : hi - base0]
     return out
 
 
@@ -126,15 +155,18 @@ def _backward(pb: _Problem, q, k, v, r, u, vb, out, lse, g_out, g_lse):
         delta = delta - g_lse.float()
     args = (q, k, v, r, u, vb, pb.mask, pb.tiles, g_out, lse, delta.contiguous())
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    kern._bwd_kv[(pb.n_kt, z)](*args, dk, dv, pb.B, pb.Q, pb.K, pb.W, pb.s0, pb.scale, pb.n_qt, pb.n_kt,
-                               *pb.strides(), **pb.consts())
+    kern._bwd_kv[(pb.n_kt, z)](
+        *args, dk, dv, pb.B, pb.Q, pb.K, pb.W, pb.s0, pb.scale, pb.n_qt, pb.n_kt, *pb.strides(), **pb.consts()
+    )
     dqc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dqp = torch.empty_like(dqc)
-    kern._bwd_q[(pb.n_qt, z)](*args, dqc, dqp, pb.B, pb.Q, pb.K, pb.W, pb.s0, pb.scale, pb.n_kt,
-                              *pb.strides(), **pb.consts())
+    kern._bwd_q[(pb.n_qt, z)](
+        *args, dqc, dqp, pb.B, pb.Q, pb.K, pb.W, pb.s0, pb.scale, pb.n_kt, *pb.strides(), **pb.consts()
+    )
     bands = torch.empty(pb.n, pb.n_qt + pb.n_kt - 1, 2 * pb.block, pb.dh, dtype=torch.float32, device=q.device)
-    kern._bwd_r[(pb.n_qt + pb.n_kt - 1, pb.n)](*args, bands, pb.B, pb.Q, pb.K, pb.W, pb.s0, pb.scale, pb.n_qt,
-                                               pb.n_kt, *pb.strides(), **pb.consts())
+    kern._bwd_r[(pb.n_qt + pb.n_kt - 1, pb.n)](
+        *args, bands, pb.B, pb.Q, pb.K, pb.W, pb.s0, pb.scale, pb.n_qt, pb.n_kt, *pb.strides(), **pb.consts()
+    )
     dq = (dqc + dqp).to(q.dtype)
     du, dvb = dqc.sum((1, 2)).to(u.dtype), dqp.sum((1, 2)).to(vb.dtype)
     return dq, dk, dv, _r_grad(pb, bands).to(r.dtype), du, dvb

@@ -28,6 +28,7 @@ it; under pipelining each stage computes its own layers' masks; a recomputed lay
 global column). The trainer sets the step and micro-batch (megamemo/train/loop.py), a pipeline stage the
 micro-batch of each pipe layer it runs (megamemo/parallel/pipeline.py); the model knows nothing of it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,17 +40,25 @@ from .philox import philox, philox_words32
 
 # site -> (id, layout). layouts: "rows" [row, column, feature], "table" [row, feature] (no column: shared by every
 # stream), "heads" [head, column, query row, key]
-SITES = {"emb": (0, "rows"), "pos": (1, "table"), "out": (2, "rows"), "attn_out": (3, "rows"),
-         "ff_inner": (4, "rows"), "ff_out": (5, "rows"), "att": (6, "heads"), "att_ahead": (7, "heads")}
-SPLIT = ("ff_inner", "att", "att_ahead")    # sites whose features (heads) are split across TP ranks
-GROUP = 16                                  # features per Philox output (16 bytes)
+SITES = {
+    "emb": (0, "rows"),
+    "pos": (1, "table"),
+    "out": (2, "rows"),
+    "attn_out": (3, "rows"),
+    "ff_inner": (4, "rows"),
+    "ff_out": (5, "rows"),
+    "att": (6, "heads"),
+    "att_ahead": (7, "heads"),
+}
+SPLIT = ("ff_inner", "att", "att_ahead")  # sites whose features (heads) are split across TP ranks
+GROUP = 16  # features per Philox output (16 bytes)
 LEVEL_SHIFT, SITE_SHIFT, LAYER_SHIFT = 30, 26, 16
 MAX_LAYERS, MAX_HEADS = 1 << 10, 1 << 16
 
 
 def threshold(p: float) -> int:
     """T = round(p * 2^32): an element is dropped when its U < T."""
-    return round(p * 2 ** 32)
+    return round(p * 2**32)
 
 
 def digits(T: int) -> tuple[int, ...]:
@@ -76,7 +85,7 @@ class DropoutKey:
     as an int64 tensor on the model's device for the traced form (changed in place: no recompilation)."""
 
     def __init__(self, seed: int, columns=(0,), device="cpu"):
-        if not 0 <= seed < 2 ** 32:
+        if not 0 <= seed < 2**32:
             raise ValueError(f"train.seed: keyed dropout masks take a seed in [0, 2^32) (got {seed})")
         self.seed, self.columns = int(seed), [int(c) for c in columns]
         self.step, self.micro_batch = 0, 0
@@ -85,18 +94,19 @@ class DropoutKey:
     @property
     def first_column(self) -> int:
         if not 0 <= self.micro_batch < len(self.columns):
-            raise ValueError(f"keyed dropout: micro-batch {self.micro_batch} is not one of this rank's "
-                             f"{len(self.columns)}")
+            raise ValueError(
+                f"keyed dropout: micro-batch {self.micro_batch} is not one of this rank's {len(self.columns)}"
+            )
         return self.columns[self.micro_batch]
 
     def set(self, step: int | None = None, micro_batch: int | None = None) -> DropoutKey:
         """The step (applied optimizer steps so far) and/or the micro-batch (index into columns) masks are drawn
         for from now on."""
         if step is not None and step != self.step:
-            if not 0 <= step < 2 ** 32:
+            if not 0 <= step < 2**32:
                 raise ValueError(f"keyed dropout: step {step} outside [0, 2^32)")
             self.step = int(step)
-            self.words[1].fill_(self.step)              # a scalar fill: no host-to-device copy, no sync
+            self.words[1].fill_(self.step)  # a scalar fill: no host-to-device copy, no sync
         if micro_batch is not None and micro_batch != self.micro_batch:
             self.micro_batch = int(micro_batch)
             if self.micro_batch < len(self.columns):
@@ -112,7 +122,7 @@ def coordinates(layout: str | None, shape, column, split: int, device):
     """(row, column, head, feature offset) of a site's tensor of `shape`: int64 tensors broadcastable to
     shape[:-1] (or ints), and the global index of its first feature. column: the micro-batch's first global
     column (int or 0-d tensor); split: this rank's TP rank for a split site, else 0."""
-    ar = lambda n: torch.arange(n, device=device)      # noqa: E731
+    ar = lambda n: torch.arange(n, device=device)  # noqa: E731
     if layout == "rows":
         T, B, Fl = shape
         return ar(T).view(T, 1), ar(B).view(1, B) + column, 0, split * Fl
@@ -142,10 +152,10 @@ def keep_full(shape, p: float, base, row, column, head, f0: int, k0, k1, device)
     c0 = torch.arange(g0, g0 + G, device=device)
     shifts = 8 * torch.arange(4, device=device)
     u = None
-    for level in range(4):                          # level by level: a few bytes per element held at a time
+    for level in range(4):  # level by level: a few bytes per element held at a time
         words = philox(c0, _last(row), _last(column), _last(head) | base | (level << LEVEL_SHIFT), k0, k1)
-        w = torch.stack(torch.broadcast_tensors(*words), -1)             # [*lead, G, 4 words]
-        b = ((w.unsqueeze(-1) >> shifts) & 255).flatten(-3)[..., s:s + Fl]   # [*lead, Fl]: byte j of its group
+        w = torch.stack(torch.broadcast_tensors(*words), -1)  # [*lead, G, 4 words]
+        b = ((w.unsqueeze(-1) >> shifts) & 255).flatten(-3)[..., s : s + Fl]  # [*lead, Fl]: byte j of its group
         u = b if u is None else (u << 8) | b
     assert u is not None
     return u >= threshold(p)
@@ -156,14 +166,15 @@ def _tie_keep(dtype, T: int, c0, c1, c2, c3, j, k0: int, k1: int) -> torch.Tenso
     call for the three levels; counters c0..c3 1-D, c3 without the level; j the byte in the group) against T's."""
     levels = (torch.arange(1, 4) << LEVEL_SHIFT).view(3, 1)
     words = philox_words32(c0, c1, c2, c3 | levels, k0, k1)
-    w = torch.stack(torch.broadcast_tensors(*words), -1).view(torch.uint8)            # [3, k, 16]
-    b = w.gather(2, j.view(1, -1, 1).expand(3, -1, 1)).squeeze(2).to(torch.int32)   # [3, k]
+    w = torch.stack(torch.broadcast_tensors(*words), -1).view(torch.uint8)  # [3, k, 16]
+    b = w.gather(2, j.view(1, -1, 1).expand(3, -1, 1)).squeeze(2).to(torch.int32)  # [3, k]
     rest = (b[0] << 16) | (b[1] << 8) | b[2]
     return torch.ge(rest, T & 0xFFFFFF, out=torch.empty(rest.shape, dtype=dtype))
 
 
-def keep_bytes(shape, p: float, base: int, row, column, head, f0: int, k0: int, k1: int,
-               dtype=torch.bool) -> torch.Tensor:
+def keep_bytes(
+    shape, p: float, base: int, row, column, head, f0: int, k0: int, k1: int, dtype=torch.bool
+) -> torch.Tensor:
     """keep_full's mask on the CPU in eager mode, written in `dtype` (1 keep, 0 drop), by the byte-digit trick.
     The integer work runs in inference mode (no autograd bookkeeping per operation) into an ordinary tensor, which
     a backward may then save."""
@@ -176,13 +187,13 @@ def _fill_bytes(out, p: float, base: int, row, column, head, f0: int, k0: int, k
     *lead, Fl = out.shape
     dtype = out.dtype
     T = threshold(p)
-    if T <= 0 or T >= 2 ** 32:
+    if T <= 0 or T >= 2**32:
         return out.fill_(T <= 0)
     dig = digits(T)
     g0, G, s = _groups(f0, Fl)
     c0 = torch.arange(g0, g0 + G)
     words = philox_words32(c0, _last(row), _last(column), _last(head) | base, k0, k1)
-    b = torch.stack(torch.broadcast_tensors(*words), -1).view(torch.uint8).flatten(-2)[..., s:s + Fl]
+    b = torch.stack(torch.broadcast_tensors(*words), -1).view(torch.uint8).flatten(-2)[..., s : s + Fl]
     if len(dig) == 1:
         return torch.ge(b, dig[0], out=out)
     torch.gt(b, dig[0], out=out)
@@ -228,5 +239,8 @@ class KeyedDropout(nn.Dropout):
         return y * keep.to(y.dtype) * scale
 
     def extra_repr(self) -> str:
-        return (f"p={self.p}, site={self.site}, layer={self.layer}" + (f", split={self.split}" if self.split else "")
-                + (", relu=True" if self.relu else ""))
+        return (
+            f"p={self.p}, site={self.site}, layer={self.layer}"
+            + (f", split={self.split}" if self.split else "")
+            + (", relu=True" if self.relu else "")
+        )

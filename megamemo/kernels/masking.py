@@ -4,6 +4,7 @@ On the CPU torch's masked_fill_ over a broadcast [Q, K] mask is about 5x slower 
 0 and -inf (one vectorised add). The result is the same bit for bit: s + 0 == s (a -0.0 score becomes +0.0,
 which the softmax cannot tell apart) and s + -inf == -inf for every finite s.
 """
+
 from __future__ import annotations
 
 import torch

@@ -17,14 +17,15 @@ the same numbers (tests/kernels/test_keyed_dropout.py checks both against Random
     64-bit products (no shift, no mask), the xors run on 4-byte words, and a word is widened back to 64 bits
     through a uint32 view (zero extension). About 30% less work on this CPU; needs a little-endian machine.
 """
+
 from __future__ import annotations
 
 import sys
 
 import torch
 
-M0, M1 = 0xD2511F53, 0xCD9E8D57        # the multipliers
-W0, W1 = 0x9E3779B9, 0xBB67AE85        # the key increments (golden ratio, sqrt(3) - 1)
+M0, M1 = 0xD2511F53, 0xCD9E8D57  # the multipliers
+W0, W1 = 0x9E3779B9, 0xBB67AE85  # the key increments (golden ratio, sqrt(3) - 1)
 MASK = 0xFFFFFFFF
 ROUNDS = 10
 LITTLE_ENDIAN = sys.byteorder == "little"
@@ -49,7 +50,7 @@ def _signed(k: int) -> int:
 
 def _hi_lo(p: torch.Tensor):
     """(high word, low word) of int64 products p, as int32 views (little-endian: the low word comes first)."""
-    v = p.unsqueeze(-1).view(torch.int32)                  # [..., 2]
+    v = p.unsqueeze(-1).view(torch.int32)  # [..., 2]
     return v[..., 1], v[..., 0]
 
 
@@ -67,7 +68,7 @@ def _narrow(w) -> torch.Tensor:
 def philox_words32(c0, c1, c2, c3, k0: int, k1: int, rounds: int = ROUNDS):
     """`philox` on the CPU in eager mode: the same numbers, as four int32 tensors holding the 32-bit words (read
     them with a uint32 view, or as bytes). Counter words: int64 tensors in [0, 2^32); key words: ints."""
-    if not LITTLE_ENDIAN:                                   # the int32 views assume the low word first
+    if not LITTLE_ENDIAN:  # the int32 views assume the low word first
         return tuple(_narrow(w) for w in philox(c0, c1, c2, c3, k0, k1, rounds))
     c0, c2 = torch.as_tensor(c0), torch.as_tensor(c2)
     c1, c3 = _narrow(c1), _narrow(c3)

@@ -28,6 +28,7 @@ the gradients are bit-identical run to run (train.deterministic can use them):
 Kernels launch on CUDA tensors, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set before
 triton is imported), which runs the same source in numpy: that is how the suite checks them.
 """
+
 from __future__ import annotations
 
 import triton
@@ -44,18 +45,38 @@ def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _tile_scores(qu, qv, K, R, k_row0, r_row0, z, h, k_len, r_rows, sk_z, sk_t, sr_h, sr_t,
-                 DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
-                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _tile_scores(
+    qu,
+    qv,
+    K,
+    R,
+    k_row0,
+    r_row0,
+    z,
+    h,
+    k_len,
+    r_rows,
+    sk_z,
+    sk_t,
+    sr_h,
+    sr_t,
+    DH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    T: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """(scores [BM, BN] before the scale and mask, the keys [BN, DH], the band of R [T, DH]) of one tile."""
     offs_n = k_row0 + tl.arange(0, BN)
     offs_d = tl.arange(0, DH)
     k = tl.load(K + z * sk_z + offs_n[:, None] * sk_t + offs_d[None, :], mask=(offs_n < k_len)[:, None], other=0.0)
     rows = r_row0 + tl.arange(0, T)
-    r = tl.load(R + h * sr_h + rows[:, None] * sr_t + offs_d[None, :],
-                mask=((rows >= 0) & (rows < r_rows))[:, None], other=0.0)
-    band = _mm(qv, tl.trans(r), PREC, UPCAST)                                     # [BM, T]
-    skew = (BM - 1) - tl.arange(0, BM)[:, None] + tl.arange(0, BN)[None, :]                  # in [0, BM+BN-2]
+    r = tl.load(
+        R + h * sr_h + rows[:, None] * sr_t + offs_d[None, :], mask=((rows >= 0) & (rows < r_rows))[:, None], other=0.0
+    )
+    band = _mm(qv, tl.trans(r), PREC, UPCAST)  # [BM, T]
+    skew = (BM - 1) - tl.arange(0, BM)[:, None] + tl.arange(0, BN)[None, :]  # in [0, BM+BN-2]
     s = _mm(qu, tl.trans(k), PREC, UPCAST) + tl.gather(band, skew, axis=1)
     return s, k, r
 
@@ -82,11 +103,37 @@ def _load_queries(Q, U, VB, q_row0, z, h, q_len, sq_z, sq_t, DH: tl.constexpr, B
 
 
 @triton.jit
-def _fwd(Q, K, V, R, U, VB, MASK, TILES, OUT, LSE,
-         n_batch, q_len, k_len, r_rows, s0, scale, n_kt,
-         sq_z, sq_t, sk_z, sk_t, sr_h, sr_t,
-         DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
-                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _fwd(
+    Q,
+    K,
+    V,
+    R,
+    U,
+    VB,
+    MASK,
+    TILES,
+    OUT,
+    LSE,
+    n_batch,
+    q_len,
+    k_len,
+    r_rows,
+    s0,
+    scale,
+    n_kt,
+    sq_z,
+    sq_t,
+    sk_z,
+    sk_t,
+    sr_h,
+    sr_t,
+    DH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    T: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     ti = tl.program_id(0)
     z = tl.program_id(1)
     h = z // n_batch
@@ -99,35 +146,88 @@ def _fwd(Q, K, V, R, U, VB, MASK, TILES, OUT, LSE,
     for tj in range(0, n_kt):
         if tl.load(TILES + ti * n_kt + tj) != 0:
             k_row0 = tj * BN
-            s, k, r = _tile_scores(qu, qv, K, R, k_row0, s0 - q_row0 - (BM - 1) + k_row0, z, h, k_len, r_rows,
-                                   sk_z, sk_t, sr_h, sr_t, DH, BM, BN, T, PREC, UPCAST)
+            s, k, r = _tile_scores(
+                qu,
+                qv,
+                K,
+                R,
+                k_row0,
+                s0 - q_row0 - (BM - 1) + k_row0,
+                z,
+                h,
+                k_len,
+                r_rows,
+                sk_z,
+                sk_t,
+                sr_h,
+                sr_t,
+                DH,
+                BM,
+                BN,
+                T,
+                PREC,
+                UPCAST,
+            )
             s = tl.where(_hidden(MASK, q_row0, k_row0, q_len, k_len, BM, BN), float("-inf"), s * scale)
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # a row with nothing visible yet
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             offs_n = k_row0 + tl.arange(0, BN)
-            v = tl.load(V + z * sk_z + offs_n[:, None] * sk_t + offs_d[None, :], mask=(offs_n < k_len)[:, None],
-                        other=0.0)
+            v = tl.load(
+                V + z * sk_z + offs_n[:, None] * sk_t + offs_d[None, :], mask=(offs_n < k_len)[:, None], other=0.0
+            )
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC, UPCAST)
             m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)                            # rows past q_len: never stored
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past q_len: never stored
     offs_m = q_row0 + tl.arange(0, BM)
     rows_in = offs_m < q_len
-    tl.store(OUT + z * sq_z + offs_m[:, None] * sq_t + offs_d[None, :], (acc / l_safe[:, None]).to(OUT.dtype.element_ty),
-             mask=rows_in[:, None])
+    tl.store(
+        OUT + z * sq_z + offs_m[:, None] * sq_t + offs_d[None, :],
+        (acc / l_safe[:, None]).to(OUT.dtype.element_ty),
+        mask=rows_in[:, None],
+    )
     tl.store(LSE + z * q_len + offs_m, m_i + tl.log(l_safe), mask=rows_in)
 
 
 @triton.jit
-def _tile_dscore(qu, qv, K, V, R, MASK, DO, LSE, DELTA, q_row0, k_row0, r_row0, z, h, q_len, k_len, r_rows, scale,
-                 sq_z, sq_t, sk_z, sk_t, sr_h, sr_t,
-                 DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
-                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _tile_dscore(
+    qu,
+    qv,
+    K,
+    V,
+    R,
+    MASK,
+    DO,
+    LSE,
+    DELTA,
+    q_row0,
+    k_row0,
+    r_row0,
+    z,
+    h,
+    q_len,
+    k_len,
+    r_rows,
+    scale,
+    sq_z,
+    sq_t,
+    sk_z,
+    sk_t,
+    sr_h,
+    sr_t,
+    DH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    T: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """(P [BM, BN], dScore [BM, BN], keys, values, band of R, dO tile) of one tile, recomputed from the saved LSE."""
-    s, k, r = _tile_scores(qu, qv, K, R, k_row0, r_row0, z, h, k_len, r_rows, sk_z, sk_t, sr_h, sr_t,
-                           DH, BM, BN, T, PREC, UPCAST)
+    s, k, r = _tile_scores(
+        qu, qv, K, R, k_row0, r_row0, z, h, k_len, r_rows, sk_z, sk_t, sr_h, sr_t, DH, BM, BN, T, PREC, UPCAST
+    )
     s = tl.where(_hidden(MASK, q_row0, k_row0, q_len, k_len, BM, BN), float("-inf"), s * scale)
     offs_m = q_row0 + tl.arange(0, BM)
     rows_in = offs_m < q_len
@@ -152,11 +252,41 @@ def _band_of(ds, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr):
 
 
 @triton.jit
-def _bwd_kv(Q, K, V, R, U, VB, MASK, TILES, DO, LSE, DELTA, DK, DV,
-            n_batch, q_len, k_len, r_rows, s0, scale, n_qt, n_kt,
-            sq_z, sq_t, sk_z, sk_t, sr_h, sr_t,
-            DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
-                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _bwd_kv(
+    Q,
+    K,
+    V,
+    R,
+    U,
+    VB,
+    MASK,
+    TILES,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    n_batch,
+    q_len,
+    k_len,
+    r_rows,
+    s0,
+    scale,
+    n_qt,
+    n_kt,
+    sq_z,
+    sq_t,
+    sk_z,
+    sk_t,
+    sr_h,
+    sr_t,
+    DH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    T: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tj = tl.program_id(0)
     z = tl.program_id(1)
     h = z // n_batch
@@ -167,9 +297,38 @@ def _bwd_kv(Q, K, V, R, U, VB, MASK, TILES, DO, LSE, DELTA, DK, DV,
         if tl.load(TILES + ti * n_kt + tj) != 0:
             q_row0 = ti * BM
             qu, qv = _load_queries(Q, U, VB, q_row0, z, h, q_len, sq_z, sq_t, DH, BM)
-            p, ds, k, v, r, do = _tile_dscore(qu, qv, K, V, R, MASK, DO, LSE, DELTA, q_row0, k_row0,
-                                              s0 - q_row0 - (BM - 1) + k_row0, z, h, q_len, k_len, r_rows, scale,
-                                              sq_z, sq_t, sk_z, sk_t, sr_h, sr_t, DH, BM, BN, T, PREC, UPCAST)
+            p, ds, k, v, r, do = _tile_dscore(
+                qu,
+                qv,
+                K,
+                V,
+                R,
+                MASK,
+                DO,
+                LSE,
+                DELTA,
+                q_row0,
+                k_row0,
+                s0 - q_row0 - (BM - 1) + k_row0,
+                z,
+                h,
+                q_len,
+                k_len,
+                r_rows,
+                scale,
+                sq_z,
+                sq_t,
+                sk_z,
+                sk_t,
+                sr_h,
+                sr_t,
+                DH,
+                BM,
+                BN,
+                T,
+                PREC,
+                UPCAST,
+            )
             dv += _mm(tl.trans(p.to(do.dtype)), do, PREC, UPCAST)
             dk += _mm(tl.trans(ds.to(qu.dtype)), qu, PREC, UPCAST)
     offs_n = k_row0 + tl.arange(0, BN)
@@ -180,11 +339,40 @@ def _bwd_kv(Q, K, V, R, U, VB, MASK, TILES, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _bwd_q(Q, K, V, R, U, VB, MASK, TILES, DO, LSE, DELTA, DQC, DQP,
-           n_batch, q_len, k_len, r_rows, s0, scale, n_kt,
-           sq_z, sq_t, sk_z, sk_t, sr_h, sr_t,
-           DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
-                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _bwd_q(
+    Q,
+    K,
+    V,
+    R,
+    U,
+    VB,
+    MASK,
+    TILES,
+    DO,
+    LSE,
+    DELTA,
+    DQC,
+    DQP,
+    n_batch,
+    q_len,
+    k_len,
+    r_rows,
+    s0,
+    scale,
+    n_kt,
+    sq_z,
+    sq_t,
+    sk_z,
+    sk_t,
+    sr_h,
+    sr_t,
+    DH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    T: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     ti = tl.program_id(0)
     z = tl.program_id(1)
     h = z // n_batch
@@ -195,9 +383,38 @@ def _bwd_q(Q, K, V, R, U, VB, MASK, TILES, DO, LSE, DELTA, DQC, DQP,
     for tj in range(0, n_kt):
         if tl.load(TILES + ti * n_kt + tj) != 0:
             k_row0 = tj * BN
-            p, ds, k, v, r, do = _tile_dscore(qu, qv, K, V, R, MASK, DO, LSE, DELTA, q_row0, k_row0,
-                                              s0 - q_row0 - (BM - 1) + k_row0, z, h, q_len, k_len, r_rows, scale,
-                                              sq_z, sq_t, sk_z, sk_t, sr_h, sr_t, DH, BM, BN, T, PREC, UPCAST)
+            p, ds, k, v, r, do = _tile_dscore(
+                qu,
+                qv,
+                K,
+                V,
+                R,
+                MASK,
+                DO,
+                LSE,
+                DELTA,
+                q_row0,
+                k_row0,
+                s0 - q_row0 - (BM - 1) + k_row0,
+                z,
+                h,
+                q_len,
+                k_len,
+                r_rows,
+                scale,
+                sq_z,
+                sq_t,
+                sk_z,
+                sk_t,
+                sr_h,
+                sr_t,
+                DH,
+                BM,
+                BN,
+                T,
+                PREC,
+                UPCAST,
+            )
             dqc += _mm(ds.to(k.dtype), k, PREC, UPCAST)
             dqp += _mm(_band_of(ds, BM, BN, T).to(r.dtype), r, PREC, UPCAST)
     offs_m = q_row0 + tl.arange(0, BM)
@@ -209,11 +426,40 @@ def _bwd_q(Q, K, V, R, U, VB, MASK, TILES, DO, LSE, DELTA, DQC, DQP,
 
 
 @triton.jit
-def _bwd_r(Q, K, V, R, U, VB, MASK, TILES, DO, LSE, DELTA, DRB,
-           n_batch, q_len, k_len, r_rows, s0, scale, n_qt, n_kt,
-           sq_z, sq_t, sk_z, sk_t, sr_h, sr_t,
-           DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
-                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _bwd_r(
+    Q,
+    K,
+    V,
+    R,
+    U,
+    VB,
+    MASK,
+    TILES,
+    DO,
+    LSE,
+    DELTA,
+    DRB,
+    n_batch,
+    q_len,
+    k_len,
+    r_rows,
+    s0,
+    scale,
+    n_qt,
+    n_kt,
+    sq_z,
+    sq_t,
+    sk_z,
+    sk_t,
+    sr_h,
+    sr_t,
+    DH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    T: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """DRB [heads, n_qt + n_kt - 1, T, DH] fp32: diagonal d_idx = tj - ti + n_qt - 1 (BM == BN)."""
     d_idx = tl.program_id(0)
     h = tl.program_id(1)
@@ -229,9 +475,38 @@ def _bwd_r(Q, K, V, R, U, VB, MASK, TILES, DO, LSE, DELTA, DRB,
             if tl.load(TILES + ti * n_kt + tj) != 0:
                 q_row0 = ti * BM
                 qu, qv = _load_queries(Q, U, VB, q_row0, z, h, q_len, sq_z, sq_t, DH, BM)
-                p, ds, k, v, r, do = _tile_dscore(qu, qv, K, V, R, MASK, DO, LSE, DELTA, q_row0, tj * BN, r_row0,
-                                                  z, h, q_len, k_len, r_rows, scale,
-                                                  sq_z, sq_t, sk_z, sk_t, sr_h, sr_t, DH, BM, BN, T, PREC, UPCAST)
+                p, ds, k, v, r, do = _tile_dscore(
+                    qu,
+                    qv,
+                    K,
+                    V,
+                    R,
+                    MASK,
+                    DO,
+                    LSE,
+                    DELTA,
+                    q_row0,
+                    tj * BN,
+                    r_row0,
+                    z,
+                    h,
+                    q_len,
+                    k_len,
+                    r_rows,
+                    scale,
+                    sq_z,
+                    sq_t,
+                    sk_z,
+                    sk_t,
+                    sr_h,
+                    sr_t,
+                    DH,
+                    BM,
+                    BN,
+                    T,
+                    PREC,
+                    UPCAST,
+                )
                 acc += _mm(tl.trans(_band_of(ds, BM, BN, T).to(qv.dtype)), qv, PREC, UPCAST)
     offs_t = tl.arange(0, T)
     offs_d = tl.arange(0, DH)

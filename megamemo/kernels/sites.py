@@ -12,6 +12,7 @@ stages. Each dropout is told its site by where it sits:
         drop -> emb    drop_pos -> pos    drop_out -> out
 A dropout anywhere else is an error naming it (a site without coordinates would not be layout-invariant).
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -21,11 +22,16 @@ from megamemo.model.layers import LaMemoLayer, ReluDropout, XLLayer
 from .dropout import CpuDropout
 from .keyed import SPLIT, DropoutKey, KeyedDropout
 
-MODES = ("stream", "keyed")                 # train.dropout_masks
-_IN_LAYER = {"attn.drop": "attn_out", "attn.dropatt": "att", "attn.dropatt_ahead": "att_ahead",
-             "ff.drop_inner": "ff_inner", "ff.drop": "ff_out"}
+MODES = ("stream", "keyed")  # train.dropout_masks
+_IN_LAYER = {
+    "attn.drop": "attn_out",
+    "attn.dropatt": "att",
+    "attn.dropatt_ahead": "att_ahead",
+    "ff.drop_inner": "ff_inner",
+    "ff.drop": "ff_out",
+}
 _OUTSIDE = {"drop": "emb", "drop_pos": "pos", "drop_out": "out"}
-_DROPOUTS = (nn.Dropout, ReluDropout, CpuDropout, KeyedDropout)      # exactly these types
+_DROPOUTS = (nn.Dropout, ReluDropout, CpuDropout, KeyedDropout)  # exactly these types
 
 
 def _relu(d: nn.Dropout) -> bool:
@@ -39,15 +45,17 @@ def dropout_sites(model: nn.Module) -> dict[str, tuple[str, int]]:
     for name, m in model.named_modules():
         if type(m) not in _DROPOUTS:
             continue
-        path = name[:-len(".inner")] if name.endswith(".inner") else name     # a wrapper's place is the site's
+        path = name[: -len(".inner")] if name.endswith(".inner") else name  # a wrapper's place is the site's
         owner = max((n for n in layers if path.startswith(n + ".")), key=len, default=None)
         if owner is not None:
-            site, layer = _IN_LAYER.get(path[len(owner) + 1:]), layers[owner]
+            site, layer = _IN_LAYER.get(path[len(owner) + 1 :]), layers[owner]
         else:
             site, layer = _OUTSIDE.get(path.rpartition(".")[2]), 0
         if site is None:
-            raise ValueError(f"keyed dropout: no site for the dropout at {name!r} (known: "
-                             f"{', '.join(sorted(_IN_LAYER))} in a layer; {', '.join(sorted(_OUTSIDE))} outside)")
+            raise ValueError(
+                f"keyed dropout: no site for the dropout at {name!r} (known: "
+                f"{', '.join(sorted(_IN_LAYER))} in a layer; {', '.join(sorted(_OUTSIDE))} outside)"
+            )
         out[name] = (site, layer)
     return out
 
@@ -66,19 +74,20 @@ def apply_dropout_masks(model: nn.Module, mode: str, key: DropoutKey | None = No
         old = modules[name]
         new: nn.Module
         if mode == "keyed":
-            assert key is not None                  # checked above
+            assert key is not None  # checked above
             new = KeyedDropout(old.p, key, site, layer, relu=_relu(old), split=tp_rank if site in SPLIT else 0)
         elif isinstance(old, KeyedDropout):
             new = ReluDropout(old.p) if old.relu else nn.Dropout(old.p)
         else:
             continue
         parent, _, child = name.rpartition(".")
-        setattr(modules[parent] if parent else model, child, new.to(key.words.device if key else "cpu")
-                .train(old.training))
+        setattr(
+            modules[parent] if parent else model, child, new.to(key.words.device if key else "cpu").train(old.training)
+        )
     return mode
 
 
 def dropout_masks_in_use(model: nn.Module) -> str:
-    """"keyed", "stream" or "mixed": how the model's dropouts draw their masks."""
+    """ "keyed", "stream" or "mixed": how the model's dropouts draw their masks."""
     forms = {isinstance(m, KeyedDropout) for m in model.modules() if isinstance(m, nn.Dropout)}
     return "mixed" if len(forms) > 1 else ("keyed" if forms == {True} else "stream")

@@ -10,6 +10,7 @@ the tables but are no symbols. Their output bias is read as -inf (`mask_padding`
 probability 0 exactly and the NLL is the unpadded vocabulary's. With cutoffs the padding ids are the last cluster's
 last rows: they are masked inside that cluster's softmax, and the head and every other cluster are unchanged.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,7 @@ class AdaptiveEmbedding(nn.Module):
         super().__init__()
         self.bounds = cluster_bounds(n_token, cutoffs)
         self.div_val, self.d_proj = div_val, d_proj
-        self.scale = d_proj ** 0.5
+        self.scale = d_proj**0.5
         self.emb_layers = nn.ModuleList()
         self.emb_projs = nn.ParameterList()
         if div_val == 1:
@@ -46,7 +47,7 @@ class AdaptiveEmbedding(nn.Module):
                 self.emb_projs.append(nn.Parameter(torch.empty(d_proj, d_embed)))
         else:
             for i in range(len(self.bounds) - 1):
-                d_i = d_embed // div_val ** i
+                d_i = d_embed // div_val**i
                 self.emb_layers.append(nn.Embedding(self.bounds[i + 1] - self.bounds[i], d_i))
                 self.emb_projs.append(nn.Parameter(torch.empty(d_proj, d_i)))
 
@@ -65,7 +66,9 @@ class AdaptiveEmbedding(nn.Module):
                 lo, hi = self.bounds[i], self.bounds[i + 1]
                 idx = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)
                 if idx.numel():
-                    e = e.index_copy(0, idx, F.linear(self.emb_layers[i](flat[idx] - lo), self.emb_projs[i]).to(e.dtype))
+                    e = e.index_copy(
+                        0, idx, F.linear(self.emb_layers[i](flat[idx] - lo), self.emb_projs[i]).to(e.dtype)
+                    )
             e = e.view(*x.shape, self.d_proj)
         return e * self.scale
 
@@ -76,7 +79,7 @@ class AdaptiveLogSoftmax(nn.Module):
     def __init__(self, n_token, d_embed, d_proj, cutoffs, div_val, tie_weight, tie_projs, n_vocab=None):
         super().__init__()
         self.bounds = cluster_bounds(n_token, cutoffs)
-        self.n_vocab = n_vocab      # ids from n_vocab on are padding (None: none)
+        self.n_vocab = n_vocab  # ids from n_vocab on are padding (None: none)
         self.n_clusters = len(cutoffs)
         self.shortlist = self.bounds[1]
         self.div_val, self.d_proj = div_val, d_proj
@@ -84,7 +87,7 @@ class AdaptiveLogSoftmax(nn.Module):
         tie_projs = list(tie_projs) + [tie_projs[-1] if tie_projs else False] * (n_parts - len(tie_projs))
         self.tie_weight = tie_weight
         self.tie_projs = tie_projs[:n_parts]
-        dims = [d_embed] if div_val == 1 else [d_embed // div_val ** i for i in range(n_parts)]
+        dims = [d_embed] if div_val == 1 else [d_embed // div_val**i for i in range(n_parts)]
         # own tables (when not tied): one [n_token, d] for div_val 1, else one per cluster
         self.out_weights = nn.ParameterList()
         if not tie_weight:
@@ -97,16 +100,20 @@ class AdaptiveLogSoftmax(nn.Module):
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
         # projections: per cluster, None when the dims agree (div_val 1, d_embed == d_proj)
         self.has_proj = [not (div_val == 1 and d_proj == d_embed) for _ in range(n_parts)]
-        self.out_projs = nn.ParameterDict({
-            str(i): nn.Parameter(torch.empty(d_proj, dims[i if div_val > 1 else 0]))
-            for i in range(n_parts) if self.has_proj[i] and not self.tie_projs[i]})
+        self.out_projs = nn.ParameterDict(
+            {
+                str(i): nn.Parameter(torch.empty(d_proj, dims[i if div_val > 1 else 0]))
+                for i in range(n_parts)
+                if self.has_proj[i] and not self.tie_projs[i]
+            }
+        )
 
     def parts(self, emb: AdaptiveEmbedding):
         """Per cluster i: (weight [rows, d_i], bias [rows], proj [d_proj, d_i] or None), tying resolved."""
         out = []
         for i in range(len(self.bounds) - 1):
             lo, hi = self.bounds[i], self.bounds[i + 1]
-            k = 0 if self.div_val == 1 else i       # div_val 1: one table, this cluster's rows of it
+            k = 0 if self.div_val == 1 else i  # div_val 1: one table, this cluster's rows of it
             table = emb.emb_layers[k].weight if self.tie_weight else self.out_weights[k]
             assert isinstance(table, torch.Tensor)
             w = table[lo:hi] if self.div_val == 1 else table
@@ -156,7 +163,7 @@ class AdaptiveLogSoftmax(nn.Module):
         head = self._head(h, parts)
         if not self.n_clusters:
             return head
-        out = [head[:, :self.shortlist]]
+        out = [head[:, : self.shortlist]]
         for i in range(1, len(self.bounds) - 1):
             tail = F.log_softmax(self._logits(h, *parts[i]).float(), dim=-1)
             out.append(head[:, self.shortlist + i - 1, None] + tail)

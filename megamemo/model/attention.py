@@ -6,6 +6,7 @@ position term of all streams of a head be one [batch*time, d_head] @ [d_head, P]
 (batch-major would broadcast R over the batch: a copy of R per stream, and small products). Scores are masked,
 normalised and turned into log-normalisers in fp32 whatever the input dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,10 @@ def rel_shift(buf: torch.Tensor, s0: int, width: int) -> torch.Tensor:
     Needs width <= W-1 (rows do not overlap) and (Q-1)*(W-1) + s0 + width <= Q*W (stays inside the matrix)."""
     Q, W = buf.shape[-2:]
     if not buf.is_contiguous() or width > W - 1 or (Q - 1) * (W - 1) + s0 + width > Q * W or s0 < 0:
-        raise ValueError(f"rel_shift of {tuple(buf.shape)} (contiguous {buf.is_contiguous()}) "
-                         f"by {s0} to width {width} would leave the matrix")
+        raise ValueError(
+            f"rel_shift of {tuple(buf.shape)} (contiguous {buf.is_contiguous()}) "
+            f"by {s0} to width {width} would leave the matrix"
+        )
     # torch.compile cannot trace storage_offset(): there the buffer is a fresh product (offset 0, as every caller's)
     base = 0 if torch.compiler.is_compiling() else buf.storage_offset()
     return buf.as_strided((*buf.shape[:-2], Q, width), (*buf.stride()[:-2], W - 1, 1), base + s0)
@@ -202,7 +205,7 @@ class _NanToNum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, y = ctx.saved_tensors
-        if torch.compiler.is_compiling():           # compiled: one fused elementwise kernel (no out= there)
+        if torch.compiler.is_compiling():  # compiled: one fused elementwise kernel (no out= there)
             return (x == y).to(g.dtype) * g
         return torch.eq(x, y, out=torch.empty_like(g)).mul_(g)
 

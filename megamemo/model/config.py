@@ -2,6 +2,7 @@
 fields.py: each field's type, choices and bounds are checked on construction); `from_dict` turns a bad field into a
 one-line error naming it, and `validate` checks the rules between fields (what a checkpoint records). What a training
 run asks of it beyond that is the run config's (megamemo/train/config.py RunConfig.check)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,12 +24,11 @@ VARIANTS = {
     "xl": "Transformer-XL (relative positions, per-layer FIFO memory; reference attn_type 0)",
     "rpe": "Transformer with XL relative positions and no memory",
 }
-Variant = Literal["lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "xl", "rpe"]   # model.variant
+Variant = Literal["lamemo", "lamemo_xlrpe", "lamemo_no_interp", "lamemo_no_lookahead", "xl", "rpe"]  # model.variant
 assert typing.get_args(Variant) == tuple(VARIANTS), "model.variant's choices are VARIANTS"
 
 
-
-PAD_MULTIPLE = 128          # rows per TP rank a padded vocabulary is a multiple of (model.n_token: auto)
+PAD_MULTIPLE = 128  # rows per TP rank a padded vocabulary is a multiple of (model.n_token: auto)
 
 
 def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
@@ -37,6 +37,7 @@ def padded_vocab(vocab: int, tp: int) -> tuple[int, int | None]:
     step = PAD_MULTIPLE * tp
     n = -(-vocab // step) * step
     return n, (vocab if n != vocab else None)
+
 
 @section("model")
 class ModelConfig:
@@ -47,29 +48,29 @@ class ModelConfig:
     # The vocabulary's symbols when the tables are padded beyond it (ids n_vocab .. n_token-1 are padding: masked
     # out of the softmax, never input, target or sampled); None: every row is a symbol (n_vocab = n_token)
     n_vocab: Int | None = None
-    n_layer: Annotated[Int, Field(ge=1)] = 2        # Transformer layers
-    d_model: Annotated[Int, Field(ge=1)] = 64       # width of the residual stream
-    n_head: Annotated[Int, Field(ge=1)] = 2         # attention heads per layer
-    d_head: Annotated[Int, Field(ge=1)] = 32        # width of each head (n_head x d_head need not be d_model)
-    d_inner: Annotated[Int, Field(ge=1)] = 128      # hidden width of the position-wise feed-forward
-    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.1      # dropout of embeddings, sublayer outputs and memory
+    n_layer: Annotated[Int, Field(ge=1)] = 2  # Transformer layers
+    d_model: Annotated[Int, Field(ge=1)] = 64  # width of the residual stream
+    n_head: Annotated[Int, Field(ge=1)] = 2  # attention heads per layer
+    d_head: Annotated[Int, Field(ge=1)] = 32  # width of each head (n_head x d_head need not be d_model)
+    d_inner: Annotated[Int, Field(ge=1)] = 128  # hidden width of the position-wise feed-forward
+    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.1  # dropout of embeddings, sublayer outputs and memory
     # dropout of the attention probabilities (> 0 keeps eager attention)
     dropatt: Annotated[Float, Field(ge=0, lt=1)] = 0.0
-    tgt_len: Annotated[Int, Field(ge=1)] = 64       # tokens per segment: the rows one forward step predicts
-    mem_len: Annotated[Int, Field(ge=0)] = 64       # memory rows carried over from the previous segments (0: none)
-    clamp_len: Int = -1             # relative distances beyond this share its position (-1: none clamped)
-    same_length: Bool = False       # every query attends over the same number of keys (XL's same_length)
-    pre_lnorm: Bool = False         # layer norm before each sublayer (pre-LN) instead of after it
-    cutoffs: list[Int] = field(default_factory=list)    # adaptive softmax and input: cluster boundaries by id
-                                                        # ([]: one full softmax)
+    tgt_len: Annotated[Int, Field(ge=1)] = 64  # tokens per segment: the rows one forward step predicts
+    mem_len: Annotated[Int, Field(ge=0)] = 64  # memory rows carried over from the previous segments (0: none)
+    clamp_len: Int = -1  # relative distances beyond this share its position (-1: none clamped)
+    same_length: Bool = False  # every query attends over the same number of keys (XL's same_length)
+    pre_lnorm: Bool = False  # layer norm before each sublayer (pre-LN) instead of after it
+    cutoffs: list[Int] = field(default_factory=list)  # adaptive softmax and input: cluster boundaries by id
+    # ([]: one full softmax)
     # adaptive input: each later cluster's width divided by this again (1: all d_embed)
     div_val: Annotated[Int, Field(ge=1)] = 1
-    tie_weight: Bool = True         # the output softmax shares the input embedding's table
-    tie_projs: list[Bool] = field(default_factory=lambda: [False])    # per adaptive-softmax cluster: its
-                                                                      # projection shared with the input's
-    d_embed: Int | None = None      # embedding width (None: d_model; projected to d_model when another)
-    init_std: Float = 0.02          # std of the normal initialisation of weights and position biases
-    proj_init_std: Float = 0.01     # std of the normal initialisation of the adaptive projections
+    tie_weight: Bool = True  # the output softmax shares the input embedding's table
+    tie_projs: list[Bool] = field(default_factory=lambda: [False])  # per adaptive-softmax cluster: its
+    # projection shared with the input's
+    d_embed: Int | None = None  # embedding width (None: d_model; projected to d_model when another)
+    init_std: Float = 0.02  # std of the normal initialisation of weights and position biases
+    proj_init_std: Float = 0.01  # std of the normal initialisation of the adaptive projections
     # The reference LaMemo training script never re-initialises r_r_bias_future, so it keeps xavier_uniform_
     # (~15x the scale of r_r_bias). "xavier" reproduces that; "normal" uses N(0, init_std) like the other biases.
     future_bias_init: Literal["xavier", "normal"] = "xavier"
@@ -116,6 +117,7 @@ class ModelConfig:
     # ---- validation and (de)serialisation -----------------------------------------------------------------
     def validate(self) -> ModelConfig:
         """The rules between fields (each field's own type, choices and bounds were checked on construction)."""
+
         def bad(name, why):
             raise ConfigError(f"model.{name}: {why} (got {getattr(self, name)!r})")
 
@@ -128,8 +130,7 @@ class ModelConfig:
         cut = list(self.cutoffs)
         if cut != sorted(set(cut)) or (cut and (cut[0] < 1 or cut[-1] >= self.vocab_size)):
             # the last cluster holds at least one symbol: a cluster of padding only would take probability mass
-            bad("cutoffs", f"must be strictly increasing and inside (0, {self.vocab_size}) (the vocabulary's "
-                f"symbols)")
+            bad("cutoffs", f"must be strictly increasing and inside (0, {self.vocab_size}) (the vocabulary's symbols)")
         n_clusters = len(cut) + 1
         if len(self.tie_projs) not in (1, n_clusters) and self.tie_projs:
             bad("tie_projs", f"needs 1 or {n_clusters} entries (one per cluster)")
@@ -148,7 +149,7 @@ class ModelConfig:
         except ValueError as e:
             for flag, name in fields.items():
                 if str(e).startswith(f"model.{name}:"):
-                    raise UsageError(flag + str(e)[len(f"model.{name}"):]) from None
+                    raise UsageError(flag + str(e)[len(f"model.{name}") :]) from None
             raise
 
     def to_dict(self) -> dict:

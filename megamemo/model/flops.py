@@ -62,6 +62,7 @@ configs/lamemo-1.3b.yaml 1.95, lamemo-7b 2.01, enwik8-base 1.84 (mem_len = tgt_l
 over twice the rows), wt103-base 1.28 (its tied 267,735-word softmax, 110 M of its 151 M parameters, costs both
 counts alike); as XL the same shapes give 1.20, 1.21, 1.16, 1.05.
 """
+
 from __future__ import annotations
 
 from .config import ModelConfig
@@ -80,23 +81,30 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int | None = None, mem_
     klen = L + M
     if cfg.lamemo:
         nk = min(M, L)
-        lookahead = 2 * M * nk * H * B * 2 + 2 * M * M * H * B   # content and values, position scores
+        lookahead = 2 * M * nk * H * B * 2 + 2 * M * M * H * B  # content and values, position scores
         if cfg.variant == "lamemo_no_lookahead":
-            lookahead = 0                                         # the ablation keeps the cached context
-        per_layer = (2 * klen * d * 3 * H * B            # qkv for memory and current rows
-                     + 2 * (klen + M) * d * H            # r_net over past and future distances
-                     + 3 * 2 * L * klen * H * B          # causal: content, position, values
-                     + lookahead
-                     + 2 * klen * H * d * B              # o_net for memory and current rows
-                     + 2 * klen * 2 * d * F * B)         # FFN for memory and current rows
+            lookahead = 0  # the ablation keeps the cached context
+        per_layer = (
+            2 * klen * d * 3 * H * B  # qkv for memory and current rows
+            + 2 * (klen + M) * d * H  # r_net over past and future distances
+            + 3 * 2 * L * klen * H * B  # causal: content, position, values
+            + lookahead
+            + 2 * klen * H * d * B  # o_net for memory and current rows
+            + 2 * klen * 2 * d * F * B
+        )  # FFN for memory and current rows
         # the top layer's memory rows feed nothing: no o_net or FFN for them, and no look-ahead when the new
         # caches keep none of them (M = mem_len <= L; LaMemoLayer's mem_rows_out)
         top_saves = 2 * M * H * d * B + 2 * M * 2 * d * F * B + (lookahead if M <= L else 0)
         body = cfg.n_layer * per_layer - top_saves
     else:
-        per_layer = (2 * L * d * H * B + 2 * klen * d * 2 * H * B   # q for current rows, k and v for all
-                     + 2 * klen * d * H + 3 * 2 * L * klen * H * B
-                     + 2 * L * H * d * B + 2 * L * 2 * d * F * B)
+        per_layer = (
+            2 * L * d * H * B
+            + 2 * klen * d * 2 * H * B  # q for current rows, k and v for all
+            + 2 * klen * d * H
+            + 3 * 2 * L * klen * H * B
+            + 2 * L * H * d * B
+            + 2 * L * 2 * d * F * B
+        )
         body = cfg.n_layer * per_layer
     return body + _embedding_and_output(cfg, L * B)
 
@@ -104,7 +112,7 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int | None = None, mem_
 def _embedding_and_output(cfg: ModelConfig, n: int) -> float:
     """The output layer over n positions, and the d_embed <-> d_model projections (see the module docstring)."""
     d, e = cfg.d_model, cfg.embed_dim
-    cols = cfg.n_token if not cfg.cutoffs else cfg.cutoffs[0] + len(cfg.cutoffs)   # the head: shortlist + clusters
+    cols = cfg.n_token if not cfg.cutoffs else cfg.cutoffs[0] + len(cfg.cutoffs)  # the head: shortlist + clusters
     projected = not (cfg.div_val == 1 and e == d)
     out = 2 * n * e * cols + (2 * n * d * e if projected else 0)
     inp = 2 * n * e * d if (cfg.div_val == 1 and e != d) else 0

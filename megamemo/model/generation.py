@@ -12,6 +12,7 @@ Sampling: softmax(log-probs / temperature) restricted to the smallest set of mos
 reaches top_p (nucleus sampling), renormalised, drawn with a CPU generator seeded by `seed`, so a seed gives the same
 text on any device.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,8 @@ def nucleus_probs(logprobs: torch.Tensor, top_p: float = 1.0, temperature: float
     if top_p >= 1.0:
         return probs
     sorted_p, order = probs.sort(descending=True)
-    before = sorted_p.cumsum(0) - sorted_p           # mass of the more likely tokens
-    keep_sorted = before < top_p                     # the token that crosses top_p is kept; the first always is
+    before = sorted_p.cumsum(0) - sorted_p  # mass of the more likely tokens
+    keep_sorted = before < top_p  # the token that crosses top_p is kept; the first always is
     keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
     probs = torch.where(keep, probs, torch.zeros_like(probs))
     return probs / probs.sum()
@@ -56,8 +57,8 @@ class Decoder:
         self.model = model.eval()
         self.mem_len = default_mem_len(model) if mem_len is None else mem_len
         self.device = next(model.parameters()).device
-        self.mem = memory                     # None: empty; else one stream's memory (eval/start_memory.py)
-        self.history: list[int] = []          # only kept for models without memory
+        self.mem = memory  # None: empty; else one stream's memory (eval/start_memory.py)
+        self.history: list[int] = []  # only kept for models without memory
 
     @torch.no_grad()
     def _run(self, ids: list[int]) -> torch.Tensor:
@@ -72,19 +73,30 @@ class Decoder:
             raise UsageError("nothing to feed: the prompt is empty")
         c = self.model.cfg
         if not c.has_memory:
-            self.history = (self.history + list(ids))[-c.tgt_len:]
+            self.history = (self.history + list(ids))[-c.tgt_len :]
             self.mem = None
             return self._run(self.history)
         out = None
         for i in range(0, len(ids), c.tgt_len):
-            out = self._run(list(ids[i:i + c.tgt_len]))
-        assert out is not None          # ids is not empty (checked above): the loop ran
+            out = self._run(list(ids[i : i + c.tgt_len]))
+        assert out is not None  # ids is not empty (checked above): the loop ran
         return out
 
 
-def generate(model, prompt_ids: list[int], max_new_tokens: int, *, top_p: float = 0.95, temperature: float = 1.0,
-             seed: int = 0, mem_len: int | None = None, return_logprobs: bool = False, log=None,
-             greedy: bool = False, memory=None):
+def generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    top_p: float = 0.95,
+    temperature: float = 1.0,
+    seed: int = 0,
+    mem_len: int | None = None,
+    return_logprobs: bool = False,
+    log=None,
+    greedy: bool = False,
+    memory=None,
+):
     """-> new token ids (and, with return_logprobs, the log-probs [V] each one was sampled from); greedy: the most
     likely token each time instead of a sample. memory: the stream's memory before the prompt (None: empty)."""
     gen = torch.Generator().manual_seed(seed)
@@ -102,6 +114,8 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, top_p: float 
             logprobs = dec.feed([tok])
     dt = time.perf_counter() - t0 - t_prompt
     if log is not None:
-        log(f"[generate] prompt {len(prompt_ids)} tokens in {t_prompt:.2f}s, {len(out)} new tokens in {dt:.2f}s "
-            f"({len(out) / max(dt, 1e-9):.1f} tokens/s), memory {dec.mem_len}")
+        log(
+            f"[generate] prompt {len(prompt_ids)} tokens in {t_prompt:.2f}s, {len(out)} new tokens in {dt:.2f}s "
+            f"({len(out) / max(dt, 1e-9):.1f} tokens/s), memory {dec.mem_len}"
+        )
     return (out, dists) if return_logprobs else out

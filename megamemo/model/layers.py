@@ -1,4 +1,5 @@
 """Decoder layers: relative multi-head attention (XL or LaMemo) + position-wise feed-forward."""
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,7 @@ class FeedForward(nn.Module):
 def project_split(x, weight, q_rows):
     """x [T, B, d] and a [Q; K; V] weight -> (queries of the last q_rows rows, [K; V] of all rows)."""
     nd = weight.size(0) // 3
-    return F.linear(x[x.size(0) - q_rows:], weight[:nd]), F.linear(x, weight[nd:])
+    return F.linear(x[x.size(0) - q_rows :], weight[:nd]), F.linear(x, weight[nd:])
 
 
 class FusedQKV(nn.Linear):
@@ -120,8 +121,9 @@ class XLLayer(nn.Module):
         q, k, v = self.attn.heads(cat, q_rows=L)  # memory rows are keys and values only
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, _ = self.attn.causal(q, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt, lse="none",
-                                      masking=self.attn.masking)
+            ctx, _ = self.attn.causal(
+                q, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt, lse="none", masking=self.attn.masking
+            )
         else:
             ctx, _ = attend(q, k, v, klen - L, r, mask)
         return self.ff(self.attn.output(h, _time_major(ctx, None)[0]))
@@ -138,8 +140,9 @@ class LaMemoLayer(nn.Module):
         self.ff = FeedForward(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
         self.variant = cfg.variant
 
-    def forward(self, cat, M, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len, attend=None, observe=None,
-                mem_rows_out=True):
+    def forward(
+        self, cat, M, ctx_old, lse_old, pos_emb, u, vb, vf, mask, mem_len, attend=None, observe=None, mem_rows_out=True
+    ):
         """cat [M+L,B,d]: the M memory rows' states at this layer, then the current rows; ctx_old [M,B,n,dh] and
         lse_old [M,B,n] (fp32) the caches; pos_emb [klen+M, d]. Returns (cat', ctx_new, lse_new): the next
         layer's rows in the same layout, and the caches (the last mem_len rows of [memory; current], detached).
@@ -155,8 +158,9 @@ class LaMemoLayer(nn.Module):
         q_mem, q_cur = q.split([M, L], 2)  # a split's backward is one cat; two slices would zero-fill q twice
         r = self.attn.rel(pos_emb)
         if attend is None:
-            ctx, lse = self.attn.causal(q_cur, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt,
-                                        lse="value", masking=self.attn.masking)
+            ctx, lse = self.attn.causal(
+                q_cur, k, v, r, u, vb, mask, self.attn.scale, self.attn.dropatt, lse="value", masking=self.attn.masking
+            )
         else:
             ctx, lse = attend(q_cur, k, v, M, r, mask)
         ctx, lse = _time_major(ctx, lse)
@@ -166,9 +170,18 @@ class LaMemoLayer(nn.Module):
                 c_mem, s_mem = ctx_old.to(ctx.dtype), lse_old.float()
             else:
                 nk = min(M, L)
-                a, s_la = self.attn.lookahead(q_mem, k[:, :, M - nk + 1:M + 1], v[:, :, M - nk + 1:M + 1],
-                                              r[:, klen:], u, vf, lookahead_mask(M, nk, dev), self.attn.scale,
-                                              self.attn.dropatt_ahead, masking=self.attn.masking)
+                a, s_la = self.attn.lookahead(
+                    q_mem,
+                    k[:, :, M - nk + 1 : M + 1],
+                    v[:, :, M - nk + 1 : M + 1],
+                    r[:, klen:],
+                    u,
+                    vf,
+                    lookahead_mask(M, nk, dev),
+                    self.attn.scale,
+                    self.attn.dropatt_ahead,
+                    masking=self.attn.masking,
+                )
                 a, s_la = _time_major(a, s_la)
                 if self.variant == "lamemo_no_interp":
                     c_mem, s_mem = a, s_la
@@ -182,9 +195,9 @@ class LaMemoLayer(nn.Module):
         if mem_rows_out:
             out = self.ff(self.attn.output(cat, ctx))
         else:
-            out = self.ff(self.attn.output(cat[M:], ctx[M - first:]))
-        ctx_new = ctx[beg - first:].detach()
-        lse_new = lse[beg - first:].detach()
-        if torch.compiler.is_compiling():   # one stride for every producer of the caches: no recompile on it
+            out = self.ff(self.attn.output(cat[M:], ctx[M - first :]))
+        ctx_new = ctx[beg - first :].detach()
+        lse_new = lse[beg - first :].detach()
+        if torch.compiler.is_compiling():  # one stride for every producer of the caches: no recompile on it
             ctx_new, lse_new = ctx_new.contiguous(), lse_new.contiguous()
         return out, ctx_new, lse_new

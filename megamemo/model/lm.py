@@ -1,4 +1,5 @@
 """The language model: embed -> layers -> adaptive softmax, with memory passed in and returned."""
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,9 @@ class MemTransformerLM(nn.Module):
             self.r_r_bias_future = nn.Parameter(torch.empty(n, dh))
         layer = LaMemoLayer if cfg.lamemo else XLLayer
         self.layers = nn.ModuleList(layer(cfg, li) for li in range(cfg.n_layer))
-        self.crit = AdaptiveLogSoftmax(cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val,
-                                       cfg.tie_weight, cfg.tie_projs, n_vocab=cfg.n_vocab)
+        self.crit = AdaptiveLogSoftmax(
+            cfg.n_token, cfg.embed_dim, d, cfg.cutoffs, cfg.div_val, cfg.tie_weight, cfg.tie_projs, n_vocab=cfg.n_vocab
+        )
         self.check_inputs = True  # token-range checks cost a host sync: a training loop on GPU may turn them off
         # train.activation_checkpointing: in training, each layer's activations are recomputed in the backward
         # (torch.utils.checkpoint; dropout masks are replayed from the saved RNG state, or recomputed from their
@@ -91,8 +93,9 @@ class MemTransformerLM(nn.Module):
         if self.check_inputs:
             for name, t in (("input", inp), ("target", tgt)):
                 if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.vocab_size):
-                    raise ValueError(f"{name} token ids must be in [0, {cfg.vocab_size}); "
-                                     f"got range [{int(t.min())}, {int(t.max())}]")
+                    raise ValueError(
+                        f"{name} token ids must be in [0, {cfg.vocab_size}); got range [{int(t.min())}, {int(t.max())}]"
+                    )
         B = inp.size(1)
         if mem.batch_size is not None and mem.batch_size != B:
             raise ValueError(f"memory holds {mem.batch_size} streams but the input has batch {B}")
@@ -100,20 +103,34 @@ class MemTransformerLM(nn.Module):
             return
         names = self.memory_names()
         if sorted(mem.tensors) != sorted(names):
-            raise ValueError(f"memory tensors {sorted(mem.tensors)} do not match this model ({cfg.variant}, "
-                             f"{cfg.n_layer} layers) which expects {names}")
-        first: Any = self.layers[0]             # a layer's attention (plain or TP-split) knows its heads
+            raise ValueError(
+                f"memory tensors {sorted(mem.tensors)} do not match this model ({cfg.variant}, "
+                f"{cfg.n_layer} layers) which expects {names}"
+            )
+        first: Any = self.layers[0]  # a layer's attention (plain or TP-split) knows its heads
         n_local = first.attn.n_head
         for k, t in mem.tensors.items():
-            tail = {"emb": (cfg.d_model,), "hid": (cfg.d_model,), "ctx": (n_local, cfg.d_head),
-                    "lse": (n_local,)}[k.split(".")[0]]
+            tail = {"emb": (cfg.d_model,), "hid": (cfg.d_model,), "ctx": (n_local, cfg.d_head), "lse": (n_local,)}[
+                k.split(".")[0]
+            ]
             if tuple(t.shape[2:]) != tail:
-                raise ValueError(f"memory tensor {k!r} has shape {tuple(t.shape)}, expected [M, {B}, "
-                                 f"{', '.join(map(str, tail))}]")
+                raise ValueError(
+                    f"memory tensor {k!r} has shape {tuple(t.shape)}, expected [M, {B}, {', '.join(map(str, tail))}]"
+                )
 
     # ---- forward --------------------------------------------------------------------------------------------
-    def forward(self, inp, tgt=None, mem: Memory | None = None, *, mem_len=None, same_length=None, clamp_len=None,
-                attend=None, observe=None):
+    def forward(
+        self,
+        inp,
+        tgt=None,
+        mem: Memory | None = None,
+        *,
+        mem_len=None,
+        same_length=None,
+        clamp_len=None,
+        attend=None,
+        observe=None,
+    ):
         """inp, tgt [L, B] token ids -> (nll [L, B] fp32, new memory). Without tgt: (log-probs [L, B, V], memory).
         mem_len / same_length / clamp_len override the config for this call (evaluation at other lengths).
         Evaluation-time extras (megamemo/model/trams.py): attend(l, layer) may return a replacement for layer l's
@@ -140,9 +157,13 @@ class MemTransformerLM(nn.Module):
         pos = position_sequence(klen, M, clamp_len, cfg.future_positions, h0.device)
         pos_emb = self.drop_pos(sinusoid(pos, cfg.d_model, h0.dtype))
         mask = causal_mask(L, M, mem_len, same_length, h0.device)
-        hooks = [((attend(li, layer) if attend is not None else None),
-                  (functools.partial(observe, layer=li) if observe is not None else None))
-                 for li, layer in enumerate(self.layers)]
+        hooks = [
+            (
+                (attend(li, layer) if attend is not None else None),
+                (functools.partial(observe, layer=li) if observe is not None else None),
+            )
+            for li, layer in enumerate(self.layers)
+        ]
         if cfg.lamemo:
             return self._encode_lamemo(h0, mem, pos_emb, mask, mem_len, hooks)
         return self._encode_xl(h0, mem, pos_emb, mask, mem_len, hooks)
@@ -151,6 +172,7 @@ class MemTransformerLM(nn.Module):
         """layer(*args, **kwargs), its activations recomputed in the backward when recompute_layers is on."""
         if self.recompute_layers and self.training and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
+
             return checkpoint(layer, *args, use_reentrant=False, **kwargs)
         return layer(*args, **kwargs)
 
@@ -158,8 +180,9 @@ class MemTransformerLM(nn.Module):
         h, hids = h0, []
         for li, layer in enumerate(self.layers):
             hids.append(h)
-            h = self._call(layer, h, mem.get(f"hid.{li}"), pos_emb, self.r_w_bias, self.r_r_bias, mask,
-                           attend=hooks[li][0])
+            h = self._call(
+                layer, h, mem.get(f"hid.{li}"), pos_emb, self.r_w_bias, self.r_r_bias, mask, attend=hooks[li][0]
+            )
         new = {}
         if mem_len > 0:
             with torch.no_grad():
@@ -176,8 +199,20 @@ class MemTransformerLM(nn.Module):
         for li, layer in enumerate(self.layers):
             ctx_old, lse_old = mem.get(f"ctx.{li}"), mem.get(f"lse.{li}")
             rows, new[f"ctx.{li}"], new[f"lse.{li}"] = self._call(
-                layer, rows, M, ctx_old, lse_old, pos_emb, self.r_w_bias, self.r_r_bias, vf, mask, mem_len,
-                *hooks[li], mem_rows_out=li < top)  # the top layer's memory rows would be thrown away
+                layer,
+                rows,
+                M,
+                ctx_old,
+                lse_old,
+                pos_emb,
+                self.r_w_bias,
+                self.r_r_bias,
+                vf,
+                mask,
+                mem_len,
+                *hooks[li],
+                mem_rows_out=li < top,
+            )  # the top layer's memory rows would be thrown away
         with torch.no_grad():
             new["emb"] = xl_update(emb, h0, mem_len)
-        return self.drop_out(rows[rows.size(0) - h0.size(0):]), Memory(new, batch_size=h0.size(1))
+        return self.drop_out(rows[rows.size(0) - h0.size(0) :]), Memory(new, batch_size=h0.size(1))

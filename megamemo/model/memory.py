@@ -8,6 +8,7 @@ operation for every kind of memory:
   * Transformer+RPE: nothing.
 `ctx.*`/`lse.*` are per head: tensor parallelism shards them on dim 2 with the heads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,7 @@ def xl_update(old: torch.Tensor | None, new: torch.Tensor, mem_len: int) -> torc
     and LaMemo's embedding FIFO, by the single-device model (lm.py) and the pipeline stages (parallel/pipeline.py);
     TRAMS runs the model's own forward, so it uses it too."""
     cat = new if old is None else torch.cat([old, new.detach().to(old.dtype)], 0)
-    return cat[max(0, cat.size(0) - mem_len):].detach()
+    return cat[max(0, cat.size(0) - mem_len) :].detach()
 
 
 class Memory:
@@ -28,7 +29,9 @@ class Memory:
         self.tensors = dict(tensors or {})
         sizes = {(t.size(0), t.size(1)) for t in self.tensors.values()}
         if len(sizes) > 1:
-            raise ValueError(f"memory tensors disagree on [M, B]: { {k: tuple(t.shape) for k, t in self.tensors.items()} }")
+            raise ValueError(
+                f"memory tensors disagree on [M, B]: { {k: tuple(t.shape) for k, t in self.tensors.items()} }"
+            )
         self._mb = sizes.pop() if sizes else (0, batch_size)
 
     # ---- shape -------------------------------------------------------------------------------------------
@@ -81,5 +84,8 @@ class Memory:
         return cls(d, batch_size=None if bs < 0 else bs)
 
     def equal(self, other: Memory) -> bool:
-        return (self.tensors.keys() == other.tensors.keys() and self.batch_size == other.batch_size
-                and all(torch.equal(self.tensors[k], other.tensors[k]) for k in self.tensors))
+        return (
+            self.tensors.keys() == other.tensors.keys()
+            and self.batch_size == other.batch_size
+            and all(torch.equal(self.tensors[k], other.tensors[k]) for k in self.tensors)
+        )

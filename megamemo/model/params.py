@@ -1,6 +1,7 @@
 """Parameter counts of a model config by arithmetic (no model built): per layer, split by tensor parallelism or
 replicated, the embedding and softmax, the position biases. `megamemo plan` and the trainer's start-up line use
 them; tests/plan/test_plan.py checks them against built models."""
+
 from __future__ import annotations
 
 
@@ -16,14 +17,17 @@ def _cluster_dims(m) -> tuple[list[int], list[int]]:
     bounds = [0, *m.cutoffs, m.n_token]
     if m.div_val == 1:
         return [m.n_token], [m.embed_dim]
-    return [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)], [m.embed_dim // m.div_val ** i
-                                                            for i in range(len(bounds) - 1)]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)], [
+        m.embed_dim // m.div_val**i for i in range(len(bounds) - 1)
+    ]
 
 
 def input_params(m) -> int:
     """The input embedding: its tables and, where their width is not d_model, their projections."""
     rows, dims = _cluster_dims(m)
-    return sum(r * w + (m.d_model * w if w != m.d_model or m.div_val > 1 else 0) for r, w in zip(rows, dims, strict=True))
+    return sum(
+        r * w + (m.d_model * w if w != m.d_model or m.div_val > 1 else 0) for r, w in zip(rows, dims, strict=True)
+    )
 
 
 def output_params(m) -> int:

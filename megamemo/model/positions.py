@@ -1,4 +1,5 @@
 """Sinusoidal relative positions and the index arithmetic that aligns them with query/key pairs."""
+
 from __future__ import annotations
 
 import functools

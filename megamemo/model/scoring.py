@@ -13,6 +13,7 @@ analyze's observer and the pipeline stages pass theirs. A forward may return an 
 that scores nothing (a pipeline stage before the last): it adds nothing.
 `on_segment(scores, inp, tgt, nll)` is told each segment once it is counted (running totals in `scores`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,10 +35,11 @@ from .trams import forward as trams_forward
 @dataclass
 class Scores:
     """The running totals of one scoring pass."""
-    nll: torch.Tensor                   # float64, 0-d, on the device: the summed NLL (nats) of the scored tokens
-    tokens: int = 0                     # tokens scored
-    segments: int = 0                   # segments run
-    memory: Memory | None = None        # the memory after the last segment
+
+    nll: torch.Tensor  # float64, 0-d, on the device: the summed NLL (nats) of the scored tokens
+    tokens: int = 0  # tokens scored
+    segments: int = 0  # segments run
+    memory: Memory | None = None  # the memory after the last segment
 
     @property
     def mean(self) -> float:
@@ -53,9 +55,17 @@ def model_forward(model, inp, tgt, mem, lengths: Lengths | None = None):
 
 
 @torch.no_grad()
-def score_segments(model, segments: Iterable, *, memory: Memory | None = None, forward: Callable | None = None,
-                   max_segments: int | None = None, device=None, on_segment: Callable | None = None,
-                   lengths: Lengths | None = None) -> Scores:
+def score_segments(
+    model,
+    segments: Iterable,
+    *,
+    memory: Memory | None = None,
+    forward: Callable | None = None,
+    max_segments: int | None = None,
+    device=None,
+    on_segment: Callable | None = None,
+    lengths: Lengths | None = None,
+) -> Scores:
     """Score `segments` of (input, target) [L, B] with memory carried. -> Scores (sums, counts, final memory).
     forward(model, inp, tgt, mem) -> (nll, memory): default the model's own call, at `lengths` (the default
     forward's only: a forward of one's own runs at the lengths it chooses)."""
@@ -83,10 +93,24 @@ def score_segments(model, segments: Iterable, *, memory: Memory | None = None, f
     return scores
 
 
-def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, trams: TramsConfig | None = None,
-             max_segments: int = 0, device=None, log=None, total_segments: int | None = None,
-             log_every: float = 10.0, bar: bool | None = False, token_bytes: torch.Tensor | None = None,
-             on_segment=None, memory: Memory | None = None) -> dict:
+def evaluate(
+    model,
+    batches,
+    *,
+    mem_len=None,
+    same_length=None,
+    clamp_len=None,
+    trams: TramsConfig | None = None,
+    max_segments: int = 0,
+    device=None,
+    log=None,
+    total_segments: int | None = None,
+    log_every: float = 10.0,
+    bar: bool | None = False,
+    token_bytes: torch.Tensor | None = None,
+    on_segment=None,
+    memory: Memory | None = None,
+) -> dict:
     """Exact per-token mean NLL (nats) of `model` over `batches` of (input, target) [L, B], memory carried from
     `memory` (None: empty), through the one scorer (score_segments, above).
     Progress: a line to `log` every `log_every` seconds, or a tqdm bar (bar=True; None: on a terminal).
@@ -98,7 +122,7 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
         raise ValueError("on_segment is not available with TRAMS")
     lengths = Lengths(mem=mem_len, same_length=same_length, clamp=clamp_len)
     forward = functools.partial(model_forward, lengths=lengths)
-    if trams is not None:                       # the TRAMS pool is the memory length
+    if trams is not None:  # the TRAMS pool is the memory length
         forward = functools.partial(trams_forward, select=trams, same_length=same_length, clamp_len=clamp_len)
     elif on_segment is not None:
         forward = functools.partial(_forward_with_hits, on_segment, lengths=lengths)
@@ -106,8 +130,15 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
     t0 = time.perf_counter()
     n_seg = min(total_segments, max_segments or total_segments) if total_segments else (max_segments or None)
     show = log is not None or bool(bar)
-    progress = Progress("[eval]", total=n_seg, unit="seg", every=log_every if show else float("inf"),
-                        bar=bar if show else False, log=log, line=_progress_line)
+    progress = Progress(
+        "[eval]",
+        total=n_seg,
+        unit="seg",
+        every=log_every if show else float("inf"),
+        bar=bar if show else False,
+        log=log,
+        line=_progress_line,
+    )
 
     def counted(scores, inp, tgt, nll):
         nonlocal n_bytes
@@ -116,12 +147,23 @@ def evaluate(model, batches, *, mem_len=None, same_length=None, clamp_len=None, 
         progress.update(1, tokens=scores.tokens, nll=lambda: scores.mean)  # nll: a device sync, when shown
 
     try:
-        scores = score_segments(model, batches, memory=memory, forward=forward, max_segments=max_segments or None,
-                                device=device, on_segment=counted)
+        scores = score_segments(
+            model,
+            batches,
+            memory=memory,
+            forward=forward,
+            max_segments=max_segments or None,
+            device=device,
+            on_segment=counted,
+        )
     finally:
         progress.close()
-    out = {"nll": scores.mean, "tokens": scores.tokens, "segments": scores.segments,
-           "seconds": time.perf_counter() - t0}
+    out = {
+        "nll": scores.mean,
+        "tokens": scores.tokens,
+        "segments": scores.segments,
+        "seconds": time.perf_counter() - t0,
+    }
     if token_bytes is not None:
         out["bytes"], out["bits_per_byte"] = n_bytes, bits_per_byte(float(scores.nll), n_bytes)
     return out
@@ -137,5 +179,7 @@ def _forward_with_hits(on_segment, model, inp, tgt, mem, lengths: Lengths):
 
 def _progress_line(p) -> str:
     of = f"/{p.total}" if p.total else ""
-    return (f"[eval] segment {p.n}{of}: {p.info['tokens']:,} tokens, {p.info['tokens'] / p.elapsed:,.0f} tokens/s, "
-            f"running nll {p.info['nll']:.4f}")
+    return (
+        f"[eval] segment {p.n}{of}: {p.info['tokens']:,} tokens, {p.info['tokens'] / p.elapsed:,.0f} tokens/s, "
+        f"running nll {p.info['nll']:.4f}"
+    )

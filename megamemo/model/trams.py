@@ -28,6 +28,7 @@ layer by layer (a re-implementation of MemTransformerLM.encode that the tests ho
 optional extras: key selection (`select`, a TramsConfig) and an observer called with the attention
 probabilities and LaMemo's memorizing coefficient of every layer (used by `megamemo analyze`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,10 +49,10 @@ METRICS = ("code", "paper")
 
 @dataclass
 class TramsConfig:
-    pool: int                # memory rows cached (TRAMS mem_len)
-    attend: int              # memory rows each query attends: recent + selected (remain_mem_num + topk_num)
-    recent: int              # newest memory rows always attended (remain_mem_num)
-    metric: str = "code"     # code: ||K'|| * |sum K'| (the reference code) | paper: sum K' / sqrt(d)
+    pool: int  # memory rows cached (TRAMS mem_len)
+    attend: int  # memory rows each query attends: recent + selected (remain_mem_num + topk_num)
+    recent: int  # newest memory rows always attended (remain_mem_num)
+    metric: str = "code"  # code: ||K'|| * |sum K'| (the reference code) | paper: sum K' / sqrt(d)
 
     @property
     def topk(self) -> int:
@@ -59,12 +60,10 @@ class TramsConfig:
 
     def validate(self) -> TramsConfig:
         if not 0 <= self.recent <= self.attend <= self.pool:
-            raise UsageError(f"trams: need 0 <= recent ({self.recent}) <= attend ({self.attend}) <= pool "
-                             f"({self.pool})")
+            raise UsageError(f"trams: need 0 <= recent ({self.recent}) <= attend ({self.attend}) <= pool ({self.pool})")
         if self.metric not in METRICS:
             raise UsageError(f"trams.metric: must be one of {METRICS}, got {self.metric!r}")
         return self
-
 
 
 # ---- the metric and the selection ------------------------------------------------------------------------------
@@ -117,8 +116,14 @@ Observer = Callable[..., None]
 class _Causal:
     """The current queries' attention of one layer, over all keys or over the selected memory rows."""
 
-    def __init__(self, model: MemTransformerLM, select: TramsConfig | None, clamp_len: int, same_length: bool,
-                 observe: Observer | None):
+    def __init__(
+        self,
+        model: MemTransformerLM,
+        select: TramsConfig | None,
+        clamp_len: int,
+        same_length: bool,
+        observe: Observer | None,
+    ):
         self.model, self.select, self.observe = model, select, observe
         self.clamp_len, self.same_length = clamp_len, same_length
 
@@ -135,7 +140,7 @@ class _Causal:
         if index is None:
             kk, vv, mlen, r, mask = k, v, M, r_full, mask_full
         else:
-            assert self.select is not None          # index is set only when selecting
+            assert self.select is not None  # index is set only when selecting
             mlen = index.size(-1)
             cur = torch.arange(M, M + L, device=k.device).expand(*index.shape[:2], L)
             full = torch.cat([index, cur], -1)
@@ -143,18 +148,43 @@ class _Causal:
             pos = position_sequence(mlen + L, mlen, self.clamp_len, None, k.device)
             r = attn.rel(m.drop_pos(sinusoid(pos, m.cfg.d_model, q_cur.dtype)))
             mask = causal_mask(L, mlen, self.select.attend, self.same_length, k.device)
-        ctx, lse = causal_attention(q_cur, kk, vv, r, m.r_w_bias, m.r_r_bias, mask, attn.scale, attn.dropatt,
-                                    lse="grad" if m.cfg.lamemo else "none", masking=attn.masking)  # as the layer
+        ctx, lse = causal_attention(
+            q_cur,
+            kk,
+            vv,
+            r,
+            m.r_w_bias,
+            m.r_r_bias,
+            mask,
+            attn.scale,
+            attn.dropatt,
+            lse="grad" if m.cfg.lamemo else "none",
+            masking=attn.masking,
+        )  # as the layer
         if self.observe is not None:  # observers see batch-major [B,n,...] (megamemo/eval/analyze.py)
             probs = attention_probs(q_cur, kk, r, m.r_w_bias, m.r_r_bias, mask, attn.scale)
-            self.observe(layer=li, kind="causal", probs=probs.transpose(0, 1), mlen=mlen,
-                         index=None if index is None else index.transpose(0, 1))
+            self.observe(
+                layer=li,
+                kind="causal",
+                probs=probs.transpose(0, 1),
+                mlen=mlen,
+                index=None if index is None else index.transpose(0, 1),
+            )
         return ctx, lse
 
 
-def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *, select: TramsConfig | None = None,
-            mem_len: int | None = None, same_length: bool | None = None, clamp_len: int | None = None,
-            observe: Observer | None = None):
+def forward(
+    model: MemTransformerLM,
+    inp,
+    tgt=None,
+    mem: Memory | None = None,
+    *,
+    select: TramsConfig | None = None,
+    mem_len: int | None = None,
+    same_length: bool | None = None,
+    clamp_len: int | None = None,
+    observe: Observer | None = None,
+):
     """Like `model(inp, tgt, mem, ...)`: (nll [L,B] or log-probs [L,B,V], new memory). With `select` the cache
     holds select.pool rows and the current tokens attend to the TRAMS selection of them. `observe(layer=, kind=,
     ...)` is called per layer with kind "causal" (probs [B,n,L,klen], mlen, index) and, for LaMemo, "alpha"
@@ -169,7 +199,15 @@ def forward(model: MemTransformerLM, inp, tgt=None, mem: Memory | None = None, *
         mem_len = select.pool
     at = Lengths(mem=mem_len, clamp=clamp_len, same_length=same_length).resolve(cfg)
     same_length, clamp_len = at.same_length, at.clamp
-    assert same_length is not None and clamp_len is not None        # resolve() takes the model's where None
+    assert same_length is not None and clamp_len is not None  # resolve() takes the model's where None
     causal = _Causal(model, select, clamp_len, same_length, observe)
-    return model(inp, tgt, mem, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len,
-                 attend=lambda li, layer: functools.partial(causal, li, layer), observe=observe)
+    return model(
+        inp,
+        tgt,
+        mem,
+        mem_len=mem_len,
+        same_length=same_length,
+        clamp_len=clamp_len,
+        attend=lambda li, layer: functools.partial(causal, li, layer),
+        observe=observe,
+    )

@@ -2,6 +2,7 @@
 how a sharded model is initialised, and the collectives' time limit. Each value's type, choices and range are
 declared here; what the layout needs of the model (tensor.py, pipeline.py) and what DeepSpeed applies (zero.py)
 are rules across sections, checked by the run config (megamemo/train/config.py RunConfig.check)."""
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -11,9 +12,9 @@ from megamemo.config.fields import Bool, Field, Float, Int, IntChoice, section
 
 @section("parallel")
 class ParallelConfig:
-    tp: Annotated[Int, Field(ge=1)] = 1     # tensor parallel size: heads, FFN and vocabulary split (megatron-core)
-    pp: Annotated[Int, Field(ge=1)] = 1     # pipeline parallel size: layers split into stages (DeepSpeed pipeline)
-    zero_stage: Annotated[Literal[0, 1, 2], IntChoice] = 1   # DeepSpeed ZeRO stage 0 | 1 | 2
+    tp: Annotated[Int, Field(ge=1)] = 1  # tensor parallel size: heads, FFN and vocabulary split (megatron-core)
+    pp: Annotated[Int, Field(ge=1)] = 1  # pipeline parallel size: layers split into stages (DeepSpeed pipeline)
+    zero_stage: Annotated[Literal[0, 1, 2], IntChoice] = 1  # DeepSpeed ZeRO stage 0 | 1 | 2
     # the gradient reduction (DeepSpeed's zero_optimization; what takes effect where: megamemo/parallel/zero.py):
     # overlap it with the backward pass, bucket by bucket (ZeRO 1 or 2, no pipeline; not bf16 on ZeRO 1 with fp32
     # accumulation)

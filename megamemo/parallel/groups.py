@@ -1,6 +1,7 @@
 """Process groups (megatron-core parallel_state), the DeepSpeed `mpu` adapter, and the RNG tracker that makes
 dropout inside tensor-parallel regions reproducible and different across TP ranks - on GPU megatron's own CUDA
 tracker, on CPU a tracker over torch's CPU generator (megatron's needs CUDA)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ TP_RNG = "model-parallel-rng"  # megatron's name for the per-TP-rank stream
 
 def _mcore():
     from megatron.core import parallel_state, tensor_parallel
+
     return parallel_state, tensor_parallel
 
 
@@ -123,8 +125,9 @@ def dropout_seeds(seed: int, dp_rank: int, tp_rank: int, pp_rank: int, step_salt
     share a seed (megatron's seed + 2718 + tp_rank gives (dp 0, tp 1) the stream of (dp 1, tp 0), and the same
     one to every pipeline stage). step_salt: a re-seed at a step (resume under another layout) uses the step."""
     if min(dp_rank, tp_rank, pp_rank, step_salt) < 0:
-        raise ValueError(f"dropout_seeds: negative rank or salt (dp {dp_rank}, tp {tp_rank}, pp {pp_rank}, "
-                         f"salt {step_salt})")
+        raise ValueError(
+            f"dropout_seeds: negative rank or salt (dp {dp_rank}, tp {tp_rank}, pp {pp_rank}, salt {step_salt})"
+        )
     group = _pair(dp_rank, pp_rank)
     default = seed + 1 + 2 * _pair(group, step_salt)
     tp = seed + 1 + 2 * _pair(_pair(group, tp_rank), step_salt) + 1
@@ -147,8 +150,15 @@ def install_tp_stream(tp_seed: int, cuda: bool | None = None) -> None:
     tp.random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
-def seed_rng_streams(seed: int, dp_rank: int, tp_rank: int, pp_rank: int, step_salt: int = 0,
-                     tp_stream: bool = True, cuda: bool | None = None) -> tuple[int, int]:
+def seed_rng_streams(
+    seed: int,
+    dp_rank: int,
+    tp_rank: int,
+    pp_rank: int,
+    step_salt: int = 0,
+    tp_stream: bool = True,
+    cuda: bool | None = None,
+) -> tuple[int, int]:
     """Seed this rank's default streams (python, numpy, torch CPU and CUDA) and, with tp_stream, its TP stream
     (on CUDA or CPU, see install_tp_stream), from dropout_seeds(...). Returns the two seeds."""
     default, tp_seed = dropout_seeds(seed, dp_rank, tp_rank, pp_rank, step_salt)
@@ -174,10 +184,9 @@ def grad_norm(params) -> float:
     """Global L2 norm of the gradients, counting tensor-parallel shards once each and replicated parameters once
     (not once per TP rank). The squares are summed in float64 on the gradients' device; the TP all-reduce runs
     there too (NCCL takes no CPU tensors); one host sync at the end."""
-    grads = [(p.grad.detach(), bool(getattr(p, "tensor_model_parallel", False))) for p in params
-             if p.grad is not None]
-    device = grads[0][0].device if grads else communication_device()   # a rank without gradients still joins
-    sq = torch.zeros(2, dtype=torch.float64, device=device)        # [split across TP ranks, replicated]
+    grads = [(p.grad.detach(), bool(getattr(p, "tensor_model_parallel", False))) for p in params if p.grad is not None]
+    device = grads[0][0].device if grads else communication_device()  # a rank without gradients still joins
+    sq = torch.zeros(2, dtype=torch.float64, device=device)  # [split across TP ranks, replicated]
     for g, split in grads:
         sq[0 if split else 1] += g.double().pow(2).sum()
     _, size = tp_rank_size()

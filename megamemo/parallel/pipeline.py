@@ -26,6 +26,7 @@ device's one, and every other mask is the single device's too: the stage layers 
 they compute (StageContext.dropout_key, megamemo/kernels/keyed.py), including when a layer is recomputed.
 Everything else is the single-device model.
 """
+
 from __future__ import annotations
 
 import functools
@@ -79,7 +80,7 @@ class StageContext:
         # the lengths the layers run with; validation swaps in its own (train/validate.py)
         self.mem_len, self.clamp_len, self.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
         self.tp, self.tp_rank = tp, tp_rank
-        self._meta: tuple[torch.Tensor, tuple] | None = None    # (meta tensor, its values as ints): meta_ints
+        self._meta: tuple[torch.Tensor, tuple] | None = None  # (meta tensor, its values as ints): meta_ints
         # keyed dropout masks: the run's DropoutKey (megamemo/kernels/keyed.py), told the micro-batch each pipe
         # layer computes; None with stream masks
         self.dropout_key = None
@@ -118,10 +119,10 @@ class EmbedPipe(nn.Module):
 
     def __init__(self, cfg, ctx: StageContext):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.n_token // ctx.tp, cfg.d_model))   # vocab rows of this TP rank
-        self.scale = cfg.d_model ** 0.5
-        self.drop = nn.Dropout(cfg.dropout)         # the embedding's (first stage)
-        self.drop_out = nn.Dropout(cfg.dropout)     # the top layer's output (last stage: output_logits)
+        self.weight = nn.Parameter(torch.empty(cfg.n_token // ctx.tp, cfg.d_model))  # vocab rows of this TP rank
+        self.scale = cfg.d_model**0.5
+        self.drop = nn.Dropout(cfg.dropout)  # the embedding's (first stage)
+        self.drop_out = nn.Dropout(cfg.dropout)  # the top layer's output (last stage: output_logits)
         self.ctx = ctx
 
     def forward(self, inputs):
@@ -145,6 +146,7 @@ class EmbedPipe(nn.Module):
         if self.ctx.tp == 1:
             return F.embedding(tokens, self.weight)
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
         lo = self.ctx.tp_rank * self.weight.size(0)
         outside = (tokens < lo) | (tokens >= lo + self.weight.size(0))
         e = F.embedding((tokens - lo).masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -155,11 +157,12 @@ def output_logits(module: EmbedPipe, inputs):
     """The tied embedding on the last stage: final dropout, then hidden @ table^T."""
     rows, meta = inputs
     L = module.ctx.micro_batch(meta)[2]
-    h = module.drop_out(rows[rows.size(0) - L:])
+    h = module.drop_out(rows[rows.size(0) - L :])
     if module.ctx.tp > 1:
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
         h = copy_to_tensor_model_parallel_region(h)
-    return F.linear(h, module.weight)        # under TP: the logits of this rank's vocabulary rows
+    return F.linear(h, module.weight)  # under TP: the logits of this rank's vocabulary rows
 
 
 class RelBiasPipe(nn.Module):
@@ -184,15 +187,16 @@ class LayerPipe(nn.Module):
         self.layer = LaMemoLayer(cfg, index) if cfg.lamemo else XLLayer(cfg, index)
         if ctx.tp > 1:
             from .tensor import parallelize_layer
+
             parallelize_layer(self.layer, cfg, ctx.tp, torch.float32)
         self.index, self.ctx, self.cfg = index, ctx, cfg
-        self.drop_pos = nn.Dropout(cfg.dropout)     # the position table's (the single model's drop_pos)
+        self.drop_pos = nn.Dropout(cfg.dropout)  # the position table's (the single model's drop_pos)
 
     def forward(self, inputs):
         rows, meta = inputs
         mb, M, L = self.ctx.micro_batch(meta)
         cfg, bank, li, b = self.cfg, self.ctx.bank, self.index, self.ctx.rel_bias
-        assert b is not None                    # the stage's RelBiasPipe runs before its layers
+        assert b is not None  # the stage's RelBiasPipe runs before its layers
         mem_len = self.ctx.mem_len
         if not cfg.lamemo:
             mem = bank.get(mb, f"hid.{li}")
@@ -203,9 +207,19 @@ class LayerPipe(nn.Module):
         if cfg.lamemo:
             vf = b.r_r_bias_future if cfg.future_bias else b.r_r_bias
             top = li == cfg.n_layer - 1
-            rows, ctx_new, lse_new = self.layer(rows, M, bank.get(mb, f"ctx.{li}"), bank.get(mb, f"lse.{li}"),
-                                                pos_emb, b.r_w_bias, b.r_r_bias, vf, mask, mem_len,
-                                                mem_rows_out=not top)
+            rows, ctx_new, lse_new = self.layer(
+                rows,
+                M,
+                bank.get(mb, f"ctx.{li}"),
+                bank.get(mb, f"lse.{li}"),
+                pos_emb,
+                b.r_w_bias,
+                b.r_r_bias,
+                vf,
+                mask,
+                mem_len,
+                mem_rows_out=not top,
+            )
             if cfg.future_bias and (top or not M):
                 # The top layer may skip the look-ahead, the only user of v+, and without memory (M = 0) no layer
                 # uses it. DeepSpeed all-reduces tied weights' gradients only where they exist (the other stages
@@ -240,9 +254,11 @@ def token_nll(logits, labels, vocab_parallel: bool = False):
     across the TP ranks (megatron's vocab-parallel cross entropy, a collective)."""
     if vocab_parallel:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
         return vocab_parallel_cross_entropy(logits.float().clone(), labels)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
-                           reduction="none").view(labels.shape)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="none").view(
+        labels.shape
+    )
 
 
 def mean_nll(logits, labels):
@@ -262,8 +278,10 @@ def check_supported(cfg, pp: int) -> None:
     if cfg.n_layer < pp:
         problems.append(f"model.n_layer={cfg.n_layer} is smaller than pp={pp}")
     if cfg.cutoffs or cfg.div_val != 1 or cfg.embed_dim != cfg.d_model or not cfg.tie_weight:
-        problems.append("pipeline parallelism supports the full tied softmax only (model.cutoffs: [], div_val: 1, "
-                        "d_embed: null, tie_weight: true)")
+        problems.append(
+            "pipeline parallelism supports the full tied softmax only (model.cutoffs: [], div_val: 1, "
+            "d_embed: null, tie_weight: true)"
+        )
     if cfg.pre_lnorm:
         problems.append("model.pre_lnorm is not supported with pipeline parallelism")
     if problems:
@@ -272,6 +290,7 @@ def check_supported(cfg, pp: int) -> None:
 
 def layer_specs(cfg, ctx: StageContext):
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
     bias_names = ["r_w_bias", "r_r_bias"] + (["r_r_bias_future"] if cfg.future_bias else [])
     specs = [TiedLayerSpec("embed", EmbedPipe, cfg, ctx, tied_weight_attr=["weight"])]
     for li in range(cfg.n_layer):
@@ -311,15 +330,21 @@ def build_pipeline(cfg, pp: int, topology=None, activation_checkpoint_interval: 
             self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
 
     kw = dict(topology=topology) if topology is not None else dict(num_stages=pp)
-    module = MemPipelineModule(layers=specs, loss_fn=mean_nll if tp == 1 else mean_nll_vocab_parallel,
-                               partition_method="uniform", dynamic_shape=True,
-                               activation_checkpoint_interval=activation_checkpoint_interval,
-                               # the transformer layers only (an embedding of token ids has no input gradient for
-                               # a checkpoint to hang on), with torch's non-reentrant checkpoint (replays dropout)
-                               checkpointable_layers=["LayerPipe"],
-                               activation_checkpoint_func=functools.partial(checkpoint, use_reentrant=False), **kw)
+    module = MemPipelineModule(
+        layers=specs,
+        loss_fn=mean_nll if tp == 1 else mean_nll_vocab_parallel,
+        partition_method="uniform",
+        dynamic_shape=True,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        # the transformer layers only (an embedding of token ids has no input gradient for
+        # a checkpoint to hang on), with torch's non-reentrant checkpoint (replays dropout)
+        checkpointable_layers=["LayerPipe"],
+        activation_checkpoint_func=functools.partial(checkpoint, use_reentrant=False),
+        **kw,
+    )
     if tp > 1:
         from .tensor import mark_tensor_parallel
+
         inv = {v: k for k, v in single_to_stage_names(cfg, module).items()}
         mark_tensor_parallel(module, lambda n: inv.get(n, n))
     return module, ctx
@@ -340,9 +365,19 @@ def single_to_stage_names(cfg, module) -> dict[str, str]:
     for li in range(cfg.n_layer):
         idx = 2 + 2 * li
         if start <= idx < stop:
-            for key in ("attn.qkv.weight", "attn.r_net.weight", "attn.o_net.weight", "attn.layer_norm.weight",
-                        "attn.layer_norm.bias", "ff.fc1.weight", "ff.fc1.bias", "ff.fc2.weight", "ff.fc2.bias",
-                        "ff.layer_norm.weight", "ff.layer_norm.bias"):
+            for key in (
+                "attn.qkv.weight",
+                "attn.r_net.weight",
+                "attn.o_net.weight",
+                "attn.layer_norm.weight",
+                "attn.layer_norm.bias",
+                "ff.fc1.weight",
+                "ff.fc1.bias",
+                "ff.fc2.weight",
+                "ff.fc2.bias",
+                "ff.layer_norm.weight",
+                "ff.layer_norm.bias",
+            ):
                 names[f"layers.{li}.{key}"] = f"{idx}.layer.{key}"
     if stop == n_specs:
         names["crit.out_bias"] = f"{n_specs - 1}.out_bias"
@@ -367,9 +402,9 @@ def pipe_to_single(cfg, key: str) -> str:
     single-device name."""
     n = cfg.n_layer
     if key.startswith("tied_modules.embed."):
-        idx, rest = 0, key[len("tied_modules.embed."):]
+        idx, rest = 0, key[len("tied_modules.embed.") :]
     elif key.startswith("tied_modules.relbias."):
-        idx, rest = 1, key[len("tied_modules.relbias."):]
+        idx, rest = 1, key[len("tied_modules.relbias.") :]
     else:
         head, _, rest = key.partition(".")
         if not head.isdigit():
@@ -382,7 +417,7 @@ def pipe_to_single(cfg, key: str) -> str:
     if 1 <= idx < 2 * n + 1 and idx % 2 == 1 and rest in ("r_w_bias", "r_r_bias", "r_r_bias_future"):
         return rest
     if 2 <= idx <= 2 * n and idx % 2 == 0 and rest.startswith("layer."):
-        return f"layers.{(idx - 2) // 2}.{rest[len('layer.'):]}"
+        return f"layers.{(idx - 2) // 2}.{rest[len('layer.') :]}"
     raise ValueError(f"{key}: no single-device parameter for pipe layer {idx} (n_layer={n})")
 
 

@@ -10,6 +10,7 @@ the parameter's name (and the TP rank where the parameter is split), so replicat
 every TP rank and a shard does not depend on which other parameters its stage holds. The draws are made on the
 CPU (a parameter elsewhere is filled from a host copy), so a shard is the same on any device.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,7 @@ def init_shard(module: torch.nn.Module, cfg, seed: int, single_name=lambda n: n)
         gen = torch.Generator().manual_seed(key & 0x7FFFFFFF)
         if p.device.type == "cpu":
             init_value(p, single, cfg, gen)
-        else:                   # drawn on the CPU, as everywhere: the same values whatever the device
+        else:  # drawn on the CPU, as everywhere: the same values whatever the device
             host = torch.empty(p.shape, dtype=p.dtype)
             init_value(host, single, cfg, gen)
             with torch.no_grad():

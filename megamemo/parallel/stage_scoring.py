@@ -9,6 +9,7 @@ p2p is made on the device (NCCL takes no CPU tensor): the header, the receive bu
 output. The memory is the stages' banks: `scoring_bank` gives the stage a bank of the scorer's own (and the lengths
 it scores at) and hands the training bank and lengths back afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,7 +47,7 @@ def stage_forward(ds, ctx: StageContext, device, every_tp_rank: bool = False):
 
     def forward(module, inp, tgt, mem):
         if ds.is_first_stage():
-            x = stage_input(inp, 0)                                         # micro-batch 0
+            x = stage_input(inp, 0)  # micro-batch 0
         else:
             shape = torch.empty(3, dtype=torch.long, device=device)
             p2p.recv(shape, ds.prev_stage)
@@ -63,7 +64,7 @@ def stage_forward(ds, ctx: StageContext, device, every_tp_rank: bool = False):
             p2p.send(rows.contiguous(), ds.next_stage)
             p2p.send(meta, ds.next_stage)
         else:
-            nll = token_nll(out, tgt, vocab_parallel=ctx.tp > 1)    # collective over TP ranks
+            nll = token_nll(out, tgt, vocab_parallel=ctx.tp > 1)  # collective over TP ranks
             if every_tp_rank or ctx.tp_rank == 0:
                 counted = nll
         ctx.bank.commit()

@@ -15,6 +15,7 @@ Layout of the shards (the same rules serve `shard_tensor`, a single-device weigh
   everything else (layer norms, fc2.bias): replicated.
 Memory: ctx.l [M,B,n,dh] and lse.l [M,B,n] are split on the head dim; emb and hid.l are replicated.
 """
+
 from __future__ import annotations
 
 import re
@@ -57,11 +58,15 @@ def check_supported(cfg, tp: int) -> None:
     if cfg.d_inner % tp:
         problems.append(f"model.d_inner={cfg.d_inner} is not divisible by tp={tp}")
     if cfg.n_token % tp:
-        problems.append(f"model.n_token={cfg.n_token} is not divisible by tp={tp} (pad the vocabulary: model.n_token: auto)")
+        problems.append(
+            f"model.n_token={cfg.n_token} is not divisible by tp={tp} (pad the vocabulary: model.n_token: auto)"
+        )
     if cfg.cutoffs or cfg.div_val != 1 or cfg.embed_dim != cfg.d_model:
-        problems.append("the adaptive input/softmax (model.cutoffs, model.div_val, model.d_embed) is not supported "
-                        "with tensor parallelism: use a full softmax (cutoffs: [], div_val: 1, d_embed: null) "
-                        "or tp=1")
+        problems.append(
+            "the adaptive input/softmax (model.cutoffs, model.div_val, model.d_embed) is not supported "
+            "with tensor parallelism: use a full softmax (cutoffs: [], div_val: 1, d_embed: null) "
+            "or tp=1"
+        )
     if problems:
         raise ValueError("tensor parallelism: " + "; ".join(problems))
 
@@ -89,8 +94,7 @@ def global_box(key, local_shape, rank, tp):
     if qkv:
         per = shape[0] // 3
         view = (3, per, *shape[1:])
-        return ((3, per * tp, *shape[1:]), ((0, 3), (rank * per, (rank + 1) * per), *((0, n) for n in shape[1:])),
-                view)
+        return ((3, per * tp, *shape[1:]), ((0, 3), (rank * per, (rank + 1) * per), *((0, n) for n in shape[1:])), view)
     glob = list(shape)
     glob[dim] *= tp
     box = [(0, n) for n in shape]
@@ -140,7 +144,7 @@ class ForkedDropout(nn.Module):
     @property
     def p(self) -> float:
         p = self.inner.p
-        assert isinstance(p, float | int), p          # a dropout module's probability
+        assert isinstance(p, float | int), p  # a dropout module's probability
         return p
 
     def forward(self, x):
@@ -158,23 +162,31 @@ class HeadRows(nn.Linear):
     refused (each rank would hold only its heads' share of it)."""
 
     def reset_parameters(self):
-        nn.init.zeros_(self.weight)            # no draw from the default stream: weights are loaded right after
+        nn.init.zeros_(self.weight)  # no draw from the default stream: weights are loaded right after
 
     def forward(self, x):
         if x.requires_grad:
-            raise ValueError("HeadRows (r_net under tensor parallelism) takes a position table with no gradient: "
-                             "its input gradient would be this rank's heads' share only")
+            raise ValueError(
+                "HeadRows (r_net under tensor parallelism) takes a position table with no gradient: "
+                "its input gradient would be this rank's heads' share only"
+            )
         return F.linear(x, self.weight)
 
 
 def _mcore_layers(tp, dtype):
     from megatron.core import ModelParallelConfig
     from megatron.core import tensor_parallel as mtp
+
     # Parameters are made on the CPU like every other parameter of the model (DeepSpeed moves the module to its
     # device): with use_cpu_initialization=False megatron would put them on torch.cuda.current_device(), a module
     # of mixed devices that parallel/shard_init.py's CPU generators cannot fill.
-    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                              perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)
+    cfg = ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype=dtype,
+        gradient_accumulation_fusion=False,
+    )
     init = nn.init.zeros_  # weights are loaded from the single-device model right after
 
     class Column(mtp.ColumnParallelLinear):
@@ -193,8 +205,9 @@ def _mcore_layers(tp, dtype):
 
     class Row(mtp.RowParallelLinear):
         def __init__(self, n_in, n_out, bias):
-            super().__init__(n_in, n_out, config=cfg, init_method=init, bias=bias, input_is_parallel=True,
-                             skip_bias_add=False)
+            super().__init__(
+                n_in, n_out, config=cfg, init_method=init, bias=bias, input_is_parallel=True, skip_bias_add=False
+            )
 
         def forward(self, x):
             return super().forward(x)[0]
@@ -220,12 +233,15 @@ class VocabParallelSoftmax(nn.Module):
 
     def _logits(self, h, emb):
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
         table = emb.emb_layers[0].weight if self.tie_weight else self.out_weights[0]
-        return F.linear(copy_to_tensor_model_parallel_region(h), table,
-                        mask_padding(self.out_bias, self.first, self.n_vocab))
+        return F.linear(
+            copy_to_tensor_model_parallel_region(h), table, mask_padding(self.out_bias, self.first, self.n_vocab)
+        )
 
     def nll(self, h, target, emb):
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
         return vocab_parallel_cross_entropy(self._logits(h, emb).float().clone(), target)
 
     def log_probs(self, h, emb):
@@ -246,7 +262,7 @@ def parallelize_layer(layer, cfg, tp: int, dtype) -> None:
     d, nd = cfg.d_model, cfg.n_head * cfg.d_head
     a, f = layer.attn, layer.ff
     a.qkv, a.o_net = QKVColumn(d, 3 * nd, False), Row(nd, d, False)
-    a.r_net = HeadRows(d, nd // tp, bias=False, dtype=dtype)    # the position table needs no gradient
+    a.r_net = HeadRows(d, nd // tp, bias=False, dtype=dtype)  # the position table needs no gradient
     a.n_head = cfg.n_head // tp
     a.dropatt, a.dropatt_ahead = ForkedDropout(a.dropatt), ForkedDropout(a.dropatt_ahead)
     f.fc1, f.fc2 = Column(d, cfg.d_inner, True), Row(cfg.d_inner, d, True)
@@ -262,6 +278,7 @@ def mark_tensor_parallel(module, name_of=lambda n: n) -> None:
     """Tag the parameters split across TP ranks (by the single-device name `name_of(name)`) so gradient-norm
     computations count them once per shard; megatron's own layers tag theirs."""
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
     for name, p in module.named_parameters():
         rule = _rule(name_of(name))
         if rule is not None and not getattr(p, "tensor_model_parallel", False):
@@ -286,8 +303,9 @@ def parallelize_tensor(model, load: bool = True, always: bool = False):
         if hasattr(model, name):
             setattr(model, name, local_bias(cfg, tp, dtype))
     model.word_emb.emb_layers[0] = embedding(cfg.n_token, cfg.d_model)
-    model.crit = VocabParallelSoftmax(cfg.n_token // tp, cfg.d_model, cfg.tie_weight, dtype,
-                                      first=rank * (cfg.n_token // tp), n_vocab=cfg.n_vocab)
+    model.crit = VocabParallelSoftmax(
+        cfg.n_token // tp, cfg.d_model, cfg.tie_weight, dtype, first=rank * (cfg.n_token // tp), n_vocab=cfg.n_vocab
+    )
     if load:
         model.load_state_dict(shard_state_dict(full, rank, tp), strict=True)
     mark_tensor_parallel(model)

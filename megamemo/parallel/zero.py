@@ -31,9 +31,10 @@ and fp32 would only choose BF16_Optimizer, whose reduction waits for the backwar
 ZeRO optimizer, which reduces the same bf16 values (bucket by bucket, overlapped with parallel.overlap_comm) and
 steps the same fp32 master weights.
 """
+
 from __future__ import annotations
 
-DS_REDUCE_BUCKET = 500_000_000      # DeepSpeed's reduce_bucket_size default and its non-ZeRO all-reduce bucket
+DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default and its non-ZeRO all-reduce bucket
 
 
 def fp32_accumulation(parallel, precision, grad_accum: int) -> bool:
@@ -73,9 +74,11 @@ def reduce_bucket(parallel, precision, grad_accum: int) -> int:
 def _without_zero_optimizer(parallel) -> str:
     if parallel.zero_stage == 0:
         return "needs parallel.zero_stage 1 or 2 (ZeRO 0 all-reduces after the backward pass, in its own buckets)"
-    return ("not with precision.dtype bf16 on ZeRO 1 with fp32 gradient accumulation (train.grad_accum > 1, or "
-            "precision.grad_accum_dtype fp32): DeepSpeed 0.19.8 runs its BF16_Optimizer there, which all-reduces "
-            "after the backward pass (use parallel.zero_stage 2, or precision.grad_accum_dtype model)")
+    return (
+        "not with precision.dtype bf16 on ZeRO 1 with fp32 gradient accumulation (train.grad_accum > 1, or "
+        "precision.grad_accum_dtype fp32): DeepSpeed 0.19.8 runs its BF16_Optimizer there, which all-reduces "
+        "after the backward pass (use parallel.zero_stage 2, or precision.grad_accum_dtype model)"
+    )
 
 
 def overlap_problem(parallel, precision, grad_accum: int) -> str | None:

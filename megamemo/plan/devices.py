@@ -6,6 +6,7 @@ memory bandwidth and links from the GPU catalogue (megamemo/runtime/gpus.py: NVI
 by width from published measurements where they exist and otherwise are stated assumptions (see GPU_EFFICIENCY), and
 the host and elementwise figures measured on an H100 host (GPU_LAUNCH, GPU_ELEMENTWISE_BW, GPU_UNALIGNED_SLOWDOWN).
 """
+
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from megamemo.runtime.gpus import GPUS, PLANNED, Gpu, unknown_kind
 
-ZERO_REDUCE_OLD_PARAMS = 8 * 2048 * 2048    # the one size calibrations before the size axis measured (33.6 M)
+ZERO_REDUCE_OLD_PARAMS = 8 * 2048 * 2048  # the one size calibrations before the size axis measured (33.6 M)
 
 # Dense-GEMM efficiency (fraction of the datasheet tensor-core peak) by the narrowest dimension of the GEMM.
 # Anchors: cuBLAS large GEMMs reach ~80% of peak on V100 fp16 and A100 bf16 (NVIDIA Deep Learning Performance
@@ -66,24 +67,24 @@ def nearest_group(measured: dict, group: int) -> int:
 @dataclass(frozen=True)
 class Device:
     kind: str
-    peak: dict                  # dtype -> FLOP/s per device
-    efficiency: tuple           # ((narrowest GEMM dimension, fraction of peak), ...), log-interpolated
-    mem_bw: float               # bytes/s
-    link: tuple                 # (inside a node, between nodes) bytes/s per device
-    latency: tuple              # (inside a node, between nodes) seconds per collective
+    peak: dict  # dtype -> FLOP/s per device
+    efficiency: tuple  # ((narrowest GEMM dimension, fraction of peak), ...), log-interpolated
+    mem_bw: float  # bytes/s
+    link: tuple  # (inside a node, between nodes) bytes/s per device
+    latency: tuple  # (inside a node, between nodes) seconds per collective
     source: str
-    allreduce: dict = field(default_factory=dict)   # measured {group size: (latency s, bytes/s)}; else link
-    allgather: dict = field(default_factory=dict)   # the same for all-gather
-    p2p: tuple | None = None    # measured (latency s, bytes/s) of a send; else link
-    optimizer_s_per_param: float | None = None      # measured; else ADAM_BYTES_PER_PARAM / mem_bw
-    first_touch_bw: float | None = None             # bytes/s of faulting fresh pages in (CPU)
-    layer_overhead: float = 0.0     # CPU: host time a layer's forward + backward takes whatever its size (python,
-                                    # autograd, the ops' own dispatch), measured, added to its compute
-    launch: float | None = None     # GPU: host seconds per kernel launched (opcost.py simulates the launch queue)
-    elementwise_bw: float = 1.0     # the fraction of mem_bw elementwise kernels move their bytes at
-    unaligned: float = 1.0          # how many times slower a GEMM on unaligned matrices runs
-    contention: tuple = ()      # CPU: ((width, rate alone / rate with `ranks` busy), ...) measured
-    ranks: int = 1              # CPU: the processes the contention was measured with
+    allreduce: dict = field(default_factory=dict)  # measured {group size: (latency s, bytes/s)}; else link
+    allgather: dict = field(default_factory=dict)  # the same for all-gather
+    p2p: tuple | None = None  # measured (latency s, bytes/s) of a send; else link
+    optimizer_s_per_param: float | None = None  # measured; else ADAM_BYTES_PER_PARAM / mem_bw
+    first_touch_bw: float | None = None  # bytes/s of faulting fresh pages in (CPU)
+    layer_overhead: float = 0.0  # CPU: host time a layer's forward + backward takes whatever its size (python,
+    # autograd, the ops' own dispatch), measured, added to its compute
+    launch: float | None = None  # GPU: host seconds per kernel launched (opcost.py simulates the launch queue)
+    elementwise_bw: float = 1.0  # the fraction of mem_bw elementwise kernels move their bytes at
+    unaligned: float = 1.0  # how many times slower a GEMM on unaligned matrices runs
+    contention: tuple = ()  # CPU: ((width, rate alone / rate with `ranks` busy), ...) measured
+    ranks: int = 1  # CPU: the processes the contention was measured with
     # CPU: FLOP/s of one rank's share of a layer's dense projections measured at the layer's own shapes
     # {(tp, rows): FLOP/s} for layers of `layer_shape` (d_model, heads x d_head, d_inner); used instead of the
     # width table where the layout's (tp, rows) was measured
@@ -149,14 +150,22 @@ def _gpu(kind: str, g: Gpu) -> Device:
     link = g.link
     if g.mem_bw is None or link is None:
         raise ValueError(f"runtime/gpus.py {kind}: a planned GPU needs its mem_bw and link figures")
-    return Device(kind, {k: v * 1e12 for k, v in g.peak_tflops.items()}, GPU_EFFICIENCY, g.mem_bw,
-                  tuple(x * 1e9 for x in link), (15e-6, 30e-6),
-                  f"{g.row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "
-                  f"(inside / between nodes: {g.fabric}); GEMM efficiency by width: GPU_EFFICIENCY (published anchors, "
-                  f"assumed shape); NCCL latency 15 / 30 us, {GPU_LAUNCH * 1e6:g} us of host time a kernel "
-                  f"(GPU_LAUNCH, measured on an H100 host); elementwise kernels at {GPU_ELEMENTWISE_BW:g} of the "
-                  f"bandwidth, unaligned GEMMs {GPU_UNALIGNED_SLOWDOWN:g}x slower (measured on an H100)",
-                  launch=GPU_LAUNCH, elementwise_bw=GPU_ELEMENTWISE_BW, unaligned=GPU_UNALIGNED_SLOWDOWN)
+    return Device(
+        kind,
+        {k: v * 1e12 for k, v in g.peak_tflops.items()},
+        GPU_EFFICIENCY,
+        g.mem_bw,
+        tuple(x * 1e9 for x in link),
+        (15e-6, 30e-6),
+        f"{g.row} datasheet peak and memory bandwidth; link {link[0]:g} / {link[1]:g} GB/s per device "
+        f"(inside / between nodes: {g.fabric}); GEMM efficiency by width: GPU_EFFICIENCY (published anchors, "
+        f"assumed shape); NCCL latency 15 / 30 us, {GPU_LAUNCH * 1e6:g} us of host time a kernel "
+        f"(GPU_LAUNCH, measured on an H100 host); elementwise kernels at {GPU_ELEMENTWISE_BW:g} of the "
+        f"bandwidth, unaligned GEMMs {GPU_UNALIGNED_SLOWDOWN:g}x slower (measured on an H100)",
+        launch=GPU_LAUNCH,
+        elementwise_bw=GPU_ELEMENTWISE_BW,
+        unaligned=GPU_UNALIGNED_SLOWDOWN,
+    )
 
 
 # CPU: measured on this machine (2 cores, AVX512, torch 2.13, one thread per process, fp32) by
@@ -167,19 +176,30 @@ def _gpu(kind: str, g: Gpu) -> Device:
 # calibrate_cpu.zero_step_seconds_per_param at 13 and 26 weights, the mean of the measurements of 19:31-19:36 UTC
 # (alone on the machine, load average 1.9-4.5; dp 4 at 26 weights twice) and of runs/plan_vs_step_f (19:48).
 CPU_CALIBRATION = {
-    "gemm": {32: 46.5, 64: 60.3, 128: 76.9, 256: 75.1, 512: 84.0, 1024: 82.9},   # GFLOP/s by min(T, n)
-    "adam_ns": 0.88,                                  # torch's fused Adam step (optim.fused), per parameter
-    "allreduce": {2: (2.93e-3, 1.42e9), 4: (5.54e-3, 0.95e9)},   # (latency s, bytes/s), bytes 2 (n-1)/n
-    "allgather": {2: (0.06e-3, 0.42e9), 4: (2.29e-3, 0.36e9)},   # bytes (n-1)/n of the gathered tensor
+    "gemm": {32: 46.5, 64: 60.3, 128: 76.9, 256: 75.1, 512: 84.0, 1024: 82.9},  # GFLOP/s by min(T, n)
+    "adam_ns": 0.88,  # torch's fused Adam step (optim.fused), per parameter
+    "allreduce": {2: (2.93e-3, 1.42e9), 4: (5.54e-3, 0.95e9)},  # (latency s, bytes/s), bytes 2 (n-1)/n
+    "allgather": {2: (0.06e-3, 0.42e9), 4: (2.29e-3, 0.36e9)},  # bytes (n-1)/n of the gathered tensor
     "p2p": (0.13e-3, 2.91e9),
-    "fresh_page_gbs": 2.30,                           # allocate and fill
-    "mem_gbs": 19.2,                                  # a fill of a reused 1 GiB tensor
-    "ranks": 4, "cores": 2, "layer_overhead_ms": 1.79,
+    "fresh_page_gbs": 2.30,  # allocate and fill
+    "mem_gbs": 19.2,  # a fill of a reused 1 GiB tensor
+    "ranks": 4,
+    "cores": 2,
+    "layer_overhead_ms": 1.79,
     # the rehearsal's (= lamemo-1.3b's) layer: its projections' GFLOP/s by "tp x rows" (calibrate_cpu.LAYER_POINTS)
     "layer_shape": (2048, 2048, 8192),
-    "layer_gemm": {"1x64": 43.2, "1x128": 54.8, "1x256": 63.4, "2x64": 49.2, "2x128": 64.6, "2x256": 70.9,
-                   "4x64": 65.2, "4x128": 72.6, "4x256": 70.8},
-    "zero_ns": (4.56, 5.65),                          # DeepSpeed ZeRO 1 per parameter held, per parameter owned
+    "layer_gemm": {
+        "1x64": 43.2,
+        "1x128": 54.8,
+        "1x256": 63.4,
+        "2x64": 49.2,
+        "2x128": 64.6,
+        "2x256": 70.9,
+        "4x64": 65.2,
+        "4x128": 72.6,
+        "4x256": 70.8,
+    },
+    "zero_ns": (4.56, 5.65),  # DeepSpeed ZeRO 1 per parameter held, per parameter owned
     # its reduction beyond the all-reduce in dp processes at once, ns per parameter held, by parameters held
     "zero_reduce_ns": {2: {54_525_952: 6.08, 109_051_904: 4.92}, 4: {54_525_952: 9.75, 109_051_904: 11.86}},
 }
@@ -193,21 +213,28 @@ def cpu_device(cal: dict) -> Device:
     # how much slower a rank computes while all `ranks` do: measured (--concurrent), else ranks / cores
     shared = {int(w): float(r) * 1e9 for w, r in cal.get("gemm_shared", {}).items()}
     nominal = cal["ranks"] / cal["cores"]
-    return Device("cpu", {"fp32": peak}, tuple((w, r / peak) for w, r in gemm), mem_bw=cal["mem_gbs"] * 1e9,
-                  link=(ar[2][1],) * 2, latency=(ar[2][0],) * 2,
-                  source="measured on this machine by bench/calibrate_cpu.py (one thread per process; peak = the "
-                         "fastest measured GEMM rate, so MFU is against that, not a datasheet)",
-                  allreduce=ar, allgather={int(k): tuple(v) for k, v in cal["allgather"].items()},
-                  p2p=tuple(cal["p2p"]), optimizer_s_per_param=cal["adam_ns"] * 1e-9,
-                  first_touch_bw=cal["fresh_page_gbs"] * 1e9,
-                  contention=tuple((w, r / shared[w] if w in shared else nominal) for w, r in gemm),
-                  ranks=cal["ranks"],
-                  layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3,
-                  layer_gemm={tuple(int(x) for x in k.split("x")): float(r) * 1e9
-                              for k, r in cal.get("layer_gemm", {}).items()},
-                  layer_shape=tuple(cal.get("layer_shape", ())),
-                  zero_step=tuple(x * 1e-9 for x in cal["zero_ns"]) if "zero_ns" in cal else None,
-                  zero_reduce={int(dp): _sizes(x) for dp, x in cal.get("zero_reduce_ns", {}).items()})
+    return Device(
+        "cpu",
+        {"fp32": peak},
+        tuple((w, r / peak) for w, r in gemm),
+        mem_bw=cal["mem_gbs"] * 1e9,
+        link=(ar[2][1],) * 2,
+        latency=(ar[2][0],) * 2,
+        source="measured on this machine by bench/calibrate_cpu.py (one thread per process; peak = the "
+        "fastest measured GEMM rate, so MFU is against that, not a datasheet)",
+        allreduce=ar,
+        allgather={int(k): tuple(v) for k, v in cal["allgather"].items()},
+        p2p=tuple(cal["p2p"]),
+        optimizer_s_per_param=cal["adam_ns"] * 1e-9,
+        first_touch_bw=cal["fresh_page_gbs"] * 1e9,
+        contention=tuple((w, r / shared[w] if w in shared else nominal) for w, r in gemm),
+        ranks=cal["ranks"],
+        layer_overhead=cal.get("layer_overhead_ms", 0.0) * 1e-3,
+        layer_gemm={tuple(int(x) for x in k.split("x")): float(r) * 1e9 for k, r in cal.get("layer_gemm", {}).items()},
+        layer_shape=tuple(cal.get("layer_shape", ())),
+        zero_step=tuple(x * 1e-9 for x in cal["zero_ns"]) if "zero_ns" in cal else None,
+        zero_reduce={int(dp): _sizes(x) for dp, x in cal.get("zero_reduce_ns", {}).items()},
+    )
 
 
 def _sizes(ns) -> tuple:

@@ -13,12 +13,13 @@ dO V^T, dR 2). Recorded as one GEMM-like op a kernel, shaped like torch's fused 
 d_head), so the planner prices it at the device's GEMM efficiency for that shape. The kernels' real speed is
 unmeasured until a GPU measures it (bench/attention_kernel.py): this is an estimate.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-BLOCK = 64              # the kernels' tile on a GPU (kernels/fused.py _block)
+BLOCK = 64  # the kernels' tile on a GPU (kernels/fused.py _block)
 FWD_UNITS, BWD_UNITS = 4, 19
 
 
@@ -40,7 +41,7 @@ def causal_tiles(L: int, klen: int) -> int:
 
 def lookahead_tiles(M: int, nk: int) -> int:
     # key k (position M - nk + 1 + k) is visible to memory query i when it lies after it
-    return _tiles_visible(M, nk, lambda i: np.maximum(0, i - (M - nk) ), lambda i: np.full_like(i, nk - 1))
+    return _tiles_visible(M, nk, lambda i: np.maximum(0, i - (M - nk)), lambda i: np.full_like(i, nk - 1))
 
 
 def _bytes(*ts) -> int:
@@ -67,8 +68,15 @@ class _Fused(torch.autograd.Function):
         n, B, Q, dh = q.shape
         emit = ctx.emit
         emit("fused_attention_delta", 0, _bytes(out, out, lse), _bytes(lse), 0, 0, 1)
-        emit("fused_attention_bwd", 2 * dh * ctx.pairs * BWD_UNITS, _bytes(q, k, v, r, out, lse, lse),
-             _bytes(q, q, k, v) + 4 * n * r.size(1) * 2 * dh, Q, dh, 3)
+        emit(
+            "fused_attention_bwd",
+            2 * dh * ctx.pairs * BWD_UNITS,
+            _bytes(q, k, v, r, out, lse, lse),
+            _bytes(q, q, k, v) + 4 * n * r.size(1) * 2 * dh,
+            Q,
+            dh,
+            3,
+        )
         emit("fused_attention_dr_sum", 0, 4 * n * r.size(1) * 2 * dh, _bytes(r), 0, 0, 2)
         grads = [torch.empty_like(t) for t in (q, k, v, r, u, vb)]
         return (*grads, None, None)
@@ -76,15 +84,19 @@ class _Fused(torch.autograd.Function):
 
 def stand_ins(emit):
     """(causal, lookahead) with the attention functions' signatures, for a model traced on meta tensors."""
+
     def causal(q, k, v, r, u, vb, mask, scale, drop=None, lse="grad", masking=None):
         L, klen = q.size(2), k.size(2)
-        out, norm = _Fused.apply(q.contiguous(), k.contiguous(), v.contiguous(), r[:, :klen + 1], u, vb,
-                                 causal_tiles(L, klen), emit)
+        out, norm = _Fused.apply(
+            q.contiguous(), k.contiguous(), v.contiguous(), r[:, : klen + 1], u, vb, causal_tiles(L, klen), emit
+        )
         return out, (None if lse == "none" else norm)
 
     def lookahead(qm, k, v, r_fut, u, vf, mask, scale, drop=None, lse="grad", masking=None):
         M, nk = qm.size(2), k.size(2)
-        out, norm = _Fused.apply(qm.contiguous(), k.contiguous(), v.contiguous(), r_fut[:, :M + 1], u, vf,
-                                 lookahead_tiles(M, nk), emit)
+        out, norm = _Fused.apply(
+            qm.contiguous(), k.contiguous(), v.contiguous(), r_fut[:, : M + 1], u, vf, lookahead_tiles(M, nk), emit
+        )
         return out, (None if lse == "none" else norm)
+
     return causal, lookahead

@@ -22,6 +22,7 @@ the process itself (python + torch + DeepSpeed + megatron-core: CPU_BASELINE, me
 copy, kept between saves. bench/plan_vs_rss.py checks the CPU figures against every rank's measured peak resident
 memory.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from megamemo.parallel.zero import (
 )
 from megamemo.util.precision import HALF
 
-GiB = 1024 ** 3
+GiB = 1024**3
 HEADROOM = 0.9  # keep 10% for the allocator, communication buffers and the framework
 # resident memory of one training process before its model exists: python, torch, DeepSpeed, megatron-core, gloo
 # (measured by bench/plan_vs_rss.py on this stack: MEGAMEMO_RSS_REPORT's `started` mark)
@@ -52,24 +53,42 @@ class Plan:
     activations: float
     memory_state: float
     capacity: float
-    zero_buffers: float = 0.0       # ZeRO's fp32 gradient partition + DeepSpeed's gradient bucket
-    pending_memory: float = 0.0     # the new memory state, held until the step commits it
-    baseline: float = 0.0           # the process itself (CPU: python + torch + DeepSpeed + megatron-core imported)
-    snapshot: float = 0.0           # the checkpoint's host copy (device memory only on a CPU layout)
-    on_host: bool = False           # a CPU layout: the snapshot is in the same memory
+    zero_buffers: float = 0.0  # ZeRO's fp32 gradient partition + DeepSpeed's gradient bucket
+    pending_memory: float = 0.0  # the new memory state, held until the step commits it
+    baseline: float = 0.0  # the process itself (CPU: python + torch + DeepSpeed + megatron-core imported)
+    snapshot: float = 0.0  # the checkpoint's host copy (device memory only on a CPU layout)
+    on_host: bool = False  # a CPU layout: the snapshot is in the same memory
     stage: int = 0
-    layers: int = 0                 # the stage's model layers
+    layers: int = 0  # the stage's model layers
 
-    TERMS = ("params", "grads", "optimizer", "activations", "memory_state", "pending_memory", "zero_buffers",
-             "baseline", "snapshot")
+    TERMS = (
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "memory_state",
+        "pending_memory",
+        "zero_buffers",
+        "baseline",
+        "snapshot",
+    )
 
     @property
     def total(self):
         """The peak: what lives throughout, plus the step's transients (gradients, ZeRO's buffers, activations).
         On a CPU layout the checkpoint's copy lives throughout too: its host buffers are kept from one save to the
         next (checkpoint/staging.py), so from the first save on they sit beside every step's transients."""
-        return (self.params + self.optimizer + self.memory_state + self.pending_memory + self.baseline
-                + (self.snapshot if self.on_host else 0) + self.grads + self.zero_buffers + self.activations)
+        return (
+            self.params
+            + self.optimizer
+            + self.memory_state
+            + self.pending_memory
+            + self.baseline
+            + (self.snapshot if self.on_host else 0)
+            + self.grads
+            + self.zero_buffers
+            + self.activations
+        )
 
     @property
     def fits(self):
@@ -93,8 +112,10 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
     # every stage: its layers' shards and the shared position biases (a RelBias ahead of each layer's block);
     # the first stage the input embedding; the last the output side (under pp > 1 a tied copy of the table too).
     # Under TP everything but layer norms and fc2's bias is split (the softmax is then full and tied).
-    params = layers * (split / tp + repl) + (bias_params(m) + (input_params(m) if first or last else 0)
-                                             + (output_params(m) if last else 0)) / tp
+    params = (
+        layers * (split / tp + repl)
+        + (bias_params(m) + (input_params(m) if first or last else 0) + (output_params(m) if last else 0)) / tp
+    )
     mixed = cfg.precision.dtype in HALF
     p_bytes = 2 if mixed else 4
     zero = cfg.parallel.zero_stage
@@ -104,7 +125,7 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
     grads_b = params * p_bytes / (dp if zero >= 2 else 1)
     opt_b = params * opt_per_param / (dp if zero >= 1 else 1)
     zero_b = 0.0
-    reduction = (cfg.parallel, cfg.precision, cfg.train.grad_accum)     # what parallel/zero.py reads
+    reduction = (cfg.parallel, cfg.precision, cfg.train.grad_accum)  # what parallel/zero.py reads
     if bf16_optimizer(*reduction):
         # DeepSpeed's BF16_Optimizer (bf16 + ZeRO 1 with fp32 accumulation, train/engine.py): a full fp32 gradient
         # buffer on every rank (not partitioned) and its all-reduce buffer of up to reduce_bucket_size bf16 values
@@ -122,16 +143,19 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
 
     L, M, B = m.tgt_len, (m.mem_len if m.has_memory else 0), micro
     klen = L + M
-    rows = klen if m.lamemo else L           # LaMemo recomputes its memory rows in every layer
+    rows = klen if m.lamemo else L  # LaMemo recomputes its memory rows in every layer
     n_loc, nd_loc, f_loc = m.n_head / tp, m.n_head * m.d_head / tp, m.d_inner / tp
-    per_layer = (rows * B * m.d_model * 4            # layer input, attention out, LN out, FFN out
-                 + 2 * klen * B * nd_loc + 2 * rows * B * nd_loc   # k, v; q and context (XL: current rows only)
-                 + 2 * rows * B * f_loc)                      # FFN hidden, activation
-    per_layer_scores = 2 * B * n_loc * L * klen * 4 / p_bytes   # fp32 scores and probabilities
+    per_layer = (
+        rows * B * m.d_model * 4  # layer input, attention out, LN out, FFN out
+        + 2 * klen * B * nd_loc
+        + 2 * rows * B * nd_loc  # k, v; q and context (XL: current rows only)
+        + 2 * rows * B * f_loc
+    )  # FFN hidden, activation
+    per_layer_scores = 2 * B * n_loc * L * klen * 4 / p_bytes  # fp32 scores and probabilities
     if m.lamemo:
         per_layer_scores += 2 * B * n_loc * M * min(M, L) * 4 / p_bytes
-    in_flight = min(pp - stage, cfg.train.grad_accum)          # micro-batches in flight on a stage (1F1B)
-    logits = L * B * m.n_token / tp * 4 * (1 if last else 0)     # fp32 logits live on the last stage
+    in_flight = min(pp - stage, cfg.train.grad_accum)  # micro-batches in flight on a stage (1F1B)
+    logits = L * B * m.n_token / tp * 4 * (1 if last else 0)  # fp32 logits live on the last stage
     if cfg.train.activation_checkpointing:
         # each layer keeps only its input; the backward recomputes one layer at a time, holding its activations
         act = (layers * rows * B * m.d_model * p_bytes + logits) * in_flight + (per_layer + per_layer_scores) * p_bytes
@@ -150,10 +174,22 @@ def plan(cfg, world: int, gpu_gib: float, stage: int = 0, device: str = "gpu") -
     # or what every rank holds alike spread over them by size (checkpoint/pieces.py spread_writers) - and its memory
     snap = (params_b + params * (12 if mixed else 8)) / dp + state
     on_host = device == "cpu"
-    return Plan(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={cfg.train.grad_accum}",
-                params_b, grads_b, opt_b, act, state, gpu_gib * GiB, zero_buffers=zero_b, pending_memory=state,
-                baseline=CPU_BASELINE if on_host else 0.0, snapshot=snap, on_host=on_host, stage=stage,
-                layers=layers)
+    return Plan(
+        f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={cfg.train.grad_accum}",
+        params_b,
+        grads_b,
+        opt_b,
+        act,
+        state,
+        gpu_gib * GiB,
+        zero_buffers=zero_b,
+        pending_memory=state,
+        baseline=CPU_BASELINE if on_host else 0.0,
+        snapshot=snap,
+        on_host=on_host,
+        stage=stage,
+        layers=layers,
+    )
 
 
 def stage_plans(cfg, world: int, gib: float, device: str = "gpu") -> list[Plan]:

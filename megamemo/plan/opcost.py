@@ -16,6 +16,7 @@
 A device without a launch figure (the CPU: its host is its device) is not priced here: steptime.py keeps its measured
 rates and per-layer overhead and takes only the trace's bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ from megamemo.plan.optrace import Segment
 @dataclass(frozen=True)
 class Cost:
     """Seconds of one segment's kernels on a device, op by op."""
-    gemm: np.ndarray        # the GEMMs' time (0 for other ops)
-    other: np.ndarray       # the other ops' time (0 for GEMMs)
-    host: np.ndarray        # launch time on the host
+
+    gemm: np.ndarray  # the GEMMs' time (0 for other ops)
+    other: np.ndarray  # the other ops' time (0 for GEMMs)
+    host: np.ndarray  # launch time on the host
 
     @property
     def device(self) -> np.ndarray:
@@ -61,8 +63,9 @@ def price(seg: Segment, dev: Device, dtype: str, allow_tf32: bool = False) -> Co
 def price_at(seg: Segment, rate: float, mem_bw: float) -> Cost:
     """seg's GEMMs at `rate` FLOP/s, its other ops' bytes at mem_bw, no launches (a device measured as a whole
     layer's rate: the CPU)."""
-    return Cost(np.where(seg.gemm, seg.flops / rate, 0.0), np.where(seg.gemm, 0.0, seg.bytes / mem_bw),
-                np.zeros(len(seg.names)))
+    return Cost(
+        np.where(seg.gemm, seg.flops / rate, 0.0), np.where(seg.gemm, 0.0, seg.bytes / mem_bw), np.zeros(len(seg.names))
+    )
 
 
 def run(cost: Cost, lag: float = 0.0) -> tuple[float, float]:
@@ -97,14 +100,15 @@ def concat(costs) -> Cost:
 @dataclass(frozen=True)
 class Part:
     """One part of a stage's micro-batch (forward + backward) for `megamemo plan --explain`."""
+
     name: str
-    repeat: int             # how many times the stage runs it (the lower layers: layers - 1 on the last stage)
-    gemm_s: float           # each
+    repeat: int  # how many times the stage runs it (the lower layers: layers - 1 on the last stage)
+    gemm_s: float  # each
     other_s: float
     kernels: float
     bytes: float
     flops: float
-    top_ops: tuple          # ((aten op, seconds), ...) the largest non-GEMM ops by time
+    top_ops: tuple  # ((aten op, seconds), ...) the largest non-GEMM ops by time
 
 
 def parts(ops, layers: int, first: bool, last: bool, recompute: bool, price_fn) -> list[Part]:
@@ -116,15 +120,27 @@ def parts(ops, layers: int, first: bool, last: bool, recompute: bool, price_fn) 
         if not n:
             continue
         update = ops.memory_per_layer == (part in ("layer", "top")) and part != "output"
-        segs = ([ops.segments["fwd", part]] if recompute and part in ("layer", "top") else []) + \
-               [ops.segments["fwd", part], *([ops.segments["fwd", "memory"]] if update else []),
-                ops.segments["bwd", part]]
+        segs = ([ops.segments["fwd", part]] if recompute and part in ("layer", "top") else []) + [
+            ops.segments["fwd", part],
+            *([ops.segments["fwd", "memory"]] if update else []),
+            ops.segments["bwd", part],
+        ]
         seg = type(segs[0]).concat(segs)
         cost = price_fn(seg)
         by_op: dict[str, float] = {}
         for name, s in zip(seg.names, cost.other, strict=True):
             by_op[name] = by_op.get(name, 0.0) + float(s)
         top = tuple(sorted(by_op.items(), key=lambda kv: -kv[1])[:4])
-        out.append(Part(part, n, float(cost.gemm.sum()), float(cost.other.sum()), float(seg.launches.sum()),
-                        float(seg.bytes.sum()), float(seg.flops.sum()), top))
+        out.append(
+            Part(
+                part,
+                n,
+                float(cost.gemm.sum()),
+                float(cost.other.sum()),
+                float(seg.launches.sum()),
+                float(seg.bytes.sum()),
+                float(seg.flops.sum()),
+                top,
+            )
+        )
     return out

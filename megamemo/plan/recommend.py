@@ -6,6 +6,7 @@ layout takes the micro-batch size, of those that fit, with the most predicted to
 under a pipeline): fastest_micro_batch. nearest() finds the layout that runs closest to one that does not,
 smallest_cluster() the fewest nodes of the same shape that run anything.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +18,11 @@ from megamemo.plan.steptime import StepTime, step_time
 
 
 class Fit(NamedTuple):
-    seconds: float          # predicted step time
+    seconds: float  # predicted step time
     pp: int
-    total: float            # bytes on the fullest rank
+    total: float  # bytes on the fullest rank
     desc: str
-    plan: object            # the fullest stage's plan.Plan
+    plan: object  # the fullest stage's plan.Plan
     step: StepTime
 
 
@@ -35,6 +36,7 @@ def model_at(cfg, tp: int):
     if not cfg.n_token_auto:
         return cfg.model
     from megamemo.model.config import padded_vocab
+
     n_token, n_vocab = padded_vocab(cfg.model.vocab_size, tp)
     return dataclasses.replace(cfg.model, n_token=n_token, n_vocab=n_vocab)
 
@@ -63,20 +65,25 @@ def device_kind(device: str, gpu: str) -> str:
     return "cpu" if device == "cpu" else gpu
 
 
-def fastest_micro_batch(cfg, world: int, gpn: int, gib: float, device: str, kind: str, plan_fn, tp: int, pp: int,
-                        zero: int):
+def fastest_micro_batch(
+    cfg, world: int, gpn: int, gib: float, device: str, kind: str, plan_fn, tp: int, pp: int, zero: int
+):
     """Of the micro-batch sizes of layout (tp, pp, zero) on `world` devices that fit, the one with the most
     predicted tokens/s - wider GEMMs and fewer launches a token, no gradient-accumulation pass at grad_accum 1,
     against (under a pipeline) a larger bubble: ((cfg at it, grad_accum, fullest stage's plan, StepTime) or None,
     (the fullest plan, micro-batch) of the smallest micro-batch that did not fit, or None)."""
     dp = world // (tp * pp)
     best = smallest = None
-    for ga in _divisors(cfg.data.batch_size // dp):      # largest micro-batch first
+    for ga in _divisors(cfg.data.batch_size // dp):  # largest micro-batch first
         if pp > 1 and ga < pp:
-            continue                  # fewer micro-batches than stages: stages idle
-        c = dataclasses.replace(cfg, model=model_at(cfg, tp), eval=dataclasses.replace(cfg.eval, every=0),
-                                parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, zero_stage=zero),
-                                train=dataclasses.replace(cfg.train, grad_accum=ga))
+            continue  # fewer micro-batches than stages: stages idle
+        c = dataclasses.replace(
+            cfg,
+            model=model_at(cfg, tp),
+            eval=dataclasses.replace(cfg.eval, every=0),
+            parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, zero_stage=zero),
+            train=dataclasses.replace(cfg.train, grad_accum=ga),
+        )
         plans = [plan_fn(c, world, gib, s, device) for s in range(pp)]
         worst = max(plans, key=lambda q: q.total)
         if not all(q.fits for q in plans):
@@ -98,7 +105,7 @@ def recommend(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan
             dp = world // (tp * pp)
             for zero in (0, 1, 2):
                 if zero and dp == 1:
-                    continue                      # nothing to partition
+                    continue  # nothing to partition
                 desc = f"tp={tp} pp={pp} dp={dp} zero={zero}"
                 reason = why_not(cfg, tp, pp, zero, dp, gpn)
                 if reason:
@@ -110,16 +117,21 @@ def recommend(cfg, nodes: int, gpn: int, gib: float, device: str, gpu: str, plan
                     continue
                 if best is None:
                     worst, micro = smallest
-                    fails.append((desc, f"needs {worst.total / 2 ** 30:.1f} GiB on a rank of stage "
-                                        f"{worst.stage} even at micro-batch {micro} "
-                                        f"(of {worst.capacity / 2 ** 30:.0f})"))
+                    fails.append(
+                        (
+                            desc,
+                            f"needs {worst.total / 2**30:.1f} GiB on a rank of stage "
+                            f"{worst.stage} even at micro-batch {micro} "
+                            f"(of {worst.capacity / 2**30:.0f})",
+                        )
+                    )
                     continue
                 c, ga, worst, st = best
                 micro = cfg.data.batch_size // (dp * ga)
-                note = (f" (eval.batch_size: a multiple of {dp})"
-                        if cfg.eval.every and cfg.eval.batch_size % dp else "")
-                fits.append(Fit(st.seconds, pp, worst.total, f"{desc} micro_batch={micro} x grad_accum={ga}{note}",
-                                worst, st))
+                note = f" (eval.batch_size: a multiple of {dp})" if cfg.eval.every and cfg.eval.batch_size % dp else ""
+                fits.append(
+                    Fit(st.seconds, pp, worst.total, f"{desc} micro_batch={micro} x grad_accum={ga}{note}", worst, st)
+                )
     fits.sort(key=lambda f: (-f.step.tokens_per_s, f.total))
     return fits, fails
 
@@ -155,8 +167,10 @@ def check_device(cfg, kind: str) -> None:
     """ValueError (one line) when the device kind is unknown or has no figure for the config's precision."""
     dev = device(kind)
     if cfg.precision.dtype not in dev.peak:
-        raise ValueError(f"precision.dtype: {kind} has no {cfg.precision.dtype} tensor cores (it has "
-                         f"{', '.join(dev.peak)}); set precision.dtype to one of them")
+        raise ValueError(
+            f"precision.dtype: {kind} has no {cfg.precision.dtype} tensor cores (it has "
+            f"{', '.join(dev.peak)}); set precision.dtype to one of them"
+        )
 
 
 def layout_problem(cfg, world: int, gpn: int) -> str | None:
@@ -177,8 +191,10 @@ def layout_problem(cfg, world: int, gpn: int) -> str | None:
 
 
 def describe(f: Fit) -> str:
-    return (f"{f.desc} ({f.total / 2 ** 30:.1f} GiB/rank, {f.step.tokens_per_s_per_device:,.1f} tokens/s per "
-            f"device predicted)")
+    return (
+        f"{f.desc} ({f.total / 2**30:.1f} GiB/rank, {f.step.tokens_per_s_per_device:,.1f} tokens/s per "
+        f"device predicted)"
+    )
 
 
 def no_fit_line(cfg, nodes, gpn, gib, device, gpu, plan_fn, fails) -> str:
@@ -187,20 +203,27 @@ def no_fit_line(cfg, nodes, gpn, gib, device, gpu, plan_fn, fails) -> str:
     why = f"the smallest need is {min(needs)[1]}: {min(needs)[2]}" if needs else fails[0][1] if fails else ""
     grown = smallest_cluster(cfg, nodes, gpn, gib, device, gpu, plan_fn)
     where = f"{nodes} x {gpn} {'CPU processes' if device == 'cpu' else gpu}"
-    then = (f"; nearest that runs: {grown[0]} nodes x {gpn}: {describe(grown[1])}" if grown
-            else "; nothing runs up to 1024 devices of this kind")
+    then = (
+        f"; nearest that runs: {grown[0]} nodes x {gpn}: {describe(grown[1])}"
+        if grown
+        else "; nothing runs up to 1024 devices of this kind"
+    )
     return f"no layout fits {where}: {why}{then}"
 
 
 def print_recommendations(cfg, nodes, gpn, gib, device, gpu, plan_fn, show=8, fits_fails=None) -> None:
     fits, fails = fits_fails or recommend(cfg, nodes, gpn, gib, device, gpu, plan_fn)
-    print(f"layouts that fit on {nodes} x {gpn} {'CPU processes' if device == 'cpu' else gpu}, best first by "
-          f"predicted tokens/s per device (megamemo/plan/steptime.py):")
+    print(
+        f"layouts that fit on {nodes} x {gpn} {'CPU processes' if device == 'cpu' else gpu}, best first by "
+        f"predicted tokens/s per device (megamemo/plan/steptime.py):"
+    )
     print(f"  {'layout':<50} {'GiB/rank':>8} {'step ms':>9} {'tok/s/dev':>10} {'HFU':>6} {'MFU':>6}  dominant")
     for f in fits[:show]:
         st = f.step
-        print(f"  {f.desc:<50} {f.total / 2 ** 30:8.1f} {st.seconds * 1e3:9.1f} {st.tokens_per_s_per_device:10.1f} "
-              f"{st.hfu:6.1%} {st.mfu:6.1%}  {st.dominant} ({st.terms[st.dominant] / st.seconds:.0%})")
+        print(
+            f"  {f.desc:<50} {f.total / 2**30:8.1f} {st.seconds * 1e3:9.1f} {st.tokens_per_s_per_device:10.1f} "
+            f"{st.hfu:6.1%} {st.mfu:6.1%}  {st.dominant} ({st.terms[st.dominant] / st.seconds:.0%})"
+        )
     if len(fits) > show:
         print(f"  ... and {len(fits) - show} more")
     if not fits:

@@ -68,6 +68,7 @@ stay inside a node: recommend.why_not).
 
 DEVICES, the calibration table (one row per device kind, with its source), is devices.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,32 +82,33 @@ from megamemo.plan import opcost, optrace
 from megamemo.plan.devices import Device, device, nearest_group
 from megamemo.util.precision import HALF, element_bytes
 
-TP_EXTRA_ALLREDUCES = 3     # per micro-batch: vocab-parallel embedding (fwd) and cross-entropy (max, sum)
-DS_GATHER_BUCKET = 500_000_000      # DeepSpeed's allgather_bucket_size default (elements)
-ADAM_BYTES_PER_PARAM = 36   # GPU Adam: grad read, fp32 master, m, v read + written, model copy written (fused)
+TP_EXTRA_ALLREDUCES = 3  # per micro-batch: vocab-parallel embedding (fwd) and cross-entropy (max, sum)
+DS_GATHER_BUCKET = 500_000_000  # DeepSpeed's allgather_bucket_size default (elements)
+ADAM_BYTES_PER_PARAM = 36  # GPU Adam: grad read, fp32 master, m, v read + written, model copy written (fused)
 # DeepSpeed's optimizer step around Adam, per parameter the rank owns (fp32): the gradient flattened into the
 # partition (read + write), its norm (read), clipping (read + write), the updated master copied to the weights
 # (read + write); and under dp > 1, per parameter it holds (reduce_copies_seconds): the gradient copied into the
 # bucket, averaged, flattened for the all-reduce (a fresh tensor) and copied back (read + write each)
 ZERO_STEP_BYTES_OWNED, DP_REDUCE_BYTES = 28, 32
 
+
 @dataclass
 class StepTime:
     layout: str
-    terms: dict                 # name -> seconds per step (exposed)
-    tokens: int                 # target tokens per step, all ranks
+    terms: dict  # name -> seconds per step (exposed)
+    tokens: int  # target tokens per step, all ranks
     world: int
-    hfu_flops: float            # per step, all ranks: what the step executes (model/flops.py step_flops)
-    mfu_flops: float            # per step, all ranks: PaLM's model FLOPs (model/flops.py model_flops)
-    peak: float                 # per device FLOP/s
-    width: float                # the narrowest dense-GEMM dimension on a rank
+    hfu_flops: float  # per step, all ranks: what the step executes (model/flops.py step_flops)
+    mfu_flops: float  # per step, all ranks: PaLM's model FLOPs (model/flops.py model_flops)
+    peak: float  # per device FLOP/s
+    width: float  # the narrowest dense-GEMM dimension on a rank
     efficiency: float
     overlap_hides: float = 0.0  # of dp_comm, what ZeRO 1/2's overlap_comm hides or would hide (GPU, no pipeline)
-    overlapped: bool = False    # whether it does (parallel.overlap_comm where it takes effect): not in dp_comm
-    parts: list = dataclasses.field(default_factory=list)   # the slowest stage's micro-batch (opcost.Part)
-    stage: int = 0              # which stage that is
-    launch: float = 0.0         # host seconds a kernel (GPU)
-    attention: str = "eager"    # the attention form priced (model.attention; auto is priced as eager)
+    overlapped: bool = False  # whether it does (parallel.overlap_comm where it takes effect): not in dp_comm
+    parts: list = dataclasses.field(default_factory=list)  # the slowest stage's micro-batch (opcost.Part)
+    stage: int = 0  # which stage that is
+    launch: float = 0.0  # host seconds a kernel (GPU)
+    attention: str = "eager"  # the attention form priced (model.attention; auto is priced as eager)
 
     @property
     def seconds(self) -> float:
@@ -151,7 +153,7 @@ def reduce_copies_seconds(dev: Device, params: float, dp: int, zero: int) -> flo
     DP_REDUCE_BYTES per parameter held at dp > 1 at memory bandwidth (ZeRO 0's engine flattens and copies back too), 0
     at dp 1."""
     if dev.zero_step and zero >= 1:
-        rate = dev.reduce_rate(dp, params) if dp > 1 else None      # None without zero_reduce figures
+        rate = dev.reduce_rate(dp, params) if dp > 1 else None  # None without zero_reduce figures
         if rate is not None:
             return rate * params
         return dev.zero_step[0] * params
@@ -193,13 +195,14 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         raise ValueError(f"precision.dtype: {dev.kind} has no {dtype} figure (has {', '.join(dev.peak)})")
     peak = dev.peak[dtype]
     width = gemm_width(m, tp, micro)
-    share = dev.share(width, gpus_per_node)   # CPU ranks sharing cores: each runs `share` times slower
+    share = dev.share(width, gpus_per_node)  # CPU ranks sharing cores: each runs `share` times slower
 
     def shared(group: int) -> float:
         """A CPU's collectives are CPU work too (gloo on loopback: copies and sums): measured in a group of `group`
         processes alone (sharing the cores `group` ways), they run while every rank of the node runs its own
         group's: `share` over the measurement's own sharing. 1 on a GPU (no contention)."""
         return share / dev.share(width, group)
+
     per_layer, rest = layer_and_rest_flops(m, micro)
     rows = m.tgt_len + (m.mem_len if m.lamemo else 0)
     measured = dev.layer_rate(m, tp, rows * micro)
@@ -211,9 +214,9 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     plans = [plan_fn(cfg, world, 1e9, s) for s in range(pp)]
     ops = optrace.trace(m, micro, tp, dtype)
     recompute = cfg.train.activation_checkpointing
-    if dev.launch is not None:      # a GPU: the trace priced op by op, its launches simulated
+    if dev.launch is not None:  # a GPU: the trace priced op by op, its launches simulated
         price = functools.partial(opcost.price, dev=dev, dtype=dtype, allow_tf32=cfg.precision.allow_tf32)
-    else:                           # flops.py's rate (measured or tabled) for the GEMMs, the trace's bytes
+    else:  # flops.py's rate (measured or tabled) for the GEMMs, the trace's bytes
         price = functools.partial(opcost.price_at, rate=peak * eff, mem_bw=dev.mem_bw)
     for s in range(pp):
         layers = plans[s].layers
@@ -224,7 +227,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
             wall = opcost.micro_batches(cost, ga, chained=pp == 1) / ga
             overhead = max(0.0, wall - compute - elementwise)
             achieved = float(fwd.flops.sum() + bwd.flops.sum()) / (peak * compute) if compute else 0.0
-        else:                               # flops.py at the measured (CPU) or tabled rate, the trace's bytes
+        else:  # flops.py at the measured (CPU) or tabled rate, the trace's bytes
             flops = 3 * (layers * per_layer + (rest if s == pp - 1 else 0)) / tp
             compute = flops / (peak * eff)
             elementwise = float(sum(x.bytes[~x.gemm].sum() for x in (fwd, bwd))) / dev.mem_bw
@@ -240,7 +243,7 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
     assert stage_terms is not None, "no stage takes any time"
     compute, elementwise, overhead, tp_comm, worst, eff = stage_terms
     parts = opcost.parts(ops, plans[worst].layers, worst == 0, worst == pp - 1, recompute, price)
-    work = (compute + elementwise + overhead) * share    # with every rank of the node busy
+    work = (compute + elementwise + overhead) * share  # with every rank of the node busy
     busy = work * ga
     # 1F1B's critical path, a stage alone at full speed (an idle stage's core serves the others)
     piped = (ga + pp - 1) * work / share
@@ -250,81 +253,109 @@ def step_time(cfg, world: int, kind, gpus_per_node: int, plan_fn) -> StepTime:
         # stage boundaries: on more than one node, some boundary on the critical path is between nodes
         spans = world > gpus_per_node
         p2p = 2 * (ga + pp - 1) * dev.send((m.tgt_len + m.mem_len) * micro * m.d_model * pbytes, spans) * shared(2)
-        if m.tie_weight:   # DeepSpeed's ReduceTiedGrads: the table's gradient between the first and last stage
+        if m.tie_weight:  # DeepSpeed's ReduceTiedGrads: the table's gradient between the first and last stage
             tied = dev.collective(2, m.n_token * m.embed_dim / tp * pbytes, spans) * shared(2)
 
     # data parallelism: gradient all-reduce, ZeRO's parameter all-gather, the optimizer
-    params = plans[worst].params / pbytes                # the rank's parameters (elements)
+    params = plans[worst].params / pbytes  # the rank's parameters (elements)
     grad_bytes = params * pbytes
-    reduction = (cfg.parallel, cfg.precision, cfg.train.grad_accum)     # what parallel/zero.py reads
-    wire = params * element_bytes(reduce_dtype(cfg.precision))    # what DeepSpeed all-reduces in (zero.py)
+    reduction = (cfg.parallel, cfg.precision, cfg.train.grad_accum)  # what parallel/zero.py reads
+    wire = params * element_bytes(reduce_dtype(cfg.precision))  # what DeepSpeed all-reduces in (zero.py)
     across = tp * dp > gpus_per_node
     buckets = max(1, math.ceil(params / reduce_bucket(*reduction)))
     per_reduction = buckets * dev.collective(dp, wire / buckets, across) * shared(dp)
     dp_comm = per_reduction * (ga if zero == 2 else 1)
     gathers = max(1, math.ceil(params / DS_GATHER_BUCKET))
-    zero_gather = (gathers * dev.collective(dp, grad_bytes / gathers, across, gather=True) * shared(dp)
-                   if zero >= 1 else 0)
+    zero_gather = (
+        gathers * dev.collective(dp, grad_bytes / gathers, across, gather=True) * shared(dp) if zero >= 1 else 0
+    )
     owned = params / (dp if zero >= 1 else 1)
     opt_s = dev.optimizer_s_per_param or ADAM_BYTES_PER_PARAM / dev.mem_bw
     optimizer = (owned * opt_s + (ZERO_STEP_BYTES_OWNED * owned if zero >= 1 else 0) / dev.mem_bw) * share
-    reductions = ga if zero == 2 else 1      # ZeRO 2 reduces every micro-batch, 0 and 1 at the boundary
+    reductions = ga if zero == 2 else 1  # ZeRO 2 reduces every micro-batch, 0 and 1 at the boundary
     reduce_copies = reduce_copies_seconds(dev, params, dp, zero) * reductions
-    if dev.zero_reduce and dp > 1 and zero >= 1:     # measured in a group of g processes alone: see `shared`
+    if dev.zero_reduce and dp > 1 and zero >= 1:  # measured in a group of g processes alone: see `shared`
         reduce_copies *= shared(nearest_group(dev.zero_reduce, dp))
     else:
         reduce_copies *= share
     first_touch = 0.0
-    if dev.zero_step and zero >= 1:     # measured: DeepSpeed's copies (at any dp, even 1) and step, fresh pages
+    if dev.zero_step and zero >= 1:  # measured: DeepSpeed's copies (at any dp, even 1) and step, fresh pages
         optimizer = dev.zero_step[1] * owned * share
     elif dev.first_touch_bw:
-        fresh = grad_bytes + (4 * owned if zero >= 1 else 0) + (grad_bytes if dp > 1 else 0)   # + the flat copy
+        fresh = grad_bytes + (4 * owned if zero >= 1 else 0) + (grad_bytes if dp > 1 else 0)  # + the flat copy
         first_touch = fresh / dev.first_touch_bw * share
     tensors = ops.param_tensors_layer * plans[worst].layers + (ops.param_tensors_rest if worst in (0, pp - 1) else 0)
     accumulate = accumulation_seconds(dev, cfg, params / (dp if zero == 2 else 1), tensors) * (ga - 1) * share
-    hides = 0.0     # what ZeRO 1/2's overlap_comm hides: all buckets but the last, behind the last backward
+    hides = 0.0  # what ZeRO 1/2's overlap_comm hides: all buckets but the last, behind the last backward
     if zero in (1, 2) and pp == 1 and dp > 1 and not dev.contention:
-        backward = 2 / 3 * compute                       # the last micro-batch's backward
+        backward = 2 / 3 * compute  # the last micro-batch's backward
         exposed = max(per_reduction / buckets, per_reduction - backward)
         hides = dp_comm - exposed * (ga if zero == 2 else 1)
     overlapped = overlaps_reduction(*reduction)
     if overlapped:
         dp_comm -= hides
-    terms = {"compute": compute * share * ga, "elementwise": elementwise * share * ga,
-             "overhead": overhead * share * ga,
-             "tp_comm": tp_comm * ga, "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),
-             "pp_p2p": p2p + tied, "dp_comm": dp_comm, "reduce_copies": reduce_copies, "zero_gather": zero_gather,
-             "grad_accum": accumulate, "optimizer": optimizer, "first_touch": first_touch}
-    return StepTime(f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={ga}", terms,
-                    cfg.data.batch_size * m.tgt_len, world, step_flops(m, cfg.data.batch_size),
-                    model_flops(m, cfg.data.batch_size), peak, width, eff, overlap_hides=hides, overlapped=overlapped,
-                    parts=parts, stage=worst, launch=dev.launch or 0.0,
-                    attention="fused" if m.attention == "fused" else "eager")
+    terms = {
+        "compute": compute * share * ga,
+        "elementwise": elementwise * share * ga,
+        "overhead": overhead * share * ga,
+        "tp_comm": tp_comm * ga,
+        "pp_bubble": bubble + (tp_comm * (pp - 1) if pp > 1 else 0.0),
+        "pp_p2p": p2p + tied,
+        "dp_comm": dp_comm,
+        "reduce_copies": reduce_copies,
+        "zero_gather": zero_gather,
+        "grad_accum": accumulate,
+        "optimizer": optimizer,
+        "first_touch": first_touch,
+    }
+    return StepTime(
+        f"tp={tp} pp={pp} dp={dp} zero={zero} micro_batch={micro} x grad_accum={ga}",
+        terms,
+        cfg.data.batch_size * m.tgt_len,
+        world,
+        step_flops(m, cfg.data.batch_size),
+        model_flops(m, cfg.data.batch_size),
+        peak,
+        width,
+        eff,
+        overlap_hides=hides,
+        overlapped=overlapped,
+        parts=parts,
+        stage=worst,
+        launch=dev.launch or 0.0,
+        attention="fused" if m.attention == "fused" else "eager",
+    )
 
 
 ATTENTION_PRICED = {
     "eager": "  attention priced: eager (model.attention eager or auto): its score matrices go to memory and back "
-             "(the elementwise term); --set model.attention=fused prices the fused kernels",
+    "(the elementwise term); --set model.attention=fused prices the fused kernels",
     "fused": "  attention priced: fused (model.attention fused): one kernel a call forward, three backward, no score "
-             "round trips (megamemo/plan/fused_trace.py; an estimate until a GPU measures the kernels)"}
+    "round trips (megamemo/plan/fused_trace.py; an estimate until a GPU measures the kernels)",
+}
 
 
 def explain(st: StepTime, kind) -> list[str]:
     """The breakdown of one layout, one line a term, and the slowest stage's micro-batch part by part."""
     dev = kind if isinstance(kind, Device) else device(kind)
-    how = ("achieved over the op trace's GEMMs" if dev.launch is not None else
-           "narrowest dense-GEMM dimension on a rank")
-    out = [f"predicted step ({dev.kind}): {st.layout}",
-           f"  GEMM width {st.width:g} -> {st.efficiency:.0%} of peak {st.peak / 1e12:g} TFLOP/s ({how})"]
+    how = "achieved over the op trace's GEMMs" if dev.launch is not None else "narrowest dense-GEMM dimension on a rank"
+    out = [
+        f"predicted step ({dev.kind}): {st.layout}",
+        f"  GEMM width {st.width:g} -> {st.efficiency:.0%} of peak {st.peak / 1e12:g} TFLOP/s ({how})",
+    ]
     for name, s in st.terms.items():
         if s:
             out.append(f"  {name:<12}{s * 1e3:10.1f} ms  {s / st.seconds:6.1%}")
-    out.append(f"  {'step':<12}{st.seconds * 1e3:10.1f} ms  -> {st.tokens_per_s:,.0f} tokens/s "
-               f"({st.tokens_per_s_per_device:,.1f} per device), HFU {st.hfu:.1%}, MFU {st.mfu:.1%}; "
-               f"dominant: {st.dominant}")
+    out.append(
+        f"  {'step':<12}{st.seconds * 1e3:10.1f} ms  -> {st.tokens_per_s:,.0f} tokens/s "
+        f"({st.tokens_per_s_per_device:,.1f} per device), HFU {st.hfu:.1%}, MFU {st.mfu:.1%}; "
+        f"dominant: {st.dominant}"
+    )
     if st.overlap_hides:
-        out.append(f"  (parallel.overlap_comm {'hides' if st.overlapped else 'would hide'} "
-                   f"{st.overlap_hides * 1e3:.1f} ms of dp_comm behind the backward pass)")
+        out.append(
+            f"  (parallel.overlap_comm {'hides' if st.overlapped else 'would hide'} "
+            f"{st.overlap_hides * 1e3:.1f} ms of dp_comm behind the backward pass)"
+        )
     out.append(ATTENTION_PRICED[st.attention])
     out += explain_parts(st)
     out.append(f"  calibration: {dev.source}")
@@ -335,23 +366,33 @@ def explain_parts(st: StepTime) -> list[str]:
     """One micro-batch of the slowest stage, forward + backward, part by part (megamemo/plan/optrace.py)."""
     if not st.parts:
         return []
-    out = [f"  one micro-batch of stage {st.stage}, forward + backward, by the model's op trace (each):",
-           f"    {'part':<14}{'GEMM ms':>9}{'elementwise ms':>16}{'kernels':>9}{'GB moved':>10}{'TFLOP':>8}"
-           f"  largest elementwise ops (ms)"]
+    out = [
+        f"  one micro-batch of stage {st.stage}, forward + backward, by the model's op trace (each):",
+        f"    {'part':<14}{'GEMM ms':>9}{'elementwise ms':>16}{'kernels':>9}{'GB moved':>10}{'TFLOP':>8}"
+        f"  largest elementwise ops (ms)",
+    ]
     total = [0.0] * 5
     for p in st.parts:
-        label = {"input": "input side", "layer": f"layer (x{p.repeat})", "top": "top layer",
-                 "output": "output side"}[p.name]
+        label = {"input": "input side", "layer": f"layer (x{p.repeat})", "top": "top layer", "output": "output side"}[
+            p.name
+        ]
         ops = ", ".join(f"{name} {s * 1e3:.2f}" for name, s in p.top_ops if s > 0)
-        out.append(f"    {label:<14}{p.gemm_s * 1e3:9.2f}{p.other_s * 1e3:16.2f}{p.kernels:9.0f}{p.bytes / 1e9:10.2f}"
-                   f"{p.flops / 1e12:8.3f}  {ops}")
+        out.append(
+            f"    {label:<14}{p.gemm_s * 1e3:9.2f}{p.other_s * 1e3:16.2f}{p.kernels:9.0f}{p.bytes / 1e9:10.2f}"
+            f"{p.flops / 1e12:8.3f}  {ops}"
+        )
         for i, x in enumerate((p.gemm_s, p.other_s, p.kernels, p.bytes, p.flops)):
             total[i] += x * p.repeat
-    out.append(f"    {'micro-batch':<14}{total[0] * 1e3:9.2f}{total[1] * 1e3:16.2f}{total[2]:9.0f}"
-               f"{total[3] / 1e9:10.2f}{total[4] / 1e12:8.3f}  elementwise / GEMM {total[1] / total[0]:.2f}"
-               if total[0] else "")
+    out.append(
+        f"    {'micro-batch':<14}{total[0] * 1e3:9.2f}{total[1] * 1e3:16.2f}{total[2]:9.0f}"
+        f"{total[3] / 1e9:10.2f}{total[4] / 1e12:8.3f}  elementwise / GEMM {total[1] / total[0]:.2f}"
+        if total[0]
+        else ""
+    )
     if st.launch:
-        out.append(f"    launches: {total[2]:,.0f} kernels x {st.launch * 1e6:g} us = "
-                   f"{total[2] * st.launch * 1e3:.1f} ms of host time a micro-batch (exposed beyond the kernels: the "
-                   f"overhead term)")
+        out.append(
+            f"    launches: {total[2]:,.0f} kernels x {st.launch * 1e6:g} us = "
+            f"{total[2] * st.launch * 1e3:.1f} ms of host time a micro-batch (exposed beyond the kernels: the "
+            f"overhead term)"
+        )
     return out

@@ -10,6 +10,7 @@ no faults. The cost is that a process holds its peak heap, as a training process
 Applied once by the `megamemo` command and the benchmarks; MEGAMEMO_TUNE_MALLOC=0 turns it off. It changes no
 number the model computes. Other allocators (jemalloc, tcmalloc via LD_PRELOAD) make it a no-op.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -17,7 +18,7 @@ import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
-MMAP_THRESHOLD_MAX = 32 * 2 ** 20  # glibc's upper limit on 64-bit (HEAP_MAX_SIZE / 2)
+MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's upper limit on 64-bit (HEAP_MAX_SIZE / 2)
 
 _applied: bool | None = None
 
@@ -36,5 +37,5 @@ def tune_cpu_allocator() -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     return _applied

@@ -13,6 +13,7 @@ Which GPU: a task sees either every GPU of its node (index = local rank) or only
 GPU binding: index 0). DeepSpeed reads LOCAL_RANK as the device index (engine and PipelineModule), so dist.init
 exports the chosen index there.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,11 +62,15 @@ def choose(want: str, cuda_devices: int, gpus_on_node: int, why_no_cuda: str) ->
     if cuda_devices > 0:
         return "cuda"
     if want == "gpu":
-        raise DeviceError(f"a GPU was asked for (MEGAMEMO_DEVICE=gpu / DS_ACCELERATOR=cuda) but {why_no_cuda}; "
-                          f"set MEGAMEMO_DEVICE=cpu to train on the CPU")
+        raise DeviceError(
+            f"a GPU was asked for (MEGAMEMO_DEVICE=gpu / DS_ACCELERATOR=cuda) but {why_no_cuda}; "
+            f"set MEGAMEMO_DEVICE=cpu to train on the CPU"
+        )
     if gpus_on_node > 0:
-        raise DeviceError(f"this node has {gpus_on_node} NVIDIA GPU(s) but {why_no_cuda}; set MEGAMEMO_DEVICE=cpu "
-                          f"to train on the CPU anyway")
+        raise DeviceError(
+            f"this node has {gpus_on_node} NVIDIA GPU(s) but {why_no_cuda}; set MEGAMEMO_DEVICE=cpu "
+            f"to train on the CPU anyway"
+        )
     return "cpu"
 
 
@@ -80,9 +85,11 @@ def pick_cuda_device(local_rank: int, local_world: int | None, visible: int) -> 
     if visible >= needed:
         return local_rank
     tasks = f"{local_world} tasks on this node" if local_world else f"local rank {local_rank}"
-    raise DeviceError(f"{tasks} but this task sees {visible} CUDA devices "
-                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give every task "
-                      f"one GPU (--gpus-per-task=1) or every task all of the node's GPUs, one task per GPU")
+    raise DeviceError(
+        f"{tasks} but this task sees {visible} CUDA devices "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give every task "
+        f"one GPU (--gpus-per-task=1) or every task all of the node's GPUs, one task per GPU"
+    )
 
 
 def cuda_devices(torch) -> tuple[int, str]:
@@ -99,9 +106,11 @@ def why_no_cuda(torch, said: str = "") -> str:
         return f"torch {torch.__version__} is a CPU-only build (install a CUDA one: see README, Install)"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
-    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
-            + (f" ({said})" if said else " (a driver older than this CUDA needs, or a container without GPUs?)")
-            + where)
+    return (
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+        + (f" ({said})" if said else " (a driver older than this CUDA needs, or a container without GPUs?)")
+        + where
+    )
 
 
 def resolve(env=None) -> str:
@@ -116,8 +125,10 @@ def resolve(env=None) -> str:
     ds = sys.modules.get("deepspeed.accelerator.real_accelerator")
     chosen = getattr(ds, "ds_accelerator", None) if ds is not None else None
     if chosen is not None and chosen.device_name() != accel:
-        raise DeviceError(f"DeepSpeed already runs on its {chosen.device_name()} accelerator, megamemo chose {accel} "
-                          f"(set DS_ACCELERATOR={accel} before starting)")
+        raise DeviceError(
+            f"DeepSpeed already runs on its {chosen.device_name()} accelerator, megamemo chose {accel} "
+            f"(set DS_ACCELERATOR={accel} before starting)"
+        )
     env["DS_ACCELERATOR"] = accel
     return kind
 
@@ -134,9 +145,9 @@ def torch_device(name: str | None) -> str:
 
 # ---- determinism (train.deterministic) ------------------------------------------------------------------------
 DETERMINISTIC_ENV = {
-    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",   # cuBLAS reuses workspaces in a fixed order (needed by torch below)
-    "NCCL_ALGO": "Ring",                    # one reduction order whatever the message size
-    "NCCL_NVLS_ENABLE": "0",                # NVLink SHARP reductions (Hopper) are not run-to-run deterministic
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # cuBLAS reuses workspaces in a fixed order (needed by torch below)
+    "NCCL_ALGO": "Ring",  # one reduction order whatever the message size
+    "NCCL_NVLS_ENABLE": "0",  # NVLink SHARP reductions (Hopper) are not run-to-run deterministic
 }
 
 

@@ -11,6 +11,7 @@ The mapping is written back into os.environ (RANK, WORLD_SIZE, LOCAL_RANK, MASTE
 what torch.distributed's env:// initialisation and DeepSpeed read. gloo on CPU, NCCL on GPU; which one, and which
 GPU, is decided by megamemo/runtime/device.py (a GPU job without a usable GPU stops with a one-line error).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,15 +32,20 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
-    launcher: str           # env | slurm | mpi | single
-    local_world: int | None = None   # tasks on this node, when the launcher says
+    launcher: str  # env | slurm | mpi | single
+    local_world: int | None = None  # tasks on this node, when the launcher says
 
     def export(self) -> None:
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
-                          MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
 
 
-PORTS_FROM = 20000          # free_port draws from here up to the kernel's ephemeral range
+PORTS_FROM = 20000  # free_port draws from here up to the kernel's ephemeral range
 
 
 def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
@@ -57,7 +63,7 @@ def free_port(tries: int = 64) -> int:
     host open in the seconds before rank 0 listens (gloo's, each on a port of that range) cannot take it. Falls back
     to a port the kernel chooses when none below is free (or the range starts too low)."""
     low, _ = ephemeral_ports()
-    draw = random.SystemRandom()            # not the `random` module's stream, which a run may have seeded
+    draw = random.SystemRandom()  # not the `random` module's stream, which a run may have seeded
     for _ in range(tries if low > PORTS_FROM else 0):
         port = draw.randrange(PORTS_FROM, low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -75,8 +81,9 @@ def expand_nodelist(nodelist: str) -> list[str]:
     """Hosts of a Slurm node list. Uses `scontrol show hostnames`; without scontrol, expands the common
     forms itself (`a,b`, `node[01-03,7]`, `gpu-[1-2]-x`)."""
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
-                             text=True, timeout=30).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True, timeout=30
+        ).stdout.split()
         if out:
             return out
     except (OSError, subprocess.SubprocessError):
@@ -108,19 +115,31 @@ def discover(environ: dict | None = None) -> DistEnv:
     if "RANK" in env and "WORLD_SIZE" in env:
         local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
         lw = env.get("LOCAL_WORLD_SIZE")
-        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(local),
-                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")), "env",
-                       int(lw) if lw else None)
+        return DistEnv(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(local),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", "29500")),
+            "env",
+            int(lw) if lw else None,
+        )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and not mpirun_inside_slurm(env):
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         addr = env.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
         port = int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0")))
-        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")),
-                       addr, port, "slurm", slurm_tasks_on_node(env))
+        return DistEnv(
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_NTASKS"]),
+            int(env.get("SLURM_LOCALID", "0")),
+            addr,
+            port,
+            "slurm",
+            slurm_tasks_on_node(env),
+        )
     if mpi_rank(env) is not None:
         return _discover_mpi(env)
-    return DistEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT") or free_port()),
-                   "single")
+    return DistEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT") or free_port()), "single")
 
 
 def launcher_rank_size(environ: dict | None = None) -> tuple[int, int | None]:
@@ -152,8 +171,11 @@ def slurm_tasks_on_node(env) -> int | None:
 
 def mpi_rank(env) -> tuple[int, int | None] | None:
     """(rank, size or None) as an MPI launcher (mpirun/mpiexec, or srun's PMI plugins) put them in the environment."""
-    for rank_key, size_key in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
-                               ("PMIX_RANK", None)):
+    for rank_key, size_key in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+        ("PMIX_RANK", None),
+    ):
         if rank_key in env:
             size = env.get(size_key) if size_key else None
             return int(env[rank_key]), (int(size) if size else None)
@@ -194,7 +216,7 @@ def _skip_shm_comm_build() -> None:
     init_distributed. Training never uses it (only inference_all_reduce does), so skip the build. The patch must
     go on the module object deepspeed.comm.torch: `import deepspeed.comm.torch as m` binds a different name."""
     mod = importlib.import_module("deepspeed.comm.torch")
-    setattr(mod, "build_shm_op", lambda: None)    # noqa: B010 - deepspeed's stubs do not declare it
+    setattr(mod, "build_shm_op", lambda: None)  # noqa: B010 - deepspeed's stubs do not declare it
 
 
 def init(timeout_s: float = 300.0) -> DistEnv:
@@ -207,7 +229,7 @@ def init(timeout_s: float = 300.0) -> DistEnv:
 
     de = discover()
     de.export()
-    if device.resolve() == "cuda":          # sets DS_ACCELERATOR before DeepSpeed picks its accelerator
+    if device.resolve() == "cuda":  # sets DS_ACCELERATOR before DeepSpeed picks its accelerator
         index = device.pick_cuda_device(de.local_rank, de.local_world, torch.cuda.device_count())
         torch.cuda.set_device(index)
         # DeepSpeed takes LOCAL_RANK for the device index (init_process_group's device_id, the engine's device,
@@ -219,8 +241,13 @@ def init(timeout_s: float = 300.0) -> DistEnv:
         _skip_shm_comm_build()
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=de.rank,
-                               world_size=de.world_size, timeout=timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        auto_mpi_discovery=False,
+        rank=de.rank,
+        world_size=de.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     return de
 
 

@@ -8,6 +8,7 @@ DeepSpeed first loads an op, in the middle of start-up. So the `megamemo` comman
 TORCH_EXTENSIONS_DIR to a writable place when the one in force is not: `~/.cache/torch_extensions/<tag>`, else
 `<tmp>/torch_extensions-<uid>/<tag>` (tag: the Python and torch versions, so builds for another torch are never
 loaded). A writable place is left alone, whoever chose it."""
+
 from __future__ import annotations
 
 import os
@@ -54,7 +55,7 @@ def use_writable_extensions_dir(env=None) -> str | None:
     mine = Path(tempfile.gettempdir()) / f"torch_extensions-{os.getuid()}"
     for base in (Path(home) / ".cache" / "torch_extensions", mine):
         if base == mine and mine.exists() and mine.stat().st_uid != os.getuid():
-            continue                            # another user's folder of that name in a shared /tmp
+            continue  # another user's folder of that name in a shared /tmp
         if can_write(base / tag):
             env["TORCH_EXTENSIONS_DIR"] = str(base / tag)
             return env["TORCH_EXTENSIONS_DIR"]

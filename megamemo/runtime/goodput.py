@@ -17,6 +17,7 @@ launch/local.sh --max-restarts, or a requeued Slurm job): train/metrics.py keeps
 A start that failed before its first step wrote no "start" record: when it was the run's very first, wall begins at
 the next start (its lost time is then not counted).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ def process_started() -> float:
     """This process's start as wall-clock time (Linux /proc: boot time + start ticks), else now."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
@@ -69,10 +71,20 @@ def compute(records: list[dict], interruptions: list[dict]) -> dict | None:
     wall = max(t_end - t0, 1e-9)
     startup = sum(max(0.0, float(s["ready"]) - float(s["time"])) for s in starts if "ready" in s)
     lost_s = sum(float(r.get("seconds_lost", 0.0)) for r in lost)
-    return {"goodput": productive / wall, "productive_s": productive, "wall_s": wall, "startup_s": startup,
-            "lost_s": lost_s, "other_s": wall - productive - startup - lost_s, "starts": len(starts),
-            "interruptions": len(lost), "steps": len(steps), "ended": bool(ends), "first_start": t0,
-            "end": t_end}
+    return {
+        "goodput": productive / wall,
+        "productive_s": productive,
+        "wall_s": wall,
+        "startup_s": startup,
+        "lost_s": lost_s,
+        "other_s": wall - productive - startup - lost_s,
+        "starts": len(starts),
+        "interruptions": len(lost),
+        "steps": len(steps),
+        "ended": bool(ends),
+        "first_start": t0,
+        "end": t_end,
+    }
 
 
 def of_run(run_dir: Path) -> dict | None:
@@ -83,7 +95,9 @@ def of_run(run_dir: Path) -> dict | None:
 def describe(g: dict) -> str:
     """One line: goodput 83.2%: 41.3 s of training steps in 49.6 s since the first start (...)."""
     n = g["interruptions"]
-    return (f"goodput {g['goodput']:.1%}: {g['productive_s']:.1f} s of training steps in {g['wall_s']:.1f} s since "
-            f"the first start ({g['starts']} start{'s' if g['starts'] != 1 else ''}, start-ups {g['startup_s']:.1f} s; "
-            f"{n} interruption{'s' if n != 1 else ''}, {g['lost_s']:.1f} s lost; checkpoints, evaluation and the "
-            f"rest {max(0.0, g['other_s']):.1f} s)")
+    return (
+        f"goodput {g['goodput']:.1%}: {g['productive_s']:.1f} s of training steps in {g['wall_s']:.1f} s since "
+        f"the first start ({g['starts']} start{'s' if g['starts'] != 1 else ''}, start-ups {g['startup_s']:.1f} s; "
+        f"{n} interruption{'s' if n != 1 else ''}, {g['lost_s']:.1f} s lost; checkpoints, evaluation and the "
+        f"rest {max(0.0, g['other_s']):.1f} s)"
+    )

@@ -31,6 +31,7 @@ Issue 50's additions, datasheet figures (dense = half the "with sparsity" figure
   per GPU of 400 Gb/s (B200, as DGX B200's ConnectX-7) = 50 GB/s, 200 Gb/s (H100 PCIe/NVL) = 25, 100 Gb/s (L40S)
   = 12.5. Change them where a cluster differs.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -40,21 +41,24 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Gpu:
-    row: str                        # the datasheet's name for it: what a device name is matched to ("H100 SXM")
-    names: str                      # regex over torch.cuda.get_device_name() (case-insensitive)
-    peak_tflops: dict               # dtype ("fp32", "tf32", "bf16", "fp16") -> dense TFLOP/s per device
-    memory_gib: float | None = None     # device memory; None: a peak-only entry (not planned)
-    mem_bw: float | None = None         # bytes/s
-    link: tuple | None = None           # GB/s per device: (inside a node, between nodes)
-    fabric: str = ""                    # what the links are
+    row: str  # the datasheet's name for it: what a device name is matched to ("H100 SXM")
+    names: str  # regex over torch.cuda.get_device_name() (case-insensitive)
+    peak_tflops: dict  # dtype ("fp32", "tf32", "bf16", "fp16") -> dense TFLOP/s per device
+    memory_gib: float | None = None  # device memory; None: a peak-only entry (not planned)
+    mem_bw: float | None = None  # bytes/s
+    link: tuple | None = None  # GB/s per device: (inside a node, between nodes)
+    fabric: str = ""  # what the links are
 
 
 V100_SXM2 = {"fp32": 15.7, "fp16": 125.0}
 A100 = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}
 H100_SXM = {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5}
 H100_NVL = {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}
-V100_FABRIC, A100_FABRIC, H100_FABRIC = ("NVLink 2 hybrid cube mesh, 100 Gb/s IB", "NVSwitch, 200 Gb/s HDR IB",
-                                         "NVSwitch, 400 Gb/s NDR IB")
+V100_FABRIC, A100_FABRIC, H100_FABRIC = (
+    "NVLink 2 hybrid cube mesh, 100 Gb/s IB",
+    "NVSwitch, 200 Gb/s HDR IB",
+    "NVSwitch, 400 Gb/s NDR IB",
+)
 
 # kind -> entry. A device name is matched against the entries in this order, the first match wins (e.g. "Tesla
 # V100-SXM2-32GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100 80GB HBM3" (SXM5), "NVIDIA H100
@@ -62,29 +66,51 @@ V100_FABRIC, A100_FABRIC, H100_FABRIC = ("NVLink 2 hybrid cube mesh, 100 Gb/s IB
 GPUS: dict[str, Gpu] = {
     "v100s-pcie": Gpu("V100S PCIe", r"V100S", {"fp32": 16.4, "fp16": 130.0}),
     "v100-pcie": Gpu("V100 PCIe", r"V100.*PCIE", {"fp32": 14.0, "fp16": 112.0}),
-    "v100-16g": Gpu("V100 SXM2", r"V100", V100_SXM2, 16, 900e9, (130, 12.5), V100_FABRIC),   # SXM2, DGXS
+    "v100-16g": Gpu("V100 SXM2", r"V100", V100_SXM2, 16, 900e9, (130, 12.5), V100_FABRIC),  # SXM2, DGXS
     "v100-32g": Gpu("V100 SXM2", r"V100", V100_SXM2, 32, 900e9, (130, 12.5), V100_FABRIC),
     "a100-40g": Gpu("A100", r"A100", A100, 40, 1555e9, (230, 25), A100_FABRIC),
     "a100-80g": Gpu("A100", r"A100", A100, 80, 2039e9, (230, 25), A100_FABRIC),
     "h100-nvl": Gpu("H100 NVL", r"H100.*NVL", H100_NVL, 94, 3900e9, (50, 25), "PCIe Gen5 (NVL bridge pairs), 200 Gb/s"),
-    "h100-pcie": Gpu("H100 PCIe", r"H100.*(PCIE|HBM2E)", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5},
-                     80, 2000e9, (50, 25), "PCIe Gen5 x16, 200 Gb/s"),
+    "h100-pcie": Gpu(
+        "H100 PCIe",
+        r"H100.*(PCIE|HBM2E)",
+        {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5},
+        80,
+        2000e9,
+        (50, 25),
+        "PCIe Gen5 x16, 200 Gb/s",
+    ),
     "h100-80g": Gpu("H100 SXM", r"H100", H100_SXM, 80, 3350e9, (370, 50), H100_FABRIC),
     "h200-nvl": Gpu("H200 NVL", r"H200.*NVL", H100_NVL),
     "h200": Gpu("H200 SXM", r"H200", H100_SXM, 140, 4800e9, (370, 50), H100_FABRIC),
-    "b200": Gpu("B200", r"B200", {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0}, 180, 7700e9,
-                (740, 50), "NVLink 5 NVSwitch, 400 Gb/s IB"),
-    "l40s": Gpu("L40S", r"L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05}, 48, 864e9,
-                (25, 12.5), "PCIe Gen4 x16, 100 Gb/s"),
+    "b200": Gpu(
+        "B200",
+        r"B200",
+        {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0},
+        180,
+        7700e9,
+        (740, 50),
+        "NVLink 5 NVSwitch, 400 Gb/s IB",
+    ),
+    "l40s": Gpu(
+        "L40S",
+        r"L40S",
+        {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05},
+        48,
+        864e9,
+        (25, 12.5),
+        "PCIe Gen4 x16, 100 Gb/s",
+    ),
 }
-PLANNED = tuple(kind for kind, g in GPUS.items() if g.memory_gib is not None)   # what `megamemo plan --gpu` takes
+PLANNED = tuple(kind for kind, g in GPUS.items() if g.memory_gib is not None)  # what `megamemo plan --gpu` takes
 
 
 def unknown_kind(kind: str, known) -> ValueError:
     """The one error for a device kind that is not in a table: the nearest known kind, and all of them."""
     near = difflib.get_close_matches(kind, list(known), n=1)
-    return ValueError(f"unknown device kind {kind!r}" + (f" (nearest: {near[0]})" if near else "")
-                      + f"; known: {', '.join(known)}")
+    return ValueError(
+        f"unknown device kind {kind!r}" + (f" (nearest: {near[0]})" if near else "") + f"; known: {', '.join(known)}"
+    )
 
 
 def gpu(kind: str, known=PLANNED) -> Gpu:

@@ -25,6 +25,7 @@ Standard library only: launch/slurm/failure.sh runs scripts/slurm_failure.py by 
 .../scripts/slurm_failure.py slurm ...`), on the batch host, which need not have megamemo installed (a container
 job); that script loads this file by its path.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,8 @@ EXIT_ERROR, EXIT_USAGE, EXIT_HUNG, EXIT_PEER_LOST, EXIT_NODE_SUSPECT = 1, 2, 3, 
 SAME_STEP_LIMIT = 3
 USAGE = "exit code 2 (bad usage, config, data or checkpoint): starting again cannot help"
 RECORDS = "interruptions.jsonl"
-HEARTBEATS = "heartbeats"           # <run_dir>/heartbeats/rank<N>.json, written by each rank's watchdog
-RUN_DIR_FILE = "MEGAMEMO_RUN_DIR_FILE"   # where rank 0 tells its supervisor the run directory (an absolute path)
+HEARTBEATS = "heartbeats"  # <run_dir>/heartbeats/rank<N>.json, written by each rank's watchdog
+RUN_DIR_FILE = "MEGAMEMO_RUN_DIR_FILE"  # where rank 0 tells its supervisor the run directory (an absolute path)
 
 
 def signal_of(code: int) -> int | None:
@@ -62,7 +63,8 @@ def describe(code: int) -> str:
 
 def kind_of(code: int) -> str:
     return {EXIT_USAGE: "usage", EXIT_HUNG: "hang", EXIT_PEER_LOST: "peer-lost", EXIT_NODE_SUSPECT: "node"}.get(
-        code, "crash")
+        code, "crash"
+    )
 
 
 def retryable(code: int) -> bool:
@@ -74,6 +76,7 @@ def retryable(code: int) -> bool:
 @dataclass
 class Exit:
     """How one rank ended: `killed` when its supervisor ended it after another's failure (not a cause)."""
+
     rank: int
     code: int
     time: float
@@ -133,8 +136,11 @@ def read_heartbeats(run_dir: Path, since: float = 0.0) -> dict[int, dict]:
 def committed_step(run_dir: Path) -> int | None:
     """The newest committed checkpoint's step (a `checkpoints/step_N` directory with its COMMITTED marker:
     megamemo/checkpoint/store.py's layout, read here without importing it)."""
-    steps = [int(p.parent.name[5:]) for p in (Path(run_dir) / "checkpoints").glob("step_*/COMMITTED")
-             if p.parent.name[5:].isdigit()]
+    steps = [
+        int(p.parent.name[5:])
+        for p in (Path(run_dir) / "checkpoints").glob("step_*/COMMITTED")
+        if p.parent.name[5:].isdigit()
+    ]
     return max(steps) if steps else None
 
 
@@ -148,15 +154,16 @@ def recent_records(run_dir: Path, back_to: int) -> list[dict]:
     while True:
         with open(path, "rb") as f:
             f.seek(max(0, size - chunk))
-            lines = f.read().decode(errors="replace").splitlines()[1 if size > chunk else 0:]
+            lines = f.read().decode(errors="replace").splitlines()[1 if size > chunk else 0 :]
         out = []
         for line in lines:
             try:
                 rec = json.loads(line)
             except ValueError:
-                continue                            # a line cut by a crash
-            if isinstance(rec, dict) and (rec.get("kind") == "start" or (rec.get("kind") == "train"
-                                                                          and rec.get("step", -1) >= back_to)):
+                continue  # a line cut by a crash
+            if isinstance(rec, dict) and (
+                rec.get("kind") == "start" or (rec.get("kind") == "train" and rec.get("step", -1) >= back_to)
+            ):
                 out.append(rec)
         if chunk >= size or any(r["kind"] == "train" and r["step"] <= back_to for r in out):
             return out
@@ -213,8 +220,19 @@ def replica_suspects(beats: dict[int, dict]) -> list[dict]:
 
 
 # ---- one failure -------------------------------------------------------------------------------------------------
-def record(run_dir: Path | None, exits: list[Exit], *, started: float, now: float | None = None, restart: int = 0,
-           launcher: str = "local", node_fault: str = "", node: str | None = None, consult=None, **extra) -> dict:
+def record(
+    run_dir: Path | None,
+    exits: list[Exit],
+    *,
+    started: float,
+    now: float | None = None,
+    restart: int = 0,
+    launcher: str = "local",
+    node_fault: str = "",
+    node: str | None = None,
+    consult=None,
+    **extra,
+) -> dict:
     """The record of a failed start (see the module's doc; the rank at fault: at_fault), appended to the run
     directory's interruptions.jsonl when there is one. `consult(rec)` -> fields added before it is written (the
     replay's verdict and decision: runtime/suspect.py)."""
@@ -226,8 +244,11 @@ def record(run_dir: Path | None, exits: list[Exit], *, started: float, now: floa
     if suspects and not node_fault:
         node_fault = "replica mismatch: " + ", ".join(f"rank {s['rank']} ({s['node']})" for s in suspects)
         node = node or suspects[0]["node"]
-    where = node or (beats.get(rank, {}).get("node") if rank is not None else None) or \
-        next((e.node for e in exits if e.rank == rank), None)
+    where = (
+        node
+        or (beats.get(rank, {}).get("node") if rank is not None else None)
+        or next((e.node for e in exits if e.rank == rank), None)
+    )
     step = max([b.get("step", 0) for b in beats.values()] + [0])
     committed = committed_step(run_dir) if run_dir else None
     recent = recent_records(run_dir, committed or 0) if run_dir else []
@@ -235,15 +256,26 @@ def record(run_dir: Path | None, exits: list[Exit], *, started: float, now: floa
     step = max([step, *times])
     # the work lost: from the later of this start's first step (its start-up is goodput's start-up) and the last
     # commit, to the failure; a start that never reached a step lost all of its time
-    ready = max([float(r.get("ready", 0)) for r in recent if r["kind"] == "start" and r["time"] >= started - 1]
-                + [started])
+    ready = max(
+        [float(r.get("ready", 0)) for r in recent if r["kind"] == "start" and r["time"] >= started - 1] + [started]
+    )
     t_commit = times.get(committed, 0.0) if committed is not None else 0.0
-    rec = {"time": round(now, 3), "started": round(started, 3), "step": step, "committed": committed,
-           "kind": "node" if node_fault else kind, "rank": rank, "node": where,
-           "exit_code": code if code is not None and signal_of(code) is None else None,
-           "signal": describe(code)[7:] if code is not None and signal_of(code) else None,
-           "seconds_lost": round(max(0.0, now - max(ready, t_commit)), 3), "restart": restart,
-           "launcher": launcher, **({"node_fault": node_fault} if node_fault else {}), **extra}
+    rec = {
+        "time": round(now, 3),
+        "started": round(started, 3),
+        "step": step,
+        "committed": committed,
+        "kind": "node" if node_fault else kind,
+        "rank": rank,
+        "node": where,
+        "exit_code": code if code is not None and signal_of(code) is None else None,
+        "signal": describe(code)[7:] if code is not None and signal_of(code) else None,
+        "seconds_lost": round(max(0.0, now - max(ready, t_commit)), 3),
+        "restart": restart,
+        "launcher": launcher,
+        **({"node_fault": node_fault} if node_fault else {}),
+        **extra,
+    }
     if consult is not None and run_dir is not None:
         rec.update(consult(rec))
     if run_dir is not None:
@@ -255,13 +287,18 @@ def summary(rec: dict) -> str:
     """One line: what failed, where, at which step."""
     who = f"rank {rec['rank']}" if rec.get("rank") is not None else "a rank"
     where = f" on {rec['node']}" if rec.get("node") else ""
-    how = f"signal {rec['signal']}" if rec.get("signal") else (f"exit code {rec['exit_code']}"
-                                                               if rec.get("exit_code") is not None else "")
+    how = (
+        f"signal {rec['signal']}"
+        if rec.get("signal")
+        else (f"exit code {rec['exit_code']}" if rec.get("exit_code") is not None else "")
+    )
     what = {"hang": "hang of", "node": "node fault:", "usage": "error of"}.get(rec["kind"], "crash of")
     fault = f" ({rec['node_fault']})" if rec.get("node_fault") else ""
     committed = rec["committed"] if rec.get("committed") is not None else "none"
-    return (f"{what} {who}{where}{fault}{f' ({how})' if how and rec['kind'] != 'node' else ''} after step "
-            f"{rec['step']} (last committed: {committed}; {rec['seconds_lost']:.1f} s lost)")
+    return (
+        f"{what} {who}{where}{fault}{f' ({how})' if how and rec['kind'] != 'node' else ''} after step "
+        f"{rec['step']} (last committed: {committed}; {rec['seconds_lost']:.1f} s lost)"
+    )
 
 
 def decide(rec: dict, past: list[dict], restarts_left: int) -> tuple[bool, str]:
@@ -270,8 +307,10 @@ def decide(rec: dict, past: list[dict], restarts_left: int) -> tuple[bool, str]:
         return False, USAGE
     same = [r for r in (past + [rec])[-SAME_STEP_LIMIT:] if r.get("kind") not in ("node", "spike")]
     if len(same) == SAME_STEP_LIMIT and all(r.get("step") == rec["step"] for r in same):
-        return False, (f"failed {SAME_STEP_LIMIT} times in a row after step {rec['step']}: a deterministic failure "
-                       f"(a bad batch, a NaN that skipping does not cure), not a fault of the machines")
+        return False, (
+            f"failed {SAME_STEP_LIMIT} times in a row after step {rec['step']}: a deterministic failure "
+            f"(a bad batch, a NaN that skipping does not cure), not a fault of the machines"
+        )
     if restarts_left <= 0:
         return False, "no restarts left"
     return True, ""
@@ -303,30 +342,47 @@ def slurm_assignments(a) -> int:
     exits = task_exits(Path(a.exits)) if a.exits else []
     run_dir = read_run_dir(a.run_dir_file)
     beats = read_heartbeats(run_dir, since=a.started) if run_dir else {}
-    if exits:                               # a rank that beat and left no exit was ended by srun (--kill-on-bad-exit)
+    if exits:  # a rank that beat and left no exit was ended by srun (--kill-on-bad-exit)
         t = max(e.time for e in exits)
-        exits += [Exit(r, -signal.SIGKILL, t, b.get("node"), killed=True) for r, b in beats.items()
-                  if r not in {e.rank for e in exits}]
+        exits += [
+            Exit(r, -signal.SIGKILL, t, b.get("node"), killed=True)
+            for r, b in beats.items()
+            if r not in {e.rank for e in exits}
+        ]
     if a.what == "culprit":
         _, rank = at_fault(exits, beats)
-        node = (beats.get(rank, {}).get("node") if rank is not None else None) or \
-            next((e.node for e in exits if e.rank == rank), "")
+        node = (beats.get(rank, {}).get("node") if rank is not None else None) or next(
+            (e.node for e in exits if e.rank == rank), ""
+        )
         suspects = " ".join(dict.fromkeys(str(s["node"]) for s in replica_suspects(beats) if s.get("node")))
-        print(f"c_rank={shlex.quote('' if rank is None else str(rank))} c_node={shlex.quote(node or '')} "
-              f"c_suspects={shlex.quote(suspects)}")
+        print(
+            f"c_rank={shlex.quote('' if rank is None else str(rank))} c_node={shlex.quote(node or '')} "
+            f"c_suspects={shlex.quote(suspects)}"
+        )
         return 0
     past = history(run_dir) if run_dir else []
-    if not exits and a.rc:                   # no task said how it ended (a container job, a lost node)
+    if not exits and a.rc:  # no task said how it ended (a container job, a lost node)
         exits = [Exit(-1, a.rc, time.time())]
-    rec = record(run_dir, exits, started=a.started, restart=a.restart, launcher="slurm", node_fault=a.node_fault,
-                 node=a.node or None, job=a.job, consult=_consult(run_dir))
+    rec = record(
+        run_dir,
+        exits,
+        started=a.started,
+        restart=a.restart,
+        launcher="slurm",
+        node_fault=a.node_fault,
+        node=a.node or None,
+        job=a.job,
+        consult=_consult(run_dir),
+    )
     retry, why = decide(rec, past, a.restarts_left)
     replay = rec.get("replay") or {}
-    print(f"verdict={'retry' if retry else 'stop'} kind={rec['kind']} step={rec['step']} "
-          f"replay_decision={shlex.quote(replay.get('decision', ''))} "
-          f"replay_verdict={shlex.quote(replay.get('verdict', ''))} "
-          f"line={shlex.quote(summary(rec))} why={shlex.quote(why)} "
-          f"recorded={shlex.quote(str(Path(run_dir) / RECORDS) if run_dir else '')}")
+    print(
+        f"verdict={'retry' if retry else 'stop'} kind={rec['kind']} step={rec['step']} "
+        f"replay_decision={shlex.quote(replay.get('decision', ''))} "
+        f"replay_verdict={shlex.quote(replay.get('verdict', ''))} "
+        f"line={shlex.quote(summary(rec))} why={shlex.quote(why)} "
+        f"recorded={shlex.quote(str(Path(run_dir) / RECORDS) if run_dir else '')}"
+    )
     return 0
 
 
@@ -341,5 +397,5 @@ def _consult(run_dir: Path | None):
     assert spec is not None and spec.loader is not None, "suspect.py beside interruptions.py"
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    say = lambda m: print(m, file=sys.stderr, flush=True)     # noqa: E731  (failure.sh: to job.txt)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  (failure.sh: to job.txt)
     return lambda rec: {"replay": mod.replay(run_dir, rec, say)} if mod.enabled(rec) else {}

@@ -27,6 +27,7 @@ restarts and rendezvous are not needed on one machine. This launcher:
     SAME_STEP_LIMIT times in a row at the same step (deterministic: one line says so). Each start gets a fresh
     MASTER_PORT (unless the environment fixes one) and MEGAMEMO_RESTART = the restarts before it.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,20 +59,26 @@ def handles(pid: int, sig: int) -> bool:
                 return bool((int(line.split()[1], 16) >> (sig - 1)) & 1)
     except (OSError, ValueError):
         return False
-    return not Path("/proc").is_dir()       # no /proc (not Linux): deliver at once
+    return not Path("/proc").is_dir()  # no /proc (not Linux): deliver at once
 
 
 class Launcher:
-    def __init__(self, n: int, cmd: list[str], log=lambda m: print(m, file=sys.stderr, flush=True),
-                 max_restarts: int = 0, run_dir_file: str | None = None):
+    def __init__(
+        self,
+        n: int,
+        cmd: list[str],
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+        max_restarts: int = 0,
+        run_dir_file: str | None = None,
+    ):
         self.n, self.cmd, self.log = n, cmd, log
         self.max_restarts, self.restarts = max_restarts, 0
-        self.run_dir_file = run_dir_file        # where rank 0 writes its run directory
+        self.run_dir_file = run_dir_file  # where rank 0 writes its run directory
         self.procs: list[subprocess.Popen] = []
         self.pending: list[set[int]] = []
-        self.exits: dict[int, Exit] = {}        # rank -> how it ended, in this start
+        self.exits: dict[int, Exit] = {}  # rank -> how it ended, in this start
         self.interrupts = 0
-        self.stopping = False                   # a stop signal was passed on: the job is not started again
+        self.stopping = False  # a stop signal was passed on: the job is not started again
         self.started = 0.0
 
     def start(self) -> None:
@@ -80,9 +87,18 @@ class Launcher:
         self.procs, self.pending, self.exits, self.started = [], [], {}, time.time()
         extra = {interruptions.RUN_DIR_FILE: self.run_dir_file} if self.run_dir_file else {}
         for r in range(self.n):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(self.n),
-                       MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=port,
-                       OMP_NUM_THREADS=threads, MEGAMEMO_RESTART=str(self.restarts), **extra)
+            env = dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE=str(self.n),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(self.n),
+                MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                MASTER_PORT=port,
+                OMP_NUM_THREADS=threads,
+                MEGAMEMO_RESTART=str(self.restarts),
+                **extra,
+            )
             self.procs.append(subprocess.Popen(self.cmd, env=env, process_group=0))
             self.pending.append(set())
 
@@ -94,9 +110,11 @@ class Launcher:
                 self.log("[launch] second interrupt: killing the workers")
                 self.kill()
                 return
-            sig = signal.SIGTERM                 # a first Ctrl-C: save and stop, like a scheduler's TERM
-        self.log(f"[launch] {signal.Signals(sig).name}: passing it to the {self.n} worker(s) (they finish the step, "
-                 f"save and stop)")
+            sig = signal.SIGTERM  # a first Ctrl-C: save and stop, like a scheduler's TERM
+        self.log(
+            f"[launch] {signal.Signals(sig).name}: passing it to the {self.n} worker(s) (they finish the step, "
+            f"save and stop)"
+        )
         for pending in self.pending:
             pending.add(sig)
         self.deliver()
@@ -124,9 +142,9 @@ class Launcher:
     def wait(self) -> int:
         """Until every worker ended -> 0, or the exit code of the failure: 2 when a worker explained it (megamemo's
         one line for bad usage, config, data or checkpoint), else the first failed worker's (128 + N for signal N)."""
-        first: tuple[int, int] | None = None        # the first worker seen failing: the cause
+        first: tuple[int, int] | None = None  # the first worker seen failing: the cause
         stopped = False
-        kill_at = None                              # when the others are killed (after an explained error: a grace)
+        kill_at = None  # when the others are killed (after an explained error: a grace)
         # every worker polled each round (not any()'s first running one: a higher rank's failure would go unseen
         # while a lower one runs, or hangs in a collective waiting for it)
         while [p.poll() for p in self.procs].count(None):
@@ -135,11 +153,11 @@ class Launcher:
             if first is None:
                 first = _first_failure(self.procs)
                 if first is not None:
-                    explained = (interruptions.EXIT_USAGE, interruptions.EXIT_NODE_SUSPECT)   # rank 0 says it
+                    explained = (interruptions.EXIT_USAGE, interruptions.EXIT_NODE_SUSPECT)  # rank 0 says it
                     grace = EXPLAINED_GRACE_S if first[1] in explained else 0.0
                     kill_at = time.time() + grace
             if kill_at is not None and not stopped and time.time() >= kill_at:
-                self.kill()             # the others cannot go on without it
+                self.kill()  # the others cannot go on without it
                 stopped = True
             time.sleep(0.05)
         self._note_exits()
@@ -149,7 +167,7 @@ class Launcher:
         if not any(codes):
             return 0
         found = first or _first_failure(self.procs)
-        assert found is not None                    # a worker exited non-zero
+        assert found is not None  # a worker exited non-zero
         r, c = found
         self.log(f"[launch] worker {r} exited with {_describe(c)}" + (": the others were stopped" if stopped else ""))
         return c if c > 0 else 128 - c
@@ -166,16 +184,18 @@ class Launcher:
             if rc == 0 or self.stopping:
                 return rc
             retry, why, rec = self.record()
-            if self.stopping:           # a stop signal while the failure was recorded (a replay takes a while)
+            if self.stopping:  # a stop signal while the failure was recorded (a replay takes a while)
                 return rc
             if not retry:
                 if self.max_restarts and why:
                     self.log(f"[launch] not restarting: {why}" + (f" ({interruptions.summary(rec)})" if rec else ""))
                 return rc
             self.restarts += 1
-            self.log(f"[launch] restart {self.restarts}/{self.max_restarts}: "
-                     + (interruptions.summary(rec) if rec else interruptions.describe(rc))
-                     + f"; starting the {self.n} worker(s) again from the newest committed checkpoint")
+            self.log(
+                f"[launch] restart {self.restarts}/{self.max_restarts}: "
+                + (interruptions.summary(rec) if rec else interruptions.describe(rc))
+                + f"; starting the {self.n} worker(s) again from the newest committed checkpoint"
+            )
 
     def record(self) -> tuple[bool, str, dict | None]:
         """The failure's record in the run directory (when rank 0 said which) -> (start again?, why not, record)."""
@@ -183,15 +203,23 @@ class Launcher:
         exits = list(self.exits.values())
         first = interruptions.culprit(exits)
         left = self.max_restarts - self.restarts
-        if first is not None and not interruptions.retryable(first.code) and (
-                run_dir is None or not interruptions.read_heartbeats(run_dir, since=self.started)):
-            return False, interruptions.USAGE, None   # refused before training (config, data, the lock): no record
-        if run_dir is None or first is None:            # failed before rank 0 named its run directory
+        if (
+            first is not None
+            and not interruptions.retryable(first.code)
+            and (run_dir is None or not interruptions.read_heartbeats(run_dir, since=self.started))
+        ):
+            return False, interruptions.USAGE, None  # refused before training (config, data, the lock): no record
+        if run_dir is None or first is None:  # failed before rank 0 named its run directory
             return left > 0, "" if left > 0 else "no restarts left", None
         past = interruptions.history(run_dir)
-        rec = interruptions.record(run_dir, exits, started=self.started, restart=self.restarts, launcher="local",
-                                   consult=lambda r: {"replay": suspect.replay(run_dir, r, self.log)}
-                                   if suspect.enabled(r) else {})
+        rec = interruptions.record(
+            run_dir,
+            exits,
+            started=self.started,
+            restart=self.restarts,
+            launcher="local",
+            consult=lambda r: {"replay": suspect.replay(run_dir, r, self.log)} if suspect.enabled(r) else {},
+        )
         retry, why = interruptions.decide(rec, past, left)
         return retry, why, rec
 
@@ -201,8 +229,11 @@ def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
     rank whose peer vanished mid-collective) and exit 4 (a rank that saw its peer vanish) are a peer's consequence,
     not the cause; else the lowest rank."""
     failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-    return min(failed, key=lambda rc: (rc[1] in (-signal.SIGABRT, interruptions.EXIT_PEER_LOST), rc[0])) \
-        if failed else None
+    return (
+        min(failed, key=lambda rc: (rc[1] in (-signal.SIGABRT, interruptions.EXIT_PEER_LOST), rc[0]))
+        if failed
+        else None
+    )
 
 
 def _describe(rc: int) -> str:

@@ -14,6 +14,7 @@ Works on a shared file system across nodes: creation is O_CREAT|O_EXCL, the hear
 file and renamed over the lock, and a take-over renames the stale lock away under a name that carries its token,
 then checks it moved the stale lock and not a fresh one.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,7 @@ def _proc_stat(pid: int) -> list[str] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2:].split()
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 def _proc_start(pid: int) -> str | None:
@@ -50,7 +51,7 @@ def _proc_start(pid: int) -> str | None:
     return fields[19] if fields else None
 
 
-DEAD_STATES = ("Z", "X", "x")   # zombie (exited, not yet reaped by its parent) and dead: neither runs again
+DEAD_STATES = ("Z", "X", "x")  # zombie (exited, not yet reaped by its parent) and dead: neither runs again
 
 
 def _alive_here(holder: dict) -> bool:
@@ -59,10 +60,10 @@ def _alive_here(holder: dict) -> bool:
         return False
     fields = _proc_stat(pid)
     if fields is not None and fields[0] in DEAD_STATES:
-        return False                            # killed, waiting for a parent (or a PID 1) that may never reap it
+        return False  # killed, waiting for a parent (or a PID 1) that may never reap it
     start = fields[19] if fields else None
     if start is None:
-        try:                                    # no /proc (not Linux): existence only
+        try:  # no /proc (not Linux): existence only
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
@@ -75,8 +76,10 @@ def _alive_here(holder: dict) -> bool:
 def describe(holder: dict) -> str:
     job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
     beat = time.time() - float(holder.get("heartbeat", 0))
-    return (f"pid {holder.get('pid')} on {holder.get('host')}{job}, started {holder.get('started')}, last heartbeat "
-            f"{beat:.0f}s ago")
+    return (
+        f"pid {holder.get('pid')} on {holder.get('host')}{job}, started {holder.get('started')}, last heartbeat "
+        f"{beat:.0f}s ago"
+    )
 
 
 class RunLock:
@@ -91,10 +94,16 @@ class RunLock:
         self.held = False
 
     def _record(self) -> dict:
-        return {"host": socket.gethostname(), "pid": self.pid, "pid_start": _proc_start(self.pid),
-                "slurm_job": os.environ.get("SLURM_JOB_ID"), "restart": restart_count(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "heartbeat": time.time(), "token": self.token}
+        return {
+            "host": socket.gethostname(),
+            "pid": self.pid,
+            "pid_start": _proc_start(self.pid),
+            "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "restart": restart_count(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "heartbeat": time.time(),
+            "token": self.token,
+        }
 
     def _read(self, path: Path | None = None) -> dict | None:
         try:
@@ -102,15 +111,19 @@ class RunLock:
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
-            return {}                           # unreadable: half-written by a holder that died; stale
+            return {}  # unreadable: half-written by a holder that died; stale
 
     def _stale(self, holder: dict) -> str | None:
         """Why the holder is dead, or None if it may be alive."""
         if not holder:
             return "unreadable lock file"
         job = os.environ.get("SLURM_JOB_ID")
-        if job and holder.get("slurm_job") == job and isinstance(holder.get("restart"), int) \
-                and holder["restart"] < restart_count():
+        if (
+            job
+            and holder.get("slurm_job") == job
+            and isinstance(holder.get("restart"), int)
+            and holder["restart"] < restart_count()
+        ):
             return f"an earlier start (restart {holder['restart']}) of this Slurm job, which has ended"
         if holder.get("host") == socket.gethostname():
             return None if _alive_here(holder) else "its process is gone"
@@ -126,11 +139,13 @@ class RunLock:
             except FileExistsError:
                 holder = self._read()
                 if holder is None:
-                    continue                    # released meanwhile: try again
+                    continue  # released meanwhile: try again
                 why = self._stale(holder)
                 if why is None:
-                    raise RunLockedError(f"{self.path.parent}: another trainer is running in this run directory "
-                                         f"({describe(holder)}); stop it, or train in another --run-dir") from None
+                    raise RunLockedError(
+                        f"{self.path.parent}: another trainer is running in this run directory "
+                        f"({describe(holder)}); stop it, or train in another --run-dir"
+                    ) from None
                 self._take_over(holder, why)
                 continue
             with os.fdopen(fd, "w") as f:
@@ -148,17 +163,18 @@ class RunLock:
         try:
             os.replace(self.path, moved)
         except FileNotFoundError:
-            return                              # another contender moved it first
+            return  # another contender moved it first
         if (self._read(moved) or {}).get("token") != holder.get("token"):
-            try:                                # we moved a fresh lock taken meanwhile: put it back
+            try:  # we moved a fresh lock taken meanwhile: put it back
                 os.link(moved, self.path)
             except FileExistsError:
                 pass
             moved.unlink(missing_ok=True)
             return
         moved.unlink(missing_ok=True)
-        self.log(f"[lock] took over {self.path} from a dead trainer ({describe(holder) if holder else 'unknown'}: "
-                 f"{why})")
+        self.log(
+            f"[lock] took over {self.path} from a dead trainer ({describe(holder) if holder else 'unknown'}: {why})"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

@@ -6,6 +6,7 @@ The dtype key is what the matmuls run in: "fp32" unless torch lets fp32 matmuls 
 precisions. A device or dtype not in the catalogue has no peak (MFU "n/a"); MEGAMEMO_PEAK_TFLOPS=<per-device
 TFLOP/s> sets one (another GPU, a CPU figure you measured).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,8 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
 
 @dataclass
 class Peak:
-    flops: float | None     # per device, FLOP/s; None: unknown (MFU n/a)
-    source: str             # what it is, for the start line: "A100 bf16 datasheet", "n/a (cpu)", ...
+    flops: float | None  # per device, FLOP/s; None: unknown (MFU n/a)
+    source: str  # what it is, for the start line: "A100 bf16 datasheet", "n/a (cpu)", ...
 
 
 def device_peak(device, precision: str, environ=None) -> Peak:

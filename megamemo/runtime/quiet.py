@@ -14,6 +14,7 @@ Ranks: only rank 0 (RANK / SLURM_PROCID / the MPI launcher's rank, as megamemo/r
 warnings and DeepSpeed's / megatron-core's log records below ERROR; the other ranks print only errors (their
 tracebacks and "error:" lines are untouched). MEGAMEMO_LOG_ALL_RANKS=1 shows every rank's output.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,11 @@ THIRD_PARTY = [
     (r".*all_gather_into_tensor.*deprecated", FutureWarning, ""),
 ]
 CPU_ONLY = [
-    (r"When using .* it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning,
-     r"megatron\."),
+    (
+        r"When using .* it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        UserWarning,
+        r"megatron\.",
+    ),
 ]
 # quiet below ERROR on ranks other than 0: module loggers (children inherit the level) and DeepSpeed's own
 # logger, which sets its level when deepspeed is imported (after this runs), so it gets a filter instead

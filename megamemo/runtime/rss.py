@@ -5,6 +5,7 @@ With MEGAMEMO_RSS_REPORT=DIR each rank writes DIR/rank_<r>.json at exit: its cur
 and the process group up, before the model is built), `built` (model and engine) - and at the end. Off (no file,
 no cost) without the variable; on systems without /proc the figures are getrusage's peak only.
 """
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 found when a start fails before its first step (its config.yaml, metrics.jsonl and tb/ appear with the first step:
 train/metrics.py); the process tied to its launcher; anticipated errors reported in one line.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,16 +26,19 @@ def die_with_parent() -> None:
 
         parent = os.getppid()
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:       # 1: PR_SET_PDEATHSIG
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
             return
-        if os.getppid() != parent:          # it died before we asked
+        if os.getppid() != parent:  # it died before we asked
             os.kill(os.getpid(), signal.SIGTERM)
     except (OSError, AttributeError):
         pass
 
 
-_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
-                        r"remote worker crashing|Socket Timeout|timed out", re.I)
+_PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
+    r"remote worker crashing|Socket Timeout|timed out",
+    re.I,
+)
 
 
 def report(error: BaseException, rank: int, everyone: bool, world_size: int = 1, code: int = 2) -> int:
@@ -138,7 +142,7 @@ class RunDirectory:
         if self.lock is None:
             return
         self.lock.release()
-        if not self.existed:                # a start that created the directory and wrote nothing into it
+        if not self.existed:  # a start that created the directory and wrote nothing into it
             try:
                 self.path.rmdir()
             except OSError:

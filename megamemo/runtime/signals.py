@@ -10,6 +10,7 @@ The handler only records the signal. Ranks can receive it at different steps (or
 `kill -USR1` to one process), so the loop all-reduces the flag with the step's loss and all ranks stop after the
 same step. A second SIGINT (Ctrl-C twice on a process run without the launcher) raises KeyboardInterrupt.
 """
+
 from __future__ import annotations
 
 import signal
@@ -28,14 +29,16 @@ class StopRequest:
         self._previous = {}
         for s in signals:
             self._previous[s] = signal.signal(s, self._handle)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)     # one held since start-up is handled now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # one held since start-up is handled now
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt                             # a second Ctrl-C: stop now
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
         if self.signum is None:
-            print(f"[signal] received {signal.Signals(signum).name}: finishing the step, then saving and exiting",
-                  flush=True)
+            print(
+                f"[signal] received {signal.Signals(signum).name}: finishing the step, then saving and exiting",
+                flush=True,
+            )
         self.signum = signum
 
     @property

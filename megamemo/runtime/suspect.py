@@ -19,6 +19,7 @@ check's own verdict (the rank it names) still stands in the record.
 
 Standard library only, like interruptions.py (launch/slurm/failure.sh runs it by path on the batch host).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ from pathlib import Path
 
 ENABLE = "MEGAMEMO_REPLAY_SUSPECT"
 TIMEOUT = "MEGAMEMO_REPLAY_TIMEOUT_S"
-COMMAND = "MEGAMEMO_REPLAY_CMD"       # the replay's command (default: this Python, -m megamemo replay)
+COMMAND = "MEGAMEMO_REPLAY_CMD"  # the replay's command (default: this Python, -m megamemo replay)
 KINDS = ("node", "spike")
 
 
@@ -45,20 +46,29 @@ def decide(kind: str, verdict: str, step: int) -> tuple[str, str]:
     """(decision, why) from a replay's verdict line for a failure of `kind` at `step` (the module's doc)."""
     if verdict.startswith(("replay: identical", "replay: within")):
         if kind == "spike":
-            return "rollback", (f"step {step} recomputes alike in another process: the data's (or the numerics') "
-                                f"spike, the rollback past its batch stands")
-        return "resume", (f"steps up to {step} recompute alike in another process: not the device's computation; "
-                          f"resuming from the newest agreeing checkpoint, no node excluded")
+            return "rollback", (
+                f"step {step} recomputes alike in another process: the data's (or the numerics') "
+                f"spike, the rollback past its batch stands"
+            )
+        return "resume", (
+            f"steps up to {step} recompute alike in another process: not the device's computation; "
+            f"resuming from the newest agreeing checkpoint, no node excluded"
+        )
     if verdict.startswith("replay: differs at "):
-        return "exclude", (f"another process computes step {step} otherwise: the device's fault; excluding its node, "
-                           f"resuming from the newest agreeing checkpoint")
+        return "exclude", (
+            f"another process computes step {step} otherwise: the device's fault; excluding its node, "
+            f"resuming from the newest agreeing checkpoint"
+        )
     return "default", f"no replay verdict ({verdict or 'none'}): the supervisor's default"
 
 
 def layout_of(run_dir: Path, step: int) -> list[str]:
     """--dp/--tp/--pp of the newest committed checkpoint before `step` (the replay's start), as its marker says."""
-    done = sorted((int(p.parent.name[5:]), p) for p in Path(run_dir).glob("checkpoints/step_*/COMMITTED")
-                  if p.parent.name[5:].isdigit() and int(p.parent.name[5:]) < step)
+    done = sorted(
+        (int(p.parent.name[5:]), p)
+        for p in Path(run_dir).glob("checkpoints/step_*/COMMITTED")
+        if p.parent.name[5:].isdigit() and int(p.parent.name[5:]) < step
+    )
     if not done:
         return []
     try:
@@ -72,8 +82,15 @@ def command(run_dir: Path, rec: dict, environ=None) -> list[str]:
     env = os.environ if environ is None else environ
     base = shlex.split(env.get(COMMAND, "")) or [sys.executable, "-m", "megamemo", "replay"]
     step = int(rec["step"])
-    return [*base, "--ckpt", str(run_dir), "--step", str(step), *layout_of(run_dir, step),
-            *(["--rolled-back"] if rec.get("kind") == "spike" else [])]
+    return [
+        *base,
+        "--ckpt",
+        str(run_dir),
+        "--step",
+        str(step),
+        *layout_of(run_dir, step),
+        *(["--rolled-back"] if rec.get("kind") == "spike" else []),
+    ]
 
 
 def replay(run_dir: Path, rec: dict, log=lambda m: None, environ=None) -> dict:
@@ -96,8 +113,9 @@ def replay(run_dir: Path, rec: dict, log=lambda m: None, environ=None) -> dict:
 def _verdict(cmd: list[str], env: dict, timeout: float) -> str:
     """The replay's verdict line, else its last line of error; past `timeout` its whole process group (the replay's
     launcher and workers) is killed."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

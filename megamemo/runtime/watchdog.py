@@ -21,6 +21,7 @@ Heartbeats: every `interval` seconds (a fifth of the floor or fixed timeout, wit
 moved and the time of the beat.
 A heartbeat older than STALE_BEATS intervals belongs to a rank whose threads do not run.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +37,9 @@ from pathlib import Path
 from megamemo.runtime.interruptions import EXIT_HUNG, HEARTBEATS, read_heartbeats
 from megamemo.util.files import write_text_atomic
 
-WARMUP_STEPS = 2          # steps of a process not counted in its slowest (compilation, allocator warm-up)
-FIRST_STEPS_FACTOR = 5    # the auto timeout over the warm-up: 5 x the floor
-MULTIPLE = 10             # then: 10 x the slowest step seen
+WARMUP_STEPS = 2  # steps of a process not counted in its slowest (compilation, allocator warm-up)
+FIRST_STEPS_FACTOR = 5  # the auto timeout over the warm-up: 5 x the floor
+MULTIPLE = 10  # then: 10 x the slowest step seen
 STALE_BEATS = 3
 
 
@@ -62,12 +63,24 @@ def stuck_frame(thread_id: int | None = None) -> str:
 
 
 class Watchdog:
-    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float | None, floor_s: float, *,
-                 node: str | None = None, out=None, clock=time.monotonic, wall=time.time, exit=os._exit):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        world_size: int,
+        timeout_s: float | None,
+        floor_s: float,
+        *,
+        node: str | None = None,
+        out=None,
+        clock=time.monotonic,
+        wall=time.time,
+        exit=os._exit,
+    ):
         self.dir = Path(run_dir) / HEARTBEATS
         self.rank, self.world_size = rank, world_size
         self.fixed, self.floor = timeout_s, floor_s
-        self.node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()   # Slurm's name: ExcNodeList
+        self.node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name: ExcNodeList
         self.out = out
         self.clock, self.wall, self.exit = clock, wall, exit
         self.interval = min(5.0, max(0.5, (timeout_s or floor_s) / 5))
@@ -75,7 +88,7 @@ class Watchdog:
         self.last, self.last_wall = clock(), wall()
         self.phase: str | None = None
         self.hung: dict | None = None
-        self.notes: dict = {}                   # what this rank tells its supervisor (note())
+        self.notes: dict = {}  # what this rank tells its supervisor (note())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -96,7 +109,7 @@ class Watchdog:
         self.step, self.last, self.last_wall = step, self.clock(), self.wall()
         if not self.enabled or self._thread is not None:
             return
-        self.beat()                             # at once: the supervisor and the peers learn this rank's node
+        self.beat()  # at once: the supervisor and the peers learn this rank's node
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="megamemo-watchdog", daemon=True)
         self._thread.start()
@@ -124,7 +137,7 @@ class Watchdog:
             yield
         finally:
             self.phase = before
-            self.last, self.last_wall = self.clock(), self.wall()    # time in a pause is not a stall
+            self.last, self.last_wall = self.clock(), self.wall()  # time in a pause is not a stall
 
     def stop(self) -> None:
         self._stop.set()
@@ -139,14 +152,22 @@ class Watchdog:
             self.check()
 
     def beat(self) -> None:
-        rec = {"rank": self.rank, "node": self.node, "pid": os.getpid(), "step": self.step,
-               "progress": round(self.last_wall, 3), "beat": round(self.wall(), 3), "phase": self.phase,
-               **({"hung": self.hung} if self.hung else {}), **self.notes}
+        rec = {
+            "rank": self.rank,
+            "node": self.node,
+            "pid": os.getpid(),
+            "step": self.step,
+            "progress": round(self.last_wall, 3),
+            "beat": round(self.wall(), 3),
+            "phase": self.phase,
+            **({"hung": self.hung} if self.hung else {}),
+            **self.notes,
+        }
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.dir / f"rank{self.rank}.json", json.dumps(rec), durable=False)
         except OSError:
-            pass                                # a full or flaky file system must not stop the training
+            pass  # a full or flaky file system must not stop the training
 
     def check(self) -> bool:
         """Fire when the step has not moved for longer than the timeout (outside a pause). -> fired"""
@@ -166,12 +187,15 @@ class Watchdog:
         silent = sorted(r for r, b in beats.items() if now - float(b["beat"]) > stale)
         missing = sorted(set(range(self.world_size)) - set(beats) - {self.rank})
         if silent or missing:
-            parts = [f"rank {r} ({beats[r].get('node')}, pid {beats[r].get('pid')}) not heard from for "
-                     f"{now - float(beats[r]['beat']):.0f} s (its last heartbeat: step {beats[r].get('step')})"
-                     for r in silent]
+            parts = [
+                f"rank {r} ({beats[r].get('node')}, pid {beats[r].get('pid')}) not heard from for "
+                f"{now - float(beats[r]['beat']):.0f} s (its last heartbeat: step {beats[r].get('step')})"
+                for r in silent
+            ]
             parts += [f"rank {r} never heard from" for r in missing]
-            return sorted(silent + missing), "; ".join(parts) + ": its threads do not run (stopped, or stuck in a " \
-                                                                  "call that holds the interpreter)"
+            return sorted(silent + missing), "; ".join(
+                parts
+            ) + ": its threads do not run (stopped, or stuck in a call that holds the interpreter)"
         low = min([b.get("step", 0) for b in beats.values()] + [self.step])
         behind = sorted(r for r, b in beats.items() if b.get("step", 0) == low and low < self.step)
         if behind:
@@ -184,15 +208,20 @@ class Watchdog:
         ranks, why = self.waiting_for()
         limit = self.limit()
         setting = f"train.hang_timeout_s={self.fixed:g}" if self.fixed is not None else f"auto timeout {limit:.0f} s"
-        line = (f"[watchdog] rank {self.rank} ({self.node}, pid {os.getpid()}) hung: no step for {stalled:.0f} s "
-                f"({setting}) after step {self.step}; stuck in {where}; {why}; exiting with code {EXIT_HUNG}")
+        line = (
+            f"[watchdog] rank {self.rank} ({self.node}, pid {os.getpid()}) hung: no step for {stalled:.0f} s "
+            f"({setting}) after step {self.step}; stuck in {where}; {why}; exiting with code {EXIT_HUNG}"
+        )
         self.hung = {"stuck": ranks, "by": self.rank, "step": self.step, "frame": where, "seconds": round(stalled, 1)}
         try:
-            print(f"[watchdog] rank {self.rank}: every thread's stack (the main thread is the training):",
-                  file=out, flush=True)
+            print(
+                f"[watchdog] rank {self.rank}: every thread's stack (the main thread is the training):",
+                file=out,
+                flush=True,
+            )
             faulthandler.dump_traceback(file=out, all_threads=True)
         except (OSError, ValueError, AttributeError):
-            pass                                # an output without a file descriptor: the line still goes out
+            pass  # an output without a file descriptor: the line still goes out
         print(line, file=out, flush=True)
         self.beat()
         for stream in (sys.stdout, sys.stderr):

@@ -9,6 +9,7 @@ the rules across sections are RunConfig.check's, here.
 `model.n_token: auto` takes the data's vocabulary, padded for parallel.tp (train/vocab.py). The trainer writes the
 resolved config (every default filled in) to `<run_dir>/config.yaml`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,22 +33,23 @@ from .vocab import is_auto, resolve_auto
 
 @section("optim")
 class OptimConfig:
-    name: Literal["adam", "adamw"] = "adam"     # adam | adamw (torch optimizers handed to DeepSpeed)
-    lr: Annotated[Float, Field(gt=0)] = 2.5e-4      # the papers' setting
+    name: Literal["adam", "adamw"] = "adam"  # adam | adamw (torch optimizers handed to DeepSpeed)
+    lr: Annotated[Float, Field(gt=0)] = 2.5e-4  # the papers' setting
     # Adam's decay rates of its moments
     betas: Annotated[list[Annotated[Float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = field(
-        default_factory=lambda: [0.9, 0.999])
-    eps: Float = 1e-8               # Adam's epsilon, added to the second moment's root
-    weight_decay: Float = 0.0       # weight decay (adamw: decoupled; adam: L2 in the gradient)
-    fused: Bool = True              # torch's fused Adam kernel (CPU and CUDA; ~3.5x faster than its per-tensor loop)
+        default_factory=lambda: [0.9, 0.999]
+    )
+    eps: Float = 1e-8  # Adam's epsilon, added to the second moment's root
+    weight_decay: Float = 0.0  # weight decay (adamw: decoupled; adam: L2 in the gradient)
+    fused: Bool = True  # torch's fused Adam kernel (CPU and CUDA; ~3.5x faster than its per-tensor loop)
     # global gradient-norm clip (0 disables); DeepSpeed's own default would be 1.0
     clip: Annotated[Float, Field(ge=0)] = 0.25
     # cosine (linear warmup, then cosine to min_lr) | constant (warmup, then flat)
     schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: Annotated[Int, Field(ge=0)] = 0   # steps of linear warmup from 0 to lr
+    warmup_steps: Annotated[Int, Field(ge=0)] = 0  # steps of linear warmup from 0 to lr
     decay_steps: Int | None = None  # length of the cosine, warmup included; None: train.max_steps
-    min_lr: Annotated[Float, Field(ge=0)] = 0.0             # the learning rate the cosine ends at
-    half_loss: Bool = False         # LaMemo's train_ddp optimises mean(nll) / 2
+    min_lr: Annotated[Float, Field(ge=0)] = 0.0  # the learning rate the cosine ends at
+    half_loss: Bool = False  # LaMemo's train_ddp optimises mean(nll) / 2
 
     @model_validator(mode="after")
     def _rules(self) -> OptimConfig:
@@ -61,11 +63,11 @@ class OptimConfig:
 
 @section("precision")
 class PrecisionConfig:
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"   # fp32 | bf16 | fp16 (fp16: dynamic loss scaling)
-    initial_scale_power: Int = 16   # fp16: first loss scale 2**power
-    loss_scale_window: Int = 1000   # fp16: raise the scale after this many steps without overflow
-    hysteresis: Int = 2             # fp16: overflows tolerated before the scale is lowered
-    min_loss_scale: Float = 1.0     # fp16: the loss scale is never lowered below this
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp32 | bf16 | fp16 (fp16: dynamic loss scaling)
+    initial_scale_power: Int = 16  # fp16: first loss scale 2**power
+    loss_scale_window: Int = 1000  # fp16: raise the scale after this many steps without overflow
+    hysteresis: Int = 2  # fp16: overflows tolerated before the scale is lowered
+    min_loss_scale: Float = 1.0  # fp16: the loss scale is never lowered below this
     # Gradient accumulation over micro-batches (bf16/fp16): fp32 | model | auto. DeepSpeed 0.19.8 accumulates in
     # fp32 with ZeRO 2 (both half types) and ZeRO 1 + fp16 in its ZeRO optimizer, with ZeRO 1 + bf16 through its
     # BF16_Optimizer (pipelines included), and not at all without ZeRO. auto: fp32 wherever ZeRO is on, the model
@@ -87,8 +89,9 @@ class SpikeConfig:
     rollback: every rank resumes from the newest checkpoint before the spike and skips `skip_batches` batches of every
     stream from the spike's batch on, recorded in interruptions.jsonl (the run stays replayable), at most
     `max_rollbacks` times per run."""
-    rule: Literal["off", "zscore", "ratio"] = "off"   # off | zscore | ratio
-    window: Annotated[Int, Field(ge=2)] = 50        # applied steps the rule compares a loss with
+
+    rule: Literal["off", "zscore", "ratio"] = "off"  # off | zscore | ratio
+    window: Annotated[Int, Field(ge=2)] = 50  # applied steps the rule compares a loss with
     threshold: Float | None = None  # None: 6 (zscore: standard deviations above the mean) or 2 (ratio to the median)
     action: Literal["stop", "rollback"] = "rollback"  # stop | rollback
     # rollback: batches of every stream skipped from the spike's on (PaLM: 200-500)
@@ -109,9 +112,9 @@ class SpikeConfig:
 class TrainConfig:
     # 0: build the run, save its initial state (checkpoint at step 0) and stop
     max_steps: Annotated[Int, Field(ge=0)] = 1000
-    grad_accum: Annotated[Int, Field(ge=1)] = 1     # micro-batches per step on each rank, each with its own memory
-    seed: Int = 1111                # seed of the weights' initialisation and the dropout masks
-    run_dir: str = "runs/default"   # checkpoints, config.yaml, metrics.jsonl and logs (--run-dir)
+    grad_accum: Annotated[Int, Field(ge=1)] = 1  # micro-batches per step on each rank, each with its own memory
+    seed: Int = 1111  # seed of the weights' initialisation and the dropout masks
+    run_dir: str = "runs/default"  # checkpoints, config.yaml, metrics.jsonl and logs (--run-dir)
     # <run_dir>/LOCK of a trainer on another host counts as dead after this long without a heartbeat (one every
     # 30 s); on the same host a lock is dead when its process is gone
     lock_stale_s: Annotated[Float, Field(ge=60)] = 600.0
@@ -137,7 +140,7 @@ class TrainConfig:
     # train.sbatch). null: auto, 5 x hang_floor_s over a process's first steps (start-up, compilation), then 10 x
     # the slowest step seen, at least hang_floor_s; 0: no watchdog
     hang_timeout_s: Annotated[Float, Field(ge=0)] | None = None
-    hang_floor_s: Annotated[Float, Field(gt=0)] = 120.0     # the least time the watchdog waits (see hang_timeout_s)
+    hang_floor_s: Annotated[Float, Field(gt=0)] = 120.0  # the least time the watchdog waits (see hang_timeout_s)
     # stream: masks from each rank's RNG streams | keyed: every layout drops the same (megamemo/kernels/keyed.py)
     dropout_masks: Literal["stream", "keyed"] = "stream"
     # Replica agreement (megamemo/train/numerics.py): every N applied steps, and before every checkpoint, the
@@ -152,10 +155,10 @@ class TrainConfig:
 @section("checkpoint")
 class CheckpointConfig:
     save_every: Annotated[Int, Field(ge=0)] = 1000  # steps between checkpoints (0: only at the end and on signals)
-    keep_last: Annotated[Int, Field(ge=1)] = 3      # committed checkpoints kept (older ones are deleted)
-    resume: str = "auto"            # auto: newest committed one in run_dir, if any | never | a step directory
-    save_at_end: Bool = True        # a checkpoint at the last step, whatever save_every says
-    probe: Bool = True              # record a small NLL probe with each checkpoint (convert checks itself on it)
+    keep_last: Annotated[Int, Field(ge=1)] = 3  # committed checkpoints kept (older ones are deleted)
+    resume: str = "auto"  # auto: newest committed one in run_dir, if any | never | a step directory
+    save_at_end: Bool = True  # a checkpoint at the last step, whatever save_every says
+    probe: Bool = True  # record a small NLL probe with each checkpoint (convert checks itself on it)
     # copy the state to host memory, then write and commit in a background thread while training goes on (the
     # next save, a stop and the end of training wait for it); false: the step waits for the whole write
     async_save: Bool = True
@@ -167,26 +170,32 @@ class CheckpointConfig:
 
 @section("log")
 class LogConfig:
-    every: Annotated[Int, Field(ge=1)] = 10         # a log line every N steps (metrics.jsonl gets every step)
-    tensorboard: Bool = True        # also write TensorBoard event files under run_dir
+    every: Annotated[Int, Field(ge=1)] = 10  # a log line every N steps (metrics.jsonl gets every step)
+    tensorboard: Bool = True  # also write TensorBoard event files under run_dir
 
 
 @section("eval")
 class EvalConfig:
-    every: Annotated[Int, Field(ge=0)] = 0          # validate every N steps (0: never)
-    split: str = "valid"            # the split validation scores
-    batch_size: Annotated[Int, Field(ge=1)] = 16    # validation's streams, over all data-parallel ranks
+    every: Annotated[Int, Field(ge=0)] = 0  # validate every N steps (0: never)
+    split: str = "valid"  # the split validation scores
+    batch_size: Annotated[Int, Field(ge=1)] = 16  # validation's streams, over all data-parallel ranks
     tgt_len: Annotated[Int, Field(ge=1)] | None = None  # validation's segment length (None: model.tgt_len)
     mem_len: Annotated[Int, Field(ge=0)] | None = None  # validation's memory rows (None: model.mem_len)
-    clamp_len: Int | None = None    # validation's clamp of distances (None: model.clamp_len)
-    same_length: Bool | None = None     # validation's same_length (None: model.same_length)
-    max_segments: Annotated[Int, Field(ge=0)] = 0   # 0: the whole split
+    clamp_len: Int | None = None  # validation's clamp of distances (None: model.clamp_len)
+    same_length: Bool | None = None  # validation's same_length (None: model.same_length)
+    max_segments: Annotated[Int, Field(ge=0)] = 0  # 0: the whole split
 
 
 # the sections besides the model's, in the order a config lists them (docs/reference/config.md follows it)
 SECTIONS = {
-    "data": DataConfig, "optim": OptimConfig, "precision": PrecisionConfig, "parallel": ParallelConfig,
-    "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig, "eval": EvalConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "precision": PrecisionConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -219,8 +228,11 @@ class RunConfig(Run):
 
         model, par, prec, train = self.model, self.parallel, self.precision, self.train
         if model.attention in ("flex", "fused") and model.dropatt > 0:
-            bad("model.attention", f"{model.attention} cannot drop attention weights (model.dropatt={model.dropatt}): "
-                                   f"use auto or eager, or dropatt 0")
+            bad(
+                "model.attention",
+                f"{model.attention} cannot drop attention weights (model.dropatt={model.dropatt}): "
+                f"use auto or eager, or dropatt 0",
+            )
         try:
             tp_supported(model, par.tp)
             pp_supported(model, par.pp)
@@ -229,16 +241,22 @@ class RunConfig(Run):
         if par.pp > 1 and par.zero_stage > 1:
             bad("parallel.zero_stage", "pipeline parallelism works with ZeRO stage 0 or 1 (DeepSpeed)")
         if prec.grad_accum_dtype == "fp32" and prec.dtype != "fp32" and par.zero_stage == 0:
-            bad("precision.grad_accum_dtype", "fp32 accumulation of bf16/fp16 gradients needs ZeRO 1 or 2 in "
-                "DeepSpeed 0.19.8 (parallel.zero_stage=0); use auto or model")
+            bad(
+                "precision.grad_accum_dtype",
+                "fp32 accumulation of bf16/fp16 gradients needs ZeRO 1 or 2 in "
+                "DeepSpeed 0.19.8 (parallel.zero_stage=0); use auto or model",
+            )
         for name, why in reduction_problems(par, prec, train.grad_accum):
             bad(name, why)
         keyed = train.dropout_masks == "keyed"
         if train.activation_checkpointing and par.tp > 1 and model.dropout > 0 and not keyed:
-            bad("train.activation_checkpointing", "with parallel.tp > 1 and model.dropout > 0 needs "
+            bad(
+                "train.activation_checkpointing",
+                "with parallel.tp > 1 and model.dropout > 0 needs "
                 "train.dropout_masks: keyed (recomputation would draw other TP masks from the stream), or "
-                "model.dropout: 0, or tp 1")
-        if keyed and not (0 <= train.seed < 2 ** 32 and model.n_layer <= 1024):
+                "model.dropout: 0, or tp 1",
+            )
+        if keyed and not (0 <= train.seed < 2**32 and model.n_layer <= 1024):
             bad("train.seed", "keyed dropout masks take a seed in [0, 2^32) and model.n_layer <= 1024")
         if self.data.batch_size % train.grad_accum:
             bad("data.batch_size", f"must be divisible by train.grad_accum={train.grad_accum}")
@@ -258,10 +276,12 @@ class RunConfig(Run):
         if self.data.batch_size % per:
             raise ConfigError(
                 f"data.batch_size: {self.data.batch_size} streams do not split over {dp} data-parallel ranks x "
-                f"train.grad_accum={self.train.grad_accum} micro-batches (needs a multiple of {per})")
+                f"train.grad_accum={self.train.grad_accum} micro-batches (needs a multiple of {per})"
+            )
         if self.eval.every and self.eval.batch_size % dp:
-            raise ConfigError(f"eval.batch_size: {self.eval.batch_size} streams do not split over {dp} "
-                              f"data-parallel ranks")
+            raise ConfigError(
+                f"eval.batch_size: {self.eval.batch_size} streams do not split over {dp} data-parallel ranks"
+            )
         return dp, self.data.batch_size // per
 
 
@@ -273,8 +293,9 @@ def from_dict(d: dict, source: str = "config", vocab_fallback: int | None = None
     given = model_d = d.get("model") or {}
     if is_auto(given):
         model_d = resolve_auto(given, kwargs["data"], kwargs["parallel"].tp, vocab_fallback)
-    return RunConfig(model=build_section(ModelConfig, model_d, "model"), n_token_auto=model_d is not given,
-                     **kwargs).validate()
+    return RunConfig(
+        model=build_section(ModelConfig, model_d, "model"), n_token_auto=model_d is not given, **kwargs
+    ).validate()
 
 
 def load(path: str | Path | None, overrides: Sequence[str] = (), vocab_fallback: int | None = None) -> RunConfig:

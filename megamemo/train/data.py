@@ -6,6 +6,7 @@ Each data-parallel rank reads its own B/W contiguous columns with megamemo.data.
 directory or an s3:// gs:// https:// URL) or megamemo.data.blend.BlendReader (data.blend); its state is the data
 cursor saved in every checkpoint.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,13 +26,14 @@ def _remote_manifest(data: DataConfig, splits: list[str], url: str, field: str) 
 
     try:
         remote = RemoteShards(url, data.remote_options())
-        try:                        # one listing: missing or wrong-sized objects named before the model is built
-            remote.check_listing([e for name, sp in remote.manifest["splits"].items() if name in splits
-                                  for e in sp["shards"]])
+        try:  # one listing: missing or wrong-sized objects named before the model is built
+            remote.check_listing(
+                [e for name, sp in remote.manifest["splits"].items() if name in splits for e in sp["shards"]]
+            )
         finally:
             remote.close()
     except ShardError:
-        raise                       # names the object itself
+        raise  # names the object itself
     except ManifestError as e:
         raise DataError(f"{field}: {e}") from None
     return remote.manifest
@@ -75,23 +77,24 @@ def check_data_dir(cfg: RunConfig) -> dict:
     first = None
     for i, (field, d) in enumerate(_sources(data)):
         m = _manifest_of(data, used, field, d)
-        for s in used if i == 0 else [data.split]:      # validation reads the first source
+        for s in used if i == 0 else [data.split]:  # validation reads the first source
             if s not in m["splits"]:
                 raise DataError(f"{field}: {d} has no split {s!r} (has {sorted(m['splits'])})")
         v = int(m["vocab"]["size"])
         if v > cfg.model.vocab_size:
             what = "n_vocab" if cfg.model.n_vocab is not None else "n_token"
-            raise DataError(f"model.{what}: {cfg.model.vocab_size} is smaller than the vocabulary of {d} ({v} "
-                            f"symbols)")
+            raise DataError(f"model.{what}: {cfg.model.vocab_size} is smaller than the vocabulary of {d} ({v} symbols)")
         if first is None:
             first = m
             continue
         a, b = tokenizer_identity(first), tokenizer_identity(m)
         diff = [f"{k} {b[k]!r} vs {a[k]!r}" for k in a if a[k] != b[k]]
         if diff:
-            raise DataError(f"{field}: {d} has another tokenizer than data.blend[0].dir ({', '.join(diff)}); the "
-                            f"sources of a blend must share one")
-    assert first is not None                    # _sources gives data.dir at least
+            raise DataError(
+                f"{field}: {d} has another tokenizer than data.blend[0].dir ({', '.join(diff)}); the "
+                f"sources of a blend must share one"
+            )
+    assert first is not None  # _sources gives data.dir at least
     return first
 
 
@@ -106,8 +109,10 @@ def unused_ids(cfg: RunConfig, manifest: dict | None) -> str | None:
         return None
     what = "n_vocab" if cfg.model.n_vocab is not None else "n_token"
     ids = f"id {v}" if n - v == 1 else f"ids {v}..{n - 1}"
-    return (f"model.{what}: {n} symbols, but the data's vocabulary has {v}: {ids} ({n - v}) never occur and are "
-            f"trained in the softmax unseen (model.n_token: auto sizes the tables to the data)")
+    return (
+        f"model.{what}: {n} symbols, but the data's vocabulary has {v}: {ids} ({n - v}) never occur and are "
+        f"trained in the softmax unseen (model.n_token: auto sizes the tables to the data)"
+    )
 
 
 def unit_for(data: DataConfig) -> str:
@@ -128,28 +133,72 @@ def bytes_per_token(data: DataConfig) -> dict[str, float]:
         m = _manifest(data)
     except DataError:
         return {}
-    return {s: sp["n_bytes"] / sp["n_tokens"] for s, sp in m["splits"].items()
-            if isinstance(sp.get("n_bytes"), int) and sp["n_bytes"] > 0 and sp["n_tokens"] > 0}
+    return {
+        s: sp["n_bytes"] / sp["n_tokens"]
+        for s, sp in m["splits"].items()
+        if isinstance(sp.get("n_bytes"), int) and sp["n_bytes"] > 0 and sp["n_tokens"] > 0
+    }
 
 
-def stream(data: DataConfig, split: str, batch_size: int, tgt_len: int, world_size: int, rank: int, *, roll: bool,
-           epochs: int | None, prefetch: int = 0, block_tokens: int = 1 << 20, mix_every: int = 0):
+def stream(
+    data: DataConfig,
+    split: str,
+    batch_size: int,
+    tgt_len: int,
+    world_size: int,
+    rank: int,
+    *,
+    roll: bool,
+    epochs: int | None,
+    prefetch: int = 0,
+    block_tokens: int = 1 << 20,
+    mix_every: int = 0,
+):
     """The reader of a run's data: a StreamReader of data.dir, or for data.blend (training split) a
     BlendReader. Evaluation of a blend reads the first source's split."""
     from megamemo.data import StreamReader
     from megamemo.data.blend import BlendReader
 
     if data.blend and split == data.split and epochs is None:
-        return BlendReader([(e["dir"], e["weight"]) for e in data.blend], split, batch_size, tgt_len,
-                           world_size, rank, seed=data.seed, mix_every=mix_every,
-                           log=lambda m: print(m, flush=True), remote_options=data.remote_options())
-    return StreamReader(_sources(data)[0][1], split, batch_size, tgt_len, world_size, rank, roll=roll,
-                        seed=data.seed, epochs=epochs, prefetch=prefetch, block_tokens=block_tokens,
-                        remote_options=data.remote_options())
+        return BlendReader(
+            [(e["dir"], e["weight"]) for e in data.blend],
+            split,
+            batch_size,
+            tgt_len,
+            world_size,
+            rank,
+            seed=data.seed,
+            mix_every=mix_every,
+            log=lambda m: print(m, flush=True),
+            remote_options=data.remote_options(),
+        )
+    return StreamReader(
+        _sources(data)[0][1],
+        split,
+        batch_size,
+        tgt_len,
+        world_size,
+        rank,
+        roll=roll,
+        seed=data.seed,
+        epochs=epochs,
+        prefetch=prefetch,
+        block_tokens=block_tokens,
+        remote_options=data.remote_options(),
+    )
 
 
-def open_reader(data: DataConfig, split: str, batch_size: int, tgt_len: int, dp: int, dp_rank: int, *, train: bool,
-                mix_every: int = 0):
+def open_reader(
+    data: DataConfig,
+    split: str,
+    batch_size: int,
+    tgt_len: int,
+    dp: int,
+    dp_rank: int,
+    *,
+    train: bool,
+    mix_every: int = 0,
+):
     """This data-parallel rank's reader of the training split (train) or the validation split; mix_every: how often
     a blend reports its token mix (steps; 0: never)."""
     from megamemo.data.blend import BlendError
@@ -158,9 +207,19 @@ def open_reader(data: DataConfig, split: str, batch_size: int, tgt_len: int, dp:
         where = "data.batch_size" if train else "eval.batch_size"
         raise DataError(f"{where}: {batch_size} streams do not split over {dp} data-parallel ranks")
     try:
-        return stream(data, split, batch_size, tgt_len, dp, dp_rank, roll=data.roll and train,
-                      epochs=None if train else 1, prefetch=data.prefetch if train else 0, mix_every=mix_every)
+        return stream(
+            data,
+            split,
+            batch_size,
+            tgt_len,
+            dp,
+            dp_rank,
+            roll=data.roll and train,
+            epochs=None if train else 1,
+            prefetch=data.prefetch if train else 0,
+            mix_every=mix_every,
+        )
     except BlendError as e:
         raise DataError(f"data.blend: {e}") from None
-    except ValueError as e:         # e.g. a split too short for the batch
+    except ValueError as e:  # e.g. a split too short for the batch
         raise DataError(f"{'data' if train else 'eval'}.batch_size: {e}") from None

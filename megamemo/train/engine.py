@@ -7,6 +7,7 @@ DeepSpeed facts this relies on (0.19.8, see shared/notes/stack-on-cpu.md):
   - a torch optimizer plus `zero_allow_untested_optimizer` avoids the fused-Adam JIT build;
   - the LR scheduler is stepped by DeepSpeed only on applied (non-overflow) steps.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,13 @@ def schedule(cfg: RunConfig):
     """The LambdaLR multiplier for cfg. A functools.partial: LambdaLR saves the __dict__ of callable objects in
     its state (so a resumed run would keep the old schedule); a partial's arguments stay out of it, and the
     schedule always follows the config (e.g. a larger train.max_steps on resume)."""
-    return functools.partial(lr_factor, warmup=cfg.optim.warmup_steps, total=cfg.decay_steps,
-                             schedule=cfg.optim.schedule, min_ratio=cfg.optim.min_lr / cfg.optim.lr)
+    return functools.partial(
+        lr_factor,
+        warmup=cfg.optim.warmup_steps,
+        total=cfg.decay_steps,
+        schedule=cfg.optim.schedule,
+        min_ratio=cfg.optim.min_lr / cfg.optim.lr,
+    )
 
 
 def grad_accum_dtype(cfg: RunConfig) -> str | None:
@@ -50,7 +56,8 @@ def grad_accum_dtype(cfg: RunConfig) -> str | None:
     other half-precision ZeRO 1/2 case is its ZeRO optimizer, which accumulates in an fp32 `grad_accum`
     (zero/stage_1_and_2.py, gradient_accumulation_dtype). Without ZeRO it has none (NotImplementedError), so
     auto gives fp32 wherever ZeRO is on, with or without a pipeline, and the model dtype on ZeRO 0 (no shipped
-    config is half precision on ZeRO 0; tests/train/test_grad_accum.py checks them all) - but bf16 on ZeRO 1 at grad_accum
+    config is half precision on ZeRO 0; tests/train/test_grad_accum.py checks them all) - but bf16 on ZeRO 1 at
+    grad_accum
     1 without a pipeline, which has nothing to accumulate and takes the model dtype so that DeepSpeed runs its ZeRO
     optimizer, whose reduction can overlap the backward (parallel/zero.py fp32_accumulation)."""
     return "fp32" if fp32_accumulation(cfg.parallel, cfg.precision, cfg.train.grad_accum) else None
@@ -81,9 +88,14 @@ def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         "bf16": {"enabled": p.dtype == "bf16"},
-        "fp16": {"enabled": p.dtype == "fp16", "loss_scale": 0, "initial_scale_power": p.initial_scale_power,
-                 "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis,
-                 "min_loss_scale": p.min_loss_scale},
+        "fp16": {
+            "enabled": p.dtype == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": p.initial_scale_power,
+            "loss_scale_window": p.loss_scale_window,
+            "hysteresis": p.hysteresis,
+            "min_loss_scale": p.min_loss_scale,
+        },
     }
     accum = grad_accum_dtype(cfg)
     if accum is not None:
@@ -94,8 +106,14 @@ def ds_config(cfg: RunConfig, micro_batch: int, dp: int) -> dict:
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     o = cfg.optim
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(model.parameters(), lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
-               fused=o.fused or None)
+    return cls(
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.betas[0], o.betas[1]),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=o.fused or None,
+    )
 
 
 # bf16 products run on tensor cores from compute capability 8.0 (A100) on. torch.cuda.is_bf16_supported() (and so
@@ -109,19 +127,24 @@ def check_precision(dtype: str) -> tuple[int, int] | None:
     (compute capability 8.0 or newer); say so before starting. -> the compute capability bf16 was checked against
     (None where no capability applies)."""
     from deepspeed.accelerator import get_accelerator  # deepspeed: only after device.resolve() (see Engine)
+
     acc = get_accelerator()
     if dtype == "fp16" and not acc.is_fp16_supported():
-        raise ConfigError(f"precision.dtype: fp16 is not supported by DeepSpeed on this {acc.device_name()} "
-                          f"device (use bf16 or fp32)")
+        raise ConfigError(
+            f"precision.dtype: fp16 is not supported by DeepSpeed on this {acc.device_name()} device (use bf16 or fp32)"
+        )
     if dtype == "bf16" and not acc.is_bf16_supported():
-        raise ConfigError(f"precision.dtype: bf16 is not supported by DeepSpeed on this {acc.device_name()} "
-                          f"device (use fp16 or fp32)")
+        raise ConfigError(
+            f"precision.dtype: bf16 is not supported by DeepSpeed on this {acc.device_name()} device (use fp16 or fp32)"
+        )
     if dtype == "bf16" and acc.device_name() == "cuda":
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < BF16_MIN_CAPABILITY:
-            raise ConfigError(f"precision.dtype: bf16 needs a GPU of compute capability 8.0 or newer; this "
-                              f"{torch.cuda.get_device_name()} is {major}.{minor} and would emulate it without "
-                              f"tensor cores, several times slower: use the fp16 preset ({FP16_PRESET})")
+            raise ConfigError(
+                f"precision.dtype: bf16 needs a GPU of compute capability 8.0 or newer; this "
+                f"{torch.cuda.get_device_name()} is {major}.{minor} and would emulate it without "
+                f"tensor cores, several times slower: use the fp16 preset ({FP16_PRESET})"
+            )
         return major, minor
     return None
 
@@ -131,6 +154,7 @@ class StepOutcome:
     """What one optimizer step did: applied (False: skipped on an fp16 overflow), the gradient norm (nan where
     DeepSpeed reports none), the loss scale after it, the LR it used; loss: a pipeline step's mean loss over its
     micro-batches (None for a micro-step: the loop sums the micro-batches' own)."""
+
     applied: bool
     grad_norm: float
     loss_scale: float
@@ -144,13 +168,15 @@ class Engine:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, micro_batch: int, dp: int, mpu=None):
         """mpu: the model-parallel groups for DeepSpeed (tensor parallelism); a PipelineModule brings its own."""
         import deepspeed  # picks its accelerator when imported: only after runtime/device.resolve() chose it
+
         self.cfg = cfg
         check_precision(cfg.precision.dtype)
         opt = make_optimizer(cfg, model)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
         self.ds_config = ds_config(cfg, micro_batch, dp)
-        self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                                config=self.ds_config, mpu=mpu)
+        self.ds, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=self.ds_config, mpu=mpu
+        )
         self.device = self.ds.device
         self._manual_norm = cfg.parallel.zero_stage == 0 and cfg.precision.dtype == "fp32"
 
@@ -173,7 +199,7 @@ class Engine:
             return None
         lr = self.lr()
         grad_norm = None
-        if self._manual_norm:           # DeepSpeed does not report the norm without ZeRO / mixed precision
+        if self._manual_norm:  # DeepSpeed does not report the norm without ZeRO / mixed precision
             grad_norm = tp_grad_norm(self.ds.module.parameters())
         skipped_before = self.ds.skipped_steps
         self.ds.step()

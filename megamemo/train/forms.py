@@ -20,6 +20,7 @@ gives the choice, the timings and the skipped forms.
 
 On the CPU `auto` is eager (flex has no CPU backward; fused runs there only in Triton's interpreter, for tests).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ from megamemo.kernels.form_check import Form, check_form
 from megamemo.kernels.fused import FusedUnavailable, check_device
 from megamemo.train.config import RunConfig
 
-TIME_REPS = 5           # forward + backward repetitions a candidate is timed over, after the check's warm-up
+TIME_REPS = 5  # forward + backward repetitions a candidate is timed over, after the check's warm-up
 
 
 def _compile_options(cfg: RunConfig, device, log) -> tuple[bool, ...]:
@@ -91,7 +92,7 @@ def _all_ranks(values: list[float], device) -> list[float]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
-    on = device if torch.device(device).type == "cuda" and torch.cuda.is_available() else "cpu"   # NCCL: CUDA
+    on = device if torch.device(device).type == "cuda" and torch.cuda.is_available() else "cpu"  # NCCL: CUDA
     t = torch.tensor(values, dtype=torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -112,12 +113,19 @@ def _time_forms(cfg: RunConfig, model, device, micro: int, forms: list[Form]) ->
     """(each form's seconds of one layer's forward + backward on this rank, inf where it failed; the failures'
     lines)."""
     layers = decoder_layers(model)
-    if not layers:                                  # a stage without decoder layers: nothing to say here
+    if not layers:  # a stage without decoder layers: nothing to say here
         return [0.0] * len(forms), []
     seconds, failed = [], []
     for form in forms:
-        ok, line, t = check_form(layers[0], cfg.model, *_sizes(cfg, micro), form, backend=cfg.train.compile_backend,
-                                 time_reps=TIME_REPS, regions=cfg.parallel.tp > 1)
+        ok, line, t = check_form(
+            layers[0],
+            cfg.model,
+            *_sizes(cfg, micro),
+            form,
+            backend=cfg.train.compile_backend,
+            time_reps=TIME_REPS,
+            regions=cfg.parallel.tp > 1,
+        )
         seconds.append(t if ok and t is not None else float("inf"))
         if not ok:
             failed.append(line)
@@ -137,12 +145,17 @@ def choose_auto(cfg: RunConfig, model, device, micro: int, log) -> Form:
     forms, skipped = candidates(cfg, device, log)
     seconds, failed = _time_forms(cfg, model, device, micro, forms)
     seconds = _all_ranks(seconds, device)
-    failed += [f"{f}: failed on another rank" for f, s in zip(forms, seconds, strict=True)
-               if s == float("inf") and not any(line.startswith(str(f) + " ") for line in failed)]
+    failed += [
+        f"{f}: failed on another rank"
+        for f, s in zip(forms, seconds, strict=True)
+        if s == float("inf") and not any(line.startswith(str(f) + " ") for line in failed)
+    ]
     chosen = pick(forms, seconds)
     B, L, M = _sizes(cfg, micro)
-    log(f"[train] attention: {chosen.attention}, {'compiled' if chosen.compiled else 'eager'} layers (one layer's "
-        f"forward + backward at B={B} L={L} M={M}: {_timing_line(forms, seconds, skipped, failed)})")
+    log(
+        f"[train] attention: {chosen.attention}, {'compiled' if chosen.compiled else 'eager'} layers (one layer's "
+        f"forward + backward at B={B} L={L} M={M}: {_timing_line(forms, seconds, skipped, failed)})"
+    )
     apply_attention(model, chosen.attention)
     return chosen
 
@@ -164,9 +177,10 @@ def _checked_explicit(cfg: RunConfig, model, device, micro: int, form: str) -> N
     if layers:
         ok, line, _ = check_form(layers[0], cfg.model, *_sizes(cfg, micro), Form(form))
     if _all_ranks([0.0 if ok else 1.0], device)[0] > 0:
-        if ok:          # rank 0 says the error, and its own check may have passed
-            raise ConfigError(f"model.attention: {form} does not match eager on another rank (this rank's check: "
-                              f"{line})")
+        if ok:  # rank 0 says the error, and its own check may have passed
+            raise ConfigError(
+                f"model.attention: {form} does not match eager on another rank (this rank's check: {line})"
+            )
         raise ConfigError(f"model.attention: {form} does not match eager here: {line}")
 
 
@@ -179,8 +193,10 @@ def choose_form(cfg: RunConfig, model, device, micro: int, log) -> Form:
         apply_attention(model, "eager")
         return Form("eager", _compile_options(cfg, device, log)[-1])
     if choice == "auto" and m.dropatt > 0:
-        log(f"[train] attention: eager (model.dropatt={m.dropatt}: the fused and flex kernels cannot drop "
-            f"attention weights)")
+        log(
+            f"[train] attention: eager (model.dropatt={m.dropatt}: the fused and flex kernels cannot drop "
+            f"attention weights)"
+        )
         apply_attention(model, "eager")
         return Form("eager", _compile_options(cfg, device, log)[-1])
     if choice == "auto":

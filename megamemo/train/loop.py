@@ -11,6 +11,7 @@ One step on one rank:
     skipped  -> nothing moves: the same batch is retried with the lowered loss scale, from the same memory
 The loss reported for a step is the mean NLL over the global batch (all ranks, all micro-batches).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,9 +48,16 @@ def seed_streams(cfg, ranks: RankLayout, device, step_salt: int = 0) -> tuple[in
     another layout: the step): the default streams from (seed, dp, pp, salt), shared by the TP ranks of a group,
     and under model parallelism a TP stream from (seed, dp, pp, tp, salt) (parallel.groups.dropout_seeds).
     ranks: this rank's layout (its dp_rank, tp_rank, pp_rank). Returns the two seeds."""
-    return seed_rng_streams(cfg.train.seed, ranks.dp_rank, ranks.tp_rank, ranks.pp_rank, step_salt=step_salt,
-                            tp_stream=cfg.parallel.tp * cfg.parallel.pp > 1,
-                            cuda=getattr(device, "type", str(device)) == "cuda")
+    return seed_rng_streams(
+        cfg.train.seed,
+        ranks.dp_rank,
+        ranks.tp_rank,
+        ranks.pp_rank,
+        step_salt=step_salt,
+        tp_stream=cfg.parallel.tp * cfg.parallel.pp > 1,
+        cuda=getattr(device, "type", str(device)) == "cuda",
+    )
+
 
 class DivergedError(RuntimeError):
     pass
@@ -57,6 +65,7 @@ class DivergedError(RuntimeError):
 
 class SpikeStop(DivergedError):
     """A loss spike that stops the run (train.spike): every rank sees the same loss and says the same line."""
+
     same_on_every_rank = True
 
 
@@ -88,14 +97,16 @@ class StepSignals:
     alike: the step's summed token NLL (nats) and its tokens (the TP/PP ranks of a data-parallel group count the same
     streams: the ratio is unchanged), whether a stop signal reached some rank, whether a background save failed on
     some rank."""
+
     loss_sum: float
     tokens: float
     stop: bool
     save_failed: bool
 
     @classmethod
-    def all_reduced(cls, loss_sum: torch.Tensor, tokens: int, stop: bool, save_failed: bool,
-                    world_size: int) -> StepSignals:
+    def all_reduced(
+        cls, loss_sum: torch.Tensor, tokens: int, stop: bool, save_failed: bool, world_size: int
+    ) -> StepSignals:
         """loss_sum: float64 on the device. The three host values cross in one copy (from pinned memory on a GPU: no
         host sync; the only one of the step is the .tolist() here)."""
         host = torch.tensor([float(tokens), float(stop), float(save_failed)], dtype=torch.float64)
@@ -109,11 +120,25 @@ class StepSignals:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, engine, reader, *, rank: int, world_size: int, micro_batch: int,
-                 metrics: Metrics, store: CheckpointStore | None = None, evaluator=None,
-                 stop: StopRequest | None = None, layout: RankLayout | None = None, stage=None,
-                 speed: SpeedChoices | None = None, rundir: RunDirectory | None = None,
-                 watchdog: Watchdog | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine,
+        reader,
+        *,
+        rank: int,
+        world_size: int,
+        micro_batch: int,
+        metrics: Metrics,
+        store: CheckpointStore | None = None,
+        evaluator=None,
+        stop: StopRequest | None = None,
+        layout: RankLayout | None = None,
+        stage=None,
+        speed: SpeedChoices | None = None,
+        rundir: RunDirectory | None = None,
+        watchdog: Watchdog | None = None,
+    ):
         """layout: this rank's (default: one process's); speed: what apply_speedups chose (its dropout key: keyed
         masks); rundir: the run directory's lock holder (released by runtime/rundir.py tear_down); watchdog: this
         rank's hang detection (runtime/watchdog.py); stage: the pipeline stage (parallel/pipeline.py), or None."""
@@ -131,10 +156,10 @@ class Trainer:
         self.layout = layout or RankLayout.single(micro_batch, cfg.train.grad_accum)
         self.speed = speed
         self.loss_factor = 0.5 if cfg.optim.half_loss else 1.0
-        self.stage = stage          # pipeline parallel: the memory lives in this stage's bank, per micro-batch
+        self.stage = stage  # pipeline parallel: the memory lives in this stage's bank, per micro-batch
         self.dropout_key = speed.dropout_key if speed is not None else None  # keyed masks: their step, micro-batch
         self.memory = MicroBatchMemories(self.n_micro, micro_batch, engine.device) if stage is None else stage.bank
-        self.model_parallel = cfg.parallel.tp * cfg.parallel.pp   # ranks that hold the same streams
+        self.model_parallel = cfg.parallel.tp * cfg.parallel.pp  # ranks that hold the same streams
         self.cursor = DataCursor(reader, log=print if rank == 0 else (lambda *a, **k: None))
         self.counters = Counters(step=0, skipped=0, tokens=0, spike_window=[])
         self.registry = StateRegistry()
@@ -145,22 +170,22 @@ class Trainer:
         self.registry.register("data", self.cursor)
         self.registry.register("rng", RNGState(), scope="rank")
         self.registry.register("counters", self.counters)
-        self._held: tuple[torch.Tensor, torch.Tensor] | None = None    # a skipped step's batch: retried next
-        self.started = False        # a step was applied in this process (errors are then this rank's own)
+        self._held: tuple[torch.Tensor, torch.Tensor] | None = None  # a skipped step's batch: retried next
+        self.started = False  # a step was applied in this process (errors are then this rank's own)
         self.rundir = rundir
         self.watchdog = watchdog
-        self.faults = FaultPoints(rank)     # injected crashes: tests and bench/soak.py only (checkpoint/faults.py)
+        self.faults = FaultPoints(rank)  # injected crashes: tests and bench/soak.py only (checkpoint/faults.py)
         self._consecutive_skips = 0
         self._scale_before = engine.loss_scale()
         # numerics (train/numerics.py, train/rollback.py): the replicas' agreement, loss spikes and their rollbacks
         self.replicas = ReplicaCheck(engine, self.layout, rank, world_size)
-        self._agreed: dict | None = None        # the last check's record, kept by the checkpoint of its step
+        self._agreed: dict | None = None  # the last check's record, kept by the checkpoint of its step
         self.spikes = SpikeWatch(cfg.train.spike, self.counters)
         run_dir = Path(cfg.train.run_dir)
         self.skips, self.rollbacks = skip_plan(run_dir), len(spike_records(run_dir))
-        self._position: dict = {}               # the data position of the step in progress (before any skip)
-        self._taken = 0                         # the number of the batch it takes (faults.batch)
-        self.probe = None               # the conversion probe recorded with each checkpoint (checkpoint.probe)
+        self._position: dict = {}  # the data position of the step in progress (before any skip)
+        self._taken = 0  # the number of the batch it takes (faults.batch)
+        self.probe = None  # the conversion probe recorded with each checkpoint (checkpoint.probe)
         if cfg.checkpoint.probe:
             self.probe = Probe(cfg.data, cfg.model.tgt_len, micro_batch, self.layout, cfg.precision.dtype)
 
@@ -223,28 +248,44 @@ class Trainer:
         self.faults.corrupt("weights", step, self.engine.module)
         self.faults.at("step")
         signals = StepSignals.all_reduced(
-            loss_sum, tgt.numel(), stop=self.stop is not None and self.stop.requested,
-            save_failed=self.store is not None and self.store.failed(), world_size=self.world_size)
-        if signals.save_failed:             # a background save failed: every rank raises its SaveFailed here
-            assert self.store is not None       # saves are on (on every rank): one failed
+            loss_sum,
+            tgt.numel(),
+            stop=self.stop is not None and self.stop.requested,
+            save_failed=self.store is not None and self.store.failed(),
+            world_size=self.world_size,
+        )
+        if signals.save_failed:  # a background save failed: every rank raises its SaveFailed here
+            assert self.store is not None  # saves are on (on every rank): one failed
             self.store.wait(timeout_s=self.cfg.checkpoint.commit_timeout_s)
-        loss, tokens, stop = (signals.loss_sum / signals.tokens, int(signals.tokens) // self.model_parallel,
-                              signals.stop)
+        loss, tokens, stop = (
+            signals.loss_sum / signals.tokens,
+            int(signals.tokens) // self.model_parallel,
+            signals.stop,
+        )
         if self.stage is not None:
             self.stage.bank.commit() if res.applied else self.stage.bank.discard()
         if res.applied:
             if self.stage is None:
-                self.memory.mems = new_mems                  # memory becomes current only now
-            self.cursor.advance()                            # and the data cursor moves past the batch
+                self.memory.mems = new_mems  # memory becomes current only now
+            self.cursor.advance()  # and the data cursor moves past the batch
             self._held = None
             self._consecutive_skips = 0
             self.counters.step += 1
             self.counters.tokens += tokens
             self.started = True
             seconds = time.perf_counter() - t0
-            self.metrics.train_step({"step": self.counters.step, "loss": loss, "lr": res.lr,
-                                     "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
-                                     "skipped": self.counters.skipped, "tokens": tokens, "seconds": seconds})
+            self.metrics.train_step(
+                {
+                    "step": self.counters.step,
+                    "loss": loss,
+                    "lr": res.lr,
+                    "grad_norm": res.grad_norm,
+                    "loss_scale": res.loss_scale,
+                    "skipped": self.counters.skipped,
+                    "tokens": tokens,
+                    "seconds": seconds,
+                }
+            )
             if self.watchdog is not None:
                 self.watchdog.step_done(self.counters.step, seconds)
         else:
@@ -253,13 +294,21 @@ class Trainer:
                 self.watchdog.attempted()
             self._consecutive_skips += 1
             self.counters.skipped += 1
-            self.metrics.skipped({"step": self.counters.step + 1, "loss": loss, "old_scale": self._scale_before,
-                                  "loss_scale": res.loss_scale, "skipped": self.counters.skipped})
+            self.metrics.skipped(
+                {
+                    "step": self.counters.step + 1,
+                    "loss": loss,
+                    "old_scale": self._scale_before,
+                    "loss_scale": res.loss_scale,
+                    "skipped": self.counters.skipped,
+                }
+            )
             if self._consecutive_skips >= self.cfg.precision.max_consecutive_skips:
                 raise DivergedError(
                     f"step {self.counters.step + 1}: {self._consecutive_skips} consecutive overflowing attempts "
                     f"(loss {loss:.4g}, loss scale {res.loss_scale:g}); the run diverged "
-                    f"(precision.max_consecutive_skips={self.cfg.precision.max_consecutive_skips})")
+                    f"(precision.max_consecutive_skips={self.cfg.precision.max_consecutive_skips})"
+                )
         self._scale_before = res.loss_scale
         return StepResult(res.applied, loss, stop)
 
@@ -277,12 +326,13 @@ class Trainer:
             self.engine.backward(nll.mean() * self.loss_factor)
             if k == self.n_micro - 1:
                 self.faults.corrupt("grad", self.counters.step + 1, self.engine.module)
-            res = self.engine.micro_step()              # the optimizer steps after the last micro-batch only
+            res = self.engine.micro_step()  # the optimizer steps after the last micro-batch only
             loss_sum += nll.detach().sum(dtype=torch.float64)
             new_mems.append(mem)
         if res is None:
-            raise RuntimeError("DeepSpeed did not reach a gradient-accumulation boundary after "
-                               f"{self.n_micro} micro-batches")
+            raise RuntimeError(
+                f"DeepSpeed did not reach a gradient-accumulation boundary after {self.n_micro} micro-batches"
+            )
         return loss_sum, res, new_mems
 
     def _pipeline_step(self, inp, tgt, new_epoch):
@@ -292,10 +342,12 @@ class Trainer:
             raise RuntimeError("optim.half_loss is not supported with pipeline parallelism")
         if new_epoch:
             self.stage.bank.replace({})
-        if self.dropout_key is not None:                # each pipe layer sets the micro-batch it computes
+        if self.dropout_key is not None:  # each pipe layer sets the micro-batch it computes
             self.dropout_key.set(step=self.counters.step)
         b = self.micro_batch
-        batches = [(stage_input(inp[:, k * b:(k + 1) * b], k), tgt[:, k * b:(k + 1) * b]) for k in range(self.n_micro)]
+        batches = [
+            (stage_input(inp[:, k * b : (k + 1) * b], k), tgt[:, k * b : (k + 1) * b]) for k in range(self.n_micro)
+        ]
         res = self.engine.pipeline_step(iter(batches))
         loss_sum = torch.tensor(res.loss * tgt.numel(), dtype=torch.float64, device=inp.device)
         return loss_sum, res
@@ -304,11 +356,16 @@ class Trainer:
     def save(self) -> Path | None:
         if self.store is None:
             return None
-        agreed = self.check_replicas()          # a checkpoint is written only once its replicas agree
+        agreed = self.check_replicas()  # a checkpoint is written only once its replicas agree
         files: dict | Callable[[], dict] = {}
-        if self.probe is not None:      # collective: every rank runs its first streams (train/probe_record.py),
-            files = lambda: _eagerly(self.probe.record, self.engine, self.stage, self.memory,   # noqa: E731
-                                     self.cursor.state, self.counters.step)   # after the snapshot, as files are written
+        if self.probe is not None:  # collective: every rank runs its first streams (train/probe_record.py),
+            probe = self.probe  # after the snapshot, as files are written
+
+            def files() -> dict:
+                return _eagerly(
+                    probe.record, self.engine, self.stage, self.memory, self.cursor.state, self.counters.step
+                )
+
         return self.store.save(self.counters.step, self.registry, layout=self.layout, replicas=agreed, files=files)
 
     def check_replicas(self) -> dict:
@@ -327,7 +384,7 @@ class Trainer:
     def resume(self, step_dir: Path) -> None:
         """Restore everything from a committed checkpoint of any layout (resharding on load). The RNG streams of
         this process are restored when the layout is unchanged, else re-seeded from (seed, ranks, step)."""
-        assert self.store is not None           # a run that resumes has a checkpoint store
+        assert self.store is not None  # a run that resumes has a checkpoint store
         saved = self.store.check_compatible(step_dir)
         t0 = time.perf_counter()
         self.store.load(step_dir, self.registry)
@@ -336,8 +393,10 @@ class Trainer:
             self._reseed(saved.step)
         self._scale_before = self.engine.loss_scale()
         if self.rank == 0:
-            print(f"[checkpoint] resumed from {step_dir} at step {self.counters.step} (loaded in {load_s:.2f}s)",
-                  flush=True)
+            print(
+                f"[checkpoint] resumed from {step_dir} at step {self.counters.step} (loaded in {load_s:.2f}s)",
+                flush=True,
+            )
 
     def _reseed(self, step: int) -> tuple[int, int]:
         """A resume under another layout: this rank's streams from (seed, its ranks, the step), as a fresh start."""
@@ -391,7 +450,7 @@ class Trainer:
             if wd is not None:
                 wd.stop()
             if self.probe is not None:
-                self.probe.close()      # its reader, kept from save to save
+                self.probe.close()  # its reader, kept from save to save
 
     def _on_spike(self, step: int, loss: float, why: str) -> None:
         """A loss spike at `step` (every rank alike): stop, or roll back past its data (train/rollback.py)."""
@@ -399,7 +458,7 @@ class Trainer:
 
     def _finish_saves(self) -> None:
         if self.store is not None:
-            self.store.finish()         # an asynchronous save in flight is written and committed first
+            self.store.finish()  # an asynchronous save in flight is written and committed first
 
 
 def _eagerly(fn, *args):

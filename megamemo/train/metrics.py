@@ -24,6 +24,7 @@ The log line prints the executed FLOP/s, HFU and MFU. Records written before bot
 model_flops_per_s and mfu instead, which were the executed figures (today's hfu_flops_per_s and hfu): a record
 with an "mfu" and no "hfu" is such a one. Nothing in megamemo reads these keys back (`megamemo plot` draws losses).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,9 +49,9 @@ def trim_jsonl(path: Path, last_step: int) -> list[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            continue                                  # a line cut by a crash
+            continue  # a line cut by a crash
         if rec.get("step", 0) <= last_step and not (rec.get("kind") == "resume" and rec["step"] == last_step):
-            keep.append(line)                         # (a resume at last_step is written again by the new run)
+            keep.append(line)  # (a resume at last_step is written again by the new run)
         else:
             dropped.append(rec)
     write_text_atomic(path, "".join(k + "\n" for k in keep), durable=False)
@@ -68,23 +69,37 @@ def rolled_back_steps(run_dir: Path, spike_step: int) -> dict[int, dict]:
         except ValueError:
             continue
         if rec.get("kind") == "train" and (rec.get("rolled_back") or {}).get("spike") == spike_step:
-            if out and rec["step"] <= max(out):       # a later rollback of the same spike: its attempt replaces
+            if out and rec["step"] <= max(out):  # a later rollback of the same spike: its attempt replaces
                 out = {s: r for s, r in out.items() if s < rec["step"]}
             out[int(rec["step"])] = rec
     return out
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, enabled: bool, every: int, unit: str, tensorboard: bool,
-                 start_step: int, config_yaml: str | None = None, *, flops_per_token: float | None = None,
-                 model_flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1, bytes_per_token: dict | None = None,
-                 splits: tuple[str, str] = ("train", "valid"), start: dict | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        every: int,
+        unit: str,
+        tensorboard: bool,
+        start_step: int,
+        config_yaml: str | None = None,
+        *,
+        flops_per_token: float | None = None,
+        model_flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        world_size: int = 1,
+        bytes_per_token: dict | None = None,
+        splits: tuple[str, str] = ("train", "valid"),
+        start: dict | None = None,
+    ):
         self.enabled = enabled
         self.every = every
-        self.unit = unit                 # "bpc" or "ppl": what the log line shows
+        self.unit = unit  # "bpc" or "ppl": what the log line shows
         self.flops_per_token = flops_per_token  # executed training FLOPs per token (None: no FLOP/s, HFU or MFU)
-        self.model_flops_per_token = model_flops_per_token   # PaLM's model FLOPs per token (None: no MFU)
-        self.peak_flops = peak_flops            # per device, FLOP/s (None: HFU and MFU n/a)
+        self.model_flops_per_token = model_flops_per_token  # PaLM's model FLOPs per token (None: no MFU)
+        self.peak_flops = peak_flops  # per device, FLOP/s (None: HFU and MFU n/a)
         self.world_size = world_size
         # subword corpora: per split UTF-8 bytes per token, for bits per byte (training split, then eval split)
         self.bytes_per_token = bytes_per_token or {}
@@ -93,7 +108,7 @@ class Metrics:
         self.path = self.run_dir / "metrics.jsonl"
         self.start_step, self.tensorboard, self.config_yaml = start_step, tensorboard, config_yaml
         self._file: TextIO | None = None
-        self._tb: Any = None                   # a SummaryWriter when TensorBoard logs
+        self._tb: Any = None  # a SummaryWriter when TensorBoard logs
         self._window_tokens = 0
         self._window_t0 = time.perf_counter()
         # this start, for goodput (runtime/goodput.py): {time: the process's start, step, world_size, restart}; its
@@ -113,9 +128,9 @@ class Metrics:
         if self.start_step > 0:
             trim_jsonl(self.path, self.start_step)
         elif self.start is not None and self.start.get("restart", 0) > 0:
-            trim_jsonl(self.path, 0)        # a restart before the first commit: the earlier starts stay (goodput)
+            trim_jsonl(self.path, 0)  # a restart before the first commit: the earlier starts stay (goodput)
         else:
-            for stale in (self.path, self.run_dir / ROLLED_BACK):     # a fresh run
+            for stale in (self.path, self.run_dir / ROLLED_BACK):  # a fresh run
                 stale.unlink(missing_ok=True)
         self._file = open(self.path, "a", buffering=1)
         if self.start_step > 0:
@@ -125,6 +140,7 @@ class Metrics:
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
+
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=self.start_step + 1)
             except ImportError as e:  # tensorboard missing: keep training, say so once
                 print(f"[metrics] TensorBoard disabled: {e}", flush=True)
@@ -182,23 +198,42 @@ class Metrics:
             if "hfu_flops_per_s" in rec:
                 speed = f" | {format_flops(rec['hfu_flops_per_s'])}/s" + "".join(
                     f" | {name.upper()} {'n/a' if rec[name] is None else format(rec[name], '.1%')}"
-                    for name in ("hfu", "mfu") if name in rec)
-            print(f"step {rec['step']:>7} | lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | "
-                  f"{self.unit} {rec[self.unit]:.4f}{self._bpb_text(rec)} | tok/s {rec['tokens_per_s']:,.0f}{speed} | "
-                  f"grad norm {rec['grad_norm']:.3f}{scale} | skipped {rec['skipped']}", flush=True)
+                    for name in ("hfu", "mfu")
+                    if name in rec
+                )
+            print(
+                f"step {rec['step']:>7} | lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | "
+                f"{self.unit} {rec[self.unit]:.4f}{self._bpb_text(rec)} | tok/s {rec['tokens_per_s']:,.0f}{speed} | "
+                f"grad norm {rec['grad_norm']:.3f}{scale} | skipped {rec['skipped']}",
+                flush=True,
+            )
         self._write(rec)
         if self._tb is not None:
             s = rec["step"]
-            for k in ("loss", "lr", "grad_norm", "loss_scale", self.unit, "bits_per_byte", "tokens_per_s",
-                      "hfu_flops_per_s", "hfu", "mfu_flops_per_s", "mfu"):
+            for k in (
+                "loss",
+                "lr",
+                "grad_norm",
+                "loss_scale",
+                self.unit,
+                "bits_per_byte",
+                "tokens_per_s",
+                "hfu_flops_per_s",
+                "hfu",
+                "mfu_flops_per_s",
+                "mfu",
+            ):
                 if k in rec and rec[k] is not None and math.isfinite(rec[k]):
                     self._tb.add_scalar(f"train/{k}", rec[k], s)
 
     def skipped(self, rec: dict) -> None:
         if not self.enabled:
             return
-        print(f"step {rec['step']:>7} | overflow: step skipped and retried, loss scale "
-              f"{rec['old_scale']:.0f} -> {rec['loss_scale']:.0f} | skipped {rec['skipped']}", flush=True)
+        print(
+            f"step {rec['step']:>7} | overflow: step skipped and retried, loss scale "
+            f"{rec['old_scale']:.0f} -> {rec['loss_scale']:.0f} | skipped {rec['skipped']}",
+            flush=True,
+        )
         self._write({"kind": "skip", **rec})
         if self._tb is not None:
             self._tb.add_scalar("train/skipped", rec["skipped"], rec["step"])
@@ -207,9 +242,12 @@ class Metrics:
         if not self.enabled:
             return
         rec = {"kind": "eval", **rec, **self.derived(rec["loss"], rec.get("split", self.eval_split))}
-        print(f"eval  {rec['step']:>7} | {rec['split']} loss {rec['loss']:.4f} | {self.unit} {rec[self.unit]:.4f}"
-              f"{self._bpb_text(rec)} | "
-              f"{rec['tokens']:,} tokens in {rec['seconds']:.1f}s", flush=True)
+        print(
+            f"eval  {rec['step']:>7} | {rec['split']} loss {rec['loss']:.4f} | {self.unit} {rec[self.unit]:.4f}"
+            f"{self._bpb_text(rec)} | "
+            f"{rec['tokens']:,} tokens in {rec['seconds']:.1f}s",
+            flush=True,
+        )
         self._write(rec)
         if self._tb is not None:
             self._tb.add_scalar(f"{rec['split']}/loss", rec["loss"], rec["step"])
@@ -227,14 +265,14 @@ class Metrics:
             self._file.close()
             self._file = None
         undone = [r for r in trim_jsonl(self.path, step) if r.get("kind") in ("train", "skip")]
-        with open(self.run_dir / ROLLED_BACK, "a") as f:      # kept for `megamemo replay --rolled-back`
+        with open(self.run_dir / ROLLED_BACK, "a") as f:  # kept for `megamemo replay --rolled-back`
             f.writelines(json.dumps({**r, "rolled_back": {"spike": spike_step, "to": step}}) + "\n" for r in undone)
         self._file = open(self.path, "a", buffering=1)
         self._write({"kind": "resume", "step": step, "time": time.time(), "spike": spike_step})
 
     def end(self, step: int, outcome: str) -> None:
         """The run ended (done, or stopped by a signal after saving): the "end" record goodput's wall time ends at."""
-        if self._file is not None:         # (a start that trained no step leaves the files as they were)
+        if self._file is not None:  # (a start that trained no step leaves the files as they were)
             self._write({"kind": "end", "step": step, "time": time.time(), "outcome": outcome})
 
     def close(self) -> None:

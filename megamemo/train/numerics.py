@@ -13,6 +13,7 @@ ReplicaCheck  every train.replica_check_every applied steps, and before every ch
 SpikeWatch    a step's loss against the running window of the losses before it (train.spike); the window is saved
               with the counters, so a resumed or rolled-back run judges every step as the first run did.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,15 +26,16 @@ import torch.distributed as dist
 
 from megamemo.checkpoint.layout import RankLayout
 
-EXIT_NODE_SUSPECT = 5           # megamemo/runtime/interruptions.py's
-_P = 2_147_483_629              # a prime below 2^31: a flipped bit changes a fingerprint whatever its position
+EXIT_NODE_SUSPECT = 5  # megamemo/runtime/interruptions.py's
+_P = 2_147_483_629  # a prime below 2^31: a flipped bit changes a fingerprint whatever its position
 _CHUNK = 1 << 22
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ReplicaMismatch(RuntimeError):
     """Replicas that should hold the same state do not: a device computed or stored something wrong."""
-    same_on_every_rank = True   # every rank raises it with the same line; rank 0 says it
+
+    same_on_every_rank = True  # every rank raises it with the same line; rank 0 says it
 
     def __init__(self, line: str, suspects: list[dict]):
         super().__init__(line)
@@ -48,10 +50,10 @@ def fingerprint(tensors) -> int:
         ints = flat.view(_INT[flat.element_size()]) if flat.numel() else flat.new_zeros(0, dtype=torch.int64)
         total = 0
         for lo in range(0, ints.numel(), _CHUNK):
-            part = ints[lo:lo + _CHUNK].to(torch.int64).remainder(_P)
+            part = ints[lo : lo + _CHUNK].to(torch.int64).remainder(_P)
             w = torch.arange(lo + 1, lo + 1 + part.numel(), dtype=torch.int64, device=part.device).remainder(_P)
             total += int((part * w).remainder(_P).sum())
-        h = (h * 1_000_003 + total % _P + flat.numel()) % (2 ** 61 - 1)
+        h = (h * 1_000_003 + total % _P + flat.numel()) % (2**61 - 1)
     return h
 
 
@@ -63,8 +65,9 @@ def _zero_partitions(opt):
     if not groups or masters is None:
         return None
     mine = [dist.get_rank(group=g) if dist.is_initialized() else 0 for g in opt.real_dp_process_group]
-    own_ok = all(torch.equal(parts[p], master.to(parts[p].dtype))
-                 for parts, p, master in zip(groups, mine, masters, strict=True))
+    own_ok = all(
+        torch.equal(parts[p], master.to(parts[p].dtype)) for parts, p, master in zip(groups, mine, masters, strict=True)
+    )
     by_partition = [[parts[p] for parts in groups] for p in range(len(groups[0]))]
     return by_partition, mine[0], own_ok
 
@@ -82,16 +85,30 @@ class ReplicaCheck:
         zero = _zero_partitions(opt)
         inner = getattr(opt, "optimizer", opt)
         steps = sorted({int(st["step"]) for st in inner.state.values() if "step" in st})
-        scalars = fingerprint([torch.tensor([float(x) for x in (*steps, self.engine.lr(), self.engine.loss_scale())],
-                                            dtype=torch.float64)])
-        out = {"rank": self.rank, "node": self.node, "dp_rank": self.layout.dp_rank,
-               "group": [self.layout.tp_rank, self.layout.pp_rank], "scalars": scalars}
+        scalars = fingerprint(
+            [
+                torch.tensor(
+                    [float(x) for x in (*steps, self.engine.lr(), self.engine.loss_scale())], dtype=torch.float64
+                )
+            ]
+        )
+        out = {
+            "rank": self.rank,
+            "node": self.node,
+            "dp_rank": self.layout.dp_rank,
+            "group": [self.layout.tp_rank, self.layout.pp_rank],
+            "scalars": scalars,
+        }
         if zero is not None:
             parts, own, ok = zero
             out.update(partitions=[fingerprint(p) for p in parts], owns=own, own_ok=ok)
         else:
-            state = [t for p in ds.module.parameters() for t in [p, *inner.state.get(p, {}).values()]
-                     if isinstance(t, torch.Tensor) and t.dim() > 0]
+            state = [
+                t
+                for p in ds.module.parameters()
+                for t in [p, *inner.state.get(p, {}).values()]
+                if isinstance(t, torch.Tensor) and t.dim() > 0
+            ]
             out["state"] = fingerprint(state)
         return out
 
@@ -112,12 +129,19 @@ class ReplicaCheck:
         if suspects:
             named = ", ".join(f"rank {s['rank']} ({s['node']})" for s in suspects)
             verb = "disagrees" if len(suspects) == 1 else "disagree"
-            raise ReplicaMismatch(f"replica check after step {step}: {named} {verb}"
-                                  f" with the other data-parallel replicas ({why}); stopping as node-suspect (exit "
-                                  f"{EXIT_NODE_SUSPECT}): the run resumes from its newest checkpoint, whose replicas "
-                                  f"agreed", suspects)
-        return {"step": step, "agreed": True, "seconds": round(time.perf_counter() - t0, 6),
-                "ranks": {str(e["rank"]): _kept(e) for e in everyone}}
+            raise ReplicaMismatch(
+                f"replica check after step {step}: {named} {verb}"
+                f" with the other data-parallel replicas ({why}); stopping as node-suspect (exit "
+                f"{EXIT_NODE_SUSPECT}): the run resumes from its newest checkpoint, whose replicas "
+                f"agreed",
+                suspects,
+            )
+        return {
+            "step": step,
+            "agreed": True,
+            "seconds": round(time.perf_counter() - t0, 6),
+            "ranks": {str(e["rank"]): _kept(e) for e in everyone},
+        }
 
 
 def _kept(e: dict) -> dict:
@@ -136,8 +160,12 @@ def verdict(everyone: list[dict]) -> tuple[list[dict], str]:
         for key in ("scalars", "state"):
             if key in members[0]:
                 for e in _odd_ones(members, lambda e, key=key: e[key]):
-                    bad.setdefault(e["rank"], "Adam's step, the LR or the loss scale" if key == "scalars"
-                                   else "its weights or Adam's moments")
+                    bad.setdefault(
+                        e["rank"],
+                        "Adam's step, the LR or the loss scale"
+                        if key == "scalars"
+                        else "its weights or Adam's moments",
+                    )
         if "partitions" in members[0]:
             for p in range(len(members[0]["partitions"])):
                 owner = next((e for e in members if e["owns"] == p), None)
@@ -146,9 +174,12 @@ def verdict(everyone: list[dict]) -> tuple[list[dict], str]:
                 ref = [owner] if owner is not None and owner["own_ok"] else None
                 others = members if ref or owner is None else [e for e in members if e is not owner]
                 for e in _odd_ones(others, lambda e, p=p: e["partitions"][p], ref):
-                    bad.setdefault(e["rank"], f"its weights of partition {p} differ from rank {owner['rank']}'s, "
-                                              f"their owner's" if ref and owner is not None
-                                   else f"its weights of partition {p} differ")
+                    bad.setdefault(
+                        e["rank"],
+                        f"its weights of partition {p} differ from rank {owner['rank']}'s, their owner's"
+                        if ref and owner is not None
+                        else f"its weights of partition {p} differ",
+                    )
     suspects = [e for e in everyone if e["rank"] in bad]
     return suspects, "; ".join(f"rank {r}: {why}" for r, why in sorted(bad.items()))
 
@@ -172,7 +203,7 @@ class SpikeWatch:
     """train.spike's rule over the window of the last `window` applied steps' losses (spikes left out)."""
 
     def __init__(self, spike, counters):
-        self.cfg, self.counters = spike, counters   # counters.spike_window: saved and restored with the counters
+        self.cfg, self.counters = spike, counters  # counters.spike_window: saved and restored with the counters
 
     @property
     def window(self) -> list[float]:
@@ -190,18 +221,22 @@ class SpikeWatch:
         if self.cfg.rule == "ratio":
             median = statistics.median(self.window)
             if median > 0 and loss / median > limit:
-                return f"loss {loss:.4f} is {loss / median:.2f} x the median {median:.4f} of the last " \
-                       f"{len(self.window)} steps (train.spike.threshold={limit:g})"
+                return (
+                    f"loss {loss:.4f} is {loss / median:.2f} x the median {median:.4f} of the last "
+                    f"{len(self.window)} steps (train.spike.threshold={limit:g})"
+                )
             return None
         mean, sd = statistics.fmean(self.window), statistics.pstdev(self.window)
         z = (loss - mean) / max(sd, 1e-12)
         if z > limit:
-            return f"loss {loss:.4f} is {z:.1f} standard deviations above the mean {mean:.4f} of the last " \
-                   f"{len(self.window)} steps (train.spike.threshold={limit:g})"
+            return (
+                f"loss {loss:.4f} is {z:.1f} standard deviations above the mean {mean:.4f} of the last "
+                f"{len(self.window)} steps (train.spike.threshold={limit:g})"
+            )
         return None
 
     def add(self, loss: float) -> None:
         if self.cfg.rule == "off":
             return
         self.window.append(float(loss))
-        del self.window[:-self.cfg.window]
+        del self.window[: -self.cfg.window]

@@ -18,6 +18,7 @@ converted memory of the same columns, and compares the NLL (fp32: 1e-5; bf16/fp1
 checkpoint/probe_bound.py).
 Cost: 3 forward passes of P streams per checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,9 +60,17 @@ class Probe:
     def reader(self):
         if self._reader is None:
             B, P = self.data.batch_size, self.P
-            self._reader = stream(self.data, self.data.split, B, self.tgt_len, B // P, self.c0 // P,
-                                  roll=self.data.roll, epochs=None,
-                                  block_tokens=max(SEGMENTS + 1, 4) * self.tgt_len * P)
+            self._reader = stream(
+                self.data,
+                self.data.split,
+                B,
+                self.tgt_len,
+                B // P,
+                self.c0 // P,
+                roll=self.data.roll,
+                epochs=None,
+                block_tokens=max(SEGMENTS + 1, 4) * self.tgt_len * P,
+            )
         return self._reader
 
     def close(self) -> None:
@@ -88,12 +97,20 @@ class Probe:
             return {}
         tensors = {}
         for i, ((x, y), nll) in enumerate(zip(batches, nlls, strict=True)):
-            tensors[f"inputs.{i}"] = x.cpu().clone()          # views of one buffer: safetensors wants their own
+            tensors[f"inputs.{i}"] = x.cpu().clone()  # views of one buffer: safetensors wants their own
             tensors[f"targets.{i}"] = y.cpu().clone()
             tensors[f"nll.{i}"] = nll.float().cpu().clone()
-        meta = {"format": "megamemo-probe", "version": 1, "step": step, "columns": [c0, c0 + P],
-                "positions": positions, "empty_start": empty, "segments": len(batches),
-                "precision": self.precision, "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}}
+        meta = {
+            "format": "megamemo-probe",
+            "version": 1,
+            "step": step,
+            "columns": [c0, c0 + P],
+            "positions": positions,
+            "empty_start": empty,
+            "segments": len(batches),
+            "precision": self.precision,
+            "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp},
+        }
 
         def write(path):
             save_file(tensors, str(path), metadata={"probe": json.dumps(meta)})
@@ -106,8 +123,7 @@ def _run_module(module, memory, batches, P, empty, device) -> list[torch.Tensor]
     if mem is not None and mem.length == 0:
         mem = None
     out = []
-    score_segments(module, batches, memory=mem, device=device,
-                   on_segment=lambda scores, x, y, nll: out.append(nll))
+    score_segments(module, batches, memory=mem, device=device, on_segment=lambda scores, x, y, nll: out.append(nll))
     return out
 
 
@@ -117,7 +133,11 @@ def _run_pipeline(ds, stage, batches, P, empty, device) -> list[torch.Tensor]:
     start = {} if empty else {n: t[:, :P] for n, t in stage.bank.current.get(0, {}).items()}
     out = []
     with scoring_bank(stage, {0: start} if start else None):
-        score_segments(ds.module, batches, forward=stage_forward(ds, stage, device, every_tp_rank=True),
-                       device=device,
-                       on_segment=lambda scores, x, y, nll: out.append(nll) if ds.is_last_stage() else None)
+        score_segments(
+            ds.module,
+            batches,
+            forward=stage_forward(ds, stage, device, every_tp_rank=True),
+            device=device,
+            on_segment=lambda scores, x, y, nll: out.append(nll) if ds.is_last_stage() else None,
+        )
     return out

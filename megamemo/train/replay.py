@@ -21,6 +21,7 @@ Verdict, one line:
   replay: within <tolerance>             under another layout, whose reductions add in another order (see tolerance)
   replay: differs at step N: <what>      the first step, and the first number, that does not match
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,8 @@ from megamemo.train.metrics import ROLLED_BACK, rolled_back_steps
 from megamemo.train.rollback import KIND, checkpoint_before, spike_records
 from megamemo.util.errors import MegamemoError
 
-DATA_FAULT = "MEGAMEMO_FAULT_BAD_BATCH"      # an injected fault of the data (checkpoint/faults.py)
-UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+DATA_FAULT = "MEGAMEMO_FAULT_BAD_BATCH"  # an injected fault of the data (checkpoint/faults.py)
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
 class ReplayError(MegamemoError, ValueError):
@@ -53,19 +54,20 @@ class ReplayError(MegamemoError, ValueError):
 class Plan:
     run_dir: Path
     step: int
-    start: Path                 # the checkpoint the replay resumes
-    config: dict                # the run's resolved config
-    layout: tuple[int, int, int]    # (dp, tp, pp) of the replay
+    start: Path  # the checkpoint the replay resumes
+    config: dict  # the run's resolved config
+    layout: tuple[int, int, int]  # (dp, tp, pp) of the replay
     same_layout: bool
-    recorded: dict[int, dict]   # {step: the run's "train" record} of the attempt replayed
-    spikes: list[dict]          # the run's rollbacks that attempt had behind it (its skipped batches)
-    rolled_back: bool = False   # an attempt a rollback undid (metrics.rolled_back.jsonl), not metrics.jsonl's
+    recorded: dict[int, dict]  # {step: the run's "train" record} of the attempt replayed
+    spikes: list[dict]  # the run's rollbacks that attempt had behind it (its skipped batches)
+    rolled_back: bool = False  # an attempt a rollback undid (metrics.rolled_back.jsonl), not metrics.jsonl's
 
 
-def plan(ckpt: str | Path, step: int, dp: int | None, tp: int | None, pp: int | None,
-         rolled_back: bool = False) -> Plan:
+def plan(
+    ckpt: str | Path, step: int, dp: int | None, tp: int | None, pp: int | None, rolled_back: bool = False
+) -> Plan:
     run_dir = Path(ckpt)
-    if run_dir.parent.name == "checkpoints":        # a step directory given: its run
+    if run_dir.parent.name == "checkpoints":  # a step directory given: its run
         run_dir = run_dir.parent.parent
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
@@ -94,8 +96,9 @@ def attempt(run_dir: Path, step: int, rolled_back: bool) -> tuple[dict[int, dict
         return recorded, spikes
     undid = [i for i, r in enumerate(spikes) if int(r["rollback_to"]) < step <= int(r["step"])]
     if not undid:
-        raise ReplayError(f"--step {step} --rolled-back: no rollback in {Path(run_dir) / 'interruptions.jsonl'} "
-                          f"undid it")
+        raise ReplayError(
+            f"--step {step} --rolled-back: no rollback in {Path(run_dir) / 'interruptions.jsonl'} undid it"
+        )
     i = undid[-1]
     recorded = rolled_back_steps(run_dir, int(spikes[i]["step"]))
     if step not in recorded:
@@ -127,27 +130,43 @@ def run_replay(p: Plan, work: Path, log) -> Path:
     """Train the replay in `work`/run through the launcher -> its run directory."""
     out = work / "run"
     out.mkdir(parents=True)
-    with open(out / "interruptions.jsonl", "w") as f:      # the run's rollbacks: the same batches skipped
+    with open(out / "interruptions.jsonl", "w") as f:  # the run's rollbacks: the same batches skipped
         for rec in p.spikes:
             f.write(json.dumps({**rec, "kind": KIND}) + "\n")
     dp, tp, pp = p.layout
-    sets = {"checkpoint.save_every": 0, "checkpoint.save_at_end": True, "checkpoint.probe": False,
-            "checkpoint.async_save": False, "checkpoint.resume": str(p.start), "eval.every": 0,
-            "log.tensorboard": False, "train.max_steps": p.step, "train.run_dir": str(out),
-            "optim.decay_steps": p.config["optim"].get("decay_steps") or p.config["train"]["max_steps"],   # the LR
-            "train.spike": {"rule": "off"}, "parallel.tp": tp, "parallel.pp": pp}
+    sets = {
+        "checkpoint.save_every": 0,
+        "checkpoint.save_at_end": True,
+        "checkpoint.probe": False,
+        "checkpoint.async_save": False,
+        "checkpoint.resume": str(p.start),
+        "eval.every": 0,
+        "log.tensorboard": False,
+        "train.max_steps": p.step,
+        "train.run_dir": str(out),
+        "optim.decay_steps": p.config["optim"].get("decay_steps") or p.config["train"]["max_steps"],  # the LR
+        "train.spike": {"rule": "off"},
+        "parallel.tp": tp,
+        "parallel.pp": pp,
+    }
     args = [str(dp * tp * pp), "--config", str(p.run_dir / "config.yaml")]
     for k, v in sets.items():
         args += ["--set", f"{k}={json.dumps(v)}"]
-    env = {k: v for k, v in os.environ.items()      # a bad batch stays: a fault of the data, which a replay reads too
-           if k not in ("MEGAMEMO_RESTART",) and (k == DATA_FAULT or not k.startswith("MEGAMEMO_FAULT_"))}
-    if run_threads(p.run_dir):          # a CPU kernel's sums split by its threads: as many as the run's
+    env = {
+        k: v
+        for k, v in os.environ.items()  # a bad batch stays: a fault of the data, which a replay reads too
+        if k not in ("MEGAMEMO_RESTART",) and (k == DATA_FAULT or not k.startswith("MEGAMEMO_FAULT_"))
+    }
+    if run_threads(p.run_dir):  # a CPU kernel's sums split by its threads: as many as the run's
         env["OMP_NUM_THREADS"] = str(run_threads(p.run_dir))
-    log(f"[replay] steps {int(p.start.name[5:]) + 1}..{p.step} of {p.run_dir} from {p.start}, in {dp * tp * pp} "
-        f"process(es) (dp {dp}, tp {tp}, pp {pp}; {'the run' if p.same_layout else 'not the run'}'s layout)")
+    log(
+        f"[replay] steps {int(p.start.name[5:]) + 1}..{p.step} of {p.run_dir} from {p.start}, in {dp * tp * pp} "
+        f"process(es) (dp {dp}, tp {tp}, pp {pp}; {'the run' if p.same_layout else 'not the run'}'s layout)"
+    )
     with open(work / "replay.log", "w") as f:
-        rc = subprocess.call([sys.executable, "-m", "megamemo.commands.launch", *args], env=env, stdout=f,
-                             stderr=subprocess.STDOUT)
+        rc = subprocess.call(
+            [sys.executable, "-m", "megamemo.commands.launch", *args], env=env, stdout=f, stderr=subprocess.STDOUT
+        )
     if rc != 0:
         tail = (work / "replay.log").read_text().splitlines()[-15:]
         raise ReplayError(f"the replay's training failed with exit code {rc}:\n" + "\n".join(tail))
@@ -173,7 +192,7 @@ def compare_steps(run: dict[int, dict], replayed: dict[int, dict], steps: range,
     for s in steps:
         if s not in replayed:
             return f"step {s} was not replayed", worst
-        for key in ("loss", "grad_norm", "lr"):    # the LR: the schedule's, seen at the replay's last step too
+        for key in ("loss", "grad_norm", "lr"):  # the LR: the schedule's, seen at the replay's last step too
             a, b = run[s].get(key), replayed[s].get(key)
             d = _relative(a, b)
             worst = max(worst, d)
@@ -225,7 +244,7 @@ def replay(ckpt, step: int, dp=None, tp=None, pp=None, keep: bool = False, log=p
         if diff is not None:
             return f"replay: differs at step {diff}" if not diff.startswith("step ") else f"replay: differs at {diff}"
         at = p.run_dir / "checkpoints" / tag_for(step)
-        if (at / "COMMITTED").is_file() and not p.rolled_back:    # (a checkpoint of the attempt that stood)
+        if (at / "COMMITTED").is_file() and not p.rolled_back:  # (a checkpoint of the attempt that stood)
             diff, w, n = compare_checkpoints(at, out / "checkpoints" / at.name, tol)
             worst = max(worst, w)
             if diff is not None:

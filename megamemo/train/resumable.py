@@ -14,6 +14,7 @@ stateful objects that speak the layout-free description (megamemo/checkpoint/pie
                 caches by head). A different global batch re-cuts the corpus into other streams: memory restarts empty.
   DataCursor    the reader position that matches the committed memory (global: any number of ranks loads it).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -44,8 +45,9 @@ def _jsonable(x):
 class EngineState:
     """A Stateful (JSON: schedule, counters, loss scale, Adam step) and a sharded one (tensors) for DeepSpeed."""
 
-    def __init__(self, engine, name_of: Callable[[str], str], layout: RankLayout, owns: Callable[[str], bool],
-                 precision: str):
+    def __init__(
+        self, engine, name_of: Callable[[str], str], layout: RankLayout, owns: Callable[[str], bool], precision: str
+    ):
         self.engine, self.name_of, self.owns, self.precision = engine, name_of, owns, precision
         self.dp_rank, self.tp_rank, self.tp, self.dp = layout.dp_rank, layout.tp_rank, layout.tp, layout.dp
         self._adam_step = 0
@@ -55,21 +57,32 @@ class EngineState:
         """(kind, inner torch optimizer, flat fp32 partitions | lp->hp map): "zero" (ZeRO 1/2, BF16_Optimizer),
         "unfused" (fp16/bf16 without ZeRO: an fp32 master per parameter), "plain" (fp32 without ZeRO)."""
         opt = self.engine.ds.optimizer
-        flats = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups_flat_partition",
-                                                                                 None)
+        flats = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(
+            opt, "fp32_groups_flat_partition", None
+        )
         if flats is not None:
             return "zero", opt.optimizer, flats
         if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):
-            return "unfused", opt.optimizer, {id(lp): hp for lg, hg in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
-                                              for lp, hp in zip(lg, hg, strict=True)}
+            return (
+                "unfused",
+                opt.optimizer,
+                {
+                    id(lp): hp
+                    for lg, hg in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
+                    for lp, hp in zip(lg, hg, strict=True)
+                },
+            )
         if isinstance(opt, torch.optim.Optimizer):
             return "plain", opt, {}
         raise CheckpointError(f"cannot save or restore the state of a {type(opt).__name__} optimizer")
 
     def _scalers(self):
         opt = self.engine.ds.optimizer
-        return [s for s in (getattr(opt, "loss_scaler", None), getattr(opt, "loss_scale_config", None))
-                if s is not None and getattr(s, "dynamic", getattr(s, "dynamic_loss_scale", False))]
+        return [
+            s
+            for s in (getattr(opt, "loss_scaler", None), getattr(opt, "loss_scale_config", None))
+            if s is not None and getattr(s, "dynamic", getattr(s, "dynamic_loss_scale", False))
+        ]
 
     # ---- JSON --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -78,11 +91,16 @@ class EngineState:
         steps = {int(st["step"]) for st in inner.state.values() if "step" in st}
         if len(steps) > 1:
             raise CheckpointError(f"Adam step counts differ between parameters: {sorted(steps)}")
-        return {"global_steps": int(ds.global_steps), "global_samples": int(ds.global_samples),
-                "skipped_steps": int(ds.skipped_steps), "adam_step": steps.pop() if steps else 0,
-                "lr_scheduler": _jsonable(ds.lr_scheduler.state_dict()) if ds.lr_scheduler is not None else None,
-                "loss_scaler": [{k: _jsonable(getattr(s, k)) for k in SCALER_FIELDS if hasattr(s, k)}
-                                for s in self._scalers()]}
+        return {
+            "global_steps": int(ds.global_steps),
+            "global_samples": int(ds.global_samples),
+            "skipped_steps": int(ds.skipped_steps),
+            "adam_step": steps.pop() if steps else 0,
+            "lr_scheduler": _jsonable(ds.lr_scheduler.state_dict()) if ds.lr_scheduler is not None else None,
+            "loss_scaler": [
+                {k: _jsonable(getattr(s, k)) for k in SCALER_FIELDS if hasattr(s, k)} for s in self._scalers()
+            ],
+        }
 
     def load_state_dict(self, d: dict) -> None:
         ds = self.engine.ds
@@ -106,25 +124,31 @@ class EngineState:
     def pieces(self) -> list[Piece]:
         kind, inner, extra = self._optimizer()
         mixed = self.precision != "fp32"
-        mine = [(single, p, boxes) for single, p, boxes in self._params()
-                if self.owns(single) and (self.tp_rank == 0 or is_split(single))]  # else another stage / TP rank's
-        writer = spread_writers({single: p.numel() for single, p, _ in mine}, self.dp)   # DP ranks hold them alike
+        mine = [
+            (single, p, boxes)
+            for single, p, boxes in self._params()
+            if self.owns(single) and (self.tp_rank == 0 or is_split(single))
+        ]  # else another stage / TP rank's
+        writer = spread_writers({single: p.numel() for single, p, _ in mine}, self.dp)  # DP ranks hold them alike
         out = []
         for single, p, (shape, box, view) in mine:
             if writer[single] == self.dp_rank:
                 out.append(Piece(f"model/{single}", p.detach().reshape(view), shape, box))
             if kind == "zero":
                 hm = getattr(p, "_hp_mapping", None)
-                if hm is None:                  # none of this parameter in this rank's partition
+                if hm is None:  # none of this parameter in this rank's partition
                     continue
-                flat, (lo, n) = extra[hm.param_group_index], (hm.lp_fragment_address.start, hm.lp_fragment_address.numel)
+                flat, (lo, n) = (
+                    extra[hm.param_group_index],
+                    (hm.lp_fragment_address.start, hm.lp_fragment_address.numel),
+                )
                 start, rng = hm.hp_fragment_address.start, (lo, lo + n)
                 if mixed:
                     out.append(Piece(f"master/{single}", flat.detach().narrow(0, start, n), shape, box, rng))
                 for key, t in inner.state.get(flat, {}).items():
                     if key in MOMENTS:
                         out.append(Piece(f"{key}/{single}", t.narrow(0, start, n), shape, box, rng))
-            elif writer[single] == self.dp_rank:    # without ZeRO every data-parallel rank holds the same state
+            elif writer[single] == self.dp_rank:  # without ZeRO every data-parallel rank holds the same state
                 hp = extra.get(id(p), p)
                 if mixed:
                     out.append(Piece(f"master/{single}", hp.detach().reshape(view), shape, box))
@@ -148,9 +172,11 @@ class EngineState:
             for single, p, (shape, box, _view) in self._params():
                 name = f"model/{single}"
                 if name not in reader or reader.shape(name) != shape:
-                    raise CheckpointError(f"{ctx.tag}: {name} is "
-                                          f"{list(reader.shape(name)) if name in reader else 'missing'} in the "
-                                          f"checkpoint, this run's model needs {list(shape)}")
+                    raise CheckpointError(
+                        f"{ctx.tag}: {name} is "
+                        f"{list(reader.shape(name)) if name in reader else 'missing'} in the "
+                        f"checkpoint, this run's model needs {list(shape)}"
+                    )
                 master = f"master/{single}" if f"master/{single}" in reader else name
                 p.copy_(reader.read(name if same_precision else master, box).reshape(p.shape).to(p.dtype))
                 if kind == "zero":
@@ -158,24 +184,39 @@ class EngineState:
                     if hm is None:
                         continue
                     flat = extra[hm.param_group_index]
-                    lo, n, start = hm.lp_fragment_address.start, hm.lp_fragment_address.numel, hm.hp_fragment_address.start
+                    lo, n, start = (
+                        hm.lp_fragment_address.start,
+                        hm.lp_fragment_address.numel,
+                        hm.hp_fragment_address.start,
+                    )
                     flat.data.narrow(0, start, n).copy_(reader.read(master, box, (lo, lo + n)).float())
                     if moments:
                         if id(flat) not in filled:
-                            inner.state[flat] = {"step": step_tensor(flat.device), **{k: torch.zeros_like(flat)
-                                                                                      for k in MOMENTS}}
+                            inner.state[flat] = {
+                                "step": step_tensor(flat.device),
+                                **{k: torch.zeros_like(flat) for k in MOMENTS},
+                            }
                             filled.add(id(flat))
                         for k in MOMENTS:
-                            inner.state[flat][k].narrow(0, start, n).copy_(reader.read(f"{k}/{single}", box,
-                                                                                       (lo, lo + n)).float())
+                            inner.state[flat][k].narrow(0, start, n).copy_(
+                                reader.read(f"{k}/{single}", box, (lo, lo + n)).float()
+                            )
                 else:
                     hp = extra.get(id(p), p)
                     if hp is not p:
                         hp.copy_(reader.read(master, box).reshape(hp.shape).float())
                     if moments:
-                        inner.state[hp] = {"step": step_tensor(hp.device),
-                                           **{k: reader.read(f"{k}/{single}", box).reshape(hp.shape).to(hp.dtype)
-                                              .to(hp.device).clone() for k in MOMENTS}}
+                        inner.state[hp] = {
+                            "step": step_tensor(hp.device),
+                            **{
+                                k: reader.read(f"{k}/{single}", box)
+                                .reshape(hp.shape)
+                                .to(hp.dtype)
+                                .to(hp.device)
+                                .clone()
+                                for k in MOMENTS
+                            },
+                        }
 
 
 def step_on_param_device(param_groups) -> bool:
@@ -213,7 +254,7 @@ class MemoryState:
         saved = ctx.saved.layout.batch_size
         present = [n for n in self.names if f"memory/{n}" in ctx.reader]
         if saved != self.batch_size or not present:
-            self.set({})                # another cut of the corpus (said by the store), or empty memory saved
+            self.set({})  # another cut of the corpus (said by the store), or empty memory saved
             return
         if len(present) != len(self.names):
             raise CheckpointError(f"{ctx.tag}: memory holds {present}, this rank needs {self.names}")
@@ -258,12 +299,14 @@ class DataCursor:
         d = dict(d)
         mine = self.reader.state_dict()
         if int(d["batch_size"]) != mine["batch_size"] and d.get("kind") == "blend":
-            d.update(batch_size=mine["batch_size"])     # a blend's columns do not depend on the batch: same step
+            d.update(batch_size=mine["batch_size"])  # a blend's columns do not depend on the batch: same step
         elif int(d["batch_size"]) != mine["batch_size"]:
             old = steps_per_epoch(int(d["n_tokens"]), int(d["batch_size"]), int(d["tgt_len"]))
             step = int(d["step"]) * self.reader.steps_per_epoch // max(1, old)
-            self.log(f"[checkpoint] the data position moves to epoch {d['epoch']} step {step}/"
-                     f"{self.reader.steps_per_epoch} of the new cut (was step {d['step']}/{old})")
+            self.log(
+                f"[checkpoint] the data position moves to epoch {d['epoch']} step {step}/"
+                f"{self.reader.steps_per_epoch} of the new cut (was step {d['step']}/{old})"
+            )
             d.update(batch_size=mine["batch_size"], step=step)
         try:
             self.reader.load_state_dict({**d, "world_size": mine["world_size"], "rank": mine["rank"]})

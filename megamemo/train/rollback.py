@@ -14,6 +14,7 @@ checkpoint from before the rollback skips the same batches, and `megamemo replay
 the run stays replayable (`--rolled-back` copies only the rollbacks before the one that undid the attempt it
 replays). After train.spike.max_rollbacks rollbacks the run stops with one line.
 """
+
 from __future__ import annotations
 
 import time
@@ -54,20 +55,35 @@ def seconds_since(run_dir: Path, step: int, now: float) -> float:
 def record(run_dir: Path, step: int, loss: float, why: str, back_to: int, position: dict, batches: int) -> dict:
     """Rank 0: the rollback's line in interruptions.jsonl."""
     now = time.time()
-    rec = {"time": round(now, 3), "started": round(now, 3), "step": step, "committed": back_to, "kind": KIND,
-           "rank": None, "node": None, "exit_code": None, "signal": None,
-           "seconds_lost": round(seconds_since(run_dir, back_to, now), 3), "restart": restart_count(),
-           "launcher": "in-process", "loss": loss, "why": why, "rollback_to": back_to,
-           "skipped": [{"step": step, "batches": batches, "from": {k: position.get(k) for k in ("epoch", "step")}}]}
+    rec = {
+        "time": round(now, 3),
+        "started": round(now, 3),
+        "step": step,
+        "committed": back_to,
+        "kind": KIND,
+        "rank": None,
+        "node": None,
+        "exit_code": None,
+        "signal": None,
+        "seconds_lost": round(seconds_since(run_dir, back_to, now), 3),
+        "restart": restart_count(),
+        "launcher": "in-process",
+        "loss": loss,
+        "why": why,
+        "rollback_to": back_to,
+        "skipped": [{"step": step, "batches": batches, "from": {k: position.get(k) for k in ("epoch", "step")}}],
+    }
     append(run_dir, rec)
     return rec
 
 
 def describe(rec: dict, n: int, limit: int) -> str:
     s = rec["skipped"][0]
-    return (f"[spike] step {rec['step']}: {rec['why']}; rolled back to step {rec['rollback_to']} "
-            f"({rec['seconds_lost']:.1f} s lost), skipping {s['batches']} batches of every stream from the spike's "
-            f"(epoch {s['from']['epoch']}, batch {s['from']['step']}); rollback {n}/{limit}")
+    return (
+        f"[spike] step {rec['step']}: {rec['why']}; rolled back to step {rec['rollback_to']} "
+        f"({rec['seconds_lost']:.1f} s lost), skipping {s['batches']} batches of every stream from the spike's "
+        f"(epoch {s['from']['epoch']}, batch {s['from']['step']}); rollback {n}/{limit}"
+    )
 
 
 def roll_back(trainer, step: int, loss: float, why: str, stop: type[Exception]) -> None:
@@ -76,8 +92,10 @@ def roll_back(trainer, step: int, loss: float, why: str, stop: type[Exception]) 
     if spike.action == "stop":
         raise stop(f"step {step}: loss spike: {why} (train.spike.action=stop)")
     if trainer.rollbacks >= spike.max_rollbacks:
-        raise stop(f"step {step}: loss spike: {why}; {trainer.rollbacks} rollbacks already in this run "
-                   f"(train.spike.max_rollbacks={spike.max_rollbacks}): stopping")
+        raise stop(
+            f"step {step}: loss spike: {why}; {trainer.rollbacks} rollbacks already in this run "
+            f"(train.spike.max_rollbacks={spike.max_rollbacks}): stopping"
+        )
     trainer._finish_saves()
     back = checkpoint_before(trainer.store.root, step) if trainer.store is not None else None
     if back is None:
@@ -85,8 +103,9 @@ def roll_back(trainer, step: int, loss: float, why: str, stop: type[Exception]) 
     trainer.rollbacks += 1
     trainer.skips[step] = spike.skip_batches
     if trainer.rank == 0:
-        rec = record(Path(trainer.cfg.train.run_dir), step, loss, why, int(back.name[5:]), trainer._position,
-                     spike.skip_batches)
+        rec = record(
+            Path(trainer.cfg.train.run_dir), step, loss, why, int(back.name[5:]), trainer._position, spike.skip_batches
+        )
         print(describe(rec, trainer.rollbacks, spike.max_rollbacks), flush=True)
     trainer.resume(back)
     trainer._held, trainer._agreed = None, None

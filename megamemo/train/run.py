@@ -5,6 +5,7 @@ an error megamemo anticipates is one line from one rank, and every way a run end
 (runtime/rundir.py tear_down). Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after saving; 2 bad config, data or
 checkpoint (never retried); 1 other errors and a diverged run; 3 hung (the watchdog, runtime/watchdog.py); 4 a peer
 is gone (runtime/interruptions.py)."""
+
 from __future__ import annotations
 
 import time
@@ -38,18 +39,18 @@ def run(config, sets: Sequence[str] = ()) -> int:
     """Trains the run of config file `config` with `--set` overrides `sets` in this process (one rank of it), to its
     end or a stop signal -> the exit code (0 done or stopped after saving; 2 a bad config, data or checkpoint, said in
     one line by one rank; 1 a diverged run; 4 a peer is gone). Every way it ends tears down in one order."""
-    stop = StopRequest()                    # first: a stop signal held since the process started is handled now
-    die_with_parent()                       # a worker never outlives its launcher
+    stop = StopRequest()  # first: a stop signal held since the process started is handled now
+    die_with_parent()  # a worker never outlives its launcher
     started = process_started()
     # (DeepSpeed's deprecation warning of every step is filtered by the entry point: megamemo/runtime/quiet.py)
     (rank, size), trainer, expected = launcher_rank_size(), None, anticipated_errors()
     world = size or 1
-    starting = True                         # until training runs, every rank meets the same errors
-    lost = None                             # the exit code when a peer is gone
+    starting = True  # until training runs, every rank meets the same errors
+    lost = None  # the exit code when a peer is gone
     try:
         cfg = load(config, list(sets))
-        announce_run_dir(cfg.train.run_dir, rank)   # to a supervisor that restarts failed runs (launch/)
-        device.resolve()                    # cuda or cpu, before DeepSpeed picks its accelerator
+        announce_run_dir(cfg.train.run_dir, rank)  # to a supervisor that restarts failed runs (launch/)
+        device.resolve()  # cuda or cpu, before DeepSpeed picks its accelerator
         unused = unused_ids(cfg, check_data_dir(cfg))
         if unused and not rank:
             print(f"[train] warning: {unused}", flush=True)
@@ -74,8 +75,11 @@ def run(config, sets: Sequence[str] = ()) -> int:
             if g is not None:
                 print(f"[train] {goodput.describe(g)}", flush=True)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
-                print(f"[train] peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
-                      f"(torch.cuda.max_memory_allocated, rank 0)", flush=True)
+                print(
+                    f"[train] peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
+                    f"(torch.cuda.max_memory_allocated, rank 0)",
+                    flush=True,
+                )
         dist.barrier()
         dist.shutdown()
         return 0
@@ -91,14 +95,24 @@ def run(config, sets: Sequence[str] = ()) -> int:
             raise
         return lost
     finally:
-        tear_down(trainer)                  # on every path: no thread mid-write, the lock freed, the group destroyed
-        stop.restore()                      # the caller's handlers back (main called in-process: tests, notebooks)
-        if lost is not None:                # gloo's worker threads may still hold work: no interpreter shutdown
+        tear_down(trainer)  # on every path: no thread mid-write, the lock freed, the group destroyed
+        stop.restore()  # the caller's handlers back (main called in-process: tests, notebooks)
+        if lost is not None:  # gloo's worker threads may still hold work: no interpreter shutdown
             leave_without_finalizing(lost)
 
 
 def anticipated_errors() -> tuple[type[BaseException], ...]:
     """Errors megamemo explains in one line (bad config, data, shard, checkpoint, a locked run directory, a
     diverged run); anything else is a bug and shows its traceback."""
-    return (ReplicaMismatch, ConfigError, DataError, CheckpointError, PieceError, RunLockedError, ShardError,
-            ManifestError, DivergedError, DeviceError)
+    return (
+        ReplicaMismatch,
+        ConfigError,
+        DataError,
+        CheckpointError,
+        PieceError,
+        RunLockedError,
+        ShardError,
+        ManifestError,
+        DivergedError,
+        DeviceError,
+    )

@@ -4,6 +4,7 @@ how dropout masks are drawn (train.dropout_masks), the attention form (model.att
 chose, and a fallback says why in one line. The attention form and compiled layers are chosen together
 (megamemo/train/forms.py: on CUDA `auto` times the forms that pass a start-up check against eager).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ class SpeedChoices:
     """What apply_speedups chose: the kernels ("cpu" | "plain"), the DropoutKey of keyed masks (None: stream
     masks), the attention form ("eager" | "flex" | "fused") and how many layers (or attention regions) were
     compiled (0: none)."""
+
     kernels: str
     dropout_key: DropoutKey | None
     attention: str
@@ -45,8 +47,7 @@ def keyed_dropout(cfg: RunConfig, model, device, tp_rank: int = 0, columns=(0,))
     return key
 
 
-def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int = 0,
-                   columns=(0,)) -> SpeedChoices:
+def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int = 0, columns=(0,)) -> SpeedChoices:
     """Kernels, dropout masks, attention form and compiled layers for the built model on its device.
     tp_rank, columns: see keyed_dropout."""
     try:
@@ -58,9 +59,11 @@ def apply_speedups(cfg: RunConfig, model, device, micro: int, log, tp_rank: int 
     compiled = 0
     if form.compiled and cfg.parallel.tp > 1:
         compiled = compile_attention_regions(model, cfg.train.compile_backend)
-        log(f"[train] compile: attention regions under tensor parallelism (parallel.tp={cfg.parallel.tp}): "
+        log(
+            f"[train] compile: attention regions under tensor parallelism (parallel.tp={cfg.parallel.tp}): "
             f"megatron-core's parallel linears all-reduce with async_op=True, which torch.compile cannot trace, so the "
-            f"attention between the collectives is compiled instead of whole layers")
+            f"attention between the collectives is compiled instead of whole layers"
+        )
     elif form.compiled:
         compiled = compile_layers(model, cfg.train.compile_backend)
     return SpeedChoices(kernels, key, form.attention, compiled)

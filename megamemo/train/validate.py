@@ -4,6 +4,7 @@ Like the reference `evaluate()`: B contiguous columns, memory carried down each 
 per-token mean NLL over the split (or its first eval.max_segments segments). Each data-parallel rank scores its
 own columns; the sums are all-reduced.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,13 +30,13 @@ def eval_lengths(cfg: RunConfig) -> Lengths:
 class Evaluator:
     def __init__(self, cfg: RunConfig, make_reader, module_fn, device, world_size: int, metrics):
         self.cfg = cfg
-        self.make_reader = make_reader      # () -> a fresh reader over the eval split for this rank
-        self.module_fn = module_fn          # () -> the nn.Module to run (the engine's, possibly bf16)
+        self.make_reader = make_reader  # () -> a fresh reader over the eval split for this rank
+        self.module_fn = module_fn  # () -> the nn.Module to run (the engine's, possibly bf16)
         self.device = device
         self.world_size = world_size
         self.metrics = metrics
         self.lengths = eval_lengths(cfg)
-        self.replicas = cfg.parallel.tp * cfg.parallel.pp    # ranks of one DP group that count the same tokens
+        self.replicas = cfg.parallel.tp * cfg.parallel.pp  # ranks of one DP group that count the same tokens
 
     def segments(self):
         for i, (inp, tgt) in enumerate(self.make_reader()):
@@ -54,10 +55,16 @@ class Evaluator:
         if self.world_size > 1:
             dist.all_reduce(total)
         loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
-        self.metrics.eval({"step": step, "split": self.cfg.eval.split, "loss": loss,
-                           "tokens": int(total[1]) // self.replicas,
-                           "seconds": time.perf_counter() - t0,
-                           **self.lengths.record()})
+        self.metrics.eval(
+            {
+                "step": step,
+                "split": self.cfg.eval.split,
+                "loss": loss,
+                "tokens": int(total[1]) // self.replicas,
+                "seconds": time.perf_counter() - t0,
+                **self.lengths.record(),
+            }
+        )
         return loss
 
 
@@ -74,12 +81,16 @@ class PipelineEvaluator(Evaluator):
 
     def score(self) -> torch.Tensor:
         with scoring_bank(self.stage, lengths=self.lengths):
-            return _totals(score_segments(self.module_fn(), self.segments(), device=self.device,
-                                          forward=stage_forward(self.engine_fn(), self.stage, self.device)))
+            return _totals(
+                score_segments(
+                    self.module_fn(),
+                    self.segments(),
+                    device=self.device,
+                    forward=stage_forward(self.engine_fn(), self.stage, self.device),
+                )
+            )
 
 
 def _totals(scores) -> torch.Tensor:
     """[sum of token NLLs, tokens] (float64, on the scores' device): what the ranks all-reduce."""
-    return torch.stack([scores.nll, torch.tensor(float(scores.tokens), dtype=torch.float64,
-                                                 device=scores.nll.device)])
-
+    return torch.stack([scores.nll, torch.tensor(float(scores.tokens), dtype=torch.float64, device=scores.nll.device)])

@@ -14,6 +14,7 @@ to hold N symbols - the caller's stated assumption (`fallback`), said once on st
 A resumed run keeps its checkpoint's tables: under another tp the checkpoint's n_token (the padding made under the
 first layout) is taken when it holds the same vocabulary and splits over the new tp (adopt_checkpoint_vocab).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,28 +33,35 @@ def manifest_vocab(data, fallback: int | None = None) -> int:
     from megamemo.data import ManifestError
     from megamemo.data.remote import is_remote, manifest_of
 
-    where, d = (("data.blend[0].dir", data.blend[0].get("dir")) if data.blend else ("data.dir", data.dir))
+    where, d = ("data.blend[0].dir", data.blend[0].get("dir")) if data.blend else ("data.dir", data.dir)
     if fallback is not None and not (d and (is_remote(d) or (Path(d) / "manifest.json").exists())):
         _say_assumed(where, d, fallback)
         return fallback
     if not d:
-        raise ConfigError("model.n_token: auto takes the vocabulary from the data's manifest, but no data directory is "
-                    "given (--data DIR or data.dir; or set model.n_token to a number)")
+        raise ConfigError(
+            "model.n_token: auto takes the vocabulary from the data's manifest, but no data directory is "
+            "given (--data DIR or data.dir; or set model.n_token to a number)"
+        )
     try:
         m = manifest_of(d, data.remote_options())
     except (ManifestError, OSError) as e:
         raise ConfigError(f"model.n_token: auto: cannot read the vocabulary from {where} {d}: {e}") from None
     size = (m.get("vocab") or {}).get("size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"model.n_token: auto: the manifest of {where} {d} records no vocabulary size (vocab.size "
-                    f"{size!r})")
+        raise ConfigError(
+            f"model.n_token: auto: the manifest of {where} {d} records no vocabulary size (vocab.size {size!r})"
+        )
     return size
 
 
 @functools.cache
 def _say_assumed(where: str, d, size: int) -> None:
-    print(f"model.n_token: auto: {where} {d or '(none)'} has no manifest.json yet; assuming a vocabulary of {size} "
-          f"symbols (--vocab)", file=sys.stderr, flush=True)
+    print(
+        f"model.n_token: auto: {where} {d or '(none)'} has no manifest.json yet; assuming a vocabulary of {size} "
+        f"symbols (--vocab)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def is_auto(model) -> bool:
@@ -64,10 +72,12 @@ def resolve_auto(model: dict, data, tp: int, fallback: int | None = None) -> dic
     """The model section (n_token: auto) with n_token the padded vocabulary (and n_vocab) of the data (of
     `fallback` symbols where a local data directory has no manifest yet: manifest_vocab)."""
     if model.get("n_vocab") is not None:
-        raise ConfigError("model.n_vocab: set by model.n_token: auto (the manifest's vocabulary); give n_vocab only "
-                    "with an explicit n_token")
+        raise ConfigError(
+            "model.n_vocab: set by model.n_token: auto (the manifest's vocabulary); give n_vocab only "
+            "with an explicit n_token"
+        )
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        tp = 1                  # parallel.tp's own check names it
+        tp = 1  # parallel.tp's own check names it
     n_token, n_vocab = padded_vocab(manifest_vocab(data, fallback), tp)
     out = {**model, "n_token": n_token}
     out.pop("n_vocab", None)
@@ -82,7 +92,7 @@ def adopt_checkpoint_vocab(cfg, saved_model: dict) -> str | None:
     import dataclasses
 
     mine = cfg.model.to_dict()
-    rest = lambda d: {k: v for k, v in d.items() if k not in ("n_token", "n_vocab")}   # noqa: E731
+    rest = lambda d: {k: v for k, v in d.items() if k not in ("n_token", "n_vocab")}  # noqa: E731
     n = saved_model.get("n_token")
     if not isinstance(n, int) or n == cfg.model.n_token or rest(saved_model) != rest(mine):
         return None
@@ -90,5 +100,7 @@ def adopt_checkpoint_vocab(cfg, saved_model: dict) -> str | None:
     if vocab != cfg.model.vocab_size or n % cfg.parallel.tp:
         return None
     cfg.model = dataclasses.replace(cfg.model, n_token=n, n_vocab=saved_model.get("n_vocab")).validate()
-    return (f"model.n_token: auto keeps the checkpoint's {n} rows for the {vocab} symbols (padded under its layout; "
-            f"tp={cfg.parallel.tp} would pad to {mine['n_token']})")
+    return (
+        f"model.n_token: auto keeps the checkpoint's {n} rows for the {vocab} symbols (padded under its layout; "
+        f"tp={cfg.parallel.tp} would pad to {mine['n_token']})"
+    )

@@ -6,6 +6,7 @@ its traceback is printed and the exit code is 1.
 A project error that was a ValueError (or RuntimeError) stays one too (`class ShardError(MegamemoError, ValueError)`),
 so code and tests that catch the older kind keep working. UsageError is the plain kind: a value the user gave that
 cannot be used, raised where no more specific error of the module fits."""
+
 from __future__ import annotations
 
 

@@ -10,6 +10,7 @@ call; `AtomicFile` is the same for a file written over time (a shard, a download
 `atomic_directory` is the same for a directory (a single-device checkpoint, an export): filled under a temporary
 name beside it, renamed into place when complete, removed on any error.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -210,8 +211,9 @@ class HashingWriter:
         return self._sha.hexdigest()
 
 
-def entry_mismatch(entry: dict, size: int, sha256: Callable[[], str] | None = None, *, recorded: str,
-                   what: str = "the file") -> str | None:
+def entry_mismatch(
+    entry: dict, size: int, sha256: Callable[[], str] | None = None, *, recorded: str, what: str = "the file"
+) -> str | None:
     """What differs between a file and the manifest entry that records it ({"bytes": N, "sha256": hex}; either may
     be absent, and is then not checked), in one line, or None when nothing does. The size comes first (cheap);
     `sha256()` (the file's digest, computed on demand; None: not checked here) only once the size agrees.

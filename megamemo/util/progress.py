@@ -24,6 +24,7 @@ Methods: update(n=1, **info) advances by n; update_to(n, **info) sets the positi
 `with`) ends the bar. Attributes for `line`: n, total, unit, elapsed (s), rate (units/s), info (the latest
 keyword fields, callables already evaluated). The caller prints its own summary after close().
 """
+
 from __future__ import annotations
 
 import os
@@ -31,14 +32,25 @@ import sys
 import time
 from collections.abc import Callable
 
-BAR_REDRAW_S = 0.5     # the bar's postfix (and its lazy fields) is refreshed at most this often
+BAR_REDRAW_S = 0.5  # the bar's postfix (and its lazy fields) is refreshed at most this often
 
 
 class Progress:
-    def __init__(self, desc: str, total: float | None = None, *, unit: str = "it", every: float = 10.0,
-                 line: Callable[[Progress], str] | None = None, log: Callable[[str], None] | None = None,
-                 bar: bool | None = None, stream=None, scale: bool = False,
-                 postfix: Callable[[dict], str] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        desc: str,
+        total: float | None = None,
+        *,
+        unit: str = "it",
+        every: float = 10.0,
+        line: Callable[[Progress], str] | None = None,
+        log: Callable[[str], None] | None = None,
+        bar: bool | None = None,
+        stream=None,
+        scale: bool = False,
+        postfix: Callable[[dict], str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.desc, self.total, self.unit, self.every = desc, (total or None), unit, every
         self.stream = sys.stderr if stream is None else stream
         self._line = line or _default_line
@@ -55,11 +67,18 @@ class Progress:
         if bar:
             from tqdm import tqdm
 
-            cols, rows = _size(self.stream)      # a terminal that reports no size (a bare pty): 80 x 24
-            self._bar = tqdm(total=self.total, desc=desc, unit=unit, file=self.stream, unit_scale=scale,
-                             dynamic_ncols=cols > 0,
-                             ncols=None if cols > 0 else 80, nrows=None if rows > 0 else 24,
-                             mininterval=BAR_REDRAW_S)
+            cols, rows = _size(self.stream)  # a terminal that reports no size (a bare pty): 80 x 24
+            self._bar = tqdm(
+                total=self.total,
+                desc=desc,
+                unit=unit,
+                file=self.stream,
+                unit_scale=scale,
+                dynamic_ncols=cols > 0,
+                ncols=None if cols > 0 else 80,
+                nrows=None if rows > 0 else 24,
+                mininterval=BAR_REDRAW_S,
+            )
 
     @property
     def is_bar(self) -> bool:
@@ -111,7 +130,7 @@ class Progress:
 def _isatty(stream) -> bool:
     try:
         return bool(stream.isatty())
-    except (AttributeError, ValueError):      # no isatty, or a closed stream
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
 
 
@@ -119,7 +138,7 @@ def _size(stream) -> tuple[int, int]:
     try:
         cols, rows = os.get_terminal_size(stream.fileno())
         return cols, rows
-    except (AttributeError, ValueError, OSError):     # io.UnsupportedOperation is an OSError
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError
         return 0, 0
 
 
@@ -134,4 +153,5 @@ def _default_postfix(info: dict) -> str:
         if isinstance(v, float):
             return f"{v:.4g}"
         return f"{v:,}" if isinstance(v, int) else str(v)
+
     return ", ".join(f"{k}={fmt(v)}" for k, v in info.items())

@@ -7,20 +7,66 @@ A GEMM additionally accumulates its K products (fp32 on CPUs and in cuBLAS) befo
 K * 2^-24 relative. `RoundingCounter` counts the rounding operations of a forward on the run itself, so that a
 bound can follow the model's depth and structure (tests/model/test_half_positions.py, checkpoint/probe_bound.py).
 """
+
 from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-ACCUMULATION_ROUNDOFF = 2.0 ** -24          # fp32 accumulators of bf16/fp16 GEMMs
+ACCUMULATION_ROUNDOFF = 2.0**-24  # fp32 accumulators of bf16/fp16 GEMMs
 # torch functions and Tensor methods (by name) that move, select or pass on values without rounding them; dropout
 # is one in eval mode (the forwards counted here)
-EXACT = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "expand", "expand_as", "narrow", "split",
-    "chunk", "unbind", "select", "__getitem__", "__get__", "as_strided", "contiguous", "clone", "detach", "cat",
-    "stack", "flatten", "unflatten", "squeeze", "unsqueeze", "masked_fill", "masked_fill_", "index_select",
-    "index_copy", "gather", "where", "embedding", "dropout", "relu", "relu_", "max", "amax", "min", "amin", "pad",
-    "zeros_like", "empty_like", "new_zeros", "new_empty", "fill_", "zero_"})
+EXACT = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "permute",
+        "transpose",
+        "t",
+        "expand",
+        "expand_as",
+        "narrow",
+        "split",
+        "chunk",
+        "unbind",
+        "select",
+        "__getitem__",
+        "__get__",
+        "as_strided",
+        "contiguous",
+        "clone",
+        "detach",
+        "cat",
+        "stack",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "masked_fill",
+        "masked_fill_",
+        "index_select",
+        "index_copy",
+        "gather",
+        "where",
+        "embedding",
+        "dropout",
+        "relu",
+        "relu_",
+        "max",
+        "amax",
+        "min",
+        "amin",
+        "pad",
+        "zeros_like",
+        "empty_like",
+        "new_zeros",
+        "new_empty",
+        "fill_",
+        "zero_",
+    }
+)
 CASTS = frozenset({"to", "type", "bfloat16", "half", "float", "double", "type_as", "copy_"})  # round if they narrow
 
 

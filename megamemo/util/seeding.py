@@ -2,6 +2,7 @@
 generators (CPU, and every CUDA device's through torch.manual_seed). The one place that does it; what seed each
 rank's streams get is decided above (parallel/groups.py dropout_seeds for training, the config's seed for the
 initial weights)."""
+
 from __future__ import annotations
 
 import random

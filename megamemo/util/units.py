@@ -1,12 +1,13 @@
 """Losses in the units the papers report, from a mean per-token NLL in nats: bits per character (bpc, byte and
 character corpora), perplexity (ppl, word and subword corpora) and bits per byte (the UTF-8 bytes the tokens stand
 for: lm-evaluation-harness's unit, comparable across tokenizers). The one place these conversions live."""
+
 from __future__ import annotations
 
 import math
 
 LN2 = math.log(2.0)
-MAX_EXP = 700.0         # exp() of more overflows a float: a diverged loss shows as a huge perplexity, not an error
+MAX_EXP = 700.0  # exp() of more overflows a float: a diverged loss shows as a huge perplexity, not an error
 
 
 def bits(nll_nats: float) -> float:

@@ -8,6 +8,7 @@ the resume is. There the test checks the weaker claim it can: every loss within 
 2-layer model; a summation order changes a loss by ~1e-7 relative, a wrong resume - another memory, data position,
 RNG state or moment - by more than 1e-3, as the first step after it shows). The checkpoint today's code writes at
 the end keeps the old JSON (marker and rank file: the same fields, the same layout records), on any machine."""
+
 from __future__ import annotations
 
 import json
@@ -18,14 +19,17 @@ import torch
 from helpers.fixture_data import FIXTURES
 from helpers.runs_cache import losses, run
 
-pytestmark = pytest.mark.multiproc      # starts a training process
+pytestmark = pytest.mark.multiproc  # starts a training process
 
 FIXTURE = FIXTURES / "checkpoint_v3"
 
 
 def same_machine(made: dict) -> bool:
-    return (made["torch"] == torch.__version__ and made["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-            and made["threads"] == 1)       # runs_cache.launch starts ranks with OMP_NUM_THREADS=1
+    return (
+        made["torch"] == torch.__version__
+        and made["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        and made["threads"] == 1
+    )  # runs_cache.launch starts ranks with OMP_NUM_THREADS=1
 
 
 def test_old_checkpoint_resumes_to_the_old_codes_losses(shards, tmp_path):
@@ -36,7 +40,7 @@ def test_old_checkpoint_resumes_to_the_old_codes_losses(shards, tmp_path):
     run(1, FIXTURE / "config.yaml", shards, run_dir, "--max-steps", "8", "--set", "checkpoint.save_every=0")
     got = losses(run_dir)
     want = {int(s): float.fromhex(h) for s, h in expected["losses"].items()}
-    assert sorted(got) == [5, 6, 7, 8], got             # resumed at step 4, not a fresh start
+    assert sorted(got) == [5, 6, 7, 8], got  # resumed at step 4, not a fresh start
     if same_machine(expected["machine"]):
         assert got == want, {s: (got[s].hex(), want[s].hex()) for s in want}
     else:
@@ -50,8 +54,9 @@ def assert_written_as_the_old_code_wrote(step_dir):
     old_dir = FIXTURE / "checkpoints" / "step_00000004"
     new_marker, old_marker = (json.loads((d / "COMMITTED").read_text()) for d in (step_dir, old_dir))
     assert sorted(new_marker) == sorted(old_marker)
-    assert {k: new_marker[k] for k in ("layout", "model", "model_fingerprint", "precision", "dropout_masks")} == \
-        {k: old_marker[k] for k in ("layout", "model", "model_fingerprint", "precision", "dropout_masks")}
+    assert {k: new_marker[k] for k in ("layout", "model", "model_fingerprint", "precision", "dropout_masks")} == {
+        k: old_marker[k] for k in ("layout", "model", "model_fingerprint", "precision", "dropout_masks")
+    }
     new_rank, old_rank = (json.loads((d / "rank_00000.json").read_text()) for d in (step_dir, old_dir))
     assert sorted(new_rank) == sorted(old_rank) and new_rank["layout"] == old_rank["layout"]
     assert sorted(new_rank["replicas"]) == sorted(old_rank["replicas"])

@@ -1,6 +1,7 @@
 """The checkpoint layer on its own: the layout-free description (pieces written by one layout, read back by
 another, against plain slicing of the global tensor), the registry's round trip, and the store's commit protocol,
 checksums, retention and move-aside, with ranks as threads."""
+
 from __future__ import annotations
 
 import json
@@ -62,10 +63,10 @@ def test_pieces_written_by_one_layout_read_by_another(tmp_path):
     g = torch.randn(12, 10, dtype=torch.float64)
     reader = ShardedReader(_write_tp_dp(tmp_path, "exp_avg/w", g, dim=1, tp=2, dp=3))
     assert reader.shape("exp_avg/w") == (12, 10)
-    assert torch.equal(reader.read("exp_avg/w"), g)                                # whole (to-single)
-    assert torch.equal(reader.read("exp_avg/w", ((3, 6), (0, 10))), g[3:6])        # TP=4 on the other dim
-    assert torch.equal(reader.read("exp_avg/w", ((0, 12), (4, 9))), g[:, 4:9])     # a box across both TP shards
-    box = ((0, 12), (0, 5))                                                        # a new ZeRO fragment of a box
+    assert torch.equal(reader.read("exp_avg/w"), g)  # whole (to-single)
+    assert torch.equal(reader.read("exp_avg/w", ((3, 6), (0, 10))), g[3:6])  # TP=4 on the other dim
+    assert torch.equal(reader.read("exp_avg/w", ((0, 12), (4, 9))), g[:, 4:9])  # a box across both TP shards
+    box = ((0, 12), (0, 5))  # a new ZeRO fragment of a box
     assert torch.equal(reader.read("exp_avg/w", box, (7, 41)), g[:, :5].reshape(-1)[7:41])
 
 
@@ -73,10 +74,10 @@ def test_the_same_layout_reads_exactly_its_own_piece(tmp_path, monkeypatch):
     g = torch.arange(40.0).view(8, 5)
     files = _write_tp_dp(tmp_path, "m", g, dim=0, tp=2, dp=2, seed=3)
     reader = ShardedReader(files)
-    entry = sorted(reader.entries["m"], key=lambda e: (e.box, e.flat))[1]           # tp 0, dp 1's fragment
+    entry = sorted(reader.entries["m"], key=lambda e: (e.box, e.flat))[1]  # tp 0, dp 1's fragment
     monkeypatch.setattr(ShardedReader, "_assemble", lambda *a: pytest.fail("assembled instead of read"))
     got = reader.read("m", entry.box, entry.flat)
-    assert torch.equal(got, g[:4].reshape(-1)[entry.flat[0]:entry.flat[1]])
+    assert torch.equal(got, g[:4].reshape(-1)[entry.flat[0] : entry.flat[1]])
 
 
 def test_qkv_shards_move_between_tensor_parallel_sizes(tmp_path):
@@ -101,9 +102,9 @@ def test_missing_or_duplicate_pieces_are_named(tmp_path):
     g = torch.randn(6, 4)
     files = _write_tp_dp(tmp_path, "w", g, dim=0, tp=2, dp=2)
     with pytest.raises(PieceError, match=r"w: box .* (fragments|unwritten)"):
-        ShardedReader([files[0], files[2], files[3]]).read("w")                  # a ZeRO partition file lost
+        ShardedReader([files[0], files[2], files[3]]).read("w")  # a ZeRO partition file lost
     with pytest.raises(PieceError, match=r"cover 12 of the 24 values"):
-        ShardedReader(files[:2]).read("w")                                       # a TP shard lost
+        ShardedReader(files[:2]).read("w")  # a TP shard lost
     dup = tmp_path / "dup.safetensors"
     write_pieces(dup, [Piece("x", g, (6, 4)), Piece("x", g.clone(), (6, 4))])
     with pytest.raises(PieceError, match="written twice"):
@@ -116,9 +117,9 @@ def test_replicated_tensors_are_spread_over_the_ranks_that_hold_them():
     sizes = {"d": 1, "c": 5, "b": 6, "a": 10, "e": 5}
     # by hand, largest first to the least loaded: a->0 (10, 0); b->1 (10, 6); c->1 (10, 11); e->0 (15, 11); d->1
     assert spread_writers(sizes, 2) == {"a": 0, "b": 1, "c": 1, "e": 0, "d": 1}
-    assert spread_writers(dict(reversed(list(sizes.items()))), 2) == spread_writers(sizes, 2)   # any order
+    assert spread_writers(dict(reversed(list(sizes.items()))), 2) == spread_writers(sizes, 2)  # any order
     assert set(spread_writers(sizes, 1).values()) == {0}
-    assert sorted(spread_writers(sizes, 8).values()) == [0, 1, 2, 3, 4]     # more ranks than tensors
+    assert sorted(spread_writers(sizes, 8).values()) == [0, 1, 2, 3, 4]  # more ranks than tensors
 
 
 # ---- the registry ----------------------------------------------------------------------------------------------
@@ -142,8 +143,14 @@ class Sharded:
 
     def pieces(self):
         per = 4 // self.world
-        return [Piece("t", self.full[self.rank * per:(self.rank + 1) * per], (4, 3),
-                      ((self.rank * per, (self.rank + 1) * per), (0, 3)))]
+        return [
+            Piece(
+                "t",
+                self.full[self.rank * per : (self.rank + 1) * per],
+                (4, 3),
+                ((self.rank * per, (self.rank + 1) * per), (0, 3)),
+            )
+        ]
 
     def load_pieces(self, ctx: LoadContext):
         self.loaded = ctx.reader.read("t")
@@ -154,7 +161,7 @@ def test_registry_round_trip_is_exact_and_pickle_free(tmp_path):
     full = torch.randn(4, 3)
     value = {"cursor": {"epoch": 1, "step": 7}, "nested": [1, 2.5, None, "x"], "t": torch.randn(2, 2).bfloat16()}
     regs = []
-    for r in range(2):                                    # two ranks write; a one-rank layout reads
+    for r in range(2):  # two ranks write; a one-rank layout reads
         reg = StateRegistry()
         reg.register("box", Box(value))
         reg.register("rng", RNGState(), scope="rank")
@@ -181,7 +188,7 @@ def test_registry_round_trip_is_exact_and_pickle_free(tmp_path):
     assert c2.state_dict() == {"step": 12, "skipped": 1} and torch.equal(sh.loaded, full)
     assert fresh.value["cursor"] == value["cursor"] and fresh.value["nested"] == [1, 2.5, None, "x"]
     assert torch.equal(fresh.value["t"], value["t"]) and fresh.value["t"].dtype == torch.bfloat16
-    torch.manual_seed(9)                                  # another layout: rank-scope state is left alone
+    torch.manual_seed(9)  # another layout: rank-scope state is left alone
     reg2.load(tmp_path, 0, lambda reader: LoadContext(reader, same_layout=False, marker={}))
     assert torch.equal(torch.rand(3), (torch.manual_seed(9), torch.rand(3))[1])
     # a rank the saved layout did not have (rank 2 of 3): the global state from rank 0's file, its own streams alone
@@ -203,12 +210,12 @@ def test_snapshots_reuse_their_host_buffers_and_share_nothing_with_the_live_stat
     reg.register_sharded("t", Sharded(0, 1, full))
     first = reg.snapshot(0).pieces[0].tensor
     assert torch.equal(first, full) and first.data_ptr() != full.data_ptr()
-    full.add_(100)                                    # training goes on: the snapshot keeps the old values
+    full.add_(100)  # training goes on: the snapshot keeps the old values
     assert torch.equal(first, torch.arange(12.0).view(4, 3))
-    second = reg.snapshot(0).pieces[0].tensor         # the next save (after the first was written): same buffer
+    second = reg.snapshot(0).pieces[0].tensor  # the next save (after the first was written): same buffer
     assert second.data_ptr() == first.data_ptr() and torch.equal(second, full)
     reg.sharded["t"].full = torch.zeros(4, 3, dtype=torch.float64)
-    third = reg.snapshot(0).pieces[0].tensor          # another dtype: a buffer of its own
+    third = reg.snapshot(0).pieces[0].tensor  # another dtype: a buffer of its own
     assert third.dtype == torch.float64 and third.data_ptr() != first.data_ptr()
     assert len(reg.staging.buffers) == 1
 
@@ -225,10 +232,21 @@ def test_registry_refuses_missing_entries(tmp_path):
 
 # ---- the store --------------------------------------------------------------------------------------------------
 def _store(root, rank=0, world=1, keep=2, model=None, barrier=lambda: None, async_save=False, outcomes=None):
-    meta = RunMeta(model or {"n_layer": 2}, layout=RunLayout(world_size=world, dp=world, batch_size=4),
-                   precision="fp32")
-    return CheckpointStore(root, rank, world, keep, meta, barrier=barrier, async_save=async_save, commit_timeout_s=30,
-                           log=lambda m: None, outcomes=outcomes)
+    meta = RunMeta(
+        model or {"n_layer": 2}, layout=RunLayout(world_size=world, dp=world, batch_size=4), precision="fp32"
+    )
+    return CheckpointStore(
+        root,
+        rank,
+        world,
+        keep,
+        meta,
+        barrier=barrier,
+        async_save=async_save,
+        commit_timeout_s=30,
+        log=lambda m: None,
+        outcomes=outcomes,
+    )
 
 
 def _registry(rank, world, step):
@@ -262,6 +280,7 @@ class ThreadOutcomes:
                 out = shared.slots[0]
                 shared.barrier.wait()
                 return out
+
         return View()
 
 
@@ -272,17 +291,18 @@ def _as_ranks(root, step, world=2, keep=2, async_save=False, registry=_registry,
 
     def rank(r):
         try:
-            store = _store(root, rank=r, world=world, keep=keep, barrier=bar.wait, async_save=async_save,
-                           outcomes=chan.rank(r))
+            store = _store(
+                root, rank=r, world=world, keep=keep, barrier=bar.wait, async_save=async_save, outcomes=chan.rank(r)
+            )
             if faults:
                 store.faults = FaultPoints(r, faults)
-            store.overlap_late_files = True     # async: the extra files made beside the write, as on a GPU
+            store.overlap_late_files = True  # async: the extra files made beside the write, as on a GPU
             extra = {"extra.txt": lambda p: p.write_text("x")} if r else {}
             # async: made after the snapshot, as the probe is (the writer waits for them)
             store.save(step, registry(r, world, step), files=(lambda: extra) if async_save else extra)
             if async_save:
                 store._thread.join(30)
-                assert store.failed() == (store._error is not None)     # what the training loop asks every step
+                assert store.failed() == (store._error is not None)  # what the training loop asks every step
             store.finish()
         except Exception as e:  # surfaced by the caller
             errors[r] = e
@@ -307,12 +327,18 @@ def test_commit_protocol_checksums_and_retention(tmp_path, async_save):
         _save_as_ranks(root, step, async_save=async_save)
         info = verify(root / tag_for(step))
         assert info["step"] == step and info["world_size"] == 2
-        assert set(info["files"]) == {"rank_00000.json", "rank_00000.safetensors", "rank_00001.json",
-                                      "rank_00001.safetensors", "extra.txt", "index.json"}
+        assert set(info["files"]) == {
+            "rank_00000.json",
+            "rank_00000.safetensors",
+            "rank_00001.json",
+            "rank_00001.safetensors",
+            "extra.txt",
+            "index.json",
+        }
         assert all(len(f["sha256"]) == 64 for f in info["files"].values())
         reader = ShardedReader(sorted((root / tag_for(step)).glob("rank_*.safetensors")))
         assert torch.equal(reader.read("t"), torch.full((4, 3), float(step)))
-    assert [s for s, _, c in list_checkpoints(root) if c] == [4, 6]          # keep_last=2
+    assert [s for s, _, c in list_checkpoints(root) if c] == [4, 6]  # keep_last=2
     assert newest_complete(root) == root / tag_for(6)
     assert not list(root.rglob("*.tmp"))
 
@@ -323,9 +349,14 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path, async_s
     _save_as_ranks(root, 2, async_save=async_save)
     errors = _as_ranks(root, 4, async_save=async_save, faults={"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
     assert sorted(errors) == [0, 1] and all(isinstance(e, SaveFailed) for e in errors.values()), errors
-    assert str(errors[0]) == str(errors[1]) == (
-        f"checkpoint step 4 failed: rank 1 could not write {root / tag_for(4) / 'rank_00001.safetensors'}: "
-        f"No space left on device (injected: MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
+    assert (
+        str(errors[0])
+        == str(errors[1])
+        == (
+            f"checkpoint step 4 failed: rank 1 could not write {root / tag_for(4) / 'rank_00001.safetensors'}: "
+            f"No space left on device (injected: MEGAMEMO_FAULT_FAIL_WRITE); nothing committed"
+        )
+    )
     assert [s for s, _, c in list_checkpoints(root)] == [2] and newest_complete(root) == root / tag_for(2)
 
 
@@ -354,24 +385,35 @@ def test_a_hole_or_an_overlap_in_the_pieces_fails_the_save_naming_the_tensor(tmp
     assert "t: the pieces cover 9 of its 12 values [4, 3] (a hole" in str(errors[0]), errors
     errors = _as_ranks(root, 4, registry=_overlapping)
     assert sorted(errors) == [0, 1] and isinstance(errors[1], SaveFailed)
-    assert ("t: boxes [[0, 2], [0, 3]] and [[1, 4], [0, 3]] overlap (written twice: rank_00000.safetensors, "
-            "rank_00001.safetensors)") in str(errors[0]), errors
-    assert list_checkpoints(root) == []                 # nothing committed, nothing left behind
+    assert (
+        "t: boxes [[0, 2], [0, 3]] and [[1, 4], [0, 3]] overlap (written twice: rank_00000.safetensors, "
+        "rank_00001.safetensors)"
+    ) in str(errors[0]), errors
+    assert list_checkpoints(root) == []  # nothing committed, nothing left behind
 
 
 def _index(*pieces):
     """A merged index by hand: (file, name, shape, box, flat) per piece."""
     files = {}
     for i, (rel, name, shape, box, flat) in enumerate(pieces):
-        files.setdefault(rel, {})[f"{name}#{i}"] = {"name": name, "shape": shape, "box": box, "flat": flat,
-                                                   "dtype": "F32"}
+        files.setdefault(rel, {})[f"{name}#{i}"] = {
+            "name": name,
+            "shape": shape,
+            "box": box,
+            "flat": flat,
+            "dtype": "F32",
+        }
     return {"files": files}
 
 
 def test_coverage_of_flat_fragments_and_boxes():
     whole = [[0, 4], [0, 3]]
-    ok = _index(("a", "w", [4, 3], whole, [0, 5]), ("b", "w", [4, 3], whole, [5, 12]),
-                ("a", "v", [4, 3], [[0, 4], [0, 1]], None), ("b", "v", [4, 3], [[0, 4], [1, 3]], None))
+    ok = _index(
+        ("a", "w", [4, 3], whole, [0, 5]),
+        ("b", "w", [4, 3], whole, [5, 12]),
+        ("a", "v", [4, 3], [[0, 4], [0, 1]], None),
+        ("b", "v", [4, 3], [[0, 4], [1, 3]], None),
+    )
     assert coverage_problems(ok) == []
     gap = _index(("a", "w", [4, 3], whole, [0, 5]), ("b", "w", [4, 3], whole, [6, 12]))
     assert coverage_problems(gap) == ["w: values [5, 6) of box [[0, 4], [0, 3]] are written by no rank (a hole)"]
@@ -396,8 +438,9 @@ def test_the_merged_index_is_committed_and_read_instead_of_the_headers(tmp_path,
     from_headers = ShardedReader(sorted(step.glob("rank_*.safetensors")))
     monkeypatch.setattr(ShardedReader, "__init__", lambda *a: pytest.fail("a rank file's header was opened"))
     reader = open_reader(step)
-    assert {n: sorted((e.file, e.key, e.box, e.dtype) for e in es) for n, es in reader.entries.items()} == \
-        {n: sorted((e.file, e.key, e.box, e.dtype) for e in es) for n, es in from_headers.entries.items()}
+    assert {n: sorted((e.file, e.key, e.box, e.dtype) for e in es) for n, es in reader.entries.items()} == {
+        n: sorted((e.file, e.key, e.box, e.dtype) for e in es) for n, es in from_headers.entries.items()
+    }
     assert torch.equal(reader.read("t"), torch.full((4, 3), 2.0))
     sh = Sharded(0, 1, None)
     reg = StateRegistry()
@@ -408,8 +451,10 @@ def test_the_merged_index_is_committed_and_read_instead_of_the_headers(tmp_path,
     monkeypatch.undo()
     # a rank file that contradicts the index (replaced after the commit, checksums made to match) is named at its
     # first read, as is one that is no safetensors file
-    for rel, data in (("rank_00001.safetensors", (step / "rank_00000.safetensors").read_bytes()),
-                      ("rank_00000.safetensors", b"\x80\x04not a safetensors file")):
+    for rel, data in (
+        ("rank_00001.safetensors", (step / "rank_00000.safetensors").read_bytes()),
+        ("rank_00000.safetensors", b"\x80\x04not a safetensors file"),
+    ):
         damaged = tmp_path / f"damaged-{rel}"
         shutil.copytree(step, damaged)
         (damaged / rel).write_bytes(data)
@@ -428,8 +473,8 @@ def test_half_written_flipped_or_truncated_checkpoints_are_never_resumed(tmp_pat
     root = tmp_path / "ckpt"
     for step in (2, 4, 6, 8):
         _store(root, keep=9).save(step, _registry(0, 1, step))
-    (root / tag_for(8) / MARKER).unlink()                          # a crash before the commit of step 8
-    victim = root / tag_for(6) / "rank_00000.safetensors"          # one byte flipped in step 6, size unchanged
+    (root / tag_for(8) / MARKER).unlink()  # a crash before the commit of step 8
+    victim = root / tag_for(6) / "rank_00000.safetensors"  # one byte flipped in step 6, size unchanged
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0x10
     victim.write_bytes(bytes(data))
@@ -437,7 +482,7 @@ def test_half_written_flipped_or_truncated_checkpoints_are_never_resumed(tmp_pat
     truncated.write_bytes(truncated.read_bytes()[:-5])
     with pytest.raises(CheckpointError, match=r"rank_00000.safetensors: sha256 differs"):
         verify(root / tag_for(6))
-    assert verify(root / tag_for(6), checksums=False)["step"] == 6   # sizes alone cannot see it
+    assert verify(root / tag_for(6), checksums=False)["step"] == 6  # sizes alone cannot see it
 
     store = _store(root, keep=9)
     store.log = print
@@ -446,8 +491,8 @@ def test_half_written_flipped_or_truncated_checkpoints_are_never_resumed(tmp_pat
     assert "step_00000006/rank_00000.safetensors: sha256 differs" in out and "aside to step_00000006.corrupt" in out
     assert "step_00000004/rank_00000.json: size" in out and "aside to step_00000004.corrupt" in out
     assert (root / "step_00000006.corrupt").is_dir() and (root / "step_00000004.corrupt").is_dir()
-    assert [s for s, _, c in list_checkpoints(root)] == [2, 8]    # bad ones out of the way; 8 never committed
-    elsewhere = tmp_path / "elsewhere" / tag_for(6)                # an explicit path is refused, never moved
+    assert [s for s, _, c in list_checkpoints(root)] == [2, 8]  # bad ones out of the way; 8 never committed
+    elsewhere = tmp_path / "elsewhere" / tag_for(6)  # an explicit path is refused, never moved
     shutil.copytree(root / "step_00000006.corrupt", elsewhere)
     with pytest.raises(CheckpointError, match="sha256 differs"):
         _store(root).select(str(elsewhere))
@@ -461,7 +506,7 @@ def test_half_written_flipped_or_truncated_checkpoints_are_never_resumed(tmp_pat
 def test_retention_removes_the_marker_first(tmp_path, monkeypatch):
     root = tmp_path / "ckpt"
     _store(root, keep=1).save(2, _registry(0, 1, 2))
-    monkeypatch.setattr(shutil, "rmtree", lambda p, ignore_errors=False: None)   # a kill during the removal
+    monkeypatch.setattr(shutil, "rmtree", lambda p, ignore_errors=False: None)  # a kill during the removal
     _store(root, keep=1).save(4, _registry(0, 1, 4))
     assert (root / tag_for(2)).is_dir() and not (root / tag_for(2) / MARKER).exists()
     assert [s for s, _, c in list_checkpoints(root) if c] == [4]
@@ -473,7 +518,7 @@ def test_different_model_is_a_clear_error_and_layouts_are_described(tmp_path):
     other = _store(root, model={"n_layer": 2, "d_model": 128})
     with pytest.raises(CheckpointError, match=r"model\.d_model: checkpoint 64 vs config 128"):
         other.check_compatible(root / tag_for(2))
-    two = _store(root, world=2, model={"n_layer": 2, "d_model": 64}, outcomes=LocalOutcomes())   # reads only
+    two = _store(root, world=2, model={"n_layer": 2, "d_model": 64}, outcomes=LocalOutcomes())  # reads only
     _, same, note = two.check_compatible(root / tag_for(2))
     assert not same and "resharding on load" in note and "dp=1 (1 ranks" in note and "dp=2 (2 ranks" in note
 
@@ -487,22 +532,33 @@ def _failing_rank_in_processes(rank, world, root):
 
     for async_save in (False, True):
         where = Path(root) / ("async" if async_save else "sync")
-        store = CheckpointStore(where, rank, world, 2, RunMeta({}, precision="fp32"),
-                                barrier=dist.barrier, async_save=async_save, commit_timeout_s=3, log=lambda m: None)
+        store = CheckpointStore(
+            where,
+            rank,
+            world,
+            2,
+            RunMeta({}, precision="fp32"),
+            barrier=dist.barrier,
+            async_save=async_save,
+            commit_timeout_s=3,
+            log=lambda m: None,
+        )
         store.faults = FaultPoints(rank, {"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
         store.save(2, _registry(rank, world, 2))
         store.finish()
         t0 = time.monotonic()
         with pytest.raises(SaveFailed) as e:
             store.save(4, _registry(rank, world, 4))
-            while not store.failed():                       # async: what the training loop polls every step
+            while not store.failed():  # async: what the training loop polls every step
                 assert time.monotonic() - t0 < 20
                 time.sleep(0.01)
             store.wait()
         assert time.monotonic() - t0 < 20
-        assert str(e.value) == (f"checkpoint step 4 failed: rank 1 could not write {where / tag_for(4)}/"
-                                f"rank_00001.safetensors: No space left on device (injected: "
-                                f"MEGAMEMO_FAULT_FAIL_WRITE); nothing committed")
+        assert str(e.value) == (
+            f"checkpoint step 4 failed: rank 1 could not write {where / tag_for(4)}/"
+            f"rank_00001.safetensors: No space left on device (injected: "
+            f"MEGAMEMO_FAULT_FAIL_WRITE); nothing committed"
+        )
         assert [s for s, _, c in list_checkpoints(where)] == [2]
     # a hung file system: rank 1's write of step 6 ends only once rank 0 has given up on it (or after 120 s)
     released = Path(root) / "rank-1-write-released"
@@ -511,18 +567,23 @@ def _failing_rank_in_processes(rank, world, root):
         end = time.monotonic() + 120
         while rank == 1 and not released.exists() and time.monotonic() < end:
             time.sleep(0.01)
+
     store.faults.write = hung
     t0 = time.monotonic()
-    with pytest.raises(SaveFailed, match=r"checkpoint step 6: the ranks' save outcomes did not all arrive .* "
-                                         r"checkpoint.commit_timeout_s=3 s"):
+    with pytest.raises(
+        SaveFailed,
+        match=r"checkpoint step 6: the ranks' save outcomes did not all arrive .* "
+        r"checkpoint.commit_timeout_s=3 s",
+    ):
         store.save(6, _registry(rank, world, 6))
         store.wait()
     if rank == 0:
         waited = time.monotonic() - t0
         released.touch()
-        assert 3 <= waited < 60, waited                     # the timeout, not rank 1's write (120 s)
-    assert (Path(root) / "async" / MARKER).exists() is False and newest_complete(Path(root) / "async").name == \
-        tag_for(2)
+        assert 3 <= waited < 60, waited  # the timeout, not rank 1's write (120 s)
+    assert (Path(root) / "async" / MARKER).exists() is False and newest_complete(Path(root) / "async").name == tag_for(
+        2
+    )
 
 
 @pytest.mark.multiproc
@@ -531,13 +592,17 @@ def test_a_failing_rank_fails_the_save_on_every_process(tmp_path):
 
 
 # ---- fault points (checkpoint/faults.py): what the crash tests and bench/soak.py replay ------------------------
-@pytest.mark.parametrize("env, rank, dies_at", [
-    ({"MEGAMEMO_FAULT_KILL_AT": "step:3"}, 1, ("step", 3, "SIGKILL")),          # any rank, its 3rd pass
-    ({"MEGAMEMO_FAULT_KILL_AT": "step:3:0"}, 1, None),                          # only rank 0
-    ({"MEGAMEMO_FAULT_KILL_AT": "step:3:0"}, 0, ("step", 3, "SIGKILL")),
-    ({"MEGAMEMO_FAULT_STOP_AT": "start-up:1:1"}, 1, ("start-up", 1, "SIGSTOP")),
-    ({"MEGAMEMO_FAULT_KILL_AT": "commit:2", "MEGAMEMO_FAULT_STOP_AT": "step:2:1"}, 1, ("step", 2, "SIGSTOP")),
-    ({}, 0, None)])
+@pytest.mark.parametrize(
+    "env, rank, dies_at",
+    [
+        ({"MEGAMEMO_FAULT_KILL_AT": "step:3"}, 1, ("step", 3, "SIGKILL")),  # any rank, its 3rd pass
+        ({"MEGAMEMO_FAULT_KILL_AT": "step:3:0"}, 1, None),  # only rank 0
+        ({"MEGAMEMO_FAULT_KILL_AT": "step:3:0"}, 0, ("step", 3, "SIGKILL")),
+        ({"MEGAMEMO_FAULT_STOP_AT": "start-up:1:1"}, 1, ("start-up", 1, "SIGSTOP")),
+        ({"MEGAMEMO_FAULT_KILL_AT": "commit:2", "MEGAMEMO_FAULT_STOP_AT": "step:2:1"}, 1, ("step", 2, "SIGSTOP")),
+        ({}, 0, None),
+    ],
+)
 def test_a_fault_point_fires_at_its_count_on_its_rank_only(env, rank, dies_at, monkeypatch, capsys):
     """Each point counts its own passes in the process; with a rank, only that rank acts; KILL_AT kills, STOP_AT stops
     (the soak then kills the whole job from outside)."""

@@ -14,6 +14,7 @@ segments (32 tokens, 32 of memory: the bound's width term follows the projection
 than init (std 0.05) so that the layers shape the prediction as trained ones do, and targets drawn from the model
 itself so that the probe's NLL is a trained model's (about 4 nats of 5.5), not random text's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,19 @@ from megamemo.model.scoring import score_segments
 from megamemo.util.rounding import RoundingCounter, unit_roundoff
 
 L, STREAMS, WARM, SEGMENTS = 32, 1, 2, 2
-WIDE = dict(variant="lamemo", n_token=256, n_layer=2, d_model=1024, n_head=16, d_head=64, d_inner=2048, dropout=0.0,
-            tgt_len=L, mem_len=L, init_std=0.05)
+WIDE = dict(
+    variant="lamemo",
+    n_token=256,
+    n_layer=2,
+    d_model=1024,
+    n_head=16,
+    d_head=64,
+    d_inner=2048,
+    dropout=0.0,
+    tgt_len=L,
+    mem_len=L,
+    init_std=0.05,
+)
 
 
 class Reblocked(TorchFunctionMode):
@@ -41,7 +53,7 @@ class Reblocked(TorchFunctionMode):
     def __init__(self, model):
         super().__init__()
         self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.wide = {}                      # fp32 copies of the weights (views of them), made once
+        self.wide = {}  # fp32 copies of the weights (views of them), made once
 
     def _halves(self, t, dim):
         """t in fp32, split in two along dim (the inner one); a weight's halves made once."""
@@ -88,30 +100,34 @@ def wide():
     recorded by a bf16 model with another accumulation order)."""
     torch.manual_seed(0)
     model = MemTransformerLM(ModelConfig(**WIDE)).eval()
-    run = in_bf16(model)                                   # the training run's bf16 module: memory and targets
+    run = in_bf16(model)  # the training run's bf16 module: memory and targets
     x = torch.randint(0, 256, ((WARM + SEGMENTS) * L, STREAMS), generator=torch.Generator().manual_seed(1))
     logp, memories, mem = [], [], None
     with torch.no_grad():
         for s in range(WARM + SEGMENTS):
-            lp, mem = run(x[s * L:(s + 1) * L], None, mem)
+            lp, mem = run(x[s * L : (s + 1) * L], None, mem)
             logp.append(lp.float())
             memories.append(mem)
     y = torch.distributions.Categorical(logits=torch.cat(logp)).sample()
-    segs = [(x[s * L:(s + 1) * L], y[s * L:(s + 1) * L]) for s in range(WARM, WARM + SEGMENTS)]
+    segs = [(x[s * L : (s + 1) * L], y[s * L : (s + 1) * L]) for s in range(WARM, WARM + SEGMENTS)]
     memory, stale = memories[WARM - 1], memories[WARM - 2]
     recorded = score(run, segs, memory, Reblocked(run))
     return model, segs, memory, stale, recorded
 
 
 def probe(segments, nll, tp=1):
-    return {"empty_start": False, "segments": [(x, y, n) for (x, y), n in zip(segments, nll, strict=True)],
-            "columns": [0, STREAMS], "path": "probe.safetensors", "layout": {"dp": 1, "tp": tp, "pp": 1}}
+    return {
+        "empty_start": False,
+        "segments": [(x, y, n) for (x, y), n in zip(segments, nll, strict=True)],
+        "columns": [0, STREAMS],
+        "path": "probe.safetensors",
+        "layout": {"dp": 1, "tp": tp, "pp": 1},
+    }
 
 
 def test_accumulation_noise_at_width_passes(wide):
     model, segs, memory, _, reblocked = wide
-    recorded = {"another accumulation order": reblocked,
-                "fp32": score(model, segs, memory.to(torch.float32))}
+    recorded = {"another accumulation order": reblocked, "fp32": score(model, segs, memory.to(torch.float32))}
     results = {name: check_probe(model, memory, probe(segs, nll), "bf16") for name, nll in recorded.items()}
     print({n: {k: r[k] for k in ("max_abs_diff", "mean_abs_diff", "tolerance")} for n, r in results.items()})
     # the old fixed tolerance (max 0.1, mean 0.01 nats) refuses the fp32 recording at this width
@@ -162,7 +178,7 @@ def test_rounding_counter_counts_what_rounds(dtype):
         h = ln(torch.relu(lin(x))) * 2.0
         torch.cat([h, y.to(dtype)]).view(-1).float()
     assert counter.count == 4
-    assert unit_roundoff(dtype) == {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    assert unit_roundoff(dtype) == {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
 
 
 def test_half_tolerance_is_the_stated_formula():
@@ -178,7 +194,7 @@ def test_half_tolerance_is_the_stated_formula():
     S = (lp - lp.mean(-1, keepdim=True)).pow(2).mean().sqrt().item()
     assert accumulation_width(model, L) == 96 and tp_roundings(model, 4) == 36
     tol = half_tolerance(model, torch.bfloat16, 50, probe([(x, x)], [None], tp=4), mem)
-    u, n = 2.0 ** -8 + 96 * 2.0 ** -24, 2 * 50 + 36
+    u, n = 2.0**-8 + 96 * 2.0**-24, 2 * 50 + 36
     assert tol["max"] == pytest.approx(2 * n * u * S, rel=1e-3)
     assert tol["mean"] == pytest.approx(2 * math.sqrt(n) * u * S, rel=1e-3)
 
@@ -186,8 +202,9 @@ def test_half_tolerance_is_the_stated_formula():
 def test_the_width_is_the_keys_when_segment_and_memory_outrun_every_projection():
     """Narrow projections (d_model 16, 2 x 8 heads, d_inner 24) and a segment of 20 after a memory of 40: the
     longest accumulation is attention's probabilities times values, over the 60 keys, and u_eff takes it."""
-    cfg = ModelConfig(**{**WIDE, "d_model": 16, "n_head": 2, "d_head": 8, "d_inner": 24, "n_layer": 1,
-                         "tgt_len": 20, "mem_len": 40})
+    cfg = ModelConfig(
+        **{**WIDE, "d_model": 16, "n_head": 2, "d_head": 8, "d_inner": 24, "n_layer": 1, "tgt_len": 20, "mem_len": 40}
+    )
     torch.manual_seed(5)
     model = in_bf16(MemTransformerLM(cfg))
     assert accumulation_width(model, 20) == 60 and accumulation_width(model, 50) == 90
@@ -195,4 +212,4 @@ def test_the_width_is_the_keys_when_segment_and_memory_outrun_every_projection()
     with torch.no_grad():
         _, mem = model(x)
     tol = half_tolerance(model, torch.bfloat16, 10, probe([(x, x)], [None]), mem)
-    assert tol["derived"]["unit_roundoff"] == 2.0 ** -8 + 60 * 2.0 ** -24
+    assert tol["derived"]["unit_roundoff"] == 2.0**-8 + 60 * 2.0**-24

@@ -1,5 +1,6 @@
 """The `megamemo` dispatcher (megamemo/cli.py): a subcommand's own exit code, an unknown one named with the list,
 and TorchDynamo off unless the user chose (see megamemo/kernels/compiler.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,11 @@ def environ(monkeypatch):
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     monkeypatch.delenv("MEGAMEMO_SET_TORCHDYNAMO_DISABLE", raising=False)
-    for module, name in ((quiet, "install"), (allocator, "tune_cpu_allocator"),
-                         (extensions, "use_writable_extensions_dir")):
+    for module, name in (
+        (quiet, "install"),
+        (allocator, "tune_cpu_allocator"),
+        (extensions, "use_writable_extensions_dir"),
+    ):
         monkeypatch.setattr(module, name, lambda *a, **k: None)
     return os.environ
 
@@ -28,7 +32,7 @@ def environ(monkeypatch):
 def test_a_subcommands_exit_code_is_the_commands(environ, tmp_path, capsys):
     assert cli.main(["verify-shards", str(tmp_path / "nowhere")]) == 1
     assert f"problem(s) in {tmp_path / 'nowhere'}" in capsys.readouterr().err
-    assert environ["TORCHDYNAMO_DISABLE"] == environ["MEGAMEMO_SET_TORCHDYNAMO_DISABLE"] == "1"   # megamemo's own
+    assert environ["TORCHDYNAMO_DISABLE"] == environ["MEGAMEMO_SET_TORCHDYNAMO_DISABLE"] == "1"  # megamemo's own
 
 
 def test_an_unknown_subcommand_is_named_with_the_list(environ, capsys):
@@ -49,10 +53,29 @@ def test_trains_flags_become_config_overrides():
     quoted for YAML."""
     from megamemo.commands.train import config_sets, parse_args
 
-    args = parse_args(["--config", "c.yaml", "--set", "optim.lr=1e-4", "--data", "d'x", "--tp", "2",
-                       "--max-steps", "0", "--set", "train.seed=3"])
-    assert config_sets(args) == ["optim.lr=1e-4", "train.seed=3", "data.dir='d''x'", "train.max_steps=0",
-                                 "parallel.tp=2"]
+    args = parse_args(
+        [
+            "--config",
+            "c.yaml",
+            "--set",
+            "optim.lr=1e-4",
+            "--data",
+            "d'x",
+            "--tp",
+            "2",
+            "--max-steps",
+            "0",
+            "--set",
+            "train.seed=3",
+        ]
+    )
+    assert config_sets(args) == [
+        "optim.lr=1e-4",
+        "train.seed=3",
+        "data.dir='d''x'",
+        "train.max_steps=0",
+        "parallel.tp=2",
+    ]
 
 
 def test_the_shared_flags_are_one_definition_the_same_on_every_machine(monkeypatch):
@@ -79,8 +102,11 @@ def test_the_shared_flags_are_one_definition_the_same_on_every_machine(monkeypat
                 # not these, other flags of the same name: plan's --device (the kind of ranks planned for),
                 # prepare's --dtype (the token ids' storage), convert import-reference's --config (the reference
                 # model's constructor arguments)
-                if flag in flags.SHARED and (name, flag) not in (("plan", "device"), ("prepare", "dtype"),
-                                                                 ("convert", "config")):
+                if flag in flags.SHARED and (name, flag) not in (
+                    ("plan", "device"),
+                    ("prepare", "dtype"),
+                    ("convert", "config"),
+                ):
                     shared = flags.SHARED[flag]
                     assert a.metavar == shared.get("metavar") and a.type == shared.get("type"), (name, flag)
                     assert set(shared.get("choices", ())) <= set(a.choices or ()), (name, flag)

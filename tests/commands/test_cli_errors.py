@@ -2,6 +2,7 @@
 line `megamemo COMMAND: error: ...` and exit 2; anything else is a bug, shown with its traceback, exit 1. And the
 flags made from a library request type (megamemo/commands/flags.py add_fields) are its fields, typed, defaulted and
 explained as the fields are."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,19 +25,24 @@ def quiet_process(monkeypatch):
     from megamemo.runtime import allocator, extensions, quiet
 
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    for module, name in ((quiet, "install"), (allocator, "tune_cpu_allocator"),
-                         (extensions, "use_writable_extensions_dir")):
+    for module, name in (
+        (quiet, "install"),
+        (allocator, "tune_cpu_allocator"),
+        (extensions, "use_writable_extensions_dir"),
+    ):
         monkeypatch.setattr(module, name, lambda *a, **k: None)
 
 
-@pytest.mark.parametrize("bug", [RuntimeError("a bug deep in plot"), ValueError("a bug deep in plot"),
-                                 KeyError("a bug deep in plot")])
+@pytest.mark.parametrize(
+    "bug", [RuntimeError("a bug deep in plot"), ValueError("a bug deep in plot"), KeyError("a bug deep in plot")]
+)
 def test_a_bug_in_a_command_exits_1_with_its_traceback(quiet_process, monkeypatch, capsys, bug):
     """Not a user error: a plain ValueError too (commands used to catch it, printing a bug as bad input)."""
     from megamemo.commands import plot
 
     def broken(argv):
         raise bug
+
     monkeypatch.setattr(plot, "main", broken)
     assert cli.main(["plot", "run"]) == 1
     err = capsys.readouterr().err
@@ -52,6 +58,7 @@ def test_trainings_exceptions_keep_their_own_exit_codes(quiet_process, monkeypat
 
     def escaped(argv):
         raise UsageError("an error training did not anticipate")
+
     monkeypatch.setattr(train, "main", escaped)
     monkeypatch.setattr(signals, "hold", lambda: None)
     assert cli.main(["train"]) == 1
@@ -67,11 +74,18 @@ def test_a_user_error_exits_2_in_one_line(quiet_process, tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("megamemo plot: error: ") and str(tmp_path / "run") in lines[0]
 
 
-@pytest.mark.parametrize("error", [MegamemoError("bad input named"), UsageError("--flag: bad value named"),
-                                   FileNotFoundError(2, "No such file or directory", "/no/such/file")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        MegamemoError("bad input named"),
+        UsageError("--flag: bad value named"),
+        FileNotFoundError(2, "No such file or directory", "/no/such/file"),
+    ],
+)
 def test_every_user_error_is_one_line_and_exit_2(capsys, error):
     def command(argv):
         raise error
+
     assert cli.run_command("eval", command, []) == 2
     assert capsys.readouterr().err == f"megamemo eval: error: {error}\n"
 
@@ -87,8 +101,17 @@ def test_the_projects_user_errors_derive_from_the_root():
     from megamemo.runtime.device import DeviceError
     from megamemo.train.replay import ReplayError
 
-    for kind in (ConfigError, ManifestError, ShardError, SingleCheckpointError, CheckpointError, PlotError,
-                 DeviceError, ReplayError, UsageError):
+    for kind in (
+        ConfigError,
+        ManifestError,
+        ShardError,
+        SingleCheckpointError,
+        CheckpointError,
+        PlotError,
+        DeviceError,
+        ReplayError,
+        UsageError,
+    ):
         assert issubclass(kind, MegamemoError), kind
     assert issubclass(ConfigError, ValueError) and issubclass(CheckpointError, RuntimeError)
 
@@ -96,13 +119,13 @@ def test_the_projects_user_errors_derive_from_the_root():
 # ---- flags from a request type ----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Toy:
-    path: str                       # where it is
-    count: int = 3                  # how many
-    scale: float | None = None      # by how much
-    keep: bool = False              # keep it
-    same: bool | None = None        # the same lengths (no: all of them; default: neither)
-    ratios: list[float] | None = None   # the ratios,
-                                    # comma-separated
+    path: str  # where it is
+    count: int = 3  # how many
+    scale: float | None = None  # by how much
+    keep: bool = False  # keep it
+    same: bool | None = None  # the same lengths (no: all of them; default: neither)
+    ratios: list[float] | None = None  # the ratios,
+    # comma-separated
 
 
 def toy_parser(**specs) -> argparse.ArgumentParser:
@@ -119,8 +142,12 @@ def test_a_fields_flag_has_its_type_default_and_comment():
     assert p.parse_args(["--path", "p", "--same"]).same is True
     helps = {a.option_strings[0]: a.help for a in p._actions if a.option_strings}
     assert helps["--ratios"] == "the ratios, comma-separated" and helps["--same"].startswith("the same lengths")
-    for bad in ([], ["--path", "p", "--count", "2"], ["--path", "p", "--count", "x"],
-                ["--path", "p", "--ratios", "1,x"]):
+    for bad in (
+        [],
+        ["--path", "p", "--count", "2"],
+        ["--path", "p", "--count", "x"],
+        ["--path", "p", "--ratios", "1,x"],
+    ):
         with pytest.raises(SystemExit) as e:
             p.parse_args(bad)
         assert e.value.code == 2, bad
@@ -129,17 +156,21 @@ def test_a_fields_flag_has_its_type_default_and_comment():
 def test_a_field_without_a_comment_has_no_flag():
     @dataclasses.dataclass
     class Unsaid:
-        said: int = 1               # said
+        said: int = 1  # said
         unsaid: int = 2
 
     with pytest.raises(TypeError, match="Unsaid.unsaid: no comment"):
         flags.add_fields(argparse.ArgumentParser(), Unsaid)
 
 
-@pytest.mark.parametrize("target, request_type, own", [
-    ("megamemo.commands.eval:main", "megamemo.eval.evaluate:Request", {"ckpt", "json", "plot", "table"}),
-    ("megamemo.commands.plan:main", "megamemo.plan.report:Ask", {"config", "vocab", "set"}),
-    ("megamemo.commands.generate:main", "megamemo.eval.generate:Request", {"ckpt", "out", "json"})])
+@pytest.mark.parametrize(
+    "target, request_type, own",
+    [
+        ("megamemo.commands.eval:main", "megamemo.eval.evaluate:Request", {"ckpt", "json", "plot", "table"}),
+        ("megamemo.commands.plan:main", "megamemo.plan.report:Ask", {"config", "vocab", "set"}),
+        ("megamemo.commands.generate:main", "megamemo.eval.generate:Request", {"ckpt", "out", "json"}),
+    ],
+)
 def test_a_commands_flags_are_its_request_types_fields(target, request_type, own):
     """Beside its own few flags, a command's flags are exactly its request type's fields, and parse into it."""
     import importlib

@@ -1,6 +1,7 @@
 """BlendReader: columns built from whole documents (or, for manifests without a document index, chunks) of
 several sources by weight. Checked against the documents as they were generated (not the manifest's index), the
 sources' own token streams, and token ids that tell the sources apart (an independent count of the mix)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,7 @@ from megamemo.data import Vocab, build, corpora, read_split
 from megamemo.data.blend import BlendError, BlendReader
 
 VOCAB = Vocab("words", [f"w{i}" for i in range(64)])
-CT = 256                      # chunk_tokens: the unit of a source without documents; documents span chunks and shards
+CT = 256  # chunk_tokens: the unit of a source without documents; documents span chunks and shards
 
 
 def source(out, seed: int, low: int, n: int):
@@ -25,8 +26,13 @@ def doc_source(out, seed: int, low: int, n_docs: int, mean_len: int) -> list[np.
     """A corpus of n_docs documents of 1 .. 2·mean_len - 1 tokens (ids in [low, low + 32)); returns the documents."""
     rng = np.random.default_rng(seed)
     docs = [rng.integers(low, low + 32, size=int(n)).astype(np.uint8) for n in rng.integers(1, 2 * mean_len, n_docs)]
-    build(corpora.from_arrays({"train": np.concatenate(docs)}, VOCAB, documents={"train": [d.size for d in docs]}),
-          out, chunk_tokens=CT, shard_bytes="4K", log=lambda m: None)
+    build(
+        corpora.from_arrays({"train": np.concatenate(docs)}, VOCAB, documents={"train": [d.size for d in docs]}),
+        out,
+        chunk_tokens=CT,
+        shard_bytes="4K",
+        log=lambda m: None,
+    )
     return docs
 
 
@@ -63,15 +69,17 @@ def test_token_mix_follows_the_weights(units, doc_sources, two_sources):
     (a, _), (b, _) = doc_sources if units == "documents" else [(d, None) for d in two_sources]
     r = BlendReader([(a, 7), (b, 3)], "train", batch_size=8, tgt_len=256, seed=5)
     assert [u.kind for u in r.units] == [units, units]
-    got = take(r, 2000)                                      # 4,096,000 tokens
+    got = take(r, 2000)  # 4,096,000 tokens
     ids = np.concatenate([x.numpy().ravel() for x, _ in got])
-    from_a = float((ids < 32).mean())                        # counted from the tokens themselves
+    from_a = float((ids < 32).mean())  # counted from the tokens themselves
     assert abs(from_a - 0.7) <= 0.02 and abs((1 - from_a) - 0.3) <= 0.02
     # what the log reports is what was read: integer counts over the same total, each quotient rounded once in
     # float64 (1 - from_a once more): 2 u64 relative (eps = 2 u64, twice that allowed)
     assert np.allclose(r.token_mix(), [from_a, 1 - from_a], rtol=2 * np.finfo(np.float64).eps, atol=0)
-    assert r.mix_line() == (f"[data] blend token mix over steps 1-2000: {a} {from_a:.1%} (weight 70.0%), "
-                            f"{b} {1 - from_a:.1%} (weight 30.0%)")
+    assert r.mix_line() == (
+        f"[data] blend token mix over steps 1-2000: {a} {from_a:.1%} (weight 70.0%), "
+        f"{b} {1 - from_a:.1%} (weight 30.0%)"
+    )
 
 
 def test_columns_are_whole_documents_of_the_sources_in_order(doc_sources):
@@ -90,12 +98,12 @@ def test_columns_are_whole_documents_of_the_sources_in_order(doc_sources):
             doc = docs[s][u]
             n = min(doc.size, col.size - pos)
             assert last - first == doc.size
-            assert np.array_equal(col[pos:pos + n], doc[:n])                # the document, from its first token
+            assert np.array_equal(col[pos : pos + n], doc[:n])  # the document, from its first token
             seen[s].append(u)
             pos, j = pos + n, j + 1
-        for s, units in seen.items():                                       # each source walked in order
+        for s, units in seen.items():  # each source walked in order
             assert all((v - u) % len(docs[s]) == 1 for u, v in zip(units, units[1:], strict=False))
-        assert seen[0] and seen[1]                                          # both sources in every column
+        assert seen[0] and seen[1]  # both sources in every column
 
 
 def test_without_a_document_index_columns_are_whole_chunks(two_sources):
@@ -110,10 +118,10 @@ def test_without_a_document_index_columns_are_whole_chunks(two_sources):
         pos, j = 0, 0
         while pos < col.size:
             s, u, first, last = sch.entry(j)
-            unit = streams[s][u * CT:(u + 1) * CT]
+            unit = streams[s][u * CT : (u + 1) * CT]
             n = min(unit.size, col.size - pos)
             assert first == pos and last - first == unit.size
-            assert np.array_equal(col[pos:pos + n], unit[:n])
+            assert np.array_equal(col[pos : pos + n], unit[:n])
             pos, j = pos + n, j + 1
 
 
@@ -128,8 +136,10 @@ def test_ranks_partition_and_resume_is_exact(doc_sources):
     again.load_state_dict(state)
     rest = take(again, 19)
     for k, (x, y) in enumerate(head + rest):
-        assert np.array_equal(x.numpy(), whole[k][0].numpy()[:, 2:]) and np.array_equal(y.numpy(), whole[k][1].numpy()[:, 2:])
-    four = BlendReader([(a, 2), (b, 1)], "train", world_size=4, rank=0, **kw)   # on another number of ranks
+        assert np.array_equal(x.numpy(), whole[k][0].numpy()[:, 2:]) and np.array_equal(
+            y.numpy(), whole[k][1].numpy()[:, 2:]
+        )
+    four = BlendReader([(a, 2), (b, 1)], "train", world_size=4, rank=0, **kw)  # on another number of ranks
     four.load_state_dict(state)
     for k, (x, _y) in enumerate(take(four, 19)):
         assert np.array_equal(x.numpy(), whole[11 + k][0].numpy()[:, :1])
@@ -144,15 +154,17 @@ def test_a_damaged_document_index_is_named(doc_sources, tmp_path):
     import shutil
 
     from megamemo.data import ShardError
+
     (a, _), _ = doc_sources
     bad = tmp_path / "a"
     shutil.copytree(a, bad)
     entry = json.loads((bad / "manifest.json").read_text())["splits"]["train"]["documents"]
     data = bytearray((bad / entry["file"]).read_bytes())
-    data[9] ^= 1                                              # document 1 starts elsewhere
+    data[9] ^= 1  # document 1 starts elsewhere
     (bad / entry["file"]).write_bytes(bytes(data))
-    with pytest.raises(ShardError, match=f"shard {bad / entry['file']}: document index: sha256 .* does not match "
-                                         f"manifest.json"):
+    with pytest.raises(
+        ShardError, match=f"shard {bad / entry['file']}: document index: sha256 .* does not match manifest.json"
+    ):
         BlendReader([(bad, 1)], "train", batch_size=2, tgt_len=16)
     (bad / entry["file"]).unlink()
     with pytest.raises(ShardError, match=f"shard {bad / entry['file']}: missing"):
@@ -165,8 +177,11 @@ def test_sources_with_another_tokenizer_are_refused(two_sources, tmp_path):
     build(corpora.enwik8(ENWIK8), e8, chunk_tokens=4096, shard_bytes="64K", log=lambda m: None)
     t8 = tmp_path / "text8"
     build(corpora.text8(TEXT8), t8, chunk_tokens=4096, shard_bytes="64K", log=lambda m: None)
-    with pytest.raises(BlendError, match=f"blend source 1 \\({t8}\\) has another tokenizer than source 0 "
-                                         f"\\({e8}\\): vocab.kind 'chars' vs 'bytes'"):
+    with pytest.raises(
+        BlendError,
+        match=f"blend source 1 \\({t8}\\) has another tokenizer than source 0 "
+        f"\\({e8}\\): vocab.kind 'chars' vs 'bytes'",
+    ):
         BlendReader([(e8, 1), (t8, 1)], "train", batch_size=2, tgt_len=16)
     with pytest.raises(BlendError, match="another tokenizer"):
         BlendReader([(a, 1), (e8, 1)], "train", batch_size=2, tgt_len=16)
@@ -187,8 +202,10 @@ def test_train_refuses_a_blend_of_two_tokenizers_by_name(two_sources, tmp_path, 
     blend = f"data.blend=[{{dir: {e8}, weight: 2}}, {{dir: {a}, weight: 1}}]"
     assert main(["--config", str(cfg), "--run-dir", str(tmp_path / "run"), "--set", blend]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"megamemo train: error: data.blend[1].dir: {a} has another "
-                                               f"tokenizer than data.blend[0].dir (vocab.kind 'words' vs 'bytes'")
+    assert len(err) == 1 and err[0].startswith(
+        f"megamemo train: error: data.blend[1].dir: {a} has another "
+        f"tokenizer than data.blend[0].dir (vocab.kind 'words' vs 'bytes'"
+    )
     assert main(["--config", str(cfg), "--set", f"data.blend=[{{dir: {e8}, weight: -1}}]"]) == 2
     assert "data.blend[0].weight: expected a positive number" in capsys.readouterr().err
 

@@ -1,4 +1,5 @@
 """Damaged shards and manifests are errors naming the shard (and offset), from the reader and verify-shards."""
+
 import hashlib
 import io
 import json
@@ -59,14 +60,17 @@ def test_truncated_tar(shard_dir, capsys):
     shard = load_manifest(shard_dir)["splits"]["train"]["shards"][2]
     path = shard_dir / shard["name"]
     name, off, size = members(path)[5]
-    os.truncate(path, off + size // 2)                 # cut inside a chunk's zstd data
+    os.truncate(path, off + size // 2)  # cut inside a chunk's zstd data
     with pytest.raises(ShardError, match=rf"{shard['name']}.*bytes, manifest.json says {shard['bytes']}"):
         read_all(shard_dir)
     verify_fails(shard_dir, capsys, shard["name"], "truncated tar", f"header at byte {off - 512}")
     # even if the manifest is edited to the new size, the structure check finds the cut and its offset
     edit_manifest(shard_dir, lambda m: m["splits"]["train"]["shards"][2].update(bytes=path.stat().st_size))
-    with pytest.raises(ShardError, match=rf"{shard['name']}: truncated tar: member '{name}' \(header at byte "
-                                         rf"{off - 512}\)"):
+    with pytest.raises(
+        ShardError,
+        match=rf"{shard['name']}: truncated tar: member '{name}' \(header at byte "
+        rf"{off - 512}\)",
+    ):
         read_all(shard_dir)
 
 
@@ -76,13 +80,16 @@ def test_broken_zstd_frame(shard_dir, capsys):
     zst = [(n, o, s) for n, o, s in members(path) if n.endswith(".tokens.zst")]
     name, off, size = zst[3]
     data = bytearray(path.read_bytes())
-    for k in range(off + size // 2, off + size // 2 + 8):   # flip bytes in the middle of the frame
+    for k in range(off + size // 2, off + size // 2 + 8):  # flip bytes in the middle of the frame
         data[k] ^= 0x5A
     path.write_bytes(bytes(data))
     token_offset = int(name.split(".")[0])
-    for prefetch in (0, 2):                                    # also through the background thread
-        with pytest.raises(ShardError, match=rf"{shard['name']}: chunk at token offset {token_offset} "
-                                             rf"\(byte {off}\): broken zstd frame"):
+    for prefetch in (0, 2):  # also through the background thread
+        with pytest.raises(
+            ShardError,
+            match=rf"{shard['name']}: chunk at token offset {token_offset} "
+            rf"\(byte {off}\): broken zstd frame",
+        ):
             read_all(shard_dir, prefetch=prefetch)
     verify_fails(shard_dir, capsys, shard["name"], "sha256")
 
@@ -103,10 +110,17 @@ def test_wrong_token_count(shard_dir, capsys):
                 info.size = len(payload)
             dst.addfile(info, io.BytesIO(payload))
     path.write_bytes(buf.getvalue())
-    edit_manifest(shard_dir, lambda mm: mm["splits"]["train"]["shards"][0].update(
-        bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest()))
-    with pytest.raises(ShardError, match=rf"{shard['name']}: chunk at token offset 4096 .* holds 1948 tokens .*"
-                                         rf"expected 2048"):
+    edit_manifest(
+        shard_dir,
+        lambda mm: mm["splits"]["train"]["shards"][0].update(
+            bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest()
+        ),
+    )
+    with pytest.raises(
+        ShardError,
+        match=rf"{shard['name']}: chunk at token offset 4096 .* holds 1948 tokens .*"
+        rf"expected 2048",
+    ):
         read_all(shard_dir)
     verify_fails(shard_dir, capsys, shard["name"], "token offset 4096", "expected 2048")
 
@@ -155,7 +169,7 @@ def test_corrupt_tar_header(shard_dir, capsys):
     path = shard_dir / shard["name"]
     _, off, _ = members(path)[4]
     data = bytearray(path.read_bytes())
-    data[off - 512 + 130] ^= 0x01                       # a digit of the size field of member 4's header
+    data[off - 512 + 130] ^= 0x01  # a digit of the size field of member 4's header
     path.write_bytes(bytes(data))
     with pytest.raises(ShardError, match=rf"{shard['name']}: corrupt tar header at byte {off - 512}"):
         read_all(shard_dir, split="valid")

@@ -1,6 +1,7 @@
 """`megamemo prepare`: split sizes, token streams and vocabularies against plain re-computations from the raw
 files (the Transformer-XL / awd-lstm preprocessing written out directly here), on the repository's text
 fixtures (tests/fixtures/text)."""
+
 import collections
 import glob
 import json
@@ -32,8 +33,11 @@ def xl_vocab(token_lists, special=()):
 
 def test_split_points_standard_enwik8():
     # the standard split of the 10^8-byte file, and the same proportions for a prefix
-    assert split_points(10**8) == {"train": (0, 90_000_000), "valid": (90_000_000, 95_000_000),
-                                   "test": (95_000_000, 10**8)}
+    assert split_points(10**8) == {
+        "train": (0, 90_000_000),
+        "valid": (90_000_000, 95_000_000),
+        "test": (95_000_000, 10**8),
+    }
     n = 4_154_063
     r = split_points(n)
     assert r["test"][1] - r["test"][0] == r["valid"][1] - r["valid"][0] == int(n * 0.05)
@@ -48,7 +52,7 @@ def test_enwik8_bytes_keeps_every_byte(tmp_path):
     m = load_manifest(tmp_path)
     assert m["format_version"] == 1 and m["corpus"] == "enwik8" and m["dtype"] == "<u1"
     assert m["vocab"]["size"] == 256 and len(load_vocab(tmp_path)) == 256
-    expected = {"train": raw[:n - 2 * h], "valid": raw[n - 2 * h:n - h], "test": raw[n - h:]}
+    expected = {"train": raw[: n - 2 * h], "valid": raw[n - 2 * h : n - h], "test": raw[n - h :]}
     assert len(m["splits"]["train"]["shards"]) > 1
     for split, data in expected.items():
         assert m["splits"][split]["n_tokens"] == len(data)
@@ -67,7 +71,7 @@ def test_enwik8_reference_matches_prep_enwik8(tmp_path):
     # Transformer-XL then reads lines, whitespace-splits, adds no <eos>: newline bytes vanish.
     n = len(raw)
     h = n * 5 // 100
-    parts = [raw[:n - 2 * h], raw[n - 2 * h:n - h], raw[n - h:]]
+    parts = [raw[: n - 2 * h], raw[n - 2 * h : n - h], raw[n - h :]]
     files = [" ".join(str(c) if c != 10 else "\n" for c in part) for part in parts]
     tokens = [[t for line in f.split("\n") for t in line.split()] for f in files]
     symbols = xl_vocab(tokens)
@@ -83,7 +87,7 @@ def test_text8_chars_and_reference(tmp_path):
     src = TEXT8
     n = len(raw)
     h = n * 5 // 100
-    parts = [raw[:n - 2 * h].decode(), raw[n - 2 * h:n - h].decode(), raw[n - h:].decode()]
+    parts = [raw[: n - 2 * h].decode(), raw[n - 2 * h : n - h].decode(), raw[n - h :].decode()]
 
     prepare("text8", "--raw", src, "--out", tmp_path / "chars")
     alphabet = " abcdefghijklmnopqrstuvwxyz"
@@ -116,7 +120,7 @@ def test_wikitext103_token_counts_and_vocab(tmp_path):
     (raw / "wiki.train.tokens").write_bytes(WIKITEXT["valid"].read_bytes())
     prepare("wikitext-103", "--raw", raw, "--out", tmp_path / "out", "--chunk-tokens", 8192)
     m = load_manifest(tmp_path / "out")
-    for s in ("valid", "test"):      # Transformer-XL's count: whitespace-split words plus one <eos> per line
+    for s in ("valid", "test"):  # Transformer-XL's count: whitespace-split words plus one <eos> per line
         lines = WIKITEXT[s].read_text(encoding="utf-8").splitlines()
         assert m["splits"][s]["n_tokens"] == sum(len(line.split()) + 1 for line in lines) > 20_000
 
@@ -136,10 +140,12 @@ def test_wikitext103_token_counts_and_vocab(tmp_path):
     # as the Transformer-XL tokenisation normalised them; unknown test words come back as <unk>
     def text(lines, known=lambda w: w):
         return "".join(" ".join(known(w) for w in line[:-1]) + "\n" for line in lines)
+
     assert vocab.decode(read_split(tmp_path / "out", "valid")) == text(valid_lines)
-    assert vocab.decode(read_split(tmp_path / "out", "test")) == \
-        text(xl_tokenize(WIKITEXT["test"]), lambda w: w if w in idx else "<unk>")
-    assert vocab.decode([idx["the"], idx["<eos>"], idx["of"]]) == "the\nof"      # an unfinished last line
+    assert vocab.decode(read_split(tmp_path / "out", "test")) == text(
+        xl_tokenize(WIKITEXT["test"]), lambda w: w if w in idx else "<unk>"
+    )
+    assert vocab.decode([idx["the"], idx["<eos>"], idx["of"]]) == "the\nof"  # an unfinished last line
 
     # a given vocabulary file replaces train; the same ids come out
     (raw / "wiki.train.tokens").unlink()
@@ -167,7 +173,7 @@ def test_text_corpus_bytes_jsonl_and_words(tmp_path):
     words = "<unk> world <eos> <unk> <unk> <eos> doc <unk> <eos> doc <eos> <unk> <eos>".split()
     assert read_split(tmp_path / "words", "train").tolist() == [ids[w] for w in words]
     assert read_split(tmp_path / "words", "valid").tolist() == [4, 1, 1, 0]
-    for d in ("bytes", "words"):        # plain text in the mix: a flat stream, no document index
+    for d in ("bytes", "words"):  # plain text in the mix: a flat stream, no document index
         assert not any("documents" in sp for sp in load_manifest(tmp_path / d)["splits"].values())
 
 
@@ -182,15 +188,28 @@ def test_jsonl_records_are_documents_in_a_document_index(tmp_path):
     """Every jsonl record is a document: the index holds where each one starts (from the records themselves,
     byte-level with --doc-sep, and as words with an <eos> per line of the record); verify-shards checks it."""
     from megamemo.data import verify_shards
+
     texts = [f"record {i} " + "é" * (i % 5) + ("\nsecond line" if i % 3 == 0 else "") for i in range(120)]
     raw = tmp_path / "r.jsonl"
     raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    prepare("text", "--raw", raw, "--doc-sep", "||", "--out", tmp_path / "bytes", "--chunk-tokens", 256,
-            "--shard-size", "1K")
+    prepare(
+        "text",
+        "--raw",
+        raw,
+        "--doc-sep",
+        "||",
+        "--out",
+        tmp_path / "bytes",
+        "--chunk-tokens",
+        256,
+        "--shard-size",
+        "1K",
+    )
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("<eos>\n<unk>\nrecord\n")
-    prepare("text", "--raw", raw, "--vocab", vocab, "--out", tmp_path / "words", "--chunk-tokens", 64,
-            "--shard-size", "1K")
+    prepare(
+        "text", "--raw", raw, "--vocab", vocab, "--out", tmp_path / "words", "--chunk-tokens", 64, "--shard-size", "1K"
+    )
     # whole lines 90/5/5 by byte position: a record belongs to the split its line starts in
     n = raw.stat().st_size
     cut1, cut2 = n - 2 * (n * 5 // 100), n - n * 5 // 100
@@ -200,8 +219,10 @@ def test_jsonl_records_are_documents_in_a_document_index(tmp_path):
         pos += len(json.dumps({"text": t})) + 1
     for split, ts in mine.items():
         assert ts
-        lengths = {"bytes": [len(t.encode()) + 2 for t in ts],
-                   "words": [len(t.split()) + t.count("\n") + 1 for t in ts]}
+        lengths = {
+            "bytes": [len(t.encode()) + 2 for t in ts],
+            "words": [len(t.split()) + t.count("\n") + 1 for t in ts],
+        }
         for d, lens in lengths.items():
             assert document_starts(tmp_path / d, split) == np.concatenate(([0], np.cumsum(lens)[:-1])).tolist()
             assert read_split(tmp_path / d, split).size == sum(lens)
@@ -210,22 +231,40 @@ def test_jsonl_records_are_documents_in_a_document_index(tmp_path):
     f.write_bytes(f.read_bytes()[:-8])
     assert verify_shards(tmp_path / "bytes", log=lambda m: None) == [
         f"shard {f}: the document index is {f.stat().st_size} bytes, manifest.json says {f.stat().st_size + 8} "
-        f"(truncated?)"]
+        f"(truncated?)"
+    ]
 
 
 def test_an_error_mid_split_leaves_nothing_behind(tmp_path, capsys):
     """A bad record found after shards of the split were written (and one was open): one line, and the output
     directory holds exactly what it held before, no hidden partial file either."""
     raw = tmp_path / "late.jsonl"
-    raw.write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(300))
-                   + "{not json\n")
+    raw.write_text(
+        "".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(300)) + "{not json\n"
+    )
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    for args in ([], ["--vocab", tmp_path / "v.txt"]):      # byte-level and word-level, each split in sequence
+    for args in ([], ["--vocab", tmp_path / "v.txt"]):  # byte-level and word-level, each split in sequence
         (tmp_path / "v.txt").write_text("<eos>\n<unk>\ndocument\n")
-        assert prepare_main(["text", "--raw", str(raw), "--out", str(out), "--chunk-tokens", "256",
-                             "--shard-size", "1K", "--quiet", *map(str, args)]) == 2
+        assert (
+            prepare_main(
+                [
+                    "text",
+                    "--raw",
+                    str(raw),
+                    "--out",
+                    str(out),
+                    "--chunk-tokens",
+                    "256",
+                    "--shard-size",
+                    "1K",
+                    "--quiet",
+                    *map(str, args),
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "late.jsonl: line 301, column 2: not a JSON object" in err[0], err
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
@@ -274,14 +313,18 @@ def test_shards_are_webdataset_readable_and_reproducible(tmp_path):
         assert arr.size == meta["n_tokens"]
         pieces.append(arr)
         offset += arr.size
-    assert np.concatenate(pieces).tobytes() == raw.read_bytes()[:m1["splits"]["train"]["n_tokens"]]
+    assert np.concatenate(pieces).tobytes() == raw.read_bytes()[: m1["splits"]["train"]["n_tokens"]]
 
 
 def test_python_m_megamemo_data_and_errors(tmp_path):
     raw = tmp_path / "t8"
     raw.write_bytes(TEXT8.read_bytes()[:50_000])
-    r = subprocess.run([sys.executable, "-m", "megamemo.data", "prepare", "text8", "--raw", str(raw),
-                        "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "megamemo.data", "prepare", "text8", "--raw", str(raw), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "[prepare] train:" in r.stderr and "tokens" in r.stderr  # progress / throughput lines
     # an existing output is not overwritten silently
@@ -292,22 +335,33 @@ def test_python_m_megamemo_data_and_errors(tmp_path):
     bad.write_bytes(b"abc def\nghi")
     with pytest.raises(ValueError, match=r"bad.*0x0a at byte offset 7"):
         from megamemo.data import build, corpora
+
         build(corpora.text8(bad), tmp_path / "bad_out", log=lambda m: None)
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("latin1.txt", "caf\u00e9 au lait\nna\u00efve\n".encode("latin-1"), "latin1.txt: line 1, column 4: not UTF-8 (byte 0xe9"),
-    ("late.txt", b"ok\n" * 5000 + b"fine then \xff\n", "late.txt: line 5001, column 11: not UTF-8 (byte 0xff"),
-    ("latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "latin1.jsonl: line 2, column 14: not UTF-8"),
-    ("fields.jsonl", b'{"text": "ok"}\n\n{"body": "b"}\n', "fields.jsonl: line 3: no field 'text'"),
-    ("typed.jsonl", b'{"text": 5}\n', "typed.jsonl: line 1: field 'text' is int, not a string")])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        (
+            "latin1.txt",
+            "caf\u00e9 au lait\nna\u00efve\n".encode("latin-1"),
+            "latin1.txt: line 1, column 4: not UTF-8 (byte 0xe9",
+        ),
+        ("late.txt", b"ok\n" * 5000 + b"fine then \xff\n", "late.txt: line 5001, column 11: not UTF-8 (byte 0xff"),
+        ("latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "latin1.jsonl: line 2, column 14: not UTF-8"),
+        ("fields.jsonl", b'{"text": "ok"}\n\n{"body": "b"}\n', "fields.jsonl: line 3: no field 'text'"),
+        ("typed.jsonl", b'{"text": 5}\n', "typed.jsonl: line 1: field 'text' is int, not a string"),
+    ],
+)
 @pytest.mark.parametrize("tokenizer", [[], ["--tokenizer", "bpe:300"]], ids=["bytes", "bpe"])
 def test_a_bad_text_corpus_exits_2_naming_its_line_and_column(tmp_path, capsys, name, content, message, tokenizer):
     """docs/corpus.md: UTF-8 text, jsonl records with the field; anything else is exit 2 and one line naming the
     file, the line and the column (a Latin-1 text was stored as bytes, a jsonl error said "byte 0", issue 50)."""
     (tmp_path / name).write_bytes(content)
-    assert prepare_main(["text", "--raw", str(tmp_path / name), "--out", str(tmp_path / "out"), "--quiet",
-                         *tokenizer]) == 2
+    assert (
+        prepare_main(["text", "--raw", str(tmp_path / name), "--out", str(tmp_path / "out"), "--quiet", *tokenizer])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megamemo prepare: error:") and message in err[0], err
     assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ damaged / missing / truncated objects are named with their chunk, a stopped serv
 error (reader and `megamemo train`), a 2-process training run from s3:// equals the local one across a kill -9,
 http:// and gs:// (a GCS emulator on loopback) read like local, credentials in URLs are refused, and blends mix
 local and s3:// sources, reading a remote document index through the verified cache."""
+
 from __future__ import annotations
 
 import contextlib
@@ -88,12 +89,13 @@ def test_s3_batches_equal_local_and_the_cache_holds_verified_shards(local_shards
     assert len(got) == len(expect) > 0
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expect, strict=True))
     entries = r.manifest["splits"]["train"]["shards"]
-    assert fetched == sum(e["bytes"] for e in entries)        # each shard fetched once, for both epochs
+    assert fetched == sum(e["bytes"] for e in entries)  # each shard fetched once, for both epochs
     cached = sorted(p.name for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
     assert cached == sorted(f"{e['sha256']}.tar" for e in entries)
-    for e in entries:                                           # named by content, and the content is the shard's
-        assert (tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar").read_bytes() == \
-            (local_shards / e["name"]).read_bytes()
+    for e in entries:  # named by content, and the content is the shard's
+        assert (tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar").read_bytes() == (
+            local_shards / e["name"]
+        ).read_bytes()
     assert not list((tmp_path / "cache").rglob("*.partial"))
     with StreamReader(remote_shards, "train", remote_options=opts(tmp_path), **kw) as again:  # warm cache
         assert len(batches(again, 5)) == 5 and again.cache_info()["fetched_bytes"] == 0
@@ -108,12 +110,12 @@ def test_cache_limit_evicts_least_recently_used(local_shards, remote_shards, tmp
     try:
         path = lambda e: tmp_path / "cache" / "sha256" / f"{e['sha256']}.tar"  # noqa: E731
         past = time.time() - 3600
-        for k, e in enumerate(entries[:3]):     # used in this order, an hour ago: explicit times, no clock races
+        for k, e in enumerate(entries[:3]):  # used in this order, an hour ago: explicit times, no clock races
             os.close(store.open(e, "test"))
             os.utime(path(e), (past + k, past + k))
-        os.close(store.open(entries[0], "test"))           # used again: now the most recent
+        os.close(store.open(entries[0], "test"))  # used again: now the most recent
         assert path(entries[0]).stat().st_mtime > past + 2
-        os.close(store.open(entries[3], "test"))           # over the limit: entries[1], least recently used, goes
+        os.close(store.open(entries[3], "test"))  # over the limit: entries[1], least recently used, goes
         assert [path(e).exists() for e in entries] == [True, False, True, True]
         total = sum(p.stat().st_size for p in (tmp_path / "cache" / "sha256").glob("*.tar"))
         assert total <= limit
@@ -135,14 +137,14 @@ def test_a_cached_shard_damaged_in_place_is_fetched_again(local_shards, remote_s
     try:
         os.close(store.open(entry, "test"))
         assert cached.read_bytes() == want and store.fetched_bytes == entry["bytes"]
-        os.close(store.open(entry, "test"))                 # verified: used again without a fetch or a line
+        os.close(store.open(entry, "test"))  # verified: used again without a fetch or a line
         assert store.fetched_bytes == entry["bytes"] and not lines
     finally:
         store.close()
     damaged = bytearray(want)
     damaged[len(damaged) // 2] ^= 0x01
-    cached.write_bytes(bytes(damaged))                      # same size, one bit off
-    monkeypatch.setattr(remote, "_VERIFIED", set())         # a new process: nothing of the cache verified yet
+    cached.write_bytes(bytes(damaged))  # same size, one bit off
+    monkeypatch.setattr(remote, "_VERIFIED", set())  # a new process: nothing of the cache verified yet
     store = RemoteShards(remote_shards, opts(tmp_path, lines))
     try:
         fd = store.open(entry, "test")
@@ -150,13 +152,15 @@ def test_a_cached_shard_damaged_in_place_is_fetched_again(local_shards, remote_s
             assert os.pread(fd, len(want) + 1, 0) == want
         finally:
             os.close(fd)
-        assert store.fetched_bytes == entry["bytes"]        # fetched again, once
+        assert store.fetched_bytes == entry["bytes"]  # fetched again, once
     finally:
         store.close()
     assert cached.read_bytes() == want
-    assert len(lines) == 1 and lines[0] == (f"[data] cache {cached}: its sha256 does not match "
-                                            f"{remote_shards}/{entry['name']}'s in manifest.json (damaged in place); "
-                                            f"fetching it again"), lines
+    assert len(lines) == 1 and lines[0] == (
+        f"[data] cache {cached}: its sha256 does not match "
+        f"{remote_shards}/{entry['name']}'s in manifest.json (damaged in place); "
+        f"fetching it again"
+    ), lines
 
 
 @pytest.mark.parametrize("corpus", ["bytes", "subword"])
@@ -171,8 +175,12 @@ def test_a_damaged_vocabulary_or_tokenizer_file_is_named(corpus, s3_server, loca
     src = local_shards
     if corpus == "subword":
         raw = tmp_path / "docs.jsonl"
-        raw.write_text("".join(json.dumps({"text": f"document {i}: " + "words and more words " * (i % 9 + 1)}) + "\n"
-                               for i in range(200)))
+        raw.write_text(
+            "".join(
+                json.dumps({"text": f"document {i}: " + "words and more words " * (i % 9 + 1)}) + "\n"
+                for i in range(200)
+            )
+        )
         src = tmp_path / "subword"
         assert prepare_main(["text", "--raw", str(raw), "--tokenizer", "bpe:300", "--out", str(src), "--quiet"]) == 0
     vocab = json.loads((src / "manifest.json").read_text())["vocab"]
@@ -181,9 +189,9 @@ def test_a_damaged_vocabulary_or_tokenizer_file_is_named(corpus, s3_server, loca
     with pytest.raises(ManifestError) as e:
         RemoteShards(url, opts(tmp_path))
     assert str(e.value) == f"{url}/{vocab['file']}: sha256 does not match manifest.json field vocab.sha256"
-    assert not list((tmp_path / "cache" / "meta").rglob(vocab["file"]))        # never staged
+    assert not list((tmp_path / "cache" / "meta").rglob(vocab["file"]))  # never staged
     good = upload(src, f"vocab-{corpus}-good")
-    store = RemoteShards(good, opts(tmp_path))                                  # the control: the same, undamaged
+    store = RemoteShards(good, opts(tmp_path))  # the control: the same, undamaged
     store.close()
     assert (store.meta_dir / vocab["file"]).read_bytes() == (src / vocab["file"]).read_bytes()
 
@@ -195,11 +203,13 @@ def flip_a_byte(target: str):
         b = bytearray(data)
         b[len(b) // 2] ^= 0xFF
         return bytes(b)
+
     return damage
 
 
 def test_damaged_missing_and_truncated_objects_are_named(local_shards, remote_shards, tmp_path):
     import json
+
     m = json.loads((local_shards / "manifest.json").read_text())
     second = m["splits"]["train"]["shards"][1]
     url = upload(local_shards, "corrupt", flip_a_byte(second["name"]))
@@ -211,26 +221,34 @@ def test_damaged_missing_and_truncated_objects_are_named(local_shards, remote_sh
     assert f"chunk at token offset {second['offset']}" in msg
     assert "\n" not in msg
     reader.close()
-    assert not (tmp_path / "cache" / "sha256" / f"{second['sha256']}.tar").exists()   # never used, never kept
+    assert not (tmp_path / "cache" / "sha256" / f"{second['sha256']}.tar").exists()  # never used, never kept
     assert not list((tmp_path / "cache").rglob("*.partial"))
 
     url = upload(local_shards, "missing", lambda n, d: None if n == second["name"] else d)
     with pytest.raises(ShardError, match=f"shard {url}/{second['name']}: missing"):
         StreamReader(url, "train", batch_size=1, tgt_len=64, remote_options=opts(tmp_path))
     url = upload(local_shards, "short", lambda n, d: d[:-700] if n == second["name"] else d)
-    with pytest.raises(ShardError, match=f"shard {url}/{second['name']}: the object is .* manifest.json says "
-                                         f"{second['bytes']} \\(truncated\\?\\)"):
+    with pytest.raises(
+        ShardError,
+        match=f"shard {url}/{second['name']}: the object is .* manifest.json says {second['bytes']} \\(truncated\\?\\)",
+    ):
         StreamReader(url, "train", batch_size=1, tgt_len=64, remote_options=opts(tmp_path))
 
 
 def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path):
-    with serving() as server:        # its own server: stopping it must not disturb the other tests
+    with serving() as server:  # its own server: stopping it must not disturb the other tests
         url = upload(local_shards, "down")
         lines: list[str] = []
-        reader = StreamReader(url, "train", batch_size=1, tgt_len=2048, block_tokens=2048,
-                              remote_options=opts(tmp_path, lines, retries=2, retry_backoff_s=0.01))
+        reader = StreamReader(
+            url,
+            "train",
+            batch_size=1,
+            tgt_len=2048,
+            block_tokens=2048,
+            remote_options=opts(tmp_path, lines, retries=2, retry_backoff_s=0.01),
+        )
         it = iter(reader)
-        next(it)                     # reading: the first shard is here, the read-ahead fetches the second
+        next(it)  # reading: the first shard is here, the read-ahead fetches the second
         assert reader.source.remote._pending or len(list((tmp_path / "cache" / "sha256").glob("*.tar"))) <= 2
         server.stop()
         with pytest.raises(StoreUnavailableError) as e:
@@ -246,7 +264,7 @@ def test_store_down_mid_read_retries_then_names_the_error(local_shards, tmp_path
 
 
 # ---- training from s3:// ---------------------------------------------------------------------------------------
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, remote_shards, tmp_path):
     """`megamemo train` on 2 ranks from s3://bucket/prefix: the per-step losses of the local directory's run,
     bit for bit, also when one rank is killed -9 mid-run and the job resumes from the remote directory."""
@@ -273,10 +291,10 @@ def test_two_process_training_from_s3_equals_local_across_kill9(local_shards, re
     assert sorted(losses(run_dir)) == list(range(1, 21))
     assert losses(run_dir) == losses(ref_dir)
     assert_no_corrupt_checkpoint(run_dir)
-    assert "testing" not in (run_dir / "config.yaml").read_text()     # no credentials in what the run wrote
+    assert "testing" not in (run_dir / "config.yaml").read_text()  # no credentials in what the run wrote
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_path):
     """The server stops after the first commit; with a cache of one byte nothing is kept on disk, so the next fetch
     (the training reader's, when the next epoch starts again at the first chunk; the probe keeps its reader from
@@ -289,9 +307,24 @@ def test_training_with_the_store_down_ends_with_a_named_error(local_shards, tmp_
         cfg = tmp_path / "tiny.yaml"
         cfg.write_text(TINY)
         run_dir = tmp_path / "run"
-        procs = launch(1, cfg, url, run_dir, "--max-steps", "1000", "--save-every", "3", "--set",
-                       f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.cache_size=1B", "--set",
-                       "data.retries=2", "--set", "data.retry_backoff_s=0.05")
+        procs = launch(
+            1,
+            cfg,
+            url,
+            run_dir,
+            "--max-steps",
+            "1000",
+            "--save-every",
+            "3",
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "data.cache_size=1B",
+            "--set",
+            "data.retries=2",
+            "--set",
+            "data.retry_backoff_s=0.05",
+        )
         deadline = time.time() + 120
         while not committed_steps(run_dir) if (run_dir / "checkpoints").exists() else True:
             assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
@@ -335,12 +368,15 @@ def test_http_directory_reads_like_the_local_one(local_shards, tmp_path):
     from megamemo.runtime.dist import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port), "-d",
-                               str(local_shards.parent)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port), "-d", str(local_shards.parent)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = f"http://127.0.0.1:{port}/{local_shards.name}"
         deadline = time.time() + 20
-        while True:                     # until the server listens
+        while True:  # until the server listens
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 break
@@ -374,8 +410,9 @@ def test_gs_directory_reads_like_the_local_one_and_a_corrupted_object_is_named(l
         with pytest.raises(ShardError) as e:
             batches(StreamReader(bad, "train", batch_size=1, tgt_len=4096, remote_options=opts(tmp_path / "b")))
     expect = batches(StreamReader(local_shards, "train", **kw))
-    assert len(got) == len(expect) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                                           for a, b in zip(got, expect, strict=True))
+    assert len(got) == len(expect) and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expect, strict=True)
+    )
     msg = str(e.value)
     assert msg.startswith(f"shard {bad}/{second['name']}: chunk at token offset {second['offset']}")
     assert "does not match manifest.json" in msg and "\n" not in msg
@@ -397,10 +434,42 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     results = {}
     for name, data in (("local", local_shards), ("s3", remote_shards)):
         out = tmp_path / f"{name}.json"
-        assert evaluate.main(["--ckpt", str(ckpt), "--data", str(data), "--split", "test", "--batch-size", "3",
-                              "--max-segments", "40", "--json", str(out)]) == 0
-        assert analyze.main(["--ckpt", str(ckpt), "--data", str(data), "--segments", "4", "--batch-size", "2",
-                             "--out", str(tmp_path / f"an-{name}")]) == 0
+        assert (
+            evaluate.main(
+                [
+                    "--ckpt",
+                    str(ckpt),
+                    "--data",
+                    str(data),
+                    "--split",
+                    "test",
+                    "--batch-size",
+                    "3",
+                    "--max-segments",
+                    "40",
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+        assert (
+            analyze.main(
+                [
+                    "--ckpt",
+                    str(ckpt),
+                    "--data",
+                    str(data),
+                    "--segments",
+                    "4",
+                    "--batch-size",
+                    "2",
+                    "--out",
+                    str(tmp_path / f"an-{name}"),
+                ]
+            )
+            == 0
+        )
         results[name] = (json.loads(out.read_text()), json.loads((tmp_path / f"an-{name}/analysis.json").read_text()))
     (ev_local, an_local), (ev_s3, an_s3) = results["local"], results["s3"]
     assert ev_s3["tokens"] == ev_local["tokens"] == 40 * 12 * 3 and ev_s3["nll"] == ev_local["nll"]
@@ -412,7 +481,8 @@ def test_eval_and_analyze_take_an_s3_directory(local_shards, remote_shards, tmp_
     capsys.readouterr()
     assert cli.run_command("eval", evaluate.main, ["--ckpt", str(ckpt), "--data", url, "--split", "test"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"megamemo eval: error: shard {url}/{test_shard}: missing (listed in manifest.json)"]
+        f"megamemo eval: error: shard {url}/{test_shard}: missing (listed in manifest.json)"
+    ]
 
 
 def test_credentials_in_a_url_are_refused_without_echoing_them(tmp_path):
@@ -432,10 +502,24 @@ def test_train_names_a_missing_object_before_building_anything(local_shards, s3_
     url = upload(local_shards, "missing-cli", lambda n, d: None if n == "train-000002.tar" else d)
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)
-    assert main(["--config", str(cfg), "--data", url, "--run-dir", str(tmp_path / "run"),
-                 "--set", f"data.cache_dir={tmp_path / 'cache'}"]) == 2
+    assert (
+        main(
+            [
+                "--config",
+                str(cfg),
+                "--data",
+                url,
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--set",
+                f"data.cache_dir={tmp_path / 'cache'}",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"megamemo train: error: shard {url}/train-000002.tar: missing (listed in manifest.json)"]
+        f"megamemo train: error: shard {url}/train-000002.tar: missing (listed in manifest.json)"
+    ]
     assert not (tmp_path / "run").exists()
 
 
@@ -480,24 +564,39 @@ def test_a_blend_reads_the_document_index_of_an_s3_source_through_the_verified_c
 
     def damage(name, data):
         return data[:8] + bytes([data[8] ^ 1]) + data[9:] if name == entry["file"] else data
+
     bad = upload(local, "docs-bad", damage)
-    with pytest.raises(ShardError, match=f"shard {bad}/{entry['file']}: document index of split train: sha256 .* "
-                                         f"does not match manifest.json"):
+    with pytest.raises(
+        ShardError,
+        match=f"shard {bad}/{entry['file']}: document index of split train: sha256 .* does not match manifest.json",
+    ):
         BlendReader([(bad, 1)], "train", remote_options=opts(tmp_path / "other"), **kw)
     assert not list((tmp_path / "other").rglob("*.bin")) and not list((tmp_path / "other").rglob("*.partial"))
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_training_on_a_blend_of_local_and_s3_logs_its_token_mix(local_shards, remote_shards, tmp_path):
     from test_train_runs import TINY, launch, logs, losses, wait
 
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(TINY.replace("data: {batch_size: 4, roll: true}",
-                                f"data: {{batch_size: 4, blend: [{{dir: {local_shards}, weight: 3}}, "
-                                f"{{dir: '{remote_shards}', weight: 1}}]}}"))
+    cfg.write_text(
+        TINY.replace(
+            "data: {batch_size: 4, roll: true}",
+            f"data: {{batch_size: 4, blend: [{{dir: {local_shards}, weight: 3}}, "
+            f"{{dir: '{remote_shards}', weight: 1}}]}}",
+        )
+    )
     run_dir = tmp_path / "run"
-    procs = launch(1, cfg, "", run_dir, "--max-steps", "10",       # --data "": the blend, not a directory
-                   "--set", f"data.cache_dir={tmp_path / 'cache'}")
+    procs = launch(
+        1,
+        cfg,
+        "",
+        run_dir,
+        "--max-steps",
+        "10",  # --data "": the blend, not a directory
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
     assert wait(procs, 120) == [0], logs(run_dir)[-3000:]
     assert sorted(losses(run_dir)) == list(range(1, 11))
     mix = [ln for ln in logs(run_dir).splitlines() if ln.startswith("[data] blend token mix")]

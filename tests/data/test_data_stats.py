@@ -1,4 +1,5 @@
 """megamemo.data.stats: the unigram baseline (against hand-computed values) and the prompt excerpt."""
+
 import math
 
 import numpy as np
@@ -28,7 +29,7 @@ def test_unigram_bits_add_one_by_hand():
 
 def test_entropy_bits_by_hand():
     assert entropy_bits([0, 1], 2) == pytest.approx(1.0)
-    assert entropy_bits([0, 0, 0, 1], 256) == pytest.approx(0.8112781, abs=1e-6)   # -(.75 log2 .75 + .25 log2 .25)
+    assert entropy_bits([0, 0, 0, 1], 256) == pytest.approx(0.8112781, abs=1e-6)  # -(.75 log2 .75 + .25 log2 .25)
     assert entropy_bits([7] * 5, 256) == 0.0
     # the split's own entropy bounds any unigram fitted elsewhere from below
     rng = np.random.default_rng(0)
@@ -40,7 +41,7 @@ def test_baseline_and_excerpt_on_prepared_enwik8(tmp_path):
     assert prepare_main(["enwik8", "--raw", str(ENWIK8), "--out", str(tmp_path), "--quiet"]) == 0
     raw = ENWIK8.read_bytes()
     h = len(raw) * 5 // 100
-    train, test = raw[:len(raw) - 2 * h], raw[len(raw) - h:]
+    train, test = raw[: len(raw) - 2 * h], raw[len(raw) - h :]
     r = unigram_baseline(tmp_path)
     p = (np.bincount(np.frombuffer(train, np.uint8), minlength=256) + 1.0) / (len(train) + 256)
     want = -np.mean(np.log2(p[np.frombuffer(test, np.uint8)]))
@@ -50,6 +51,6 @@ def test_baseline_and_excerpt_on_prepared_enwik8(tmp_path):
     # the excerpt starts on a line and holds the split's own bytes
     x = excerpt(tmp_path, "test", start=100, n_tokens=64)
     k = test.index(b"\n", 99) + 1
-    assert x == test[k:k + 64]
+    assert x == test[k : k + 64]
     assert excerpt(tmp_path, "test", start=0, n_tokens=10) == test[:10]
-    assert excerpt(tmp_path, "test", start=10**9, n_tokens=50) == test[-50:]     # past the end: the last 50
+    assert excerpt(tmp_path, "test", start=10**9, n_tokens=50) == test[-50:]  # past the end: the last 50

@@ -1,5 +1,6 @@
 """StreamReader: batches equal Transformer-XL's LMOrderedIterator (reference golden data and a plain oracle on
 the raw enwik8 bytes), ranks partition the W=1 batch, roll is seeded per epoch, and resume is exact."""
+
 import itertools
 
 import numpy as np
@@ -16,22 +17,21 @@ def xl_batches(stream: torch.Tensor, bsz: int, bptt: int, shifts=None):
     seq_len = min(bptt, n−1−i), input rows [i, i+seq_len), target rows [i+1, i+1+seq_len).
     `shifts`: LaMemo roll, column b rotated left by shifts[b]."""
     n = stream.size(0) // bsz
-    data = stream[:n * bsz].view(bsz, n).t().clone()
+    data = stream[: n * bsz].view(bsz, n).t().clone()
     if shifts is not None:
         for b in range(bsz):
             data[:, b] = torch.roll(data[:, b], -int(shifts[b]))
     out = []
     for i in range(0, n - 1, bptt):
         seq_len = min(bptt, n - 1 - i)
-        out.append((data[i:i + seq_len], data[i + 1:i + 1 + seq_len]))
+        out.append((data[i : i + seq_len], data[i + 1 : i + 1 + seq_len]))
     return out
 
 
 @pytest.fixture(scope="module")
 def enwik8_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("enwik8_shards")
-    build(corpora.enwik8(ENWIK8), out, chunk_tokens=4096, shard_bytes="16K",
-          log=lambda m: None)
+    build(corpora.enwik8(ENWIK8), out, chunk_tokens=4096, shard_bytes="16K", log=lambda m: None)
     return out
 
 
@@ -39,7 +39,7 @@ def enwik8_dir(tmp_path_factory):
 def train_stream():
     raw = ENWIK8.read_bytes()
     n = len(raw)
-    return torch.tensor(np.frombuffer(raw[:n - 2 * (n * 5 // 100)], dtype=np.uint8).astype(np.int64))
+    return torch.tensor(np.frombuffer(raw[: n - 2 * (n * 5 // 100)], dtype=np.uint8).astype(np.int64))
 
 
 def collect(reader, limit=None):
@@ -57,28 +57,37 @@ def test_reference_golden_batches(tmp_path):
     """The reference LMOrderedIterator's own output (tests/fixtures/reference)."""
     g = torch.load(reference_file("txl_tgt8_mem8"), weights_only=True)
     vocab = Vocab("words", [f"w{i}" for i in range(64)])
-    build(corpora.from_arrays({"train": g["stream"].numpy()}, vocab), tmp_path, chunk_tokens=5,
-          shard_bytes=2048, log=lambda m: None)
+    build(
+        corpora.from_arrays({"train": g["stream"].numpy()}, vocab),
+        tmp_path,
+        chunk_tokens=5,
+        shard_bytes=2048,
+        log=lambda m: None,
+    )
     r = StreamReader(tmp_path, "train", batch_size=2, tgt_len=8)
     assert r.steps_per_epoch == len(g["inputs"]) == 4
     assert_same(collect(r), list(zip(g["inputs"], g["targets"], strict=True)))
     for rank in range(2):  # W=2: each rank owns one column
         got = collect(StreamReader(tmp_path, "train", batch_size=2, tgt_len=8, world_size=2, rank=rank))
-        assert_same(got, [(x[:, rank:rank + 1], y[:, rank:rank + 1]) for x, y in zip(g["inputs"], g["targets"], strict=True)])
+        assert_same(
+            got,
+            [(x[:, rank : rank + 1], y[:, rank : rank + 1]) for x, y in zip(g["inputs"], g["targets"], strict=True)],
+        )
 
 
-@pytest.mark.parametrize("bsz,bptt,block_tokens,prefetch",
-                         [(7, 333, 1 << 20, 0), (5, 1000, 3000, 0), (5, 1000, 3000, 2), (1, 4096, 1 << 16, 1)])
+@pytest.mark.parametrize(
+    "bsz,bptt,block_tokens,prefetch",
+    [(7, 333, 1 << 20, 0), (5, 1000, 3000, 0), (5, 1000, 3000, 2), (1, 4096, 1 << 16, 1)],
+)
 def test_layout_equals_lm_ordered_iterator(enwik8_dir, train_stream, bsz, bptt, block_tokens, prefetch):
-    r = StreamReader(enwik8_dir, "train", batch_size=bsz, tgt_len=bptt, block_tokens=block_tokens,
-                     prefetch=prefetch)
+    r = StreamReader(enwik8_dir, "train", batch_size=bsz, tgt_len=bptt, block_tokens=block_tokens, prefetch=prefetch)
     expect = xl_batches(train_stream, bsz, bptt)
     assert r.n_tokens == train_stream.numel() and r.steps_per_epoch == len(expect)
     assert r.tokens_per_epoch == sum(x.numel() for x, _ in expect)
     got = collect(r)
     assert_same(got, expect)
     assert got[-1][0].shape[0] < bptt  # the last batch is shorter, as in the XL iterator
-    assert list(r) == []               # epochs=1: the reader is exhausted
+    assert list(r) == []  # epochs=1: the reader is exhausted
 
 
 def test_ranks_partition_the_global_batch(enwik8_dir):
@@ -100,7 +109,7 @@ def test_roll_is_a_seeded_per_epoch_column_rotation(enwik8_dir, train_stream):
     n = train_stream.numel() // B
     s0, s1 = r.roll_shifts(0), r.roll_shifts(1)
     assert ((0 <= s0) & (s0 < n)).all() and ((0 <= s1) & (s1 < n)).all()
-    assert not np.array_equal(s0, s1)                        # reseeded every epoch
+    assert not np.array_equal(s0, s1)  # reseeded every epoch
     steps = r.steps_per_epoch
     assert_same(got[:steps], xl_batches(train_stream, B, L, s0))
     assert_same(got[steps:], xl_batches(train_stream, B, L, s1))
@@ -114,10 +123,10 @@ def test_resume_is_exact_mid_epoch_and_across_epochs(enwik8_dir, prefetch):
     kw = dict(batch_size=4, tgt_len=1024, roll=True, seed=5, epochs=3)
     full = collect(StreamReader(enwik8_dir, "train", **kw))
     steps = StreamReader(enwik8_dir, "train", **kw).steps_per_epoch
-    for stop in (37, steps - 1, steps, steps + 5):       # mid-epoch, last batch of epoch 0, just after, epoch 1
+    for stop in (37, steps - 1, steps, steps + 5):  # mid-epoch, last batch of epoch 0, just after, epoch 1
         a = StreamReader(enwik8_dir, "train", prefetch=prefetch, **kw)
         head = collect(a, stop)
-        state = a.state_dict()                             # reflects batches consumed, not prefetched
+        state = a.state_dict()  # reflects batches consumed, not prefetched
         a.close()
         assert (state["epoch"], state["step"]) == divmod(stop, steps)
         b = StreamReader(enwik8_dir, "train", prefetch=prefetch, **kw)
@@ -136,8 +145,9 @@ def test_resume_into_another_world_size(enwik8_dir):
         rd = StreamReader(enwik8_dir, "train", world_size=3, rank=r, **kw)
         rd.load_state_dict(state)
         ranks.append(collect(rd))
-    merged = [(torch.cat([p[k][0] for p in ranks], 1), torch.cat([p[k][1] for p in ranks], 1))
-              for k in range(len(ranks[0]))]
+    merged = [
+        (torch.cat([p[k][0] for p in ranks], 1), torch.cat([p[k][1] for p in ranks], 1)) for k in range(len(ranks[0]))
+    ]
     assert_same(merged, full[100:])
 
 
@@ -168,8 +178,8 @@ def test_memory_is_bounded_by_columns_not_corpus(enwik8_dir):
         info = r.cache_info()
         for k in peak:
             peak[k] = max(peak[k], info[k])
-    assert peak["cached_chunks"] <= 8                       # one decoded chunk per column
-    assert peak["open_shards"] <= 10                        # columns + 2 at most
+    assert peak["cached_chunks"] <= 8  # one decoded chunk per column
+    assert peak["open_shards"] <= 10  # columns + 2 at most
     assert r.cache_info()["cached_bytes"] <= 8 * 4096
     # every chunk of the split decoded about once per epoch (columns share at most their boundary chunks)
     n_chunks = -(-r.n_tokens // 4096)
@@ -181,6 +191,6 @@ def test_split_source_random_access(enwik8_dir, train_stream):
     out = np.empty(10_000, dtype=np.uint8)
     for start in (0, 4095, 123_457, train_stream.numel() - 10_000):
         src.read(start, start + 10_000, out, slot=0)
-        assert np.array_equal(out, train_stream[start:start + 10_000].numpy())
+        assert np.array_equal(out, train_stream[start : start + 10_000].numpy())
     with pytest.raises(IndexError):
         src.read(train_stream.numel() - 5, train_stream.numel() + 5, out)

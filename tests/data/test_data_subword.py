@@ -2,6 +2,7 @@
 workers, whole documents split by the recorded seed, the exact byte-level round trip, tokenizer.json /
 SentencePiece / parquet / directory inputs, each bad input ending in one line with nothing left behind, and bits
 per byte against hand-computed values. Documents: tests/fixtures/text/wiki_paragraphs.jsonl (see its README)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,9 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = TEXT / "wiki_paragraphs.jsonl"
 EOD = "<|endoftext|>"
 # not only ASCII: accents, CJK, an emoji, tabs, blank lines, trailing spaces, \r\n
-ODD_DOCS = [f"doc {i}: caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001F600\tx  \n\n  y {'z' * (i % 7)} \r\n"
-            for i in range(30)] + ["", "   ", "\u00a0\u2028"]
+ODD_DOCS = [
+    f"doc {i}: caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001f600\tx  \n\n  y {'z' * (i % 7)} \r\n" for i in range(30)
+] + ["", "   ", "\u00a0\u2028"]
 
 
 def docs() -> list[str]:
@@ -59,20 +61,39 @@ def test_a_bpe_that_saturates_below_its_size_is_said_in_one_line(tmp_path, capsy
     got = json.loads((tmp_path / "a" / "manifest.json").read_text())["vocab"]["size"]
     assert 257 < got < 60000
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"[prepare] warning: the BPE saturated at {got:,} of the 60,000 symbols asked for (no pair of the "
-                   f"train split left that occurs twice): the manifest records {got:,}; a config's model.n_token: "
-                   f"auto sizes its tables to it, an explicit n_token: 60000 would train {60000 - got:,} ids that "
-                   f"never occur"], err
+    assert err == [
+        f"[prepare] warning: the BPE saturated at {got:,} of the 60,000 symbols asked for (no pair of the "
+        f"train split left that occurs twice): the manifest records {got:,}; a config's model.n_token: "
+        f"auto sizes its tables to it, an explicit n_token: 60000 would train {60000 - got:,} ids that "
+        f"never occur"
+    ], err
     assert prepare("--raw", DOCS, "--jsonl-field", "text", "--tokenizer", f"bpe:{got}", "--out", tmp_path / "b") == 0
-    assert "saturated" not in capsys.readouterr().err                 # the size it reached: nothing to say
+    assert "saturated" not in capsys.readouterr().err  # the size it reached: nothing to say
 
 
 @pytest.fixture(scope="module")
 def bpe_dirs(tmp_path_factory):
     base = tmp_path_factory.mktemp("subword")
     for w in (1, 2):
-        assert prepare("--raw", DOCS, "--jsonl-field", "text", "--tokenizer", "bpe:2000", "--workers", w,
-                       "--out", base / f"w{w}", "--chunk-tokens", 4096, "--shard-size", "64K") == 0
+        assert (
+            prepare(
+                "--raw",
+                DOCS,
+                "--jsonl-field",
+                "text",
+                "--tokenizer",
+                "bpe:2000",
+                "--workers",
+                w,
+                "--out",
+                base / f"w{w}",
+                "--chunk-tokens",
+                4096,
+                "--shard-size",
+                "64K",
+            )
+            == 0
+        )
     return base / "w1", base / "w2"
 
 
@@ -80,7 +101,7 @@ def test_workers_1_and_2_write_the_same_bytes(bpe_dirs):
     one, two = bpe_dirs
     m1, m2 = (json.loads((d / "manifest.json").read_text()) for d in bpe_dirs)
     assert m1 == m2
-    assert len(m1["splits"]["train"]["shards"]) >= 2          # several shards, so their order is exercised
+    assert len(m1["splits"]["train"]["shards"]) >= 2  # several shards, so their order is exercised
     files = sorted(p.name for p in one.iterdir())
     assert files == sorted(p.name for p in two.iterdir())
     for name in files:
@@ -106,14 +127,14 @@ def test_whole_documents_split_by_seed_and_decoded_exactly(bpe_dirs):
         mine = [t for i, t in enumerate(all_docs) if expected_split(i) == split]
         assert mine, split
         ids = read_split(d, split)
-        assert tok.decode(ids) == "".join(t + EOD for t in mine)               # byte-level BPE: exact
-        assert int((ids == 0).sum()) == len(mine) and ids[-1] == 0             # one <|endoftext|> after each
+        assert tok.decode(ids) == "".join(t + EOD for t in mine)  # byte-level BPE: exact
+        assert int((ids == 0).sum()) == len(mine) and ids[-1] == 0  # one <|endoftext|> after each
         sp = m["splits"][split]
         assert sp["n_documents"] == len(mine)
         assert sp["n_bytes"] == sum(len(t.encode("utf-8")) for t in mine)
-        assert int(table[ids].sum()) == sp["n_bytes"]                          # bytes per token add up
+        assert int(table[ids].sum()) == sp["n_bytes"]  # bytes per token add up
         starts = np.frombuffer((d / sp["documents"]["file"]).read_bytes(), dtype="<u8")
-        assert starts.tolist() == [0] + (np.flatnonzero(ids == 0) + 1)[:-1].tolist()   # after each end token
+        assert starts.tolist() == [0] + (np.flatnonzero(ids == 0) + 1)[:-1].tolist()  # after each end token
         assert sp["documents"]["n_documents"] == len(mine)
 
 
@@ -126,7 +147,7 @@ def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
     from megamemo.data.documents import BLOCK_BYTES
 
     rng = np.random.default_rng(36)
-    words = [f"w{i}" for i in range(500)] + ["caf\u00e9", "\u65e5\u672c", "\U0001F600", "a\tb", "\n"]
+    words = [f"w{i}" for i in range(500)] + ["caf\u00e9", "\u65e5\u672c", "\U0001f600", "a\tb", "\n"]
     texts, size = [], 0
     while size < 3.3e6:
         texts.append(" ".join(rng.choice(words, int(rng.integers(1, 3000)))))
@@ -138,8 +159,23 @@ def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
     tok_file.write_bytes(train_bpe(iter(texts[:40]), 300).data)
     outs = [tmp_path / f"w{w}" for w in (1, 2, 3)]
     for w, out in zip((1, 2, 3), outs, strict=True):
-        assert prepare("--raw", raw, "--tokenizer", tok_file, "--workers", w, "--out", out, "--chunk-tokens", 4096,
-                       "--shard-size", "256K") == 0
+        assert (
+            prepare(
+                "--raw",
+                raw,
+                "--tokenizer",
+                tok_file,
+                "--workers",
+                w,
+                "--out",
+                out,
+                "--chunk-tokens",
+                4096,
+                "--shard-size",
+                "256K",
+            )
+            == 0
+        )
     names = sorted(p.name for p in outs[0].iterdir())
     for out in outs[1:]:
         assert sorted(p.name for p in out.iterdir()) == names
@@ -150,8 +186,10 @@ def test_a_corpus_of_several_blocks_is_the_same_for_1_2_and_3_workers(tmp_path):
     # a BPE is trained on the documents of the train split: the same running index picks them
     from megamemo.data.documents import DocumentSplit, list_sources
     from megamemo.data.subword import _train_texts
-    assert list(_train_texts(list_sources([raw]), "text", DocumentSplit(), [str(raw)])) == \
-        [t for i, t in enumerate(texts) if expected_split(i) == "train"]
+
+    assert list(_train_texts(list_sources([raw]), "text", DocumentSplit(), [str(raw)])) == [
+        t for i, t in enumerate(texts) if expected_split(i) == "train"
+    ]
     for split in ("train", "valid", "test"):
         mine = [t for i, t in enumerate(texts) if expected_split(i) == split]
         ids = read_split(outs[0], split)
@@ -174,11 +212,12 @@ def test_given_tokenizer_json_parquet_and_directory_agree(tmp_path):
     tok_file.write_bytes(tok.data)
     jsonl = tmp_path / "odd.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(ODD_DOCS)))
-    pq.write_table(pa.table({"text": ODD_DOCS, "n": list(range(len(ODD_DOCS)))}), tmp_path / "odd.parquet",
-                   row_group_size=7)
+    pq.write_table(
+        pa.table({"text": ODD_DOCS, "n": list(range(len(ODD_DOCS)))}), tmp_path / "odd.parquet", row_group_size=7
+    )
     folder = tmp_path / "folder"
     (folder / "sub").mkdir(parents=True)
-    for i, t in enumerate(ODD_DOCS):        # sorted by relative path: a-*.txt, then sub/...
+    for i, t in enumerate(ODD_DOCS):  # sorted by relative path: a-*.txt, then sub/...
         (folder / (f"a-{i:03d}.txt" if i < 20 else f"sub/b-{i:03d}.txt")).write_bytes(t.encode("utf-8"))
     outs = {}
     for name, raw in (("jsonl", jsonl), ("parquet", tmp_path / "odd.parquet"), ("folder", folder)):
@@ -199,8 +238,15 @@ def test_sentencepiece_model(tmp_path):
     import sentencepiece as spm
 
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs()), model_writer=model, vocab_size=600,
-                                   model_type="bpe", byte_fallback=True, num_threads=1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(docs()),
+        model_writer=model,
+        vocab_size=600,
+        model_type="bpe",
+        byte_fallback=True,
+        num_threads=1,
+        minloglevel=2,
+    )
     (tmp_path / "sp.model").write_bytes(model.getvalue())
     out = tmp_path / "out"
     assert prepare("--raw", DOCS, "--tokenizer", tmp_path / "sp.model", "--out", out) == 0
@@ -226,22 +272,39 @@ def _bad_inputs(tmp_path):
     pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "nocol.parquet")
     return {
         "missing tokenizer": (["--raw", DOCS, "--tokenizer", tmp_path / "nope.json"], "unreadable"),
-        "malformed tokenizer.json": (["--raw", DOCS, "--tokenizer", tmp_path / "garbage.json"],
-                                     "not a tokenizers tokenizer.json"),
+        "malformed tokenizer.json": (
+            ["--raw", DOCS, "--tokenizer", tmp_path / "garbage.json"],
+            "not a tokenizers tokenizer.json",
+        ),
         "malformed .model": (["--raw", DOCS, "--tokenizer", tmp_path / "garbage.model"], "not a SentencePiece model"),
-        "vocabulary over the dtype": (["--raw", DOCS, "--tokenizer", "bpe:300", "--dtype", "u1"],
-                                      "300 symbols does not fit the token dtype <u1"),
+        "vocabulary over the dtype": (
+            ["--raw", DOCS, "--tokenizer", "bpe:300", "--dtype", "u1"],
+            "300 symbols does not fit the token dtype <u1",
+        ),
         "no documents": (["--raw", tmp_path / "empty.jsonl", "--tokenizer", "bpe:300"], "no documents"),
-        "jsonl line without the field": (["--raw", tmp_path / "nofield.jsonl", "--tokenizer", "bpe:300"],
-                                         "nofield.jsonl: line 2: no field 'text'"),
-        "parquet without the column": (["--raw", tmp_path / "nocol.parquet", "--tokenizer", "bpe:300"],
-                                       "has no column 'text'"),
+        "jsonl line without the field": (
+            ["--raw", tmp_path / "nofield.jsonl", "--tokenizer", "bpe:300"],
+            "nofield.jsonl: line 2: no field 'text'",
+        ),
+        "parquet without the column": (
+            ["--raw", tmp_path / "nocol.parquet", "--tokenizer", "bpe:300"],
+            "has no column 'text'",
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["missing tokenizer", "malformed tokenizer.json", "malformed .model",
-                                  "vocabulary over the dtype", "no documents", "jsonl line without the field",
-                                  "parquet without the column"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing tokenizer",
+        "malformed tokenizer.json",
+        "malformed .model",
+        "vocabulary over the dtype",
+        "no documents",
+        "jsonl line without the field",
+        "parquet without the column",
+    ],
+)
 def test_bad_input_is_one_line_and_leaves_nothing(case, tmp_path, capsys):
     args, message = _bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
@@ -259,8 +322,23 @@ def test_bad_document_in_a_worker_is_one_line_and_leaves_nothing(tmp_path, capsy
     out = tmp_path / "out"
     tok = tmp_path / "t.json"
     tok.write_bytes(train_bpe(iter(docs()[:50]), 300).data)
-    assert prepare("--raw", raw, "--tokenizer", tok, "--workers", 2, "--out", out, "--shard-size", "16K",
-                   "--chunk-tokens", 1024) == 2
+    assert (
+        prepare(
+            "--raw",
+            raw,
+            "--tokenizer",
+            tok,
+            "--workers",
+            2,
+            "--out",
+            out,
+            "--shard-size",
+            "16K",
+            "--chunk-tokens",
+            1024,
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"late.jsonl: line {len(lines)}: no field 'text'" in err[0], err
     assert not out.exists()
@@ -274,9 +352,9 @@ def test_bits_per_byte_by_hand():
     from megamemo.train.metrics import Metrics
     from megamemo.util.units import bits_per_byte
 
-    assert bits_per_byte(4 * math.log(2.0), 8) == pytest.approx(0.5)          # 4 bits over 8 bytes
+    assert bits_per_byte(4 * math.log(2.0), 8) == pytest.approx(0.5)  # 4 bits over 8 bytes
 
-    class Half(torch.nn.Module):          # half a bit on every target
+    class Half(torch.nn.Module):  # half a bit on every target
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(1))
@@ -293,15 +371,23 @@ def test_bits_per_byte_by_hand():
     batches = [(torch.tensor([[3, 3], [3, 3]]), tgt), (torch.tensor([[1, 1]]), torch.tensor([[2, 2]]))]
     out = evaluate(Half(), batches, token_bytes=torch.tensor([0, 1, 2, 3]))
     assert (out["tokens"], out["bytes"]) == (6, 10) and out["bits_per_byte"] == pytest.approx(3 / 10)
-    m = Metrics("/nonexistent", enabled=False, every=1, unit="ppl", tensorboard=False, start_step=0,
-                bytes_per_token={"train": 4.0, "valid": 2.0})
+    m = Metrics(
+        "/nonexistent",
+        enabled=False,
+        every=1,
+        unit="ppl",
+        tensorboard=False,
+        start_step=0,
+        bytes_per_token={"train": 4.0, "valid": 2.0},
+    )
     # 2 bits per token, 4 bytes per token on train -> 0.5; 2 bytes per token on valid -> 1.0
     assert m.derived(2 * math.log(2.0))["bits_per_byte"] == pytest.approx(0.5)
     assert m.derived(2 * math.log(2.0), "valid")["bits_per_byte"] == pytest.approx(1.0)
     assert m.derived(2 * math.log(2.0))["ppl"] == pytest.approx(4.0)
 
 
-# ---- the subword path end to end, 2 processes -------------------------------------------------------------------------
+# ---- the subword path end to end, 2 processes
+# -------------------------------------------------------------------------
 def _megamemo(*args, timeout=600):
     return forked.run_megamemo(args, cpu_env(), REPO, timeout)
 
@@ -311,7 +397,7 @@ def _one_error_line(r, rc: int, message: str) -> None:
     assert r.returncode == rc and len(err) == 1 and message in err[0], r.stdout[-2000:] + r.stderr[-2000:]
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(bpe_dirs, tmp_path):
     """configs/subword-cpu.yaml with launch/local.sh 2 on the bpe:2000 shards (shortened to 20 steps): train and
     validation lines and records carry bits per byte; eval --json reports bits_per_byte; to-single carries
@@ -319,14 +405,37 @@ def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(b
     at resume, eval and generate in one line."""
     data = tmp_path / "data"
     shutil.copytree(bpe_dirs[1], data)
-    other = tmp_path / "other"                       # the same documents, another tokenizer (fits n_token 2000)
+    other = tmp_path / "other"  # the same documents, another tokenizer (fits n_token 2000)
     assert prepare("--raw", DOCS, "--tokenizer", "bpe:1000", "--out", other) == 0
     run = tmp_path / "run"
-    r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", "--config", str(REPO / "configs" /
-                        "subword-cpu.yaml"), "--data", str(data), "--run-dir", str(run), "--max-steps", "20",
-                        "--set", "checkpoint.save_every=10", "--set", "eval.every=10", "--set", "log.every=5",
-                        "--set", "log.tensorboard=false"], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            "bash",
+            str(REPO / "launch" / "local.sh"),
+            "2",
+            "--config",
+            str(REPO / "configs" / "subword-cpu.yaml"),
+            "--data",
+            str(data),
+            "--run-dir",
+            str(run),
+            "--max-steps",
+            "20",
+            "--set",
+            "checkpoint.save_every=10",
+            "--set",
+            "eval.every=10",
+            "--set",
+            "log.every=5",
+            "--set",
+            "log.tensorboard=false",
+        ],
+        cwd=REPO,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "world 2 (env)" in out, out[-4000:]
     m = json.loads((data / "manifest.json").read_text())
@@ -348,7 +457,7 @@ def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(b
     # by hand: the test split in eval's 10 contiguous columns (spec 4.3), every token of a column but its first a
     # scored target, each standing for its UTF-8 bytes
     test_ids = read_split(data, "test")
-    columns = test_ids[:test_ids.size // 10 * 10].reshape(10, -1)
+    columns = test_ids[: test_ids.size // 10 * 10].reshape(10, -1)
     table = SubwordTokenizer.from_file(data / "tokenizer.json").token_bytes()
     assert e["metric"] == "ppl" and e["tokens"] == columns[:, 1:].size
     assert e["bytes"] == int(table[columns[:, 1:]].sum()) != int(table[columns[:, :-1]].sum())
@@ -365,9 +474,10 @@ def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(b
 
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The island is ")
-    shutil.move(data, tmp_path / "moved")            # generate needs only the converted checkpoint
-    r = _megamemo("generate", "--ckpt", single, "--prompt-file", prompt, "--max-new-tokens", 6, "--json",
-                  tmp_path / "g.json")
+    shutil.move(data, tmp_path / "moved")  # generate needs only the converted checkpoint
+    r = _megamemo(
+        "generate", "--ckpt", single, "--prompt-file", prompt, "--max-new-tokens", 6, "--json", tmp_path / "g.json"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     g = json.loads((tmp_path / "g.json").read_text())
     tok = SubwordTokenizer.from_file(single / "tokenizer.json")
@@ -376,8 +486,19 @@ def test_subword_cpu_config_trains_on_two_processes_then_eval_convert_generate(b
     mismatch = "differs from the one"
     _one_error_line(_megamemo("eval", "--ckpt", single, "--data", other, "--max-segments", 1), 2, mismatch)
     _one_error_line(_megamemo("generate", "--ckpt", single, "--data", other, "--prompt-file", prompt), 2, mismatch)
-    r = _megamemo("train", "--config", REPO / "configs" / "subword-cpu.yaml", "--data", other, "--run-dir", run,
-                  "--max-steps", 25, "--set", "log.tensorboard=false")
+    r = _megamemo(
+        "train",
+        "--config",
+        REPO / "configs" / "subword-cpu.yaml",
+        "--data",
+        other,
+        "--run-dir",
+        run,
+        "--max-steps",
+        25,
+        "--set",
+        "log.tensorboard=false",
+    )
     _one_error_line(r, 2, "a different tokenizer")
 
 
@@ -391,8 +512,10 @@ def test_plot_shows_bits_per_byte_beside_perplexity(bpe_dirs, tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
-    recs = [{"kind": "train", "step": s, "loss": 6.0 - 0.1 * s, "bits_per_byte": 3.0 - 0.05 * s, "tokens": 64}
-            for s in range(1, 6)] + [{"kind": "eval", "step": 5, "split": "valid", "loss": 5.6, "bits_per_byte": 2.8}]
+    recs = [
+        {"kind": "train", "step": s, "loss": 6.0 - 0.1 * s, "bits_per_byte": 3.0 - 0.05 * s, "tokens": 64}
+        for s in range(1, 6)
+    ] + [{"kind": "eval", "step": 5, "split": "valid", "loss": 5.6, "bits_per_byte": 2.8}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (run / "config.yaml").write_text(f"data: {{dir: {bpe_dirs[0]}}}\nmodel: {{n_token: 2000}}\n")
     r = plot.load_run(run)
@@ -422,6 +545,6 @@ def test_workers_read_at_most_a_bounded_number_of_blocks_ahead(workers):
     ahead = []
     for k, (_, (lengths, ids, nbytes)) in enumerate(encoded_blocks(tok, blocks(), workers)):
         ahead.append(len(pulled) - (k + 1))
-        assert tok.decode(ids) == f"document {k} " * 50 + EOD                  # in input order
+        assert tok.decode(ids) == f"document {k} " * 50 + EOD  # in input order
         assert lengths.tolist() == [ids.size] and nbytes.tolist() == [len(f"document {k} ") * 50]
     assert len(ahead) == 40 and max(ahead) <= (2 * workers + 1 if workers > 1 else 0)

@@ -1,6 +1,7 @@
 """The documentation (docs/, an MkDocs site; README.md): the generated references are what the code says now, the
 site builds with `mkdocs build --strict` (no broken link, no page outside the navigation, every API docstring
 found), and every `megamemo` flag, config key and repository path the pages name exists."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,12 +15,26 @@ import pytest
 from helpers.fixture_data import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-import docs_reference  # noqa: E402
+import docs_reference
 
 PAGES = sorted((REPO / "docs").rglob("*.md")) + [REPO / "README.md"]
 SECTIONS = ("model", "data", "optim", "precision", "parallel", "train", "checkpoint", "log", "eval")
-FILE_SUFFIXES = {"safetensors", "sbatch", "yaml", "json", "jsonl", "py", "sh", "md", "log", "pt", "bin", "txt", "png",
-                 "tsv"}        # model.safetensors, train.sbatch: files, not keys
+FILE_SUFFIXES = {
+    "safetensors",
+    "sbatch",
+    "yaml",
+    "json",
+    "jsonl",
+    "py",
+    "sh",
+    "md",
+    "log",
+    "pt",
+    "bin",
+    "txt",
+    "png",
+    "tsv",
+}  # model.safetensors, train.sbatch: files, not keys
 
 
 def test_the_generated_references_are_the_codes(capsys):
@@ -28,8 +43,14 @@ def test_the_generated_references_are_the_codes(capsys):
 
 def test_the_site_builds_strict(tmp_path):
     mkdocs = Path(sys.executable).with_name("mkdocs")
-    r = subprocess.run([str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")], cwd=REPO,
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    r = subprocess.run(
+        [str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "config" / "index.html").exists()
 
@@ -38,8 +59,11 @@ def config_keys() -> set[str]:
     from megamemo.model import ModelConfig
     from megamemo.train.config import SECTIONS as CONFIG_SECTIONS
 
-    return {f"{name}.{f.name}" for name, cls in [("model", ModelConfig), *CONFIG_SECTIONS.items()]
-            for f in dataclasses.fields(cls)}
+    return {
+        f"{name}.{f.name}"
+        for name, cls in [("model", ModelConfig), *CONFIG_SECTIONS.items()]
+        for f in dataclasses.fields(cls)
+    }
 
 
 def _code_spans(text: str) -> list[str]:
@@ -70,15 +94,19 @@ def test_every_flag_key_and_path_the_pages_name_exists():
             for key in re.findall(rf"(?<![\w./-])((?:{'|'.join(SECTIONS)})\.[a-z_]+)(?=[=`\s:,)]|$)", span):
                 if key not in keys and key.rsplit(".", 1)[1] not in FILE_SUFFIXES:
                     bad.append(f"{rel}: no config key {key}")
-            for path in re.findall(r"(?<![\w./-])((?:megamemo|launch|scripts|bench|tests|configs|"
-                                   r"docs)/[\w./-]*\w)", span):
+            for path in re.findall(
+                r"(?<![\w./-])((?:megamemo|launch|scripts|bench|tests|configs|"
+                r"docs)/[\w./-]*\w)",
+                span,
+            ):
                 if not (REPO / path).exists() and not (REPO / path.split("::")[0]).exists():
                     bad.append(f"{rel}: no file {path}")
     assert not bad, "\n".join(sorted(set(bad)))
 
 
-@pytest.mark.parametrize("needle", ["megamemo train --config x.yaml --no-such-flag 1", "`train.no_such_key`",
-                                    "`megamemo/no/such/file.py`"])
+@pytest.mark.parametrize(
+    "needle", ["megamemo train --config x.yaml --no-such-flag 1", "`train.no_such_key`", "`megamemo/no/such/file.py`"]
+)
 def test_the_name_check_catches_a_wrong_name(tmp_path, monkeypatch, needle):
     page = tmp_path / "page.md"
     page.write_text(f"text\n\n```\n{needle}\n```\n" if needle.startswith("megamemo train") else f"see {needle}\n")

@@ -2,6 +2,7 @@
 against the fake Slurm of test_launch_sbatch_args.py (the re-submission resumes in the same run directory, which
 step 5 converts; `plan` prices the precision the preset trains with), and every page's commands that run on the
 CPU in seconds (`megamemo plan`, `--help`, and the blocks marked `<!-- docs-test: runs -->`), run as written."""
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,9 @@ def fenced_commands(page: Path, heading: str) -> list[str]:
     start = text.index(heading)
     block = re.search(r"```[^\n]*\n(.*?)```", text[start:], flags=re.S).group(1)
     block = block.replace("\\\n", " ")
-    return [line.split(" #")[0].strip() for line in block.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        line.split(" #")[0].strip() for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def option(words: list[str], name: str) -> str | None:
@@ -39,9 +41,10 @@ def test_the_readme_cluster_quick_start_resubmission_resumes_where_step_5_conver
     run_dirs = []
     for job_id, words in enumerate(submissions, start=1):
         script = next(w for w in words if w.endswith(".sbatch"))
-        args = words[words.index(script) + 1:]
-        rc, out, srun, _ = batch(stubs, Path(script).name, *args, SLURM_JOB_ID=str(1000 + job_id),
-                                 MEGAMEMO_GPU_PROBE="echo 8")
+        args = words[words.index(script) + 1 :]
+        rc, out, srun, _ = batch(
+            stubs, Path(script).name, *args, SLURM_JOB_ID=str(1000 + job_id), MEGAMEMO_GPU_PROBE="echo 8"
+        )
         assert rc == 0, out
         run_dirs.append(option(train_args(srun), "--run-dir"))
     convert = next(shlex.split(c) for c in QUICK_START if c.startswith("megamemo convert to-single"))
@@ -59,22 +62,25 @@ def test_the_readme_cluster_quick_start_plans_the_precision_the_job_trains_with(
     planned = re.search(r"; (fp32|bf16|fp16)$", capsys.readouterr().out.splitlines()[0]).group(1)
     submit = next(shlex.split(c) for c in QUICK_START if c.startswith("sbatch "))
     script = next(w for w in submit if w.endswith(".sbatch"))
-    rc, out, srun, _ = batch(stubs, Path(script).name, *submit[submit.index(script) + 1:], MEGAMEMO_GPU_PROBE="echo 8")
+    rc, out, srun, _ = batch(stubs, Path(script).name, *submit[submit.index(script) + 1 :], MEGAMEMO_GPU_PROBE="echo 8")
     assert rc == 0, out
     trained = train_args(srun)
     assert option(trained, "--config") == option(words, "--config")
     overrides = [trained[i + 1] for i, w in enumerate(trained[:-1]) if w == "--set"]
-    dtype = load(REPO / option(trained, "--config"), overrides, vocab_fallback=32000).precision.dtype   # no data here
+    dtype = load(REPO / option(trained, "--config"), overrides, vocab_fallback=32000).precision.dtype  # no data here
     assert planned == dtype, f"plan prices {planned}, the job trains {dtype}"
 
 
 def test_the_tiny_run_writes_only_where_git_ignores():
     """getting-started.md's first tiny run: every file a command writes (--out, --json, --run-dir, a `>` redirect)
     lies under a directory .gitignore lists, not in the repository's root (issue 50)."""
-    ignored = {line.strip().strip("/") for line in (REPO / ".gitignore").read_text().splitlines()
-               if line.strip().endswith("/")}
+    ignored = {
+        line.strip().strip("/") for line in (REPO / ".gitignore").read_text().splitlines() if line.strip().endswith("/")
+    }
     page = REPO / "docs" / "getting-started.md"
-    commands = fenced_commands(page, "## A first tiny run") + fenced_commands(page, "**Convert, evaluate, sample, plot.**")
+    commands = fenced_commands(page, "## A first tiny run") + fenced_commands(
+        page, "**Convert, evaluate, sample, plot.**"
+    )
     written = []
     for command in commands:
         words = shlex.split(command)
@@ -86,7 +92,7 @@ def test_the_tiny_run_writes_only_where_git_ignores():
 
 
 # ---- every page's quick commands, run as written ------------------------------------------------------------------
-MARK = "<!-- docs-test: runs -->"       # before a fenced block: every `megamemo` line of it runs in this test
+MARK = "<!-- docs-test: runs -->"  # before a fenced block: every `megamemo` line of it runs in this test
 
 
 def page_commands(page: Path) -> list[tuple[int, str, bool]]:
@@ -94,8 +100,8 @@ def page_commands(page: Path) -> list[tuple[int, str, bool]]:
     joined, comments dropped); marked: the block follows MARK."""
     text, out = page.read_text(), []
     for m in re.finditer(r"```[^\n]*\n(.*?)```", text, flags=re.S):
-        marked = text[:m.start()].rstrip().endswith(MARK)
-        first = text[:m.start()].count("\n") + 2
+        marked = text[: m.start()].rstrip().endswith(MARK)
+        first = text[: m.start()].count("\n") + 2
         for k, line in enumerate(m.group(1).replace("\\\n", " \n").splitlines()):
             command = line.split(" #")[0].strip()
             if command.startswith("megamemo "):
@@ -111,8 +117,9 @@ def quick(command: str, marked: bool) -> bool:
 
 
 DOC_PAGES = sorted(p for p in (REPO / "docs").rglob("*.md") if "reference" not in p.parts) + [REPO / "README.md"]
-QUICK = [(f"{p.relative_to(REPO)}:{line}", c) for p in DOC_PAGES for line, c, marked in page_commands(p)
-         if quick(c, marked)]
+QUICK = [
+    (f"{p.relative_to(REPO)}:{line}", c) for p in DOC_PAGES for line, c, marked in page_commands(p) if quick(c, marked)
+]
 
 
 def test_the_docs_test_finds_the_pages_quick_commands():

@@ -1,6 +1,7 @@
 """scripts/docs_reference.py's pages hold what a reader needs (issue 50, items 7 and 8): every config key and flag
 has text, a comment is kept whole (not cut at its first sentence or line), the drift check fails on a key without
 text, and every error entry shows its message - never a bare variable name - including `megamemo prepare`'s."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import sys
 from helpers.fixture_data import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-import docs_reference  # noqa: E402
+import docs_reference
 
 
 def rows(page: str) -> dict[str, list[str]]:
@@ -32,10 +33,10 @@ def test_every_config_key_and_flag_has_text():
 def test_a_key_without_text_fails_the_check(monkeypatch, capsys):
     @dataclasses.dataclass
     class Bare:
-        said: int = 1               # a key with its text
+        said: int = 1  # a key with its text
         unsaid: int = 2
 
-    monkeypatch.setattr(docs_reference, "PAGES", {})            # the pages aside: only the text is checked
+    monkeypatch.setattr(docs_reference, "PAGES", {})  # the pages aside: only the text is checked
     monkeypatch.setattr(docs_reference, "config_sections", lambda: [("bare", Bare)])
     assert docs_reference.keys_without_text() == ["bare.unsaid"]
     assert docs_reference.main(["--check"]) == 1
@@ -58,10 +59,10 @@ def test_the_cache_dir_and_same_length_rows_say_what_they_are():
     assert "cached" in config["data.cache_dir"][4] and "s3://" not in config["data.cache_dir"][4]
     assert "s3://" in config["data.dir"][4]
     cli = rows(docs_reference.cli_page())
-    same_length = cli["--same-length`, `--no-same-length"]        # one flag, both forms (Request.same_length)
+    same_length = cli["--same-length`, `--no-same-length"]  # one flag, both forms (Request.same_length)
     assert "same number of keys" in same_length[4] and "checkpoint's" in same_length[4] and same_length[2] == ""
     parser = docs_reference.command_parser("megamemo.commands.eval:main")
-    assert parser.parse_args(["--ckpt", "c", "--data", "d"]).same_length is None      # the checkpoint's, really
+    assert parser.parse_args(["--ckpt", "c", "--data", "d"]).same_length is None  # the checkpoint's, really
 
 
 # ---- errors.md (item 8) ------------------------------------------------------------------------------------------
@@ -71,9 +72,12 @@ def test_every_error_entry_shows_its_message_text():
     sys.path.insert(0, str(REPO / "scripts"))
     from docs_errors import error_rows
 
-    bare = [(rel, line, msg) for rel, line, _, _, msg in error_rows()
-            if not re.search(r"[A-Za-z]{2}", re.sub(r"\{[^{}]*(\{[^{}]*\}[^{}]*)*\}", "", msg))
-            and "caught, passed on)" not in msg]
+    bare = [
+        (rel, line, msg)
+        for rel, line, _, _, msg in error_rows()
+        if not re.search(r"[A-Za-z]{2}", re.sub(r"\{[^{}]*(\{[^{}]*\}[^{}]*)*\}", "", msg))
+        and "caught, passed on)" not in msg
+    ]
     assert bare == []
 
 
@@ -83,8 +87,11 @@ def test_the_message_of_a_variable_a_shard_error_and_a_caught_error():
     by = {(rel, line): msg for rel, line, _, _, msg in error_rows()}
     shard = [m for (rel, _), m in by.items() if rel == "megamemo/data/shard_reader.py" and "truncated tar" in m]
     assert shard and all(m.startswith("shard {shard}: truncated tar") for m in shard), shard
-    assert any(m.startswith("{e} (the ValueError caught, passed on)") for (rel, _), m in by.items()
-               if rel == "megamemo/train/speedups.py")
+    assert any(
+        m.startswith("{e} (the ValueError caught, passed on)")
+        for (rel, _), m in by.items()
+        if rel == "megamemo/train/speedups.py"
+    )
     utf8 = [m for (rel, _), m in by.items() if rel == "megamemo/data/documents.py" and "not UTF-8" in m]
     assert any("line {line}: column {column}: not UTF-8 (byte 0x{data[e.start]:02x}" in m for m in utf8), utf8
 

@@ -1,5 +1,6 @@
 """`megamemo generate`: seeded sampling is reproducible, the first token is drawn from the model's next-token
 distribution for the prompt, and carrying memory gives what re-encoding the whole context gives (XL)."""
+
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from megamemo.interop.vocabulary import encode_prompt
 from megamemo.model import generation as gen_mod
 from megamemo.model.generation import Decoder, generate, nucleus_probs
 
-pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+pytestmark = pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 
 PROMPT = b"<page>\n  <title>Anarchism</title>\n  <id>12</id>\n  <revision>\n"
 
@@ -29,15 +30,16 @@ def test_first_token_distribution_is_the_models_next_token_distribution(tmp_path
     with torch.no_grad():
         if c.has_memory:
             for i in range(0, len(ids), c.tgt_len):
-                chunk = torch.tensor(ids[i:i + c.tgt_len])[:, None]
+                chunk = torch.tensor(ids[i : i + c.tgt_len])[:, None]
                 lp, mem = model(chunk, None, mem, mem_len=mem_len)
                 last = lp[-1, 0]
         else:
-            lp, _ = model(torch.tensor(ids[-c.tgt_len:])[:, None])
+            lp, _ = model(torch.tensor(ids[-c.tgt_len :])[:, None])
             last = lp[-1, 0]
     new, dists = generate(model, ids, 3, top_p=1.0, seed=0, return_logprobs=True)
     # generate() and the Decoder cut the prompt into other segments than the loop above: the same sums in other
-    # shapes, so other orders. fp32, two orders of the forward pass's reductions (tests/helpers/bounds.py): at max|log p|
+    # shapes, so other orders. fp32, two orders of the forward pass's reductions (tests/helpers/bounds.py): at max|log
+    # p|
     tol = forward_bound(c, float(last.abs().max()), klen=mem_len + c.tgt_len)
     assert torch.allclose(dists[0], last, atol=tol, rtol=0), (float((dists[0] - last).abs().max()), tol)
     assert torch.allclose(Decoder(model).feed(ids), last, atol=tol, rtol=0)
@@ -98,8 +100,25 @@ def test_cli_uses_the_checkpoint_vocabulary_and_is_reproducible(tmp_path, capsys
     outs = []
     for k in range(2):
         js = tmp_path / f"g{k}.json"
-        assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "prompt.txt"),
-                             "--max-new-tokens", "30", "--top-p", "0.95", "--seed", "5", "--json", str(js)]) == 0
+        assert (
+            generate_cmd.main(
+                [
+                    "--ckpt",
+                    str(ckpt),
+                    "--prompt-file",
+                    str(tmp_path / "prompt.txt"),
+                    "--max-new-tokens",
+                    "30",
+                    "--top-p",
+                    "0.95",
+                    "--seed",
+                    "5",
+                    "--json",
+                    str(js),
+                ]
+            )
+            == 0
+        )
         outs.append(json.loads(js.read_text()))
         printed = capsys.readouterr().out
         assert printed.rstrip("\n") == outs[-1]["text"].rstrip("\n")
@@ -113,13 +132,35 @@ def test_word_vocabulary_from_the_shards_and_errors(tmp_path, capsys):
     from megamemo.data import load_vocab
 
     v = load_vocab(data)
-    assert encode_prompt(v, b"w1 w2\nw3 zzz\nw4", "p") == [v.sym2idx["w1"], v.sym2idx["w2"], 0, v.sym2idx["w3"],
-                                                           v.unk_id, 0, v.sym2idx["w4"]]
+    assert encode_prompt(v, b"w1 w2\nw3 zzz\nw4", "p") == [
+        v.sym2idx["w1"],
+        v.sym2idx["w2"],
+        0,
+        v.sym2idx["w3"],
+        v.unk_id,
+        0,
+        v.sym2idx["w4"],
+    ]
     ckpt, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=50)
     (tmp_path / "p.txt").write_text("w1 w2 w3\n")
-    assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "5",
-                         "--data", str(data)]) == 0
+    assert (
+        generate_cmd.main(
+            [
+                "--ckpt",
+                str(ckpt),
+                "--prompt-file",
+                str(tmp_path / "p.txt"),
+                "--max-new-tokens",
+                "5",
+                "--data",
+                str(data),
+            ]
+        )
+        == 0
+    )
     assert len(capsys.readouterr().out.split()) >= 1
-    assert cli.run_command("generate", generate_cmd.main,
-                           ["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt")]) == 2
+    assert (
+        cli.run_command("generate", generate_cmd.main, ["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "p.txt")])
+        == 2
+    )
     assert "--data" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`megamemo plot` (megamemo/eval/plot.py): the plotted data are the records of metrics.jsonl, resumes and skipped
 steps are marked, several runs share one figure, the metric follows the run's corpus, and bad input is a one-line
 error naming the file with exit code 2."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 LN2 = math.log(2.0)
 
 
-def make_run(root: Path, name: str, *, loss0=3.0, config: str | None = "model: {n_token: 256}\n",
-             shift=0.0) -> tuple[Path, list[dict]]:
+def make_run(
+    root: Path, name: str, *, loss0=3.0, config: str | None = "model: {n_token: 256}\n", shift=0.0
+) -> tuple[Path, list[dict]]:
     """A run directory: 12 applied steps (token counts vary), evals at 4, 8 and 12, an overflow at attempt 7 (then
     step 7 applied on retry), a resume at step 8 (the file keeps what happened up to it)."""
     d = root / name
@@ -35,15 +37,42 @@ def make_run(root: Path, name: str, *, loss0=3.0, config: str | None = "model: {
     recs = []
     for s in range(1, 13):
         if s == 7:
-            recs.append({"kind": "skip", "step": 7, "loss": float("inf"), "old_scale": 2.0 ** 16,
-                         "loss_scale": 2.0 ** 15, "skipped": 1})
+            recs.append(
+                {
+                    "kind": "skip",
+                    "step": 7,
+                    "loss": float("inf"),
+                    "old_scale": 2.0**16,
+                    "loss_scale": 2.0**15,
+                    "skipped": 1,
+                }
+            )
         if s == 9:
             recs.append({"kind": "resume", "step": 8, "time": 1.7e9})
-        recs.append({"kind": "train", "step": s, "loss": loss0 - 0.1 * s + shift, "lr": 1e-3, "grad_norm": 1.0,
-                     "loss_scale": 1.0, "skipped": int(s >= 7), "tokens": 64 if s % 3 else 32, "time": 1.7e9 + s})
+        recs.append(
+            {
+                "kind": "train",
+                "step": s,
+                "loss": loss0 - 0.1 * s + shift,
+                "lr": 1e-3,
+                "grad_norm": 1.0,
+                "loss_scale": 1.0,
+                "skipped": int(s >= 7),
+                "tokens": 64 if s % 3 else 32,
+                "time": 1.7e9 + s,
+            }
+        )
         if s % 4 == 0:
-            recs.append({"kind": "eval", "step": s, "split": "valid", "loss": loss0 - 0.08 * s + shift,
-                         "tokens": 1000, "seconds": 0.1})
+            recs.append(
+                {
+                    "kind": "eval",
+                    "step": s,
+                    "split": "valid",
+                    "loss": loss0 - 0.08 * s + shift,
+                    "tokens": 1000,
+                    "seconds": 0.1,
+                }
+            )
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     if config is not None:
         (d / "config.yaml").write_text(config)
@@ -85,7 +114,7 @@ def test_command_writes_a_png(tmp_path, capsys):
     h, w = matplotlib.image.imread(out).shape[:2]
     assert 800 <= w <= 2000 and 500 <= h <= 1500
     assert f"[plot] wrote {out}" in capsys.readouterr().out
-    assert plot_cmd.main([str(d)]) == 0 and (d / "metrics.png").is_file()      # default: inside the run
+    assert plot_cmd.main([str(d)]) == 0 and (d / "metrics.png").is_file()  # default: inside the run
 
 
 def test_several_runs_one_line_each(tmp_path):
@@ -107,16 +136,22 @@ def test_word_level_runs_plot_perplexity(tmp_path):
     (data / "manifest.json").write_text(json.dumps({"tokenizer": {"kind": "words"}}))
     d, recs = make_run(tmp_path, "wt", loss0=5.0, config=f"model: {{n_token: 256}}\ndata: {{dir: '{data}'}}\n")
     run = plot.load_run(d)
-    assert run.metric == "ppl" and "manifest.json" in run.metric_from      # the manifest wins over n_token
+    assert run.metric == "ppl" and "manifest.json" in run.metric_from  # the manifest wins over n_token
     fig, drawn = plot.figure([run])
     assert list(drawn[run.name, "eval"].get_ydata()) == pytest.approx([math.exp(r["loss"]) for r in of(recs, "eval")])
     assert fig.axes[0].get_yscale() == "log"
 
 
-@pytest.mark.parametrize("config,loss0,metric", [("model: {n_token: 267735}\n", 1.5, "ppl"),
-                                                 ("model: {n_token: 204}\n", 5.0, "bpc"),
-                                                 ("model: {n_token: 512, n_vocab: 256}\n", 1.5, "bpc"),  # padded
-                                                 (None, 5.0, "ppl"), (None, 2.0, "bpc")])
+@pytest.mark.parametrize(
+    "config,loss0,metric",
+    [
+        ("model: {n_token: 267735}\n", 1.5, "ppl"),
+        ("model: {n_token: 204}\n", 5.0, "bpc"),
+        ("model: {n_token: 512, n_vocab: 256}\n", 1.5, "bpc"),  # padded
+        (None, 5.0, "ppl"),
+        (None, 2.0, "bpc"),
+    ],
+)
 def test_metric_without_a_manifest(tmp_path, config, loss0, metric):
     d, _ = make_run(tmp_path, "r", loss0=loss0, config=config)
     assert plot.load_run(d).metric == metric
@@ -148,10 +183,13 @@ def bad_runs(tmp_path):
     lines = (badval / "metrics.jsonl").read_text().splitlines()
     lines[4] = json.dumps({"kind": "eval", "step": 4, "loss": "low"})
     (badval / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return [(missing, "missing/metrics.jsonl: no such file"), (empty, "empty/metrics.jsonl: empty"),
-            (broken, "broken/metrics.jsonl:4: not JSON"), (nofield, "nofield/metrics.jsonl:2: 'train' record "
-                                                                    "without a numeric 'loss'"),
-            (badval, "badval/metrics.jsonl:5: 'eval' record without a numeric 'loss'")]
+    return [
+        (missing, "missing/metrics.jsonl: no such file"),
+        (empty, "empty/metrics.jsonl: empty"),
+        (broken, "broken/metrics.jsonl:4: not JSON"),
+        (nofield, "nofield/metrics.jsonl:2: 'train' record without a numeric 'loss'"),
+        (badval, "badval/metrics.jsonl:5: 'eval' record without a numeric 'loss'"),
+    ]
 
 
 def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
@@ -165,12 +203,24 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
 
 def test_registered_command(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "megamemo", "plot", str(tmp_path / "nowhere")], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "megamemo", "plot", str(tmp_path / "nowhere")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "nowhere/metrics.jsonl: no such file" in r.stderr, r.stderr
     d, _ = make_run(tmp_path, "ok")
-    r = subprocess.run([sys.executable, "-m", "megamemo", "plot", str(d)], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "megamemo", "plot", str(d)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and (d / "metrics.png").is_file(), r.stderr
 
 
@@ -181,12 +231,15 @@ def test_interruptions_are_marked_and_goodput_reported(tmp_path, capsys):
     1.7e9 + 12 - t0 = 21 s: goodput 28.6 %."""
     d, recs = make_run(tmp_path, "lamemo")
     t0 = 1.7e9 - 9
-    recs = [{"kind": "start", "time": t0, "ready": t0 + 4, "step": 0}] + [dict(r, seconds=0.5) if r["kind"] == "train"
-                                                                          else r for r in recs]
+    recs = [{"kind": "start", "time": t0, "ready": t0 + 4, "step": 0}] + [
+        dict(r, seconds=0.5) if r["kind"] == "train" else r for r in recs
+    ]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    fails = [{"time": t0 - 100, "step": 3, "kind": "crash", "seconds_lost": 1.0},
-             {"time": 1.7e9 + 5.5, "step": 5, "kind": "crash", "seconds_lost": 2.0},
-             {"time": 1.7e9 + 9.5, "step": 9, "kind": "hang", "seconds_lost": 1.5}]
+    fails = [
+        {"time": t0 - 100, "step": 3, "kind": "crash", "seconds_lost": 1.0},
+        {"time": 1.7e9 + 5.5, "step": 5, "kind": "crash", "seconds_lost": 2.0},
+        {"time": 1.7e9 + 9.5, "step": 9, "kind": "hang", "seconds_lost": 1.5},
+    ]
     (d / "interruptions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fails))
     run = plot.load_run(d)
     assert [r["step"] for r in run.interruptions] == [5, 9]
@@ -196,11 +249,15 @@ def test_interruptions_are_marked_and_goodput_reported(tmp_path, capsys):
     assert [ln.get_linestyle() for ln in drawn[run.name, "interruption"]] == ["--", "--"]
     assert "dashed: interrupted" in fig.axes[0].get_title()
     assert drawn[run.name, "train"].get_label() == "lamemo train (goodput 28.6%)"
-    cum = dict(zip([r["step"] for r in of(recs, "train")], accumulate(r["tokens"] for r in of(recs, "train")), strict=True))
+    cum = dict(
+        zip([r["step"] for r in of(recs, "train")], accumulate(r["tokens"] for r in of(recs, "train")), strict=True)
+    )
     fig, drawn = plot.figure([run], "tokens")
     assert [ln.get_xdata()[0] for ln in drawn[run.name, "interruption"]] == [cum[5], cum[9]]
     assert plot_cmd.main([str(d), "--out", str(tmp_path / "g.png")]) == 0
     out = capsys.readouterr().out
     assert "[plot] lamemo: 12 steps, 3 evaluations, 1 resumes, 1 skipped steps, 2 interruptions;" in out
-    assert "[plot] lamemo: goodput 28.6%: 6.0 s of training steps in 21.0 s since the first start (1 start, " \
-           "start-ups 4.0 s; 2 interruptions, 3.5 s lost;" in out, out
+    assert (
+        "[plot] lamemo: goodput 28.6%: 6.0 s of training steps in 21.0 s since the first start (1 start, "
+        "start-ups 4.0 s; 2 interruptions, 3.5 s lost;" in out
+    ), out

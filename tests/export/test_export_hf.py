@@ -5,6 +5,7 @@ There, scored segment
 by segment with the cache, the per-token NLL equals megamemo's single-device eval of the same tokens (batch 1)
 within 1e-5, greedy generate() equals `megamemo generate --greedy` token for token, labels give the mean NLL, and
 the exported tokenizer gives megamemo's ids. Bad input ends in one named line with nothing left behind."""
+
 import json
 import os
 import shutil
@@ -31,8 +32,15 @@ from megamemo.interop.load import load_model
 
 REPO = Path(__file__).resolve().parents[2]
 ISOLATED = HELPERS / "hf_without_megamemo.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
-       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "DS_ACCELERATOR": "cpu",
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
 PROMPT = b"<page>\n  <title>Anarchism</title>\n  <id>12</id>\n"
 BYTES = {"vocab": {"kind": "bytes", "symbols": Vocab.identity_bytes().symbols}}
 TEXT8 = Vocab.text8_alphabet()
@@ -41,8 +49,19 @@ WORDS = Vocab("words", ["<eos>", "<unk>", "the", "cat", "sat", "on", "mat", "a",
 # name -> (variant, config overrides, vocabulary)
 RANDOM = {
     "xl_adaptive_div2": ("xl", dict(cutoffs=[32, 96], div_val=2, tie_projs=[False, True, True]), None),
-    "xl_adaptive_untied_same_length": ("xl", dict(cutoffs=[64], d_embed=24, tie_weight=False, tie_projs=[True, False],
-                                                  same_length=True, clamp_len=10, mem_len=20), None),
+    "xl_adaptive_untied_same_length": (
+        "xl",
+        dict(
+            cutoffs=[64],
+            d_embed=24,
+            tie_weight=False,
+            tie_projs=[True, False],
+            same_length=True,
+            clamp_len=10,
+            mem_len=20,
+        ),
+        None,
+    ),
     "lamemo_xlrpe_pre_lnorm": ("lamemo_xlrpe", dict(pre_lnorm=True), None),
     "lamemo_no_interp": ("lamemo_no_interp", dict(mem_len=7), None),
     "lamemo_no_lookahead": ("lamemo_no_lookahead", dict(mem_len=20, clamp_len=15), None),
@@ -51,8 +70,11 @@ RANDOM = {
     "xl_words": ("xl", dict(n_token=len(WORDS)), WORDS),
     # padded vocabularies (model.n_token: auto): the padding ids masked in the full softmax and in the last cluster
     "lamemo_chars_padded": ("lamemo", dict(n_token=128, n_vocab=len(TEXT8)), TEXT8),
-    "xl_adaptive_padded": ("xl", dict(n_token=384, n_vocab=256, cutoffs=[32, 96], div_val=2,
-                                      tie_projs=[False, True, True]), None),
+    "xl_adaptive_padded": (
+        "xl",
+        dict(n_token=384, n_vocab=256, cutoffs=[32, 96], div_val=2, tie_projs=[False, True, True]),
+        None,
+    ),
 }
 TEXTS = {"bytes": "<title>héllo</title>\n  world", "chars": "the quick brown fox", "words": "the cat sat\non a dog mat"}
 
@@ -61,8 +83,13 @@ def isolated(jobs: list[dict], tmp: Path) -> list[dict]:
     """Run the jobs in `python -I` with megamemo blocked; transformers' module cache in tmp."""
     (tmp / "job.json").write_text(json.dumps(jobs))
     env = {**ENV, "HF_HOME": str(tmp / "hf_home")}
-    r = subprocess.run([sys.executable, "-I", str(ISOLATED), str(tmp / "job.json"), str(tmp / "out.json")],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-I", str(ISOLATED), str(tmp / "job.json"), str(tmp / "out.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads((tmp / "out.json").read_text())
 
@@ -80,8 +107,24 @@ def eval_per_token(model, batches) -> tuple[list[float], list[int]]:
 def greedy_by_megamemo(ckpt: Path, prompt_ids: list[int], n: int, tmp: Path, vocab: Vocab) -> list[int]:
     (tmp / "prompt").write_bytes(bytes(prompt_ids) if vocab.kind == "bytes" else vocab.decode(prompt_ids).encode())
     out = tmp / "gen.json"
-    assert generate_cmd.main(["--ckpt", str(ckpt), "--prompt-file", str(tmp / "prompt"), "--max-new-tokens", str(n),
-                              "--greedy", "--json", str(out), "--out", str(tmp / "gen.txt")]) == 0
+    assert (
+        generate_cmd.main(
+            [
+                "--ckpt",
+                str(ckpt),
+                "--prompt-file",
+                str(tmp / "prompt"),
+                "--max-new-tokens",
+                str(n),
+                "--greedy",
+                "--json",
+                str(out),
+                "--out",
+                str(tmp / "gen.txt"),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["prompt_ids"] == prompt_ids
     return doc["new_ids"]
@@ -94,10 +137,23 @@ shards = sized(200_000)
 def run_dir(shards, tmp_path_factory):
     """The issue's check: a tiny 2-process run (ZeRO-1 data parallel, lamemo), 4 steps, one committed checkpoint."""
     run = tmp_path_factory.mktemp("run") / "run"
-    args = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--data", str(shards), "--run-dir", str(run),
-            "--max-steps", "4", "--save-every", "4", "--set", "log.tensorboard=false"]
-    r = subprocess.run([str(REPO / "launch/local.sh"), "2", *args], cwd=REPO, env=ENV, capture_output=True,
-                       text=True, timeout=300)
+    args = [
+        "--config",
+        str(REPO / "configs/tiny-cpu.yaml"),
+        "--data",
+        str(shards),
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "4",
+        "--save-every",
+        "4",
+        "--set",
+        "log.tensorboard=false",
+    ]
+    r = subprocess.run(
+        [str(REPO / "launch/local.sh"), "2", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return run
 
@@ -108,34 +164,50 @@ def exported(run_dir, shards, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
     cases = {}
     out = tmp / "hf_run"
-    assert export_cmd.main(["hf", "--ckpt", str(run_dir), "--out", str(out)]) == 0     # converted through to-single
+    assert export_cmd.main(["hf", "--ckpt", str(run_dir), "--out", str(out)]) == 0  # converted through to-single
     model, meta = load_model(run_dir)
     nll, stream = eval_per_token(model, open_batches(shards, "test", 1, model.cfg.tgt_len))
-    cases["run"] = (run_dir, model, Vocab.identity_bytes(), {"dir": str(out), "tokens": stream, "ref_nll": nll,
-                                                             "bf16": True})
+    cases["run"] = (
+        run_dir,
+        model,
+        Vocab.identity_bytes(),
+        {"dir": str(out), "tokens": stream, "ref_nll": nll, "bf16": True},
+    )
     rng = np.random.default_rng(0)
     for name, (variant, kw, vocab) in RANDOM.items():
         vocab = vocab or Vocab.identity_bytes()
-        ck, m = tiny_checkpoint(tmp / f"ck_{name}", variant, meta={"vocab": {"kind": vocab.kind,
-                                                                             "symbols": vocab.symbols}}, **kw)
+        ck, m = tiny_checkpoint(
+            tmp / f"ck_{name}", variant, meta={"vocab": {"kind": vocab.kind, "symbols": vocab.symbols}}, **kw
+        )
         assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp / f"hf_{name}")]) == 0
         ids = torch.from_numpy(rng.integers(0, len(vocab), 300))
         L = m.cfg.tgt_len
-        batches = [(ids[s:s + n, None], ids[s + 1:s + 1 + n, None]) for s in range(0, 299, L) for n in [min(L, 299 - s)]]
+        batches = [
+            (ids[s : s + n, None], ids[s + 1 : s + 1 + n, None]) for s in range(0, 299, L) for n in [min(L, 299 - s)]
+        ]
         nll, stream = eval_per_token(m, batches)
         cases[name] = (ck, m, vocab, {"dir": str(tmp / f"hf_{name}"), "tokens": stream, "ref_nll": nll})
     jobs = []
     for m, vocab, job in (case[1:] for case in cases.values()):
         prompt = list(PROMPT) if vocab.kind == "bytes" else job["tokens"][:25]
         if vocab.kind == "words":
-            prompt = [t for t in prompt if t != vocab.sym2idx.get("<eos>")]       # a prompt file's words: <eos> only at line ends
-        jobs.append({**{k: v for k, v in job.items() if k != "ref_nll"}, "segment": m.cfg.tgt_len, "prompt": prompt,
-                     "new": 40, "text": TEXTS[vocab.kind]})
+            prompt = [
+                t for t in prompt if t != vocab.sym2idx.get("<eos>")
+            ]  # a prompt file's words: <eos> only at line ends
+        jobs.append(
+            {
+                **{k: v for k, v in job.items() if k != "ref_nll"},
+                "segment": m.cfg.tgt_len,
+                "prompt": prompt,
+                "new": 40,
+                "text": TEXTS[vocab.kind],
+            }
+        )
     results = isolated(jobs, tmp)
     return {name: (*cases[name], job, res) for name, job, res in zip(cases, jobs, results, strict=True)}
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_exported_models_load_without_megamemo_and_score_as_megamemo_eval(exported):
     for name, (_ck, _model, _vocab, case, job, res) in exported.items():
         assert res["class"] == "MegamemoForCausalLM" and res["module"].startswith("transformers_modules"), name
@@ -144,35 +216,39 @@ def test_exported_models_load_without_megamemo_and_score_as_megamemo_eval(export
         assert diff < 1e-5, (name, diff)
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_the_run_scored_with_its_cache_equals_megamemo_eval_batch_1(exported, shards, tmp_path):
     from megamemo.commands import eval as eval_cmd
 
     run_dir, _, _, case, _, res = exported["run"]
     out = tmp_path / "eval.json"
-    assert eval_cmd.main(["--ckpt", str(run_dir), "--data", str(shards), "--split", "test", "--batch-size", "1",
-                          "--json", str(out)]) == 0
+    assert (
+        eval_cmd.main(
+            ["--ckpt", str(run_dir), "--data", str(shards), "--split", "test", "--batch-size", "1", "--json", str(out)]
+        )
+        == 0
+    )
     got = json.loads(out.read_text())
     assert got["tokens"] == len(res["nll"]) == 19_999
     assert np.mean(res["nll"]) == pytest.approx(got["nll"], abs=1e-6)
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_positions_are_computed_in_fp32_in_a_bf16_model(exported):
     res = exported["run"][-1]
     assert res["bf16_dtype"] == "torch.bfloat16" and res["bf16_positions_exact"]
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_greedy_generate_equals_megamemo_generate_greedy(exported, tmp_path):
     for name, (ck, model, vocab, _case, job, res) in exported.items():
         if vocab.kind == "words":
-            continue            # its prompt file would not give these ids back (words are re-split); bytes/chars do
+            continue  # its prompt file would not give these ids back (words are re-split); bytes/chars do
         assert res["greedy"] == greedy_by_megamemo(ck, job["prompt"], 40, tmp_path, vocab), name
-        assert max(res["greedy"]) < model.cfg.vocab_size, name          # never a padding id
+        assert max(res["greedy"]) < model.cfg.vocab_size, name  # never a padding id
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 @pytest.mark.numerics
 def test_labels_give_the_mean_next_token_nll_of_the_call(exported):
     for name, (*_, res) in exported.items():
@@ -180,11 +256,11 @@ def test_labels_give_the_mean_next_token_nll_of_the_call(exported):
         # symbols, then the mean over the T targets) against log_softmax + gather + mean. Each is a recursive
         # fp32 sum, within (V + T) * u * |nll| of the exact value (u = 2**-24, fp32's unit roundoff); a label off by
         # one or a mean over the wrong count of tokens moves the loss by O(1 / T) of it or more
-        bound = 2 * (res["vocab"] + res["targets"]) * 2.0 ** -24 * abs(res["nll_first"])
+        bound = 2 * (res["vocab"] + res["targets"]) * 2.0**-24 * abs(res["nll_first"])
         assert abs(res["loss"] - res["nll_first"]) <= bound, (name, res["loss"], res["nll_first"], bound)
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_exported_tokenizers_give_megamemos_ids(exported):
     from megamemo.interop.vocabulary import encode_prompt
 
@@ -218,8 +294,9 @@ def test_exported_tokenizers_carry_the_start_token_as_bos_and_eos(tmp_path, voca
 
     from megamemo.interop.vocabulary import encode_prompt, start_symbol
 
-    ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=len(vocab),
-                            meta={"vocab": {"kind": vocab.kind, "symbols": vocab.symbols}})
+    ck, _ = tiny_checkpoint(
+        tmp_path / "ck", "xl", n_token=len(vocab), meta={"vocab": {"kind": vocab.kind, "symbols": vocab.symbols}}
+    )
     assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "hf")]) == 0
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     start = vocab.sym2idx[start_symbol(vocab)]
@@ -260,7 +337,7 @@ def export_in_process(capsys, *args) -> subprocess.CompletedProcess:
 export_error = partial(failed_with_one_line, returncode=2, prefix="megamemo export: error:")
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_an_uncommitted_checkpoint_is_refused(run_dir, tmp_path):
     step = next((run_dir / "checkpoints").glob("step_*"))
     copy = tmp_path / "ckpts" / step.name
@@ -313,23 +390,30 @@ def test_a_recorded_subword_tokenizer_is_copied_and_checked(tmp_path):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([PROMPT.decode() * 20], trainers.BpeTrainer(vocab_size=60, special_tokens=[
-        "<|endoftext|>", "<unk>"]))
+    tok.train_from_iterator(
+        [PROMPT.decode() * 20], trainers.BpeTrainer(vocab_size=60, special_tokens=["<|endoftext|>", "<unk>"])
+    )
     src = tmp_path / "tokenizer.json"
     tok.save(str(src))
-    rec = {"kind": "bpe", "vocab_size": tok.get_vocab_size(), "file": "tokenizer.json", "sha256": file_sha256(src),
-           "eod": "<|endoftext|>", "eod_id": 0}
+    rec = {
+        "kind": "bpe",
+        "vocab_size": tok.get_vocab_size(),
+        "file": "tokenizer.json",
+        "sha256": file_sha256(src),
+        "eod": "<|endoftext|>",
+        "eod_id": 0,
+    }
     ck, _ = tiny_checkpoint(tmp_path / "ck", "xl", n_token=tok.get_vocab_size(), meta={"tokenizer": rec})
     shutil.copyfile(src, ck / "tokenizer.json")
     assert export_cmd.main(["hf", "--ckpt", str(ck), "--out", str(tmp_path / "out")]) == 0
     got = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "out"))
     assert got("<title>Anarchism</title>")["input_ids"] == tok.encode("<title>Anarchism</title>").ids
-    assert got.bos_token_id == got.eos_token_id == 0          # the record's end of document (lm-eval's prefix)
+    assert got.bos_token_id == got.eos_token_id == 0  # the record's end of document (lm-eval's prefix)
     (ck / "tokenizer.json").write_text((ck / "tokenizer.json").read_text().replace("<unk>", "<UNK>"))
     with pytest.raises(hf.ExportError, match="tokenizer.json: sha256 differs"):
         hf.export_hf(ck, tmp_path / "out2")
     assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".export-*"))
-    assert not list(tmp_path.glob(".out2.*"))                  # nor the new directory under its temporary name
+    assert not list(tmp_path.glob(".out2.*"))  # nor the new directory under its temporary name
 
 
 def test_the_modeling_code_ships_as_package_data():

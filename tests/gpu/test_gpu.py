@@ -9,6 +9,7 @@
   * the host syncs of a training step (torch.cuda.set_sync_debug_mode), each one a known, needed one;
   * TF32 for an fp32 run that allows it (precision.allow_tf32), against the run without.
 Every run goes through `megamemo train` / `convert` / `eval` as on a cluster, with DS_ACCELERATOR=cuda."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ from helpers.fixture_data import REPO, reference_file
 from helpers.sync_sites import SYNC_SETS, unneeded
 from test_gpu_checks_on_cpu import assert_positions_are_fp32s, resumed_adam_steps, tf32_runs
 from test_model_reference import FILES, check_grads, close, ref_memory_tensors
-from test_train_runs import (  # noqa: F401
+from test_train_runs import (
     assert_no_corrupt_checkpoint,
     committed_steps,
     fp16_overflow_run,
@@ -42,8 +43,11 @@ from megamemo.kernels import apply_kernels, kernels_in_use
 from megamemo.runtime.dist import free_port
 
 pytestmark = pytest.mark.gpu
-GPU = {"DS_ACCELERATOR": "cuda", "MEGAMEMO_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": os.environ.get(
-    "CUDA_VISIBLE_DEVICES", "0")}
+GPU = {
+    "DS_ACCELERATOR": "cuda",
+    "MEGAMEMO_DEVICE": "gpu",
+    "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +81,7 @@ def test_golden_reference_on_cuda(name):
     nll, _ = model(cuda[0][1], cuda[1][1], mem)
     close(nll.detach().cpu(), t["train_nll_seg1"], "train-mode segment 1 NLL with memory on CUDA")
     nll.mean().backward()
-    check_grads(model.cpu(), g, t["grads_seg1_with_mem"], "segment 1 with memory on CUDA")   # .cpu() moves grads
+    check_grads(model.cpu(), g, t["grads_seg1_with_mem"], "segment 1 with memory on CUDA")  # .cpu() moves grads
 
 
 def test_plain_dropout_law_on_cuda():
@@ -100,47 +104,110 @@ def test_plain_dropout_law_on_cuda():
 # ---- DeepSpeed engines on one GPU -----------------------------------------------------------------------------
 def test_bf16_run_converts_and_evaluates_on_cuda(tiny_cfg, shards, tmp_path):
     run_dir = tmp_path / "bf16"
-    run(1, tiny_cfg, shards, run_dir, "--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=2",
-        "--set", "eval.every=8", "--set", "eval.batch_size=4", "--set", "eval.max_segments=10",
-        env_extra=GPU, timeout=300)
-    assert "| plain kernels |" in logs(run_dir), logs(run_dir)[-3000:]    # train.kernels=auto on CUDA
+    run(
+        1,
+        tiny_cfg,
+        shards,
+        run_dir,
+        "--set",
+        "precision.dtype=bf16",
+        "--set",
+        "parallel.zero_stage=2",
+        "--set",
+        "eval.every=8",
+        "--set",
+        "eval.batch_size=4",
+        "--set",
+        "eval.max_segments=10",
+        env_extra=GPU,
+        timeout=300,
+    )
+    assert "| plain kernels |" in logs(run_dir), logs(run_dir)[-3000:]  # train.kernels=auto on CUDA
     got = losses(run_dir)
     assert sorted(got) == list(range(1, 9)) and got[8] < got[1], got
-    val = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-           if json.loads(line)["kind"] == "eval"][-1]
+    val = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "eval"
+    ][-1]
     env = dict(os.environ, **GPU)
     single = tmp_path / "single"
-    r = subprocess.run([sys.executable, "-m", "megamemo", "convert", "to-single", "--ckpt", str(run_dir), "--out",
-                        str(single)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, "-m", "megamemo", "convert", "to-single", "--ckpt", str(run_dir), "--out", str(single)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    check = json.loads((single / "config.json").read_text())["meta"]["check"]   # the probe, recorded on the GPU
+    check = json.loads((single / "config.json").read_text())["meta"]["check"]  # the probe, recorded on the GPU
     assert check["precision"] == "bf16" and check["max_abs_diff"] <= 0.1, check
     out = tmp_path / "eval.json"
-    r = subprocess.run([sys.executable, "-m", "megamemo", "eval", "--ckpt", str(single), "--data", str(shards),
-                        "--split", "valid", "--batch-size", "4", "--max-segments", "10", "--tgt-len",
-                        str(val["tgt_len"]), "--mem-len", str(val["mem_len"]), "--device", "cuda", "--dtype",
-                        "bf16", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megamemo",
+            "eval",
+            "--ckpt",
+            str(single),
+            "--data",
+            str(shards),
+            "--split",
+            "valid",
+            "--batch-size",
+            "4",
+            "--max-segments",
+            "10",
+            "--tgt-len",
+            str(val["tgt_len"]),
+            "--mem-len",
+            str(val["mem_len"]),
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = json.loads(out.read_text())
     assert ev["tokens"] == val["tokens"] and ev["nll"] == pytest.approx(val["loss"], rel=1e-3), (ev, val)
 
 
 def test_fp16_overflow_on_cuda_skips_the_step_and_keeps_memory(tiny_cfg, shards, tmp_path):
-    rows = fp16_overflow_run(tiny_cfg, shards, tmp_path / "fp16", **GPU)       # asserts the skip itself
+    rows = fp16_overflow_run(tiny_cfg, shards, tmp_path / "fp16", **GPU)  # asserts the skip itself
     assert all(r["device"].startswith("cuda") for r in rows), rows
-    assert rows[0]["scale"] == 2.0 ** 10                                       # dynamic loss scaling is on
+    assert rows[0]["scale"] == 2.0**10  # dynamic loss scaling is on
 
 
 def test_kill9_then_resume_on_cuda_is_bit_exact(tiny_cfg, shards, tmp_path):
-    args = ["--set", "precision.dtype=bf16", "--set", "train.deterministic=true", "--max-steps", "20",
-            "--save-every", "2"]
+    args = [
+        "--set",
+        "precision.dtype=bf16",
+        "--set",
+        "train.deterministic=true",
+        "--max-steps",
+        "20",
+        "--save-every",
+        "2",
+    ]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "crash"
     run(1, tiny_cfg, shards, ref_dir, *args, env_extra=GPU, timeout=300)
     procs = launch(1, tiny_cfg, shards, run_dir, *args, env_extra=GPU)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 240
-    while not (metrics.exists() and any(json.loads(line).get("step", 0) >= 7
-                                        for line in metrics.read_text().splitlines() if line.endswith("}"))):
+    while not (
+        metrics.exists()
+        and any(json.loads(line).get("step", 0) >= 7 for line in metrics.read_text().splitlines() if line.endswith("}"))
+    ):
         assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
         time.sleep(0.02)
     procs[0].send_signal(signal.SIGKILL)
@@ -150,7 +217,7 @@ def test_kill9_then_resume_on_cuda_is_bit_exact(tiny_cfg, shards, tmp_path):
     assert 2 <= resume_step < 20
     run(1, tiny_cfg, shards, run_dir, *args, env_extra=GPU, timeout=300)
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{resume_step:08d}'}" in logs(run_dir)
-    assert losses(run_dir) == losses(ref_dir)                                  # bit for bit
+    assert losses(run_dir) == losses(ref_dir)  # bit for bit
 
 
 # ---- the tensor- and pipeline-parallel code at world size 1 ---------------------------------------------------
@@ -225,10 +292,18 @@ print("OUT" + json.dumps(out))
 def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
     script = tmp_path / "tp_pp.py"
     script.write_text(TP_PP_SCRIPT)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               **GPU)
-    r = subprocess.run([sys.executable, str(script), variant], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=REPO)
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        **GPU,
+    )
+    r = subprocess.run(
+        [sys.executable, str(script), variant], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.split("OUT", 1)[1])
     assert out["megatron_layers"] == ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"], out
@@ -238,7 +313,7 @@ def test_tensor_and_pipeline_parallel_code_on_one_gpu(variant, tmp_path):
     # the pipeline averages its 2 micro-batches (2 streams each); the single model saw all 4 streams at once
     assert max(abs(a - b) for a, b in zip(out["pp"], out["single"], strict=True)) < 1e-5, out
     assert out["bank_device"] == ["cuda"], out
-    assert out["kernels"] == ["plain"] * 4, out                      # train.kernels=auto on CUDA: plain PyTorch
+    assert out["kernels"] == ["plain"] * 4, out  # train.kernels=auto on CUDA: plain PyTorch
 
 
 # ---- plan vs measured ---------------------------------------------------------------------------------------------
@@ -261,24 +336,63 @@ def test_plan_beside_the_measured_peak_memory(shards, tmp_path, recompute):
     """`megamemo plan` (DeepSpeed's buffers counted: at grad_accum 1 bf16 ZeRO 1 runs the ZeRO optimizer, its fp32
     partition and bf16 bucket, parallel/zero.py)
     within 25% of torch.cuda.max_memory_allocated over 3 steps, with and without activation checkpointing."""
-    sets = ["model.n_layer=4", "model.d_model=512", "model.n_head=8", "model.d_head=64", "model.d_inner=2048",
-            "model.tgt_len=256", "model.mem_len=256", "data.batch_size=16", "precision.dtype=bf16",
-            "parallel.zero_stage=1", f"train.activation_checkpointing={str(recompute).lower()}", "eval.every=0",
-            "checkpoint.save_every=0", "checkpoint.save_at_end=false", "log.tensorboard=false", f"data.dir={shards}",
-            f"train.run_dir={tmp_path / 'run'}"]
+    sets = [
+        "model.n_layer=4",
+        "model.d_model=512",
+        "model.n_head=8",
+        "model.d_head=64",
+        "model.d_inner=2048",
+        "model.tgt_len=256",
+        "model.mem_len=256",
+        "data.batch_size=16",
+        "precision.dtype=bf16",
+        "parallel.zero_stage=1",
+        f"train.activation_checkpointing={str(recompute).lower()}",
+        "eval.every=0",
+        "checkpoint.save_every=0",
+        "checkpoint.save_at_end=false",
+        "log.tensorboard=false",
+        f"data.dir={shards}",
+        f"train.run_dir={tmp_path / 'run'}",
+    ]
     config = REPO / "configs/tiny-cpu.yaml"
-    plan_cmd = [sys.executable, "-m", "megamemo", "plan", "--config", str(config), "--nodes", "1",
-                "--gpus-per-node", "1", "--gpu", "a100-80g"] + [a for s in sets[:11] for a in ("--set", s)]
+    plan_cmd = [
+        sys.executable,
+        "-m",
+        "megamemo",
+        "plan",
+        "--config",
+        str(config),
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--gpu",
+        "a100-80g",
+    ] + [a for s in sets[:11] for a in ("--set", s)]
     p = subprocess.run(plan_cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     planned = float(re.search(r"total\s+([0-9.]+) GiB", p.stdout).group(1))
     script = tmp_path / "measure.py"
     script.write_text(MEASURE_SCRIPT)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               **GPU)
-    r = subprocess.run([sys.executable, str(script), str(config), *sets], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=REPO)
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        **GPU,
+    )
+    r = subprocess.run(
+        [sys.executable, str(script), str(config), *sets],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    measured = int(r.stdout.split("PEAK", 1)[1]) / 1024 ** 3
+    measured = int(r.stdout.split("PEAK", 1)[1]) / 1024**3
     print(f"\n{p.stdout}measured peak (torch.cuda.max_memory_allocated): {measured:.3f} GiB; plan {planned:.3f} GiB")
     assert 0.75 <= measured / planned <= 1.25, (measured, planned)
 
@@ -301,9 +415,15 @@ def test_resumed_adam_step_on_cuda_at_the_call_site(tiny_cfg, shards, tmp_path):
     """A real resume on the GPU (bf16, ZeRO 1: BF16_Optimizer around torch's fused Adam): the optimizer's step
     tensors hold the count on the device torch's own Adam uses (cuda), and the next step runs
     (tests/gpu/test_gpu_checks_on_cpu.py: the same script and checks on the CPU)."""
-    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16", "precision.grad_accum_dtype=fp32"],
-                             env_extra=GPU, timeout=300)
-    assert out["optimizer"] == "BF16_Optimizer", out           # fp32 accumulation named: not the ZeRO optimizer
+    out = resumed_adam_steps(
+        tiny_cfg,
+        shards,
+        tmp_path,
+        sets=["precision.dtype=bf16", "precision.grad_accum_dtype=fp32"],
+        env_extra=GPU,
+        timeout=300,
+    )
+    assert out["optimizer"] == "BF16_Optimizer", out  # fp32 accumulation named: not the ZeRO optimizer
     assert out["fused"] and out["torch_makes"][0].startswith("cuda"), out
     assert all(dev.startswith("cuda") and param_dev.startswith("cuda") for _, dev, _, param_dev in out["resumed"]), out
 
@@ -316,30 +436,113 @@ def test_bf16_convert_and_eval_at_width(tiny_cfg, shards, tmp_path):
     tests/gpu/test_gpu_checks_on_cpu.py; the NLL comparison below cannot see them), and `eval --dtype bf16` of the
     converted model scores the training run's own validation within bf16's tolerance."""
     run_dir = tmp_path / "wide"
-    width = ["--set", "model.d_model=1024", "--set", "model.n_head=16", "--set", "model.d_head=64", "--set",
-             "model.d_inner=2048", "--set", "model.n_layer=2", "--set", "model.tgt_len=512", "--set",
-             "model.mem_len=1024", "--set", "data.batch_size=2"]
-    run(1, tiny_cfg, shards, run_dir, "--set", "precision.dtype=bf16", "--max-steps", "4", "--save-every", "4",
-        "--set", "eval.every=4", "--set", "eval.batch_size=2", "--set", "eval.max_segments=3", *width,
-        env_extra=GPU, timeout=600)
-    val = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-           if json.loads(line)["kind"] == "eval"][-1]
+    width = [
+        "--set",
+        "model.d_model=1024",
+        "--set",
+        "model.n_head=16",
+        "--set",
+        "model.d_head=64",
+        "--set",
+        "model.d_inner=2048",
+        "--set",
+        "model.n_layer=2",
+        "--set",
+        "model.tgt_len=512",
+        "--set",
+        "model.mem_len=1024",
+        "--set",
+        "data.batch_size=2",
+    ]
+    run(
+        1,
+        tiny_cfg,
+        shards,
+        run_dir,
+        "--set",
+        "precision.dtype=bf16",
+        "--max-steps",
+        "4",
+        "--save-every",
+        "4",
+        "--set",
+        "eval.every=4",
+        "--set",
+        "eval.batch_size=2",
+        "--set",
+        "eval.max_segments=3",
+        *width,
+        env_extra=GPU,
+        timeout=600,
+    )
+    val = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "eval"
+    ][-1]
     env = dict(os.environ, **GPU)
     single = tmp_path / "single"
-    r = subprocess.run([sys.executable, "-m", "megamemo", "convert", "to-single", "--ckpt", str(run_dir), "--out",
-                        str(single), "--dtype", "bf16"], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megamemo",
+            "convert",
+            "to-single",
+            "--ckpt",
+            str(run_dir),
+            "--out",
+            str(single),
+            "--dtype",
+            "bf16",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     check = json.loads((single / "config.json").read_text())["meta"]["check"]
     print(f"\nbf16 probe at d_model 1024, 1,536 positions on {torch.cuda.get_device_name()}: {check}")
     from megamemo.checkpoint.single import load_single
-    worst = assert_positions_are_fp32s(load_single(single)[0].cuda(), 1536)   # the converted model, on the GPU
+
+    worst = assert_positions_are_fp32s(load_single(single)[0].cuda(), 1536)  # the converted model, on the GPU
     print(f"positions at 1,536 on the GPU: within {worst:.3g} of the exact sinusoids")
     out = tmp_path / "eval.json"
-    r = subprocess.run([sys.executable, "-m", "megamemo", "eval", "--ckpt", str(single), "--data", str(shards),
-                        "--split", "valid", "--batch-size", "2", "--max-segments", "3", "--tgt-len",
-                        str(val["tgt_len"]), "--mem-len", str(val["mem_len"]), "--device", "cuda", "--dtype",
-                        "bf16", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megamemo",
+            "eval",
+            "--ckpt",
+            str(single),
+            "--data",
+            str(shards),
+            "--split",
+            "valid",
+            "--batch-size",
+            "2",
+            "--max-segments",
+            "3",
+            "--tgt-len",
+            str(val["tgt_len"]),
+            "--mem-len",
+            str(val["mem_len"]),
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = json.loads(out.read_text())
     assert ev["tokens"] == val["tokens"] and abs(ev["nll"] - val["loss"]) <= 0.01, (ev, val)
@@ -351,11 +554,30 @@ def test_host_syncs_of_a_training_step_are_the_needed_ones(shards, tmp_path):
     listed by its megamemo call site; each must be one of sync_sites.NEEDED_SYNCS, and megamemo's own stay at most
     MAX_OWN a step. The attribution skips warnings.py's frames (else every sync read "outside megamemo" and this
     test could not fail: tests/gpu/test_sync_sites.py)."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               **GPU)
-    r = subprocess.run([sys.executable, str(REPO / "tests/helpers/sync_sites.py"), str(REPO / "configs/tiny-cpu.yaml"),
-                        *SYNC_SETS, f"data.dir={shards}", f"train.run_dir={tmp_path}/r"], env=env,
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        **GPU,
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests/helpers/sync_sites.py"),
+            str(REPO / "configs/tiny-cpu.yaml"),
+            *SYNC_SETS,
+            f"data.dir={shards}",
+            f"train.run_dir={tmp_path}/r",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     sites = [line[5:] for line in r.stdout.splitlines() if line.startswith("SYNC ")]
     print("\nhost syncs of one step:\n  " + "\n  ".join(sites))

@@ -5,6 +5,7 @@ and the next ones still run, the full-depth step's forms come with the optimizer
 top kernels, and the training run's kill -9 / resume / convert / eval verdicts are taken with the eval at the
 validation's dtype and attention form. Beside it: the GPU plan fits 9 minutes, and the pieces each of these
 promises rests on, tested alone so that breaking one fails here."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,22 @@ ORDER = ["env", "attention_kernel", "full_step", "train", "plan", "tests", "ds_o
 @pytest.mark.multiproc
 def test_gpu_check_plumbing_on_the_cpu(tmp_path):
     out = tmp_path / "report"
-    r = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "--out", str(out), "--device", "cpu",
-                        "--budget", "model_step=0.5"], capture_output=True, text=True, timeout=900, cwd=REPO)
+    r = subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts/gpu_check.sh"),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--budget",
+            "model_step=0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     rep = json.loads((out / "gpu-report.json").read_text())
     s = rep["sections"]
     assert list(s) == ORDER, list(s)
@@ -39,7 +54,7 @@ def test_gpu_check_plumbing_on_the_cpu(tmp_path):
     assert [x["form"] for x in s["attention_kernel"]["result"]["rows"]] == ["sdpa", "eager", "fused"]
     rows = s["full_step"]["result"]["rows"]
     steps = {(x["form"], x["batch"]): x for x in rows if "tokens_per_s" in x}
-    assert {("eager", 4), ("compiled", 4)} <= set(steps) and len(steps) == 3, sorted(steps)   # then 8: the fastest
+    assert {("eager", 4), ("compiled", 4)} <= set(steps) and len(steps) == 3, sorted(steps)  # then 8: the fastest
     assert steps["eager", 4]["first_loss"] == steps["compiled", 4]["first_loss"]
     opt = [x for x in rows if x["form"] == "optimizer"]
     prof = [x for x in rows if x["form"] == "profile"]
@@ -56,15 +71,27 @@ def test_gpu_check_plumbing_on_the_cpu(tmp_path):
     md = (out / "gpu-report.md").read_text()
     assert md.splitlines()[2].startswith(f"torch {env['torch']}, CUDA None, driver"), md[:400]
     mb8 = next(form for form, batch in steps if batch == 8)
-    for text in ("| model_step | timeout |", "losses bit-equal: True", "## bench/attention_kernel.py", f"| {mb8} | 8 |",
-                 "Optimizer step (one GPU)", "Top CPU operators of one compiled layer", "beside the training run",
-                 "convert to single + eval (bf16, eager attention)"):
+    for text in (
+        "| model_step | timeout |",
+        "losses bit-equal: True",
+        "## bench/attention_kernel.py",
+        f"| {mb8} | 8 |",
+        "Optimizer step (one GPU)",
+        "Top CPU operators of one compiled layer",
+        "beside the training run",
+        "convert to single + eval (bf16, eager attention)",
+    ):
         assert text in md, (text, md)
 
 
 def test_the_plan_of_one_gpu_fits_nine_minutes_and_runs_nothing(tmp_path):
-    r = subprocess.run([sys.executable, str(REPO / "scripts/gpu_check.py"), "--plan"], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts/gpu_check.py"), "--plan"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     budgets = dict(re.findall(r"^  (\w+)\s+(\d+) s", r.stdout, re.M))
     assert list(budgets)[:3] == ["env", "attention_kernel", "full_step"] and "total" in budgets, r.stdout
@@ -89,9 +116,11 @@ def test_a_section_killed_past_its_budget_keeps_the_rows_it_had_written(tmp_path
     ctx = _ctx(tmp_path)
     row = {"form": "eager", "batch": 4, "tokens_per_s": 1.0}
 
-    def bench(ctx):      # a bench that writes one row, then hangs
-        code = (f"import json; open({str(ctx.rows_path('full_step'))!r}, 'a').write(json.dumps({row!r}) + '\\n'); "
-                "import time; time.sleep(60)")
+    def bench(ctx):  # a bench that writes one row, then hangs
+        code = (
+            f"import json; open({str(ctx.rows_path('full_step'))!r}, 'a').write(json.dumps({row!r}) + '\\n'); "
+            "import time; time.sleep(60)"
+        )
         S.sh([sys.executable, "-c", code], tmp_path / "bench.log", ctx.left("full_step"))
         return {"rows": []}
 
@@ -99,7 +128,7 @@ def test_a_section_killed_past_its_budget_keeps_the_rows_it_had_written(tmp_path
     assert entry["status"] == "timeout" and entry["result"]["rows"] == [row], entry
     assert entry["seconds"] < 30 and "ran past" in entry["result"]["error"], entry
 
-    def train(ctx):      # the training run's first phase done, then a failure
+    def train(ctx):  # the training run's first phase done, then a failure
         ctx.row("train", {"phase": "ref", "tokens_per_s": 5.0, "attention": "eager"})
         raise RuntimeError("exit 1: the resume failed")
 
@@ -107,16 +136,20 @@ def test_a_section_killed_past_its_budget_keeps_the_rows_it_had_written(tmp_path
     assert entry["status"] == "failed" and entry["result"]["tokens_per_s"] == 5.0, entry
     assert "phase" not in entry["result"] and "resume failed" in entry["result"]["error"], entry
 
-    def tests(ctx):      # pytest killed after two results
+    def tests(ctx):  # pytest killed after two results
         (ctx.out / "pytest.log").write_text(
             "tests/gpu/test_gpu.py::test_a PASSED   [ 10%]\n[gw1] [ 20%] FAILED tests/gpu/test_gpu.py::test_b[bf16]\n"
-            "[gw0] [ 30%] SKIPPED tests/gpu/test_gpu.py::test_c\nSKIPPED [1] tests/gpu/test_gpu.py:12: no GPU\n")
+            "[gw0] [ 30%] SKIPPED tests/gpu/test_gpu.py::test_c\nSKIPPED [1] tests/gpu/test_gpu.py:12: no GPU\n"
+        )
         raise S.Timeout("pytest ran past 3s")
 
     entry = gpu_check.run_section(ctx, "tests", tests, 10)
     assert entry["status"] == "timeout" and entry["result"]["passed"] == 1, entry
     assert [(x["test"], x["result"]) for x in entry["result"]["results"]] == [
-        ("test_a", "passed"), ("test_b[bf16]", "failed"), ("test_c", "skipped")], entry
+        ("test_a", "passed"),
+        ("test_b[bf16]", "failed"),
+        ("test_c", "skipped"),
+    ], entry
 
 
 def test_the_bench_writes_each_row_before_the_next_form_runs(tmp_path, monkeypatch):
@@ -136,18 +169,44 @@ def test_the_bench_writes_each_row_before_the_next_form_runs(tmp_path, monkeypat
         return real(form, *args)
 
     monkeypatch.setattr(gpu_step, "run_form", run_form)
-    assert gpu_step.main(["--device", "cpu", "--tiny", "--forms", "eager", "fused", "--steps", "1", "--warmup", "1",
-                          "--jsonl", str(rows)]) == 1
+    assert (
+        gpu_step.main(
+            [
+                "--device",
+                "cpu",
+                "--tiny",
+                "--forms",
+                "eager",
+                "fused",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--jsonl",
+                str(rows),
+            ]
+        )
+        == 1
+    )
     assert seen == [["setup"], ["setup", "eager"]], seen
     assert [json.loads(line)["form"] for line in rows.read_text().splitlines()] == ["setup", "eager", "fused"]
 
 
 def test_eval_is_compared_at_the_validations_dtype_and_attention_form(tmp_path):
-    line = ("[train] lamemo 1.00M params | ... | bf16 | ... | fused attention | compiled layers | run dir r | "
-            "fresh start")
+    line = (
+        "[train] lamemo 1.00M params | ... | bf16 | ... | fused attention | compiled layers | run dir r | fresh start"
+    )
     assert T.run_form(line) == ("fused", "compiled")
-    val = {"kind": "eval", "split": "valid", "loss": 2.5, "tokens": 512, "tgt_len": 16, "mem_len": 16,
-           "clamp_len": None, "same_length": False}
+    val = {
+        "kind": "eval",
+        "split": "valid",
+        "loss": 2.5,
+        "tokens": 512,
+        "tgt_len": 16,
+        "mem_len": 16,
+        "clamp_len": None,
+        "same_length": False,
+    }
     args = T.eval_args(tmp_path / "single", tmp_path / "data", val, "fused", "bf16", 4, 4, "cpu", tmp_path / "e.json")
     pairs = dict(zip(args, args[1:], strict=False))
     assert pairs["--dtype"] == "bf16" and pairs["--attention"] == "fused", args
@@ -181,7 +240,7 @@ def test_the_full_depth_step_times_the_forms_auto_would_choose_between(monkeypat
     monkeypatch.setattr(forms, "check_device", lambda device: None)
     got, skipped = step_extras.auto_forms(str(REPO / "configs/lamemo-1.3b.yaml"), torch.device("cuda"))
     assert got == ["eager", "compiled", "fused", "compiled+fused", "flex", "compiled+flex"] and not skipped, got
-    monkeypatch.setattr(forms, "capability", lambda device: (7, 0))          # a V100: never flex
+    monkeypatch.setattr(forms, "capability", lambda device: (7, 0))  # a V100: never flex
     got, skipped = step_extras.auto_forms(str(REPO / "configs/lamemo-1.3b.yaml"), torch.device("cuda"))
     assert got == ["eager", "compiled", "fused", "compiled+fused"] and "flex: sm70" in skipped[0], (got, skipped)
 
@@ -191,7 +250,7 @@ def test_every_gpu_claim_of_the_readme_names_its_device_and_code():
     slowdown and the compiled + flex failure until a run replaces them, mark the full-depth figure an estimate, and
     call the fused kernels' speed unmeasured while no GPU has run them."""
     text = (REPO / "README.md").read_text()
-    table = text[text.index("| feature | CPU | GPU |"):text.index("## Install")]
+    table = text[text.index("| feature | CPU | GPU |") : text.index("## Install")]
     for row in [r for r in table.splitlines()[2:] if r.startswith("| ")]:
         gpu = row.rstrip(" |").rsplit(" | ", 1)[-1]
         if gpu.startswith(("not run", "(host side)", "**not run")):
@@ -200,6 +259,6 @@ def test_every_gpu_claim_of_the_readme_names_its_device_and_code():
     speed = next(line for line in text.splitlines() if line.startswith("| lamemo-1.3b's width on an H200"))
     assert "2 layers" in speed and re.search(r"\b[0-9a-f]{7}\b", speed) and "34.1% HFU" in speed, speed
     assert "−22%" in speed and "compiled + flex failed" in speed and "an estimate, not measured" in speed, speed
-    assert "unmeasured" in text[text.index("| the fused attention kernels on a GPU"):], text
+    assert "unmeasured" in text[text.index("| the fused attention kernels on a GPU") :], text
     bench = (REPO / "docs/benchmarks.md").read_text()
     assert "**their speed is unmeasured until a GPU\nmeasures it**" in bench and "an estimate (not measured)" in bench

@@ -12,6 +12,7 @@ imports it from this file, so what the CPU shows is what the GPU run asserts.
     tensors the optimizer holds have the count, dtype and device torch's own Adam gives them, and the next step runs.
     The older tests check the helper (adam_step_tensor) alone, and say so in their names.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,18 +34,37 @@ TF32_STATES = {"fp32": "| TF32 off |", "tf32": "| TF32 on |"}
 def tf32_runs(tiny_cfg, shards, tmp_path, steps: int, env_extra=None, timeout=180):
     """fp32 without and with precision.allow_tf32, `steps` steps each, no dropout; each run's log must name the TF32
     state its worker set. -> (losses without, losses with)."""
-    exact = ["--set", "model.dropout=0.0", "--max-steps", str(steps), "--save-every", "0",
-             "--set", "checkpoint.probe=false", "--set", "checkpoint.save_at_end=false"]
+    exact = [
+        "--set",
+        "model.dropout=0.0",
+        "--max-steps",
+        str(steps),
+        "--save-every",
+        "0",
+        "--set",
+        "checkpoint.probe=false",
+        "--set",
+        "checkpoint.save_at_end=false",
+    ]
     run(1, tiny_cfg, shards, tmp_path / "fp32", *exact, env_extra=env_extra, timeout=timeout)
-    run(1, tiny_cfg, shards, tmp_path / "tf32", *exact, "--set", "precision.allow_tf32=true", env_extra=env_extra,
-        timeout=timeout)
+    run(
+        1,
+        tiny_cfg,
+        shards,
+        tmp_path / "tf32",
+        *exact,
+        "--set",
+        "precision.allow_tf32=true",
+        env_extra=env_extra,
+        timeout=timeout,
+    )
     for name, state in TF32_STATES.items():
         log = logs(tmp_path / name)
         assert state in log, f"{name} run: {state!r} not in its log:\n{log[-2000:]}"
     return losses(tmp_path / "fp32"), losses(tmp_path / "tf32")
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_tf32_runs_log_the_state_their_worker_set(tiny_cfg, shards, tmp_path):
     """TF32 flags are process state on the CPU too (they only change nothing here): the same runs, one step."""
     a, b = tf32_runs(tiny_cfg, shards, tmp_path, 1)
@@ -66,8 +86,10 @@ def assert_positions_are_fp32s(model, klen: int) -> float:
     off by ~1e-4 rad at 1,536 positions; bf16 angles by radians). -> the largest difference seen."""
     cfg, param = model.cfg, next(model.parameters())
     seen = []
-    hooks = [layer.attn.r_net.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().double().cpu()))
-             for layer in model.layers]
+    hooks = [
+        layer.attn.r_net.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().double().cpu()))
+        for layer in model.layers
+    ]
     x = torch.randint(0, cfg.n_token, (klen, 1), generator=torch.Generator().manual_seed(5)).to(param.device)
     try:
         with torch.no_grad():
@@ -79,8 +101,10 @@ def assert_positions_are_fp32s(model, klen: int) -> float:
     assert len(seen) == cfg.n_layer and all(s.shape == want.shape for s in seen), [s.shape for s in seen]
     worst = max(float((s - want).abs().max()) for s in seen)
     bound = 2 * torch.finfo(param.dtype).eps
-    assert worst <= bound, f"positions off by up to {worst:.3g} over {klen} positions (bound {bound:.3g} for " \
-                           f"{param.dtype}): angles not computed in fp32"
+    assert worst <= bound, (
+        f"positions off by up to {worst:.3g} over {klen} positions (bound {bound:.3g} for "
+        f"{param.dtype}): angles not computed in fp32"
+    )
     return worst
 
 
@@ -89,8 +113,18 @@ def _bf16_single(tmp_path):
     from megamemo.checkpoint.single import load_single, save_single
     from megamemo.model import MemTransformerLM, ModelConfig
 
-    cfg = ModelConfig(variant="lamemo", n_token=32, n_layer=2, d_model=64, n_head=2, d_head=16, d_inner=64,
-                      dropout=0.0, tgt_len=512, mem_len=1024)
+    cfg = ModelConfig(
+        variant="lamemo",
+        n_token=32,
+        n_layer=2,
+        d_model=64,
+        n_head=2,
+        d_head=16,
+        d_inner=64,
+        dropout=0.0,
+        tgt_len=512,
+        mem_len=1024,
+    )
     torch.manual_seed(0)
     save_single(tmp_path / "single", cfg, MemTransformerLM(cfg).state_dict(), dtype=torch.bfloat16)
     return load_single(tmp_path / "single")[0]
@@ -99,7 +133,7 @@ def _bf16_single(tmp_path):
 def test_positions_check_passes_with_fp32_inv_freq(tmp_path):
     model = _bf16_single(tmp_path)
     assert next(model.parameters()).dtype == torch.bfloat16
-    assert assert_positions_are_fp32s(model, 1536) > 0       # bf16 rounding seen, within one rounding
+    assert assert_positions_are_fp32s(model, 1536) > 0  # bf16 rounding seen, within one rounding
 
 
 def test_positions_check_fails_with_bf16_inv_freq(tmp_path, monkeypatch):
@@ -107,8 +141,9 @@ def test_positions_check_fails_with_bf16_inv_freq(tmp_path, monkeypatch):
     from megamemo.model import positions
 
     model = _bf16_single(tmp_path)
-    monkeypatch.setattr(positions, "_inv_freq_on",
-                        lambda d, device: positions.inv_freq(d).to(torch.bfloat16).float().to(device))
+    monkeypatch.setattr(
+        positions, "_inv_freq_on", lambda d, device: positions.inv_freq(d).to(torch.bfloat16).float().to(device)
+    )
     with pytest.raises(AssertionError, match="angles not computed in fp32"):
         assert_positions_are_fp32s(model, 1536)
 
@@ -149,17 +184,57 @@ def resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=(), env_extra=None, time
     them against torch's own Adam. -> the script's record."""
     run_dir = tmp_path / "run"
     args = [a for s in sets for a in ("--set", s)]
-    run(1, tiny_cfg, shards, run_dir, "--max-steps", "2", "--save-every", "2", "--set", "checkpoint.probe=false",
-        "--set", "model.dropout=0.0", *args, env_extra=env_extra, timeout=timeout)
+    run(
+        1,
+        tiny_cfg,
+        shards,
+        run_dir,
+        "--max-steps",
+        "2",
+        "--save-every",
+        "2",
+        "--set",
+        "checkpoint.probe=false",
+        "--set",
+        "model.dropout=0.0",
+        *args,
+        env_extra=env_extra,
+        timeout=timeout,
+    )
     script = tmp_path / "resumed_adam.py"
     script.write_text(RESUMED_ADAM_SCRIPT)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+    )
     env.update(env_extra or {})
-    r = subprocess.run([sys.executable, str(script), str(tiny_cfg), f"data.dir={shards}", f"train.run_dir={run_dir}",
-                        "train.max_steps=3", "checkpoint.save_every=0", "checkpoint.save_at_end=false",
-                        "checkpoint.probe=false", "log.tensorboard=false", "model.dropout=0.0", *sets],
-                       env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(tiny_cfg),
+            f"data.dir={shards}",
+            f"train.run_dir={run_dir}",
+            "train.max_steps=3",
+            "checkpoint.save_every=0",
+            "checkpoint.save_at_end=false",
+            "checkpoint.probe=false",
+            "log.tensorboard=false",
+            "model.dropout=0.0",
+            *sets,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.split("OUT", 1)[1])
     assert out["resumed_at"] == 2 and out["resumed"], out
@@ -169,9 +244,11 @@ def resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=(), env_extra=None, time
     return out
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_resumed_adam_step_at_the_call_site(tiny_cfg, shards, tmp_path):
     """On the CPU, bf16 with ZeRO 1 (BF16_Optimizer around a fused torch Adam, as on a GPU): the count and dtype
     are checked here, the device only where it can differ (tests/gpu/test_gpu.py)."""
-    out = resumed_adam_steps(tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16", "precision.grad_accum_dtype=fp32"])
+    out = resumed_adam_steps(
+        tiny_cfg, shards, tmp_path, sets=["precision.dtype=bf16", "precision.grad_accum_dtype=fp32"]
+    )
     assert out["fused"] and out["optimizer"] == "BF16_Optimizer", out

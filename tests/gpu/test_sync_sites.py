@@ -1,9 +1,10 @@
-"""The host-sync test's attribution (tests/helpers/sync_sites.py, used by tests/gpu/test_gpu.py on a GPU), replayed on the
-CPU with stacks as traceback.extract_stack() gives them: a sync whose innermost frame is in megamemo's package is
+"""The host-sync test's attribution (tests/helpers/sync_sites.py, used by tests/gpu/test_gpu.py on a GPU), replayed
+on the CPU with stacks as traceback.extract_stack() gives them: a sync whose innermost frame is in megamemo's package is
 megamemo's own, named by its path below the package whatever the checkout's folder is called; a library's sync
 (DeepSpeed, torch, a site-packages inside the checkout) is "outside megamemo", with the megamemo frame it came
 from. A real warnings.warn from inside megamemo is megamemo's (the warnings module's own frames skipped), and the
 check refuses a sync NEEDED_SYNCS does not name; tiny-cpu's step runs under the GPU test's script on the CPU."""
+
 from __future__ import annotations
 
 import os
@@ -24,16 +25,18 @@ def frame(path, name):
 
 
 def test_attribution_by_the_innermost_frame():
-    root = "/x/megamemo/megamemo/"                          # a checkout folder named like the package
+    root = "/x/megamemo/megamemo/"  # a checkout folder named like the package
     own = [frame("/x/run.py", "<module>"), frame(root + "train/loop.py", "train_step")]
     assert attribute(own, root) == ("train/loop.py:train_step", None)
-    lib = own[:1] + [frame(root + "train/engine.py", "micro_step"),
-                     frame("/venv/lib/python3.11/site-packages/deepspeed/runtime/engine.py", "step")]
+    lib = own[:1] + [
+        frame(root + "train/engine.py", "micro_step"),
+        frame("/venv/lib/python3.11/site-packages/deepspeed/runtime/engine.py", "step"),
+    ]
     assert attribute(lib, root) == ("outside megamemo", "train/engine.py:micro_step")
     vendored = own[:1] + [frame(root + "site-packages/torch/x.py", "f")]
     assert attribute(vendored, root) == ("outside megamemo", None)
     assert attribute([], root) == ("outside megamemo", None)
-    shown = own + [frame(warnings.__file__, "_showwarnmsg")]    # how a warning reaches a replaced showwarning
+    shown = own + [frame(warnings.__file__, "_showwarnmsg")]  # how a warning reaches a replaced showwarning
     assert attribute(shown, root) == ("train/loop.py:train_step", None)
 
 
@@ -53,7 +56,7 @@ def test_a_warning_raised_inside_megamemo_is_megamemos_not_the_warnings_modules(
     with recording() as sites:
         _eagerly(warnings.warn, "called a synchronizing CUDA operation")
         warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
-        warnings.warn("something else", stacklevel=1)                    # not a sync: not recorded
+        warnings.warn("something else", stacklevel=1)  # not a sync: not recorded
     assert sites == ["train/loop.py:_eagerly", "outside megamemo"], sites
     assert unneeded(sites) == ["an unneeded host sync at train/loop.py:_eagerly"]
 
@@ -76,16 +79,29 @@ def test_the_needed_syncs_are_functions_that_exist():
         assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, site
 
 
-@pytest.mark.multiproc   # starts a training process
+@pytest.mark.multiproc  # starts a training process
 def test_a_cpu_step_under_the_recorder_reports_no_sync(shards, tmp_path):
     """The GPU test's own script (tests/helpers/sync_sites.py) runs one tiny-cpu step after a warm-up on the CPU, where
     torch reports no sync: no SYNC line, so a planted one (bench/mutants.py sync-planted-in-the-micro-steps) is
     what it reports and the check refuses."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    r = subprocess.run([sys.executable, str(REPO / "tests/helpers/sync_sites.py"), str(REPO / "configs/tiny-cpu.yaml"),
-                        *SYNC_SETS, f"data.dir={shards}", f"train.run_dir={tmp_path}/r"],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    env = dict(
+        os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests/helpers/sync_sites.py"),
+            str(REPO / "configs/tiny-cpu.yaml"),
+            *SYNC_SETS,
+            f"data.dir={shards}",
+            f"train.run_dir={tmp_path}/r",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     sites = [line[5:] for line in r.stdout.splitlines() if line.startswith("SYNC ")]
     assert unneeded(sites) == [] and sites == [], sites

@@ -11,6 +11,7 @@ kernel_paths (the model's two execution paths), loopback, loopback_s3, loopback_
 Checks: errors (the one-line error a bad input must end in).
 Programs run by path: sync_sites.py (also imported: its list of needed syncs) and hf_without_megamemo.py.
 """
+
 from pathlib import Path
 
 HELPERS = Path(__file__).resolve().parent

@@ -7,6 +7,7 @@ value (Higham, Accuracy and Stability of Numerical Algorithms, §3.1, to first o
 the same sums differently (another GEMM blocking, another instruction set, split segments, sharded heads) are each
 that far from it, so they differ by at most twice that. A chain of such reductions (a model's forward pass) adds
 its relative errors to first order, each stage's output scaled back to the compared value's size."""
+
 import torch
 
 
@@ -37,8 +38,9 @@ def forward_bound(cfg, scale: float, dtype=torch.float32, klen: int | None = Non
     return sum_bound(forward_reductions(cfg, klen), scale, dtype, runs)
 
 
-def backward_bound(cfg, scale: float, tokens: int, dtype=torch.float32, klen: int | None = None,
-                   runs: int = 2) -> float:
+def backward_bound(
+    cfg, scale: float, tokens: int, dtype=torch.float32, klen: int | None = None, runs: int = 2
+) -> float:
     """The same for a gradient of magnitude `scale`: the backward pass runs the forward's reductions again transposed
     (twice: the forward's own and its transpose), then a weight's gradient sums over the `tokens` positions."""
     return 2 * forward_bound(cfg, scale, dtype, klen, runs) + sum_bound(tokens, scale, dtype, runs)
@@ -46,8 +48,9 @@ def backward_bound(cfg, scale: float, tokens: int, dtype=torch.float32, klen: in
 
 def weight_drift(a: dict, b: dict) -> float:
     """rho: the largest relative difference max|a - b| / max|a| of a floating-point tensor between two state dicts."""
-    return max(float((w - b[k]).abs().max()) / max(float(w.abs().max()), 1e-30)
-               for k, w in a.items() if w.is_floating_point())
+    return max(
+        float((w - b[k]).abs().max()) / max(float(w.abs().max()), 1e-30) for k, w in a.items() if w.is_floating_point()
+    )
 
 
 def drift_bound(cfg, rho: float, scale: float) -> float:

@@ -1,4 +1,5 @@
 """The environment of a `megamemo` (or launcher script) subprocess started by a test on the CPU."""
+
 from __future__ import annotations
 
 import os

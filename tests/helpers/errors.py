@@ -1,5 +1,6 @@
 """The one-line error: a bad input ends in one line on stderr that names what is wrong (the bad file, field or
 value), with no traceback. One check for the in-process commands (capsys) and the subprocesses alike."""
+
 from __future__ import annotations
 
 import subprocess
@@ -19,8 +20,13 @@ def one_line_error(stderr: str, *names: str, prefix: str = "", among_logs: bool 
     return lines[0]
 
 
-def failed_with_one_line(r: subprocess.CompletedProcess, *names: str, returncode: int | None = None,
-                         prefix: str = "", among_logs: bool = False) -> str:
+def failed_with_one_line(
+    r: subprocess.CompletedProcess,
+    *names: str,
+    returncode: int | None = None,
+    prefix: str = "",
+    among_logs: bool = False,
+) -> str:
     """A finished command that failed (with `returncode` where given, else any but 0) in one_line_error's line."""
     if returncode is None:
         assert r.returncode != 0, (r.stdout or "")[-1500:]

@@ -1,4 +1,5 @@
 """Small shard directories and checkpoints shared by the eval / generate / analyze tests."""
+
 from __future__ import annotations
 
 import json
@@ -52,27 +53,28 @@ def tiny_checkpoint(out: Path, variant="lamemo", seed=0, meta=None, **kw) -> tup
     torch.manual_seed(seed)
     cfg = tiny_config(variant, **{**EVAL_SIZE, **kw})
     model = MemTransformerLM(cfg)
-    with torch.no_grad():      # sharper than the 0.02 init, so memory and selection matter to the scores
+    with torch.no_grad():  # sharper than the 0.02 init, so memory and selection matter to the scores
         for p in model.parameters():
             p.mul_(8.0) if p.dim() == 2 else None
     save_single(out, cfg, model.state_dict(), meta=meta)
-    apply_kernels(model, "auto", "cpu")   # the path `megamemo eval` takes on this CPU: the same sums, bit for bit
+    apply_kernels(model, "auto", "cpu")  # the path `megamemo eval` takes on this CPU: the same sums, bit for bit
     return out, model.eval()
 
 
-def reference_nll(model, stream: np.ndarray, batch_size: int, tgt_len: int, max_segments: int = 0,
-                  **overrides) -> tuple[float, int]:
+def reference_nll(
+    model, stream: np.ndarray, batch_size: int, tgt_len: int, max_segments: int = 0, **overrides
+) -> tuple[float, int]:
     """Spec §4.3 written out: columns of a [n_step, B] view, segments of tgt_len rows (last one shorter), memory
     carried, total += seq_len * segment mean, result total / sum(seq_len); max_segments > 0: the first ones only."""
     n_step = stream.size // batch_size
-    data = torch.from_numpy(stream[:n_step * batch_size].astype(np.int64)).view(batch_size, n_step).t()
+    data = torch.from_numpy(stream[: n_step * batch_size].astype(np.int64)).view(batch_size, n_step).t()
     total, length, mem = 0.0, 0, None
     with torch.no_grad():
         for k, i in enumerate(range(0, n_step - 1, tgt_len)):
             if max_segments and k == max_segments:
                 break
             seq_len = min(tgt_len, n_step - 1 - i)
-            nll, mem = model(data[i:i + seq_len], data[i + 1:i + 1 + seq_len], mem, **overrides)
+            nll, mem = model(data[i : i + seq_len], data[i + 1 : i + 1 + seq_len], mem, **overrides)
             total += seq_len * nll.double().mean().item()
             length += seq_len
     return total / length, length * batch_size

@@ -13,6 +13,7 @@ multiprocessing, which joins its threads and skips atexit). Its imports read the
 whose environment differs in what imports read (another DS_ACCELERATOR or thread count: the GPU tests) starts fresh.
 MEGAMEMO_TEST_FORK=0 starts every rank fresh.
 """
+
 from __future__ import annotations
 
 import io
@@ -25,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]     # what puts the helpers package on the server's path
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}     # set by tests/helpers/warm_imports.py
+TESTS = Path(__file__).resolve().parents[1]  # what puts the helpers package on the server's path
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # set by tests/helpers/warm_imports.py
 _context = None
 
 
@@ -93,8 +94,9 @@ class ForkedRank:
 
     def __init__(self, argv: list[str], env: dict, log_path, cwd, err_path=None):
         self.args = [sys.executable, "-m", "megamemo", *argv]
-        self._process = context().Process(target=_rank_main,
-                                          args=(argv, env, str(log_path), str(err_path or log_path), str(cwd)))
+        self._process = context().Process(
+            target=_rank_main, args=(argv, env, str(log_path), str(err_path or log_path), str(cwd))
+        )
         self._process.start()
         self.pid = self._process.pid
 
@@ -138,5 +140,4 @@ def run_megamemo(args, env: dict, cwd, timeout: float = 600) -> subprocess.Compl
             rank.kill()
             rank.wait()
             raise
-        return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"),
-                                           err.read_text(errors="replace"))
+        return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))

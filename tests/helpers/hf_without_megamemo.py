@@ -6,6 +6,7 @@ OUT: per job {"nll": per-token NLL of tokens[1:] scored segment by segment with 
 greedily generated after prompt, "encoded": the exported tokenizer's ids of text, "loss": labels' loss of the
 first segment, "nll_first": that segment's mean NLL as read off the logits, "vocab" and "targets": the sizes of its two
 reductions; with "bf16": whether the model loaded in bf16 computes its position sinusoids in fp32}."""
+
 import importlib.abc
 import json
 import sys
@@ -21,6 +22,7 @@ class _NoMegamemo(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _NoMegamemo())
 try:
     import megamemo  # noqa: F401
+
     sys.exit("megamemo is importable: the isolation failed")
 except ImportError:
     pass
@@ -36,21 +38,21 @@ def run(job: dict) -> dict:
     L, cache, nll = job["segment"], None, []
     with torch.no_grad():
         for s in range(0, ids.size(1) - 1, L):
-            inp, tgt = ids[:, s:s + L], ids[:, s + 1:s + L + 1]
-            inp = inp[:, :tgt.size(1)]
+            inp, tgt = ids[:, s : s + L], ids[:, s + 1 : s + L + 1]
+            inp = inp[:, : tgt.size(1)]
             o = model(inp, past_key_values=cache, use_cache=True)
             cache = o.past_key_values
             nll += (-o.logits.log_softmax(-1).gather(2, tgt[..., None])[0, :, 0]).tolist()
-        first = ids[:, :L + 1]
+        first = ids[:, : L + 1]
         o = model(first, labels=first)
         out["loss"] = float(o.loss)
         out["nll_first"] = float(-o.logits[:, :-1].log_softmax(-1).gather(2, first[:, 1:, None]).mean())
         out["vocab"], out["targets"] = o.logits.size(-1), first.size(1) - 1
         if job.get("new"):
             g = model.generate(torch.tensor(job["prompt"])[None], max_new_tokens=job["new"], do_sample=False)
-            out["greedy"] = g[0, len(job["prompt"]):].tolist()
+            out["greedy"] = g[0, len(job["prompt"]) :].tolist()
     out["nll"] = nll
-    if job.get("bf16"):     # positions in fp32 whatever the dtype: the bf16 model's sinusoids are the fp32 ones, cast
+    if job.get("bf16"):  # positions in fp32 whatever the dtype: the bf16 model's sinusoids are the fp32 ones, cast
         low = AutoModelForCausalLM.from_pretrained(job["dir"], trust_remote_code=True, dtype=torch.bfloat16).eval()
         klen = 5000
         want = model._sinusoids(klen, 0, torch.float32, "cpu").to(torch.bfloat16)

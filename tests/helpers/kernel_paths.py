@@ -2,6 +2,7 @@
 golden and parity tests run on both; the multi-process TP/PP parity tests run on MEGAMEMO_TEST_KERNELS (plain
 unless set: the CPU path is what every CPU training run of the suite goes through; run them once with
 MEGAMEMO_TEST_KERNELS=cpu by hand)."""
+
 import os
 
 from megamemo.kernels import apply_kernels, kernels_in_use

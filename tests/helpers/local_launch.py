@@ -1,5 +1,6 @@
 """Jobs under launch/local.sh started from tests (test_reliability.py, test_restarts.py): the launcher in a session of
 its own (its pid is its process group), its output and its workers' in <run_dir>.log."""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,27 @@ def start(cfg, shards, run_dir, *args, n=2, restarts: int | None = None, env=Non
     log = open(f"{run_dir}.log", "a")
     e = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
     again = [] if restarts is None else ["--max-restarts", str(restarts)]
-    p = subprocess.Popen(["bash", str(REPO / "launch/local.sh"), *again, str(n), "--config", str(cfg), "--data",
-                          str(shards), "--run-dir", str(run_dir), *FAST, *args],
-                         env=e, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            "bash",
+            str(REPO / "launch/local.sh"),
+            *again,
+            str(n),
+            "--config",
+            str(cfg),
+            "--data",
+            str(shards),
+            "--run-dir",
+            str(run_dir),
+            *FAST,
+            *args,
+        ],
+        env=e,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+    )
     p.started = time.time()
     return p
 
@@ -36,8 +55,9 @@ def finish(p, timeout) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-        raise AssertionError(f"still running after {timeout}s (its process group killed): "
-                             f"{' '.join(map(str, p.args))}") from None
+        raise AssertionError(
+            f"still running after {timeout}s (its process group killed): {' '.join(map(str, p.args))}"
+        ) from None
 
 
 def text(run_dir) -> str:
@@ -51,11 +71,15 @@ def wait_for_step(run_dir, step, p, timeout=180, committed: int | None = None) -
     metrics = Path(run_dir) / "metrics.jsonl"
     end = time.time() + timeout
     while time.time() < end:
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")] \
-            if metrics.exists() else []
-        if any(r.get("kind") == "train" and r["step"] >= step and r["time"] >= p.started for r in records) and \
-                (committed is None or any(s == committed and c for s, _, c in
-                                          list_checkpoints(Path(run_dir) / "checkpoints"))):
+        records = (
+            [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+            if metrics.exists()
+            else []
+        )
+        if any(r.get("kind") == "train" and r["step"] >= step and r["time"] >= p.started for r in records) and (
+            committed is None
+            or any(s == committed and c for s, _, c in list_checkpoints(Path(run_dir) / "checkpoints"))
+        ):
             return
         assert p.poll() is None, text(run_dir)[-3000:]
         time.sleep(0.05)

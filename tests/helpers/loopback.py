@@ -2,6 +2,7 @@
 subprocess started on a free port and waited for, and the upload of a shard directory to it. loopback_s3.py (moto) and
 loopback_gcs.py (a GCS emulator) say which server and which client variables. Loopback only: a server never listens on
 another address."""
+
 from __future__ import annotations
 
 import socket

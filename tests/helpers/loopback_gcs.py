@@ -6,6 +6,7 @@ zonal / hierarchical buckets); no emulator serves that API, and each ask waits 6
 back to the JSON API. ``env()`` therefore sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` (gcsfs's own switch,
 read when gcsfs is imported), so the plain JSON-API filesystem, which every standard bucket supports, is used.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,9 +17,21 @@ from helpers.loopback import LoopbackServer, upload_dir
 
 class LoopbackGCS(LoopbackServer):
     def __init__(self, timeout_s: float = 30):
-        super().__init__(lambda port: [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-                                       "--port", str(port), "--in-memory"],
-                         "the GCS emulator did not start (pip install gcp-storage-emulator)", timeout_s)
+        super().__init__(
+            lambda port: [
+                sys.executable,
+                "-m",
+                "gcp_storage_emulator",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--in-memory",
+            ],
+            "the GCS emulator did not start (pip install gcp-storage-emulator)",
+            timeout_s,
+        )
 
     def env(self) -> dict:
         """What gcsfs needs, through its standard variables (no credentials: the emulator takes anonymous calls)."""

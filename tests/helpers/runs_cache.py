@@ -6,6 +6,7 @@ reference once per test run (shared by the pytest-xdist workers), keyed by its n
 arguments, and hands the same run directory to every test that compares against it. A cached run is read-only to the
 tests: one that needs to write into it copies it first. Every comparison stays one between two independently produced
 runs: the cache only saves training the same reference again."""
+
 from __future__ import annotations
 
 import fcntl
@@ -44,33 +45,60 @@ KEYED = ("--set", "model.dropout=0.1", "--set", "model.dropatt=0.1", "--set", "t
 TWO_RANKS_12_STEPS = ("--max-steps", "12", "--set", "log.tensorboard=false")
 # one process, keyed dropout, 6 steps (checkpoints at 3 and 6), validation at step 6 at its own lengths: 6
 # segments of 8 tokens in 4 columns, 24 tokens of memory
-ONE_PROCESS_EXACT = (*KEYED, "--max-steps", "6", "--set", "log.tensorboard=false",
-                     "--set", "eval.every=6", "--set", "eval.tgt_len=8", "--set", "eval.mem_len=24",
-                     "--set", "eval.batch_size=4", "--set", "eval.max_segments=6")
+ONE_PROCESS_EXACT = (
+    *KEYED,
+    "--max-steps",
+    "6",
+    "--set",
+    "log.tensorboard=false",
+    "--set",
+    "eval.every=6",
+    "--set",
+    "eval.tgt_len=8",
+    "--set",
+    "eval.mem_len=24",
+    "--set",
+    "eval.batch_size=4",
+    "--set",
+    "eval.max_segments=6",
+)
 # two ranks of ONE_PROCESS_EXACT's run, each with 2 micro-batches of 1 stream (4 memories, the same global batch),
 # ZeRO 1 (TINY's)
 TWO_RANKS_ACCUM = (*ONE_PROCESS_EXACT, "--set", "train.grad_accum=2")
 
 
-def launch(n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None,
-           fresh: bool = False):
+def launch(
+    n: int, cfg: Path, shards: Path, run_dir: Path, *args: str, env_extra: dict | None = None, fresh: bool = False
+):
     """Start n ranks of `megamemo train`; each rank logs to run_dir/../<name>.rank<r>.log. A rank is forked from the
     warm server of helpers/forked.py (its imports done once) unless `fresh` (a new interpreter: the tests of start-up)
     or its environment differs from the server's in what imports read (env_extra of the GPU tests)."""
     port = free_port()
     procs = []
     for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
-        env.update(env_extra or {})             # e.g. DS_ACCELERATOR=cuda for the GPU tests
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(n),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            DS_ACCELERATOR="cpu",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(env_extra or {})  # e.g. DS_ACCELERATOR=cuda for the GPU tests
         argv = ["train", "--config", str(cfg), "--data", str(shards), "--run-dir", str(run_dir), *args]
         log_path = run_dir.parent / f"{run_dir.name}.rank{r}.log"
         if not fresh and forked.usable(env):
             procs.append(forked.ForkedRank(argv, env, log_path, REPO))
             continue
         with open(log_path, "a") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "megamemo", *argv], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=REPO))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "megamemo", *argv], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+                )
+            )
     return procs
 
 
@@ -87,8 +115,10 @@ def wait(procs, timeout: float = 180) -> list[int]:
             for q in procs:
                 q.kill()
                 q.wait()
-            raise AssertionError(f"ranks {hung} of {len(procs)} still running after {timeout:.0f}s (killed): "
-                                 f"{' '.join(map(str, p.args))}") from None
+            raise AssertionError(
+                f"ranks {hung} of {len(procs)} still running after {timeout:.0f}s (killed): "
+                f"{' '.join(map(str, p.args))}"
+            ) from None
     return rcs
 
 
@@ -128,7 +158,7 @@ class ReferenceRuns:
         run_dir = home / "run"
         self.root.mkdir(parents=True, exist_ok=True)
         with open(f"{home}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not (home / "DONE").exists():
                 shutil.rmtree(home, ignore_errors=True)
                 home.mkdir(parents=True)

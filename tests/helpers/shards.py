@@ -5,6 +5,7 @@ Sizes: None, the whole fixture through `megamemo prepare enwik8` (what a user's 
 splits); a byte count, that head of the fixture split 80/10/10 into small chunks and shards (many shards from few
 bytes: what the eval, export and analyze tests want).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from helpers.fixture_data import ENWIK8
 
-SMALL = 60_000           # bytes: the eval tests' size
+SMALL = 60_000  # bytes: the eval tests' size
 
 
 def prepared_enwik8(out: Path) -> Path:
@@ -57,6 +58,7 @@ class ShardsBySize:
 def sized(n_bytes: int | None):
     """A `shards` fixture for a test module whose tests want that size (`shards = sized(200_000)` at module level
     overrides the session's whole-fixture `shards`); made once per session per size."""
+
     @pytest.fixture(scope="session")
     def shards(shards_by_size: ShardsBySize) -> Path:
         return shards_by_size.get(n_bytes)

@@ -7,6 +7,7 @@ Transformer+RPE (variant "rpe", README "The model") is Transformer-XL's layer (Â
 u / v biases, clamp_len) without memory: every segment starts from nothing, a query sees the keys of its own
 segment up to itself, and nothing is carried to the next segment. same_length then has nothing to equalise
 (positions.causal_mask: with no memory it changes nothing; the reference would hide every key)."""
+
 import math
 
 import torch
@@ -26,10 +27,19 @@ def layer_weights(sd, li, n, dh):
     def g(k):
         return sd[f"layers.{li}.{k}"].double()
 
-    return dict(q=qkv[:nd], k=qkv[nd:2 * nd], v=qkv[2 * nd:], r=g("attn.r_net.weight"), o=g("attn.o_net.weight"),
-                ln1=(g("attn.layer_norm.weight"), g("attn.layer_norm.bias")),
-                w1=g("ff.fc1.weight"), b1=g("ff.fc1.bias"), w2=g("ff.fc2.weight"), b2=g("ff.fc2.bias"),
-                ln2=(g("ff.layer_norm.weight"), g("ff.layer_norm.bias")))
+    return dict(
+        q=qkv[:nd],
+        k=qkv[nd : 2 * nd],
+        v=qkv[2 * nd :],
+        r=g("attn.r_net.weight"),
+        o=g("attn.o_net.weight"),
+        ln1=(g("attn.layer_norm.weight"), g("attn.layer_norm.bias")),
+        w1=g("ff.fc1.weight"),
+        b1=g("ff.fc1.bias"),
+        w2=g("ff.fc2.weight"),
+        b2=g("ff.fc2.bias"),
+        ln2=(g("ff.layer_norm.weight"), g("ff.layer_norm.bias")),
+    )
 
 
 def ln(x, wb):
@@ -41,7 +51,7 @@ def attend(qrow, keys, vals, dists, w, u, vbias, n, dh, d):
     B = qrow.shape[0]
     q = qrow.view(B, n, dh)
     K = keys.view(-1, B, n, dh)
-    R = torch.stack([(w["r"] @ sin_emb(x, d)).view(n, dh) for x in dists])      # [J, n, dh]
+    R = torch.stack([(w["r"] @ sin_emb(x, d)).view(n, dh) for x in dists])  # [J, n, dh]
     s = torch.einsum("bnd,jbnd->bnj", q + u, K) + torch.einsum("bnd,jnd->bnj", q + vbias, R)
     s = s / math.sqrt(dh)
     lse = torch.logsumexp(s, -1)
@@ -62,7 +72,7 @@ def run_segment(sd, cfg, x, y, mem, mem_len, same_length=False, clamp_len=-1):
     h0 = emb[x] * math.sqrt(d)
     u, vp = sd["r_w_bias"].double(), sd["r_r_bias"].double()
     lamemo = cfg.variant.startswith("lamemo")
-    if cfg.variant == "rpe":           # no memory: nothing comes in, nothing goes out, same_length is moot
+    if cfg.variant == "rpe":  # no memory: nothing comes in, nothing goes out, same_length is moot
         mem, mem_len, same_length = {}, 0, False
     vf = sd["r_r_bias_future"].double() if cfg.variant == "lamemo" else vp
     M = mem["emb"].shape[0] if lamemo and mem else (mem["hid.0"].shape[0] if mem else 0)
@@ -82,7 +92,7 @@ def run_segment(sd, cfg, x, y, mem, mem_len, same_length=False, clamp_len=-1):
         else:
             cat = torch.cat([mem[f"hid.{li}"], h]) if M else h
             if mem_len:
-                new[f"hid.{li}"] = cat[max(0, klen - mem_len):]
+                new[f"hid.{li}"] = cat[max(0, klen - mem_len) :]
         Q, K, V = cat @ w["q"].T, cat @ w["k"].T, cat @ w["v"].T
         rows, lses = [], []
         for i in range(L):
@@ -106,7 +116,7 @@ def run_segment(sd, cfg, x, y, mem, mem_len, same_length=False, clamp_len=-1):
             ctx = torch.cat([alpha * Cold + (1 - alpha) * A, ctx])
             lse = torch.cat([torch.logaddexp(Sold, Sm), lse])
         if lamemo:
-            new[f"ctx.{li}"], new[f"lse.{li}"] = ctx[max(0, klen - mem_len):], lse[max(0, klen - mem_len):]
+            new[f"ctx.{li}"], new[f"lse.{li}"] = ctx[max(0, klen - mem_len) :], lse[max(0, klen - mem_len) :]
         rows_in = cat if lamemo else h
         out = ffn(ln(rows_in + ctx.reshape(ctx.shape[0], B, n * dh) @ w["o"].T, w["ln1"]), w)
         if lamemo:
@@ -115,7 +125,7 @@ def run_segment(sd, cfg, x, y, mem, mem_len, same_length=False, clamp_len=-1):
             h = out
     if lamemo:
         e = torch.cat([mem["emb"], h0]) if M else h0
-        new["emb"] = e[max(0, klen - mem_len):]
+        new["emb"] = e[max(0, klen - mem_len) :]
     logits = h @ emb.T + sd["crit.out_bias"].double()
     nll = -torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
     return nll, new

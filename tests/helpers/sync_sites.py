@@ -8,6 +8,7 @@ site-packages) it is a library's, named "outside megamemo" with the megamemo cal
     python helpers/sync_sites.py CONFIG [KEY=VALUE ...]     # one step after a warm-up: a `SYNC <site>` line a sync
 (needs the RANK / WORLD_SIZE / MASTER_* environment of one process; on a machine without CUDA nothing is reported
 by torch, only what a planted `warnings.warn` says)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,16 +19,22 @@ import warnings
 
 # Every host sync of megamemo's own that a step may make, and why it is needed (anything else fails the test, named)
 NEEDED_SYNCS = {
-    "train/loop.py:all_reduced",           # StepSignals: the step's NLL sum, tokens, stop and save-failed flags
-                                           # (all-reduced over the ranks), read by one .tolist() a step
-    "train/engine.py:micro_step",          # float() of the grad norm DeepSpeed reports, once a step
-    "train/engine.py:pipeline_step",       # the same for a pipeline step, and the loss train_batch returns
-    "parallel/pipeline.py:meta_ints",      # a stage's (micro-batch, M, L), once per stage and micro-batch
+    "train/loop.py:all_reduced",  # StepSignals: the step's NLL sum, tokens, stop and save-failed flags
+    # (all-reduced over the ranks), read by one .tolist() a step
+    "train/engine.py:micro_step",  # float() of the grad norm DeepSpeed reports, once a step
+    "train/engine.py:pipeline_step",  # the same for a pipeline step, and the loss train_batch returns
+    "parallel/pipeline.py:meta_ints",  # a stage's (micro-batch, M, L), once per stage and micro-batch
 }
-MAX_OWN = 2                                # a step without a pipeline: the signals and the grad norm
+MAX_OWN = 2  # a step without a pipeline: the signals and the grad norm
 # the step both tests run (with data.dir and train.run_dir): bf16, nothing but the step
-SYNC_SETS = ["precision.dtype=bf16", "eval.every=0", "checkpoint.save_every=0", "checkpoint.save_at_end=false",
-             "checkpoint.probe=false", "log.tensorboard=false"]
+SYNC_SETS = [
+    "precision.dtype=bf16",
+    "eval.every=0",
+    "checkpoint.save_every=0",
+    "checkpoint.save_at_end=false",
+    "checkpoint.probe=false",
+    "log.tensorboard=false",
+]
 
 
 def package_root() -> str:
@@ -38,8 +45,9 @@ def package_root() -> str:
 
 def _warnings_files() -> set[str]:
     files = {os.path.realpath(warnings.__file__)}
-    with contextlib.suppress(ImportError):           # Python 3.14 moved the module's code there
+    with contextlib.suppress(ImportError):  # Python 3.14 moved the module's code there
         import _py_warnings
+
         files.add(os.path.realpath(_py_warnings.__file__))
     return files
 
@@ -49,9 +57,10 @@ def attribute(stack, root: str) -> tuple[str, str | None]:
     megamemo's own `path:function` or "outside megamemo"; caller is the innermost megamemo frame of a library's
     sync (None for megamemo's own or when no megamemo frame is on the stack). The warnings module's frames at the
     innermost end (how a warning reaches a replaced showwarning) are not the sync's."""
+
     def own(frame) -> str | None:
         path = os.path.realpath(frame.filename)
-        if not path.startswith(root) or f"{os.sep}site-packages{os.sep}" in os.sep + path[len(root):]:
+        if not path.startswith(root) or f"{os.sep}site-packages{os.sep}" in os.sep + path[len(root) :]:
             return None
         return f"{os.path.relpath(path, root)}:{frame.name}"
 
@@ -101,7 +110,7 @@ def main(argv: list[str]) -> None:
     from megamemo.train.config import load
 
     trainer, _ = build(load(argv[0], argv[1:]))
-    trainer.train_step()                       # warm-up: allocations, lazy inits
+    trainer.train_step()  # warm-up: allocations, lazy inits
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()

@@ -1,5 +1,6 @@
 """Tiny models for the tests of the model's properties: a few thousand parameters, built in a fraction of a
 second. One size (TINY) that a test changes by naming what it needs otherwise."""
+
 from __future__ import annotations
 
 import torch

@@ -1,16 +1,18 @@
 """`megamemo convert` and resuming under another layout, on real multi-process checkpoints (fp32 on CPU, gloo):
-  * TP=2, PP=2 and TP=2 x PP=2 runs convert to one single-device model whose per-token NLL over the 3 probe segments,
-    from the converted memory of the same streams, equals what the sharded model computed during training (within
-    rounding: tests/helpers/bounds.py);
-  * `megamemo train` started in a run directory under another layout resumes in place, resharding on load:
-    N ranks -> 1 (TP=2, DP=2, PP=2, TP=2 x PP=2), 1 -> N (TP=2, DP=2) and TP=2 -> PP=2; the next steps' losses and
-    the final weights equal those of the run that stayed in its layout (up to rounding's drift), dropout 0.1 and
-    dropatt 0.1 with keyed
-    masks (helpers/runs_cache.py KEYED: the resumed layout drops what the original one would have); `convert relayout` copies a checkpoint
-    into a new run directory that resumes the same way;
-  * a different global batch resumes at the same fraction of the epoch with empty memory (checked by hand);
-  * broken checkpoints (missing, truncated or flipped file, wrong config, a piece written twice, memory of the wrong
-    heads) are refused with the file named and nothing written at --out."""
+* TP=2, PP=2 and TP=2 x PP=2 runs convert to one single-device model whose per-token NLL over the 3 probe segments,
+  from the converted memory of the same streams, equals what the sharded model computed during training (within
+  rounding: tests/helpers/bounds.py);
+* `megamemo train` started in a run directory under another layout resumes in place, resharding on load:
+  N ranks -> 1 (TP=2, DP=2, PP=2, TP=2 x PP=2), 1 -> N (TP=2, DP=2) and TP=2 -> PP=2; the next steps' losses and
+  the final weights equal those of the run that stayed in its layout (up to rounding's drift), dropout 0.1 and
+  dropatt 0.1 with keyed
+  masks (helpers/runs_cache.py KEYED: the resumed layout drops what the original one would have); `convert relayout`
+  copies a checkpoint
+  into a new run directory that resumes the same way;
+* a different global batch resumes at the same fraction of the epoch with empty memory (checked by hand);
+* broken checkpoints (missing, truncated or flipped file, wrong config, a piece written twice, memory of the wrong
+  heads) are refused with the file named and nothing written at --out."""
+
 from __future__ import annotations
 
 import json
@@ -133,11 +135,18 @@ def _resume_in_place(src, tmp_path, tiny_cfg, shards, n, *args):
     return new
 
 
-@pytest.mark.parametrize("layout,n,extra", [
-    ("dp2", 1, ["--set", "train.grad_accum=2"]), ("tp2", 1, []),              # N -> 1
-    ("tp2pp2", 1, []),                                                       # N -> 1 (TP and PP joined at once)
-    ("one", 2, ["--tp", "2"]), ("one", 2, ["--set", "train.grad_accum=2"]), ("one", 2, ["--pp", "2"]),  # 1 -> N
-    ("tp2", 2, ["--pp", "2"])])                                                                         # TP -> PP
+@pytest.mark.parametrize(
+    "layout,n,extra",
+    [
+        ("dp2", 1, ["--set", "train.grad_accum=2"]),
+        ("tp2", 1, []),  # N -> 1
+        ("tp2pp2", 1, []),  # N -> 1 (TP and PP joined at once)
+        ("one", 2, ["--tp", "2"]),
+        ("one", 2, ["--set", "train.grad_accum=2"]),
+        ("one", 2, ["--pp", "2"]),  # 1 -> N
+        ("tp2", 2, ["--pp", "2"]),
+    ],
+)  # TP -> PP
 def test_resume_in_place_under_another_layout_continues_the_run(layout, n, extra, request, tiny_cfg, shards, tmp_path):
     """Saved at step 3 under one layout, resumed in the same run directory under another: steps 4-6 and the
     step-6 weights equal the original run's (the same global batch)."""
@@ -252,6 +261,7 @@ def _damage_memory_heads(s):
     """The two TP ranks' LaMemo context caches swapped: every file is intact and every piece well formed, but the
     memory's heads are in the wrong order; only the NLL check can tell."""
     from safetensors.torch import save_file
+
     files = [s / f"rank_{r:05d}.safetensors" for r in range(2)]
     data, meta = [], []
     for f in files:
@@ -268,8 +278,19 @@ def _damage_memory_heads(s):
     return "per-token NLL differs"
 
 
-@pytest.mark.parametrize("damage", [_damage_missing, _damage_truncated, _damage_flipped, _damage_config, _damage_twice,
-                                    _damage_replaced, _damage_memory_heads], ids=lambda f: f.__name__[len("_damage_"):])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _damage_missing,
+        _damage_truncated,
+        _damage_flipped,
+        _damage_config,
+        _damage_twice,
+        _damage_replaced,
+        _damage_memory_heads,
+    ],
+    ids=lambda f: f.__name__[len("_damage_") :],
+)
 def test_broken_checkpoint_is_refused_by_name(damage, tp2, tmp_path, capsys):
     s = tmp_path / "checkpoints" / "step_00000006"
     shutil.copytree(step_dir(tp2, 6), s)
@@ -282,7 +303,7 @@ def test_broken_checkpoint_is_refused_by_name(damage, tp2, tmp_path, capsys):
         err = capsys.readouterr().err
         assert expect in err, (cmd, err)
         assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
-        assert not list(tmp_path.glob(f".{out.name}.*"))       # util.files.atomic_directory's temporary name
+        assert not list(tmp_path.glob(f".{out.name}.*"))  # util.files.atomic_directory's temporary name
 
 
 def test_bf16_tensor_parallel_checkpoint_checks_within_the_bf16_tolerance(tiny_cfg, shards, tmp_path):
@@ -306,7 +327,7 @@ def test_to_single_reports_progress_tensor_by_tensor(tp2, tmp_path):
     sd = load_file(str(tmp_path / "single" / "model.safetensors"))
     total = sum(v.numel() for v in sd.values())
     assert len(got) == len(sd) and all(got), lines
-    assert [m.group(3) for m in got] == list(sd)                    # in file order, one line per tensor
+    assert [m.group(3) for m in got] == list(sd)  # in file order, one line per tensor
     assert got[-1].group(1) == got[-1].group(2) == f"{total / 1e6:,.1f}"
 
 
@@ -346,20 +367,21 @@ def test_a_resume_under_another_layout_with_dropout_reseeds_every_stream(tiny_cf
     shutil.copytree(src, new)
     for s in (6, 9, 12):
         shutil.rmtree(step_dir(new, s))
-    run(2, tiny_cfg, shards, new, "--tp", "2", "--max-steps", "4", "--save-every", "1", "--set",
-        "log.tensorboard=false")
+    run(
+        2, tiny_cfg, shards, new, "--tp", "2", "--max-steps", "4", "--save-every", "1", "--set", "log.tensorboard=false"
+    )
     assert "resharding on load" in logs(new) and f"resumed from {step_dir(new, 3)}" in logs(new)
     seed = load(tiny_cfg).train.seed
     assert load(tiny_cfg).model.dropout == 0.1
     old = [_seed_of(_rng_of(step_dir(src, 3), r)["torch"]) for r in (0, 1)]
-    assert old == [dropout_seeds(seed, dp, 0, 0)[0] for dp in (0, 1)]          # the fresh start's, per DP rank
+    assert old == [dropout_seeds(seed, dp, 0, 0)[0] for dp in (0, 1)]  # the fresh start's, per DP rank
     for tp in (0, 1):
         rng = _rng_of(step_dir(new, 4), tp)
-        default, tp_seed = dropout_seeds(seed, 0, tp, 0, 3)                   # dp 0, pp 0, salted with step 3
+        default, tp_seed = dropout_seeds(seed, 0, tp, 0, 3)  # dp 0, pp 0, salted with step 3
         assert _seed_of(rng["torch"]) == default and default not in old
         assert _seed_of(rng["tensor_parallel"][TP_RNG]) == tp_seed != default
-        random.seed(default)                                                   # python's and numpy's: seeded,
-        assert tuple(rng["python"]["state"]) == random.getstate()[1]           # not drawn from since
+        random.seed(default)  # python's and numpy's: seeded,
+        assert tuple(rng["python"]["state"]) == random.getstate()[1]  # not drawn from since
         np.random.seed(default % 2**32)
         keys, pos = np.random.get_state()[1:3]
         assert rng["numpy"]["keys"] == keys.tolist() and rng["numpy"]["pos"] == pos

@@ -8,6 +8,7 @@ its backward is checked on a GPU, bench/flex_check.py and the training start-up 
     line; an explicit `model.attention: flex` that cannot train is a config error; a form only when every rank's
     check agrees (two ranks that disagree, torch.distributed replaced by a two-rank stand-in);
   * the config: model.attention is not part of the model's identity (a checkpoint resumes under any form)."""
+
 from __future__ import annotations
 
 import copy
@@ -38,17 +39,28 @@ def flex_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("same_length", [False, True])
 def test_flex_forward_equals_eager_for_every_variant(variant, same_length, flex_calls):
-    cfg = ModelConfig(variant=variant, n_token=50, n_layer=3, d_model=32, n_head=2, d_head=16, d_inner=64,
-                      dropout=0.0, tgt_len=6, mem_len=10, same_length=same_length,
-                      clamp_len=12 if same_length else -1)
+    cfg = ModelConfig(
+        variant=variant,
+        n_token=50,
+        n_layer=3,
+        d_model=32,
+        n_head=2,
+        d_head=16,
+        d_inner=64,
+        dropout=0.0,
+        tgt_len=6,
+        mem_len=10,
+        same_length=same_length,
+        clamp_len=12 if same_length else -1,
+    )
     torch.manual_seed(0)
     eager = MemTransformerLM(cfg).eval()
     with torch.no_grad():
-        for p in eager.parameters():          # sharper than the init: attention weights far from uniform
+        for p in eager.parameters():  # sharper than the init: attention weights far from uniform
             p.mul_(6.0) if p.dim() == 2 else None
     flex = copy.deepcopy(eager)
     assert apply_attention(flex, "flex") == "flex" and attention_in_use(flex) == "flex"
@@ -56,8 +68,8 @@ def test_flex_forward_equals_eager_for_every_variant(variant, same_length, flex_
     data = torch.randint(0, 50, (6 * 4 + 1, 3), generator=torch.Generator().manual_seed(1))
     ma = mb = None
     with torch.no_grad():
-        for s in range(4):                    # memory grows 0 -> 6 -> 10 rows: every mask shape
-            x, y = data[s * 6:(s + 1) * 6], data[s * 6 + 1:(s + 1) * 6 + 1]
+        for s in range(4):  # memory grows 0 -> 6 -> 10 rows: every mask shape
+            x, y = data[s * 6 : (s + 1) * 6], data[s * 6 + 1 : (s + 1) * 6 + 1]
             a, ma = eager(x, y, ma)
             b, mb = flex(x, y, mb)
             # FlexAttention's CPU form orders the attention's sums otherwise: fp32, two orders of the forward pass,
@@ -68,18 +80,32 @@ def test_flex_forward_equals_eager_for_every_variant(variant, same_length, flex_
                 tol = (s + 1) * forward_bound(cfg, float(ma.tensors[k].abs().max()))
                 assert (ma.tensors[k] - mb.tensors[k]).abs().max() <= tol, (variant, s, k)
     calls_per_forward = cfg.n_layer * (2 if cfg.lamemo and cfg.variant != "lamemo_no_lookahead" else 1)
-    assert len(flex_calls) >= 3 * calls_per_forward      # the first segment has no memory: no look-ahead
+    assert len(flex_calls) >= 3 * calls_per_forward  # the first segment has no memory: no look-ahead
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 def test_eval_and_generate_take_attention_flex(tmp_path, capsys, flex_calls, shards_by_size):
     """`megamemo eval --attention flex` scores as `--attention eager`; generate's greedy tokens are the same."""
     from megamemo.commands import generate
 
     ckpt, model = tiny_checkpoint(tmp_path / "ckpt")
     data = shards_by_size.get(20_000)
-    got = {form: eval_record(ckpt, data, tmp_path / f"{form}.json", "--batch-size", "3", "--max-segments", "4",
-                             "--device", "cpu", "--attention", form) for form in ("eager", "flex")}
+    got = {
+        form: eval_record(
+            ckpt,
+            data,
+            tmp_path / f"{form}.json",
+            "--batch-size",
+            "3",
+            "--max-segments",
+            "4",
+            "--device",
+            "cpu",
+            "--attention",
+            form,
+        )
+        for form in ("eager", "flex")
+    }
     assert got["eager"]["tokens"] == got["flex"]["tokens"]
     # 4 segments, two orders of the forward pass's fp32 sums (tests/helpers/bounds.py): per token relative to its own
     # (positive) NLL, so relative to their mean too
@@ -92,22 +118,45 @@ def test_eval_and_generate_take_attention_flex(tmp_path, capsys, flex_calls, sha
     ids = {}
     for form in ("eager", "flex"):
         js = tmp_path / f"gen-{form}.json"
-        assert generate.main(["--ckpt", str(ckpt), "--prompt-file", str(prompt), "--max-new-tokens", "12",
-                              "--greedy", "--device", "cpu", "--attention", form, "--data", str(data), "--json", str(js),
-                              "--out", str(tmp_path / f"{form}.txt")]) == 0
+        assert (
+            generate.main(
+                [
+                    "--ckpt",
+                    str(ckpt),
+                    "--prompt-file",
+                    str(prompt),
+                    "--max-new-tokens",
+                    "12",
+                    "--greedy",
+                    "--device",
+                    "cpu",
+                    "--attention",
+                    form,
+                    "--data",
+                    str(data),
+                    "--json",
+                    str(js),
+                    "--out",
+                    str(tmp_path / f"{form}.txt"),
+                ]
+            )
+            == 0
+        )
         ids[form] = json.loads(js.read_text())["new_ids"]
     assert ids["eager"] == ids["flex"] and len(ids["flex"]) == 12
-    assert len(flex_calls) > n_eval                      # generate ran flex too
+    assert len(flex_calls) > n_eval  # generate ran flex too
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 def test_the_probe_replays_the_same_under_flex(tmp_path, flex_calls):
     from megamemo.checkpoint.probe_replay import single_device_nll
 
     _, model = tiny_checkpoint(tmp_path / "ckpt")
     g = torch.Generator().manual_seed(3)
-    segs = [(torch.randint(0, 256, (12, 2), generator=g), torch.randint(0, 256, (12, 2), generator=g), None)
-            for _ in range(3)]
+    segs = [
+        (torch.randint(0, 256, (12, 2), generator=g), torch.randint(0, 256, (12, 2), generator=g), None)
+        for _ in range(3)
+    ]
     probe = {"segments": segs, "empty_start": True}
     eager = single_device_nll(model, None, probe)
     apply_attention(model, "flex")
@@ -127,8 +176,18 @@ def test_inference_auto_is_eager_on_the_cpu_and_for_generation():
 
 # ---- the start-up check ----------------------------------------------------------------------------------------
 def _layer_and_cfg(variant="lamemo"):
-    cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64,
-                      dropout=0.1, tgt_len=8, mem_len=8)
+    cfg = ModelConfig(
+        variant=variant,
+        n_token=40,
+        n_layer=2,
+        d_model=32,
+        n_head=2,
+        d_head=16,
+        d_inner=64,
+        dropout=0.1,
+        tgt_len=8,
+        mem_len=8,
+    )
     torch.manual_seed(0)
     return MemTransformerLM(cfg).layers[0].train(), cfg
 
@@ -144,7 +203,7 @@ def test_start_up_check_compares_forward_and_backward(variant, monkeypatch):
     ok, line = flex_matches_eager(layer, cfg, 2, 8, 8)
     assert ok and "worst" in line and "tolerance 1e-04" in line, line
 
-    def off(q, k, v, r, u, vb, *a, **kw):                # a wrong position bias: a plausible indexing slip
+    def off(q, k, v, r, u, vb, *a, **kw):  # a wrong position bias: a plausible indexing slip
         return causal_attention(q, k, v, r, u, vb * 1.05, *a, **kw)
 
     monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "flex", (off, lookahead_attention))
@@ -167,7 +226,7 @@ def test_flex_cannot_train_on_the_cpu_so_auto_skips_it_in_one_line(monkeypatch):
     run = load_dict({"model": cfg.to_dict() | {"dropout": 0.1}, "train": {"compile": "off"}})
     model = MemTransformerLM(cfg)
     lines = []
-    chosen = forms.choose_form(run, model, "cuda", 2, lines.append)     # the model itself is on the CPU
+    chosen = forms.choose_form(run, model, "cuda", 2, lines.append)  # the model itself is on the CPU
     assert chosen.attention in ("eager", "fused") and not chosen.compiled
     assert len(lines) == 1 and "skipped flex failed at B=2 L=8 M=8 float32: NotImplementedError" in lines[0], lines
     assert attention_in_use(model) == chosen.attention
@@ -183,8 +242,12 @@ def two_ranks(monkeypatch):
     import torch.distributed as dist
 
     peer = {"values": None}
-    ops = ((dist.ReduceOp.MIN, torch.minimum), (dist.ReduceOp.MAX, torch.maximum), (dist.ReduceOp.SUM, torch.add),
-           (dist.ReduceOp.PRODUCT, torch.mul))
+    ops = (
+        (dist.ReduceOp.MIN, torch.minimum),
+        (dist.ReduceOp.MAX, torch.maximum),
+        (dist.ReduceOp.SUM, torch.add),
+        (dist.ReduceOp.PRODUCT, torch.mul),
+    )
 
     def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
         reduce = next(f for o, f in ops if o == op)
@@ -208,18 +271,21 @@ def test_a_form_trains_only_when_every_ranks_start_up_check_agrees(two_ranks, mo
     cfg = _layer_and_cfg()[1]
     run = load_dict({"model": cfg.to_dict() | {"dropout": 0.0, "attention": "flex"}})
     model, lines = MemTransformerLM(run.model), []
-    two_ranks["values"] = [0.0]                          # the other rank's check passed
+    two_ranks["values"] = [0.0]  # the other rank's check passed
     assert forms.choose_form(run, model, "cpu", 2, lines.append).attention == "flex"
     assert lines == ["[train] attention: flex (checked against eager on one layer)"], lines
-    two_ranks["values"] = [1.0]                          # this rank's check passes, the other rank's does not
-    with pytest.raises(ConfigError, match=r"model.attention: flex does not match eager on another rank \(this "
-                                          r"rank's check: flex vs eager at B=2 L=8 M=8 float32: worst"):
+    two_ranks["values"] = [1.0]  # this rank's check passes, the other rank's does not
+    with pytest.raises(
+        ConfigError,
+        match=r"model.attention: flex does not match eager on another rank \(this "
+        r"rank's check: flex vs eager at B=2 L=8 M=8 float32: worst",
+    ):
         forms.choose_form(run, model, "cpu", 2, lines.append)
 
     monkeypatch.setattr(forms, "capability", lambda device: (9, 0))
     monkeypatch.setitem(kernels_apply._ATTENTION_FUNCTIONS, "fused", (causal_attention, lookahead_attention))
     run = load_dict({"model": cfg.to_dict() | {"dropout": 0.0}, "train": {"compile": "off"}})
-    two_ranks["values"] = [0.0, float("inf"), float("inf")]     # eager, then fused and flex failed there
+    two_ranks["values"] = [0.0, float("inf"), float("inf")]  # eager, then fused and flex failed there
     lines = []
     assert forms.choose_form(run, MemTransformerLM(run.model), "cuda", 2, lines.append).attention == "eager"
     assert "skipped fused: failed on another rank; skipped flex: failed on another rank" in lines[0], lines
@@ -245,6 +311,8 @@ def test_attention_config_is_validated_and_not_part_of_the_identity():
         ModelConfig.from_dict(base | {"attention": "triton"})
     with pytest.raises(ConfigError, match="model.attention: flex cannot drop attention weights"):
         load_dict({"model": base | {"attention": "flex", "dropatt": 0.1}})
-    fingerprints = {load_dict({"model": base | {"attention": a}}).model_fingerprint() for a in ("auto", "eager", "flex")}
+    fingerprints = {
+        load_dict({"model": base | {"attention": a}}).model_fingerprint() for a in ("auto", "eager", "flex")
+    }
     assert len(fingerprints) == 1
     assert load_dict({"model": base | {"d_model": 32}}).model_fingerprint() not in fingerprints

@@ -11,6 +11,7 @@ of the quantity compared (the issue's bound; the observed error is ~1e-6). bf16:
 the probabilities and dScore to bf16 (unit roundoff u = 2**-8) before each product, and the output once: each
 value is within a few roundings of its operands, so the forward is compared within 4u of its largest value and
 each gradient within 8u (two products deep)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,17 +20,17 @@ import torch
 from megamemo.kernels import fused
 from megamemo.model.positions import causal_mask, lookahead_mask
 
-pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+pytestmark = pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 
-BF16_U = 2.0 ** -8
+BF16_U = 2.0**-8
 
 
 def naive(q, k, v, r, u, vb, s0, mask, scale):
     """(context, lse) of score[i,j] = ((q_i+u).k_j + (q_i+vb).r[s0-i+j]) * scale, hidden where mask, in the
     inputs' dtype, pair by pair."""
     Q, K = mask.shape
-    idx = (s0 - torch.arange(Q)[:, None] + torch.arange(K)[None, :]).clamp(0, r.size(1) - 1)    # [Q, K]
-    pos_rows = r[:, idx]                                                                           # [n, Q, K, dh]
+    idx = (s0 - torch.arange(Q)[:, None] + torch.arange(K)[None, :]).clamp(0, r.size(1) - 1)  # [Q, K]
+    pos_rows = r[:, idx]  # [n, Q, K, dh]
     content = torch.einsum("nbid,nbjd->nbij", q + u[:, None, None], k)
     position = torch.einsum("nbid,nijd->nbij", q + vb[:, None, None], pos_rows)
     score = ((content + position) * scale).masked_fill(mask, float("-inf"))
@@ -38,8 +39,10 @@ def naive(q, k, v, r, u, vb, s0, mask, scale):
 
 def inputs(n, B, Q, K, W, dh, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(*s, generator=g) * 0.7).to(dtype).requires_grad_()
-            for s in ((n, B, Q, dh), (n, B, K, dh), (n, B, K, dh), (n, W, dh), (n, dh), (n, dh))]
+    return [
+        (torch.randn(*s, generator=g) * 0.7).to(dtype).requires_grad_()
+        for s in ((n, B, Q, dh), (n, B, K, dh), (n, B, K, dh), (n, W, dh), (n, dh), (n, dh))
+    ]
 
 
 def run_both(kind, n, B, L, M, dh, dtype, same_length=False, lse_grad=True, seed=0):
@@ -47,7 +50,7 @@ def run_both(kind, n, B, L, M, dh, dtype, same_length=False, lse_grad=True, seed
     if kind == "causal":
         Q, K, W, s0 = L, M + L, M + L + 1, L - 1
         mask = causal_mask(L, M, M, same_length)
-    else:       # the look-ahead: M memory queries over the nk = min(M, L) keys after them
+    else:  # the look-ahead: M memory queries over the nk = min(M, L) keys after them
         nk = min(M, L)
         Q, K, W, s0 = M, nk, M + 1, M - nk
         mask = lookahead_mask(M, nk)
@@ -68,19 +71,22 @@ NAMES = ["context", "lse", "dq", "dk", "dv", "dR", "du", "dvb"]
 
 
 def assert_close(got, want, rel, what):
-    for name, a, b in zip(NAMES[:len(got)], got, want, strict=True):     # got may be the first outputs alone
+    for name, a, b in zip(NAMES[: len(got)], got, want, strict=True):  # got may be the first outputs alone
         tol = rel * max(float(b.abs().max()), 1.0 if name == "lse" else 1e-3)
         err = float((a - b).abs().max())
         assert err <= tol, (what, name, err, tol)
 
 
-@pytest.mark.parametrize("n,B,L,M,dh,same_length", [
-    (2, 2, 16, 16, 16, False),      # L = M: a quarter of the tiles hidden
-    (1, 3, 20, 13, 32, False),      # klen 33: not a multiple of the tile
-    (2, 2, 12, 20, 16, True),       # same_length: hidden on both sides of the band
-    (1, 2, 9, 0, 64, False),        # no memory
-    (2, 1, 16, 8, 24, False),       # d_head 24: zero-padded to 32
-])
+@pytest.mark.parametrize(
+    "n,B,L,M,dh,same_length",
+    [
+        (2, 2, 16, 16, 16, False),  # L = M: a quarter of the tiles hidden
+        (1, 3, 20, 13, 32, False),  # klen 33: not a multiple of the tile
+        (2, 2, 12, 20, 16, True),  # same_length: hidden on both sides of the band
+        (1, 2, 9, 0, 64, False),  # no memory
+        (2, 1, 16, 8, 24, False),  # d_head 24: zero-padded to 32
+    ],
+)
 def test_causal_fp32_equals_the_naive_spec(n, B, L, M, dh, same_length):
     got, want = run_both("causal", n, B, L, M, dh, torch.float32, same_length)
     assert_close(got, want, 1e-5, (n, B, L, M, dh, same_length))

@@ -1,6 +1,8 @@
 """megamemo/kernels/: the switch between the model's plain PyTorch path and the CPU kernels. (Each path's dropout
-law: tests/model/test_model_properties.py; the golden and spec tests run on both paths: tests/model/test_model_reference.py,
+law: tests/model/test_model_properties.py; the golden and spec tests run on both paths:
+tests/model/test_model_reference.py,
 tests/model/test_model_spec.py.)"""
+
 import os
 
 import pytest
@@ -69,6 +71,7 @@ def test_the_model_is_built_plain_and_the_swap_goes_both_ways():
 def test_wrapped_dropouts_are_swapped_inside_their_wrapper():
     """The tensor-parallel form wraps split dropouts (parallel/tensor.py ForkedDropout: module.inner); whatever
     wraps a dropout keeps its place and gets the path's dropout inside."""
+
     class Wrapper(nn.Module):
         def __init__(self, inner):
             super().__init__()
@@ -83,7 +86,7 @@ def test_wrapped_dropouts_are_swapped_inside_their_wrapper():
     assert type(model.layers[0].ff.drop_inner.inner) is ReluDropout
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 @pytest.mark.parametrize("variant", ["lamemo", "xl"])
 def test_the_paths_agree_without_dropout(variant):
     """Without dropout the two paths compute the same NLL, memory and gradients over two segments. LaMemo's bit
@@ -97,7 +100,7 @@ def test_the_paths_agree_without_dropout(variant):
         model.zero_grad()
         mem, got = None, []
         for s in range(2):
-            nll, mem = model(data[6 * s:6 * s + 6], data[6 * s + 1:6 * s + 7], mem)
+            nll, mem = model(data[6 * s : 6 * s + 6], data[6 * s + 1 : 6 * s + 7], mem)
             nll.mean().backward()
             got += [nll.detach()] + [mem[k] for k in sorted(mem.tensors)]
         out[path] = got + [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -105,7 +108,7 @@ def test_the_paths_agree_without_dropout(variant):
     for a, b in zip(out["plain"], out["cpu"], strict=True):
         if variant == "lamemo":
             assert torch.equal(a, b)
-        else:   # fp32, two orders of the backward pass over 2 segments of 6 x 3 tokens (tests/helpers/bounds.py): the
+        else:  # fp32, two orders of the backward pass over 2 segments of 6 x 3 tokens (tests/helpers/bounds.py): the
             # loosest of the listed tensors' bounds (forward values, memory, gradients), at each one's size
             tol = 2 * backward_bound(model.cfg, float(b.abs().max()), tokens=18)
             assert (a - b).abs().max() <= tol, ((a - b).abs().max(), tol)
@@ -121,7 +124,7 @@ def test_cpu_dropout_leaves_the_cpu_to_torch():
 
 
 # ---- FlexAttention (kernels/flex.py) and the compiler switch (kernels/compiler.py) ------------------------------
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 @pytest.mark.parametrize("same_length", [False, True])
 def test_flex_attention_forward_equals_the_eager_form_on_the_cpu(same_length):
     """Both of LaMemo's attentions through FlexAttention's CPU reference form (forward only: torch 2.13 has no CPU
@@ -144,7 +147,7 @@ def test_flex_attention_forward_equals_the_eager_form_on_the_cpu(same_length):
     terms = 2 * dh + 2 * (M + L)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=sum_bound(terms, float(b.abs().max())))
-    nk = 4                                  # look-ahead: the M memory rows over the next nk rows
+    nk = 4  # look-ahead: the M memory rows over the next nk rows
     qm, kf, vf_, rf = rnd(n, B, M, dh), rnd(n, B, nk, dh), rnd(n, B, nk, dh), rnd(n, M + 1, dh)
     lmask = lookahead_mask(M, nk)
     want = lookahead_attention(qm, kf, vf_, rf, u, vb, lmask, 0.3, lse="value")
@@ -162,11 +165,15 @@ def test_the_compiler_switch_lifts_megamemos_own_dynamo_off_only(monkeypatch):
     monkeypatch.setenv("MEGAMEMO_SET_TORCHDYNAMO_DISABLE", "1")
     enable_compiler()
     assert "TORCHDYNAMO_DISABLE" not in os.environ
-    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")             # the user's own
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # the user's own
     with pytest.raises(CompilerUnavailable, match="TORCHDYNAMO_DISABLE=1 is set in the environment"):
         enable_compiler()
     assert os.environ["TORCHDYNAMO_DISABLE"] == "1"
-    assert (resolve_compile("auto", "cuda"), resolve_compile("auto", "cpu"), resolve_compile("on", "cpu"),
-            resolve_compile("off", "cuda")) == (True, False, True, False)
+    assert (
+        resolve_compile("auto", "cuda"),
+        resolve_compile("auto", "cpu"),
+        resolve_compile("on", "cpu"),
+        resolve_compile("off", "cuda"),
+    ) == (True, False, True, False)
     with pytest.raises(ValueError, match="train.compile: must be one of auto, on, off"):
         resolve_compile("yes", "cpu")

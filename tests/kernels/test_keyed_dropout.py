@@ -13,6 +13,7 @@ What is checked here, in one process:
     are the training tests' (test_train_equivalence, test_train_parallel, test_train_runs, test_convert_parallel),
     which run keyed with dropout 0.1 and dropatt 0.1.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,10 +33,15 @@ from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.train.config import load
 
 # Random123's kat_vectors: counter (4 words), key (2 words) -> output (4 words)
-KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-       ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-       ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
 
 
 def philox_reference(ctr, key, rounds=10):
@@ -43,9 +49,9 @@ def philox_reference(ctr, key, rounds=10):
     c, k = list(ctr), list(key)
     for r in range(rounds):
         if r:
-            k = [(k[0] + 0x9E3779B9) % 2 ** 32, (k[1] + 0xBB67AE85) % 2 ** 32]
+            k = [(k[0] + 0x9E3779B9) % 2**32, (k[1] + 0xBB67AE85) % 2**32]
         p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
-        c = [(p1 >> 32) ^ c[1] ^ k[0], p1 % 2 ** 32, (p0 >> 32) ^ c[3] ^ k[1], p0 % 2 ** 32]
+        c = [(p1 >> 32) ^ c[1] ^ k[0], p1 % 2**32, (p0 >> 32) ^ c[3] ^ k[1], p0 % 2**32]
     return c
 
 
@@ -57,7 +63,7 @@ def keep_reference(p, seed, step, site, layer, head, column, row, feature) -> bo
         out = philox_reference([feature // 16, row, column, c3], [seed, step])
         j = feature % 16
         u = (u << 8) | ((out[j // 4] >> (8 * (j % 4))) & 255)
-    return u >= round(p * 2 ** 32)
+    return u >= round(p * 2**32)
 
 
 def test_philox_forms_give_random123s_known_answers():
@@ -70,8 +76,10 @@ def test_philox_forms_give_random123s_known_answers():
         assert [int(w) for w in philox(*words, *(torch.tensor(k) for k in key))] == list(want)
 
 
-@pytest.mark.parametrize("site,shape,split", [("ff_inner", (3, 2, 40), 1), ("att", (2, 2, 3, 20), 1),
-                                              ("pos", (5, 24), 0), ("emb", (4, 3, 16), 0)])
+@pytest.mark.parametrize(
+    "site,shape,split",
+    [("ff_inner", (3, 2, 40), 1), ("att", (2, 2, 3, 20), 1), ("pos", (5, 24), 0), ("emb", (4, 3, 16), 0)],
+)
 def test_every_element_is_the_stated_function_of_its_coordinates(site, shape, split):
     """Module output on ones: 0 where dropped, 1/(1-p) where kept; kept exactly where the pure-Python statement
     keeps, with the TP rank's offset, the micro-batch's first column and the step - on both paths."""
@@ -97,8 +105,18 @@ def test_every_element_is_the_stated_function_of_its_coordinates(site, shape, sp
     assert 0 < int(want.sum()) < want.numel()
     # the traceable form, keys as tensors (what a compiled layer and a GPU run)
     row, col, head, f0 = coordinates(layout, shape, torch.tensor(14), split, "cpu")
-    full = keep_full(shape, p, torch.tensor(site_word(site, layer)), row, col, head, f0, torch.tensor(seed),
-                     torch.tensor(step), "cpu")
+    full = keep_full(
+        shape,
+        p,
+        torch.tensor(site_word(site, layer)),
+        row,
+        col,
+        head,
+        f0,
+        torch.tensor(seed),
+        torch.tensor(step),
+        "cpu",
+    )
     assert torch.equal(full, want)
 
 
@@ -129,8 +147,12 @@ def _corr(a, b) -> float:
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate_is_within_a_binomial_bound_per_tensor(p):
     """Each tensor's kept count k of n: |k - n(1-p)| <= 6 sqrt(n p (1-p)) (a false alarm about once in 5e8)."""
-    for site, shape in (("ff_inner", (256, 8, 1024)), ("emb", (32, 4, 64)), ("att", (4, 8, 32, 64)),
-                        ("pos", (64, 256))):
+    for site, shape in (
+        ("ff_inner", (256, 8, 1024)),
+        ("emb", (32, 4, 64)),
+        ("att", (4, 8, 32, 64)),
+        ("pos", (64, 256)),
+    ):
         for step in (0, 1, 1000):
             k, n = float(_mask(step=step, site=site, shape=shape, p=p).sum()), math.prod(shape)
             assert abs(k - n * (1 - p)) <= 6 * math.sqrt(n * p * (1 - p)), (site, step, k, n)
@@ -144,7 +166,7 @@ def test_no_correlation_between_neighbours_layers_sites_steps_and_seeds():
     m = _mask()
     bound = 6 / math.sqrt(m.numel())
     for dim in (0, 1, 2):
-        for lag in ((1, 4, 16) if dim == 2 else (1, 2)):
+        for lag in (1, 4, 16) if dim == 2 else (1, 2):
             a, b = m.narrow(dim, 0, m.size(dim) - lag), m.narrow(dim, lag, m.size(dim) - lag)
             assert abs(_corr(a, b)) < bound, (dim, lag, _corr(a, b))
     for other in (_mask(layer=2), _mask(site="attn_out"), _mask(step=4), _mask(column=16), _mask(seed=1112)):
@@ -155,9 +177,15 @@ def test_masks_differ_across_seeds_and_never_repeat_across_steps_or_micro_batche
     """A site's masks at 8 steps x 4 micro-batches (columns 0, 8, 16, 24) and 2 seeds: no two alike, and each
     pair agrees on p^2 + (1-p)^2 of its elements, as independent masks do (within 6 sigma)."""
     shape, p = (64, 8, 256), 0.1
-    m = torch.stack([_mask(step=s, column=c, seed=seed, shape=shape, p=p).reshape(-1) for s in range(8)
-                     for c in (0, 8, 16, 24) for seed in (1111, 2024)]).double()
-    same = m @ m.T + (1 - m) @ (1 - m).T                    # elements each pair agrees on
+    m = torch.stack(
+        [
+            _mask(step=s, column=c, seed=seed, shape=shape, p=p).reshape(-1)
+            for s in range(8)
+            for c in (0, 8, 16, 24)
+            for seed in (1111, 2024)
+        ]
+    ).double()
+    same = m @ m.T + (1 - m) @ (1 - m).T  # elements each pair agrees on
     n, agree = m.size(1), p * p + (1 - p) * (1 - p)
     off = ~torch.eye(len(m), dtype=torch.bool)
     worst = float((same - n * agree).abs()[off].max())
@@ -167,8 +195,21 @@ def test_masks_differ_across_seeds_and_never_repeat_across_steps_or_micro_batche
 # ---- what keyed masks buy -----------------------------------------------------------------------------------
 def _model(variant, seed=0):
     torch.manual_seed(seed)
-    return MemTransformerLM(ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=32, n_head=2, d_head=16,
-                                        d_inner=64, dropout=0.1, dropatt=0.1, tgt_len=6, mem_len=6)).train()
+    return MemTransformerLM(
+        ModelConfig(
+            variant=variant,
+            n_token=40,
+            n_layer=2,
+            d_model=32,
+            n_head=2,
+            d_head=16,
+            d_inner=64,
+            dropout=0.1,
+            dropatt=0.1,
+            tgt_len=6,
+            mem_len=6,
+        )
+    ).train()
 
 
 def _train_two_segments(model, x, micro: int, keyed: bool):
@@ -188,14 +229,14 @@ def _train_two_segments(model, x, micro: int, keyed: bool):
             if key is not None:
                 key.set(step=s, micro_batch=k)
             cols = slice(k * micro, (k + 1) * micro)
-            nll, mems[k] = model(x[s * L:(s + 1) * L, cols], x[s * L + 1:(s + 1) * L + 1, cols], mems[k])
+            nll, mems[k] = model(x[s * L : (s + 1) * L, cols], x[s * L + 1 : (s + 1) * L + 1, cols], mems[k])
             nll.sum().backward()
             parts.append(nll.detach())
         out.append(torch.cat(parts, 1))
     return torch.cat(out, 0), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 @pytest.mark.parametrize("variant", ["lamemo", "xl"])
 def test_micro_batches_of_other_columns_drop_what_one_batch_drops(variant):
     """Dropout 0.1 and dropatt 0.1: four streams as one micro-batch, two of two, or four of one (DP 2, DP 4,
@@ -216,8 +257,8 @@ def test_micro_batches_of_other_columns_drop_what_one_batch_drops(variant):
             torch.testing.assert_close(g[n], g_one[n], rtol=0, atol=g_tol)
     s_one, _ = _train_two_segments(copy.deepcopy(base), x, 4, keyed=False)
     s_two, _ = _train_two_segments(copy.deepcopy(base), x, 2, keyed=False)
-    assert float((s_one - s_two).abs().max()) > tol           # stream masks depend on the cut (beyond rounding)
-    assert float((s_one - one).abs().max()) > tol             # and the dropout is on: keyed masks drop too
+    assert float((s_one - s_two).abs().max()) > tol  # stream masks depend on the cut (beyond rounding)
+    assert float((s_one - one).abs().max()) > tol  # and the dropout is on: keyed masks drop too
 
 
 def test_every_dropout_has_a_site_and_the_swap_goes_both_ways():
@@ -231,7 +272,7 @@ def test_every_dropout_has_a_site_and_the_swap_goes_both_ways():
     assert model.layers[0].ff.drop_inner.relu and model.layers[0].attn.dropatt.p == 0.1
     apply_dropout_masks(model, "stream")
     assert dropout_masks_in_use(model) == "stream"
-    model.extra = torch.nn.Dropout(0.1)                       # a dropout with no site: named, refused
+    model.extra = torch.nn.Dropout(0.1)  # a dropout with no site: named, refused
     with pytest.raises(ValueError, match="no site for the dropout at 'extra'"):
         apply_dropout_masks(model, "keyed", DropoutKey(1))
 
@@ -262,7 +303,7 @@ def test_under_tensor_parallelism_a_rank_drops_its_slice_of_a_split_site_and_all
             if site in ("ff_inner", "att", "att_ahead"):
                 split_sites.add(site)
                 n = shapes[layout][0 if layout == "heads" else -1] // tp
-                part = full[r * n:(r + 1) * n] if layout == "heads" else full[..., r * n:(r + 1) * n]
+                part = full[r * n : (r + 1) * n] if layout == "heads" else full[..., r * n : (r + 1) * n]
                 shard = torch.ones(part.shape)
             else:
                 part, shard = full, torch.ones(full.shape)
@@ -273,6 +314,7 @@ def test_under_tensor_parallelism_a_rank_drops_its_slice_of_a_split_site_and_all
 def test_the_config_key_and_what_keyed_masks_allow():
     def cfg(*sets):
         return load(REPO / "configs/tiny-cpu.yaml", list(sets))
+
     assert cfg().train.dropout_masks == "stream"
     with pytest.raises(ConfigError, match="train.dropout_masks: must be stream or keyed"):
         cfg("train.dropout_masks=random")
@@ -284,7 +326,7 @@ def test_the_config_key_and_what_keyed_masks_allow():
     assert cfg("train.activation_checkpointing=true", "parallel.tp=2", "train.dropout_masks=keyed").parallel.tp == 2
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 def test_a_compiled_layer_draws_the_eager_masks_and_compiles_once():
     """train.compile: a decoder layer compiled (backend aot_eager: TorchDynamo and AOTAutograd trace the layer,
     keyed masks as integer ops on the key's tensor words; no code generated) drops what the eager byte-digit path
@@ -306,12 +348,13 @@ def test_a_compiled_layer_draws_the_eager_masks_and_compiles_once():
         for step in range(3):
             for k in range(2):
                 key.set(step=step, micro_batch=k)
-                nll, _ = model(x[:6, 2 * k:2 * k + 2], x[1:, 2 * k:2 * k + 2])
+                nll, _ = model(x[:6, 2 * k : 2 * k + 2], x[1:, 2 * k : 2 * k + 2])
                 nll.sum().backward()
                 out.append(nll.detach())
             graphs.append(int(counters["stats"].get("unique_graphs", 0)))
         runs[form] = (torch.cat(out), {n: p.grad for n, p in model.named_parameters()}, graphs)
-    # aot_eager runs the decomposed ops: the same sums, possibly fused or ordered otherwise (tests/helpers/bounds.py; equal
+    # aot_eager runs the decomposed ops: the same sums, possibly fused or ordered otherwise (tests/helpers/bounds.py;
+    # equal
     # bit for bit on this Xeon at both ISAs, another code path all the same); gradients over 3 steps x 2
     # micro-batches of 6 x 2 tokens
     want = runs["eager"][0]
@@ -321,7 +364,7 @@ def test_a_compiled_layer_draws_the_eager_masks_and_compiles_once():
         g_tol = 0.0 if g is None else 3 * backward_bound(base.cfg, float(g.abs().max()), tokens=24)
         torch.testing.assert_close(runs["compiled"][1][n], g, rtol=0, atol=g_tol)
     graphs = runs["compiled"][2]
-    assert graphs[0] > 0 and graphs[1] == graphs[2], graphs     # compiled at step 0; steps 1 and 2 reuse it
+    assert graphs[0] > 0 and graphs[1] == graphs[2], graphs  # compiled at step 0; steps 1 and 2 reuse it
 
 
 def test_a_checkpoint_records_its_masks_and_a_switch_on_resume_is_one_line(tmp_path):
@@ -334,8 +377,17 @@ def test_a_checkpoint_records_its_masks_and_a_switch_on_resume_is_one_line(tmp_p
 
     def store(**extra):
         meta = RunMeta({"n_layer": 2}, layout=RunLayout(world_size=1, dp=1, batch_size=4), precision="fp32", **extra)
-        return CheckpointStore(tmp_path / "ckpt", 0, 1, 3, meta, barrier=lambda: None, async_save=False,
-                               commit_timeout_s=30, log=lambda m: None)
+        return CheckpointStore(
+            tmp_path / "ckpt",
+            0,
+            1,
+            3,
+            meta,
+            barrier=lambda: None,
+            async_save=False,
+            commit_timeout_s=30,
+            log=lambda m: None,
+        )
 
     for step, extra in ((2, {}), (4, {"dropout_masks": "keyed"})):
         reg = StateRegistry()
@@ -344,7 +396,11 @@ def test_a_checkpoint_records_its_masks_and_a_switch_on_resume_is_one_line(tmp_p
     old, keyed = tmp_path / "ckpt" / tag_for(2), tmp_path / "ckpt" / tag_for(4)
     assert "dropout_masks" not in read_marker(old) and read_marker(keyed)["dropout_masks"] == "keyed"
     assert store(dropout_masks="stream").check_compatible(old)[2] == ""
-    assert store(dropout_masks="keyed").check_compatible(old)[2] == "dropout masks stream -> keyed (train.dropout_masks)"
-    assert store(dropout_masks="stream").check_compatible(keyed)[2] == \
-        "dropout masks keyed -> stream (train.dropout_masks)"
+    assert (
+        store(dropout_masks="keyed").check_compatible(old)[2] == "dropout masks stream -> keyed (train.dropout_masks)"
+    )
+    assert (
+        store(dropout_masks="stream").check_compatible(keyed)[2]
+        == "dropout masks keyed -> stream (train.dropout_masks)"
+    )
     assert store(dropout_masks="keyed").check_compatible(keyed)[2] == ""

@@ -7,6 +7,7 @@
     srun (--export=ALL), apptainer, pyxis and MPICH's Hydra pass the whole environment;
   * train.sbatch's MASTER_PORT (launch/slurm/port.sh): from the full job id, so jobs 2,000 apart no longer share one
     (it was 10000 + (id mod 2000) * 10), and moved off a port something already listens on at the first node."""
+
 from __future__ import annotations
 
 import socket
@@ -18,9 +19,15 @@ import pytest
 from helpers.fake_bin import SCONTROL, fake_binary, fake_env, recorded_env, recorder
 
 REPO = Path(__file__).resolve().parents[2]
-NETWORK = {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "GLOO_SOCKET_IFNAME": "ib0",
-           "NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "0,1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+NETWORK = {
+    "NCCL_SOCKET_IFNAME": "ib0",
+    "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+    "GLOO_SOCKET_IFNAME": "ib0",
+    "NCCL_DEBUG": "WARN",
+    "CUDA_VISIBLE_DEVICES": "0,1",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+}
 
 
 @pytest.fixture
@@ -32,8 +39,12 @@ def fakes(tmp_path):
     fake_binary(bin_dir, "scontrol", SCONTROL)
     for name in ("srun", "docker", "podman"):
         fake_binary(bin_dir, name, recorder(name))
-    fake_binary(bin_dir, "mpirun", '[ "$1" = --version ] && { echo "mpirun (Open MPI) 4.1.4"; exit 0; }; '
-                                   'printf "%s\\n" "$@" > "$FAKE_OUT/mpirun.args"')
+    fake_binary(
+        bin_dir,
+        "mpirun",
+        '[ "$1" = --version ] && { echo "mpirun (Open MPI) 4.1.4"; exit 0; }; '
+        'printf "%s\\n" "$@" > "$FAKE_OUT/mpirun.args"',
+    )
     return bin_dir, out
 
 
@@ -45,32 +56,76 @@ def _named(args: list[str], flag: str) -> set[str]:
 # ---- the network and CUDA settings ---------------------------------------------------------------------------------
 def test_open_mpi_ranks_get_the_network_and_cuda_settings(fakes):
     bin_dir, out = fakes
-    env = fake_env(bin_dir, out, MEGAMEMO_VENV=Path(sys.executable).parents[1], MEGAMEMO_GPU_PROBE="echo 2",
-                   MEGAMEMO_TRAIN_CMD="true", MPIRUN=bin_dir / "mpirun", UNRELATED_SETTING="x", **NETWORK)
-    r = subprocess.run(["bash", str(REPO / "launch/mpi/train.sh"), "2", "--config", "x.yaml"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    env = fake_env(
+        bin_dir,
+        out,
+        MEGAMEMO_VENV=Path(sys.executable).parents[1],
+        MEGAMEMO_GPU_PROBE="echo 2",
+        MEGAMEMO_TRAIN_CMD="true",
+        MPIRUN=bin_dir / "mpirun",
+        UNRELATED_SETTING="x",
+        **NETWORK,
+    )
+    r = subprocess.run(
+        ["bash", str(REPO / "launch/mpi/train.sh"), "2", "--config", "x.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     args = (out / "mpirun.args").read_text().splitlines()
     forwarded = _named(args, "-x")
     assert set(NETWORK) <= forwarded, sorted(set(NETWORK) - forwarded)
-    assert {"PATH", "MEGAMEMO_DEVICE", "DS_ACCELERATOR", "MASTER_ADDR", "OMP_NUM_THREADS",
-            "CUDA_DEVICE_MAX_CONNECTIONS"} <= forwarded, forwarded
+    assert {
+        "PATH",
+        "MEGAMEMO_DEVICE",
+        "DS_ACCELERATOR",
+        "MASTER_ADDR",
+        "OMP_NUM_THREADS",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+    } <= forwarded, forwarded
     assert "UNRELATED_SETTING" not in forwarded and "HOME" not in forwarded, forwarded
 
 
 @pytest.mark.parametrize("runtime", ["docker", "podman"])
 def test_docker_ranks_get_the_network_and_cuda_settings(fakes, runtime):
     bin_dir, out = fakes
-    env = fake_env(bin_dir, out, MEGAMEMO_CONTAINER="megamemo:latest", MEGAMEMO_CONTAINER_RUNTIME=runtime,
-                   MEGAMEMO_DEVICE="gpu", MEGAMEMO_ROOT=REPO, SLURM_SUBMIT_DIR=out, SLURM_PROCID=0, SLURM_NTASKS=2,
-                   MASTER_ADDR="10.0.0.1", MASTER_PORT=12345, DS_ACCELERATOR="cuda", UNRELATED_SETTING="x", **NETWORK)
-    r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
-                       capture_output=True, text=True, timeout=60, cwd=out)
+    env = fake_env(
+        bin_dir,
+        out,
+        MEGAMEMO_CONTAINER="megamemo:latest",
+        MEGAMEMO_CONTAINER_RUNTIME=runtime,
+        MEGAMEMO_DEVICE="gpu",
+        MEGAMEMO_ROOT=REPO,
+        SLURM_SUBMIT_DIR=out,
+        SLURM_PROCID=0,
+        SLURM_NTASKS=2,
+        MASTER_ADDR="10.0.0.1",
+        MASTER_PORT=12345,
+        DS_ACCELERATOR="cuda",
+        UNRELATED_SETTING="x",
+        **NETWORK,
+    )
+    r = subprocess.run(
+        ["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=out,
+    )
     assert r.returncode == 0, r.stderr
     forwarded = _named((out / f"{runtime}.args").read_text().splitlines(), "--env")
     assert set(NETWORK) <= forwarded, sorted(set(NETWORK) - forwarded)
-    assert {"SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR", "MASTER_PORT", "MEGAMEMO_DEVICE",
-            "DS_ACCELERATOR"} <= forwarded, forwarded
+    assert {
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "MEGAMEMO_DEVICE",
+        "DS_ACCELERATOR",
+    } <= forwarded, forwarded
     # the image's own PATH and HOME stay: the host's would point at nothing inside it
     assert not forwarded & {"PATH", "HOME", "LD_LIBRARY_PATH", "UNRELATED_SETTING"}, forwarded
 
@@ -79,12 +134,29 @@ def test_docker_ranks_get_the_network_and_cuda_settings(fakes, runtime):
 def _sbatch_port(bin_dir: Path, out: Path, job_id: int, restarts: int = 0) -> tuple[int, str]:
     """train.sbatch as Slurm starts it for job `job_id`: the MASTER_PORT its training step gets, and its output."""
     (out / "srun.env").unlink(missing_ok=True)
-    env = fake_env(bin_dir, out, SLURM_JOB_ID=job_id, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out,
-                   SLURM_JOB_NODELIST="node1", SLURM_NTASKS=1, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=1,
-                   SLURM_RESTART_COUNT=restarts, MEGAMEMO_ROOT=REPO, MEGAMEMO_TRAIN_CMD="true",
-                   MEGAMEMO_VENV=out / "no-venv", MEGAMEMO_GPU_PROBE="echo 0")
-    r = subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), "--config", "x.yaml"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    env = fake_env(
+        bin_dir,
+        out,
+        SLURM_JOB_ID=job_id,
+        SLURM_JOB_NAME="megamemo",
+        SLURM_SUBMIT_DIR=out,
+        SLURM_JOB_NODELIST="node1",
+        SLURM_NTASKS=1,
+        SLURM_JOB_NUM_NODES=1,
+        SLURM_NTASKS_PER_NODE=1,
+        SLURM_RESTART_COUNT=restarts,
+        MEGAMEMO_ROOT=REPO,
+        MEGAMEMO_TRAIN_CMD="true",
+        MEGAMEMO_VENV=out / "no-venv",
+        MEGAMEMO_GPU_PROBE="echo 0",
+    )
+    r = subprocess.run(
+        ["bash", str(REPO / "launch/slurm/train.sbatch"), "--config", "x.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     step = recorded_env(out / "srun.env")
     return int(step["MASTER_PORT"]), r.stdout + r.stderr
@@ -96,7 +168,7 @@ def test_jobs_2000_apart_get_different_ports(fakes):
     a, _ = _sbatch_port(bin_dir, out, 4242)
     b, _ = _sbatch_port(bin_dir, out, 6242)
     assert a != b and 10000 <= min(a, b) and max(a, b) < 32768, (a, b)
-    again, _ = _sbatch_port(bin_dir, out, 4242, restarts=1)          # a requeue moves on (TIME_WAIT)
+    again, _ = _sbatch_port(bin_dir, out, 4242, restarts=1)  # a requeue moves on (TIME_WAIT)
     assert again == a + 1, (a, again)
 
 
@@ -156,7 +228,7 @@ def test_a_free_port_is_drawn_below_the_ephemeral_range_and_skips_a_taken_one(tm
         draws = iter([busy, busy, busy + 1])
         monkeypatch.setattr(dist.random.SystemRandom, "randrange", lambda self, a, b: next(draws))
         assert dist.free_port() == busy + 1
-    monkeypatch.setattr(dist, "ephemeral_ports", lambda: (1024, 65535))     # nothing below: the kernel's choice
+    monkeypatch.setattr(dist, "ephemeral_ports", lambda: (1024, 65535))  # nothing below: the kernel's choice
     assert low <= dist.free_port() <= high
 
 
@@ -178,8 +250,14 @@ def _task(bin_dir: Path, out: Path, **extra) -> tuple[dict, str]:
     fake_binary(bin_dir, "train", f'env > "{out}/train.env"')
     (out / "train.env").unlink(missing_ok=True)
     env = fake_env(bin_dir, out, MEGAMEMO_TRAIN_CMD=bin_dir / "train", SLURM_PROCID=0, **extra)
-    r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
-                       capture_output=True, text=True, timeout=60, cwd=out)
+    r = subprocess.run(
+        ["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=out,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     got = recorded_env(out / "train.env")
     return got, r.stdout
@@ -200,7 +278,7 @@ def test_a_set_interface_is_kept_and_no_route_leaves_them_unset(fakes):
     assert "NCCL_SOCKET_IFNAME=eth1 (set) GLOO_SOCKET_IFNAME=ib0 (the route to 10.0.0.1)" in out, out
     got, out = _task(*fakes, MASTER_ADDR="192.168.9.9")
     assert "NCCL_SOCKET_IFNAME" not in got and "GLOO_SOCKET_IFNAME" not in got, got
-    assert "network: no route to MASTER_ADDR=192.168.9.9" in out, out        # and the training still starts
+    assert "network: no route to MASTER_ADDR=192.168.9.9" in out, out  # and the training still starts
 
 
 @pytest.mark.parametrize("script", ["train.sbatch", "a100-bf16.sbatch"])
@@ -208,15 +286,31 @@ def test_the_compile_caches_are_node_local_unless_set(fakes, script):
     """The ranks' TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: under MEGAMEMO_NODE_CACHE (else $TMPDIR, else
     /tmp), not ~/.triton; one the user set is kept. Printed in the job's output."""
     bin_dir, out = fakes
-    base = dict(SLURM_JOB_ID=7, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out, SLURM_JOB_NODELIST="node1",
-                SLURM_NTASKS=1, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=1, MEGAMEMO_ROOT=REPO,
-                MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", MEGAMEMO_GPU_PROBE="echo 1")
+    base = dict(
+        SLURM_JOB_ID=7,
+        SLURM_JOB_NAME="megamemo",
+        SLURM_SUBMIT_DIR=out,
+        SLURM_JOB_NODELIST="node1",
+        SLURM_NTASKS=1,
+        SLURM_JOB_NUM_NODES=1,
+        SLURM_NTASKS_PER_NODE=1,
+        MEGAMEMO_ROOT=REPO,
+        MEGAMEMO_TRAIN_CMD="true",
+        MEGAMEMO_VENV=out / "no-venv",
+        MEGAMEMO_GPU_PROBE="echo 1",
+    )
     (out / "local").mkdir()
-    for extra, inductor, triton in (({"TMPDIR": out / "local"}, f"{out}/local/megamemo-cache-", f"{out}/local/"),
-                                    ({"MEGAMEMO_NODE_CACHE": "/nvme", "TRITON_CACHE_DIR": "/mine"},
-                                     "/nvme/megamemo-cache-", "/mine")):
-        r = subprocess.run(["bash", str(REPO / "launch/slurm" / script), "--config", "x.yaml"],
-                           env=fake_env(bin_dir, out, **base, **extra), capture_output=True, text=True, timeout=120)
+    for extra, inductor, triton in (
+        ({"TMPDIR": out / "local"}, f"{out}/local/megamemo-cache-", f"{out}/local/"),
+        ({"MEGAMEMO_NODE_CACHE": "/nvme", "TRITON_CACHE_DIR": "/mine"}, "/nvme/megamemo-cache-", "/mine"),
+    ):
+        r = subprocess.run(
+            ["bash", str(REPO / "launch/slurm" / script), "--config", "x.yaml"],
+            env=fake_env(bin_dir, out, **base, **extra),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         step = recorded_env(out / "srun.env")
         assert step["TORCHINDUCTOR_CACHE_DIR"].startswith(inductor), step["TORCHINDUCTOR_CACHE_DIR"]

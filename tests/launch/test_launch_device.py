@@ -8,6 +8,7 @@ runtimes on PATH stand for a GPU node, and record what the training step would h
   * the launchers count the GPUs torch sees (launch/device.sh; MEGAMEMO_GPU_PROBE, a command printing the count,
     stands for torch's view here), the GPU presets require one, and launch/local.sh / launch/mpi/train.sh do not
     obey an inherited DS_ACCELERATOR=cpu."""
+
 from __future__ import annotations
 
 import subprocess
@@ -26,8 +27,11 @@ def fakes(tmp_path):
     their environment and arguments into $FAKE_OUT."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake_binary(bin_dir, "nvidia-smi", 'for ((i = 0; i < ${FAKE_GPUS:-0}; i++)); do '
-                                       'echo "GPU $i: Tesla V100-SXM2-32GB (UUID: GPU-$i)"; done')
+    fake_binary(
+        bin_dir,
+        "nvidia-smi",
+        'for ((i = 0; i < ${FAKE_GPUS:-0}; i++)); do echo "GPU $i: Tesla V100-SXM2-32GB (UUID: GPU-$i)"; done',
+    )
     fake_binary(bin_dir, "scontrol", SCONTROL)
     for name in ("srun", "apptainer", "docker"):
         fake_binary(bin_dir, name, recorder(name))
@@ -36,8 +40,10 @@ def fakes(tmp_path):
     return bin_dir, out
 
 
-@pytest.mark.parametrize("gpus, preset, want, device_file", [(0, None, "cpu", False), (8, None, "unset", False),
-                                                             (0, "cuda", "cuda", False), (0, None, "unset", True)])
+@pytest.mark.parametrize(
+    "gpus, preset, want, device_file",
+    [(0, None, "cpu", False), (8, None, "unset", False), (0, "cuda", "cuda", False), (0, None, "unset", True)],
+)
 def test_env_sh_picks_the_cpu_accelerator_only_without_gpus(fakes, gpus, preset, want, device_file):
     """The last case: nvidia-smi is not on PATH (the fake lists none) but the node has /dev/nvidia0: not the CPU
     (a `megamemo train` started from that shell would obey DS_ACCELERATOR=cpu)."""
@@ -45,8 +51,13 @@ def test_env_sh_picks_the_cpu_accelerator_only_without_gpus(fakes, gpus, preset,
     if device_file:
         _device_files(out, 1)
     extra = {"FAKE_GPUS": gpus} | ({"DS_ACCELERATOR": preset} if preset else {})
-    r = subprocess.run(["bash", "-c", f'source "{REPO}/scripts/env.sh"; echo "${{DS_ACCELERATOR-unset}}"'],
-                       env=fake_env(bin_dir, out, **extra), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", "-c", f'source "{REPO}/scripts/env.sh"; echo "${{DS_ACCELERATOR-unset}}"'],
+        env=fake_env(bin_dir, out, **extra),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
 
 
@@ -60,16 +71,34 @@ def _device_files(out: Path, n: int) -> None:
 
 def _sbatch(bin_dir: Path, out: Path, gpus: int, **extra) -> subprocess.CompletedProcess:
     """train.sbatch as Slurm would start it on an 8-task node; the fake srun records the step's environment."""
-    env = fake_env(bin_dir, out, FAKE_GPUS=gpus, SLURM_JOB_ID=4242, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out,
-                   SLURM_JOB_NODELIST="node1", SLURM_NTASKS=8, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=8,
-                   MEGAMEMO_ROOT=REPO, MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", **extra)
-    return subprocess.run(["bash", str(REPO / "launch/slurm/train.sbatch"), "--config", "x.yaml"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    env = fake_env(
+        bin_dir,
+        out,
+        FAKE_GPUS=gpus,
+        SLURM_JOB_ID=4242,
+        SLURM_JOB_NAME="megamemo",
+        SLURM_SUBMIT_DIR=out,
+        SLURM_JOB_NODELIST="node1",
+        SLURM_NTASKS=8,
+        SLURM_JOB_NUM_NODES=1,
+        SLURM_NTASKS_PER_NODE=8,
+        MEGAMEMO_ROOT=REPO,
+        MEGAMEMO_TRAIN_CMD="true",
+        MEGAMEMO_VENV=out / "no-venv",
+        **extra,
+    )
+    return subprocess.run(
+        ["bash", str(REPO / "launch/slurm/train.sbatch"), "--config", "x.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_sbatch_resets_an_inherited_cpu_accelerator_for_a_gpu_job(fakes):
     bin_dir, out = fakes
-    r = _sbatch(bin_dir, out, 8, DS_ACCELERATOR="cpu", SLURM_CPUS_PER_TASK=6)     # env.sh on a login node
+    r = _sbatch(bin_dir, out, 8, DS_ACCELERATOR="cpu", SLURM_CPUS_PER_TASK=6)  # env.sh on a login node
     assert r.returncode == 0, r.stdout + r.stderr
     step = recorded_env(out / "srun.env")
     assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
@@ -101,21 +130,28 @@ def test_sbatch_decides_from_what_torch_sees_without_nvidia_smi(fakes):
 
 
 # ---- auto on a node with GPUs that torch cannot use (issue 35, item 4): one error line, never the CPU ------------
-GPU_NODE = {"slurm-gpus-on-node": {"SLURM_GPUS_ON_NODE": 4}, "slurm-job-gpus": {"SLURM_JOB_GPUS": "0,1,2,3"},
-            "nvidia-smi": {"FAKE_GPUS": 4}, "device-files": {}}
+GPU_NODE = {
+    "slurm-gpus-on-node": {"SLURM_GPUS_ON_NODE": 4},
+    "slurm-job-gpus": {"SLURM_JOB_GPUS": "0,1,2,3"},
+    "nvidia-smi": {"FAKE_GPUS": 4},
+    "device-files": {},
+}
 
 
 def _launch(launcher: str, bin_dir: Path, out: Path, **extra) -> subprocess.CompletedProcess:
     """One of the three launchers, MEGAMEMO_DEVICE unset (auto), with recorders for what it would start."""
-    fake_binary(bin_dir, "mpirun",
-                      f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env')
+    fake_binary(
+        bin_dir, "mpirun", f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env'
+    )
     if launcher == "train.sbatch":
         return _sbatch(bin_dir, out, extra.pop("FAKE_GPUS", 0), **extra)
     script = {"local.sh": "launch/local.sh", "mpi/train.sh": "launch/mpi/train.sh"}[launcher]
-    env = _venv_env(bin_dir, out, MEGAMEMO_TRAIN_CMD=f"bash -c 'env > {out}/worker.env'", MPIRUN=bin_dir / "mpirun",
-                    **extra)
-    return subprocess.run(["bash", str(REPO / script), "2", "--config", "x.yaml"], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = _venv_env(
+        bin_dir, out, MEGAMEMO_TRAIN_CMD=f"bash -c 'env > {out}/worker.env'", MPIRUN=bin_dir / "mpirun", **extra
+    )
+    return subprocess.run(
+        ["bash", str(REPO / script), "2", "--config", "x.yaml"], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _started(out: Path) -> list[str]:
@@ -136,8 +172,12 @@ def test_auto_on_a_gpu_node_where_torch_sees_none_stops_in_one_line(fakes, launc
     said = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
     assert r.returncode == (1 if launcher == "train.sbatch" else 3), r.stdout + r.stderr
     assert len(said) == 1 and "MEGAMEMO_DEVICE=auto on a node with NVIDIA GPUs" in said[0], said
-    want = {"slurm-gpus-on-node": "SLURM_GPUS_ON_NODE=4", "slurm-job-gpus": "SLURM_JOB_GPUS=0,1,2,3",
-            "nvidia-smi": "nvidia-smi lists 4 GPU(s)", "device-files": "nvidia0 exists"}[evidence]
+    want = {
+        "slurm-gpus-on-node": "SLURM_GPUS_ON_NODE=4",
+        "slurm-job-gpus": "SLURM_JOB_GPUS=0,1,2,3",
+        "nvidia-smi": "nvidia-smi lists 4 GPU(s)",
+        "device-files": "nvidia0 exists",
+    }[evidence]
     assert want in said[0] and "torch sees no CUDA device" in said[0] and "MEGAMEMO_DEVICE=cpu" in said[0], said
     assert _started(out) == [], _started(out)
 
@@ -172,13 +212,27 @@ def test_gpu_presets_require_a_gpu(fakes, preset):
     """The GPU presets set MEGAMEMO_DEVICE=gpu: where torch sees no GPU (even with nvidia-smi listing 8) the job
     stops with one error line and no training step; where it sees them, the step is a GPU one."""
     bin_dir, out = fakes
-    env = dict(SLURM_JOB_ID=4242, SLURM_JOB_NAME="megamemo", SLURM_SUBMIT_DIR=out, SLURM_JOB_NODELIST="node1",
-               SLURM_NTASKS=8, SLURM_JOB_NUM_NODES=1, SLURM_NTASKS_PER_NODE=8, MEGAMEMO_ROOT=REPO,
-               MEGAMEMO_TRAIN_CMD="true", MEGAMEMO_VENV=out / "no-venv", FAKE_GPUS=8)
+    env = dict(
+        SLURM_JOB_ID=4242,
+        SLURM_JOB_NAME="megamemo",
+        SLURM_SUBMIT_DIR=out,
+        SLURM_JOB_NODELIST="node1",
+        SLURM_NTASKS=8,
+        SLURM_JOB_NUM_NODES=1,
+        SLURM_NTASKS_PER_NODE=8,
+        MEGAMEMO_ROOT=REPO,
+        MEGAMEMO_TRAIN_CMD="true",
+        MEGAMEMO_VENV=out / "no-venv",
+        FAKE_GPUS=8,
+    )
     for seen in (0, 8):
-        r = subprocess.run(["bash", str(REPO / "launch/slurm" / preset), "--config", "x.yaml"],
-                           env=fake_env(bin_dir, out, MEGAMEMO_GPU_PROBE=f"echo {seen}", **env), capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run(
+            ["bash", str(REPO / "launch/slurm" / preset), "--config", "x.yaml"],
+            env=fake_env(bin_dir, out, MEGAMEMO_GPU_PROBE=f"echo {seen}", **env),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if seen == 0:
             errors = [line for line in (r.stdout + r.stderr).splitlines() if "error" in line]
             assert r.returncode == 1 and len(errors) == 1 and "torch sees no CUDA device" in errors[0], r.stderr
@@ -203,27 +257,45 @@ def _venv_env(bin_dir, out, **extra):
 def test_local_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus(fakes):
     bin_dir, out = fakes
     cmd = f"bash -c 'env > {out}/worker.env'"
-    r = subprocess.run(["bash", str(REPO / "launch/local.sh"), "1", "--config", "x.yaml"],
-                       env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 2", DS_ACCELERATOR="cpu",
-                                     MEGAMEMO_TRAIN_CMD=cmd),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", str(REPO / "launch/local.sh"), "1", "--config", "x.yaml"],
+        env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 2", DS_ACCELERATOR="cpu", MEGAMEMO_TRAIN_CMD=cmd),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "1 process(es) on gpu" in r.stderr and "ignoring the inherited DS_ACCELERATOR=cpu" in r.stderr, r.stderr
     worker = recorded_env(out / "worker.env")
     assert (worker["DS_ACCELERATOR"], worker["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
-    r = subprocess.run(["bash", str(REPO / "launch/local.sh"), "1", "--config", "x.yaml"],
-                       env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 0", MEGAMEMO_DEVICE="gpu",
-                                     MEGAMEMO_TRAIN_CMD=cmd), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", str(REPO / "launch/local.sh"), "1", "--config", "x.yaml"],
+        env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 0", MEGAMEMO_DEVICE="gpu", MEGAMEMO_TRAIN_CMD=cmd),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 3 and "torch sees no CUDA device" in r.stderr, r.stderr
 
 
 def test_mpi_train_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus(fakes):
     bin_dir, out = fakes
-    fake_binary(bin_dir, "mpirun",
-                      f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env')
-    r = subprocess.run(["bash", str(REPO / "launch/mpi/train.sh"), "2", "--config", "x.yaml"],
-                       env=_venv_env(bin_dir, out, MEGAMEMO_GPU_PROBE="echo 2", DS_ACCELERATOR="cpu",
-                                     MEGAMEMO_TRAIN_CMD="true", MPIRUN=bin_dir / "mpirun"),
-                       capture_output=True, text=True, timeout=120)
+    fake_binary(
+        bin_dir, "mpirun", f'[ "$1" = --version ] && {{ echo "HYDRA build details"; exit 0; }}; env > {out}/mpirun.env'
+    )
+    r = subprocess.run(
+        ["bash", str(REPO / "launch/mpi/train.sh"), "2", "--config", "x.yaml"],
+        env=_venv_env(
+            bin_dir,
+            out,
+            MEGAMEMO_GPU_PROBE="echo 2",
+            DS_ACCELERATOR="cpu",
+            MEGAMEMO_TRAIN_CMD="true",
+            MPIRUN=bin_dir / "mpirun",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     step = recorded_env(out / "mpirun.env")
     assert (step["DS_ACCELERATOR"], step["MEGAMEMO_DEVICE"]) == ("cuda", "gpu")
@@ -233,21 +305,36 @@ def test_mpi_train_sh_ignores_an_inherited_cpu_accelerator_where_torch_sees_gpus
 @pytest.mark.parametrize("device", ["gpu", "cpu"])
 def test_task_sh_gives_the_container_the_gpus_of_a_gpu_job(fakes, runtime, flag, device):
     bin_dir, out = fakes
-    env = fake_env(bin_dir, out, MEGAMEMO_CONTAINER="megamemo.sif", MEGAMEMO_CONTAINER_RUNTIME=runtime,
-                   MEGAMEMO_DEVICE=device, MEGAMEMO_ROOT=REPO, SLURM_SUBMIT_DIR=out, SLURM_PROCID=0,
-                   DS_ACCELERATOR="cuda" if device == "gpu" else "cpu", CUDA_DEVICE_MAX_CONNECTIONS=1)
-    r = subprocess.run(["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"], env=env,
-                       capture_output=True, text=True, timeout=60, cwd=out)
+    env = fake_env(
+        bin_dir,
+        out,
+        MEGAMEMO_CONTAINER="megamemo.sif",
+        MEGAMEMO_CONTAINER_RUNTIME=runtime,
+        MEGAMEMO_DEVICE=device,
+        MEGAMEMO_ROOT=REPO,
+        SLURM_SUBMIT_DIR=out,
+        SLURM_PROCID=0,
+        DS_ACCELERATOR="cuda" if device == "gpu" else "cpu",
+        CUDA_DEVICE_MAX_CONNECTIONS=1,
+    )
+    r = subprocess.run(
+        ["bash", str(REPO / "launch/slurm/task.sh"), "--config", "x.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=out,
+    )
     assert r.returncode == 0, r.stderr
     args = (out / f"{runtime}.args").read_text().splitlines()
-    has = any(args[i:i + len(flag)] == flag for i in range(len(args)))
+    has = any(args[i : i + len(flag)] == flag for i in range(len(args)))
     assert has == (device == "gpu"), args
     if runtime == "docker":
         assert "CUDA_DEVICE_MAX_CONNECTIONS" in args and "DS_ACCELERATOR" in args
 
 
 # ---- scripts/setup.sh -------------------------------------------------------------------------------------------
-FAKE_PYTHON = r'''#!/bin/bash
+FAKE_PYTHON = r"""#!/bin/bash
 # A venv python that records pip's arguments and plays torch's install: the build depends on the index asked for.
 state="$FAKE_OUT/torch"
 if [ "$1" = -m ] && [ "$2" = pip ]; then
@@ -263,7 +350,7 @@ fi
 if [ "$1" = -m ] && [ "$2" = megamemo.export.lm_eval_plugin ]; then echo "$*" >> "$FAKE_OUT/hook.log"; exit 0; fi
 [ "$1" = -c ] && [ -f "$state" ] && { cat "$state"; exit 0; }
 exit 1
-'''
+"""
 
 
 def _setup(tmp_path, **extra) -> tuple[subprocess.CompletedProcess, Path]:
@@ -273,17 +360,26 @@ def _setup(tmp_path, **extra) -> tuple[subprocess.CompletedProcess, Path]:
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     (venv / "bin" / "python").write_text(FAKE_PYTHON)
     (venv / "bin" / "python").chmod(0o755)
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(out), "FAKE_OUT": str(out), "MEGAMEMO_VENV": str(venv),
-           **{k: str(v) for k, v in extra.items()}}
-    r = subprocess.run(["bash", str(REPO / "scripts/setup.sh")], env=env, capture_output=True, text=True,
-                       timeout=60)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(out),
+        "FAKE_OUT": str(out),
+        "MEGAMEMO_VENV": str(venv),
+        **{k: str(v) for k, v in extra.items()},
+    }
+    r = subprocess.run(["bash", str(REPO / "scripts/setup.sh")], env=env, capture_output=True, text=True, timeout=60)
     return r, out
 
 
-@pytest.mark.parametrize("target, index, build", [
-    (None, None, "2.13.0+cpu"), ("v100", "https://download.pytorch.org/whl/cu126", "2.13.0+cu126"),
-    ("a100", "https://download.pytorch.org/whl/cu126", "2.13.0+cu126"),
-    ("cu130", "https://download.pytorch.org/whl/cu130", "2.13.0+cu130")])
+@pytest.mark.parametrize(
+    "target, index, build",
+    [
+        (None, None, "2.13.0+cpu"),
+        ("v100", "https://download.pytorch.org/whl/cu126", "2.13.0+cu126"),
+        ("a100", "https://download.pytorch.org/whl/cu126", "2.13.0+cu126"),
+        ("cu130", "https://download.pytorch.org/whl/cu130", "2.13.0+cu130"),
+    ],
+)
 def test_setup_installs_the_targets_torch_first_then_holds_it(tmp_path, target, index, build):
     r, out = _setup(tmp_path, **({"MEGAMEMO_TARGET": target} if target else {}))
     assert r.returncode == 0, r.stderr
@@ -300,8 +396,12 @@ def test_setup_installs_the_targets_torch_first_then_holds_it(tmp_path, target, 
 def test_setup_fails_loudly_when_torch_is_replaced_or_the_wrong_build(tmp_path):
     r, _ = _setup(tmp_path, FAKE_REPLACE_TORCH="2.14.1 13.0")
     assert r.returncode == 2 and "changed torch from 2.13.0+cpu (CUDA None) to 2.14.1 (CUDA 13.0)" in r.stderr
-    r, _ = _setup(tmp_path, MEGAMEMO_TARGET="v100", MEGAMEMO_TORCH_INDEX="https://example.invalid/simple",
-                  FAKE_PIP_TORCH="2.13.0 13.0")
+    r, _ = _setup(
+        tmp_path,
+        MEGAMEMO_TARGET="v100",
+        MEGAMEMO_TORCH_INDEX="https://example.invalid/simple",
+        FAKE_PIP_TORCH="2.13.0 13.0",
+    )
     assert r.returncode == 2 and "wants a CUDA 12.6 build of torch" in r.stderr
     r, _ = _setup(tmp_path, MEGAMEMO_TORCH_SPEC="torch==2.5.1")
     assert r.returncode == 2 and "MEGAMEMO_TARGET" in r.stderr

@@ -2,6 +2,7 @@
 every runtime dependency of the package and of its s3, gcs, eval and parquet extras. Its run-time behaviour that
 can be played here is: DeepSpeed's JIT op builds find a writable TORCH_EXTENSIONS_DIR whichever user the container
 runs as (docker --user, apptainer), played as another UID with the image's environment."""
+
 import json
 import os
 import re
@@ -57,11 +58,11 @@ def test_dockerfile_pins_every_dependency_and_runs_as_non_root():
             version = args[version[2:-1]]
         pinned[name.lower().replace("_", "-")] = version
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]           # the image holds the s3, gcs, eval and parquet extras too
+    extras = project["optional-dependencies"]  # the image holds the s3, gcs, eval and parquet extras too
     deps = project["dependencies"] + extras["s3"] + extras["gcs"] + extras["eval"] + extras["parquet"]
     for dep in deps:
         name = re.match(r"[A-Za-z0-9_.\-]+", dep).group(0).lower().replace("_", "-")
-        if name in BROUGHT_BY_TORCH:        # pinned by the CUDA torch build itself; the image checks it imports
+        if name in BROUGHT_BY_TORCH:  # pinned by the CUDA torch build itself; the image checks it imports
             assert f"import {name}" in text, f"the Dockerfile never checks that {name} (with torch) imports"
             continue
         assert name in pinned, f"Dockerfile does not pin {name} (pyproject dependency or extra {dep!r})"
@@ -88,7 +89,7 @@ def test_base_image_cuda_is_the_cuda_of_torchs_wheel_index():
     assert index.group(1) == image.group(1) + image.group(2) == "126"
     assert "7.0" in args["TORCH_CUDA_ARCH_LIST"].strip('"').split(";")
     assert re.search(r'pip install --index-url "\$\{TORCH_INDEX\}" "torch==\$\{TORCH_VERSION\}"', text)
-    assert "DS_ACCELERATOR=cuda DS_BUILD_OPS=1" in text           # no GPU on a build host: DeepSpeed would pick CPU
+    assert "DS_ACCELERATOR=cuda DS_BUILD_OPS=1" in text  # no GPU on a build host: DeepSpeed would pick CPU
     installs = re.findall(r"pip install (?!--index-url|--no-deps)(.*)", text)
     assert installs and all(i.startswith("-c /opt/venv/torch-constraint.txt") for i in installs), installs
 
@@ -101,9 +102,9 @@ def test_pid_1_is_tini_from_the_distribution_which_reaps_zombies():
     installs = re.findall(r"apt-get install[^&]*", text)
     assert any(re.search(r"\btini\b", i) for i in installs), installs
     entry = re.findall(r"^ENTRYPOINT (.*)$", text, flags=re.M)
-    assert entry and json.loads(entry[-1]) == ["/usr/bin/tini", "-s", "--"], entry     # -s: a subreaper under --init
+    assert entry and json.loads(entry[-1]) == ["/usr/bin/tini", "-s", "--"], entry  # -s: a subreaper under --init
     cmd = re.findall(r"^CMD (.*)$", text, flags=re.M)
-    assert cmd and json.loads(cmd[-1])[0] == "megamemo"           # the command runs under tini, not instead of it
+    assert cmd and json.loads(cmd[-1])[0] == "megamemo"  # the command runs under tini, not instead of it
 
 
 # ---- TORCH_EXTENSIONS_DIR under --user and apptainer (issue 35, item 7) ------------------------------------------
@@ -117,7 +118,7 @@ with open(os.path.join(build, "probe.txt"), "w") as f:
     f.write("ok")
 print("BUILD", build)
 """
-OTHER_UID = 54321                           # a UID the image has no user (and no home) for
+OTHER_UID = 54321  # a UID the image has no user (and no home) for
 
 
 def _baked_extensions_dir() -> str | None:
@@ -149,9 +150,22 @@ def _as_other_user(world: Path, **env: str) -> tuple[Path, Path]:
     baked = _baked_extensions_dir()
     if baked:
         base["TORCH_EXTENSIONS_DIR"] = baked
-    r = subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable,
-                        str(script), str(world / "no-shards")], env={**base, **env}, capture_output=True,
-                       text=True, timeout=120, cwd=str(tmp))
+    r = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={OTHER_UID}",
+            f"--regid={OTHER_UID}",
+            "--clear-groups",
+            sys.executable,
+            str(script),
+            str(world / "no-shards"),
+        ],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp),
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     build = Path(r.stdout.split("BUILD ", 1)[1].strip())
     assert (build / "probe.txt").read_text() == "ok" and build.stat().st_uid == OTHER_UID

@@ -5,6 +5,7 @@ the last one included; never after exit 2 or the same step failing three times),
 reports down, drained or draining, one MEGAMEMO_NODE_CHECK fails on; none for a crash on a healthy node) and the
 restart inside the allocation on the healthy nodes (MEGAMEMO_SPARE_NODES). The real Slurm runs are in
 test_launch_train.py (a dev cluster, where one can be started)."""
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,13 @@ kill -USR1 "$(cat "$STUB_DIR/srun.pid")"
 def stubs(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("scancel", SCANCEL),
-                       ("nvidia-smi", "#!/bin/bash\nexit 1\n"), ("megamemo", "#!/bin/bash\nexit 0\n")):
+    for name, text in (
+        ("srun", SRUN),
+        ("scontrol", SCONTROL),
+        ("scancel", SCANCEL),
+        ("nvidia-smi", "#!/bin/bash\nexit 1\n"),
+        ("megamemo", "#!/bin/bash\nexit 0\n"),
+    ):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return tmp_path
@@ -81,18 +87,33 @@ def batch(stubs: Path, script: str, *args: str, usr1_after: float | None = None,
     for f in ("srun.args", "calls"):
         (stubs / f).unlink(missing_ok=True)
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEGAMEMO_", "DS_ACCELERATOR"))}
-    e.update(PATH=f"{stubs / 'bin'}:{e['PATH']}", STUB_DIR=str(stubs), STUB_COMMAND=str(SLURM / script),
-             SLURM_JOB_ID="4242", SLURM_JOB_NAME="t", SLURM_JOB_NODELIST="node1", SLURM_NTASKS="2",
-             SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(stubs), MEGAMEMO_VENV=str(stubs / "no-venv"))
+    e.update(
+        PATH=f"{stubs / 'bin'}:{e['PATH']}",
+        STUB_DIR=str(stubs),
+        STUB_COMMAND=str(SLURM / script),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="t",
+        SLURM_JOB_NODELIST="node1",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_SUBMIT_DIR=str(stubs),
+        MEGAMEMO_VENV=str(stubs / "no-venv"),
+    )
     e.update(env)
-    p = subprocess.Popen(["bash", str(SLURM / script), *args], env=e, cwd=stubs, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        ["bash", str(SLURM / script), *args],
+        env=e,
+        cwd=stubs,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if usr1_after is not None:
         deadline = time.time() + 30
         while not (stubs / "srun.pid").exists() and time.time() < deadline:
             time.sleep(0.02)
         time.sleep(usr1_after)
-        p.send_signal(signal.SIGUSR1)           # --signal=B:USR1@300: to the batch shell
+        p.send_signal(signal.SIGUSR1)  # --signal=B:USR1@300: to the batch shell
     out, _ = p.communicate(timeout=60)
     (stubs / "srun.pid").unlink(missing_ok=True)
     srun = (stubs / "srun.args").read_bytes().decode().split("\0")[:-1] if (stubs / "srun.args").exists() else None
@@ -103,25 +124,36 @@ def batch(stubs: Path, script: str, *args: str, usr1_after: float | None = None,
 def train_args(srun: list[str]) -> list[str]:
     """What task.sh (so `megamemo train`) gets: srun's arguments after `bash .../task.sh`."""
     i = srun.index(str(SLURM / "task.sh"))
-    return srun[i + 1:]
+    return srun[i + 1 :]
 
 
 def test_presets_set_their_precision_which_the_environment_and_the_arguments_override(stubs):
-    gpus = {"MEGAMEMO_GPU_PROBE": "echo 8"}     # the GPU presets require GPUs: torch's view, as launch/device.sh asks
+    gpus = {"MEGAMEMO_GPU_PROBE": "echo 8"}  # the GPU presets require GPUs: torch's view, as launch/device.sh asks
     rc, out, srun, _ = batch(stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r", **gpus)
     assert rc == 0, out
     assert train_args(srun) == ["--set", "precision.dtype=bf16", "--config", "c.yaml", "--run-dir", "r"]
-    rc, out, srun, _ = batch(stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r",
-                             MEGAMEMO_PRECISION="fp32", **gpus)
+    rc, out, srun, _ = batch(
+        stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r", MEGAMEMO_PRECISION="fp32", **gpus
+    )
     assert train_args(srun)[:2] == ["--set", "precision.dtype=fp32"]
     # a --set among the arguments comes after the preset's, so it wins (the config loader applies them in order)
-    rc, out, srun, _ = batch(stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r", "--set",
-                             "precision.dtype=fp32", **gpus)
-    assert train_args(srun) == ["--set", "precision.dtype=bf16", "--config", "c.yaml", "--run-dir", "r", "--set",
-                                "precision.dtype=fp32"]
+    rc, out, srun, _ = batch(
+        stubs, "a100-bf16.sbatch", "--config", "c.yaml", "--run-dir", "r", "--set", "precision.dtype=fp32", **gpus
+    )
+    assert train_args(srun) == [
+        "--set",
+        "precision.dtype=bf16",
+        "--config",
+        "c.yaml",
+        "--run-dir",
+        "r",
+        "--set",
+        "precision.dtype=fp32",
+    ]
     # a GPU preset on a node where torch sees no GPU: one error line, nothing started (issue 28)
-    rc, out, srun, _ = batch(stubs, "v100-fp16.sbatch", "--config", "c.yaml", "--run-dir", "r",
-                             MEGAMEMO_GPU_PROBE="echo 0")
+    rc, out, srun, _ = batch(
+        stubs, "v100-fp16.sbatch", "--config", "c.yaml", "--run-dir", "r", MEGAMEMO_GPU_PROBE="echo 0"
+    )
     assert rc != 0 and "torch sees no CUDA device" in out and srun is None, out
 
 
@@ -132,31 +164,48 @@ def test_a_bad_precision_is_refused_before_anything_starts(stubs):
 
 def test_arguments_with_spaces_reach_the_trainer_whole(stubs):
     run_dir = stubs / "my runs" / "first try"
-    rc, out, srun, _ = batch(stubs, "train.sbatch", "--config", "configs/a b.yaml", "--run-dir", str(run_dir),
-                             "--set", "log.note=two words")
+    rc, out, srun, _ = batch(
+        stubs, "train.sbatch", "--config", "configs/a b.yaml", "--run-dir", str(run_dir), "--set", "log.note=two words"
+    )
     assert rc == 0, out
-    assert train_args(srun) == ["--config", "configs/a b.yaml", "--run-dir", str(run_dir), "--set",
-                                "log.note=two words"]
+    assert train_args(srun) == [
+        "--config",
+        "configs/a b.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "log.note=two words",
+    ]
     # no --run-dir: one is made from the job's name and id under MEGAMEMO_RUN_ROOT (spaces kept)
     rc, out, srun, _ = batch(stubs, "train.sbatch", "--config", "c.yaml", MEGAMEMO_RUN_ROOT=str(stubs / "run root"))
     assert train_args(srun) == ["--config", "c.yaml", "--run-dir", str(stubs / "run root" / "t-4242")]
 
 
 def test_usr1_then_a_clean_save_requeues_up_to_the_cap(stubs):
-    rc, out, srun, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", usr1_after=0.3, STUB_SRUN_WAIT="1",
-                                 SLURM_RESTART_COUNT="3")
+    rc, out, srun, calls = batch(
+        stubs, "train.sbatch", "--config", "c.yaml", usr1_after=0.3, STUB_SRUN_WAIT="1", SLURM_RESTART_COUNT="3"
+    )
     assert rc == 0, out
     assert "scancel --signal=USR1 4242" in calls and "scontrol requeue 4242" in calls, (calls, out)
-    rc, out, srun, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", usr1_after=0.3, STUB_SRUN_WAIT="1",
-                                 SLURM_RESTART_COUNT="3", MEGAMEMO_MAX_REQUEUES="3")
+    rc, out, srun, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        usr1_after=0.3,
+        STUB_SRUN_WAIT="1",
+        SLURM_RESTART_COUNT="3",
+        MEGAMEMO_MAX_REQUEUES="3",
+    )
     assert rc == 0 and "3 restarts already (MEGAMEMO_MAX_REQUEUES): not requeueing" in out, out
     assert "scancel --signal=USR1 4242" in calls and not any("requeue" in c for c in calls), calls
 
 
 def test_no_requeue_after_a_failure(stubs):
     # the step failed after the USR1 (no checkpoint was saved): its exit code, no requeue
-    rc, out, srun, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", usr1_after=0.3, STUB_SRUN_WAIT="1",
-                                 STUB_SRUN_RC_AFTER_USR1="2")
+    rc, out, srun, calls = batch(
+        stubs, "train.sbatch", "--config", "c.yaml", usr1_after=0.3, STUB_SRUN_WAIT="1", STUB_SRUN_RC_AFTER_USR1="2"
+    )
     assert rc == 2 and "not requeueing" in out, out
     assert not any("requeue" in c for c in calls), calls
     # the step failed on its own (bad config, say): its exit code, no requeue
@@ -166,8 +215,13 @@ def test_no_requeue_after_a_failure(stubs):
 
 
 # ---- failures: requeue, node exclusion, spares ------------------------------------------------------------------
-TWO_NODES = {"SLURM_JOB_NODELIST": "node[1-2]", "STUB_HOSTNAMES": "node1 node2", "SLURM_NTASKS": "2",
-             "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "1"}
+TWO_NODES = {
+    "SLURM_JOB_NODELIST": "node[1-2]",
+    "STUB_HOSTNAMES": "node1 node2",
+    "SLURM_NTASKS": "2",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NTASKS_PER_NODE": "1",
+}
 
 
 def run_dir_at_step(stubs: Path, step: int = 7, committed: int = 6, past: list[int] = ()) -> Path:
@@ -176,10 +230,12 @@ def run_dir_at_step(stubs: Path, step: int = 7, committed: int = 6, past: list[i
     d = stubs / "run"
     (d / "checkpoints" / f"step_{committed:08d}").mkdir(parents=True)
     (d / "checkpoints" / f"step_{committed:08d}" / "COMMITTED").write_text("{}")
-    (d / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "time": 1.7e9 + s}) + "\n"
-                                             for s in range(1, step + 1)))
-    (d / "interruptions.jsonl").write_text("".join(json.dumps({"kind": "crash", "step": s, "time": 1.7e9})
-                                                   + "\n" for s in past))
+    (d / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "step": s, "time": 1.7e9 + s}) + "\n" for s in range(1, step + 1))
+    )
+    (d / "interruptions.jsonl").write_text(
+        "".join(json.dumps({"kind": "crash", "step": s, "time": 1.7e9}) + "\n" for s in past)
+    )
     return d
 
 
@@ -189,30 +245,63 @@ def records(run_dir: Path) -> list[dict]:
 
 def test_a_crash_on_a_healthy_node_requeues_at_once_excluding_nothing(stubs):
     run_dir = run_dir_at_step(stubs)
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
-                              STUB_RUN_DIR=str(run_dir), MEGAMEMO_NODE_CHECK="true", **TWO_NODES)
+    rc, out, _, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_SRUN_RCS="137:1:node2",
+        STUB_RUN_DIR=str(run_dir),
+        MEGAMEMO_NODE_CHECK="true",
+        **TWO_NODES,
+    )
     assert rc == 0, out
-    assert "training failed (failure 1 of this job): crash of rank 1 on node2 (signal SIGKILL) after step 7 (last " \
-           "committed: 6;" in out, out
-    assert "rank 1's node node2 is healthy (Slurm: IDLE, MEGAMEMO_NODE_CHECK passed): requeueing job 4242, excluding " \
-           "no node" in out, out
+    assert (
+        "training failed (failure 1 of this job): crash of rank 1 on node2 (signal SIGKILL) after step 7 (last "
+        "committed: 6;" in out
+    ), out
+    assert (
+        "rank 1's node node2 is healthy (Slurm: IDLE, MEGAMEMO_NODE_CHECK passed): requeueing job 4242, excluding "
+        "no node" in out
+    ), out
     assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now"], calls
     [rec] = records(run_dir)
-    assert (rec["kind"], rec["rank"], rec["node"], rec["signal"], rec["launcher"], rec["job"]) == \
-        ("crash", 1, "node2", "SIGKILL", "slurm", "4242")
-    assert "--nodelist=node2" in (stubs / "srun.log").read_text()         # the check ran on the failed rank's node
+    assert (rec["kind"], rec["rank"], rec["node"], rec["signal"], rec["launcher"], rec["job"]) == (
+        "crash",
+        1,
+        "node2",
+        "SIGKILL",
+        "slurm",
+        "4242",
+    )
+    assert "--nodelist=node2" in (stubs / "srun.log").read_text()  # the check ran on the failed rank's node
 
 
 @pytest.mark.parametrize("why", ["down", "draining", "check"])
 def test_a_node_at_fault_is_excluded_before_the_requeue(stubs, why):
     run_dir = run_dir_at_step(stubs)
-    env = {"down": {"STUB_DOWN": "node2"}, "draining": {"STUB_DRAINING": "node2"},
-           "check": {"MEGAMEMO_NODE_CHECK": '[ "$SLURMD_NODENAME" != node2 ]'}}[why]
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
-                              STUB_RUN_DIR=str(run_dir), STUB_EXCLUDED="node7", **env, **TWO_NODES)
+    env = {
+        "down": {"STUB_DOWN": "node2"},
+        "draining": {"STUB_DRAINING": "node2"},
+        "check": {"MEGAMEMO_NODE_CHECK": '[ "$SLURMD_NODENAME" != node2 ]'},
+    }[why]
+    rc, out, _, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_SRUN_RCS="137:1:node2",
+        STUB_RUN_DIR=str(run_dir),
+        STUB_EXCLUDED="node7",
+        **env,
+        **TWO_NODES,
+    )
     assert rc == 0, out
-    reason = {"down": "Slurm reports it DOWN+NOT_RESPONDING", "draining": "Slurm reports it MIXED+DRAIN",
-              "check": "MEGAMEMO_NODE_CHECK failed there"}[why]
+    reason = {
+        "down": "Slurm reports it DOWN+NOT_RESPONDING",
+        "draining": "Slurm reports it MIXED+DRAIN",
+        "check": "MEGAMEMO_NODE_CHECK failed there",
+    }[why]
     assert f"node(s) at fault: node2: {reason}" in out and "requeueing job 4242 with node2 excluded" in out, out
     assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now ExcNodeList=node7,node2"]
     [rec] = records(run_dir)
@@ -223,9 +312,22 @@ def test_drained_draining_down_failed_and_unresponsive_nodes_are_at_fault_busy_o
     """failure.sh's reading of `scontrol show node`'s State: a drained node is IDLE+DRAIN (DOWN+DRAIN), a draining
     one MIXED+DRAIN or ALLOCATED+DRAIN (sinfo's "drained" / "draining"), one not responding carries a '*' or
     NOT_RESPONDING; a node busy with other jobs or finishing one is healthy."""
-    bad = ["DOWN", "DOWN+NOT_RESPONDING", "IDLE+DRAIN", "DOWN+DRAIN", "MIXED+DRAIN", "ALLOCATED+DRAIN",
-           "DRAINED", "DRAINING", "FAIL", "MIXED+FAIL", "ALLOCATED+FAILING", "IDLE*", "IDLE+NOT_RESPONDING",
-           "IDLE+POWERED_DOWN"]
+    bad = [
+        "DOWN",
+        "DOWN+NOT_RESPONDING",
+        "IDLE+DRAIN",
+        "DOWN+DRAIN",
+        "MIXED+DRAIN",
+        "ALLOCATED+DRAIN",
+        "DRAINED",
+        "DRAINING",
+        "FAIL",
+        "MIXED+FAIL",
+        "ALLOCATED+FAILING",
+        "IDLE*",
+        "IDLE+NOT_RESPONDING",
+        "IDLE+POWERED_DOWN",
+    ]
     good = ["IDLE", "MIXED", "ALLOCATED", "COMPLETING", "ALLOCATED+COMPLETING", "IDLE+RESERVED", "MIXED+PLANNED"]
     script = f'source "{SLURM / "failure.sh"}"; for s in "$@"; do megamemo_bad_state "$s" && echo "$s"; done; true'
     out = subprocess.run(["bash", "-c", script, "bash", *bad, *good], capture_output=True, text=True, check=True)
@@ -234,37 +336,66 @@ def test_drained_draining_down_failed_and_unresponsive_nodes_are_at_fault_busy_o
 
 def test_spare_nodes_restart_inside_the_allocation_without_the_node_at_fault(stubs):
     run_dir = run_dir_at_step(stubs)
-    rc, out, srun, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2 0",
-                                 STUB_RUN_DIR=str(run_dir), STUB_DOWN="node2", MEGAMEMO_SPARE_NODES="1", **TWO_NODES)
+    rc, out, srun, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_SRUN_RCS="137:1:node2 0",
+        STUB_RUN_DIR=str(run_dir),
+        STUB_DOWN="node2",
+        MEGAMEMO_SPARE_NODES="1",
+        **TWO_NODES,
+    )
     assert rc == 0, out
     assert "restarting inside the allocation on node1 (1 of MEGAMEMO_SPARE_NODES=1 spare nodes used)" in out, out
     assert not any("requeue" in c or "update" in c for c in calls), calls
     i = srun.index("bash")
-    assert srun[i - 3:i] == ["--nodes=1", "--ntasks=1", "--nodelist=node1"], srun   # the second start: one node
+    assert srun[i - 3 : i] == ["--nodes=1", "--ntasks=1", "--nodelist=node1"], srun  # the second start: one node
     steps = [x for x in (stubs / "srun.log").read_text().splitlines() if "task.sh" in x]
     assert [x.rsplit(" ", 1)[1] for x in steps] == ["MEGAMEMO_RESTART=0", "MEGAMEMO_RESTART=1"], steps
     job = (stubs / "logs" / "slurm" / "t-4242" / "job.txt").read_text()
-    assert re.findall(r"^start .* restart=(\d+) nodes=(\S+) ntasks=(\d+)", job, flags=re.M) == \
-        [("0", "node1,node2", "2"), ("1", "node1", "1")], job
+    assert re.findall(r"^start .* restart=(\d+) nodes=(\S+) ntasks=(\d+)", job, flags=re.M) == [
+        ("0", "node1,node2", "2"),
+        ("1", "node1", "1"),
+    ], job
     # no spare left (or none allowed): requeued with the node excluded instead
     (stubs / "srun.n").unlink()
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2 0",
-                              STUB_RUN_DIR=str(run_dir), STUB_DOWN="node2", **TWO_NODES)
+    rc, out, _, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_SRUN_RCS="137:1:node2 0",
+        STUB_RUN_DIR=str(run_dir),
+        STUB_DOWN="node2",
+        **TWO_NODES,
+    )
     assert rc == 0 and calls[-1] == "scontrol update JobId=4242 StartTime=now ExcNodeList=node2", (out, calls)
 
 
 def test_no_restart_past_the_failure_cap_nor_after_the_same_step_three_times(stubs):
     run_dir = run_dir_at_step(stubs, past=[7, 7])
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="1:0:node1",
-                              STUB_RUN_DIR=str(run_dir), **TWO_NODES)
+    rc, out, _, calls = batch(
+        stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="1:0:node1", STUB_RUN_DIR=str(run_dir), **TWO_NODES
+    )
     assert rc == 1 and "not restarting: failed 3 times in a row after step 7: a deterministic failure" in out, out
     assert not any("requeue" in c for c in calls), calls
     logdir = stubs / "logs" / "slurm" / "t-4242"
-    (logdir / "job.txt").write_text("end x restart=0 rc=137 usr1=0\nend x restart=1 rc=0 usr1=1\n"
-                                    "end x restart=2 rc=1 usr1=0\n")       # 2 failures and a preemption before
+    (logdir / "job.txt").write_text(
+        "end x restart=0 rc=137 usr1=0\nend x restart=1 rc=0 usr1=1\nend x restart=2 rc=1 usr1=0\n"
+    )  # 2 failures and a preemption before
     (stubs / "srun.n").unlink()
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
-                              STUB_RUN_DIR=str(run_dir_at_step(stubs / "b")), MEGAMEMO_MAX_FAILURES="2", **TWO_NODES)
+    rc, out, _, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_SRUN_RCS="137:1:node2",
+        STUB_RUN_DIR=str(run_dir_at_step(stubs / "b")),
+        MEGAMEMO_MAX_FAILURES="2",
+        **TWO_NODES,
+    )
     assert rc == 137 and "not restarting: 3 failures (MEGAMEMO_MAX_FAILURES=2)" in out, out
     assert not any("requeue" in c for c in calls), calls
 
@@ -275,9 +406,17 @@ def test_a_failure_at_the_failure_cap_is_still_requeued(stubs):
     logdir = stubs / "logs" / "slurm" / "t-4242"
     logdir.mkdir(parents=True)
     (logdir / "job.txt").write_text("end x restart=0 rc=137 usr1=0\nend x restart=1 rc=0 usr1=1\n")
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="137:1:node2",
-                              STUB_RUN_DIR=str(run_dir_at_step(stubs)), MEGAMEMO_MAX_FAILURES="2",
-                              SLURM_RESTART_COUNT="2", **TWO_NODES)
+    rc, out, _, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_SRUN_RCS="137:1:node2",
+        STUB_RUN_DIR=str(run_dir_at_step(stubs)),
+        MEGAMEMO_MAX_FAILURES="2",
+        SLURM_RESTART_COUNT="2",
+        **TWO_NODES,
+    )
     assert rc == 0 and "training failed (failure 2 of this job)" in out and "not restarting" not in out, out
     assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now"], calls
 
@@ -290,13 +429,26 @@ def test_a_start_that_died_with_its_node_is_recorded_by_the_next(stubs):
     logdir.mkdir(parents=True)
     (logdir / "job.txt").write_text("start 2030-01-01T10:00:00+00:00 restart=0 nodes=node1,node2 ntasks=2\n")
     (logdir / ".run-dir").write_text(f"{run_dir}\n")
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_RUN_DIR=str(run_dir),
-                              SLURM_RESTART_COUNT="1", MEGAMEMO_MAX_FAILURES="0", STUB_SRUN_RCS="1:0:node1",
-                              **TWO_NODES)
+    rc, out, _, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_RUN_DIR=str(run_dir),
+        SLURM_RESTART_COUNT="1",
+        MEGAMEMO_MAX_FAILURES="0",
+        STUB_SRUN_RCS="1:0:node1",
+        **TWO_NODES,
+    )
     assert "start 0 of job 4242 ended without its batch script (its node lost?)" in out, out
     [lost, crash] = records(run_dir)
-    assert (lost["kind"], lost["restart"], lost["started"], lost["step"], lost["committed"]) == \
-        ("node", 0, 1893492000.0, 7, 6), lost
+    assert (lost["kind"], lost["restart"], lost["started"], lost["step"], lost["committed"]) == (
+        "node",
+        0,
+        1893492000.0,
+        7,
+        6,
+    ), lost
     assert "ended without its batch script" in lost["node_fault"]
     assert crash["restart"] == 1 and rc == 1 and "not restarting: 2 failures (MEGAMEMO_MAX_FAILURES=0)" in out, out
 
@@ -307,8 +459,9 @@ def _replica_suspect(run_dir: Path, rank: int = 1, node: str = "node2") -> None:
     beats.mkdir()
     note = {"suspects": [{"rank": rank, "node": node}], "step": 7, "line": "replica check after step 7: ..."}
     for r in range(2):
-        (beats / f"rank{r}.json").write_text(json.dumps({"rank": r, "node": f"node{r + 1}", "beat": time.time() + 600,
-                                                         "step": 7, "replicas": note}))
+        (beats / f"rank{r}.json").write_text(
+            json.dumps({"rank": r, "node": f"node{r + 1}", "beat": time.time() + 600, "step": 7, "replicas": note})
+        )
 
 
 def _fake_replay(stubs: Path, verdict: str) -> str:
@@ -324,17 +477,26 @@ def test_a_node_suspect_stop_excludes_the_node_of_the_rank_the_replica_check_nam
     fault: requeued without it, or, with a spare node, restarted inside the allocation on the other one."""
     run_dir = run_dir_at_step(stubs)
     _replica_suspect(run_dir)
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="5:1:node2",
-                              STUB_RUN_DIR=str(run_dir), **TWO_NODES)
+    rc, out, _, calls = batch(
+        stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="5:1:node2", STUB_RUN_DIR=str(run_dir), **TWO_NODES
+    )
     assert rc == 0, out
     assert "node(s) at fault: node2: replica mismatch (exit 5); requeueing job 4242 with node2 excluded" in out, out
     assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now ExcNodeList=node2"]
     [rec] = records(run_dir)
     assert (rec["kind"], rec["rank"], rec["node"], rec["exit_code"]) == ("node", 1, "node2", 5), rec
-    assert "replay" not in rec                                          # opt-in
+    assert "replay" not in rec  # opt-in
     (stubs / "srun.n").unlink()
-    rc, out, srun, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="5:1:node2 0",
-                                 STUB_RUN_DIR=str(run_dir), MEGAMEMO_SPARE_NODES="1", **TWO_NODES)
+    rc, out, srun, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_SRUN_RCS="5:1:node2 0",
+        STUB_RUN_DIR=str(run_dir),
+        MEGAMEMO_SPARE_NODES="1",
+        **TWO_NODES,
+    )
     assert rc == 0 and "restarting inside the allocation on node1" in out, out
     assert not any("requeue" in c for c in calls) and "--nodelist=node1" in srun, (calls, srun)
 
@@ -343,15 +505,33 @@ def test_a_node_suspect_stop_excludes_the_node_of_the_rank_the_replica_check_nam
 def test_a_node_suspect_stop_is_replayed_first_when_asked_and_decided_by_the_verdict(stubs, verdict):
     run_dir = run_dir_at_step(stubs)
     _replica_suspect(run_dir)
-    rc, out, _, calls = batch(stubs, "train.sbatch", "--config", "c.yaml", STUB_SRUN_RCS="5:1:node2",
-                              STUB_RUN_DIR=str(run_dir), MEGAMEMO_REPLAY_SUSPECT="1",
-                              MEGAMEMO_REPLAY_CMD=_fake_replay(stubs, verdict), **TWO_NODES)
+    rc, out, _, calls = batch(
+        stubs,
+        "train.sbatch",
+        "--config",
+        "c.yaml",
+        STUB_SRUN_RCS="5:1:node2",
+        STUB_RUN_DIR=str(run_dir),
+        MEGAMEMO_REPLAY_SUSPECT="1",
+        MEGAMEMO_REPLAY_CMD=_fake_replay(stubs, verdict),
+        **TWO_NODES,
+    )
     assert rc == 0, out
-    assert (stubs / "replay.args").read_text().split() == ["--ckpt", str(run_dir), "--step", "7", "--dp", "1",
-                                                           "--tp", "1", "--pp", "1"]
+    assert (stubs / "replay.args").read_text().split() == [
+        "--ckpt",
+        str(run_dir),
+        "--step",
+        "7",
+        "--dp",
+        "1",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+    ]
     [rec] = records(run_dir)
     assert rec["kind"] == "node" and rec["replay"]["verdict"] == verdict, rec
-    if "identical" in verdict:                  # the recorded steps reproduce: no node excluded
+    if "identical" in verdict:  # the recorded steps reproduce: no node excluded
         assert rec["replay"]["decision"] == "resume"
         assert "replay of step 7: replay: identical: not the device's computation; excluding none of node2" in out
         assert calls[-2:] == ["scontrol requeue 4242", "scontrol update JobId=4242 StartTime=now"], calls

@@ -6,6 +6,7 @@ node is killed with -9 requeues itself too (excluding no node: node2 is healthy)
 
 The dev cluster installs slurm-wlm and munge with apt-get when they are missing (CI runs as root on a fresh
 Debian machine); the Slurm tests skip only when that install is impossible."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ from helpers.env import cpu_env
 
 from megamemo.checkpoint.store import newest_complete
 
-pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+pytestmark = (
+    pytest.mark.multiproc
+)  # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
@@ -35,8 +38,9 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 def _env() -> dict:
     """cpu_env without the Slurm configuration of the shell (the dev cluster's is set by its tests), DeepSpeed's
     compiled extensions cached in the repository."""
-    return cpu_env("SLURM_CONF", TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                                     REPO / ".cache" / "torch_extensions"))
+    return cpu_env(
+        "SLURM_CONF", TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", REPO / ".cache" / "torch_extensions")
+    )
 
 
 def _tail(text: str, n: int = 4000) -> str:
@@ -44,8 +48,20 @@ def _tail(text: str, n: int = 4000) -> str:
 
 
 def train_args(shards: Path, run_dir: Path) -> list[str]:
-    return ["--config", str(CONFIG), "--data", str(shards), "--run-dir", str(run_dir), "--max-steps", str(STEPS),
-            "--save-every", "0", "--set", "eval.every=0"]
+    return [
+        "--config",
+        str(CONFIG),
+        "--data",
+        str(shards),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        str(STEPS),
+        "--save-every",
+        "0",
+        "--set",
+        "eval.every=0",
+    ]
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
@@ -61,11 +77,16 @@ def read_losses(run_dir: Path) -> dict[int, float]:
 def local_losses(shards, tmp_path_factory) -> dict[int, float]:
     """The reference: launch/local.sh with 2 processes (torchrun, gloo)."""
     run_dir = tmp_path_factory.mktemp("launch-local") / "run"
-    r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", *train_args(shards, run_dir)], env=_env(),
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        ["bash", str(REPO / "launch" / "local.sh"), "2", *train_args(shards, run_dir)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, _tail(out)
-    assert "world 2 (env)" in out, _tail(out)            # two torchrun ranks, not one process
+    assert "world 2 (env)" in out, _tail(out)  # two torchrun ranks, not one process
     losses = read_losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
@@ -116,8 +137,9 @@ def _free_port_block(n: int = 3) -> int:
 
 
 def _slurm_installed() -> bool:
-    return all(Path(p).exists() for p in ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged",
-                                          "/usr/bin/sbatch"))
+    return all(
+        Path(p).exists() for p in ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/sbatch")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +162,16 @@ def slurm(tmp_path_factory):
 
 
 def _submit(cluster: Cluster, submit_dir: Path, args: list[str]) -> str:
-    r = cluster.run("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--time=00:15:00", TRAIN_SBATCH,
-                    *args, cwd=submit_dir)
+    r = cluster.run(
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--time=00:15:00",
+        TRAIN_SBATCH,
+        *args,
+        cwd=submit_dir,
+    )
     return r.stdout.strip().split(";")[0]
 
 
@@ -161,7 +191,7 @@ def test_sbatch_two_nodes_matches_local(slurm, shards, local_losses, tmp_path):
     assert info["NodeList"] == "node[1-2]" and info["NumTasks"] == "2", info
     rank_logs = sorted(p.name for p in (tmp_path / "logs" / "slurm").glob(f"*-{job_id}/rank*.log"))
     assert rank_logs == ["rank0.log", "rank1.log"], logs
-    assert "world 2 (slurm)" in logs, logs                 # ranks mapped from SLURM_* across the two nodes
+    assert "world 2 (slurm)" in logs, logs  # ranks mapped from SLURM_* across the two nodes
     assert read_losses(run_dir) == local_losses
 
 
@@ -176,7 +206,9 @@ def test_usr1_saves_requeues_resumes_with_same_losses(slurm, shards, local_losse
     t0 = time.time()
     while True:
         state = slurm.job(job_id).get("JobState")
-        assert state not in FINAL_STATES, f"job ended before it could be signalled\n{_job_logs(slurm, tmp_path, job_id)}"
+        assert state not in FINAL_STATES, (
+            f"job ended before it could be signalled\n{_job_logs(slurm, tmp_path, job_id)}"
+        )
         assert time.time() - t0 < 300, f"job not running / no steps after 300 s\n{_job_logs(slurm, tmp_path, job_id)}"
         # The batch script writes job.txt once its USR1 trap is set, before it starts the step.
         if when == "start-up" and list((tmp_path / "logs" / "slurm").glob(f"*-{job_id}/job.txt")):
@@ -211,25 +243,32 @@ def _rank_pid(job_id: str, rank: int) -> int | None:
             cmd = (p / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"SLURM_JOB_ID={job_id}".encode() in env and f"SLURM_PROCID={rank}".encode() in env and \
-                b"train" in cmd and not any(c.endswith(b"task.sh") for c in cmd):
+        if (
+            f"SLURM_JOB_ID={job_id}".encode() in env
+            and f"SLURM_PROCID={rank}".encode() in env
+            and b"train" in cmd
+            and not any(c.endswith(b"task.sh") for c in cmd)
+        ):
             return int(p.name)
     return None
 
 
-def test_a_killed_rank_on_the_second_node_requeues_the_job_which_finishes_bit_exact(slurm, shards, local_losses,
-                                                                                     tmp_path):
+def test_a_killed_rank_on_the_second_node_requeues_the_job_which_finishes_bit_exact(
+    slurm, shards, local_losses, tmp_path
+):
     """kill -9 of rank 1 (node2) mid-run: train.sbatch records the crash, finds node2 healthy, requeues the job
     (excluding nothing, released at once) and the requeued job resumes from the step-10 checkpoint and ends with the
     losses of the uninterrupted run (launch/local.sh), bit for bit."""
     run_dir = tmp_path / "run"
-    job_id = _submit(slurm, tmp_path, train_args(shards, run_dir) + ["--save-every", "10", "--set",
-                                                                     "checkpoint.probe=false"])
+    job_id = _submit(
+        slurm, tmp_path, train_args(shards, run_dir) + ["--save-every", "10", "--set", "checkpoint.probe=false"]
+    )
     metrics = run_dir / "metrics.jsonl"
     t0 = time.time()
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 14):
-        assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, \
-            _job_logs(slurm, tmp_path, job_id)
+        assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, _job_logs(
+            slurm, tmp_path, job_id
+        )
         time.sleep(0.05)
     pid = _rank_pid(job_id, 1)
     assert pid is not None, _job_logs(slurm, tmp_path, job_id)
@@ -239,8 +278,9 @@ def test_a_killed_rank_on_the_second_node_requeues_the_job_which_finishes_bit_ex
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", f"{info}\n{logs}"
     assert info.get("ExcNodeList") in ("(null)", ""), info
     recs = [json.loads(x) for x in (run_dir / "interruptions.jsonl").read_text().splitlines()]
-    assert [(r["kind"], r["rank"], r["node"], r["signal"], r["launcher"], r["job"]) for r in recs] == \
-        [("crash", 1, "node2", "SIGKILL", "slurm", job_id)], recs
+    assert [(r["kind"], r["rank"], r["node"], r["signal"], r["launcher"], r["job"]) for r in recs] == [
+        ("crash", 1, "node2", "SIGKILL", "slurm", job_id)
+    ], recs
     assert "rank 1's node node2 is healthy (Slurm: " in logs and "excluding no node" in logs, logs
     assert read_losses(run_dir) == local_losses
 
@@ -252,16 +292,23 @@ def test_a_spare_node_takes_over_inside_the_allocation_under_a_smaller_world(slu
     run_dir = tmp_path / "run"
     monkeypatch.setitem(slurm.env, "MEGAMEMO_SPARE_NODES", "1")
     monkeypatch.setitem(slurm.env, "MEGAMEMO_NODE_CHECK", '[ "$SLURMD_NODENAME" != node2 ]')
-    job_id = _submit(slurm, tmp_path, train_args(shards, run_dir) + ["--max-steps", "24", "--save-every", "4",
-                                                                     "--set", "checkpoint.probe=false"])
+    job_id = _submit(
+        slurm,
+        tmp_path,
+        train_args(shards, run_dir) + ["--max-steps", "24", "--save-every", "4", "--set", "checkpoint.probe=false"],
+    )
     metrics = run_dir / "metrics.jsonl"
     t0 = time.time()
     # step 7 logged and the step-4 checkpoint committed (saves are asynchronous: under load the kill could otherwise
     # come before the commit, and the fault would record none)
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 7
-               and newest_complete(run_dir / "checkpoints") is not None):
-        assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, \
-            _job_logs(slurm, tmp_path, job_id)
+    while not (
+        metrics.exists()
+        and len(metrics.read_text().splitlines()) >= 7
+        and newest_complete(run_dir / "checkpoints") is not None
+    ):
+        assert slurm.job(job_id).get("JobState") not in FINAL_STATES and time.time() - t0 < 300, _job_logs(
+            slurm, tmp_path, job_id
+        )
         time.sleep(0.05)
     pid = _rank_pid(job_id, 1)
     assert pid is not None, _job_logs(slurm, tmp_path, job_id)
@@ -279,7 +326,7 @@ def test_a_spare_node_takes_over_inside_the_allocation_under_a_smaller_world(slu
 
 def test_dev_cluster_start_is_idempotent_and_stop_leaves_nothing(slurm):
     pids = [int(line.split()[1]) for line in (slurm.dir / "pids").read_text().splitlines()]
-    assert len(pids) == 4                                   # munged, slurmctld, two slurmd
+    assert len(pids) == 4  # munged, slurmctld, two slurmd
     r = slurm.run("bash", DEV_CLUSTER, "start")
     assert "already running" in r.stderr
     assert [int(line.split()[1]) for line in (slurm.dir / "pids").read_text().splitlines()] == pids
@@ -295,18 +342,28 @@ def test_dev_cluster_start_is_idempotent_and_stop_leaves_nothing(slurm):
 # ---------------------------------------------------------------------------------------------- mpirun, local.sh
 def test_mpirun_two_ranks_matches_local(shards, local_losses, tmp_path):
     run_dir = tmp_path / "run"
-    r = subprocess.run(["bash", str(REPO / "launch" / "mpi" / "train.sh"), "2", *train_args(shards, run_dir)],
-                       env=_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        ["bash", str(REPO / "launch" / "mpi" / "train.sh"), "2", *train_args(shards, run_dir)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, _tail(out)
-    assert "world 2 (mpi)" in out, _tail(out)               # ranks from the MPI launcher / mpi4py
+    assert "world 2 (mpi)" in out, _tail(out)  # ranks from the MPI launcher / mpi4py
     assert read_losses(run_dir) == local_losses
 
 
 def test_local_sh_fails_clearly_without_megamemo(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MEGAMEMO_VENV": str(tmp_path / "no-venv")}
-    r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", "--config", str(CONFIG)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", str(REPO / "launch" / "local.sh"), "2", "--config", str(CONFIG)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "megamemo" in r.stderr and "not installed" in r.stderr, r.stderr
     r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "zero"], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "positive integer" in r.stderr, r.stderr

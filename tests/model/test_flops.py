@@ -16,6 +16,7 @@ At these tiny sizes that leaves the analytic count 0.5-1.6% above torch's (r_net
 the batch, so the gap shrinks as B grows): TOLERANCE below. With both corrections the counts agree exactly,
 which checks every term (a term dropped or doubled moves the count by far more than rounding).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megamemo.model import MemTransformerLM, ModelConfig
 from megamemo.model.flops import flops_per_token, forward_flops, step_flops
 
-TOLERANCE = 0.02   # analytic / torch - 1, from the two differences above (0.5-1.6% at these sizes)
+TOLERANCE = 0.02  # analytic / torch - 1, from the two differences above (0.5-1.6% at these sizes)
 
 
 def torch_count(cfg: ModelConfig, B: int, segments_before: int = 4) -> tuple[int, torch.Tensor]:
@@ -35,7 +36,7 @@ def torch_count(cfg: ModelConfig, B: int, segments_before: int = 4) -> tuple[int
     model = MemTransformerLM(cfg).train()
     mem = None
     gen = torch.Generator().manual_seed(1)
-    for _ in range(segments_before):                 # fill the memory (M may exceed L)
+    for _ in range(segments_before):  # fill the memory (M may exceed L)
         x = torch.randint(0, cfg.n_token, (cfg.tgt_len + 1, B), generator=gen)
         with torch.no_grad():
             _, mem = model(x[:-1], x[1:], mem)
@@ -56,35 +57,48 @@ def known_differences(cfg: ModelConfig, B: int) -> int:
         return cfg.n_layer * (-2 * klen * d * H + 3 * 2 * L * H * B)
     lookahead = cfg.variant != "lamemo_no_lookahead"
     per_layer = -2 * (klen + M) * d * H + 3 * 2 * L * H * B + (3 * 2 * M * H * B if lookahead else 0)
-    top_skips_lookahead = lookahead and M <= L      # the top layer's look-ahead is not run at all
+    top_skips_lookahead = lookahead and M <= L  # the top layer's look-ahead is not run at all
     return cfg.n_layer * per_layer - (3 * 2 * M * H * B if top_skips_lookahead else 0)
 
 
 def tiny(variant: str, L: int, M: int, **kw) -> ModelConfig:
-    return tiny_config(variant, **{"n_token": 96, "n_layer": 3, "d_model": 32, "d_head": 16, "d_inner": 80,
-                                   "dropout": 0.1, "tgt_len": L, "mem_len": M, **kw})
+    return tiny_config(
+        variant,
+        **{
+            "n_token": 96,
+            "n_layer": 3,
+            "d_model": 32,
+            "d_head": 16,
+            "d_inner": 80,
+            "dropout": 0.1,
+            "tgt_len": L,
+            "mem_len": M,
+            **kw,
+        },
+    )
 
 
 CASES = [
-    ("lamemo", 12, 12, {}),           # M <= L: the top layer skips its memory rows' look-ahead
-    ("lamemo", 8, 20, {}),            # M > L: the top layer's look-ahead runs (the new caches keep memory rows)
+    ("lamemo", 12, 12, {}),  # M <= L: the top layer skips its memory rows' look-ahead
+    ("lamemo", 8, 20, {}),  # M > L: the top layer's look-ahead runs (the new caches keep memory rows)
     ("lamemo_xlrpe", 12, 8, {}),
     ("lamemo_no_lookahead", 12, 12, {}),
     ("xl", 12, 20, {}),
     ("rpe", 12, 12, {}),
-    ("lamemo", 12, 12, {"d_embed": 24}),   # projections between d_embed and d_model, both ends
+    ("lamemo", 12, 12, {"d_embed": 24}),  # projections between d_embed and d_model, both ends
     ("xl", 8, 8, {"d_embed": 48, "div_val": 1, "tie_projs": [True]}),
 ]
 
 
-@pytest.mark.parametrize("variant,L,M,kw", CASES, ids=[f"{c[0]}-L{c[1]}-M{c[2]}{'-emb' if c[3] else ''}"
-                                                      for c in CASES])
+@pytest.mark.parametrize(
+    "variant,L,M,kw", CASES, ids=[f"{c[0]}-L{c[1]}-M{c[2]}{'-emb' if c[3] else ''}" for c in CASES]
+)
 def test_analytic_count_matches_torch_flop_counter(variant, L, M, kw):
     cfg, B = tiny(variant, L, M, **kw), 3
     got, _ = torch_count(cfg, B)
     analytic = step_flops(cfg, B)
     assert analytic / got - 1 == pytest.approx(0.0, abs=TOLERANCE), (analytic, got)
-    assert got == analytic + known_differences(cfg, B)      # every term accounted for
+    assert got == analytic + known_differences(cfg, B)  # every term accounted for
 
 
 def test_adaptive_softmax_counts_the_head_only():
@@ -93,8 +107,10 @@ def test_adaptive_softmax_counts_the_head_only():
     cfg, B = tiny("xl", 12, 12, n_token=200, cutoffs=[50, 120], tie_projs=[False]), 4
     got, tgt = torch_count(cfg, B)
     bounds = [0, 50, 120, 200]
-    tails = sum(3 * 2 * int(((tgt >= lo) & (tgt < hi)).sum()) * cfg.d_model * (hi - lo)
-                for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True))
+    tails = sum(
+        3 * 2 * int(((tgt >= lo) & (tgt < hi)).sum()) * cfg.d_model * (hi - lo)
+        for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)
+    )
     assert tails > 0
     assert got - tails == step_flops(cfg, B) + known_differences(cfg, B)
 

@@ -15,6 +15,7 @@ log-probs (centring removes the log-normaliser, a constant per token). The weigh
 dominates the attention scores: the same model with half-precision angles is then off by O(1) relative, far beyond N *
 u.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -48,8 +49,10 @@ def _loaded(model, dtype):
 def positions_seen(model, run):
     """The sinusoid table each layer's r_net receives while `run()` executes."""
     seen = []
-    hooks = [layer.attn.r_net.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
-             for layer in model.layers]
+    hooks = [
+        layer.attn.r_net.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+        for layer in model.layers
+    ]
     try:
         run()
     finally:
@@ -62,8 +65,19 @@ def positions_seen(model, run):
 def at_width():
     """d_model 1024, 1,536 positions: (config, fp32 model, input, its vocabulary-centred log-probs)."""
     L = 1536
-    cfg = ModelConfig(variant="xl", n_token=64, n_layer=1, d_model=1024, n_head=16, d_head=64, d_inner=2048,
-                      dropout=0.0, tgt_len=L, mem_len=0, init_std=0.05)
+    cfg = ModelConfig(
+        variant="xl",
+        n_token=64,
+        n_layer=1,
+        d_model=1024,
+        n_head=16,
+        d_head=64,
+        d_inner=2048,
+        dropout=0.0,
+        tgt_len=L,
+        mem_len=0,
+        init_std=0.05,
+    )
     ref_model = position_sensitive(cfg)
     x = torch.randint(0, cfg.n_token, (L, 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -84,6 +98,7 @@ def run_counted(model, x, dtype, replace_positions=None):
     def hook(module, args):
         seen.append(args[0].detach().clone())
         return None if replace_positions is None else (replace_positions,)
+
     handle = model.layers[0].attn.r_net.register_forward_pre_hook(hook)
     counter = RoundingCounter(dtype)
     try:
@@ -103,10 +118,12 @@ def test_half_logits_track_fp32_at_width(at_width, name):
     out, seen, count = run_counted(_loaded(ref_model, dtype), x, dtype)
     want = sinusoid(position_sequence(x.size(0), 0, -1, None), cfg.d_model)
     assert seen.dtype == dtype and torch.equal(seen, want.to(dtype)), f"{name}: positions are not fp32's rounded once"
-    assert 10 <= count <= 100, count       # the count is of the model's arithmetic (18 here), not of noise
+    assert 10 <= count <= 100, count  # the count is of the model's arithmetic (18 here), not of noise
     rel, bound = relative_error(out, ref_c), count * unit_roundoff(dtype)
-    assert rel <= bound, f"{name}: log-probs off by {rel:.4f} relative (RMS), bound N*u = {count}*" \
-                         f"{unit_roundoff(dtype):.2e} = {bound:.4f}"
+    assert rel <= bound, (
+        f"{name}: log-probs off by {rel:.4f} relative (RMS), bound N*u = {count}*"
+        f"{unit_roundoff(dtype):.2e} = {bound:.4f}"
+    )
 
 
 def test_half_angles_fail_the_bound(at_width):
@@ -126,8 +143,18 @@ def test_half_angles_fail_the_bound(at_width):
 # ---- every path that casts a whole module: the positions its r_net sees are fp32's, rounded once ----------------
 # Narrow (d_model 64) and 600 positions: the old bug shows at any width once positions pass 256 (bf16 keeps 8 bits).
 # n_head * d_head (32) != d_model (64) makes r_net the only Linear of shape 64 -> 32 (see RNetInputs).
-PATH_CFG = dict(variant="xl", n_token=32, n_layer=1, d_model=64, n_head=2, d_head=16, d_inner=64, dropout=0.0,
-                tgt_len=600, mem_len=0)
+PATH_CFG = dict(
+    variant="xl",
+    n_token=32,
+    n_layer=1,
+    d_model=64,
+    n_head=2,
+    d_head=16,
+    d_inner=64,
+    dropout=0.0,
+    tgt_len=600,
+    mem_len=0,
+)
 
 
 class RNetInputs:
@@ -141,6 +168,7 @@ class RNetInputs:
         def hook(module, args):
             if isinstance(module, torch.nn.Linear) and (module.in_features, module.out_features) == self.shape:
                 self.seen.append(args[0].detach().clone())
+
         self.handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
         return self
 
@@ -152,14 +180,18 @@ def assert_fp32_positions(seen, cfg, L, dtype):
     want = sinusoid(position_sequence(L, 0, -1, None), cfg.d_model).to(dtype)
     assert seen, "no r_net call was seen"
     for s in seen:
-        assert s.dtype == dtype and torch.equal(s, want), \
+        assert s.dtype == dtype and torch.equal(s, want), (
             f"positions differ from fp32's by up to {(s.float() - want.float()).abs().max():.3f}"
+        )
 
 
 def path_model():
     cfg = ModelConfig(**PATH_CFG)
-    return cfg, position_sensitive(cfg), torch.randint(0, cfg.n_token, (cfg.tgt_len, 1),
-                                                       generator=torch.Generator().manual_seed(2))
+    return (
+        cfg,
+        position_sensitive(cfg),
+        torch.randint(0, cfg.n_token, (cfg.tgt_len, 1), generator=torch.Generator().manual_seed(2)),
+    )
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])

@@ -1,5 +1,6 @@
 """Numbers of the model that need an independent statement: the adaptive input and softmax against the clustered
 factorisation written out here (spec §3.4), and bf16 against fp32 within bounds derived from bf16's precision."""
+
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from test_model_properties import tiny
 from megamemo.model import Memory
 from megamemo.model.attention import EPS_INTERP, interpolate
 
-pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+pytestmark = pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 
 
 # ---- adaptive input and softmax --------------------------------------------------------------------------------
@@ -27,13 +28,13 @@ def clustered_log_probs(sd, h, bounds, div_val, tie_weight, tie_projs, d_model, 
     n_clusters = len(bounds) - 1
     tie = list(tie_projs) + [tie_projs[-1]] * n_clusters
 
-    def table(c):           # [rows of cluster c, width]
+    def table(c):  # [rows of cluster c, width]
         if div_val == 1:
             full = g("word_emb.emb_layers.0.weight") if tie_weight else g("crit.out_weights.0")
-            return full[bounds[c]:bounds[c + 1]]
+            return full[bounds[c] : bounds[c + 1]]
         return g(f"word_emb.emb_layers.{c}.weight") if tie_weight else g(f"crit.out_weights.{c}")
 
-    def proj(c):            # [d_model, width] or None
+    def proj(c):  # [d_model, width] or None
         if div_val == 1 and d_embed == d_model:
             return None
         if tie[c]:
@@ -46,7 +47,7 @@ def clustered_log_probs(sd, h, bounds, div_val, tie_weight, tie_projs, d_model, 
         x = h[r].double()
         feats = [x if proj(c) is None else x @ proj(c) for c in range(n_clusters)]
         head_w = torch.cat([table(0)] + ([g("crit.cluster_weight")] if n_clusters > 1 else []))
-        head_b = torch.cat([bias[:bounds[1]]] + ([g("crit.cluster_bias")] if n_clusters > 1 else []))
+        head_b = torch.cat([bias[: bounds[1]]] + ([g("crit.cluster_bias")] if n_clusters > 1 else []))
         head = [float(feats[0] @ head_w[j] + head_b[j]) for j in range(head_w.shape[0])]
         head_lse = math.log(sum(math.exp(v) for v in head))
         for t in range(bounds[1]):
@@ -76,23 +77,34 @@ def adaptive_embedding(sd, x, bounds, div_val, d_model, d_embed):
     return torch.stack(out).view(*x.shape, d_model)
 
 
-@pytest.mark.parametrize("div_val,tie_weight,tie_projs,d_embed", [
-    (1, True, [False], 8),                   # one table of width 8, each cluster its own projection
-    (1, True, [True], 8),                    # ... every cluster's projection tied to the input's
-    (2, True, [False, True, True], 16),      # widths 16/8/4: the tails' projections tied to the input's
-    (2, False, [False, False, False], 16),   # untied tables and projections
-    (1, False, [False], 16),                 # d_embed = d_model: no projections at all
-])
+@pytest.mark.parametrize(
+    "div_val,tie_weight,tie_projs,d_embed",
+    [
+        (1, True, [False], 8),  # one table of width 8, each cluster its own projection
+        (1, True, [True], 8),  # ... every cluster's projection tied to the input's
+        (2, True, [False, True, True], 16),  # widths 16/8/4: the tails' projections tied to the input's
+        (2, False, [False, False, False], 16),  # untied tables and projections
+        (1, False, [False], 16),  # d_embed = d_model: no projections at all
+    ],
+)
 def test_adaptive_softmax_is_the_clustered_factorisation(div_val, tie_weight, tie_projs, d_embed):
     bounds = [0, 10, 30, 50]
-    model = tiny("xl", cutoffs=bounds[1:-1], div_val=div_val, tie_weight=tie_weight, tie_projs=tie_projs,
-                 d_embed=d_embed, init_std=0.3, proj_init_std=0.3)
-    with torch.no_grad():   # non-zero biases, so the cluster columns and the output bias all matter
+    model = tiny(
+        "xl",
+        cutoffs=bounds[1:-1],
+        div_val=div_val,
+        tie_weight=tie_weight,
+        tie_projs=tie_projs,
+        d_embed=d_embed,
+        init_std=0.3,
+        proj_init_std=0.3,
+    )
+    with torch.no_grad():  # non-zero biases, so the cluster columns and the output bias all matter
         model.crit.out_bias.normal_(0, 0.5)
         model.crit.cluster_bias.normal_(0, 0.5)
     sd = model.state_dict()
     x = torch.randint(0, 50, (5, 3), generator=torch.Generator().manual_seed(1))
-    y = torch.arange(15).view(5, 3) * 3 + 4          # targets in every cluster, cluster edges 10 and 30 included
+    y = torch.arange(15).view(5, 3) * 3 + 4  # targets in every cluster, cluster edges 10 and 30 included
     y[0, 0], y[1, 1] = 10, 30
     with torch.no_grad():
         logp, _ = model(x, None)
@@ -102,10 +114,13 @@ def test_adaptive_softmax_is_the_clustered_factorisation(div_val, tie_weight, ti
     want = clustered_log_probs(sd, hidden.reshape(15, -1), bounds, div_val, tie_weight, tie_projs, 16, d_embed)
     # fp32 against the fp64 statement from the same hidden state (one computation's rounding: runs=1): the
     # projection (d_model terms), the table's product (d_embed), the head's and a cluster's log-softmax (at most
-    # n_token terms together): (16 + d_embed + 50) u at max|log p| (tests/helpers/bounds.py); measured <= 1.8e-6 of 2e-5..5e-5
+    # n_token terms together): (16 + d_embed + 50) u at max|log p| (tests/helpers/bounds.py); measured <= 1.8e-6 of
+    # 2e-5..5e-5
     tol = sum_bound(16 + d_embed + 50, float(want.abs().max()), runs=1)
-    assert torch.allclose(logp.double().reshape(15, 50), want, rtol=0, atol=tol), \
-        ((logp.reshape(15, 50) - want).abs().max(), tol)
+    assert torch.allclose(logp.double().reshape(15, 50), want, rtol=0, atol=tol), (
+        (logp.reshape(15, 50) - want).abs().max(),
+        tol,
+    )
     assert torch.allclose(nll.double().reshape(-1), -want[torch.arange(15), y.reshape(-1)], rtol=0, atol=tol)
     # the input side: a projection of d_embed terms and the sqrt(d_model) scale, at max|emb|
     want_emb = adaptive_embedding(sd, x, bounds, div_val, 16, d_embed)
@@ -116,7 +131,7 @@ def test_adaptive_softmax_is_the_clustered_factorisation(div_val, tie_weight, ti
 
 
 # ---- bf16 against fp32 -----------------------------------------------------------------------------------------
-U = 2.0 ** -8   # bf16 keeps 8 significant bits: a rounding moves a value by at most U/2 of its magnitude
+U = 2.0**-8  # bf16 keeps 8 significant bits: a rounding moves a value by at most U/2 of its magnitude
 
 
 def test_bf16_interpolation_is_the_fp32_one_rounded_once():
@@ -129,7 +144,7 @@ def test_bf16_interpolation_is_the_fp32_one_rounded_once():
     a = torch.randn(3, 2, 4, 8, generator=g).bfloat16()
     for base in (0.0, 1e4):
         s_old = base + torch.randn(3, 2, 4, generator=g)
-        s_new = s_old + torch.tensor([-1.0, 0.0, 1.0, 2.5])           # alpha from 0.73 to 0.08
+        s_new = s_old + torch.tensor([-1.0, 0.0, 1.0, 2.5])  # alpha from 0.73 to 0.08
         m16, l16 = interpolate(c, s_old, a, s_new)
         m32, l32 = interpolate(c.float(), s_old, a.float(), s_new)
         alpha = (1 / (1 + torch.exp(s_new.double() - s_old.double()))).unsqueeze(-1)
@@ -167,7 +182,7 @@ def test_bf16_model_matches_fp32_within_bf16_precision():
     worst = []
     with torch.no_grad():
         for s in range(8):
-            x, y = data[5 * s:5 * s + 5], data[5 * s + 1:5 * s + 6]
+            x, y = data[5 * s : 5 * s + 5], data[5 * s + 1 : 5 * s + 6]
             hidden, _ = model.encode(x, m32 if m32 is not None else Memory({}, batch_size=3))
             max_logit = (hidden @ model.word_emb.emb_layers[0].weight.T + model.crit.out_bias).abs().max().item()
             n32, m32 = model(x, y, m32)
@@ -184,4 +199,4 @@ def test_bf16_model_matches_fp32_within_bf16_precision():
                 assert ((lse16 - lse32).abs() <= 8 * U * lse32.abs().max()).all(), (s, li)
             # the emb FIFO is embedding rows times a scale: one bf16 rounding of the fp32 value (U/2; U allowed)
             assert torch.allclose(m16["emb"].float(), m32["emb"], rtol=U, atol=0)
-    assert max(worst) > 0     # bf16 did round something: the comparison is not of two fp32 runs
+    assert max(worst) > 0  # bf16 did round something: the comparison is not of two fp32 runs

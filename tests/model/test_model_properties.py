@@ -1,6 +1,7 @@
 """Properties of the model that the reference files cannot show: the interpolation identity of the paper's
 Appendix A, stream independence of memory, ablations and bad input. (The adaptive softmax and bf16 against
 fp32: tests/model/test_model_numerics.py.)"""
+
 import pytest
 import torch
 from helpers.bounds import backward_bound, forward_bound, unit_roundoff
@@ -11,7 +12,7 @@ from megamemo.model import Memory, ModelConfig
 from megamemo.model.attention import EPS_INTERP, interpolate
 from megamemo.model.layers import ReluDropout
 
-pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+pytestmark = pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 
 
 def tiny(variant="lamemo", **kw):
@@ -56,7 +57,7 @@ def test_streams_are_independent_and_memory_round_trips(variant):
     mem = mem_a = mem_b = None
     with torch.no_grad():
         for s in range(3):
-            x, y = data[5 * s:5 * s + 5], data[5 * s + 1:5 * s + 6]
+            x, y = data[5 * s : 5 * s + 5], data[5 * s + 1 : 5 * s + 6]
             nll, mem = model(x, y, mem)
             na, mem_a = model(x[:, :2], y[:, :2], mem_a)
             nb, mem_b = model(x[:, 2:], y[:, 2:], mem_b)
@@ -65,7 +66,7 @@ def test_streams_are_independent_and_memory_round_trips(variant):
             # (tests/helpers/bounds.py): (s + 1) forward_bound at max|nll| (measured <= 0.012 of it)
             tol = (s + 1) * forward_bound(model.cfg, float(nll.abs().max()))
             assert torch.allclose(nll, torch.cat([na, nb], 1), rtol=0, atol=tol)
-        for k in mem.tensors:           # every memory tensor is [rows, batch, ...]: the halves side by side
+        for k in mem.tensors:  # every memory tensor is [rows, batch, ...]: the halves side by side
             tol = 3 * forward_bound(model.cfg, float(mem[k].abs().max()))
             assert torch.allclose(torch.cat([mem_a[k], mem_b[k]], 1), mem[k], rtol=0, atol=tol)
         assert mem.select_batch(slice(2, 4)).batch_size == 2
@@ -115,13 +116,14 @@ def test_top_layer_skips_only_work_nothing_reads(monkeypatch, mem_len):
     def run(force):
         if force:
             forward = layers.LaMemoLayer.forward
-            monkeypatch.setattr(layers.LaMemoLayer, "forward",
-                                lambda self, *a, **k: forward(self, *a, **{**k, "mem_rows_out": True}))
+            monkeypatch.setattr(
+                layers.LaMemoLayer, "forward", lambda self, *a, **k: forward(self, *a, **{**k, "mem_rows_out": True})
+            )
         model = tiny("lamemo", n_layer=3, tgt_len=5, mem_len=mem_len).train()
         x = torch.randint(0, 50, (16, 3), generator=torch.Generator().manual_seed(1))
         mem, out = None, []
         for s in range(3):
-            nll, mem = model(x[5 * s:5 * s + 5], x[5 * s + 1:5 * s + 6], mem)
+            nll, mem = model(x[5 * s : 5 * s + 5], x[5 * s + 1 : 5 * s + 6], mem)
             nll.sum().backward()
             out.append((nll.detach(), mem))
         monkeypatch.undo()
@@ -129,7 +131,8 @@ def test_top_layer_skips_only_work_nothing_reads(monkeypatch, mem_len):
 
     (skipped, g_skip), (full, g_full) = run(False), run(True)
     # skipping rows changes the GEMMs' shapes, so the order of their sums: fp32, two orders of the forward pass
-    # after s earlier segments through the memory (tests/helpers/bounds.py; measured <= 0.021 of the old 1e-6, and of this)
+    # after s earlier segments through the memory (tests/helpers/bounds.py; measured <= 0.021 of the old 1e-6, and of
+    # this)
     cfg = tiny("lamemo", n_layer=3, tgt_len=5, mem_len=mem_len).cfg
     for s, ((n1, m1), (n2, m2)) in enumerate(zip(skipped, full, strict=True)):
         assert torch.allclose(n1, n2, rtol=0, atol=(s + 1) * forward_bound(cfg, float(n2.abs().max())))
@@ -138,7 +141,7 @@ def test_top_layer_skips_only_work_nothing_reads(monkeypatch, mem_len):
             tol = (s + 1) * forward_bound(cfg, float(m2[k].abs().max()))
             assert torch.allclose(m1[k], m2[k], rtol=0, atol=tol), k
     assert g_skip.keys() == g_full.keys()
-    for n in g_full:   # and the backward, over 3 segments of 5 x 3 tokens
+    for n in g_full:  # and the backward, over 3 segments of 5 x 3 tokens
         tol = 3 * backward_bound(cfg, float(g_full[n].abs().max()), tokens=15)
         assert g_full[n] is not None and torch.allclose(g_skip[n], g_full[n], rtol=0, atol=tol), n
 
@@ -215,7 +218,7 @@ def test_dropout_mask_is_a_32_bit_comparison_drawn_digit_by_digit(monkeypatch, n
     element's digits with T's, rebuilt here element by element from the same draws."""
     from megamemo.kernels import dropout as D
 
-    T = round(0.1 * 2 ** 32)
+    T = round(0.1 * 2**32)
     t = [(T >> s) & 255 for s in (24, 16, 8, 0)]
     gen = torch.Generator().manual_seed(n)
     draws = []  # one call per level, in order
@@ -235,7 +238,7 @@ def test_dropout_mask_is_a_32_bit_comparison_drawn_digit_by_digit(monkeypatch, n
         for i, v in zip(tied, vals.tolist(), strict=True):
             digits[i].append(v)
         tied = [i for i in tied if digits[i][-1] == t[level]]
-    expected = torch.tensor([d >= t[:len(d)] for d in digits])
+    expected = torch.tensor([d >= t[: len(d)] for d in digits])
     assert torch.equal(keep, expected)
     assert 0 < keep.sum() < n
 
@@ -302,7 +305,7 @@ print(applied, *faults)
 WARM_UP, STEADY = 4, 8
 
 
-@pytest.mark.multiproc   # starts 3 training processes, one after another (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts 3 training processes, one after another (`-m 'not multiproc'`: the fast subset)
 def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
     """megamemo.runtime.allocator keeps freed blocks: past the first steps a LaMemo training step (the speed benchmark's
     widths, at half its segment and batch: 64 tokens, 64 of memory, 4 streams) touches no fresh page in most steps,
@@ -324,8 +327,13 @@ def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
         pytest.skip(f"not glibc ({platform.libc_ver()}): mallopt unavailable")
 
     def faults(mode, **env):
-        out = subprocess.run([sys.executable, "-c", _FAULTS, mode, str(WARM_UP + STEADY)], capture_output=True,
-                             text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+        out = subprocess.run(
+            [sys.executable, "-c", _FAULTS, mode, str(WARM_UP + STEADY)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        )
         applied, *counts = out.stdout.split()
         return applied == "True", [int(c) for c in counts][WARM_UP:]
 
@@ -334,6 +342,11 @@ def test_tuned_allocator_leaves_no_page_faults_in_steady_state():
     assert applied and len(tuned) == len(default) == STEADY
     assert statistics.median(tuned) < 50, (tuned, default)
     assert 4 * sum(tuned) < sum(default), (tuned, default)
-    off = subprocess.run([sys.executable, "-c", "from megamemo.runtime.allocator import tune_cpu_allocator as t; print(t())"],
-                         capture_output=True, text=True, check=True, env={**os.environ, "MEGAMEMO_TUNE_MALLOC": "0"})
+    off = subprocess.run(
+        [sys.executable, "-c", "from megamemo.runtime.allocator import tune_cpu_allocator as t; print(t())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MEGAMEMO_TUNE_MALLOC": "0"},
+    )
     assert off.stdout.strip() == "False"

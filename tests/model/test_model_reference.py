@@ -1,5 +1,6 @@
 """The model against the reference implementations' own outputs (tests/fixtures/reference): per-token NLL,
 memories, and gradients of one training step, from the same weights."""
+
 import subprocess
 import sys
 
@@ -12,12 +13,13 @@ from helpers.kernel_paths import PATHS, on_path
 from megamemo.interop.reference import convert_state_dict, import_reference
 from megamemo.interop.score import load_reference_file
 
-pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+pytestmark = pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 
 FILES = ["lamemo_at3_tgt8_mem8", "txl_tgt8_mem8"]
 # Tolerances: the reference ran in fp32 too, with its own kernels (another order of the same sums), on another CPU.
 # Two orders of the forward pass's reductions at the compared value's size, once per segment the memory carried
-# (tests/helpers/bounds.py); gradients: the backward's reductions and the sum over a segment's 8 x 2 tokens. They replace a
+# (tests/helpers/bounds.py); gradients: the backward's reductions and the sum over a segment's 8 x 2 tokens. They
+# replace a
 # flat 1e-5; the closest comparison is a weight after SGD, at 0.066 of its bound at both ISAs.
 TOKENS = 16
 
@@ -110,9 +112,13 @@ def test_training_step_gradients(golden, path):
         tol = (0.0 if g is None else t["sgd_lr"] * grad_tol(model, g)) + 2 * unit_roundoff() * float(p.abs().max())
         close(model.state_dict()[name], p, f"after SGD: {name}", tol)
     with torch.no_grad():
-        want = t["nll_seg0_after_sgd_eval"]   # the weights' few-u difference adds one more forward's worth
-        close(model.eval()(golden["inputs"][0], golden["targets"][0])[0], want, "segment 0 NLL after SGD",
-              fwd_tol(model, want, 2))
+        want = t["nll_seg0_after_sgd_eval"]  # the weights' few-u difference adds one more forward's worth
+        close(
+            model.eval()(golden["inputs"][0], golden["targets"][0])[0],
+            want,
+            "segment 0 NLL after SGD",
+            fwd_tol(model, want, 2),
+        )
 
     model = on_path(import_reference(golden["config"], golden["state_dict"]), path).train()
     _, mem = model(golden["inputs"][0], golden["targets"][0])
@@ -126,8 +132,11 @@ def test_training_step_gradients(golden, path):
 def test_reference_score_cli(tmp_path):
     src = reference_file("lamemo_at3_tgt8_mem8")
     out = tmp_path / "scores.pt"
-    r = subprocess.run([sys.executable, "-m", "megamemo", "reference-score", str(src), "--out", str(out)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "megamemo", "reference-score", str(src), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     got = torch.load(out, weights_only=True)["nll"]
     src_file = torch.load(src, weights_only=True)
@@ -143,7 +152,10 @@ def test_reference_file_with_unknown_key_is_refused(tmp_path):
     g["surprise"] = torch.zeros(1)
     bad = tmp_path / "bad.pt"
     torch.save(g, bad)
-    r = subprocess.run([sys.executable, "-m", "megamemo", "reference-score", str(bad), "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "megamemo", "reference-score", str(bad), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "surprise" in r.stderr
     assert not (tmp_path / "o").exists()

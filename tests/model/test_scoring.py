@@ -1,9 +1,10 @@
 """The one memory-carrying segment scorer (megamemo/model/scoring.py) against statements that do not use it:
-  * Transformer-XL with a memory long enough to keep every past row is a causal model of the whole text: scored in
-    segments it gives the per-token NLL of one forward over the concatenated segments;
-  * LaMemo: a hand loop over the segments (the model called segment by segment, memory passed on) gives the same
-    sums, counts and final memory, from an empty or a given starting memory, for all or the first K segments;
-  * eval mode while it runs (dropout off), the caller's training mode afterwards, also after an error."""
+* Transformer-XL with a memory long enough to keep every past row is a causal model of the whole text: scored in
+  segments it gives the per-token NLL of one forward over the concatenated segments;
+* LaMemo: a hand loop over the segments (the model called segment by segment, memory passed on) gives the same
+  sums, counts and final memory, from an empty or a given starting memory, for all or the first K segments;
+* eval mode while it runs (dropout off), the caller's training mode afterwards, also after an error."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,21 +15,32 @@ from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from megamemo.model.lengths import Lengths
 from megamemo.model.scoring import score_segments
 
-pytestmark = pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+pytestmark = pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 
 L, B, N_SEG = 5, 3, 4
 
 
 def _model(variant: str, **kw) -> MemTransformerLM:
     torch.manual_seed(0)
-    cfg = ModelConfig(variant=variant, n_token=40, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32,
-                      dropout=0.3, tgt_len=L, mem_len=kw.pop("mem_len", L), **kw)
+    cfg = ModelConfig(
+        variant=variant,
+        n_token=40,
+        n_layer=2,
+        d_model=16,
+        n_head=2,
+        d_head=8,
+        d_inner=32,
+        dropout=0.3,
+        tgt_len=L,
+        mem_len=kw.pop("mem_len", L),
+        **kw,
+    )
     return MemTransformerLM(cfg).train()
 
 
 def _segments(seed: int = 1):
     text = torch.randint(0, 40, (N_SEG * L + 1, B), generator=torch.Generator().manual_seed(seed))
-    return text, [(text[i:i + L], text[i + 1:i + 1 + L]) for i in range(0, N_SEG * L, L)]
+    return text, [(text[i : i + L], text[i + 1 : i + 1 + L]) for i in range(0, N_SEG * L, L)]
 
 
 def test_xl_with_room_for_everything_equals_one_forward_over_the_whole_text():
@@ -36,10 +48,10 @@ def test_xl_with_room_for_everything_equals_one_forward_over_the_whole_text():
     text, segments = _segments()
     per_token = []
     s = score_segments(model, segments, on_segment=lambda sc, x, y, nll: per_token.append(nll))
-    assert model.training                                   # given back as it came
+    assert model.training  # given back as it came
     model.eval()
     with torch.no_grad():
-        whole, _ = model(text[:-1], text[1:], mem_len=0)    # one segment: no memory at all
+        whole, _ = model(text[:-1], text[1:], mem_len=0)  # one segment: no memory at all
     # segment by segment against one pass: other shapes, so possibly other orders of the same sums (equal bit for bit
     # on this Xeon at both ISAs, which another CPU's GEMM blocking need not keep): fp32, two orders of a forward
     # pass over all N_SEG * L keys (tests/helpers/bounds.py) at max|nll|

@@ -1,6 +1,7 @@
 """megamemo/plan/opcost.py and the GPU side of steptime.py: an op trace priced on a device (GEMMs, unaligned GEMMs,
 elementwise bytes, launches through the host's queue), gradient accumulation, the micro-batch the planner picks,
 and the prediction against steps measured on an H100."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,26 +28,40 @@ def load(path, overrides=()):
 
 # round numbers: 1 TFLOP/s bf16, 0.1 fp32; efficiency 50% at width 16, 100% from 64; 10 GB/s, elementwise kernels at
 # half of it, unaligned GEMMs 4x slower; 10 us of host time a kernel
-GPU = Device("toy-gpu", {"bf16": 1e12, "fp32": 1e11}, ((16, 0.5), (64, 1.0)), mem_bw=1e10, link=(1e10, 1e9),
-             latency=(1e-5, 1e-4), source="test", launch=1e-5, elementwise_bw=0.5, unaligned=4.0)
+GPU = Device(
+    "toy-gpu",
+    {"bf16": 1e12, "fp32": 1e11},
+    ((16, 0.5), (64, 1.0)),
+    mem_bw=1e10,
+    link=(1e10, 1e9),
+    latency=(1e-5, 1e-4),
+    source="test",
+    launch=1e-5,
+    elementwise_bw=0.5,
+    unaligned=4.0,
+)
 TINY = REPO / "configs" / "tiny-cpu.yaml"
 
 
 def segment(rows):
     """A Segment from (gemm, fp32, aligned, flops, read, write, rows, cols, launches) tuples."""
     cols = list(zip(*rows, strict=True))
-    return Segment(tuple(f"op{i}" for i in range(len(rows))), *(np.array(c, dtype=bool if i < 3 else float)
-                                                                 for i, c in enumerate(cols)))
+    return Segment(
+        tuple(f"op{i}" for i in range(len(rows))),
+        *(np.array(c, dtype=bool if i < 3 else float) for i, c in enumerate(cols)),
+    )
 
 
 def test_each_op_priced_by_hand():
-    seg = segment([
-        (True, False, True, 1e9, 5e5, 5e5, 64, 64, 1),     # 1 ms at full efficiency; its 1 MB would take 0.1 ms
-        (True, False, True, 1e6, 5e6, 5e6, 16, 1000, 1),   # 2 us at 16 wide (50%), but 10 MB at 10 GB/s: 1 ms
-        (True, False, False, 1e9, 0, 0, 32, 64, 1),        # 32 wide: 75% -> 1.33 ms, unaligned: x 4
-        (True, True, True, 1e9, 0, 0, 64, 64, 1),          # fp32 operands: at 0.1 TFLOP/s
-        (False, False, True, 0, 6e5, 4e5, 0, 0, 2),        # 1 MB at half of 10 GB/s; two kernels
-    ])
+    seg = segment(
+        [
+            (True, False, True, 1e9, 5e5, 5e5, 64, 64, 1),  # 1 ms at full efficiency; its 1 MB would take 0.1 ms
+            (True, False, True, 1e6, 5e6, 5e6, 16, 1000, 1),  # 2 us at 16 wide (50%), but 10 MB at 10 GB/s: 1 ms
+            (True, False, False, 1e9, 0, 0, 32, 64, 1),  # 32 wide: 75% -> 1.33 ms, unaligned: x 4
+            (True, True, True, 1e9, 0, 0, 64, 64, 1),  # fp32 operands: at 0.1 TFLOP/s
+            (False, False, True, 0, 6e5, 4e5, 0, 0, 2),  # 1 MB at half of 10 GB/s; two kernels
+        ]
+    )
     c = opcost.price(seg, GPU, "bf16")
     np.testing.assert_allclose(c.gemm, [1e-3, 1e-3, 4 * 1e9 / 0.75e12, 1e-2, 0], rtol=1e-12)
     np.testing.assert_allclose(c.other, [0, 0, 0, 0, 2e-4], rtol=1e-12)
@@ -61,7 +76,7 @@ def test_the_launch_queue_by_hand():
     assert opcost.run(c) == (5.5, 2.5)
     assert opcost.micro_batches(c, 2) == 9.5
     assert opcost.micro_batches(c, 2, chained=False) == 11.0
-    assert opcost.run(c, lag=10.0) == (14.0, 11.0)      # a device still busy 10 s: its kernels back to back
+    assert opcost.run(c, lag=10.0) == (14.0, 11.0)  # a device still busy 10 s: its kernels back to back
 
 
 def rpe(*overrides):
@@ -83,6 +98,7 @@ def test_the_output_layer_follows_the_configs_vocabulary():
     [512, V/2] x [V/2, 2048] and the table's [V/2, 512] x [512, 2048] - each at the V100's fp16 peak x the
     efficiency of its narrower output side (512, 512 and min(V/2, 2048) wide) or its bytes at 900 GB/s."""
     from megamemo.plan.devices import device
+
     v100 = device("v100-32g")
     path = REPO / "configs" / "lamemo-1.3b.yaml"
     pin = ["parallel.tp=2", "parallel.pp=1", "train.grad_accum=4"]
@@ -91,8 +107,12 @@ def test_the_output_layer_follows_the_configs_vocabulary():
     assert a.width == b.width == 1024
 
     def output_gemms(v):
-        return (gpu_gemm_seconds(v100, 512, v, 2048, extra=v) + gpu_gemm_seconds(v100, 512, 2048, v)
-                + gpu_gemm_seconds(v100, v, 2048, 512))
+        return (
+            gpu_gemm_seconds(v100, 512, v, 2048, extra=v)
+            + gpu_gemm_seconds(v100, 512, 2048, v)
+            + gpu_gemm_seconds(v100, v, 2048, 512)
+        )
+
     # at 16000 columns: 0.4628 + 0.4628 + 0.3579 ms; at 128: 8.6 + 3.7 + 8.6 us
     assert output_gemms(16000) == pytest.approx(33.554432e9 * (2 / (125e12 * 0.58) + 1 / (125e12 * 0.75)))
     assert b.terms["compute"] - a.terms["compute"] == pytest.approx(4 * (output_gemms(16000) - output_gemms(128)))
@@ -120,16 +140,18 @@ def test_gradient_accumulation_passes_by_hand():
     fp32 (cast and add: 2 + 4 + 12 bytes a parameter, 2 kernels a tensor); ZeRO 2: the same into the rank's half;
     ZeRO 0: into .grad in bf16 (3 x 2 bytes, 1 kernel a tensor); one micro-batch a step: nothing. The rank holds
     4 layers x 11 tensors + the table, 2 position biases and the output bias: 48 tensors."""
+
     def accum(zero, ga, launch=1e-12):
         cfg = rpe("parallel.tp=1", "parallel.pp=1", f"parallel.zero_stage={zero}", f"train.grad_accum={ga}")
         dev = Device(**{**GPU.__dict__, "launch": launch})
         return step_time(cfg, 2, dev, 2, plan).terms["grad_accum"], plan(cfg, 2, 1e9, 0).params / 2
+
     (z1, n), (z2, _), (z0, _), (one, _) = accum(1, 4), accum(2, 4), accum(0, 4), accum(1, 1)
     assert z1 == pytest.approx(3 * 18 * n / 1e10)
     assert z2 == pytest.approx(3 * 18 * n / 2 / 1e10)
     assert z0 == pytest.approx(3 * 6 * n / 1e10)
     assert one == 0
-    slow_launch, _ = accum(1, 4, launch=1.0)                  # launch-bound: 2 kernels x 48 tensors a pass
+    slow_launch, _ = accum(1, 4, launch=1.0)  # launch-bound: 2 kernels x 48 tensors a pass
     assert slow_launch == pytest.approx(3 * 2 * 48 * 1.0)
 
 
@@ -138,10 +160,21 @@ def test_the_planner_weighs_the_micro_batch():
     steps) recommend() keeps the fastest predicted step; micro-batch 1 launches the same ~4,200 kernels a
     micro-batch for a quarter of the rows (the host waits: overhead), and adds 3 gradients in fp32."""
     from megamemo.plan.recommend import recommend
+
     cfg = load(REPO / "configs" / "lamemo-1.3b.yaml", ["eval.every=0"])
-    steps = {ga: step_time(load(REPO / "configs" / "lamemo-1.3b.yaml",
-                                ["eval.every=0", "parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1",
-                                 f"train.grad_accum={ga}"]), 32, "a100-80g", 8, plan) for ga in (1, 2, 4)}
+    steps = {
+        ga: step_time(
+            load(
+                REPO / "configs" / "lamemo-1.3b.yaml",
+                ["eval.every=0", "parallel.tp=2", "parallel.pp=1", "parallel.zero_stage=1", f"train.grad_accum={ga}"],
+            ),
+            32,
+            "a100-80g",
+            8,
+            plan,
+        )
+        for ga in (1, 2, 4)
+    }
     fits, _ = recommend(cfg, 4, 8, 80, "gpu", "a100-80g", plan)
     chosen = next(f for f in fits if f.desc.startswith("tp=2 pp=1 dp=16 zero=1 "))
     best = min(steps, key=lambda ga: steps[ga].seconds)
@@ -155,11 +188,29 @@ def test_under_a_pipeline_the_planner_weighs_the_bubble_against_launches_and_acc
     """lamemo-1.3b at tp=2 pp=4 dp=4 ZeRO 0 on 4 x 8 V100-32G: 4 micro-batches of 4 streams leave a bubble of 3/7,
     16 of 1 stream are launch-bound and accumulate 15 gradients: recommend() keeps 8 x 2 streams, in between."""
     from megamemo.plan.recommend import recommend
+
     path = REPO / "configs" / "lamemo-1.3b.yaml"
-    steps = {ga: step_time(load(path, ["eval.every=0", "parallel.tp=2", "parallel.pp=4", "parallel.zero_stage=0",
-                                       f"train.grad_accum={ga}", "parallel.overlap_comm=false",
-                                       "parallel.reduce_bucket_size=null"]), 32, "v100-32g", 8, plan)
-             for ga in (4, 8, 16)}
+    steps = {
+        ga: step_time(
+            load(
+                path,
+                [
+                    "eval.every=0",
+                    "parallel.tp=2",
+                    "parallel.pp=4",
+                    "parallel.zero_stage=0",
+                    f"train.grad_accum={ga}",
+                    "parallel.overlap_comm=false",
+                    "parallel.reduce_bucket_size=null",
+                ],
+            ),
+            32,
+            "v100-32g",
+            8,
+            plan,
+        )
+        for ga in (4, 8, 16)
+    }
     assert steps[8].seconds < min(steps[4].seconds, steps[16].seconds)
     assert steps[4].terms["pp_bubble"] > steps[8].terms["pp_bubble"] > steps[16].terms["pp_bubble"]
     assert steps[16].terms["overhead"] > steps[8].terms["overhead"]
@@ -174,16 +225,35 @@ def test_plan_names_a_layouts_fastest_micro_batch(capsys):
     config's (lamemo-1.3b at tp 2 on 4 x 8 A100-80G: 4 streams, no accumulation, against 1 x 4)."""
     from megamemo.commands.plan import main
     from megamemo.plan.recommend import fastest_micro_batch
+
     path = REPO / "configs" / "lamemo-1.3b.yaml"
     cluster = ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "a100-80g"]
-    assert main(["--config", str(path), *cluster, "--tp", "2", "--pp", "1", "--set", "train.grad_accum=4",
-                 "--set", "parallel.zero_stage=1"]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(path),
+                *cluster,
+                "--tp",
+                "2",
+                "--pp",
+                "1",
+                "--set",
+                "train.grad_accum=4",
+                "--set",
+                "parallel.zero_stage=1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     cfg = load(path, ["parallel.tp=2", "parallel.pp=1", "train.grad_accum=4", "parallel.zero_stage=1"])
     (c, ga, _, st), _ = fastest_micro_batch(cfg, 32, 8, 80, "gpu", "a100-80g", plan, 2, 1, 1)
     assert ga != 4
-    assert (f"this layout's fastest micro-batch: {64 // 16 // ga} x grad_accum {ga} (--set train.grad_accum={ga}): "
-            f"{st.seconds * 1e3:.1f} ms") in out
+    assert (
+        f"this layout's fastest micro-batch: {64 // 16 // ga} x grad_accum {ga} (--set train.grad_accum={ga}): "
+        f"{st.seconds * 1e3:.1f} ms"
+    ) in out
 
 
 def test_explain_shows_the_parts_that_make_the_compute_and_elementwise_terms():
@@ -200,14 +270,27 @@ def test_explain_shows_the_parts_that_make_the_compute_and_elementwise_terms():
 # Measured on one NVIDIA H100 80GB HBM3 (torch 2.11+cu130, bf16 autocast or fp32, eager, one process, no DeepSpeed:
 # bench/model_step.py's forward + backward + fused Adam, issue 34's first GPU run): ms a step
 H100_STEPS = {
-    ("wt103-base", "lamemo", "bf16", 64): 9600 / 42_437 * 1e3,       # 42,437 tokens/s
-    ("enwik8-base", "lamemo", "bf16", 40): 20480 / 85_519 * 1e3,     # 85,519 tokens/s
-    ("small", "lamemo", "bf16", 8): 25.2, ("small", "xl", "bf16", 8): 15.5, ("small", "rpe", "bf16", 8): 12.6,
-    ("small", "lamemo", "fp32", 8): 20.7, ("small", "xl", "fp32", 8): 13.6, ("small", "rpe", "fp32", 8): 11.2,
+    ("wt103-base", "lamemo", "bf16", 64): 9600 / 42_437 * 1e3,  # 42,437 tokens/s
+    ("enwik8-base", "lamemo", "bf16", 40): 20480 / 85_519 * 1e3,  # 85,519 tokens/s
+    ("small", "lamemo", "bf16", 8): 25.2,
+    ("small", "xl", "bf16", 8): 15.5,
+    ("small", "rpe", "bf16", 8): 12.6,
+    ("small", "lamemo", "fp32", 8): 20.7,
+    ("small", "xl", "fp32", 8): 13.6,
+    ("small", "rpe", "fp32", 8): 11.2,
 }
-SMALL = ["model.n_token=256", "model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.d_head=64",
-         "model.d_inner=1024", "model.tgt_len=128", "model.mem_len=128", "model.dropout=0.1"]
-FACTOR = 1.6    # predicted within 1/1.6 and 1.6 of measured: 0.66-0.96 when written (README)
+SMALL = [
+    "model.n_token=256",
+    "model.n_layer=4",
+    "model.d_model=256",
+    "model.n_head=4",
+    "model.d_head=64",
+    "model.d_inner=1024",
+    "model.tgt_len=128",
+    "model.mem_len=128",
+    "model.dropout=0.1",
+]
+FACTOR = 1.6  # predicted within 1/1.6 and 1.6 of measured: 0.66-0.96 when written (README)
 
 
 @pytest.mark.parametrize("shape,variant,dtype,batch", list(H100_STEPS), ids=lambda x: str(x))
@@ -218,8 +301,18 @@ def test_the_h100_prediction_is_near_the_measured_steps(shape, variant, dtype, b
     figures were measured on the same machine at kernel level (devices.py), not fitted to these steps."""
     path = TINY if shape == "small" else REPO / "configs" / f"{shape}.yaml"
     extra = SMALL if shape == "small" else []
-    cfg = load(path, [*extra, f"model.variant={variant}", f"precision.dtype={dtype}", f"data.batch_size={batch}",
-                      "parallel.zero_stage=0", "train.grad_accum=1", "eval.every=0"])
+    cfg = load(
+        path,
+        [
+            *extra,
+            f"model.variant={variant}",
+            f"precision.dtype={dtype}",
+            f"data.batch_size={batch}",
+            "parallel.zero_stage=0",
+            "train.grad_accum=1",
+            "eval.every=0",
+        ],
+    )
     st = step_time(cfg, 1, "h100-80g", 1, plan)
     ratio = st.seconds * 1e3 / H100_STEPS[shape, variant, dtype, batch]
     assert 1 / FACTOR < ratio < FACTOR, f"{shape} {variant} {dtype}: predicted / measured {ratio:.2f}"
@@ -229,14 +322,16 @@ def test_the_trace_vs_profile_bench_predicts_its_shapes_on_the_cpu(capsys):
     """bench/trace_vs_profile.py's planner side (its --predict-only) runs here: one row a shape, the micro-batch's
     kernels and its wall through the launch queue as steptime prices them (the measuring side needs CUDA)."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("trace_vs_profile", REPO / "bench" / "trace_vs_profile.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     name, cfg, B, dtype = bench.shapes()[0]
     got = bench.predict(cfg, B, dtype, "h100-80g")
     fwd, bwd = trace(cfg, B, 1, dtype).stage(cfg.n_layer, True, True)
-    assert got["kernels"] == fwd.launches.sum() + bwd.launches.sum() == 663       # (700 measured on the H100)
+    assert got["kernels"] == fwd.launches.sum() + bwd.launches.sum() == 663  # (700 measured on the H100)
     from megamemo.plan.devices import device
+
     h100 = device("h100-80g")
     cost = opcost.concat([opcost.price(fwd, h100, dtype), opcost.price(bwd, h100, dtype)])
     assert got["wall_ms"] == pytest.approx(1e3 * opcost.run(cost)[0]) and got["wall_ms"] > 663 * 30e-3

@@ -1,6 +1,7 @@
 """megamemo/plan/optrace.py: the model's op trace over meta tensors - its GEMM FLOPs against model/flops.py's count
 (forward and backward), its bytes against a small op sequence counted by hand, and the rules that build a stage
 or a micro-batch from the traced pieces."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,18 @@ from megamemo.plan.optrace import FIELDS, _run, local_config, record, trace
 
 
 def small(variant="lamemo", L=16, M=16, **kw) -> ModelConfig:
-    base = dict(variant=variant, n_token=96, n_layer=3, d_model=32, n_head=4, d_head=8, d_inner=64, dropout=0.1,
-                tgt_len=L, mem_len=M)
+    base = dict(
+        variant=variant,
+        n_token=96,
+        n_layer=3,
+        d_model=32,
+        n_head=4,
+        d_head=8,
+        d_inner=64,
+        dropout=0.1,
+        tgt_len=L,
+        mem_len=M,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -39,19 +50,19 @@ def test_elementwise_bytes_of_a_small_op_sequence_by_hand():
 
     seg = record(fn)
     assert list(zip(seg.names, seg.read, seg.write, strict=True)) == [
-        ("_to_copy", 1024, 2048),                   # bf16 in, fp32 out
-        ("masked_fill", 2048 + 16, 2048),           # the scores and the 16-byte mask, broadcast: read once
+        ("_to_copy", 1024, 2048),  # bf16 in, fp32 out
+        ("masked_fill", 2048 + 16, 2048),  # the scores and the 16-byte mask, broadcast: read once
         ("_softmax", 2048, 2048),
-        ("_to_copy", 2048, 1024),                   # back to bf16
-        ("clone", 1024, 1024),                      # contiguous() of the transposed view
-        ("native_dropout", 1024, 1024 + 512),       # CUDA's one kernel: the output and its bool mask
+        ("_to_copy", 2048, 1024),  # back to bf16
+        ("clone", 1024, 1024),  # contiguous() of the transposed view
+        ("native_dropout", 1024, 1024 + 512),  # CUDA's one kernel: the output and its bool mask
         ("sum", 1024, 2),
-        ("ones_like", 0, 2),                        # backward(): the loss's gradient, written only
+        ("ones_like", 0, 2),  # backward(): the loss's gradient, written only
         ("native_dropout_backward", 2 + 512, 1024),  # the gradient expanded from one element, and the mask
-        ("_to_copy", 1024, 2048),                   # the cast's backward: bf16 gradient to fp32
-        ("_softmax_backward_data", 2048 + 2048, 2048),   # the gradient and the saved probabilities
-        ("masked_fill", 2048 + 16, 2048),           # masked positions' gradient zeroed
-        ("_to_copy", 2048, 1024),                   # x's gradient, bf16
+        ("_to_copy", 1024, 2048),  # the cast's backward: bf16 gradient to fp32
+        ("_softmax_backward_data", 2048 + 2048, 2048),  # the gradient and the saved probabilities
+        ("masked_fill", 2048 + 16, 2048),  # masked positions' gradient zeroed
+        ("_to_copy", 2048, 1024),  # x's gradient, bf16
     ]
     assert not seg.gemm.any() and (seg.launches == 1).all()
     # an index op reads the rows it gathers, not its whole table: 6 ids (int64) of a [100, 16] bf16 table
@@ -78,9 +89,19 @@ def extra_and_rnet(m: ModelConfig, B: int) -> tuple[float, float, float]:
     return e, m.n_layer * 2 * (klen + M) * d * H, 0
 
 
-@pytest.mark.parametrize("variant,L,M,tp,B", [
-    ("lamemo", 16, 16, 1, 1), ("lamemo", 16, 16, 2, 3), ("lamemo", 8, 24, 1, 2), ("lamemo_no_lookahead", 16, 16, 1, 2),
-    ("lamemo_xlrpe", 16, 8, 4, 5), ("xl", 16, 24, 1, 2), ("xl", 16, 16, 2, 4), ("rpe", 16, 16, 1, 3)])
+@pytest.mark.parametrize(
+    "variant,L,M,tp,B",
+    [
+        ("lamemo", 16, 16, 1, 1),
+        ("lamemo", 16, 16, 2, 3),
+        ("lamemo", 8, 24, 1, 2),
+        ("lamemo_no_lookahead", 16, 16, 1, 2),
+        ("lamemo_xlrpe", 16, 8, 4, 5),
+        ("xl", 16, 24, 1, 2),
+        ("xl", 16, 16, 2, 4),
+        ("rpe", 16, 16, 1, 3),
+    ],
+)
 def test_the_traces_gemm_flops_are_flops_py_forward_and_backward(variant, L, M, tp, B):
     """A stage of every layer (input side, lower layers, top layer, output side): forward = flops.py's forward + E,
     backward = 2 x flops.py's forward + 2E - R + S, all over tp on a tensor-parallel rank (extra_and_rnet). B 3 and
@@ -113,11 +134,10 @@ def test_a_stage_of_n_layers_is_the_trace_of_an_n_layer_model(variant):
     activation checkpointing every layer's forward once more in the backward."""
     m = small(variant)
     five = _run(dataclasses.replace(local_config(m, 1), n_layer=5), 2, torch.bfloat16)
-    updates = 5 if five.memory_per_layer else 1          # the 5-layer run kept one update's ops
+    updates = 5 if five.memory_per_layer else 1  # the 5-layer run kept one update's ops
 
     def whole(f):
-        return sum(getattr(s, f).sum() * (updates if k == ("fwd", "memory") else 1)
-                   for k, s in five.segments.items())
+        return sum(getattr(s, f).sum() * (updates if k == ("fwd", "memory") else 1) for k, s in five.segments.items())
 
     ops = trace(m, 2, 1, "bf16")
     fwd, bwd = ops.stage(5, True, True)
@@ -172,16 +192,17 @@ def test_fused_attention_is_priced_without_score_round_trips():
     hand, and no op that reads or writes a [L, klen] score matrix, where the eager layer has several."""
     from megamemo.plan.fused_trace import causal_tiles, lookahead_tiles
 
-    cfg = small(L=128, M=128, n_head=2, d_head=16, n_layer=2)          # one lower layer, then the top
+    cfg = small(L=128, M=128, n_head=2, d_head=16, n_layer=2)  # one lower layer, then the top
     eager, fused = (_run(dataclasses.replace(cfg, attention=a), 2, torch.bfloat16) for a in ("eager", "fused"))
-    scores = 2 * cfg.n_head * 128 * 256 * 2            # one bf16 [B, n, L, klen] tensor
+    scores = 2 * cfg.n_head * 128 * 256 * 2  # one bf16 [B, n, L, klen] tensor
     for tr, n_big in ((eager, lambda k: k > 0), (fused, lambda k: k == 0)):
         fwd, bwd = tr.segments["fwd", "layer"], tr.segments["bwd", "layer"]
-        big = int(((fwd.write >= scores) | (fwd.read >= scores)).sum()
-                  + ((bwd.write >= scores) | (bwd.read >= scores)).sum())
+        big = int(
+            ((fwd.write >= scores) | (fwd.read >= scores)).sum() + ((bwd.write >= scores) | (bwd.read >= scores)).sum()
+        )
         assert n_big(big), (big, fwd.names)
     fwd, bwd = fused.segments["fwd", "layer"], fused.segments["bwd", "layer"]
-    pairs = 2 * cfg.n_head * (causal_tiles(128, 256) + lookahead_tiles(128, 128)) * 64 * 64   # B 2, 64 x 64 tiles
+    pairs = 2 * cfg.n_head * (causal_tiles(128, 256) + lookahead_tiles(128, 128)) * 64 * 64  # B 2, 64 x 64 tiles
     # in 2 * d_head per pair: forward content 1 + position band 2 + PV 1; backward 6 + 7 + 6 (fused_trace.py)
     assert list(fwd.names).count("fused_attention_fwd") == 2 and list(bwd.names).count("fused_attention_bwd") == 2
     got = fwd.flops[np.array(fwd.names) == "fused_attention_fwd"].sum()

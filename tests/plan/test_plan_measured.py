@@ -13,6 +13,7 @@ the median over steps 4-8). The runs are single-threaded (OMP_NUM_THREADS=1), so
 wall time; the wall clock of this shared 2-core machine also counts the time other jobs (the other pytest-xdist
 worker, other users) hold the cores - 2-4x the step here under a load average of 8 - which no calibration of this
 machine alone can predict. bench/plan_vs_step.py compares wall times at the rehearsal's width, alone on the machine."""
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,19 @@ from megamemo.plan.layouts import plan
 from megamemo.plan.steptime import step_time
 from megamemo.train.config import load
 
-pytestmark = pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+pytestmark = pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 
-SMALL = ["model.n_layer=2", "model.d_model=256", "model.n_head=4", "model.d_head=64", "model.d_inner=1024",
-         "model.tgt_len=128", "model.mem_len=128", "data.batch_size=8", "eval.every=0"]
+SMALL = [
+    "model.n_layer=2",
+    "model.d_model=256",
+    "model.n_head=4",
+    "model.d_head=64",
+    "model.d_inner=1024",
+    "model.tgt_len=128",
+    "model.mem_len=128",
+    "data.batch_size=8",
+    "eval.every=0",
+]
 STEPS = 8
 
 
@@ -41,12 +51,16 @@ def this_cpu():
     """The "cpu" device row with its compute terms measured on this machine (one thread, as the runs)."""
     sys.path.insert(0, str(REPO / "bench"))
     import calibrate_cpu
+
     threads, clock = torch.get_num_threads(), calibrate_cpu.CLOCK
-    calibrate_cpu.CLOCK = time.process_time        # CPU seconds, as the runs' cpu_s: other jobs' load cancels
+    calibrate_cpu.CLOCK = time.process_time  # CPU seconds, as the runs' cpu_s: other jobs' load cancels
     try:
-        cal = {**CPU_CALIBRATION, "gemm": {w: r / 1e9 for w, r in calibrate_cpu.gemm_rates(256, 3).items()},
-               "adam_ns": calibrate_cpu.optimizer_seconds_per_param(3) * 1e9,
-               "layer_overhead_ms": calibrate_cpu.layer_overhead_seconds(3) * 1e3}
+        cal = {
+            **CPU_CALIBRATION,
+            "gemm": {w: r / 1e9 for w, r in calibrate_cpu.gemm_rates(256, 3).items()},
+            "adam_ns": calibrate_cpu.optimizer_seconds_per_param(3) * 1e9,
+            "layer_overhead_ms": calibrate_cpu.layer_overhead_seconds(3) * 1e3,
+        }
     finally:
         torch.set_num_threads(threads)
         calibrate_cpu.CLOCK = clock
@@ -60,13 +74,28 @@ def test_the_predicted_step_is_within_30_percent_of_the_measured_one(world, this
     cfg = load(tiny_cfg, SMALL)
     predicted = step_time(cfg, world, this_cpu, world, plan)
     run_dir = tmp_path / "run"
-    run(world, tiny_cfg, shards, run_dir, "--max-steps", str(STEPS), "--save-every", "0", "--set",
-        "checkpoint.save_at_end=false", "--set", "log.every=1", *[a for s in SMALL for a in ("--set", s)])
+    run(
+        world,
+        tiny_cfg,
+        shards,
+        run_dir,
+        "--max-steps",
+        str(STEPS),
+        "--save-every",
+        "0",
+        "--set",
+        "checkpoint.save_at_end=false",
+        "--set",
+        "log.every=1",
+        *[a for s in SMALL for a in ("--set", s)],
+    )
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cpu = [r["cpu_s"] for r in recs if r["kind"] == "train"]
     assert len(cpu) == STEPS
-    measured = statistics.median(b - a for a, b in zip(cpu[2:], cpu[3:], strict=False))    # steps 4-8: memory full, warm
+    measured = statistics.median(b - a for a, b in zip(cpu[2:], cpu[3:], strict=False))  # steps 4-8: memory full, warm
     ratio = predicted.seconds / measured
     print(f"{predicted.layout}: predicted {predicted.seconds:.3f} s, measured {measured:.3f} s ({ratio:.2f})")
-    assert 0.7 <= ratio <= 1.3, (f"{predicted.layout}: predicted {predicted.seconds:.3f} s, measured "
-                                   f"{measured:.3f} s of CPU a step (ratio {ratio:.2f})")
+    assert 0.7 <= ratio <= 1.3, (
+        f"{predicted.layout}: predicted {predicted.seconds:.3f} s, measured "
+        f"{measured:.3f} s of CPU a step (ratio {ratio:.2f})"
+    )

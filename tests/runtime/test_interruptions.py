@@ -4,6 +4,7 @@ gives up, the watchdog's timeout rule, whom it blames and what it writes when it
 real process whose main thread hangs), and goodput computed by hand for a scripted interruption and for a running
 restart after an ended start (runtime/goodput.py, with the records written by train/metrics.py; the process start
 read from /proc in a fresh process)."""
+
 from __future__ import annotations
 
 import io
@@ -26,14 +27,14 @@ REPO = Path(__file__).resolve().parents[2]
 # ---- the cause of a failed start ----------------------------------------------------------------------------------
 def test_the_culprit_is_the_first_failure_that_no_other_caused():
     killed = Exit(1, -signal.SIGKILL, 10.0)
-    peer = Exit(0, EXIT_PEER_LOST, 10.0)                # saw its peer vanish: seen in the same poll, a lower rank
+    peer = Exit(0, EXIT_PEER_LOST, 10.0)  # saw its peer vanish: seen in the same poll, a lower rank
     assert culprit([peer, killed]) == killed
     # seen in the same poll, the abort of a peer (gloo) and the kill of the rest by the supervisor are consequences
     aborted = Exit(0, -signal.SIGABRT, 9.0)
     stopped = Exit(2, -signal.SIGKILL, 9.5, killed=True)
     assert culprit([aborted, stopped, Exit(1, 1, 10.0)]).rank == 1
-    assert culprit([Exit(3, 1, 5.0), Exit(2, 1, 5.0)]).rank == 2          # a tie: the lowest rank
-    assert culprit([Exit(1, EXIT_PEER_LOST, 7.0), Exit(0, EXIT_PEER_LOST, 6.0)]).rank == 0   # only consequences
+    assert culprit([Exit(3, 1, 5.0), Exit(2, 1, 5.0)]).rank == 2  # a tie: the lowest rank
+    assert culprit([Exit(1, EXIT_PEER_LOST, 7.0), Exit(0, EXIT_PEER_LOST, 6.0)]).rank == 0  # only consequences
     assert culprit([Exit(0, 0, 1.0)]) is None
     # two real failures, the higher rank's first: the earlier is the cause, whatever the ranks
     assert culprit([Exit(0, 1, 6.0), Exit(1, -signal.SIGSEGV, 5.0)]).rank == 1
@@ -49,29 +50,46 @@ def scripted_run(tmp_path: Path) -> Path:
     d = tmp_path / "run"
     (d / "checkpoints" / "step_00000006").mkdir(parents=True)
     (d / "checkpoints" / "step_00000006" / "COMMITTED").write_text("{}")
-    (d / "checkpoints" / "step_00000008").mkdir()                      # an interrupted save: not committed
+    (d / "checkpoints" / "step_00000008").mkdir()  # an interrupted save: not committed
     recs = [{"kind": "start", "time": 95.0, "ready": 100.0, "step": 0}]
     recs += [{"kind": "train", "step": s, "loss": 1.0, "time": 100.0 + s} for s in range(1, 8)]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"kind": "tr')   # a cut line
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"kind": "tr')  # a cut line
     return d
 
 
 def beat(d: Path, rank: int, node: str, step: int, when: float, **extra) -> None:
     (d / "heartbeats").mkdir(exist_ok=True)
-    (d / "heartbeats" / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "node": node, "pid": 100 + rank,
-                                                                   "step": step, "beat": when, **extra}))
+    (d / "heartbeats" / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "node": node, "pid": 100 + rank, "step": step, "beat": when, **extra})
+    )
 
 
 def test_a_kill_9_is_recorded_with_its_rank_node_step_and_lost_time(tmp_path):
     d = scripted_run(tmp_path)
     beat(d, 0, "node1", 7, 109.0)
     beat(d, 1, "node2", 7, 109.0)
-    rec = interruptions.record(d, [Exit(1, -signal.SIGKILL, 110.0), Exit(0, EXIT_PEER_LOST, 110.1)], started=94.0,
-                               now=111.5, restart=2, launcher="local")
-    assert rec == {"time": 111.5, "started": 94.0, "step": 7, "committed": 6, "kind": "crash", "rank": 1,
-                   "node": "node2", "exit_code": None, "signal": "SIGKILL",
-                   "seconds_lost": 111.5 - 106.0,          # since step 6 (the commit) ended, at 106
-                   "restart": 2, "launcher": "local"}
+    rec = interruptions.record(
+        d,
+        [Exit(1, -signal.SIGKILL, 110.0), Exit(0, EXIT_PEER_LOST, 110.1)],
+        started=94.0,
+        now=111.5,
+        restart=2,
+        launcher="local",
+    )
+    assert rec == {
+        "time": 111.5,
+        "started": 94.0,
+        "step": 7,
+        "committed": 6,
+        "kind": "crash",
+        "rank": 1,
+        "node": "node2",
+        "exit_code": None,
+        "signal": "SIGKILL",
+        "seconds_lost": 111.5 - 106.0,  # since step 6 (the commit) ended, at 106
+        "restart": 2,
+        "launcher": "local",
+    }
     assert interruptions.history(d) == [rec]
     line = interruptions.summary(rec)
     assert line == "crash of rank 1 on node2 (signal SIGKILL) after step 7 (last committed: 6; 5.5 s lost)"
@@ -91,12 +109,12 @@ def test_lost_time_without_a_new_commit_and_without_a_step(tmp_path):
 
 def test_a_hang_is_recorded_against_the_rank_it_stopped(tmp_path):
     d = scripted_run(tmp_path)
-    beat(d, 1, "node2", 7, 101.0)                        # stopped: its heartbeat went stale
+    beat(d, 1, "node2", 7, 101.0)  # stopped: its heartbeat went stale
     beat(d, 0, "node1", 7, 112.0, hung={"stuck": [1], "by": 0, "step": 7})
     exits = [Exit(0, EXIT_HUNG, 112.0), Exit(1, -signal.SIGKILL, 112.05, killed=True)]
     rec = interruptions.record(d, exits, started=94.0, now=112.1, launcher="slurm", job="42")
     assert (rec["kind"], rec["rank"], rec["node"], rec["job"]) == ("hang", 1, "node2", "42")
-    assert rec["signal"] is None and rec["exit_code"] is None      # it never ended by itself
+    assert rec["signal"] is None and rec["exit_code"] is None  # it never ended by itself
     # every rank that ended saw a peer vanish, and one never ended by itself: that one hung
     d2 = scripted_run(tmp_path / "b")
     rec = interruptions.record(d2, [Exit(0, EXIT_PEER_LOST, 50.0), Exit(1, -9, 50.1, killed=True)], started=94.0)
@@ -108,13 +126,13 @@ def test_a_hang_is_recorded_against_the_rank_it_stopped(tmp_path):
 
 
 def test_when_to_stop():
-    rec = lambda step, kind="crash": {"kind": kind, "step": step}       # noqa: E731
+    rec = lambda step, kind="crash": {"kind": kind, "step": step}  # noqa: E731
     assert decide(rec(5), [], 1) == (True, "")
     assert decide(rec(5, "usage"), [], 9)[0] is False
     ok, why = decide(rec(5), [rec(5), rec(5)], 9)
     assert not ok and why.startswith("failed 3 times in a row after step 5: a deterministic failure")
-    assert decide(rec(5), [rec(5), rec(4)], 9)[0]                         # progress in between
-    assert decide(rec(5), [rec(5), rec(5, "node")], 9)[0]                 # a node at fault is not the step's
+    assert decide(rec(5), [rec(5), rec(4)], 9)[0]  # progress in between
+    assert decide(rec(5), [rec(5), rec(5, "node")], 9)[0]  # a node at fault is not the step's
     assert decide(rec(5), [rec(5)], 0) == (False, "no restarts left")
 
 
@@ -134,10 +152,18 @@ def test_the_slurm_helper_prints_shell_assignments(tmp_path):
     common = ["--exits", str(exits), "--run-dir-file", str(run_dir_file), "--started", "94"]
     out = subprocess.run([*helper, "culprit", *common], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["c_rank=1", "c_node=node2", "c_suspects=''"]
-    out = subprocess.run([*helper, "record", *common, "--rc", "137", "--restarts-left", "3", "--job", "7"],
-                         capture_output=True, text=True, check=True).stdout
-    got = subprocess.run(["bash", "-c", f"eval {json.dumps(out)}; echo \"$verdict|$kind|$step|$line\""],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [*helper, "record", *common, "--rc", "137", "--restarts-left", "3", "--job", "7"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    got = subprocess.run(
+        ["bash", "-c", f'eval {json.dumps(out)}; echo "$verdict|$kind|$step|$line"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     rec = interruptions.history(d)[-1]
     assert got == f"retry|crash|7|{interruptions.summary(rec)}"
     assert (rec["rank"], rec["node"], rec["job"], rec["launcher"]) == (1, "node2", "7", "slurm")
@@ -163,12 +189,12 @@ class Clock:
 def test_the_auto_timeout_follows_the_slowest_step_after_the_first_ones(tmp_path):
     clock = Clock()
     wd = Watchdog(tmp_path, 0, 1, None, 120.0, clock=clock, wall=clock, exit=lambda c: None)
-    assert wd.limit() == 600.0                          # the first steps: 5 x the floor
-    for s, secs in enumerate((400.0, 30.0, 2.0), 1):    # compilation, warm-up, then a 2 s step
+    assert wd.limit() == 600.0  # the first steps: 5 x the floor
+    for s, secs in enumerate((400.0, 30.0, 2.0), 1):  # compilation, warm-up, then a 2 s step
         wd.step_done(s, secs)
-    assert wd.limit() == 120.0                          # 10 x 2 s is below the floor
+    assert wd.limit() == 120.0  # 10 x 2 s is below the floor
     wd.step_done(4, 31.0)
-    assert wd.limit() == 310.0                          # 10 x the slowest since the warm-up
+    assert wd.limit() == 310.0  # 10 x the slowest since the warm-up
     assert Watchdog(tmp_path, 0, 1, 7.5, 120.0).limit() == 7.5 and not Watchdog(tmp_path, 0, 1, 0, 1).enabled
 
 
@@ -177,23 +203,26 @@ def test_the_watchdog_fires_past_the_timeout_outside_pauses_and_names_the_silent
     out = io.StringIO()
     wd = Watchdog(tmp_path, 0, 3, 10.0, 120.0, node="node1", out=out, clock=clock, wall=wall, exit=codes.append)
     wd.start(4)
-    wd.stop()                                           # (no thread here: the test calls check itself)
-    beat(tmp_path, 1, "node2", 5, 1000.0)               # heard from at the start, then silent
+    wd.stop()  # (no thread here: the test calls check itself)
+    beat(tmp_path, 1, "node2", 5, 1000.0)  # heard from at the start, then silent
     beat(tmp_path, 2, "node3", 5, 1000.0)
     wd.step_done(5, 0.1)
     with wd.paused("save"):
-        clock.t, wall.t = 30.0, 1030.0                  # a long save: not a stall
+        clock.t, wall.t = 30.0, 1030.0  # a long save: not a stall
         assert not wd.check()
     clock.t, wall.t = 39.0, 1039.0
-    beat(tmp_path, 2, "node3", 5, 1038.0)               # rank 2 still beats (waiting like this one)
-    assert not wd.check() and codes == []               # 9 s since the pause ended
+    beat(tmp_path, 2, "node3", 5, 1038.0)  # rank 2 still beats (waiting like this one)
+    assert not wd.check() and codes == []  # 9 s since the pause ended
     clock.t, wall.t = 41.0, 1041.0
     assert wd.check() and codes == [EXIT_HUNG]
     line = out.getvalue().splitlines()[-1]
-    assert line.startswith("[watchdog] rank 0 (node1, pid ") and "hung: no step for 11 s (train.hang_timeout_s=10) " \
-        "after step 5; stuck in " in line, line
-    assert "rank 1 (node2, pid 101) not heard from for 41 s (its last heartbeat: step 5)" in line and \
-        "rank 2" not in line, line
+    assert (
+        line.startswith("[watchdog] rank 0 (node1, pid ")
+        and "hung: no step for 11 s (train.hang_timeout_s=10) after step 5; stuck in " in line
+    ), line
+    assert (
+        "rank 1 (node2, pid 101) not heard from for 41 s (its last heartbeat: step 5)" in line and "rank 2" not in line
+    ), line
     mine = json.loads((tmp_path / "heartbeats" / "rank0.json").read_text())
     assert mine["hung"]["stuck"] == [1] and mine["hung"]["step"] == 5 and mine["node"] == "node1"
 
@@ -218,9 +247,9 @@ def test_the_watchdog_blames_no_fresh_peer_at_its_step_and_a_silent_one_only_pas
     assert STALE_BEATS * wd.interval == 6.0
     for r in (2, 3):
         beat(tmp_path, r, f"node{r + 1}", 5, 1005.0)
-    wall.t = 1006.0                                     # rank 1's last beat exactly 6 s old: still fresh
+    wall.t = 1006.0  # rank 1's last beat exactly 6 s old: still fresh
     assert wd.waiting_for() == ([], fresh)
-    wall.t = 1006.25                                    # just past it: silent; ranks 2 and 3 are not
+    wall.t = 1006.25  # just past it: silent; ranks 2 and 3 are not
     ranks, why = wd.waiting_for()
     assert ranks == [1] and why.startswith("rank 1 (node2, pid 101) not heard from for 6 s"), why
 
@@ -253,12 +282,13 @@ HANGING = textwrap.dedent("""
 
 def test_a_hung_process_dumps_every_stack_names_the_frame_and_exits_3(tmp_path):
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", HANGING, str(tmp_path)], capture_output=True, text=True, timeout=60,
-                       cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, "-c", HANGING, str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     took = time.monotonic() - t0
     assert r.returncode == EXIT_HUNG, r.stderr
     assert took < 30, took
-    assert "Current thread" in r.stderr and "in stuck_in_a_driver_call" in r.stderr, r.stderr   # faulthandler's dump
+    assert "Current thread" in r.stderr and "in stuck_in_a_driver_call" in r.stderr, r.stderr  # faulthandler's dump
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("[watchdog] rank 0 (here, pid ") and "after step 1; stuck in wait (" in line, line
     assert line.endswith("exiting with code 3") and "every rank's heartbeat is fresh" in line, line
@@ -278,8 +308,15 @@ def test_goodput_by_hand_for_a_scripted_interruption(tmp_path, monkeypatch, caps
     monkeypatch.setattr(metrics_mod.time, "time", clock)
     step = {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1.0, "skipped": 0, "tokens": 8, "seconds": 1.0}
     d = tmp_path / "run"
-    m = Metrics(d, enabled=True, every=100, unit="bpc", tensorboard=False, start_step=0,
-                start={"time": 1000.0, "step": 0, "world_size": 2, "restart": 0})
+    m = Metrics(
+        d,
+        enabled=True,
+        every=100,
+        unit="bpc",
+        tensorboard=False,
+        start_step=0,
+        start={"time": 1000.0, "step": 0, "world_size": 2, "restart": 0},
+    )
     clock.t = 1010.0
     m.start_window()
     for s in range(1, 6):
@@ -290,8 +327,15 @@ def test_goodput_by_hand_for_a_scripted_interruption(tmp_path, monkeypatch, caps
     (d / "checkpoints" / "step_00000003" / "COMMITTED").write_text("{}")
     rec = interruptions.record(d, [Exit(1, -9, 1016.0), Exit(0, EXIT_PEER_LOST, 1016.1)], started=999.0, now=1016.0)
     assert rec["seconds_lost"] == 3.0 and rec["step"] == 5
-    m = Metrics(d, enabled=True, every=100, unit="bpc", tensorboard=False, start_step=3,
-                start={"time": 1020.0, "step": 3, "world_size": 2, "restart": 1})
+    m = Metrics(
+        d,
+        enabled=True,
+        every=100,
+        unit="bpc",
+        tensorboard=False,
+        start_step=3,
+        start={"time": 1020.0, "step": 3, "world_size": 2, "restart": 1},
+    )
     clock.t = 1028.0
     m.start_window()
     for s in range(4, 7):
@@ -304,12 +348,21 @@ def test_goodput_by_hand_for_a_scripted_interruption(tmp_path, monkeypatch, caps
     assert g["goodput"] == 6 / 32 == 0.1875
     assert (g["productive_s"], g["wall_s"], g["startup_s"], g["lost_s"], g["other_s"]) == (6.0, 32.0, 18.0, 3.0, 5.0)
     assert (g["starts"], g["interruptions"], g["steps"], g["ended"]) == (2, 1, 6, True)
-    assert goodput.describe(g).startswith("goodput 18.8%: 6.0 s of training steps in 32.0 s since the first start "
-                                          "(2 starts, start-ups 18.0 s; 1 interruption, 3.0 s lost;")
+    assert goodput.describe(g).startswith(
+        "goodput 18.8%: 6.0 s of training steps in 32.0 s since the first start "
+        "(2 starts, start-ups 18.0 s; 1 interruption, 3.0 s lost;"
+    )
     # a fresh start that is not a restart begins a new history; one that is (before any commit) keeps it
     for restart, starts in ((1, 2), (0, 1)):
-        m = Metrics(d, enabled=True, every=100, unit="bpc", tensorboard=False, start_step=0,
-                    start={"time": 2000.0, "step": 0, "world_size": 2, "restart": restart})
+        m = Metrics(
+            d,
+            enabled=True,
+            every=100,
+            unit="bpc",
+            tensorboard=False,
+            start_step=0,
+            start={"time": 2000.0, "step": 0, "world_size": 2, "restart": restart},
+        )
         m.train_step(dict(step, step=1))
         m.close()
         assert goodput.of_run(d)["starts"] == starts
@@ -321,19 +374,27 @@ def test_goodput_of_a_running_restart_after_an_ended_start_and_with_older_interr
     still running: steps 4-5 (135, 137). Its wall ends at the newest record (137), not at start 1's end, and the
     run has not ended. interruptions.jsonl also holds a record of an earlier history (time 50, before the first
     start: a fresh start began a new history since): not this run's."""
-    train = lambda s, t: {"kind": "train", "step": s, "seconds": 2.0, "time": t}      # noqa: E731
-    records = [{"kind": "start", "time": 100.0, "ready": 104.0, "step": 0, "restart": 0},
-               train(1, 106.0), train(2, 108.0), train(3, 110.0), {"kind": "end", "step": 3, "time": 112.0},
-               {"kind": "start", "time": 130.0, "ready": 133.0, "step": 3, "restart": 1},
-               train(4, 135.0), train(5, 137.0)]
+    train = lambda s, t: {"kind": "train", "step": s, "seconds": 2.0, "time": t}  # noqa: E731
+    records = [
+        {"kind": "start", "time": 100.0, "ready": 104.0, "step": 0, "restart": 0},
+        train(1, 106.0),
+        train(2, 108.0),
+        train(3, 110.0),
+        {"kind": "end", "step": 3, "time": 112.0},
+        {"kind": "start", "time": 130.0, "ready": 133.0, "step": 3, "restart": 1},
+        train(4, 135.0),
+        train(5, 137.0),
+    ]
     older = {"time": 50.0, "kind": "crash", "step": 9, "seconds_lost": 20.0}
     g = goodput.compute(records, [older])
     assert (g["wall_s"], g["productive_s"], g["startup_s"], g["lost_s"]) == (37.0, 10.0, 7.0, 0.0)
     assert (g["ended"], g["end"], g["starts"], g["interruptions"], g["other_s"]) == (False, 137.0, 2, 0, 20.0)
     assert g["goodput"] == 10.0 / 37.0
     # the same history once start 2 ended (at 140), with an interruption of this run (at 120, 6 s lost)
-    g = goodput.compute(records + [{"kind": "end", "step": 5, "time": 140.0}],
-                        [older, {"time": 120.0, "kind": "crash", "step": 3, "seconds_lost": 6.0}])
+    g = goodput.compute(
+        records + [{"kind": "end", "step": 5, "time": 140.0}],
+        [older, {"time": 120.0, "kind": "crash", "step": 3, "seconds_lost": 6.0}],
+    )
     assert (g["ended"], g["wall_s"], g["interruptions"], g["lost_s"]) == (True, 40.0, 1, 6.0)
 
 
@@ -341,8 +402,10 @@ def test_the_process_start_is_read_from_proc_as_wall_clock_time():
     """goodput's start-up begins at the process's start (Linux /proc: boot time + start ticks): in a fresh process,
     at most a second before (the boot time is whole seconds) and never after its first line's clock reading, and
     no more than its interpreter's start-up earlier."""
-    code = ("import time; t = time.time(); from megamemo.runtime.goodput import process_started; "
-            "print(t, process_started())")
+    code = (
+        "import time; t = time.time(); from megamemo.runtime.goodput import process_started; "
+        "print(t, process_started())"
+    )
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     first_line, started = map(float, out.stdout.split())
@@ -353,8 +416,8 @@ def test_a_fault_plan_holds_for_the_start_it_names():
     from megamemo.checkpoint.faults import FaultPoints
 
     plan = {"MEGAMEMO_FAULT_KILL_AT": "save:2@0,commit:1@2"}
-    assert FaultPoints(0, plan).kill_at == ("save", 2, None)               # the first start
-    assert FaultPoints(0, {**plan, "MEGAMEMO_RESTART": "1"}).kill_at is None     # no fault planned for it
+    assert FaultPoints(0, plan).kill_at == ("save", 2, None)  # the first start
+    assert FaultPoints(0, {**plan, "MEGAMEMO_RESTART": "1"}).kill_at is None  # no fault planned for it
     assert FaultPoints(1, {**plan, "MEGAMEMO_RESTART": "2"}).kill_at == ("commit", 1, None)
     every_start = {"MEGAMEMO_FAULT_KILL_AT": "removal:3", "MEGAMEMO_RESTART": "5"}
     assert FaultPoints(0, every_start).kill_at == ("removal", 3, None)

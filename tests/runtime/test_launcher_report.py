@@ -2,6 +2,7 @@
 the others as soon as one fails, whichever its rank, and with --max-restarts K starts them K more times, each start
 numbered (MEGAMEMO_RESTART), before it gives up: workers here are small Python programs (MEGAMEMO_TRAIN_CMD), no
 training."""
+
 import os
 import signal
 import subprocess
@@ -47,8 +48,13 @@ def launch(tmp_path, worker: str, n: int = 2, *flags: str) -> subprocess.Complet
     script.write_text(worker)
     env = dict(os.environ, MEGAMEMO_TRAIN_CMD=f"{sys.executable} {script} {tmp_path / 'lock'}")
     env.pop("MEGAMEMO_RESTART", None)
-    return subprocess.run([sys.executable, "-m", "megamemo.commands.launch", *flags, str(n)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "megamemo.commands.launch", *flags, str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_first_failure_is_reported_not_the_lower_rank_that_aborted_after_it(tmp_path):
@@ -63,7 +69,7 @@ def test_a_higher_rank_that_fails_stops_the_lower_ones_at_once(tmp_path):
     took = time.monotonic() - t0
     assert r.returncode == 3, r.stderr
     assert "[launch] worker 1 exited with exit code 3: the others were stopped" in r.stderr, r.stderr
-    assert took < 15, took                          # not rank 0's 30 s
+    assert took < 15, took  # not rank 0's 30 s
 
 
 class Ended:
@@ -110,7 +116,7 @@ def test_after_an_explained_error_rank_0_may_still_say_it():
         r = launch(Path(d), RANK0_SAYS_IT_LATER)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("megamemo train: error: optim.lr: must be > 0") == 1, r.stderr
-    assert "the others were stopped" not in r.stderr, r.stderr     # (the launcher adds no line of its own to a 2)
+    assert "the others were stopped" not in r.stderr, r.stderr  # (the launcher adds no line of its own to a 2)
 
 
 # Every start fails: each rank notes the restart number it was given (MEGAMEMO_RESTART), rank 1 exits 1 once rank 0
@@ -138,7 +144,8 @@ def test_max_restarts_are_used_up_each_start_numbered_then_the_failure_is_the_ex
     starts = (tmp_path / "lock.starts").read_text().split()
     assert sorted(starts) == sorted(f"{rank}:{k}" for k in range(restarts + 1) for rank in (0, 1)), starts
     lines = [x for x in r.stderr.splitlines() if x.startswith("[launch] restart ")]
-    assert [x.split(":")[0] for x in lines] == [f"[launch] restart {k}/{restarts}" for k in range(1, restarts + 1)], \
+    assert [x.split(":")[0] for x in lines] == [f"[launch] restart {k}/{restarts}" for k in range(1, restarts + 1)], (
         r.stderr
+    )
     assert r.stderr.count("[launch] worker 1 exited with exit code 1") == restarts + 1, r.stderr
     assert ("[launch] not restarting: no restarts left" in r.stderr) == (restarts > 0), r.stderr

@@ -2,6 +2,7 @@
 reach the terminal, Python's -W / PYTHONWARNINGS still win, and only rank 0 prints unless MEGAMEMO_LOG_ALL_RANKS=1.
 The training runs use --tp 2: that imports megatron-core, whose Transformer Engine / Apex fallback warnings
 every process printed before."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 NOISE = re.compile(r"Transformer Engine|Apex|CUDA_DEVICE_MAX_CONNECTIONS|Warning")
 TE_APEX = "Transformer Engine and Apex are not installed"
 
-TINY = TRAIN_TINY.replace("max_steps: 8", "max_steps: 2").replace("save_every: 3, keep_last: 10",
-                                                                "save_every: 100, keep_last: 1")
+TINY = TRAIN_TINY.replace("max_steps: 8", "max_steps: 2").replace(
+    "save_every: 3, keep_last: 10", "save_every: 100, keep_last: 1"
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,32 +52,55 @@ def train_tp2(root: Path, name: str, **env_extra) -> list[tuple[str, str]]:
     port = free_port()
     procs = []
     for r in range(2):
-        env = clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port), **env_extra)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megamemo", "train", "--config", str(root / "tiny.yaml"), "--data",
-             str(root / "shards"), "--run-dir", str(root / name), "--tp", "2"],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = clean_env(
+            RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env_extra
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "megamemo",
+                    "train",
+                    "--config",
+                    str(root / "tiny.yaml"),
+                    "--data",
+                    str(root / "shards"),
+                    "--run-dir",
+                    str(root / name),
+                    "--tp",
+                    "2",
+                ],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     return outs
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_training_terminal_is_quiet_and_progress_carries_hfu_and_mfu(setup):
     outs = train_tp2(setup, "quiet", MEGAMEMO_PEAK_TFLOPS="0.002")
     for rank, (_, err) in enumerate(outs):
         assert not NOISE.search(err), f"rank {rank} stderr:\n{err}"
-    assert outs[1][0] == "", "rank 1 printed to stdout"              # only rank 0 reports progress
+    assert outs[1][0] == "", "rank 1 printed to stdout"  # only rank 0 reports progress
     out0 = outs[0][0]
     # the numbers of each progress line are its own tokens/s x the flops module's FLOPs per token: executed (HFU)
     # and the PaLM convention's (MFU)
     cfg = load(str(setup / "tiny.yaml"), [])
-    fpt = flops_per_token(cfg.model, 4)                                # dp 1: one micro-batch of 4 streams
+    fpt = flops_per_token(cfg.model, 4)  # dp 1: one micro-batch of 4 streams
     mfpt = model_flops_per_token(cfg.model)
-    assert re.search(rf"\| {fpt / 1e3:.3g} kFLOP/token executed \(HFU\), {mfpt / 1e3:.3g} kFLOP/token model "
-                     rf"\(MFU\), peak 0.002 TFLOP/s", out0), out0
-    assert "| cpu kernels |" in out0, out0              # train.kernels=auto on a CPU: megamemo/kernels/
+    assert re.search(
+        rf"\| {fpt / 1e3:.3g} kFLOP/token executed \(HFU\), {mfpt / 1e3:.3g} kFLOP/token model "
+        rf"\(MFU\), peak 0.002 TFLOP/s",
+        out0,
+    ), out0
+    assert "| cpu kernels |" in out0, out0  # train.kernels=auto on a CPU: megamemo/kernels/
     # the unit follows the speed (format_flops): k, M or G FLOP/s, whichever this CPU reaches
     lines = re.findall(r"tok/s ([\d,]+) \| ([\d.]+) ([kMG])FLOP/s \| HFU ([\d.]+)% \| MFU ([\d.]+)%", out0)
     assert len(lines) == 2, out0
@@ -86,11 +111,12 @@ def test_training_terminal_is_quiet_and_progress_carries_hfu_and_mfu(setup):
         scale = {"k": 1e3, "M": 1e6, "G": 1e9}[unit]
         assert float(flops) * scale == pytest.approx(tok_s * fpt, rel=0.005 + 0.5 / tok_s + 1e-9)
         for printed, per_token in ((hfu, fpt), (mfu, mfpt)):
-            assert float(printed) / 100 == pytest.approx(tok_s * per_token / (2 * 0.002e12),
-                                                         abs=0.0005 + 0.005 * float(printed) / 100)
+            assert float(printed) / 100 == pytest.approx(
+                tok_s * per_token / (2 * 0.002e12), abs=0.0005 + 0.005 * float(printed) / 100
+            )
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_pythonwarnings_brings_the_warnings_back(setup):
     outs = train_tp2(setup, "loud", PYTHONWARNINGS="default")
     for rank, (_, err) in enumerate(outs):
@@ -108,16 +134,20 @@ def test_filters_match_only_the_known_messages(monkeypatch):
         warnings.simplefilter("always")
         assert quiet.install({"DS_ACCELERATOR": "cpu"}) == {"warning_filters": True, "rank_quiet": False}
         emit(TE_APEX + ". Falling back to Torch optimizers.")
-        emit("When using async grad allreduce it is recommended to set the environment variable "
-             "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+        emit(
+            "When using async grad allreduce it is recommended to set the environment variable "
+            "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"
+        )
         emit("something else megatron says")
-        emit(TE_APEX, module="mycode")                     # the same words from elsewhere are not megatron's
+        emit(TE_APEX, module="mycode")  # the same words from elsewhere are not megatron's
     assert [str(w.message) for w in seen] == ["something else megatron says", TE_APEX]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        quiet.install({"DS_ACCELERATOR": "cuda"})          # on GPUs the CUDA advice is real advice
-        emit("When using async grad allreduce it is recommended to set the environment variable "
-             "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+        quiet.install({"DS_ACCELERATOR": "cuda"})  # on GPUs the CUDA advice is real advice
+        emit(
+            "When using async grad allreduce it is recommended to set the environment variable "
+            "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"
+        )
     assert len(seen) == 1
 
 
@@ -134,8 +164,14 @@ def test_user_choice_wins(monkeypatch):
     assert len(seen) == 1
 
 
-@pytest.mark.parametrize("env", [{"RANK": "1", "WORLD_SIZE": "2"}, {"SLURM_PROCID": "5", "SLURM_NTASKS": "8"},
-                                 {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RANK": "1", "WORLD_SIZE": "2"},
+        {"SLURM_PROCID": "5", "SLURM_NTASKS": "8"},
+        {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"},
+    ],
+)
 def test_launcher_rank(env):
     assert quiet.launcher_rank(env) == int(next(iter(env.values())))
     assert quiet.launcher_rank({}) == 0
@@ -157,10 +193,9 @@ print("done")
 @pytest.mark.parametrize("rank,all_ranks,shown", [("0", "", True), ("1", "", False), ("1", "1", True)])
 def test_other_ranks_print_errors_only(rank, all_ranks, shown):
     env = clean_env(RANK=rank, WORLD_SIZE="2", **({quiet.ALL_RANKS_ENV: all_ranks} if all_ranks else {}))
-    r = subprocess.run([sys.executable, "-c", SNIPPET], env=env, cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-c", SNIPPET], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     both = r.stdout + r.stderr
     assert r.returncode == 0 and "done" in r.stdout, both
-    assert "a DeepSpeed error" in both                     # errors always
+    assert "a DeepSpeed error" in both  # errors always
     assert ("a DeepSpeed warning" in both) == shown, both
     assert ("a warning from megamemo code" in both) == shown, both

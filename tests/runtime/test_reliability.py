@@ -1,16 +1,17 @@
 """Reliability around the commit protocol, with real processes under launch/local.sh (megamemo/runtime/launcher.py):
-  * signals sent to the launcher or its process group (TERM, USR1, during start-up too) end in a save, exit 0 and
-    a bit-exact restart; a `kill -9` of the launcher leaves no worker behind; a second trainer in the same run
-    directory is refused, naming the first;
-  * ranks started directly (as srun starts them): a stop signal during start-up is held until the handler is in
-    place, then saves and exits 0; a start refused the run directory's lock ends with exit 2 on every rank, one
-    line, no rank aborting on its way out;
-  * errors megamemo anticipates (a corrupt shard met mid-run, a split too short, a bad config) end in one line
-    naming the file or field, from one rank, exit code 2 through the launcher, no traceback; a failed start leaves
-    nothing in the run directory;
-  * fault injection: kill -9 at seeded random moments, then byte flips and truncations of committed files: every
-    restart resumes from the newest checkpoint that verifies (moving the damaged ones aside), and the run ends
-    with the losses of an uninterrupted one, bit for bit."""
+* signals sent to the launcher or its process group (TERM, USR1, during start-up too) end in a save, exit 0 and
+  a bit-exact restart; a `kill -9` of the launcher leaves no worker behind; a second trainer in the same run
+  directory is refused, naming the first;
+* ranks started directly (as srun starts them): a stop signal during start-up is held until the handler is in
+  place, then saves and exits 0; a start refused the run directory's lock ends with exit 2 on every rank, one
+  line, no rank aborting on its way out;
+* errors megamemo anticipates (a corrupt shard met mid-run, a split too short, a bad config) end in one line
+  naming the file or field, from one rank, exit code 2 through the launcher, no traceback; a failed start leaves
+  nothing in the run directory;
+* fault injection: kill -9 at seeded random moments, then byte flips and truncations of committed files: every
+  restart resumes from the newest checkpoint that verifies (moving the damaged ones aside), and the run ends
+  with the losses of an uninterrupted one, bit for bit."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,9 @@ from test_train_runs import TWO_RANKS_12_STEPS, committed_steps, launch, logs, l
 
 from megamemo.checkpoint.store import MARKER, list_checkpoints, verify
 
-pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+pytestmark = (
+    pytest.mark.multiproc
+)  # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,36 +58,37 @@ def test_signals_to_the_launcher_save_and_restart_bit_exact(tiny_cfg, shards, re
     run_dir = tmp_path / "run"
     args = ["--max-steps", "12", "--save-every", "0"]
     p = start(tiny_cfg, shards, run_dir, *args)
-    time.sleep(0.5)                                          # still starting: no worker has a handler yet
-    os.killpg(p.pid, signal.SIGUSR1)                         # to the launcher's whole process group
+    time.sleep(0.5)  # still starting: no worker has a handler yet
+    os.killpg(p.pid, signal.SIGUSR1)  # to the launcher's whole process group
     assert finish(p) == 0, text(run_dir)[-3000:]
     first = [s for s, _, c in list_checkpoints(run_dir / "checkpoints") if c]
-    assert len(first) == 1 and 1 <= first[0] < 12, text(run_dir)[-3000:]   # honoured once start-up ended
+    assert len(first) == 1 and 1 <= first[0] < 12, text(run_dir)[-3000:]  # honoured once start-up ended
 
     p = start(tiny_cfg, shards, run_dir, *args)
     wait_for_step(run_dir, first[0] + 3, p)
-    p.send_signal(signal.SIGTERM)                            # to the launcher alone
+    p.send_signal(signal.SIGTERM)  # to the launcher alone
     assert finish(p) == 0, text(run_dir)[-3000:]
     assert "Traceback" not in text(run_dir)
     assert finish(start(tiny_cfg, shards, run_dir, *args)) == 0
-    assert losses(run_dir) == reference                      # bit for bit across the two stops
+    assert losses(run_dir) == reference  # bit for bit across the two stops
 
 
 def test_a_killed_launcher_leaves_no_worker_and_one_trainer_per_directory(tiny_cfg, shards, tmp_path):
     run_dir = tmp_path / "run"
     p = start(tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0")
     wait_for_step(run_dir, 2, p)
-    second = start(tiny_cfg, shards, run_dir, "--max-steps", "100000", n=1)    # a resubmitted job, say
+    second = start(tiny_cfg, shards, run_dir, "--max-steps", "100000", n=1)  # a resubmitted job, say
     assert finish(second) == 2
-    assert "another trainer is running in this run directory" in text(run_dir) and f"on {os.uname().nodename}" in \
-        text(run_dir)
+    assert "another trainer is running in this run directory" in text(run_dir) and f"on {os.uname().nodename}" in text(
+        run_dir
+    )
     assert workers_of(run_dir)
-    os.kill(p.pid, signal.SIGKILL)                           # kill -9 of the launcher
+    os.kill(p.pid, signal.SIGKILL)  # kill -9 of the launcher
     end = time.time() + 60
     while workers_of(run_dir) and time.time() < end:
         time.sleep(0.2)
     assert not workers_of(run_dir), "workers outlived their launcher"
-    assert [c for _, _, c in list_checkpoints(run_dir / "checkpoints")] == [True]   # they saved on the way out
+    assert [c for _, _, c in list_checkpoints(run_dir / "checkpoints")] == [True]  # they saved on the way out
     assert not (run_dir / "LOCK").exists()
 
 
@@ -103,19 +107,21 @@ def test_a_stop_signal_during_start_up_is_held_then_saves_and_exits_0(tiny_cfg, 
     run_dir = tmp_path / "early"
     procs = launch(2, tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0", fresh=True)
     deadline = time.time() + 30
-    for p in procs:                                     # wait until each worker holds the stop signals
+    for p in procs:  # wait until each worker holds the stop signals
         while not _signal_state(p.pid)[0]:
-            assert time.time() < deadline and p.poll() is None, ("the stop signals were never blocked",
-                                                                  logs(run_dir)[-3000:])
+            assert time.time() < deadline and p.poll() is None, (
+                "the stop signals were never blocked",
+                logs(run_dir)[-3000:],
+            )
             time.sleep(0.005)
     for p in procs:
-        assert _signal_state(p.pid) == (True, False)    # held, and no handler yet: this is start-up
+        assert _signal_state(p.pid) == (True, False)  # held, and no handler yet: this is start-up
         p.send_signal(signal.SIGUSR1)
     assert wait(procs, 120) == [0, 0], logs(run_dir)[-3000:]
     out = logs(run_dir)
     assert out.count("[signal] received SIGUSR1") == 2 and "stopped at step 1" in out, out[-3000:]
     assert committed_steps(run_dir) == [1]
-    assert verify(run_dir / "checkpoints" / "step_00000001")["step"] == 1     # committed, every file as recorded
+    assert verify(run_dir / "checkpoints" / "step_00000001")["step"] == 1  # committed, every file as recorded
 
 
 def test_a_refused_start_on_two_ranks_ends_cleanly_on_both(tiny_cfg, shards, tmp_path):
@@ -131,14 +137,24 @@ def test_a_refused_start_on_two_ranks_ends_cleanly_on_both(tiny_cfg, shards, tmp
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         from megamemo.runtime.lock import LOCK, _proc_start
-        (run_dir / LOCK).write_text(json.dumps({"host": _socket.gethostname(), "pid": holder.pid, "token": "h",
-                                                "pid_start": _proc_start(holder.pid), "heartbeat": time.time()}))
-        rcs = wait(launch(2, tiny_cfg, shards, run_dir, "--max-steps", "3", fresh=True), 120)   # their shutdown
+
+        (run_dir / LOCK).write_text(
+            json.dumps(
+                {
+                    "host": _socket.gethostname(),
+                    "pid": holder.pid,
+                    "token": "h",
+                    "pid_start": _proc_start(holder.pid),
+                    "heartbeat": time.time(),
+                }
+            )
+        )
+        rcs = wait(launch(2, tiny_cfg, shards, run_dir, "--max-steps", "3", fresh=True), 120)  # their shutdown
         out = logs(run_dir)
         assert rcs == [2, 2], (rcs, out[-3000:])
         assert out.count("megamemo train: error:") == 1 and f"pid {holder.pid}" in out, out[-3000:]
         assert "terminate called" not in out and "Traceback" not in out, out[-3000:]
-        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK]          # nothing written, the lock untouched
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK]  # nothing written, the lock untouched
     finally:
         holder.kill()
         holder.wait()
@@ -161,7 +177,7 @@ def _corrupt_last_train_chunk(shards, out):
     finally:
         os.close(fd)
     data = bytearray(victim.read_bytes())
-    data[offset + size // 2: offset + size // 2 + 32] = bytes(32)
+    data[offset + size // 2 : offset + size // 2 + 32] = bytes(32)
     victim.write_bytes(bytes(data))
     return victim.name
 
@@ -169,7 +185,7 @@ def _corrupt_last_train_chunk(shards, out):
 def test_anticipated_errors_are_one_line_from_one_rank(tiny_cfg, shards, tmp_path):
     bad = tmp_path / "bad-shards"
     victim = _corrupt_last_train_chunk(shards, bad)
-    run_dir = tmp_path / "corrupt"          # met by the second rank's reader alone
+    run_dir = tmp_path / "corrupt"  # met by the second rank's reader alone
     assert finish(start(tiny_cfg, bad, run_dir, "--max-steps", "100000", "--save-every", "0")) == 2
     out = text(run_dir)
     assert out.count("megamemo train: error:") == 1 and victim in out and "rank 1:" in out, out[-3000:]
@@ -179,11 +195,12 @@ def test_anticipated_errors_are_one_line_from_one_rank(tiny_cfg, shards, tmp_pat
     assert finish(start(tiny_cfg, shards, run_dir, "--set", "data.batch_size=100000")) == 2
     out = text(run_dir)
     assert out.count("megamemo train: error:") == 1 and "data.batch_size" in out and "too few" in out, out
-    assert "Traceback" not in out and not run_dir.exists()          # a failed start leaves nothing behind
+    assert "Traceback" not in out and not run_dir.exists()  # a failed start leaves nothing behind
 
     run_dir = tmp_path / "config"
-    assert finish(start(tiny_cfg, shards, run_dir, "--set", "optim.lr=-1",
-                        env={"MEGAMEMO_DEBUG": "1"})) == 2           # the traceback only when asked for
+    assert (
+        finish(start(tiny_cfg, shards, run_dir, "--set", "optim.lr=-1", env={"MEGAMEMO_DEBUG": "1"})) == 2
+    )  # the traceback only when asked for
     out = text(run_dir)
     assert out.count("megamemo train: error: optim.lr: must be > 0") == 1 and "Traceback" in out
 
@@ -194,17 +211,29 @@ def test_a_rank_that_cannot_write_its_checkpoint_stops_the_run_on_every_rank(tin
     line naming the rank and the file, exit code 2, no traceback, no abort; the step-2 checkpoint stays the newest."""
     for async_save in ("false", "true"):
         run_dir = tmp_path / f"async-{async_save}"
-        p = start(tiny_cfg, shards, run_dir, "--max-steps", "12", "--save-every", "2", "--set",
-                  f"checkpoint.async_save={async_save}", env={"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"})
+        p = start(
+            tiny_cfg,
+            shards,
+            run_dir,
+            "--max-steps",
+            "12",
+            "--save-every",
+            "2",
+            "--set",
+            f"checkpoint.async_save={async_save}",
+            env={"MEGAMEMO_FAULT_FAIL_WRITE": "4:1"},
+        )
         assert finish(p, timeout=180) == 2, text(run_dir)[-3000:]
         out = text(run_dir)
         errors = [line for line in out.splitlines() if "megamemo train: error:" in line]
-        assert errors == [f"megamemo train: error: checkpoint step 4 failed: rank 1 could not write {run_dir}/"
-                          f"checkpoints/step_00000004/rank_00001.safetensors: No space left on device (injected: "
-                          f"MEGAMEMO_FAULT_FAIL_WRITE); nothing committed"], out[-3000:]
+        assert errors == [
+            f"megamemo train: error: checkpoint step 4 failed: rank 1 could not write {run_dir}/"
+            f"checkpoints/step_00000004/rank_00001.safetensors: No space left on device (injected: "
+            f"MEGAMEMO_FAULT_FAIL_WRITE); nothing committed"
+        ], out[-3000:]
         assert "Traceback" not in out and "terminate called" not in out, out[-3000:]
         assert [s for s, _, c in list_checkpoints(run_dir / "checkpoints")] == [2]
-        assert max(losses(run_dir)) <= 6, out[-3000:]       # stopped at the save (sync) or a step after it
+        assert max(losses(run_dir)) <= 6, out[-3000:]  # stopped at the save (sync) or a step after it
 
 
 # ---- fault injection --------------------------------------------------------------------------------------------
@@ -214,7 +243,7 @@ def _damage(path: Path, rng: random.Random, how: str) -> None:
         i = rng.randrange(len(data))
         data[i] ^= 1 << rng.randrange(8)
     else:
-        del data[rng.randrange(1, len(data)):]
+        del data[rng.randrange(1, len(data)) :]
     path.write_bytes(bytes(data))
 
 
@@ -244,8 +273,19 @@ def test_fault_injection_kills_flips_and_truncations(tiny_cfg, shards, reference
     # Each kill at the 2nd step or the 2nd pass of its point: every start commits a step before it dies (a save waits
     # for the previous one's commit), so at least 3 are committed for the damage below, whatever the seed (with a
     # kill at the 1st pass, seed 831 left only 2).
-    summary = soak.soak(tiny_cfg, shards, tmp_path, kills=5, seed=seed, steps=12, kinds=kinds, reference=reference,
-                        keep_last=4, finish=False, nth=(2, 2))
+    summary = soak.soak(
+        tiny_cfg,
+        shards,
+        tmp_path,
+        kills=5,
+        seed=seed,
+        steps=12,
+        kinds=kinds,
+        reference=reference,
+        keep_last=4,
+        finish=False,
+        nth=(2, 2),
+    )
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     out = log.read_text()
     assert [r["where"] for r in summary["records"]] == list(kinds), (seed, summary["records"], out[-3000:])
@@ -255,7 +295,7 @@ def test_fault_injection_kills_flips_and_truncations(tiny_cfg, shards, reference
     assert len(committed) >= 3, (seed, out[-3000:])
     rng = random.Random(seed)
     damaged = []
-    for d, how in zip(reversed(committed), ("flip", "truncate"), strict=False):   # the two newest, a random file of each
+    for d, how in zip(reversed(committed), ("flip", "truncate"), strict=False):  # the two newest, a random file of each
         f = rng.choice(sorted(p for p in d.iterdir() if p.name != MARKER))
         _damage(f, rng, how)
         damaged.append(d.name)
@@ -269,4 +309,4 @@ def test_fault_injection_kills_flips_and_truncations(tiny_cfg, shards, reference
     # paths), and not in a rank whose peer was killed mid-collective (issue 29: it aborted, "terminate called", when
     # gloo's worker thread met the interpreter's shutdown; such a rank now leaves with os._exit).
     assert "Traceback" not in out and "terminate called" not in out, (seed, out[-3000:])
-    assert soak.losses(run_dir) == reference, seed               # every step once, bit for bit
+    assert soak.losses(run_dir) == reference, seed  # every step once, bit for bit

@@ -1,5 +1,6 @@
 """One trainer per run directory: the LOCK file names its holder; a live holder refuses a second trainer, a dead
 one (process gone on this host, or no heartbeat from another host for longer than the timeout) is taken over."""
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,15 @@ def test_a_live_holder_refuses_a_second_trainer_and_release_frees_it(tmp_path):
     first.acquire()
     holder = json.loads((tmp_path / "run" / LOCK).read_text())
     assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
-    with pytest.raises(RunLockedError, match=rf"another trainer is running .*pid {os.getpid()} on "
-                                             rf"{socket.gethostname()}"):
+    with pytest.raises(
+        RunLockedError,
+        match=rf"another trainer is running .*pid {os.getpid()} on "
+        rf"{socket.gethostname()}",
+    ):
         RunLock(tmp_path / "run").acquire()
     beat = holder["heartbeat"]
     time.sleep(0.3)
-    assert json.loads((tmp_path / "run" / LOCK).read_text())["heartbeat"] > beat     # the heartbeat runs
+    assert json.loads((tmp_path / "run" / LOCK).read_text())["heartbeat"] > beat  # the heartbeat runs
     first.release()
     assert not (tmp_path / "run" / LOCK).exists()
     second = RunLock(tmp_path / "run")
@@ -36,8 +40,17 @@ def test_a_live_holder_refuses_a_second_trainer_and_release_frees_it(tmp_path):
 
 def test_a_dead_holder_on_this_host_is_taken_over(tmp_path):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone.stdout), "token": "t1",
-                                             "heartbeat": time.time(), "started": "then"}))
+    (tmp_path / LOCK).write_text(
+        json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": int(gone.stdout),
+                "token": "t1",
+                "heartbeat": time.time(),
+                "started": "then",
+            }
+        )
+    )
     said = []
     lock = RunLock(tmp_path, log=said.append)
     lock.acquire()
@@ -48,13 +61,22 @@ def test_a_dead_holder_on_this_host_is_taken_over(tmp_path):
 
 def test_a_reused_pid_is_not_the_holder(tmp_path):
     """The holder's pid now belongs to another process (this one): its recorded start time tells them apart."""
-    (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": "1",
-                                             "token": "t2", "heartbeat": time.time()}))
+    (tmp_path / LOCK).write_text(
+        json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "pid_start": "1",
+                "token": "t2",
+                "heartbeat": time.time(),
+            }
+        )
+    )
     said = []
     lock = RunLock(tmp_path, log=said.append)
     lock.acquire()
     assert len(said) == 1 and "took over" in said[0] and "its process is gone" in said[0], said
-    assert f"pid {os.getpid()} on {socket.gethostname()}" in said[0], said      # the old holder, named
+    assert f"pid {os.getpid()} on {socket.gethostname()}" in said[0], said  # the old holder, named
     now = json.loads((tmp_path / LOCK).read_text())
     assert lock.held and now["token"] == lock.token != "t2"
     assert (now["pid"], now["pid_start"]) == (os.getpid(), _proc_start(os.getpid())) and now["pid_start"] != "1"
@@ -80,8 +102,14 @@ def test_an_earlier_start_of_the_same_slurm_job_is_dead_at_once(tmp_path, monkey
     """A job requeued after a failure may start on other nodes: the lock its previous start left (a fresh heartbeat,
     another host) is that start's, which Slurm ended, so it is taken over at once; the same start's or another job's
     is not."""
-    record = {"host": "gpu-node-17", "pid": 4242, "slurm_job": "991", "restart": 2, "token": "t4",
-              "heartbeat": time.time()}
+    record = {
+        "host": "gpu-node-17",
+        "pid": 4242,
+        "slurm_job": "991",
+        "restart": 2,
+        "token": "t4",
+        "heartbeat": time.time(),
+    }
     monkeypatch.setenv("SLURM_JOB_ID", "991")
     monkeypatch.setenv("MEGAMEMO_RESTART", "2")
     for holder in (record, {**record, "slurm_job": "990", "restart": 1}):
@@ -103,22 +131,33 @@ def test_a_zombie_holder_is_dead_and_taken_over(tmp_path):
     ever) is a zombie: its /proc entry stays, in state Z. Its lock is taken over, and the take-over says why."""
     pid = os.fork()
     if pid == 0:
-        os._exit(0)                                 # the child ends at once; the test does not reap it yet
+        os._exit(0)  # the child ends at once; the test does not reap it yet
     try:
         end = time.time() + 10
         while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             assert time.time() < end, "the child did not become a zombie"
             time.sleep(0.01)
         from megamemo.runtime.lock import _proc_start
-        (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "token": "tz",
-                                                 "pid_start": _proc_start(pid), "heartbeat": time.time(),
-                                                 "started": "then"}))
+
+        (tmp_path / LOCK).write_text(
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": pid,
+                    "token": "tz",
+                    "pid_start": _proc_start(pid),
+                    "heartbeat": time.time(),
+                    "started": "then",
+                }
+            )
+        )
         said = []
         lock = RunLock(tmp_path, log=said.append)
         lock.acquire()
         assert os.path.exists(f"/proc/{pid}"), "the holder must still be a zombie while the lock is taken"
-        assert len(said) == 1 and "took over" in said[0] and f"pid {pid}" in said[0] and "its process is gone" in \
-            said[0], said
+        assert (
+            len(said) == 1 and "took over" in said[0] and f"pid {pid}" in said[0] and "its process is gone" in said[0]
+        ), said
         assert json.loads((tmp_path / LOCK).read_text())["token"] == lock.token
         lock.release()
     finally:
@@ -131,8 +170,18 @@ def test_a_live_child_holder_is_still_refused(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         from megamemo.runtime.lock import _proc_start
-        (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid, "token": "tl",
-                                                 "pid_start": _proc_start(child.pid), "heartbeat": time.time()}))
+
+        (tmp_path / LOCK).write_text(
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": child.pid,
+                    "token": "tl",
+                    "pid_start": _proc_start(child.pid),
+                    "heartbeat": time.time(),
+                }
+            )
+        )
         with pytest.raises(RunLockedError, match=rf"pid {child.pid} on"):
             RunLock(tmp_path).acquire()
     finally:

@@ -1,5 +1,6 @@
 """The package's floors point one way: no import cycle anywhere (function-level imports included), packages import
 only from lower layers (LAYERS, no exceptions), every folder says what it holds, and files stay short."""
+
 from __future__ import annotations
 
 import ast
@@ -59,7 +60,8 @@ def _imports(mods: dict[str, Path], sources: dict[str, str] | None = None) -> di
             elif (by_name := _string_import(node)) is not None:
                 assert by_name is not False or name in DYNAMIC_IMPORTS_ALLOWED, (
                     f"{name} (line {node.lineno}) imports a module by a computed name, which the layer checks "
-                    f"cannot follow: import it by a literal name")
+                    f"cannot follow: import it by a literal name"
+                )
                 targets = [by_name] if by_name else []
             else:
                 continue
@@ -74,13 +76,13 @@ def _imports(mods: dict[str, Path], sources: dict[str, str] | None = None) -> di
 
 def test_no_import_cycles():
     graph = _imports(_modules())
-    state: dict[str, int] = {}          # 1: on the current path, 2: done
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(m, path):
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n) :] + [n]))
             if n not in state:
                 visit(n, path + [n])
         state[m] = 2
@@ -93,15 +95,15 @@ def test_no_import_cycles():
 # The layers, lowest first. A module imports from its own package and from packages of LOWER layers only: nothing
 # low imports something high, and packages of one layer know nothing of each other. Every package has a layer.
 LAYERS = (
-    ("megamemo.util",),                     # atomic files, digests, progress, precision: nothing of megamemo
-    ("megamemo.config",),                   # composes a run's config from its sections: YAML, --set, their checks
-    ("megamemo.data", "megamemo.model"),    # shards and tokenizers (the data section); the single-device model
+    ("megamemo.util",),  # atomic files, digests, progress, precision: nothing of megamemo
+    ("megamemo.config",),  # composes a run's config from its sections: YAML, --set, their checks
+    ("megamemo.data", "megamemo.model"),  # shards and tokenizers (the data section); the single-device model
     ("megamemo.parallel", "megamemo.kernels"),  # the model's TP / PP forms (the parallel section); its CPU kernels
-    ("megamemo.checkpoint",),               # the checkpoint format only
-    ("megamemo.runtime", "megamemo.interop"),   # processes, devices, the run directory; checkpoints as models
-    ("megamemo.train", "megamemo.eval", "megamemo.plan", "megamemo.export"),   # what runs a model or plans a layout
-    ("megamemo.commands",),                 # one module per subcommand: its flags and a call into the library
-    ("megamemo",),                          # the top: __init__, __main__ and the `megamemo` dispatcher (cli.py)
+    ("megamemo.checkpoint",),  # the checkpoint format only
+    ("megamemo.runtime", "megamemo.interop"),  # processes, devices, the run directory; checkpoints as models
+    ("megamemo.train", "megamemo.eval", "megamemo.plan", "megamemo.export"),  # what runs a model or plans a layout
+    ("megamemo.commands",),  # one module per subcommand: its flags and a call into the library
+    ("megamemo",),  # the top: __init__, __main__ and the `megamemo` dispatcher (cli.py)
 )
 
 
@@ -115,9 +117,12 @@ def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
     layer = {pkg: i for i, tier in enumerate(LAYERS) for pkg in tier}
     unknown = sorted({_package(m) for m in graph} - set(layer))
     assert not unknown, f"packages without a layer (add them to LAYERS): {unknown}"
-    return sorted(f"{m} imports {n} ({_package(m)} is layer {layer[_package(m)]}, {_package(n)} layer "
-                  f"{layer[_package(n)]})" for m, deps in graph.items() for n in deps
-                  if _package(n) != _package(m) and layer[_package(n)] >= layer[_package(m)])
+    return sorted(
+        f"{m} imports {n} ({_package(m)} is layer {layer[_package(m)]}, {_package(n)} layer {layer[_package(n)]})"
+        for m, deps in graph.items()
+        for n in deps
+        if _package(n) != _package(m) and layer[_package(n)] >= layer[_package(m)]
+    )
 
 
 def test_packages_import_one_way_by_layers():
@@ -135,14 +140,19 @@ def test_an_import_by_name_is_checked_like_an_import_statement():
     # the real tree passes, the dispatcher's import by a computed name (megamemo/cli.py) included
     assert "importlib.import_module(mod_name)" in mods["megamemo.cli"].read_text()
     assert not _layer_violations(_imports(mods, {m: p.read_text() for m, p in mods.items()}))
-    for call in ('importlib.import_module("megamemo.cli")', '__import__("megamemo.train.loop")',
-                 'import_module("megamemo.eval.evaluate")'):
+    for call in (
+        'importlib.import_module("megamemo.cli")',
+        '__import__("megamemo.train.loop")',
+        'import_module("megamemo.eval.evaluate")',
+    ):
         sources = {m: p.read_text() for m, p in mods.items()}
         sources[files] = text + f"\n\ndef _sneaky():\n    return {call}\n"
         bad = _layer_violations(_imports(mods, sources))
         target = call.split('"')[1]
-        assert bad == [f"{files} imports {target} (megamemo.util is layer 0, {_package(target)} layer "
-                       f"{[i for i, t in enumerate(LAYERS) if _package(target) in t][0]})"], (call, bad)
+        assert bad == [
+            f"{files} imports {target} (megamemo.util is layer 0, {_package(target)} layer "
+            f"{[i for i, t in enumerate(LAYERS) if _package(target) in t][0]})"
+        ], (call, bad)
     sources = {m: p.read_text() for m, p in mods.items()}
     sources[files] = text + "\n\ndef _computed(name):\n    import importlib\n    return importlib.import_module(name)\n"
     with pytest.raises(AssertionError, match="megamemo.util.files .* imports a module by a computed name"):
@@ -155,12 +165,16 @@ def test_the_top_level_holds_only_the_dispatcher():
 
 
 def test_every_folder_says_what_lives_in_it():
-    silent = [str(p.relative_to(REPO)) for p in sorted((REPO / "megamemo").rglob("__init__.py"))
-              if "hf_code" not in p.parts and not ast.get_docstring(ast.parse(p.read_text()))]
+    silent = [
+        str(p.relative_to(REPO))
+        for p in sorted((REPO / "megamemo").rglob("__init__.py"))
+        if "hf_code" not in p.parts and not ast.get_docstring(ast.parse(p.read_text()))
+    ]
     assert not silent, silent
 
 
 def test_files_hold_one_idea_and_stay_short():
-    long = [f"{p.relative_to(REPO)}: {n} lines" for p in _modules().values()
-            if (n := len(p.read_text().splitlines())) > 420]
+    long = [
+        f"{p.relative_to(REPO)}: {n} lines" for p in _modules().values() if (n := len(p.read_text().splitlines())) > 420
+    ]
     assert not long, long

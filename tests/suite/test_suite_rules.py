@@ -1,5 +1,6 @@
 """Rules of the test suite itself: an xfail that passes fails the run (xfail_strict), and bench/mutants.py's list of
 mutations is well formed (each original line found exactly once in its file, each with tests that exist)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,11 +14,30 @@ def test_an_xfail_that_passes_fails_the_run(request, tmp_path):
     """pyproject.toml's xfail_strict: a test marked xfail that passes is a failure (XPASS(strict)), under the
     project's own pytest settings."""
     assert request.config.getini("xfail_strict") is True
-    (tmp_path / "test_marked.py").write_text("import pytest\n\n@pytest.mark.xfail(reason='fixed meanwhile')\n"
-                                             "def test_fixed():\n    assert True\n")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
-                        "-p", "no:cacheprovider", "-p", "no:xdist", "-q", str(tmp_path / "test_marked.py")],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    (tmp_path / "test_marked.py").write_text(
+        "import pytest\n\n@pytest.mark.xfail(reason='fixed meanwhile')\ndef test_fixed():\n    assert True\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-c",
+            str(REPO / "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-q",
+            str(tmp_path / "test_marked.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 1 and "XPASS(strict)" in r.stdout and "1 failed" in r.stdout, r.stdout[-2000:]
 
 
@@ -27,7 +47,7 @@ def _mutants():
 
     spec = importlib.util.spec_from_file_location("mutants", REPO / "bench" / "mutants.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["mutants"] = module         # its dataclass looks its module up
+    sys.modules["mutants"] = module  # its dataclass looks its module up
     spec.loader.exec_module(module)
     return module
 
@@ -61,7 +81,10 @@ def test_the_mutation_list_prints_one_a_line(capsys):
     assert mutants.main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines] == [m.name for m in mutants.MUTATIONS]
-    assert all(ln.split()[1] == m.file and ln.split()[2:] == list(m.tests) for ln, m in zip(lines, mutants.MUTATIONS, strict=True))
+    assert all(
+        ln.split()[1] == m.file and ln.split()[2:] == list(m.tests)
+        for ln, m in zip(lines, mutants.MUTATIONS, strict=True)
+    )
 
 
 def test_a_mutation_is_applied_to_its_line_alone_and_undone(tmp_path):
@@ -75,4 +98,5 @@ def test_a_mutation_is_applied_to_its_line_alone_and_undone(tmp_path):
     f.write_text(original)
     (tmp_path / "test_m.py").write_text("def test_f():\n    pass\n")
     assert mutants.problems(mutants.Mutation("y", "m.py", "return", "pass", ("test_m.py::test_f",)), tmp_path) == [
-        "y: the original line occurs 0 times in m.py: 'return'"]
+        "y: the original line occurs 0 times in m.py: 'return'"
+    ]

@@ -3,6 +3,7 @@ optimizer - in bf16, bucket by bucket, overlapped with the backward pass where p
 BF16_Optimizer's all-reduce after the backward (megamemo/parallel/zero.py); the planner prices the reduction in the
 dtype DeepSpeed really puts on the wire, read here from DeepSpeed itself; two data-parallel gloo ranks with these
 settings train as one process does."""
+
 from __future__ import annotations
 
 import importlib
@@ -19,10 +20,12 @@ from megamemo.train.config import load
 
 BF16_OVERLAP = ["precision.dtype=bf16", "parallel.zero_stage=1", "parallel.overlap_comm=true"]
 # (sets, DeepSpeed's optimizer) for the tiny config on one rank
-CASES = [(BF16_OVERLAP + ["parallel.reduce_bucket_size=4096"], "DeepSpeedZeroOptimizer"),
-         (["precision.dtype=bf16", "parallel.zero_stage=1", "train.grad_accum=2"], "BF16_Optimizer"),
-         (["precision.dtype=bf16", "parallel.zero_stage=2"], "DeepSpeedZeroOptimizer"),
-         (["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer")]
+CASES = [
+    (BF16_OVERLAP + ["parallel.reduce_bucket_size=4096"], "DeepSpeedZeroOptimizer"),
+    (["precision.dtype=bf16", "parallel.zero_stage=1", "train.grad_accum=2"], "BF16_Optimizer"),
+    (["precision.dtype=bf16", "parallel.zero_stage=2"], "DeepSpeedZeroOptimizer"),
+    (["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer"),
+]
 
 
 def sections(cfg) -> tuple:
@@ -35,12 +38,12 @@ def test_the_shipped_large_configs_overlap_in_buckets_of_5e7():
     from megamemo.train.engine import ds_config
 
     for name, sets in (("lamemo-7b", []), ("lamemo-1.3b", ["precision.dtype=bf16"]), ("lamemo-1.3b", [])):
-        cfg = load(REPO / "configs" / f"{name}.yaml", sets, vocab_fallback=32000)     # n_token auto: no data here
+        cfg = load(REPO / "configs" / f"{name}.yaml", sets, vocab_fallback=32000)  # n_token auto: no data here
         assert overlaps_reduction(*sections(cfg)) and reduce_bucket(*sections(cfg)) == 50_000_000, name
         assert not bf16_optimizer(*sections(cfg)), name
         ds = ds_config(cfg, 8, 8)
         assert ds["zero_optimization"] == {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 50_000_000}
-        if cfg.precision.dtype == "bf16":           # one micro-batch a step: nothing to accumulate in fp32
+        if cfg.precision.dtype == "bf16":  # one micro-batch a step: nothing to accumulate in fp32
             assert "data_types" not in ds, ds
 
 
@@ -49,6 +52,7 @@ def _reduce_worker(rank, world):
 
     from megamemo.parallel.zero import bf16_optimizer, overlaps_reduction, reduce_dtype
     from megamemo.train.engine import Engine
+
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     seen, real = [], torch.distributed.all_reduce
@@ -72,7 +76,7 @@ def _reduce_worker(rank, world):
                 nll, _ = eng.forward(data[:32], data[1:], None)
                 eng.backward(nll.float().mean())
                 eng.micro_step()
-            grads = [d for d, n in seen if n > 1000]           # the gradient buckets, not the overflow flags
+            grads = [d for d, n in seen if n > 1000]  # the gradient buckets, not the overflow flags
             want = {"bf16": torch.bfloat16, "fp32": torch.float32}[reduce_dtype(cfg.precision)]
             assert grads and set(grads) == {want}, (sets, seen)
     finally:
@@ -86,16 +90,27 @@ def test_deepspeed_reduces_in_the_dtype_the_planner_prices():
     run_distributed(_reduce_worker, 1)
 
 
-@pytest.mark.multiproc   # starts training processes
+@pytest.mark.multiproc  # starts training processes
 def test_two_gloo_ranks_reducing_bf16_overlapped_equal_one_process(tiny_cfg, shards, tmp_path):
     """bf16, ZeRO 1, grad_accum 1, overlap_comm in buckets of 4,096 elements (the model's 27,424 parameters in
     several): two ranks of 2 streams against one process of 4, keyed dropout. Per step within 0.005 nats, the bf16
     bound of tests/train/test_train_equivalence.py (the runs differ by bf16 roundings of the gradient: the two halves
     summed in bf16 on the wire against one bf16 backward of the whole batch). The start-up lines say both ran the
     ZeRO optimizer overlapped (Engine.reduction)."""
-    args = [*KEYED, "--max-steps", "6", "--save-every", "0", "--set", "checkpoint.probe=false", "--set",
-            "checkpoint.save_at_end=false", "--set", "log.tensorboard=false",
-            *(a for s in [*BF16_OVERLAP, "parallel.reduce_bucket_size=4096"] for a in ("--set", s))]
+    args = [
+        *KEYED,
+        "--max-steps",
+        "6",
+        "--save-every",
+        "0",
+        "--set",
+        "checkpoint.probe=false",
+        "--set",
+        "checkpoint.save_at_end=false",
+        "--set",
+        "log.tensorboard=false",
+        *(a for s in [*BF16_OVERLAP, "parallel.reduce_bucket_size=4096"] for a in ("--set", s)),
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     run(1, tiny_cfg, shards, one, *args)
     run(2, tiny_cfg, shards, two, *args)
@@ -104,4 +119,4 @@ def test_two_gloo_ranks_reducing_bf16_overlapped_equal_one_process(tiny_cfg, sha
     want, got = losses(one), losses(two)
     assert sorted(got) == sorted(want) == list(range(1, 7))
     assert max(abs(got[s] - want[s]) for s in want) <= 0.005, (got, want)
-    assert want[6] < want[1] - 0.05                            # it trained: a comparison of moving numbers
+    assert want[6] < want[1] - 0.05  # it trained: a comparison of moving numbers

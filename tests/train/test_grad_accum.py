@@ -12,6 +12,7 @@ one more rounding of at most u |sum|, u = 2^-8. So fp32 accumulation (v = 2^-24)
 (v = 2^-8 for every one of the k - 1 additions) does not: where the micro-batches' gradients cancel, partial sums
 much larger than |G| are rounded to 8 bits (tested: the same run with grad_accum_dtype=model).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,7 +49,9 @@ def _accumulated_gradients(cfg, weights, batches):
             assert g.dtype == torch.bfloat16
             total[name] += g.double()
             size[name] += g.double().abs()
+
         return hook
+
     for n, p in params.items():
         p.register_hook(record(n))
     for x, y in batches:
@@ -60,24 +63,34 @@ def _accumulated_gradients(cfg, weights, batches):
     accum = getattr(opt, "grad_acc_dtype", None) or getattr(opt, "gradient_accumulation_dtype", None)
     # BF16_Optimizer: the fp32 buffer it steps with (safe_get_full_grad reads its bf16 staging copy); the ZeRO
     # optimizer: what it reduced at the boundary
-    grads = {n: (p._hp_grad if getattr(p, "_hp_grad", None) is not None else safe_get_full_grad(p)).double().reshape(p.shape)
-             for n, p in params.items()}
+    grads = {
+        n: (p._hp_grad if getattr(p, "_hp_grad", None) is not None else safe_get_full_grad(p)).double().reshape(p.shape)
+        for n, p in params.items()
+    }
     return type(opt).__name__, accum, grads, total, size
 
 
 def _worker(rank, world, out):
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
+
     deepspeed.init_distributed(dist_backend="gloo")
-    base = ["precision.dtype=bf16", "parallel.zero_stage=1", f"train.grad_accum={ACCUM}", "model.dropout=0.0",
-            "optim.clip=0.0"]
+    base = [
+        "precision.dtype=bf16",
+        "parallel.zero_stage=1",
+        f"train.grad_accum={ACCUM}",
+        "model.dropout=0.0",
+        "optim.clip=0.0",
+    ]
     cfg = load(REPO / "configs/tiny-cpu.yaml", base)
     torch.manual_seed(0)
     weights = MemTransformerLM(cfg.model).state_dict()
     gen = torch.Generator().manual_seed(1)
     L, V = cfg.model.tgt_len, cfg.model.n_token
-    batches = [(torch.randint(0, V, (L, MICRO), generator=gen), torch.randint(0, V, (L, MICRO), generator=gen))
-               for _ in range(ACCUM)]
+    batches = [
+        (torch.randint(0, V, (L, MICRO), generator=gen), torch.randint(0, V, (L, MICRO), generator=gen))
+        for _ in range(ACCUM)
+    ]
     res = {}
     for setting in ("auto", "model"):
         c = load(REPO / "configs/tiny-cpu.yaml", base + [f"precision.grad_accum_dtype={setting}"])
@@ -87,11 +100,11 @@ def _worker(rank, world, out):
 
 def bound(exact, size):
     """fp32 accumulation of ACCUM terms, then one rounding to bf16 for the all-reduce (module docstring)."""
-    summed = (ACCUM - 1) * 2.0 ** -24 * size
-    return summed + 2.0 ** -8 * (exact.abs() + summed)
+    summed = (ACCUM - 1) * 2.0**-24 * size
+    return summed + 2.0**-8 * (exact.abs() + summed)
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
 def test_bf16_accumulates_in_fp32_and_model_dtype_does_not(tmp_path):
     out = tmp_path / "grads.pt"
     run_distributed(_worker, 1, str(out))
@@ -117,24 +130,37 @@ def test_every_shipped_half_precision_config_accumulates_in_fp32(config):
     the model dtype, so that DeepSpeed runs its ZeRO optimizer (parallel/zero.py); at grad_accum 2 it is fp32."""
     from megamemo.train.engine import ds_config
 
-    cfg = load(REPO / "configs" / config, [], vocab_fallback=32000)      # n_token auto: no data here
+    cfg = load(REPO / "configs" / config, [], vocab_fallback=32000)  # n_token auto: no data here
     got = ds_config(cfg, 1, 1).get("data_types", {}).get("grad_accum_dtype")
     p = cfg.precision
     one = p.dtype == "bf16" and cfg.parallel.zero_stage == 1 and cfg.train.grad_accum == 1 and cfg.parallel.pp == 1
     assert got == (None if p.dtype == "fp32" or one else "fp32"), (config, p.dtype, got)
     if one:
-        more = load(REPO / "configs" / config, ["train.grad_accum=2", "parallel.overlap_comm=false",
-                                                "parallel.reduce_bucket_size=null"], vocab_fallback=32000)
+        more = load(
+            REPO / "configs" / config,
+            ["train.grad_accum=2", "parallel.overlap_comm=false", "parallel.reduce_bucket_size=null"],
+            vocab_fallback=32000,
+        )
         assert ds_config(more, 1, 1)["data_types"]["grad_accum_dtype"] == "fp32"
 
 
-@pytest.mark.multiproc   # starts training processes (`-m 'not multiproc'`: the fast subset)
-def test_bf16_zero1_run_resumes_bit_exact(tiny_cfg, shards, tmp_path):  # noqa: F811
+@pytest.mark.multiproc  # starts training processes (`-m 'not multiproc'`: the fast subset)
+def test_bf16_zero1_run_resumes_bit_exact(tiny_cfg, shards, tmp_path):
     """bf16 + ZeRO 1 now runs DeepSpeed's BF16_Optimizer (fp32 accumulation): a run stopped at step 2 and resumed
     repeats the uninterrupted one's steps 3-4 bit for bit (its fp32 masters, Adam state and accumulation buffers
     restored through train/resumable.py)."""
-    args = ["--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=1", "--set", "train.grad_accum=2",
-            "--set", "checkpoint.probe=false", "--save-every", "2"]
+    args = [
+        "--set",
+        "precision.dtype=bf16",
+        "--set",
+        "parallel.zero_stage=1",
+        "--set",
+        "train.grad_accum=2",
+        "--set",
+        "checkpoint.probe=false",
+        "--save-every",
+        "2",
+    ]
     run(1, tiny_cfg, shards, tmp_path / "whole", *args, "--max-steps", "4")
     run(1, tiny_cfg, shards, tmp_path / "split", *args, "--max-steps", "2")
     run(1, tiny_cfg, shards, tmp_path / "split", *args, "--max-steps", "4")

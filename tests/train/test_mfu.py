@@ -1,6 +1,7 @@
 """Executed FLOP/s, HFU and MFU in the training progress lines (megamemo/train/metrics.py), the two FLOP counts they
 divide (megamemo/model/flops.py) against hand-computed values, the datasheet peak table (megamemo/runtime/peak.py),
 and the "resume" record of metrics.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,12 @@ def parse_line(line: str) -> tuple[float, float, float | None, float | None]:
     """(tokens/s, executed FLOP/s, HFU or None, MFU or None) as printed."""
     m = LINE.search(line)
     assert m, f"no throughput fields in {line!r}"
-    return (float(m.group(1).replace(",", "")), float(m.group(2)) * SCALE[m.group(3)], percent(m.group(4)),
-            percent(m.group(5)))
+    return (
+        float(m.group(1).replace(",", "")),
+        float(m.group(2)) * SCALE[m.group(3)],
+        percent(m.group(4)),
+        percent(m.group(5)),
+    )
 
 
 # ---- the two counts, by hand ---------------------------------------------------------------------------------
@@ -93,14 +98,25 @@ class Clock:
 def run_steps(tmp_path, monkeypatch, capsys, *, peak, world, steps=4, every=2, tokens=3000, dt=0.5):
     clock = Clock()
     monkeypatch.setattr(metrics_mod.time, "perf_counter", clock)
-    fpt, mfpt = 2392.0, 2280.0          # the small LaMemo's counts at B = 2 (worked out above)
-    m = Metrics(tmp_path, enabled=True, every=every, unit="bpc", tensorboard=False, start_step=0,
-                flops_per_token=fpt, model_flops_per_token=mfpt, peak_flops=peak, world_size=world)
+    fpt, mfpt = 2392.0, 2280.0  # the small LaMemo's counts at B = 2 (worked out above)
+    m = Metrics(
+        tmp_path,
+        enabled=True,
+        every=every,
+        unit="bpc",
+        tensorboard=False,
+        start_step=0,
+        flops_per_token=fpt,
+        model_flops_per_token=mfpt,
+        peak_flops=peak,
+        world_size=world,
+    )
     m.start_window()
     for s in range(1, steps + 1):
         clock.t += dt
-        m.train_step({"step": s, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1.0, "skipped": 0,
-                      "tokens": tokens})
+        m.train_step(
+            {"step": s, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1.0, "skipped": 0, "tokens": tokens}
+        )
     m.close()
     out = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
     recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -111,9 +127,9 @@ def test_log_line_and_records_carry_hfu_and_mfu(tmp_path, monkeypatch, capsys):
     """Two steps of 3000 tokens in 2 x 0.5 s: 6000 tokens/s; executed 6000 x 2392 = 14.352 MFLOP/s, model 6000 x
     2280 = 13.68 MFLOP/s; over 8 devices of 1 MFLOP/s: HFU 179.4%, MFU 171.0%."""
     lines, recs = run_steps(tmp_path, monkeypatch, capsys, peak=1e6, world=8)
-    assert len(lines) == 2                                    # every 2 steps
+    assert len(lines) == 2  # every 2 steps
     for line in lines:
-        assert parse_line(line) == (6000, 14.4e6, 1.794, 1.71)      # printed: 3 digits, 0.1%
+        assert parse_line(line) == (6000, 14.4e6, 1.794, 1.71)  # printed: 3 digits, 0.1%
     logged = [r for r in recs if "tokens_per_s" in r]
     assert [r["step"] for r in logged] == [2, 4]
     for r in logged:
@@ -121,7 +137,7 @@ def test_log_line_and_records_carry_hfu_and_mfu(tmp_path, monkeypatch, capsys):
         assert r["hfu_flops_per_s"] == pytest.approx(14.352e6, rel=1e-12)
         assert r["mfu_flops_per_s"] == pytest.approx(13.68e6, rel=1e-12)
         assert r["hfu"] == pytest.approx(1.794, rel=1e-12) and r["mfu"] == pytest.approx(1.71, rel=1e-12)
-        assert "model_flops_per_s" not in r                  # the old key, which held the executed figure
+        assert "model_flops_per_s" not in r  # the old key, which held the executed figure
     assert all("mfu" not in r and "hfu" not in r for r in recs if "tokens_per_s" not in r)
 
 
@@ -129,29 +145,34 @@ def test_unknown_peak_prints_na(tmp_path, monkeypatch, capsys):
     lines, recs = run_steps(tmp_path, monkeypatch, capsys, peak=None, world=2)
     assert parse_line(lines[0]) == (6000, 14.4e6, None, None)
     assert recs[1]["hfu"] is None and recs[1]["mfu"] is None
-    assert recs[1]["hfu_flops_per_s"] == pytest.approx(14.352e6) and recs[1]["mfu_flops_per_s"] == pytest.approx(13.68e6)
+    assert recs[1]["hfu_flops_per_s"] == pytest.approx(14.352e6) and recs[1]["mfu_flops_per_s"] == pytest.approx(
+        13.68e6
+    )
 
 
 # ---- the peak table ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,dtype,tflops", [
-    ("Tesla V100-SXM2-32GB", "fp16", 125.0),
-    ("Tesla V100-SXM2-16GB", "fp32", 15.7),
-    ("Tesla V100-PCIE-32GB", "fp16", 112.0),
-    ("Tesla V100S-PCIE-32GB", "fp16", 130.0),
-    ("Tesla V100-SXM2-32GB", "bf16", None),               # no bf16 tensor cores
-    ("Tesla V100-SXM2-32GB", "tf32", None),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-    ("NVIDIA A100-PCIE-40GB", "fp16", 312.0),
-    ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
-    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.5),               # H100 SXM5
-    ("NVIDIA H100 80GB HBM3", "tf32", 494.5),
-    ("NVIDIA H100 PCIe", "bf16", 756.5),
-    ("NVIDIA H100 NVL", "fp16", 835.5),
-    ("NVIDIA H200", "bf16", 989.5),
-    ("NVIDIA A10", "bf16", None),                          # not A100
-    ("NVIDIA GeForce RTX 4090", "bf16", None),
-])
+@pytest.mark.parametrize(
+    "name,dtype,tflops",
+    [
+        ("Tesla V100-SXM2-32GB", "fp16", 125.0),
+        ("Tesla V100-SXM2-16GB", "fp32", 15.7),
+        ("Tesla V100-PCIE-32GB", "fp16", 112.0),
+        ("Tesla V100S-PCIE-32GB", "fp16", 130.0),
+        ("Tesla V100-SXM2-32GB", "bf16", None),  # no bf16 tensor cores
+        ("Tesla V100-SXM2-32GB", "tf32", None),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100-PCIE-40GB", "fp16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
+        ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.5),  # H100 SXM5
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.5),
+        ("NVIDIA H100 PCIe", "bf16", 756.5),
+        ("NVIDIA H100 NVL", "fp16", 835.5),
+        ("NVIDIA H200", "bf16", 989.5),
+        ("NVIDIA A10", "bf16", None),  # not A100
+        ("NVIDIA GeForce RTX 4090", "bf16", None),
+    ],
+)
 def test_peak_by_device_name(name, dtype, tflops):
     got = peak_flops(name, dtype)
     assert (got is None) if tflops is None else got == pytest.approx(tflops * 1e12)
@@ -170,8 +191,18 @@ def test_one_gpu_catalogue_serves_the_peak_and_the_planner():
     from megamemo.plan.devices import DEVICES, device
     from megamemo.runtime.gpus import GPUS, PLANNED, gpu
 
-    assert PLANNED == ("v100-16g", "v100-32g", "a100-40g", "a100-80g", "h100-nvl", "h100-pcie", "h100-80g", "h200",
-                       "b200", "l40s")
+    assert PLANNED == (
+        "v100-16g",
+        "v100-32g",
+        "a100-40g",
+        "a100-80g",
+        "h100-nvl",
+        "h100-pcie",
+        "h100-80g",
+        "h200",
+        "b200",
+        "l40s",
+    )
     for kind in PLANNED:
         g, d = GPUS[kind], DEVICES[kind]
         assert d.peak == {k: v * 1e12 for k, v in g.peak_tflops.items()} and d.mem_bw == g.mem_bw
@@ -181,7 +212,7 @@ def test_one_gpu_catalogue_serves_the_peak_and_the_planner():
         with pytest.raises(ValueError, match=r"^unknown device kind 'a100-81g' \(nearest: a100-80g\); known: v100-16g"):
             ask()
     with pytest.raises(ValueError, match="unknown device kind 'h200-nvl'"):
-        gpu("h200-nvl")                     # a peak-only entry: not a kind the planner takes
+        gpu("h200-nvl")  # a peak-only entry: not a kind the planner takes
 
 
 def test_cpu_peak_and_override():
@@ -198,20 +229,19 @@ def test_cpu_peak_and_override():
 def test_resume_record_after_trimmed_history(tmp_path):
     path = tmp_path / "metrics.jsonl"
     rows = [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, 8)] + [{"kind": "eval", "step": 6}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "tra')   # a line cut by a crash
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "tra')  # a line cut by a crash
     before = path.read_text()
     Metrics(tmp_path, enabled=True, every=10, unit="bpc", tensorboard=False, start_step=5).close()
-    assert path.read_text() == before     # a resume that fails before its first step changes nothing
+    assert path.read_text() == before  # a resume that fails before its first step changes nothing
     step6 = {"step": 6, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1.0, "skipped": 0, "tokens": 8}
-    for _ in range(2):                    # resuming twice from the same checkpoint leaves one marker there
+    for _ in range(2):  # resuming twice from the same checkpoint leaves one marker there
         m = Metrics(tmp_path, enabled=True, every=10, unit="bpc", tensorboard=False, start_step=5)
         m.train_step(dict(step6))
         m.close()
     recs = [json.loads(ln) for ln in path.read_text().splitlines()]
-    assert [(r["kind"], r["step"]) for r in recs] == [("train", s) for s in range(1, 6)] + [("resume", 5),
-                                                                                          ("train", 6)]
+    assert [(r["kind"], r["step"]) for r in recs] == [("train", s) for s in range(1, 6)] + [("resume", 5), ("train", 6)]
     assert isinstance(recs[-2]["time"], float)
     m = Metrics(tmp_path, enabled=True, every=10, unit="bpc", tensorboard=False, start_step=0)
     m.train_step(dict(step6, step=1))
     m.close()
-    assert [json.loads(ln)["kind"] for ln in path.read_text().splitlines()] == ["train"]   # a fresh start
+    assert [json.loads(ln)["kind"] for ln in path.read_text().splitlines()] == ["train"]  # a fresh start

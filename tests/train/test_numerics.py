@@ -1,20 +1,21 @@
 """Runs that survive their own numerics (issue 47; megamemo/train/numerics.py, rollback.py, replay.py):
-  * fingerprints see any one flipped bit; the verdict over every rank's names the replica at fault: partition p's
-    owner under ZeRO 1/2 (its fp32 master made it), the majority under ZeRO 0, both of a pair that cannot tell;
-  * a replica mismatch is recorded as node-suspect, naming the rank and its host, and retried;
-  * the supervisor's decision by replay (runtime/suspect.py, MEGAMEMO_REPLAY_SUSPECT=1): a verdict in, a decision
-    out; the replay's process read, or killed with its children past its timeout;
-  * the spike rules; their config errors name the key;
-  * 2 ranks: a bit flipped in rank 1's weights at a check is caught, named, replayed by the launcher before its
-    restart (MEGAMEMO_REPLAY_SUSPECT=1: "resume"), and the job resumes from the checkpoint before it with the losses
-    of an uninterrupted run, bit for bit;
-  * 2 ranks: a bad batch's spike is rolled back past its data, recorded (interruptions.jsonl, goodput), and a second
-    run with the same injection has the same losses bit for bit; the undone attempt's records are kept, and the
-    spike, replayed as it first happened (`--rolled-back`), is identical with the bad batch and differs without;
-  * megamemo replay: identical under the run's own layout (its LR schedule resumed past warmup), within its stated
-    tolerance for a DP 2 run with keyed dropout replayed in one process, differs at the step whose recorded loss was
-    tampered with;
-  * the replica check's cost on the CPU at the default interval."""
+* fingerprints see any one flipped bit; the verdict over every rank's names the replica at fault: partition p's
+  owner under ZeRO 1/2 (its fp32 master made it), the majority under ZeRO 0, both of a pair that cannot tell;
+* a replica mismatch is recorded as node-suspect, naming the rank and its host, and retried;
+* the supervisor's decision by replay (runtime/suspect.py, MEGAMEMO_REPLAY_SUSPECT=1): a verdict in, a decision
+  out; the replay's process read, or killed with its children past its timeout;
+* the spike rules; their config errors name the key;
+* 2 ranks: a bit flipped in rank 1's weights at a check is caught, named, replayed by the launcher before its
+  restart (MEGAMEMO_REPLAY_SUSPECT=1: "resume"), and the job resumes from the checkpoint before it with the losses
+  of an uninterrupted run, bit for bit;
+* 2 ranks: a bad batch's spike is rolled back past its data, recorded (interruptions.jsonl, goodput), and a second
+  run with the same injection has the same losses bit for bit; the undone attempt's records are kept, and the
+  spike, replayed as it first happened (`--rolled-back`), is identical with the bad batch and differs without;
+* megamemo replay: identical under the run's own layout (its LR schedule resumed past warmup), within its stated
+  tolerance for a DP 2 run with keyed dropout replayed in one process, differs at the step whose recorded loss was
+  tampered with;
+* the replica check's cost on the CPU at the default interval."""
+
 from __future__ import annotations
 
 import json
@@ -46,16 +47,23 @@ def test_a_fingerprint_sees_any_one_flipped_bit_and_nothing_else():
     for index in (0, 100, 770):
         for bit in (0, 13, 22, 30, 31):
             u = t.clone()
-            u.view(-1)[index:index + 1].view(torch.int32).bitwise_xor_(1 << bit if bit < 31 else -2 ** 31)
+            u.view(-1)[index : index + 1].view(torch.int32).bitwise_xor_(1 << bit if bit < 31 else -(2**31))
             assert fingerprint([u, torch.arange(5.0)]) != base, (index, bit)
     swapped = t.clone().view(-1)
     swapped[[0, 1]] = swapped[[1, 0]]
-    assert fingerprint([swapped.view(257, 3), torch.arange(5.0)]) != base      # where a value sits counts too
+    assert fingerprint([swapped.view(257, 3), torch.arange(5.0)]) != base  # where a value sits counts too
 
 
 def _zero(rank, parts, owns, own_ok=True, scalars=7, group=(0, 0)):
-    return {"rank": rank, "node": f"n{rank}", "group": list(group), "scalars": scalars, "partitions": parts,
-            "owns": owns, "own_ok": own_ok}
+    return {
+        "rank": rank,
+        "node": f"n{rank}",
+        "group": list(group),
+        "scalars": scalars,
+        "partitions": parts,
+        "owns": owns,
+        "own_ok": own_ok,
+    }
 
 
 def test_the_verdict_names_the_replica_at_fault():
@@ -67,8 +75,10 @@ def test_the_verdict_names_the_replica_at_fault():
     suspects, _ = verdict([_zero(0, [9, 2], 0, own_ok=False), _zero(1, [1, 2], 1)])
     assert [s["rank"] for s in suspects] == [0]
     # ZeRO 0: the majority of three; a pair that disagrees names both; replicas of other TP ranks apart
-    whole = [{"rank": r, "node": "n", "group": [r % 2, 0], "scalars": 1, "state": v} for r, v in
-             enumerate([5, 6, 5, 6, 5, 6])]
+    whole = [
+        {"rank": r, "node": "n", "group": [r % 2, 0], "scalars": 1, "state": v}
+        for r, v in enumerate([5, 6, 5, 6, 5, 6])
+    ]
     assert verdict(whole)[0] == []
     whole[4]["state"] = 8
     assert [s["rank"] for s in verdict(whole)[0]] == [4]
@@ -84,13 +94,14 @@ def test_a_replica_mismatch_is_recorded_as_node_suspect_and_retried(tmp_path):
     beats.mkdir()
     note = {"suspects": [{"rank": 1, "node": "node7"}], "step": 6, "line": "..."}
     for r in range(2):
-        (beats / f"rank{r}.json").write_text(json.dumps({"rank": r, "node": f"node{r + 6}", "beat": time.time(),
-                                                         "step": 6, "replicas": note}))
+        (beats / f"rank{r}.json").write_text(
+            json.dumps({"rank": r, "node": f"node{r + 6}", "beat": time.time(), "step": 6, "replicas": note})
+        )
     exits = [Exit(0, EXIT_NODE_SUSPECT, 10.0, "node6"), Exit(1, EXIT_NODE_SUSPECT, 10.1, "node7")]
     rec = interruptions.record(tmp_path, exits, started=time.time() - 5)
     assert (rec["kind"], rec["rank"], rec["node"], rec["exit_code"]) == ("node", 1, "node7", EXIT_NODE_SUSPECT)
     assert rec["node_fault"] == "replica mismatch: rank 1 (node7)"
-    assert interruptions.decide(rec, [rec, rec], restarts_left=1) == (True, "")    # never "deterministic"
+    assert interruptions.decide(rec, [rec, rec], restarts_left=1) == (True, "")  # never "deterministic"
 
 
 # ---- the supervisor's decision by replay (runtime/suspect.py) --------------------------------------------------------
@@ -99,25 +110,34 @@ def test_the_supervisors_decision_by_replay_from_its_verdict(tmp_path):
 
     same, within = "replay: identical", "replay: within 1.1e-05 relative = 3 steps x 64 tokens x u 6.0e-08"
     differs = "replay: differs at step 6: loss 5.3 replayed, 5.2 recorded (relative difference 1.92e-02)"
-    assert [suspect.decide("node", v, 6)[0] for v in (same, within, differs, "timed out after 600 s", "")] == \
-        ["resume", "resume", "exclude", "default", "default"]
+    assert [suspect.decide("node", v, 6)[0] for v in (same, within, differs, "timed out after 600 s", "")] == [
+        "resume",
+        "resume",
+        "exclude",
+        "default",
+        "default",
+    ]
     assert [suspect.decide("spike", v, 8)[0] for v in (same, differs)] == ["rollback", "exclude"]
     rec = {"kind": "node", "step": 6}
     assert suspect.enabled(rec, {"MEGAMEMO_REPLAY_SUSPECT": "1"})
     assert not suspect.enabled(rec, {}) and not suspect.enabled(rec, {"MEGAMEMO_REPLAY_SUSPECT": "0"})
-    assert not suspect.enabled({"kind": "crash", "step": 6}, {"MEGAMEMO_REPLAY_SUSPECT": "1"})   # a crash: no replay
+    assert not suspect.enabled({"kind": "crash", "step": 6}, {"MEGAMEMO_REPLAY_SUSPECT": "1"})  # a crash: no replay
     # the replay's process: its last verdict line read, a failure's last line of error, a timeout
     fake = tmp_path / "fake"
-    for script, expected in ((f'echo "[replay] steps 4..6"; echo "{differs}"; exit 1', differs),
-                             ('echo "megamemo replay: error: --step 6: no checkpoint" >&2; exit 2',
-                              "megamemo replay: error: --step 6: no checkpoint"),
-                             ("sleep 30 & sleep 30", "timed out after 1 s")):     # a child of its own too
+    for script, expected in (
+        (f'echo "[replay] steps 4..6"; echo "{differs}"; exit 1', differs),
+        (
+            'echo "megamemo replay: error: --step 6: no checkpoint" >&2; exit 2',
+            "megamemo replay: error: --step 6: no checkpoint",
+        ),
+        ("sleep 30 & sleep 30", "timed out after 1 s"),
+    ):  # a child of its own too
         fake.write_text(f"#!/bin/bash\n{script}\n")
         fake.chmod(0o755)
         env = {"MEGAMEMO_REPLAY_CMD": str(fake), "MEGAMEMO_REPLAY_TIMEOUT_S": "1", "PATH": os.environ["PATH"]}
         out = suspect.replay(tmp_path, rec, environ=env)
         assert (out["verdict"], out["decision"]) == (expected, suspect.decide("node", expected, 6)[0]), out
-        assert out["seconds"] < 15, out                  # the timed-out one's children killed with it, not waited for
+        assert out["seconds"] < 15, out  # the timed-out one's children killed with it, not waited for
 
 
 def test_a_stop_signal_during_the_failures_replay_is_not_lost_to_a_restart(monkeypatch):
@@ -132,7 +152,7 @@ def test_a_stop_signal_during_the_failures_replay_is_not_lost_to_a_restart(monke
     monkeypatch.setattr(launcher, "wait", lambda: EXIT_NODE_SUSPECT)
 
     def record():
-        launcher.on_signal(signal.SIGTERM, None)                # during the replay
+        launcher.on_signal(signal.SIGTERM, None)  # during the replay
         return True, "", None
 
     monkeypatch.setattr(launcher, "record", record)
@@ -163,21 +183,27 @@ def _watch(rule, losses_, **kw):
 
 def test_the_spike_rules():
     flat = [3.0, 3.1, 2.9, 3.0]
-    assert _watch("zscore", flat[:3]).judge(100.0) is None            # the window is not full yet
+    assert _watch("zscore", flat[:3]).judge(100.0) is None  # the window is not full yet
     assert _watch("zscore", flat).judge(3.2) is None
-    assert "standard deviations" in _watch("zscore", flat).judge(3.6)   # (3.6 - 3) / 0.0707 = 8.5 > 6
+    assert "standard deviations" in _watch("zscore", flat).judge(3.6)  # (3.6 - 3) / 0.0707 = 8.5 > 6
     assert _watch("zscore", flat, threshold=9).judge(3.6) is None
     assert _watch("ratio", flat).judge(5.9) is None and "x the median" in _watch("ratio", flat).judge(6.1)
     assert "not finite" in _watch("ratio", []).judge(float("nan"))
     assert _watch("off", flat).judge(float("nan")) is None
     w = _watch("zscore", [1, 2, 3, 4, 5, 6])
-    assert w.window == [3, 4, 5, 6]                                      # the last `window` losses
+    assert w.window == [3, 4, 5, 6]  # the last `window` losses
 
 
-@pytest.mark.parametrize("value, key", [("{rule: median}", "train.spike.rule"), ("{window: 1}", "train.spike.window"),
-                                        ("{rule: ratio, threshold: 0.5}", "train.spike.threshold"),
-                                        ("{action: skip}", "train.spike.action"),
-                                        ("{colour: red}", "train.spike.colour")])
+@pytest.mark.parametrize(
+    "value, key",
+    [
+        ("{rule: median}", "train.spike.rule"),
+        ("{window: 1}", "train.spike.window"),
+        ("{rule: ratio, threshold: 0.5}", "train.spike.threshold"),
+        ("{action: skip}", "train.spike.action"),
+        ("{colour: red}", "train.spike.colour"),
+    ],
+)
 def test_a_bad_spike_setting_is_one_error_naming_its_key(value, key):
     from megamemo.train.config import load
 
@@ -192,17 +218,30 @@ def reference(tiny_cfg, shards, reference_runs):
 
 
 @multiproc
-def test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_exact(tiny_cfg, shards, reference,
-                                                                                    tmp_path):
+def test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_exact(
+    tiny_cfg, shards, reference, tmp_path
+):
     run_dir = tmp_path / "run"
     # synchronous saves: the step-3 checkpoint is committed before step 4 (an asynchronous commit can still be under
     # way at the step-6 failure on a loaded machine, and the restart would then start afresh)
     # MEGAMEMO_REPLAY_SUSPECT=1: before the restart the launcher replays steps 4..6 in two other processes (the
     # step-3 checkpoint's layout): the flip came after step 6's last recorded number, so they reproduce -> "resume",
     # written into the failure's record (without it: no replay, test_launch_sbatch_args.py's node-suspect test)
-    p = local_launch.start(tiny_cfg, shards, run_dir, "--max-steps", "12", "--set", "checkpoint.async_save=false",
-                           n=2, restarts=1, env={"MEGAMEMO_FAULT_FLIP": "weights:6:1@0",   # the step-6 check, start 1
-                                                 "MEGAMEMO_REPLAY_SUSPECT": "1"})
+    p = local_launch.start(
+        tiny_cfg,
+        shards,
+        run_dir,
+        "--max-steps",
+        "12",
+        "--set",
+        "checkpoint.async_save=false",
+        n=2,
+        restarts=1,
+        env={
+            "MEGAMEMO_FAULT_FLIP": "weights:6:1@0",  # the step-6 check, start 1
+            "MEGAMEMO_REPLAY_SUSPECT": "1",
+        },
+    )
     assert local_launch.finish(p, 300) == 0, local_launch.text(run_dir)[-3000:]
     out = local_launch.text(run_dir)
     assert "megamemo train: error: replica check after step 6: rank 1 (" in out, out[-3000:]
@@ -221,8 +260,14 @@ def test_a_bit_flipped_in_one_replica_is_caught_named_and_the_job_resumes_bit_ex
     assert saved["seconds"] < 0.01 * 100 * mean, (saved["seconds"], mean)
 
 
-SPIKE = ("--max-steps", "12", "--set", "checkpoint.probe=false", "--set",
-         "train.spike={rule: zscore, window: 4, threshold: 3, skip_batches: 2, max_rollbacks: 1}")
+SPIKE = (
+    "--max-steps",
+    "12",
+    "--set",
+    "checkpoint.probe=false",
+    "--set",
+    "train.spike={rule: zscore, window: 4, threshold: 3, skip_batches: 2, max_rollbacks: 1}",
+)
 
 
 @multiproc
@@ -231,37 +276,45 @@ def test_a_spike_is_rolled_back_past_its_data_recorded_and_replays_bit_for_bit(t
     for run_dir in runs:
         run(2, tiny_cfg, shards, run_dir, *SPIKE, env_extra={"MEGAMEMO_FAULT_BAD_BATCH": "8"})
     first = losses(runs[0])
-    assert first == losses(runs[1])                                    # the same injection: the same losses
+    assert first == losses(runs[1])  # the same injection: the same losses
     assert list(first) == list(range(1, 13))
-    assert {s: first[s] for s in range(1, 8)} == {s: reference[s] for s in range(1, 8)}   # 7 done again alike
+    assert {s: first[s] for s in range(1, 8)} == {s: reference[s] for s in range(1, 8)}  # 7 done again alike
     [rec] = interruptions.history(runs[0])
     assert (rec["kind"], rec["step"], rec["rollback_to"]) == ("spike", 8, 6) and rec["loss"] > 5.6
     assert rec["skipped"] == [{"step": 8, "batches": 2, "from": {"epoch": 0, "step": 7}}]
-    assert first[8] < 5.4 and first[8] not in (rec["loss"], reference[8])   # batch 10 now, not batch 8 or 9
+    assert first[8] < 5.4 and first[8] not in (rec["loss"], reference[8])  # batch 10 now, not batch 8 or 9
     g = goodput.of_run(runs[0])
     assert g["interruptions"] == 1 and g["lost_s"] == pytest.approx(rec["seconds_lost"]) and g["steps"] == 12
     # the undone attempt's steps 7 and 8 (the spike) kept beside metrics.jsonl, and replayed as they first happened
     kept = [json.loads(x) for x in (runs[0] / "metrics.rolled_back.jsonl").read_text().splitlines()]
-    assert [(r["kind"], r["step"], r["rolled_back"]) for r in kept] == [("train", s, {"spike": 8, "to": 6})
-                                                                        for s in (7, 8)]
+    assert [(r["kind"], r["step"], r["rolled_back"]) for r in kept] == [
+        ("train", s, {"spike": 8, "to": 6}) for s in (7, 8)
+    ]
     assert kept[0]["loss"] == first[7] and kept[1]["loss"] == rec["loss"]
     bad = {"MEGAMEMO_FAULT_BAD_BATCH": "8"}
-    assert replay(runs[0], 8, "--dp", "2", "--rolled-back", env=bad) == (0, "replay: identical")   # the data's fault
-    rc, line = replay(runs[0], 8, "--dp", "2", "--rolled-back")        # other data (no bad batch): not the spike
+    assert replay(runs[0], 8, "--dp", "2", "--rolled-back", env=bad) == (0, "replay: identical")  # the data's fault
+    rc, line = replay(runs[0], 8, "--dp", "2", "--rolled-back")  # other data (no bad batch): not the spike
     assert rc == 1 and line.startswith("replay: differs at step 8: loss "), line
-    assert replay(runs[0], 8, "--dp", "2", env=bad) == (0, "replay: identical")     # the attempt that stood: skipped
+    assert replay(runs[0], 8, "--dp", "2", env=bad) == (0, "replay: identical")  # the attempt that stood: skipped
 
 
 def replay(run_dir, step, *args, env=None):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO), **(env or {}))
-    p = subprocess.run([sys.executable, "-m", "megamemo", "replay", "--ckpt", str(run_dir), "--step", str(step), *args],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "megamemo", "replay", "--ckpt", str(run_dir), "--step", str(step), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     return p.returncode, p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr
 
 
 @multiproc
-def test_replay_is_identical_under_the_runs_layout_and_finds_a_tampered_step(tiny_cfg, shards, reference_runs,
-                                                                            tmp_path):
+def test_replay_is_identical_under_the_runs_layout_and_finds_a_tampered_step(
+    tiny_cfg, shards, reference_runs, tmp_path
+):
     one = reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT)
     assert replay(one, 6) == (0, "replay: identical")
     tampered = tmp_path / "run"
@@ -270,7 +323,7 @@ def test_replay_is_identical_under_the_runs_layout_and_finds_a_tampered_step(tin
     for i, line in enumerate(lines):
         rec = json.loads(line)
         if rec.get("kind") == "train" and rec["step"] == 5:
-            lines[i] = json.dumps({**rec, "grad_norm": rec["grad_norm"] * (1 + 2 ** -20)})
+            lines[i] = json.dumps({**rec, "grad_norm": rec["grad_norm"] * (1 + 2**-20)})
     (tampered / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     rc, line = replay(tampered, 6)
     assert rc == 1 and line.startswith("replay: differs at step 5: grad_norm "), line

@@ -1,6 +1,7 @@
 """`megamemo train` runs that must compute the same thing: data parallelism under every ZeRO stage against one
 process, and bf16 against fp32. Real processes on the enwik8 prefix (the helpers and fixtures of
 tests/train/test_train_runs.py); short runs, checkpointed only for the step-6 weights' drift."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,13 +11,24 @@ from test_train_runs import ONE_PROCESS_EXACT, checkpoint_model, eval_records, l
 
 from megamemo.checkpoint.store import newest_complete
 
-pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+pytestmark = (
+    pytest.mark.multiproc
+)  # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
 STEPS = 6
 # fp32, keyed dropout 0.1 / dropatt 0.1 (runs_cache.KEYED), no checkpoint written (probe and end-of-run save off);
 # 4 streams of 16 tokens
-EXACT = [*KEYED, "--max-steps", str(STEPS), "--save-every", "0",
-         "--set", "checkpoint.probe=false", "--set", "checkpoint.save_at_end=false"]
+EXACT = [
+    *KEYED,
+    "--max-steps",
+    str(STEPS),
+    "--save-every",
+    "0",
+    "--set",
+    "checkpoint.probe=false",
+    "--set",
+    "checkpoint.save_at_end=false",
+]
 
 
 def drift_at_step6(run_a, run_b):
@@ -38,19 +50,31 @@ def one_process(tiny_cfg, shards, reference_runs) -> dict[int, float]:
     return got
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 def test_zero2_overlapping_the_reduction_equals_zero1(tiny_cfg, shards, reference_runs, tmp_path):
     """Two ranks x 2 micro-batches of 1 stream, fp32, keyed dropout: ZeRO 2 reducing every micro-batch's gradients
     during its backward pass (parallel.overlap_comm) in buckets of 4,096 elements - the model's 27,424 parameters in
     several buckets, its 8,192-element embedding larger than one - against the session's ZeRO 1 run of the same
     layout (helpers/runs_cache.py TWO_RANKS_ACCUM), which reduces once a step after the last backward in one bucket:
     the per-step losses within what the weights' drift explains (fp32: only the order of the gradient sums
-    differs), and the validation loss of the step-6 weights too. The start-up lines say what DeepSpeed's optimizer was built with (read from
+    differs), and the validation loss of the step-6 weights too. The start-up lines say what DeepSpeed's optimizer was
+    built with (read from
     it: Engine.reduction), so the comparison is between the two reductions, not two of the same."""
     ref = reference_runs.get(2, tiny_cfg, shards, *TWO_RANKS_ACCUM)
     run_dir = tmp_path / "zero2-overlap"
-    run(2, tiny_cfg, shards, run_dir, *TWO_RANKS_ACCUM, "--set", "parallel.zero_stage=2",
-        "--set", "parallel.overlap_comm=true", "--set", "parallel.reduce_bucket_size=4096")
+    run(
+        2,
+        tiny_cfg,
+        shards,
+        run_dir,
+        *TWO_RANKS_ACCUM,
+        "--set",
+        "parallel.zero_stage=2",
+        "--set",
+        "parallel.overlap_comm=true",
+        "--set",
+        "parallel.reduce_bucket_size=4096",
+    )
     assert "ZeRO 1 (after the backward, buckets of 500,000,000) |" in logs(ref)
     assert "ZeRO 2 (overlapped with the backward, buckets of 4,096) |" in logs(run_dir)
     want, got = losses(ref), losses(run_dir)
@@ -61,33 +85,42 @@ def test_zero2_overlapping_the_reduction_equals_zero1(tiny_cfg, shards, referenc
     rho, cfg = drift_at_step6(ref, run_dir)
     for step in want:
         assert abs(got[step] - want[step]) <= drift_bound(cfg, rho, want[step]), (step, got[step], want[step], rho)
-    assert want[6] < want[1] - 0.05                           # it trained: a comparison of moving numbers
+    assert want[6] < want[1] - 0.05  # it trained: a comparison of moving numbers
     (e_ref,), (e_got,) = eval_records(ref), eval_records(run_dir)
     assert e_got["step"] == e_ref["step"] == 6
     assert abs(e_got["loss"] - e_ref["loss"]) <= drift_bound(cfg, rho, e_ref["loss"]), (e_got, e_ref, rho)
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 @pytest.mark.parametrize("zero", [0, 1, 2])
-def test_dp2_equals_one_process_under_every_zero_stage(zero, one_process, tiny_cfg, shards, reference_runs,
-                                                        tmp_path):
+def test_dp2_equals_one_process_under_every_zero_stage(zero, one_process, tiny_cfg, shards, reference_runs, tmp_path):
     """Two ranks of 2 streams each, ZeRO-0 (plain all-reduce), ZeRO-1 (optimizer state split) or ZeRO-2 (gradients
     split too), dropout 0.1 and dropatt 0.1 with keyed masks: the per-step losses are the one-process run's within
     what the weights' drift explains (fp32: only the order of the gradient sums differs; the ranks drop what the
     one process drops)."""
     run_dir = tmp_path / f"zero{zero}"
-    run(2, tiny_cfg, shards, run_dir, *EXACT, "--set", f"parallel.zero_stage={zero}",
-        "--set", "checkpoint.save_at_end=true")       # the step-6 weights, for their drift (no loss changes)
+    run(
+        2,
+        tiny_cfg,
+        shards,
+        run_dir,
+        *EXACT,
+        "--set",
+        f"parallel.zero_stage={zero}",
+        "--set",
+        "checkpoint.save_at_end=true",
+    )  # the step-6 weights, for their drift (no loss changes)
     got = losses(run_dir)
     assert sorted(got) == sorted(one_process)
-    # the weights drift apart by rounding: rho at step 6 (tests/helpers/bounds.py) bounds each step's loss by drift_bound
+    # the weights drift apart by rounding: rho at step 6 (tests/helpers/bounds.py) bounds each step's loss by
+    # drift_bound
     rho, cfg = drift_at_step6(reference_runs.get(1, tiny_cfg, shards, *ONE_PROCESS_EXACT), run_dir)
     for step, want in one_process.items():
         assert abs(got[step] - want) <= drift_bound(cfg, rho, want), (zero, step, got[step], want, rho)
-    assert one_process[STEPS] < one_process[1] - 0.05        # it trained: a comparison of moving numbers
+    assert one_process[STEPS] < one_process[1] - 0.05  # it trained: a comparison of moving numbers
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 def test_bf16_run_tracks_the_fp32_run(one_process, tiny_cfg, shards, tmp_path):
     """One process, bf16 (DeepSpeed's: bf16 weights and activations, fp32 master weights and Adam state) against
     the fp32 run, per step: within 0.005 nats. Both drop the same elements (keyed masks do not depend on the dtype).
@@ -111,4 +144,4 @@ def test_bf16_run_tracks_the_fp32_run(one_process, tiny_cfg, shards, tmp_path):
     diffs = {s: abs(got[s] - one_process[s]) for s in one_process}
     assert max(diffs.values()) <= 0.005, (diffs, got, one_process)
     assert one_process[1] - one_process[STEPS] > 0.1
-    assert any(d > 0 for d in diffs.values())               # bf16 did round: not two fp32 runs compared
+    assert any(d > 0 for d in diffs.values())  # bf16 did round: not two fp32 runs compared

@@ -1,8 +1,9 @@
-"""`megamemo train` under tensor (TP=2), pipeline (PP=2) and both (TP=2 x PP=2) parallelism, with real processes: the same per-step
-losses as one process (with gradient accumulation: a memory per micro-batch), the same memory once the ranks'
-shards are put together, and bit-exact resume after a rank is killed while saving. Dropout 0.1 and dropatt 0.1 with
-keyed masks (helpers/runs_cache.py KEYED): every layout drops what the one process drops (with stream masks it would
-not: each TP rank and each pipeline stage draws from streams of its own)."""
+"""`megamemo train` under tensor (TP=2), pipeline (PP=2) and both (TP=2 x PP=2) parallelism, with real processes: the
+same per-step losses as one process (with gradient accumulation: a memory per micro-batch), the same memory once the
+ranks' shards are put together, and bit-exact resume after a rank is killed while saving. Dropout 0.1 and dropatt 0.1
+with keyed masks (helpers/runs_cache.py KEYED): every layout drops what the one process drops (with stream masks it
+would not: each TP rank and each pipeline stage draws from streams of its own)."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import signal
 import pytest
 from helpers.bounds import drift_bound
 from helpers.runs_cache import KEYED
-from test_train_runs import (  # noqa
+from test_train_runs import (
     assert_no_corrupt_checkpoint,
     checkpoint_memory,
     checkpoint_model,
@@ -31,9 +32,20 @@ from megamemo.model import ModelConfig
 # instruction set (scripts/test_other_isa.sh)
 pytestmark = [pytest.mark.multiproc, pytest.mark.numerics]
 
-EXACT = [*KEYED, "--set", "train.grad_accum=2",
-         # periodic validation at its own lengths (memory 16 + 16 - 8 = 24 rows), through the stages under PP
-         "--set", "eval.every=4", "--set", "eval.tgt_len=8", "--set", "eval.max_segments=5", "--set", "eval.batch_size=4"]
+EXACT = [
+    *KEYED,
+    "--set",
+    "train.grad_accum=2",
+    # periodic validation at its own lengths (memory 16 + 16 - 8 = 24 rows), through the stages under PP
+    "--set",
+    "eval.every=4",
+    "--set",
+    "eval.tgt_len=8",
+    "--set",
+    "eval.max_segments=5",
+    "--set",
+    "eval.batch_size=4",
+]
 
 
 def eval_losses(run_dir) -> dict[int, tuple[float, int]]:
@@ -48,7 +60,7 @@ def single(tiny_cfg, shards, tmp_path_factory):
     return run_dir
 
 
-FP32_U = 2.0 ** -24      # fp32's unit roundoff
+FP32_U = 2.0**-24  # fp32's unit roundoff
 
 
 def weight_drift(run_a, run_b) -> tuple[float, ModelConfig]:
@@ -56,8 +68,11 @@ def weight_drift(run_a, run_b) -> tuple[float, ModelConfig]:
     checkpoints, the model's config)."""
     a = checkpoint_model(newest_complete(run_a / "checkpoints"))
     b = checkpoint_model(newest_complete(run_b / "checkpoints")).state_dict()
-    rho = max(float((w - b[k]).abs().max()) / max(float(w.abs().max()), 1e-30)
-              for k, w in a.state_dict().items() if w.is_floating_point())
+    rho = max(
+        float((w - b[k]).abs().max()) / max(float(w.abs().max()), 1e-30)
+        for k, w in a.state_dict().items()
+        if w.is_floating_point()
+    )
     return rho, a.cfg
 
 
@@ -69,12 +84,12 @@ def check_equals_single(run_dir, single, what):
     # sums (tests/helpers/bounds.py drift_bound)
     rho, cfg = weight_drift(single, run_dir)
     n_layer = cfg.n_layer
-    assert rho < 1e-3, (what, rho)        # rounding, not a run gone elsewhere
+    assert rho < 1e-3, (what, rho)  # rounding, not a run gone elsewhere
     assert all(abs(got[s] - ref[s]) <= drift_bound(cfg, rho, ref[s]) for s in ref), (what, got, ref, rho)
     ref_eval, got_eval = eval_losses(single), eval_losses(run_dir)
     assert sorted(got_eval) == sorted(ref_eval) == [4, 8], (what, got_eval)
     for s in ref_eval:
-        assert got_eval[s][1] == ref_eval[s][1] == 5 * 8 * 4, (what, s, got_eval, ref_eval)   # every token once
+        assert got_eval[s][1] == ref_eval[s][1] == 5 * 8 * 4, (what, s, got_eval, ref_eval)  # every token once
         assert abs(got_eval[s][0] - ref_eval[s][0]) <= drift_bound(cfg, rho, ref_eval[s][0]), (what, s, rho)
     # the memory after the last step, from every rank's pieces (TP head shards, PP stages), is the one-process one
     # up to what the weights' own drift explains. The layouts' fp32 gradient sums run in other orders, so after 8
@@ -100,8 +115,20 @@ def test_tp2_x_pp2_on_four_ranks_equals_one_process(tiny_cfg, shards, single, tm
     """With activation checkpointing (DeepSpeed's pipeline recomputing each layer, train.activation_checkpointing):
     recomputation changes nothing the run computes (the layouts without it: the test below)."""
     run_dir = tmp_path / "run"
-    run(4, tiny_cfg, shards, run_dir, "--tp", "2", "--pp", "2", *EXACT, "--set", "train.activation_checkpointing=true",
-        timeout=300)
+    run(
+        4,
+        tiny_cfg,
+        shards,
+        run_dir,
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        *EXACT,
+        "--set",
+        "train.activation_checkpointing=true",
+        timeout=300,
+    )
     check_equals_single(run_dir, single, "tp2 x pp2")
 
 
@@ -110,8 +137,20 @@ def test_tp2_with_compiled_attention_regions_equals_one_process(tiny_cfg, shards
     by autograd's eager kernels, so what is checked is the capture, not inductor's code generation, which the
     single-device compile tests cover) equals one eager process."""
     run_dir = tmp_path / "run"
-    run(2, tiny_cfg, shards, run_dir, "--tp", "2", *EXACT, "--set", "train.compile=on",
-        "--set", "train.compile_backend=aot_eager", timeout=300)
+    run(
+        2,
+        tiny_cfg,
+        shards,
+        run_dir,
+        "--tp",
+        "2",
+        *EXACT,
+        "--set",
+        "train.compile=on",
+        "--set",
+        "train.compile_backend=aot_eager",
+        timeout=300,
+    )
     text = logs(run_dir)
     assert "[train] compile: attention regions under tensor parallelism (parallel.tp=2)" in text
     # the causal attention without and with memory, the look-ahead: 3 graphs, within the <= 3 recompiles rule
@@ -136,7 +175,7 @@ def test_parallel_layout_equals_one_process_then_resumes_bit_exact(layout, tiny_
     assert committed_steps(crash) == [3]
     run(2, tiny_cfg, shards, crash, *args)
     assert "resumed from" in logs(crash)
-    assert losses(crash) == got                                         # bit for bit after the resume
+    assert losses(crash) == got  # bit for bit after the resume
     assert_no_corrupt_checkpoint(crash)
 
 
@@ -149,7 +188,19 @@ def test_pipeline_stages_compile_and_equal_one_process(tiny_cfg, shards, tmp_pat
     single = tmp_path / "single"
     run(1, tiny_cfg, shards, single, *args)
     run_dir = tmp_path / "run"
-    run(2, tiny_cfg, shards, run_dir, "--pp", "2", *args, "--set", "train.compile=on",
-        "--set", "train.compile_backend=aot_eager", timeout=300)
+    run(
+        2,
+        tiny_cfg,
+        shards,
+        run_dir,
+        "--pp",
+        "2",
+        *args,
+        "--set",
+        "train.compile=on",
+        "--set",
+        "train.compile_backend=aot_eager",
+        timeout=300,
+    )
     assert "| compiled layers |" in logs(run_dir) and "graphs compiled" in logs(run_dir), logs(run_dir)[-2000:]
     check_equals_single(run_dir, single, "pp2 compiled")

@@ -3,6 +3,7 @@ DP=2 equals DP=1 with the same global batch; kill -9 of one rank then restart eq
 for bit; SIGUSR1 saves a complete checkpoint and exits 0; errors name the bad field / directory / checkpoint.
 
 Ranks are started directly (RANK/WORLD_SIZE/MASTER_* in the environment, as torchrun would set them)."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ from helpers.runs_cache import (  # noqa: F401
 from megamemo.checkpoint.store import MARKER, list_checkpoints, newest_complete, verify
 from megamemo.runtime.dist import free_port
 
-pytestmark = pytest.mark.multiproc   # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
+pytestmark = (
+    pytest.mark.multiproc
+)  # starts training or distributed worker processes (`-m 'not multiproc'`: the fast subset)
 
 # `shards` (the enwik8 fixture's shards), `tiny_cfg` (TINY) and `reference_runs` are session fixtures
 # (tests/conftest.py): prepared and trained once, shared by every module that uses them.
@@ -90,7 +93,7 @@ def direct_eval(tiny_cfg: Path, shards: Path, step_dir: Path, tgt_len: int, mem_
     return total / count
 
 
-@pytest.mark.numerics   # run again at another instruction set (scripts/test_other_isa.sh)
+@pytest.mark.numerics  # run again at another instruction set (scripts/test_other_isa.sh)
 def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, reference_runs):
     # validation at the end with its own lengths: 8-token segments, 24 tokens of memory (ONE_PROCESS_EXACT)
     # 2 ranks x 2 micro-batches of 1 stream each: 4 separate memories, same global batch of 4 streams (the session's
@@ -100,11 +103,12 @@ def test_dp2_with_accumulation_equals_one_process(tiny_cfg, shards, reference_ru
     l1, l2 = losses(one), losses(two)
     assert sorted(l1) == sorted(l2) == list(range(1, 7))
     # the layouts' fp32 gradient sums run in other orders, so the weights drift apart by rounding: rho, the largest
-    # relative drift of a weight at step 6 (tests/helpers/bounds.py), grows with the steps, so it bounds each step's; what
+    # relative drift of a weight at step 6 (tests/helpers/bounds.py), grows with the steps, so it bounds each step's;
+    # what
     # the weights compute moves by drift_bound ((n_layer + 1) rho |value| plus two orders of the forward pass)
     w1 = checkpoint_model(one / "checkpoints" / "step_00000006")
     rho = weight_drift(w1.state_dict(), checkpoint_model(two / "checkpoints" / "step_00000006").state_dict())
-    assert rho < 1e-3, rho                # rounding, not a run gone elsewhere
+    assert rho < 1e-3, rho  # rounding, not a run gone elsewhere
     for s in l1:
         assert abs(l2[s] - l1[s]) <= drift_bound(w1.cfg, rho, l1[s]), (s, l1[s], l2[s], rho)
     assert l1[6] < l1[1]
@@ -138,27 +142,27 @@ def fp32_reference(tiny_cfg, shards, reference_runs) -> Path:
 def test_rank_killed_while_saving_resumes_bit_exact(tiny_cfg, shards, fp32_reference, tmp_path):
     run_dir = tmp_path / "crash"
     # rank 1 SIGKILLs itself after writing its part of the step-6 checkpoint, before the commit
-    rcs = wait(launch(2, tiny_cfg, shards, run_dir, *TWO_RANKS_12_STEPS,
-                      env_extra={"MEGAMEMO_FAULT_KILL_IN_SAVE": "6:1"}))
+    rcs = wait(
+        launch(2, tiny_cfg, shards, run_dir, *TWO_RANKS_12_STEPS, env_extra={"MEGAMEMO_FAULT_KILL_IN_SAVE": "6:1"})
+    )
     assert rcs[1] == -signal.SIGKILL and rcs[0] != 0, logs(run_dir)[-3000:]
     assert committed_steps(run_dir) == [3]
-    assert (run_dir / "checkpoints" / "step_00000006").is_dir()           # half-written, never committed
+    assert (run_dir / "checkpoints" / "step_00000006").is_dir()  # half-written, never committed
     assert not (run_dir / "checkpoints" / "step_00000006" / MARKER).exists()
     assert newest_complete(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000003"
 
-    run(2, tiny_cfg, shards, run_dir, *TWO_RANKS_12_STEPS)                 # the same command again
+    run(2, tiny_cfg, shards, run_dir, *TWO_RANKS_12_STEPS)  # the same command again
     assert "resumed from" in logs(run_dir) and "step_00000003" in logs(run_dir)
     assert "removed " + str(run_dir / "checkpoints" / "step_00000006") in logs(run_dir)
     ref, got = losses(fp32_reference), losses(run_dir)
     assert sorted(got) == sorted(ref) == list(range(1, 13))
-    assert got == ref                                                       # bit for bit, steps 4..12 included
+    assert got == ref  # bit for bit, steps 4..12 included
     assert committed_steps(run_dir) == [3, 6, 9, 12]
     assert_no_corrupt_checkpoint(run_dir)
 
 
 def test_kill9_mid_run_bf16_resumes_bit_exact(tiny_cfg, shards, tmp_path):
-    args = ["--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=2", "--max-steps", "30",
-            "--save-every", "2"]
+    args = ["--set", "precision.dtype=bf16", "--set", "parallel.zero_stage=2", "--max-steps", "30", "--save-every", "2"]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "crash"
     run(2, tiny_cfg, shards, ref_dir, *args)
 
@@ -166,12 +170,13 @@ def test_kill9_mid_run_bf16_resumes_bit_exact(tiny_cfg, shards, tmp_path):
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline:
-        if metrics.exists() and any(json.loads(ln).get("step", 0) >= 7 for ln in metrics.read_text().splitlines()
-                                    if ln.endswith("}")):
+        if metrics.exists() and any(
+            json.loads(ln).get("step", 0) >= 7 for ln in metrics.read_text().splitlines() if ln.endswith("}")
+        ):
             break
         assert procs[0].poll() is None, logs(run_dir)[-3000:]
         time.sleep(0.02)
-    procs[1].send_signal(signal.SIGKILL)                                    # kill -9 one rank, mid-run
+    procs[1].send_signal(signal.SIGKILL)  # kill -9 one rank, mid-run
     rcs = wait(procs, 120)
     assert rcs[1] == -signal.SIGKILL and rcs[0] != 0
     assert_no_corrupt_checkpoint(run_dir)
@@ -182,25 +187,26 @@ def test_kill9_mid_run_bf16_resumes_bit_exact(tiny_cfg, shards, tmp_path):
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{resume_step:08d}'}" in logs(run_dir)
     ref, got = losses(ref_dir), losses(run_dir)
     assert sorted(got) == sorted(ref) == list(range(1, 31))
-    assert got == ref                                                       # bit for bit
+    assert got == ref  # bit for bit
     assert_no_corrupt_checkpoint(run_dir)
 
 
 # ---- SIGUSR1 ---------------------------------------------------------------------------------------------------
 def test_sigusr1_saves_a_complete_checkpoint_and_exits_cleanly(tiny_cfg, shards, tmp_path):
     run_dir = tmp_path / "sig"
-    procs = launch(2, tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0",
-                   "--set", "log.tensorboard=true")
+    procs = launch(
+        2, tiny_cfg, shards, run_dir, "--max-steps", "100000", "--save-every", "0", "--set", "log.tensorboard=true"
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= 3):
         assert time.time() < deadline and procs[0].poll() is None, logs(run_dir)[-3000:]
         time.sleep(0.05)
-    procs[1].send_signal(signal.SIGUSR1)                # one rank only: the ranks agree through the step's all-reduce
+    procs[1].send_signal(signal.SIGUSR1)  # one rank only: the ranks agree through the step's all-reduce
     assert wait(procs, 120) == [0, 0], logs(run_dir)[-3000:]
     last = max(losses(run_dir))
     assert committed_steps(run_dir) == [last]
-    assert verify(run_dir / "checkpoints" / f"step_{last:08d}")["step"] == last   # every file as recorded
+    assert verify(run_dir / "checkpoints" / f"step_{last:08d}")["step"] == last  # every file as recorded
     assert f"stopped at step {last}" in logs(run_dir)
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "config.yaml").read_text().count("max_steps: 100000") == 1
@@ -215,7 +221,8 @@ def test_bad_config_field_and_missing_data_are_named(tiny_cfg, shards, tmp_path,
     assert main(["--config", str(tiny_cfg), "--data", str(shards), "--set", "train.max_steps=ten"]) == 2
     assert "train.max_steps: expected int" in capsys.readouterr().err
     from deepspeed.accelerator import get_accelerator
-    if not get_accelerator().is_fp16_supported():              # this CPU: fp16 refused up front, by name
+
+    if not get_accelerator().is_fp16_supported():  # this CPU: fp16 refused up front, by name
         assert main(["--config", str(tiny_cfg), "--data", str(shards), "--set", "precision.dtype=fp16"]) == 2
         assert "precision.dtype: fp16 is not supported" in capsys.readouterr().err
     missing = tmp_path / "no-such-shards"
@@ -229,8 +236,9 @@ def test_checkpoint_from_a_different_model_is_refused(tiny_cfg, shards, fp32_ref
 
     run_dir = tmp_path / "other"
     shutil.copytree(fp32_reference, run_dir)
-    procs = launch(2, tiny_cfg, shards, run_dir, "--set", "model.d_inner=48", "--max-steps", "12",
-                   fresh=True)                  # an error's way out includes the interpreter's shutdown
+    procs = launch(
+        2, tiny_cfg, shards, run_dir, "--set", "model.d_inner=48", "--max-steps", "12", fresh=True
+    )  # an error's way out includes the interpreter's shutdown
     assert wait(procs) == [2, 2]
     out = logs(run_dir)
     assert out.count("megamemo train: error:") == 1 and "terminate called" not in out, out[-3000:]
@@ -277,19 +285,33 @@ def fp16_overflow_run(tiny_cfg, shards, run_dir, **env_extra) -> list[dict]:
     returns the per-attempt rows."""
     script = run_dir.parent / "fp16.py"
     script.write_text(FP16_SCRIPT)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+    )
     env.update(env_extra)
-    out = subprocess.run([sys.executable, str(script), str(tiny_cfg), str(shards), str(run_dir)], env=env,
-                         capture_output=True, text=True, timeout=180, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tiny_cfg), str(shards), str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = json.loads(out.stdout.split("ROWS", 1)[1])
     assert [r["applied"] for r in rows] == [True, True, False, True, True, True, True]
     bad, retry = rows[2], rows[3]
     assert bad["scale"] == rows[1]["scale"] / 2 and bad["skipped"] == 1 and bad["step"] == 2
-    assert bad["memory_unchanged"] and bad["cursor_unchanged"]          # nothing advanced on the skipped step
+    assert bad["memory_unchanged"] and bad["cursor_unchanged"]  # nothing advanced on the skipped step
     assert not rows[1]["memory_unchanged"] and not rows[1]["cursor_unchanged"]
-    assert retry["loss"] == bad["loss"]                   # the retry saw the same batch with the same memory
+    assert retry["loss"] == bad["loss"]  # the retry saw the same batch with the same memory
     assert retry["step"] == 3 and rows[-1]["step"] == 6
     recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     skips = [r for r in recs if r["kind"] == "skip"]

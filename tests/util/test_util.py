@@ -1,4 +1,5 @@
 """megamemo/util: the one atomic write, the one sha256, the units, the precision table, the seeding."""
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,8 @@ def test_atomic_write_replaces_whole_or_leaves_the_old_file(tmp_path):
 
     with pytest.raises(OSError, match="disk full"):
         files.write_atomic(target, half_then_fail)
-    assert target.read_text() == '{\n "a": 1\n}'               # the old content, whole
-    assert sorted(os.listdir(tmp_path)) == ["doc.json"]           # no temporary file left
+    assert target.read_text() == '{\n "a": 1\n}'  # the old content, whole
+    assert sorted(os.listdir(tmp_path)) == ["doc.json"]  # no temporary file left
     files.write_text_atomic(target, "new", durable=False)
     files.write_bytes_atomic(tmp_path / "b.bin", b"\x00\x01")
     assert target.read_text() == "new" and (tmp_path / "b.bin").read_bytes() == b"\x00\x01"
@@ -37,7 +38,7 @@ def test_atomic_write_replaces_whole_or_leaves_the_old_file(tmp_path):
 
 
 def test_sha256_of_a_file_a_descriptor_and_bytes_agree_with_hashlib(tmp_path):
-    data = bytes(range(256)) * 40_000                              # > one 4 MiB read block
+    data = bytes(range(256)) * 40_000  # > one 4 MiB read block
     p = tmp_path / "x"
     p.write_bytes(data)
     want = hashlib.sha256(data).hexdigest()
@@ -50,11 +51,11 @@ def test_sha256_of_a_file_a_descriptor_and_bytes_agree_with_hashlib(tmp_path):
 
 
 def test_units_by_hand():
-    assert units.bits(math.log(2.0)) == pytest.approx(1.0)        # ln 2 nats = 1 bit
+    assert units.bits(math.log(2.0)) == pytest.approx(1.0)  # ln 2 nats = 1 bit
     assert units.metric_value(math.log(2.0) * 1.25, "bpc") == pytest.approx(1.25)
     assert units.metric_value(math.log(7.0), "ppl") == pytest.approx(7.0)
-    assert units.perplexity(1e6) == math.exp(700.0)                # a diverged loss: huge, not an overflow
-    assert units.bits_per_byte(10 * math.log(2.0), 5) == pytest.approx(2.0)   # 10 bits over 5 bytes
+    assert units.perplexity(1e6) == math.exp(700.0)  # a diverged loss: huge, not an overflow
+    assert units.bits_per_byte(10 * math.log(2.0), 5) == pytest.approx(2.0)  # 10 bits over 5 bytes
     assert math.isnan(units.bits_per_byte(1.0, 0))
     with pytest.raises(ValueError, match="unknown metric"):
         units.metric_value(1.0, "bits")
@@ -73,7 +74,7 @@ def test_seeding_makes_every_default_stream_repeat():
     def draw():
         return random.random(), float(np.random.rand()), float(torch.rand(()))
 
-    seeding.seed_default_streams(2**40 + 3)                        # numpy takes it modulo 2**32
+    seeding.seed_default_streams(2**40 + 3)  # numpy takes it modulo 2**32
     a = draw()
     seeding.seed_default_streams(2**40 + 3)
     assert draw() == a
@@ -85,7 +86,7 @@ def test_a_file_written_over_time_appears_whole_or_not_at_all(tmp_path):
     target = tmp_path / "shard.tar"
     f = files.AtomicFile(target)
     f.file.write(b"part one, ")
-    assert not target.exists()                                    # hidden under a temporary name meanwhile
+    assert not target.exists()  # hidden under a temporary name meanwhile
     f.file.write(b"part two")
     f.commit()
     assert target.read_bytes() == b"part one, part two" and os.listdir(tmp_path) == ["shard.tar"]
@@ -109,7 +110,7 @@ def test_a_directory_appears_whole_or_not_at_all_and_its_clean_up_on_error(tmp_p
     target = tmp_path / "ckpt"
     with files.atomic_directory(target) as d:
         (d / "model.bin").write_bytes(b"weights")
-        assert not target.exists() and d.parent == tmp_path and d.name.startswith(".ckpt.")   # hidden meanwhile
+        assert not target.exists() and d.parent == tmp_path and d.name.startswith(".ckpt.")  # hidden meanwhile
         os.mkdir(d / "sub")
     assert sorted(os.listdir(target)) == ["model.bin", "sub"] and os.listdir(tmp_path) == ["ckpt"]
 
@@ -127,7 +128,7 @@ def test_a_directory_appears_whole_or_not_at_all_and_its_clean_up_on_error(tmp_p
     assert os.listdir(tmp_path) == ["ckpt"]
     with files.atomic_directory(target, replace=True) as d:
         (d / "new.bin").write_bytes(b"new")
-        assert (target / "model.bin").exists()                    # the old one stays until the block is done
+        assert (target / "model.bin").exists()  # the old one stays until the block is done
     assert os.listdir(target) == ["new.bin"] and os.listdir(tmp_path) == ["ckpt"]
 
     # a failed rename of the new directory into place removes it and puts the old one back
@@ -151,7 +152,7 @@ def test_the_hashing_writer_and_the_manifest_entry_check(tmp_path):
     out = open(tmp_path / "f", "wb")
     w = files.HashingWriter(out)
     for i in range(0, len(data), 1 << 20):
-        w.write(data[i:i + (1 << 20)])
+        w.write(data[i : i + (1 << 20)])
     out.close()
     assert w.n == len(data) and w.hexdigest() == hashlib.sha256(data).hexdigest() == files.bytes_sha256(data)
     assert (tmp_path / "f").read_bytes() == data and files.HashingWriter().write(b"abc") == 3
@@ -167,11 +168,14 @@ def test_the_hashing_writer_and_the_manifest_entry_check(tmp_path):
     assert files.entry_mismatch(entry, len(data), sha, recorded="manifest.json") is None and calls == [1]
     # the size first: the digest is not computed when the size already differs
     assert files.entry_mismatch(entry, 100, sha, recorded="manifest.json", what="the shard") == (
-        f"the shard is 100 bytes, manifest.json says {len(data)} (truncated?)") and calls == [1]
+        f"the shard is 100 bytes, manifest.json says {len(data)} (truncated?)"
+    ) and calls == [1]
     assert files.entry_mismatch(entry, len(data) + 1, sha, recorded="COMMITTED") == (
-        f"the file is {len(data) + 1} bytes, COMMITTED says {len(data)}")
+        f"the file is {len(data) + 1} bytes, COMMITTED says {len(data)}"
+    )
     assert files.entry_mismatch(dict(entry, sha256="0" * 64), len(data), sha, recorded="manifest.json") == (
-        f"sha256 differs: {digest} does not match manifest.json ({'0' * 64})")
+        f"sha256 differs: {digest} does not match manifest.json ({'0' * 64})"
+    )
     # what the entry does not record, or the caller does not ask for, is not checked
     assert files.entry_mismatch({"sha256": "0" * 64}, 7, None, recorded="x") is None
     assert files.entry_mismatch({"sha256": digest}, 7, sha, recorded="x") is None

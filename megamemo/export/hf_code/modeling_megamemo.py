@@ -13,6 +13,7 @@ supported (a stream's memory would hold the pads). `logits` are log-probabilitie
 adaptive softmax has no single logit matrix); `labels` gives the mean next-token NLL within the call. A padded
 vocabulary (config n_vocab < n_token) gives its padding ids log-probability -inf: they are never generated.
 """
+
 from __future__ import annotations
 
 import math
@@ -75,7 +76,7 @@ class MegamemoCache(Cache):
 class MegamemoOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    cache: MegamemoCache | None = None            # also read as .past_key_values (transformers' alias)
+    cache: MegamemoCache | None = None  # also read as .past_key_values (transformers' alias)
 
 
 # ---- layers ----------------------------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ class AdaptiveEmbedding(nn.Module):
                 self.emb_projs.append(nn.Parameter(torch.zeros(c.d_model, d_embed)))
         else:
             for i in range(len(self.bounds) - 1):
-                d_i = d_embed // c.div_val ** i
+                d_i = d_embed // c.div_val**i
                 self.emb_layers.append(nn.Embedding(self.bounds[i + 1] - self.bounds[i], d_i))
                 self.emb_projs.append(nn.Parameter(torch.zeros(c.d_model, d_i)))
 
@@ -115,12 +116,12 @@ class AdaptiveSoftmax(nn.Module):
     def __init__(self, c: MegamemoConfig, d_embed: int):
         super().__init__()
         self.bounds = [0] + list(c.cutoffs) + [c.n_token]
-        self.n_vocab = c.n_vocab                        # ids from n_vocab on are padding (None: none)
+        self.n_vocab = c.n_vocab  # ids from n_vocab on are padding (None: none)
         n = len(self.bounds) - 1
         self.n_clusters, self.shortlist, self.div_val, self.tie_weight = n - 1, self.bounds[1], c.div_val, c.tie_weight
         ties = list(c.tie_projs)
         self.tie_projs = (ties + [ties[-1] if ties else False] * n)[:n]
-        dims = [d_embed] if c.div_val == 1 else [d_embed // c.div_val ** i for i in range(n)]
+        dims = [d_embed] if c.div_val == 1 else [d_embed // c.div_val**i for i in range(n)]
         self.out_weights = nn.ParameterList()
         if not c.tie_weight:
             for i, d_i in enumerate(dims):
@@ -131,12 +132,17 @@ class AdaptiveSoftmax(nn.Module):
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
         self.has_proj = not (c.div_val == 1 and c.d_model == d_embed)
-        self.out_projs = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(c.d_model, dims[i if c.div_val > 1 else 0]))
-                                           for i in range(n) if self.has_proj and not self.tie_projs[i]})
+        self.out_projs = nn.ParameterDict(
+            {
+                str(i): nn.Parameter(torch.zeros(c.d_model, dims[i if c.div_val > 1 else 0]))
+                for i in range(n)
+                if self.has_proj and not self.tie_projs[i]
+            }
+        )
 
     def _cluster(self, i, emb: AdaptiveEmbedding):
         lo, hi = self.bounds[i], self.bounds[i + 1]
-        k = 0 if self.div_val == 1 else i           # div_val 1: one table, this cluster's rows of it
+        k = 0 if self.div_val == 1 else i  # div_val 1: one table, this cluster's rows of it
         table = emb.emb_layers[k].weight if self.tie_weight else self.out_weights[k]
         assert isinstance(table, torch.Tensor)
         w = table[lo:hi] if self.div_val == 1 else table
@@ -144,7 +150,7 @@ class AdaptiveSoftmax(nn.Module):
         if self.has_proj:
             p = emb.emb_projs[0 if self.div_val == 1 else i] if self.tie_projs[i] else self.out_projs[str(i)]
         b = self.out_bias[lo:hi]
-        if self.n_vocab is not None and hi > self.n_vocab:      # padding ids: bias -inf, probability 0
+        if self.n_vocab is not None and hi > self.n_vocab:  # padding ids: bias -inf, probability 0
             keep = max(self.n_vocab - lo, 0)
             b = torch.cat([b[:keep], b.new_full((hi - lo - keep,), float("-inf"))])
         return w, b, p
@@ -159,9 +165,11 @@ class AdaptiveSoftmax(nn.Module):
         if not self.n_clusters:
             return self._log_softmax(h, w, b, p)
         head = self._log_softmax(h, torch.cat([w, self.cluster_weight]), torch.cat([b, self.cluster_bias]), p)
-        out = [head[:, :self.shortlist]]
+        out = [head[:, : self.shortlist]]
         for i in range(1, self.n_clusters + 1):
-            out.append(head[:, self.shortlist + i - 1:self.shortlist + i] + self._log_softmax(h, *self._cluster(i, emb)))
+            out.append(
+                head[:, self.shortlist + i - 1 : self.shortlist + i] + self._log_softmax(h, *self._cluster(i, emb))
+            )
         return torch.cat(out, 1)
 
 
@@ -176,7 +184,7 @@ class Attention(nn.Module):
 
     def project(self, x, part, rows=None):
         """x [T, B, d] -> part (0 q, 1 k, 2 v) of the last `rows` rows as [T', B, n, dh]."""
-        x = x if rows is None else x[x.size(0) - rows:]
+        x = x if rows is None else x[x.size(0) - rows :]
         w = self.qkv.weight.chunk(3, 0)[part]
         return F.linear(x, w).view(x.size(0), x.size(1), self.n, self.dh)
 
@@ -188,7 +196,7 @@ class Attention(nn.Module):
         rows, index = r
         scale = 1.0 / math.sqrt(self.dh)
         content = torch.einsum("ibnd,jbnd->bnij", q + u, k)
-        by_row = torch.einsum("ibnd,pnd->bnip", q + vb, rows)                  # [B, n, Q, P]
+        by_row = torch.einsum("ibnd,pnd->bnip", q + vb, rows)  # [B, n, Q, P]
         position = by_row.gather(3, index.expand(*by_row.shape[:2], *index.shape))
         score = ((content + position) * scale).float().masked_fill(hidden, float("-inf"))
         lse = torch.logsumexp(score, -1)
@@ -248,7 +256,7 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
         self.word_emb = AdaptiveEmbedding(c, d_embed)
         self.r_w_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))
         self.r_r_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))
-        if c.variant in ("lamemo", "lamemo_no_interp"):          # the look-ahead's own position bias
+        if c.variant in ("lamemo", "lamemo_no_interp"):  # the look-ahead's own position bias
             self.r_r_bias_future = nn.Parameter(torch.zeros(c.n_head, c.d_head))
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.n_layer))
         self.crit = AdaptiveSoftmax(c, d_embed)
@@ -256,10 +264,10 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False                                   # the memory is a MegamemoCache, made by forward
+        return False  # the memory is a MegamemoCache, made by forward
 
     def _init_weights(self, module):
-        pass                                           # every weight comes from the exported checkpoint
+        pass  # every weight comes from the exported checkpoint
 
     def get_input_embeddings(self):
         return self.word_emb
@@ -308,13 +316,20 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
             old = memory.get(f"hid.{li}")
             keep = h if old is None else torch.cat([old, h.to(old.dtype)], 0)
             if mem_len > 0:
-                new[f"hid.{li}"] = keep[max(0, keep.size(0) - mem_len):].detach()
+                new[f"hid.{li}"] = keep[max(0, keep.size(0) - mem_len) :].detach()
             x = keep.to(h.dtype)
             x = layer.attn.layer_norm(x) if c.pre_lnorm else x
             a = layer.attn
             rows = a.r_net(pos).view(-1, c.n_head, c.d_head)
-            ctx, _ = a.attend(a.project(x, 0, h.size(0)), a.project(x, 1), a.project(x, 2), (rows, index),
-                              self.r_w_bias, self.r_r_bias, hidden)
+            ctx, _ = a.attend(
+                a.project(x, 0, h.size(0)),
+                a.project(x, 1),
+                a.project(x, 2),
+                (rows, index),
+                self.r_w_bias,
+                self.r_r_bias,
+                hidden,
+            )
             h = layer.ff(a.output(h, ctx, c.pre_lnorm))
         return h, new
 
@@ -327,7 +342,7 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
         beg = max(0, klen - mem_len)
         new = {}
         x_all = rows_in
-        if M and c.variant != "lamemo_no_lookahead":       # look-ahead keys: positions M-nk+1 .. M
+        if M and c.variant != "lamemo_no_lookahead":  # look-ahead keys: positions M-nk+1 .. M
             nk = min(M, L)
             i = torch.arange(M, device=h0.device)[:, None]
             p = torch.arange(M - nk + 1, M + 1, device=h0.device)[None, :]
@@ -343,8 +358,15 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
                 if c.variant == "lamemo_no_lookahead":
                     c_mem, s_mem = c_old.to(ctx.dtype), s_old
                 else:
-                    ahead, s_ahead = a.attend(q[:M], k[M - nk + 1:M + 1], v[M - nk + 1:M + 1],
-                                              (r[klen:], ahead_index), self.r_w_bias, vf, ahead_hidden)
+                    ahead, s_ahead = a.attend(
+                        q[:M],
+                        k[M - nk + 1 : M + 1],
+                        v[M - nk + 1 : M + 1],
+                        (r[klen:], ahead_index),
+                        self.r_w_bias,
+                        vf,
+                        ahead_hidden,
+                    )
                     if c.variant == "lamemo_no_interp":
                         c_mem, s_mem = ahead, s_ahead
                     else:
@@ -353,12 +375,23 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
             new[f"ctx.{li}"], new[f"lse.{li}"] = ctx[beg:].detach(), lse[beg:].detach()
             x_all = layer.ff(a.output(x_all, ctx, c.pre_lnorm))
         keep = h0 if emb is None else torch.cat([emb, h0.to(emb.dtype)], 0)
-        new["emb"] = keep[max(0, keep.size(0) - mem_len):].detach()
+        new["emb"] = keep[max(0, keep.size(0) - mem_len) :].detach()
         return x_all[M:], new
 
     # ---- the transformers interface ----------------------------------------------------------------------------
-    def forward(self, input_ids=None, cache=None, past_key_values=None, labels=None, attention_mask=None,
-                use_cache=None, memory_length=None, generating=False, return_dict=True, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        cache=None,
+        past_key_values=None,
+        labels=None,
+        attention_mask=None,
+        use_cache=None,
+        memory_length=None,
+        generating=False,
+        return_dict=True,
+        **kwargs,
+    ):
         """input_ids [B, T]; cache / past_key_values: a MegamemoCache to continue (None: a fresh one);
         memory_length: the memory kept (default config.mem_len); labels [B, T]: the mean NLL of labels[:, 1:]
         given the call's positions before them (-100 ignored)."""
@@ -366,8 +399,10 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None:
             raise ValueError("megamemo models take input_ids (no inputs_embeds)")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("megamemo models carry a memory per stream: padded batches (attention_mask with zeros) "
-                             "are not supported")
+            raise ValueError(
+                "megamemo models carry a memory per stream: padded batches (attention_mask with zeros) "
+                "are not supported"
+            )
         cache = cache if cache is not None else past_key_values
         if cache is None:
             cache = MegamemoCache()
@@ -375,21 +410,22 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
             raise TypeError(f"cache must be a MegamemoCache, got {type(cache).__name__}")
         mem_len = c.mem_len if memory_length is None else memory_length
         mem_len = mem_len if c.has_memory else 0
-        ids = input_ids.t()                                         # time-major inside
+        ids = input_ids.t()  # time-major inside
         if not c.has_memory and generating:
             logits = self._rpe_window(ids, cache)
         else:
             outs = []
             for s in range(0, ids.size(0), c.tgt_len):
-                h, cache.memory = self._segment(ids[s:s + c.tgt_len], cache.memory, mem_len)
+                h, cache.memory = self._segment(ids[s : s + c.tgt_len], cache.memory, mem_len)
                 outs.append(h)
             h = torch.cat(outs, 0)
-            logits = self.crit.log_probs(h.reshape(-1, h.size(-1)), self.word_emb).view(*h.shape[:2], -1).transpose(0, 1)
+            logits = (
+                self.crit.log_probs(h.reshape(-1, h.size(-1)), self.word_emb).view(*h.shape[:2], -1).transpose(0, 1)
+            )
         cache.seen += ids.size(0)
         loss = None
         if labels is not None:
-            loss = F.nll_loss(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                              ignore_index=-100)
+            loss = F.nll_loss(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100)
         keep = cache if use_cache is not False else None
         return MegamemoOutput(loss=loss, logits=logits, cache=keep)
 
@@ -398,13 +434,13 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
         the last tgt_len tokens re-encoded; earlier rows of this call are scored segment by segment."""
         c = self.config
         window = ids if cache.window is None else torch.cat([cache.window, ids], 0)
-        window = window[max(0, window.size(0) - c.tgt_len):]
+        window = window[max(0, window.size(0) - c.tgt_len) :]
         cache.window = window
         h, _ = self._segment(window, {}, 0)
         rows = [self.crit.log_probs(h[-1], self.word_emb)[None]]
         if ids.size(0) > 1:
-            head = [self._segment(ids[s:s + c.tgt_len], {}, 0)[0] for s in range(0, ids.size(0) - 1, c.tgt_len)]
-            h = torch.cat(head, 0)[:ids.size(0) - 1]
+            head = [self._segment(ids[s : s + c.tgt_len], {}, 0)[0] for s in range(0, ids.size(0) - 1, c.tgt_len)]
+            h = torch.cat(head, 0)[: ids.size(0) - 1]
             rows.insert(0, self.crit.log_probs(h.reshape(-1, h.size(-1)), self.word_emb).view(*h.shape[:2], -1))
         return torch.cat(rows, 0).transpose(0, 1)
 
@@ -412,5 +448,11 @@ class MegamemoForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         if cache is None:
             cache = MegamemoCache()
-        return {"input_ids": input_ids[:, cache.seen:], "cache": cache, "use_cache": True, "generating": True,
-                "memory_length": self.config.generation_mem_len, "attention_mask": kwargs.get("attention_mask")}
+        return {
+            "input_ids": input_ids[:, cache.seen :],
+            "cache": cache,
+            "use_cache": True,
+            "generating": True,
+            "memory_length": self.config.generation_mem_len,
+            "attention_mask": kwargs.get("attention_mask"),
+        }
