@@ -61,8 +61,8 @@ class ModelConfig:
     clamp_len: Int = -1  # relative distances beyond this share its position (-1: none clamped)
     same_length: Bool = False  # every query attends over the same number of keys (XL's same_length)
     pre_lnorm: Bool = False  # layer norm before each sublayer (pre-LN) instead of after it
-    cutoffs: list[Int] = field(default_factory=list)  # adaptive softmax and input: cluster boundaries by id
-    # ([]: one full softmax)
+    # adaptive softmax and input: cluster boundaries by id ([]: one full softmax)
+    cutoffs: list[Int] = field(default_factory=list)
     # adaptive input: each later cluster's width divided by this again (1: all d_embed)
     div_val: Annotated[Int, Field(ge=1)] = 1
     tie_weight: Bool = True  # the output softmax shares the input embedding's table

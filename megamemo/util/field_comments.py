@@ -12,39 +12,45 @@ import tokenize
 
 
 def field_comments(cls) -> dict[str, str]:
-    """field name -> its comment: the inline one on its line (continued on the lines below that are indented
-    deeper than the fields), else the comment block right above it at the field's own indentation."""
+    """field name -> its comment: the inline one on its line, continued on the comment lines below it when the next
+    field has an inline comment of its own (or none follows); else the comment block right above the field. (The
+    formatter puts a continued comment at the fields' indentation, so the next field's form tells whose it is.)"""
     src = textwrap.dedent(inspect.getsource(cls))
     lines = src.splitlines()
     comments = {}
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
-    out = {}
     declared = ast.parse(src).body[0]
     assert isinstance(declared, ast.ClassDef), f"{cls.__name__}: not a class"
-    for node in declared.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            row = node.lineno
-            if row in comments and not lines[row - 1].lstrip().startswith("#"):
-                text = [comments[row]]
-                k = row + 1  # an inline comment continued on the next lines
-                while (
-                    k in comments
-                    and lines[k - 1].lstrip().startswith("#")
-                    and len(lines[k - 1]) - len(lines[k - 1].lstrip()) > 8
-                ):
-                    text.append(comments[k])
-                    k += 1
-            else:  # a block at the field's own indentation (not the tail of
-                indent = len(lines[row - 1]) - len(lines[row - 1].lstrip())  # the previous field's comment)
-                text, k = [], row - 1
-                while (
-                    k in comments
-                    and lines[k - 1].lstrip().startswith("#")
-                    and len(lines[k - 1]) - len(lines[k - 1].lstrip()) == indent
-                ):
-                    text.insert(0, comments[k])
-                    k -= 1
+    fields = [n for n in declared.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    inline = {n.lineno for n in fields if n.lineno in comments and not _comment_only(lines, n.lineno)}
+    starts = {n.lineno for n in fields}
+    out = {}
+    for node in fields:
+        row = node.lineno
+        block = _block_above(lines, comments, row)
+        if row in inline:
+            text, k = [comments[row]], row + 1
+            while k in comments and _comment_only(lines, k):
+                k += 1
+            if k not in starts or k in inline:  # the lines below continue this field's comment
+                text += [comments[j] for j in range(row + 1, k)]
             out[node.target.id] = " ".join(text)
+        elif block:
+            prev = max((r for r in inline if r < row), default=None)
+            owned = [r for r in block if prev is None or r > prev]
+            out[node.target.id] = " ".join(comments[r] for r in owned)
     return out
+
+
+def _comment_only(lines: list[str], row: int) -> bool:
+    return lines[row - 1].lstrip().startswith("#")
+
+
+def _block_above(lines: list[str], comments: dict[int, str], row: int) -> list[int]:
+    """The rows of the comment-only lines right above `row`, top to bottom."""
+    k = row - 1
+    while k in comments and _comment_only(lines, k):
+        k -= 1
+    return list(range(k + 1, row))
