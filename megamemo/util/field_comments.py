@@ -23,12 +23,15 @@ def field_comments(cls) -> dict[str, str]:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
     declared = ast.parse(src).body[0]
     assert isinstance(declared, ast.ClassDef), f"{cls.__name__}: not a class"
-    fields = [n for n in declared.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
-    inline = {n.lineno for n in fields if n.lineno in comments and not _comment_only(lines, n.lineno)}
-    starts = {n.lineno for n in fields}
+    fields = [
+        (n.target.id, n.lineno)
+        for n in declared.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    ]
+    inline = {row for _, row in fields if row in comments and not _comment_only(lines, row)}
+    starts = {row for _, row in fields}
     out = {}
-    for node in fields:
-        row = node.lineno
+    for name, row in fields:
         block = _block_above(lines, comments, row)
         if row in inline:
             text, k = [comments[row]], row + 1
@@ -36,11 +39,11 @@ def field_comments(cls) -> dict[str, str]:
                 k += 1
             if k not in starts or k in inline:  # the lines below continue this field's comment
                 text += [comments[j] for j in range(row + 1, k)]
-            out[node.target.id] = " ".join(text)
+            out[name] = " ".join(text)
         elif block:
             prev = max((r for r in inline if r < row), default=None)
             owned = [r for r in block if prev is None or r > prev]
-            out[node.target.id] = " ".join(comments[r] for r in owned)
+            out[name] = " ".join(comments[r] for r in owned)
     return out
 
 
