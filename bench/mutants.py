@@ -460,6 +460,13 @@ MUTATIONS = [
         "return parallel.overlap_comm",
         (f"{STEPTIME}::test_overlap_comm_hides_it_where_deepspeed_overlaps_and_bucket_size_sets_the_buckets",),
     ),
+    M(
+        "field-comments-a-block-above-taken-as-the-previous-fields",
+        "megamemo/util/field_comments.py",
+        "return []  # the next field's block",
+        "pass",
+        ("tests/commands/test_cli_errors.py::test_a_comment_block_above_a_field_is_its_own_not_the_previous_fields",),
+    ),
     # ---- megamemo/checkpoint ---------------------------------------------------------------------------------
     M(
         "checkpoint-sha256-not-checked",
@@ -831,6 +838,13 @@ MUTATIONS = [
         "return _tiles_visible(L, klen, lambda i: np.zeros_like(i), lambda i: np.minimum(M + i, klen - 1))",
         "return _tiles_visible(L, klen, lambda i: np.zeros_like(i), lambda i: np.minimum(M + i - 1, klen - 1))",
         ("tests/plan/test_optrace.py::test_fused_tiles_by_hand",),
+    ),
+    M(
+        "analyze-segments-flag-not-passed-through",
+        "megamemo/eval/analyze.py",
+        "found = analyze(model, reader, tgt_len=L, mem_len=M, segments=r.segments, device=r.device)",
+        "found = analyze(model, reader, tgt_len=L, mem_len=M, segments=50, device=r.device)",
+        ("tests/eval/test_analyze.py::test_cli_writes_plots_and_json",),
     ),
     # ---- megamemo/export -------------------------------------------------------------------------------------
     M(
