@@ -661,6 +661,16 @@ MUTATIONS = [
         "timeout=timedelta(minutes=timeout_s),",
         ("tests/train/test_train_units.py::test_the_collective_timeout_reaches_every_group_in_its_unit",),
     ),
+    M(
+        "replica-record-drops-the-partitions",
+        "megamemo/checkpoint/replicas.py",
+        'out["partitions"] = list(self.partitions)',
+        "pass",
+        (
+            "tests/checkpoint/test_replica_record.py::"
+            "test_an_old_rank_files_replicas_read_and_written_back_are_the_same_json",
+        ),
+    ),
     # ---- megamemo/interop ------------------------------------------------------------------------------------
     M(
         "reference-import-k-v-before-q",

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from megamemo.checkpoint.layout import RunLayout
+
 ENABLE = "MEGAMEMO_REPLAY_SUSPECT"
 TIMEOUT = "MEGAMEMO_REPLAY_TIMEOUT_S"
 COMMAND = "MEGAMEMO_REPLAY_CMD"  # the replay's command (default: this Python, -m megamemo replay)
@@ -72,10 +74,11 @@ def layout_of(run_dir: Path, step: int) -> list[str]:
     if not done:
         return []
     try:
-        layout = json.loads(done[-1][1].read_text()).get("layout") or {}
+        layout = RunLayout.from_record(json.loads(done[-1][1].read_text()).get("layout"))
     except (OSError, ValueError):
         return []
-    return [a for k in ("dp", "tp", "pp") for a in (f"--{k}", str(int(layout.get(k, 1))))]
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    return [a for k, n in sizes.items() for a in (f"--{k}", str(int(n or 1)))]
 
 
 def command(run_dir: Path, rec: dict, environ=None) -> list[str]:
