@@ -679,6 +679,13 @@ MUTATIONS = [
         'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.kv_net.weight"), take(f"{a}.q_net.weight")], 0)',
         ("tests/interop/test_convert_reference.py::test_imported_reference_reproduces_the_reference_nll",),
     ),
+    M(
+        "convert-no-check-flag-not-passed-through",
+        "megamemo/interop/convert.py",
+        "_write_single(c, tmp, meta, request.dtype, data, request.memory, not request.no_check, log, progress_every)",
+        "_write_single(c, tmp, meta, request.dtype, data, request.memory, True, log, progress_every)",
+        ("tests/eval/test_eval_training.py::test_eval_of_a_run_equals_its_validation",),
+    ),
     # ---- megamemo/train --------------------------------------------------------------------------------------
     M(
         "train-no-reseed-under-another-layout",
