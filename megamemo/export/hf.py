@@ -179,7 +179,9 @@ class Request:
 
 
 def export_hf(ckpt, request: Request, log=print) -> dict:
-    """-> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or directory."""
+    """The checkpoint `ckpt` (single-device, or a training checkpoint of any layout) written as request.out, a
+    Hugging Face directory -> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or
+    directory."""
     from megamemo.checkpoint.single import load_single
     from megamemo.interop.convert import ToSingle, to_single
     from megamemo.interop.load import is_single
