@@ -460,6 +460,13 @@ MUTATIONS = [
         "return parallel.overlap_comm",
         (f"{STEPTIME}::test_overlap_comm_hides_it_where_deepspeed_overlaps_and_bucket_size_sets_the_buckets",),
     ),
+    M(
+        "field-comments-a-block-above-taken-as-the-previous-fields",
+        "megamemo/util/field_comments.py",
+        "return []  # the next field's block",
+        "pass",
+        ("tests/commands/test_cli_errors.py::test_a_comment_block_above_a_field_is_its_own_not_the_previous_fields",),
+    ),
     # ---- megamemo/checkpoint ---------------------------------------------------------------------------------
     M(
         "checkpoint-sha256-not-checked",
@@ -654,6 +661,16 @@ MUTATIONS = [
         "timeout=timedelta(minutes=timeout_s),",
         ("tests/train/test_train_units.py::test_the_collective_timeout_reaches_every_group_in_its_unit",),
     ),
+    M(
+        "replica-record-drops-the-partitions",
+        "megamemo/checkpoint/replicas.py",
+        'out["partitions"] = list(self.partitions)',
+        "pass",
+        (
+            "tests/checkpoint/test_replica_record.py::"
+            "test_an_old_rank_files_replicas_read_and_written_back_are_the_same_json",
+        ),
+    ),
     # ---- megamemo/interop ------------------------------------------------------------------------------------
     M(
         "reference-import-k-v-before-q",
@@ -661,6 +678,13 @@ MUTATIONS = [
         'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.q_net.weight"), take(f"{a}.kv_net.weight")], 0)',
         'out[f"{m}.attn.qkv.weight"] = torch.cat([take(f"{a}.kv_net.weight"), take(f"{a}.q_net.weight")], 0)',
         ("tests/interop/test_convert_reference.py::test_imported_reference_reproduces_the_reference_nll",),
+    ),
+    M(
+        "convert-no-check-flag-not-passed-through",
+        "megamemo/interop/convert.py",
+        "_write_single(c, tmp, meta, request.dtype, data, request.memory, not request.no_check, log, progress_every)",
+        "_write_single(c, tmp, meta, request.dtype, data, request.memory, True, log, progress_every)",
+        ("tests/eval/test_eval_training.py::test_eval_of_a_run_equals_its_validation",),
     ),
     # ---- megamemo/train --------------------------------------------------------------------------------------
     M(
@@ -831,6 +855,13 @@ MUTATIONS = [
         "return _tiles_visible(L, klen, lambda i: np.zeros_like(i), lambda i: np.minimum(M + i, klen - 1))",
         "return _tiles_visible(L, klen, lambda i: np.zeros_like(i), lambda i: np.minimum(M + i - 1, klen - 1))",
         ("tests/plan/test_optrace.py::test_fused_tiles_by_hand",),
+    ),
+    M(
+        "analyze-segments-flag-not-passed-through",
+        "megamemo/eval/analyze.py",
+        "found = analyze(model, reader, tgt_len=L, mem_len=M, segments=r.segments, device=r.device)",
+        "found = analyze(model, reader, tgt_len=L, mem_len=M, segments=50, device=r.device)",
+        ("tests/eval/test_analyze.py::test_cli_writes_plots_and_json",),
     ),
     # ---- megamemo/export -------------------------------------------------------------------------------------
     M(
@@ -1132,6 +1163,13 @@ MUTATIONS = [
         'if verdict.startswith(("replay: identical", "replay: within")):',
         'if verdict.startswith(("replay: identical", "replay: within", "replay: differs")):',
         (f"{NUMERICS}::test_the_supervisors_decision_by_replay_from_its_verdict",),
+    ),
+    M(
+        "suspect-needs-megamemo-importable",
+        "megamemo/runtime/suspect.py",
+        "import json",
+        "import json, megamemo.checkpoint.layout",
+        ("tests/runtime/test_interruptions.py::test_the_replay_decision_runs_where_megamemo_is_not_importable",),
     ),
     M(
         "suspect-replay-in-one-process-whatever-the-layout",

@@ -42,6 +42,7 @@ from megamemo.checkpoint.commit import (
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.index import INDEX_FILE
 from megamemo.checkpoint.layout import Compatibility, RankLayout, RunMeta
+from megamemo.checkpoint.replicas import ReplicaRecord
 from megamemo.checkpoint.state import LateFiles, LoadContext, Snapshot, StateRegistry, read_json
 from megamemo.util.errors import MegamemoError
 from megamemo.util.files import entry_mismatch, file_sha256, fsync_dir, write_json_atomic
@@ -193,12 +194,12 @@ class CheckpointStore:
         step: int,
         registry: StateRegistry,
         layout: RankLayout | None = None,
-        replicas: dict | None = None,
+        replicas: ReplicaRecord | None = None,
         files: dict[str, Callable[[Path], None]] | Callable[[], dict[str, Callable[[Path], None]]] | None = None,
     ) -> Path:
-        """Collective. layout: this rank's (rank_<r>.json keeps it); replicas: the replica check's JSON record of
-        this step (train/numerics.py), kept as it is. files: {name: writer(path)} this rank adds to the step
-        directory, or a function making them after the snapshot (the probe). A failed save raises SaveFailed on
+        """Collective. layout: this rank's (rank_<r>.json keeps it); replicas: the replica check's record of this
+        step (train/numerics.py; rank_<r>.json keeps its record()). files: {name: writer(path)} this rank adds to
+        the step directory, or a function making them after the snapshot (the probe). A failed save raises SaveFailed on
         every rank: here (sync), or in wait() once failed() says so (async)."""
         self.wait()
         step_dir = self.root / tag_for(step)
@@ -216,7 +217,7 @@ class CheckpointStore:
         if layout is not None:
             doc["layout"] = layout.record()
         if replicas is not None:
-            doc["replicas"] = replicas
+            doc["replicas"] = replicas.record()
         snap = registry.snapshot(self.rank, doc)
         stall = time.perf_counter() - t0
         make, late = (files, LateFiles()) if callable(files) else (None, None)

@@ -13,18 +13,16 @@ from megamemo.commands import flags
 
 
 def main(argv: list[str]) -> int:
+    from megamemo.export.hf import Request, export_hf
+
     p = argparse.ArgumentParser(prog="megamemo export", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     h = sub.add_parser("hf", help="a Hugging Face transformers directory (trust_remote_code) that needs no megamemo")
     flags.add(h, "ckpt")
-    h.add_argument("--out", required=True, help="the new directory")
-    h.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    flags.add(h, "data", help="shard directory whose vocabulary to use (default: the checkpoint's)")
+    flags.add_fields(h, Request, shared={"data": {}})
     a = p.parse_args(argv)
-    from megamemo.export.hf import export_hf
-
     notes: list[str] = []  # what the conversion said: shown once it succeeded, so an error is one line
-    r = export_hf(a.ckpt, a.out, a.overwrite, a.data, log=notes.append)
+    r = export_hf(a.ckpt, Request(**flags.field_values(a, Request)), log=notes.append)
     for m in notes:
         print(m, file=sys.stderr, flush=True)
     print(

@@ -72,7 +72,8 @@ def add_fields(parser: argparse.ArgumentParser, cls, *, shared: dict | None = No
     """Adds one flag per field of the dataclass `cls` (a library request type), `--field-name`, so the field is
     declared once, in the library: its type, its default and its help (the comment beside the field, read by
     megamemo/util/field_comments.py) make the flag. A field without a default is required; `bool | None` makes
-    --name / --no-name (None: neither given); `list[float]` reads comma-separated numbers. `shared` maps a field
+    --name / --no-name (None: neither given); `list[float]` reads comma-separated numbers, `list[str]` one or more
+    values. `shared` maps a field
     to a shared flag of SHARED above ({field: dict of add()'s keywords}): its type and metavar are the shared ones,
     its help the field's. `specs`: argparse keywords one flag adds (choices); a field's type or meaning stays the
     field's."""
@@ -101,13 +102,15 @@ def field_values(args: argparse.Namespace, cls) -> dict:
 
 
 def _argparse_type(hint, name: str) -> dict:
-    """argparse keywords for a field's type: int, float, str, bool, `X | None` of those, or list[float]."""
+    """argparse keywords for a field's type: int, float, str, bool, `X | None` of those, list[float] or list[str]."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
     if base is bool:
         return dict(action="store_true") if hint is bool else dict(action=argparse.BooleanOptionalAction)
     if typing.get_origin(base) is list and typing.get_args(base) == (float,):
         return dict(type=_numbers, metavar="X,Y,...")
+    if typing.get_origin(base) is list and typing.get_args(base) == (str,):
+        return dict(nargs="+")
     if base in (int, float, str):
         return dict(type=base)
     raise TypeError(f"{name}: a field of type {hint} has no flag form")

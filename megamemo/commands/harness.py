@@ -15,20 +15,19 @@ from megamemo.commands import flags
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megamemo harness", description=__doc__.split("\n\n")[0])
-    flags.add(p, "ckpt")
-    p.add_argument("--text", nargs="+", required=True, help="UTF-8 text files, one document each")
-    p.add_argument("--json", help="write the results here")
-    flags.add(p, "device")
-    flags.add(p, "mem-len")
-    a = p.parse_args(argv)
+    from megamemo.export.harness_request import Request
     from megamemo.util.files import write_text_atomic
 
+    p = argparse.ArgumentParser(prog="megamemo harness", description=__doc__.split("\n\n")[0])
+    flags.add(p, "ckpt")
+    p.add_argument("--json", help="write the results here")
+    flags.add_fields(p, Request, shared={"device": {}, "mem_len": {}})
+    a = p.parse_args(argv)
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # before lm-eval is imported (megamemo[eval])
         os.environ.setdefault(var, "1")
     from megamemo.export.harness import run_harness
 
-    r = run_harness(a.ckpt, a.text, a.device, a.mem_len)
+    r = run_harness(a.ckpt, Request(**flags.field_values(a, Request)))
     print(
         f"{r['ckpt']}: {len(r['files'])} file(s), {r['bytes']:,} bytes | word_perplexity "
         f"{r['word_perplexity']:.4f} byte_perplexity {r['byte_perplexity']:.4f} bits_per_byte "

@@ -16,25 +16,19 @@ from megamemo.commands import flags
 
 
 def parse_args(argv):
+    """The flags: --ckpt, then one per field of the library's Request (megamemo/train/replay.py)."""
+    from megamemo.train.replay import Request
+
     p = argparse.ArgumentParser(prog="megamemo replay", description=__doc__.split("\n\n")[0])
     flags.add(p, "ckpt", help="the training run directory (or one of its step_* directories)")
-    p.add_argument("--step", type=int, required=True, help="the step to replay up to")
-    for name in ("dp", "tp", "pp"):
-        p.add_argument(f"--{name}", type=int, help=f"replay under this {name} size (default 1: one process)")
-    p.add_argument(
-        "--rolled-back",
-        action="store_true",
-        help="replay the attempt at S that a loss spike's rollback undid, against its records "
-        "(metrics.rolled_back.jsonl), its skipped batches unskipped",
-    )
-    p.add_argument("--keep", action="store_true", help="keep the replay's run directory (its path is said)")
+    flags.add_fields(p, Request)
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
-    from megamemo.train.replay import replay
+    from megamemo.train.replay import Request, replay
 
     a = parse_args(argv)
-    line = replay(a.ckpt, a.step, a.dp, a.tp, a.pp, keep=a.keep, rolled_back=a.rolled_back)
+    line = replay(a.ckpt, Request(**flags.field_values(a, Request)))
     print(line, flush=True)
     return 1 if " differs at " in line else 0

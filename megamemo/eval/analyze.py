@@ -18,6 +18,7 @@ Writes DIR/attention_by_distance.png, DIR/alpha.png (when a LaMemo checkpoint is
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -166,18 +167,23 @@ def plot_alpha(results: list[dict], path: Path) -> None:
 
 
 # ---- the runs ------------------------------------------------------------------------------------------------
-def analyze_checkpoints(
-    ckpts: list,
-    data,
-    split: str = "valid",
-    *,
-    segments: int = 50,
-    batch_size: int = 10,
-    tgt_len: int | None = None,
-    mem_len: int | None = None,
-    device="cpu",
-    log=print,
-) -> list[dict]:
+@dataclass(frozen=True)
+class Request:
+    """What `megamemo analyze` asks of every checkpoint: each field is one of its flags (megamemo/commands/analyze.py
+    makes them from these fields, their comments the flags' help). A length left None is the checkpoint's."""
+
+    # shard directory made by `megamemo prepare`, or an s3:// gs:// https:// URL of one
+    data: str
+    split: str = "valid"  # the manifest's split to analyse
+    segments: int = 50  # segments to run (the first mem_len/tgt_len warm up)
+    batch_size: int = 10  # columns (streams)
+    tgt_len: int | None = None  # default: the checkpoint's
+    mem_len: int | None = None  # default: the checkpoint's
+    # torch device: auto (the command resolves it: cuda when torch sees one, else cpu), cpu, cuda, cuda:N
+    device: str = "cpu"
+
+
+def analyze_checkpoints(ckpts: list, r: Request, log=print) -> list[dict]:
     """Each checkpoint over the first `segments` segments of the split (lengths None: the checkpoint's), a line or
     two to `log` each -> the results (write_analysis writes them). A bad checkpoint or data directory raises the
     one-line error that names it."""
@@ -186,23 +192,24 @@ def analyze_checkpoints(
 
     results = []
     for ckpt in ckpts:
-        model, _ = open_model(ckpt, device, attention=None)
-        L = tgt_len or model.cfg.tgt_len
-        M = model.cfg.mem_len if mem_len is None else mem_len
-        reader = open_batches(data, split, batch_size, L)
+        model, _ = open_model(ckpt, r.device, attention=None)
+        L = r.tgt_len or model.cfg.tgt_len
+        M = model.cfg.mem_len if r.mem_len is None else r.mem_len
+        reader = open_batches(r.data, r.split, r.batch_size, L)
         try:
-            r = analyze(model, reader, tgt_len=L, mem_len=M, segments=segments, device=device)
+            found = analyze(model, reader, tgt_len=L, mem_len=M, segments=r.segments, device=r.device)
         finally:
             reader.close()
-        r["ckpt"], r["name"] = str(ckpt), Path(ckpt).name
-        results.append(r)
-        mass = ", ".join(f"{v:.3f}" for v in r["memory_mass"].values())
+        found["ckpt"], found["name"] = str(ckpt), Path(ckpt).name
+        results.append(found)
+        mass = ", ".join(f"{v:.3f}" for v in found["memory_mass"].values())
         log(
-            f"[analyze] {ckpt}: {r['variant']} tgt {L} mem {M}, {r['segments_recorded']} segments; attention "
-            f"mass on memory per layer: {mass}"
+            f"[analyze] {ckpt}: {found['variant']} tgt {L} mem {M}, {found['segments_recorded']} segments; "
+            f"attention mass on memory per layer: {mass}"
         )
-        if "alpha" in r:
-            log("[analyze]   mean alpha per layer: " + ", ".join(f"{sum(v) / len(v):.3f}" for v in r["alpha"].values()))
+        if "alpha" in found:
+            alphas = found["alpha"].values()
+            log("[analyze]   mean alpha per layer: " + ", ".join(f"{sum(v) / len(v):.3f}" for v in alphas))
     return results
 
 

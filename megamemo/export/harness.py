@@ -28,6 +28,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from megamemo.export.harness_request import Request
 from megamemo.interop.load import open_model
 from megamemo.interop.vocabulary import encode_prompt, start_symbol, vocab_for
 from megamemo.model.generation import generate
@@ -207,14 +208,15 @@ def text_task(docs: list[dict]):
     return ConfigurableTask(config=config)
 
 
-def run_harness(ckpt, files: list[str], device=None, mem_len=None) -> dict:
+def run_harness(ckpt, request: Request) -> dict:
+    """The task over request.text's files, scored by lm-eval -> its metrics and what was scored."""
     import logging
 
     import lm_eval
     from lm_eval.evaluator import evaluate as lm_eval_evaluate
 
-    docs = read_texts(files)
-    lm = MegamemoLM(ckpt, device=device, mem_len=mem_len)
+    docs = read_texts(request.text)
+    lm = MegamemoLM(ckpt, device=request.device, mem_len=request.mem_len)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on custom datasets are not for this user
     # lm-eval's own evaluation of the task, without simple_evaluate's index of every installed task (20 s of YAML)
     res = lm_eval_evaluate(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from megamemo.util.errors import MegamemoError
@@ -167,13 +168,25 @@ def _check_variant(single: Path) -> None:
         )
 
 
-def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
-    """-> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or directory."""
+@dataclass(frozen=True)
+class Request:
+    """What `megamemo export hf` asks of a checkpoint: each field is one of its flags (megamemo/commands/export.py
+    makes them from these fields, their comments the flags' help)."""
+
+    out: str  # the new directory
+    overwrite: bool = False  # replace --out if it exists
+    data: str | None = None  # shard directory whose vocabulary to use (default: the checkpoint's)
+
+
+def export_hf(ckpt, request: Request, log=print) -> dict:
+    """The checkpoint `ckpt` (single-device, or a training checkpoint of any layout) written as request.out, a
+    Hugging Face directory -> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or
+    directory."""
     from megamemo.checkpoint.single import load_single
-    from megamemo.interop.convert import to_single
+    from megamemo.interop.convert import ToSingle, to_single
     from megamemo.interop.load import is_single
 
-    ckpt, out = Path(ckpt), Path(out)
+    ckpt, out, overwrite, data = Path(ckpt), Path(request.out), request.overwrite, request.data
     if out.exists() and not overwrite:
         raise ExportError(f"{out}: already exists (pass --overwrite to replace it)")
     if not ckpt.is_dir():
@@ -187,7 +200,7 @@ def export_hf(ckpt, out, overwrite: bool = False, data=None, log=print) -> dict:
         else:
             single = work / "single"
             log(f"[export] {ckpt} is a training checkpoint: converting it to a single-device one first")
-            to_single(ckpt, single, log=log)
+            to_single(ckpt, ToSingle(out=str(single)), log=log)
             _check_variant(single)
         model, meta = load_single(single)
         sd = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +49,25 @@ class ConvertError(SingleCheckpointError):
     names it."""
 
 
+@dataclass(frozen=True)
+class ToSingle:
+    """What `megamemo convert to-single` asks of a training checkpoint: each field is one of its flags
+    (megamemo/commands/convert.py makes them from these fields, their comments the flags' help)."""
+
+    out: str  # new directory for the single-device checkpoint
+    dtype: str = "fp32"  # the weights' dtype in the single-device checkpoint
+    data: str | None = None  # shard directory whose tokenizer/vocabulary to record (default: the run's)
+    memory: str | None = None  # streams whose memory to write: 'all' or global columns like 0-3,7
+    no_check: bool = False  # skip the self-check on the recorded probe
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """What `megamemo convert relayout` asks of a committed checkpoint (its flags, as ToSingle's)."""
+
+    out: str  # new run directory
+
+
 def parse_columns(spec: str, batch_size: int) -> list[int]:
     """'all' | '0-3,7' -> column indices, each in [0, batch_size)."""
     if spec == "all":
@@ -66,17 +86,9 @@ def parse_columns(spec: str, batch_size: int) -> list[int]:
     return cols
 
 
-def to_single(
-    ckpt,
-    out,
-    dtype: str = "fp32",
-    data=None,
-    memory: str | None = None,
-    check: bool = True,
-    log=print,
-    progress_every: float = 10.0,
-) -> Path:
-    p, out = Path(ckpt), Path(out)
+def to_single(ckpt, request: ToSingle, log=print, progress_every: float = 10.0) -> Path:
+    """The checkpoint at `ckpt` -> request.out, a single-device checkpoint (the module's doc says how)."""
+    p, out, data = Path(ckpt), Path(request.out), request.data
     if is_single(p):
         raise ConvertError(f"{p}: already a single-device checkpoint")
     if out.exists():
@@ -87,7 +99,7 @@ def to_single(
     meta = c.meta()
     try:
         with atomic_directory(out) as tmp:
-            _write_single(c, tmp, meta, dtype, data, memory, check, log, progress_every)
+            _write_single(c, tmp, meta, request.dtype, data, request.memory, not request.no_check, log, progress_every)
     except ProbeError as e:
         raise ConvertError(str(e)) from None
     return out
@@ -144,9 +156,9 @@ def _write_single(
     write_config(tmp, c.cfg, meta)
 
 
-def relayout(ckpt, out, log=print) -> Path:
+def relayout(ckpt, request: Relayout, log=print) -> Path:
     """A verified checkpoint copied into NEW_RUN_DIR/checkpoints/step_N (train there under any layout)."""
-    out = Path(out)
+    out = Path(request.out)
     if out.exists():
         raise ConvertError(f"{out}: already exists; refusing to overwrite")
     step_dir, marker = resolve_committed(ckpt, log)

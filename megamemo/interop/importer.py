@@ -4,6 +4,7 @@ checkpoint (megamemo/checkpoint/single.py), replaying the file's reference NLL a
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from megamemo.checkpoint.single import SingleCheckpointError, save_single
@@ -14,7 +15,16 @@ class ReferenceImportError(SingleCheckpointError):
     """A reference file that cannot be imported; the message names it."""
 
 
-def import_reference_file(path, out, config_path=None, log=print) -> Path:
+@dataclass(frozen=True)
+class ImportReference:
+    """What `megamemo convert import-reference` asks of a reference file: each field is one of its flags
+    (megamemo/commands/convert.py makes them from these fields, their comments the flags' help)."""
+
+    out: str  # new directory for the single-device checkpoint
+    config: str | None = None  # JSON file with the reference MemTransformerLM constructor arguments
+
+
+def import_reference_file(path, request: ImportReference, log=print) -> Path:
     """A thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device checkpoint. FILE is either a
     dict with `state_dict` and `config` (the constructor's keyword arguments; ../shared/reference's format, whose
     `inputs`/`targets`/`nll` are then replayed as a check) or a bare state_dict with --config JSON."""
@@ -25,7 +35,7 @@ def import_reference_file(path, out, config_path=None, log=print) -> Path:
         load_weights_only,
     )
 
-    src, out = Path(path), Path(out)
+    src, out, config_path = Path(path), Path(request.out), request.config
     if out.exists():
         raise ReferenceImportError(f"{out}: already exists; refusing to overwrite")
     try:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from megamemo.checkpoint.index import open_reader
+from megamemo.checkpoint.layout import RunLayout
 from megamemo.checkpoint.pieces import PieceError, ShardedReader
 from megamemo.checkpoint.probe_replay import check_probe, read_probe
 from megamemo.checkpoint.single import FORMAT, SingleCheckpointError, load_single, model_from_state_dict, read_config
@@ -88,7 +89,7 @@ class Checkpoint:
         except (KeyError, TypeError, ValueError) as e:
             raise LoadError(f"{self.where}: {e}") from None
         self.precision = self.marker.get("precision", "fp32")
-        self.layout = self.marker.get("layout") or {}
+        self.layout = RunLayout.from_record(self.marker.get("layout"))
         with torch.device("meta"):
             self.shapes = {k: tuple(v.shape) for k, v in MemTransformerLM(self.cfg).state_dict().items()}
         have = {n[len("model/") :] for n in self.reader.names("model/")}
@@ -126,7 +127,7 @@ class Checkpoint:
         names = [n[len("memory/") :] for n in self.reader.names("memory/")]
         if not names:
             return None
-        B = int(self.layout.get("batch_size", self.reader.shape(f"memory/{names[0]}")[1]))
+        B = self.layout.batch_size or int(self.reader.shape(f"memory/{names[0]}")[1])
         c0, c1, _ = (columns or slice(0, B)).indices(B)
         out = {}
         for n in names:
@@ -145,7 +146,7 @@ class Checkpoint:
         return {
             "source": str(self.dir),
             "step": self.marker.get("step"),
-            "layout": self.layout,
+            "layout": self.layout.record(),
             "precision": self.precision,
             "model_fingerprint": self.marker.get("model_fingerprint"),
         }

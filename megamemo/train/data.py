@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megamemo.data import ManifestError, ShardError, load_manifest
+from megamemo.data.blend import BlendError, BlendReader, tokenizer_identity
 from megamemo.data.config import DataConfig
+from megamemo.data.remote import RemoteShards, is_remote
+from megamemo.data.stream import StreamReader
+from megamemo.data.vocab import unit_of
 from megamemo.train.config import RunConfig
 from megamemo.util.errors import MegamemoError
 
@@ -21,9 +26,6 @@ class DataError(MegamemoError, ValueError):
 
 
 def _remote_manifest(data: DataConfig, splits: list[str], url: str, field: str) -> dict:
-    from megamemo.data import ManifestError, ShardError
-    from megamemo.data.remote import RemoteShards
-
     try:
         remote = RemoteShards(url, data.remote_options())
         try:  # one listing: missing or wrong-sized objects named before the model is built
@@ -47,9 +49,6 @@ def _sources(data: DataConfig) -> list[tuple[str, str]]:
 
 
 def _manifest_of(data: DataConfig, splits: list[str], field: str, d: str) -> dict:
-    from megamemo.data import ManifestError, load_manifest
-    from megamemo.data.remote import is_remote
-
     if not d:
         raise DataError("data.dir: no shard directory given (--data DIR or data.dir in the config)")
     if is_remote(d):
@@ -70,8 +69,6 @@ def _manifest(data: DataConfig) -> dict:
 def check_data_dir(cfg: RunConfig) -> dict:
     """The manifest of data.dir (the first blend source) after checking the splits, vocabulary and, for a blend,
     the one tokenizer that the run needs (the run's data against its model and validation)."""
-    from megamemo.data.blend import tokenizer_identity
-
     data = cfg.data
     used = [data.split] + ([cfg.eval.split] if cfg.eval.every else [])
     first = None
@@ -121,8 +118,6 @@ def unit_for(data: DataConfig) -> str:
         kind = _manifest(data)["tokenizer"].get("kind", "")
     except DataError:
         return "bpc"
-    from megamemo.data.vocab import unit_of
-
     return unit_of(kind)
 
 
@@ -156,9 +151,6 @@ def stream(
 ):
     """The reader of a run's data: a StreamReader of data.dir, or for data.blend (training split) a
     BlendReader. Evaluation of a blend reads the first source's split."""
-    from megamemo.data import StreamReader
-    from megamemo.data.blend import BlendReader
-
     if data.blend and split == data.split and epochs is None:
         return BlendReader(
             [(e["dir"], e["weight"]) for e in data.blend],
@@ -201,8 +193,6 @@ def open_reader(
 ):
     """This data-parallel rank's reader of the training split (train) or the validation split; mix_every: how often
     a blend reports its token mix (steps; 0: never)."""
-    from megamemo.data.blend import BlendError
-
     if batch_size % dp:
         where = "data.batch_size" if train else "eval.batch_size"
         raise DataError(f"{where}: {batch_size} streams do not split over {dp} data-parallel ranks")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megamemo.checkpoint.faults import FaultPoints
 from megamemo.checkpoint.layout import RankLayout
+from megamemo.checkpoint.replicas import ReplicaRecord
 from megamemo.checkpoint.state import Counters, RNGState, StateRegistry
 from megamemo.checkpoint.store import CheckpointStore
 from megamemo.kernels.compiler import run_eagerly
@@ -179,7 +180,7 @@ class Trainer:
         self._scale_before = engine.loss_scale()
         # numerics (train/numerics.py, train/rollback.py): the replicas' agreement, loss spikes and their rollbacks
         self.replicas = ReplicaCheck(engine, self.layout, rank, world_size)
-        self._agreed: dict | None = None  # the last check's record, kept by the checkpoint of its step
+        self._agreed: ReplicaRecord | None = None  # the last check's record, kept by the checkpoint of its step
         self.spikes = SpikeWatch(cfg.train.spike, self.counters)
         run_dir = Path(cfg.train.run_dir)
         self.skips, self.rollbacks = skip_plan(run_dir), len(spike_records(run_dir))
@@ -368,10 +369,10 @@ class Trainer:
 
         return self.store.save(self.counters.step, self.registry, layout=self.layout, replicas=agreed, files=files)
 
-    def check_replicas(self) -> dict:
+    def check_replicas(self) -> ReplicaRecord:
         """Collective: the replicas' fingerprints compared (train/numerics.py), once per step. A mismatch is noted
         in this rank's heartbeat (the supervisor's record names the suspects) and raised."""
-        if self._agreed is not None and self._agreed["step"] == self.counters.step:
+        if self._agreed is not None and self._agreed.step == self.counters.step:
             return self._agreed
         try:
             self._agreed = self.replicas.check(self.counters.step)

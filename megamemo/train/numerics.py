@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megamemo.checkpoint.layout import RankLayout
+from megamemo.checkpoint.replicas import RankFingerprints, ReplicaRecord
 
 EXIT_NODE_SUSPECT = 5  # megamemo/runtime/interruptions.py's
 _P = 2_147_483_629  # a prime below 2^31: a flipped bit changes a fingerprint whatever its position
@@ -120,7 +121,7 @@ class ReplicaCheck:
         dist.all_gather_object(everyone, mine)
         return everyone
 
-    def check(self, step: int) -> dict:
+    def check(self, step: int) -> ReplicaRecord:
         """Collective: the fingerprints of every rank -> the record a checkpoint keeps; ReplicaMismatch when the
         replicas of a data-parallel group disagree."""
         t0 = time.perf_counter()
@@ -136,16 +137,14 @@ class ReplicaCheck:
                 f"agreed",
                 suspects,
             )
-        return {
-            "step": step,
-            "agreed": True,
-            "seconds": round(time.perf_counter() - t0, 6),
-            "ranks": {str(e["rank"]): _kept(e) for e in everyone},
-        }
+        ranks = tuple(sorted((e["rank"], _kept(e)) for e in everyone))
+        return ReplicaRecord(step, round(time.perf_counter() - t0, 6), ranks)
 
 
-def _kept(e: dict) -> dict:
-    return {k: e[k] for k in ("node", "scalars", "partitions", "state") if k in e}
+def _kept(e: dict) -> RankFingerprints:
+    """A rank's gathered fingerprints -> what its checkpoint keeps of them."""
+    parts = e.get("partitions")
+    return RankFingerprints(e["node"], e["scalars"], None if parts is None else tuple(parts), e.get("state"))
 
 
 def verdict(everyone: list[dict]) -> tuple[list[dict], str]:

@@ -231,9 +231,25 @@ def _relative(a, b) -> float:
     return abs(a - b) / max(abs(a), 1e-30)
 
 
-def replay(ckpt, step: int, dp=None, tp=None, pp=None, keep: bool = False, log=print, rolled_back=False) -> str:
+@dataclass(frozen=True)
+class Request:
+    """What `megamemo replay` asks of a run: each field is one of its flags (megamemo/commands/replay.py makes them
+    from these fields, their comments the flags' help)."""
+
+    step: int  # the step to replay up to
+    dp: int | None = None  # replay under this dp size (default 1: one process)
+    tp: int | None = None  # replay under this tp size (default 1: one process)
+    pp: int | None = None  # replay under this pp size (default 1: one process)
+    # replay the attempt at S that a loss spike's rollback undid, against its records (metrics.rolled_back.jsonl),
+    # its skipped batches unskipped
+    rolled_back: bool = False
+    keep: bool = False  # keep the replay's run directory (its path is said)
+
+
+def replay(ckpt, request: Request, log=print) -> str:
     """The replay's verdict line (the module's doc)."""
-    p = plan(ckpt, step, dp, tp, pp, rolled_back)
+    step = request.step
+    p = plan(ckpt, step, request.dp, request.tp, request.pp, request.rolled_back)
     work = Path(tempfile.mkdtemp(prefix="megamemo-replay-"))
     try:
         out = run_replay(p, work, log)
@@ -252,7 +268,7 @@ def replay(ckpt, step: int, dp=None, tp=None, pp=None, keep: bool = False, log=p
             log(f"[replay] step {step}'s checkpoint: {n} tensors compared")
         return "replay: identical" if tol is None else f"replay: within {why} (largest: {worst:.1e})"
     finally:
-        if keep:
+        if request.keep:
             log(f"[replay] kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)

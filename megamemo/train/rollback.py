@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from megamemo.checkpoint.store import list_checkpoints
 from megamemo.runtime.interruptions import append, history, recent_records, restart_count
 
 KIND = "spike"
@@ -40,8 +41,6 @@ def skip_plan(run_dir: Path) -> dict[int, int]:
 
 def checkpoint_before(root: Path, step: int) -> Path | None:
     """The newest committed checkpoint of a step before `step`."""
-    from megamemo.checkpoint.store import list_checkpoints
-
     done = [p for s, p, committed in list_checkpoints(root) if committed and s < step]
     return done[-1] if done else None
 

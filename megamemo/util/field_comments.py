@@ -12,48 +12,49 @@ import tokenize
 
 
 def field_comments(cls) -> dict[str, str]:
-    """field name -> its comment: the inline one on its line, continued on the comment lines below it when the next
-    field has an inline comment of its own (or none follows); else the comment block right above the field. (The
-    formatter puts a continued comment at the fields' indentation, so the next field's form tells whose it is.)"""
+    """field name -> its comment: the inline one on its line (continued on the lines below that are indented
+    deeper than the fields), else the comment block right above it at the field's own indentation."""
     src = textwrap.dedent(inspect.getsource(cls))
     lines = src.splitlines()
     comments = {}
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    out = {}
     declared = ast.parse(src).body[0]
     assert isinstance(declared, ast.ClassDef), f"{cls.__name__}: not a class"
-    fields = [
-        (n.target.id, n.lineno)
-        for n in declared.body
-        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-    ]
-    inline = {row for _, row in fields if row in comments and not _comment_only(lines, row)}
-    starts = {row for _, row in fields}
-    out = {}
-    for name, row in fields:
-        block = _block_above(lines, comments, row)
-        if row in inline:
-            text, k = [comments[row]], row + 1
-            while k in comments and _comment_only(lines, k):
-                k += 1
-            if k not in starts or k in inline:  # the lines below continue this field's comment
-                text += [comments[j] for j in range(row + 1, k)]
-            out[name] = " ".join(text)
-        elif block:
-            prev = max((r for r in inline if r < row), default=None)
-            owned = [r for r in block if prev is None or r > prev]
-            out[name] = " ".join(comments[r] for r in owned)
+    fields = {n.lineno: n for n in declared.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    for row, node in fields.items():
+        assert isinstance(node.target, ast.Name)
+        if row in comments and not lines[row - 1].lstrip().startswith("#"):
+            out[node.target.id] = " ".join([comments[row], *_continued(row, comments, lines, fields)])
+        else:  # a block at the field's own indentation (not the tail of the previous field's comment)
+            indent = len(lines[row - 1]) - len(lines[row - 1].lstrip())
+            text: list[str] = []
+            k = row - 1
+            while k in comments and _own_line(lines[k - 1]) and _indent(lines[k - 1]) == indent:
+                text.insert(0, comments[k])
+                k -= 1
+            out[node.target.id] = " ".join(text)
     return out
 
 
-def _comment_only(lines: list[str], row: int) -> bool:
-    return lines[row - 1].lstrip().startswith("#")
+def _continued(row: int, comments: dict, lines: list[str], fields: dict) -> list[str]:
+    """The comment lines that continue the inline comment on `row`: the comment-only lines below it, unless they
+    are the block above a field that has no inline comment of its own (then they are that field's). ruff format
+    puts a continuation at the fields' indentation, so the indentation cannot tell them apart."""
+    k = row + 1
+    while k in comments and _own_line(lines[k - 1]):
+        k += 1
+    below = fields.get(k)
+    if k > row + 1 and below is not None and not (k in comments and not _own_line(lines[k - 1])):
+        return []  # the next field's block
+    return [comments[j] for j in range(row + 1, k)]
 
 
-def _block_above(lines: list[str], comments: dict[int, str], row: int) -> list[int]:
-    """The rows of the comment-only lines right above `row`, top to bottom."""
-    k = row - 1
-    while k in comments and _comment_only(lines, k):
-        k -= 1
-    return list(range(k + 1, row))
+def _own_line(line: str) -> bool:
+    return line.lstrip().startswith("#")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())

@@ -128,6 +128,24 @@ class Toy:
     # comma-separated
 
 
+@dataclasses.dataclass
+class Listed:
+    name: str  # the name
+    # the files, one or more
+    files: list[str]
+
+
+def test_a_comment_block_above_a_field_is_its_own_not_the_previous_fields():
+    p = argparse.ArgumentParser(prog="listed")
+    flags.add_fields(p, Listed)
+    helps = {a.option_strings[0]: a.help for a in p._actions if a.option_strings}
+    assert (helps["--name"], helps["--files"]) == ("the name", "the files, one or more")
+    assert flags.field_values(p.parse_args(["--name", "n", "--files", "a", "b"]), Listed) == {
+        "name": "n",
+        "files": ["a", "b"],
+    }
+
+
 def toy_parser(**specs) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toy")
     flags.add_fields(p, Toy, **specs)

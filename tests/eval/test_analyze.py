@@ -131,6 +131,8 @@ def test_cli_writes_plots_and_json(tmp_path):
     assert lam["variant"] == "lamemo" and "alpha" in lam and len(lam["alpha"]["layer_1"]) == 12
     assert xl["variant"] == "xl" and "alpha" not in xl
     assert len(xl["attention_by_distance"]["mean"]) == 24 and 0.0 < xl["memory_mass"]["layer_0"] < 1.0
+    # the flags reach the analysis: 6 segments asked, the first mem_len / tgt_len = 12 / 12 of them warm up
+    assert lam["segments_recorded"] == xl["segments_recorded"] == 6 - 1 and doc["batch_size"] == 4
     rpe, _ = tiny_checkpoint(tmp_path / "rpe", "rpe")
     assert (
         cli.run_command("analyze", analyze_cmd.main, ["--ckpt", str(rpe), "--data", str(data), "--out", str(out)]) == 2

@@ -95,6 +95,12 @@ def test_eval_of_a_run_equals_its_validation(shards, tmp_path):
     }
     sd = load_file(str(single / "model.safetensors"))
     assert sd.keys() == module.keys() and all(torch.equal(sd[k], module[k].reshape(sd[k].shape)) for k in sd)
+    # the marker's layout is the one kept; the request's flags reach the conversion (--no-check: no self-check)
+    assert meta["layout"] == json.loads((step_dir / "COMMITTED").read_text())["layout"] and meta["check"]
+    half = tmp_path / "half"
+    assert convert_cmd.main(["to-single", "--ckpt", str(run), "--out", str(half), "--dtype", "bf16", "--no-check"]) == 0
+    assert "check" not in json.loads((half / "config.json").read_text())["meta"]
+    assert {v.dtype for v in load_file(str(half / "model.safetensors")).values()} == {torch.bfloat16}
 
     # an interrupted save (no COMMITTED marker) is refused, naming it
     broken = run / "checkpoints" / "step_00000009"

@@ -411,7 +411,7 @@ def test_a_recorded_subword_tokenizer_is_copied_and_checked(tmp_path):
     assert got.bos_token_id == got.eos_token_id == 0  # the record's end of document (lm-eval's prefix)
     (ck / "tokenizer.json").write_text((ck / "tokenizer.json").read_text().replace("<unk>", "<UNK>"))
     with pytest.raises(hf.ExportError, match="tokenizer.json: sha256 differs"):
-        hf.export_hf(ck, tmp_path / "out2")
+        hf.export_hf(ck, hf.Request(out=str(tmp_path / "out2")))
     assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".export-*"))
     assert not list(tmp_path.glob(".out2.*"))  # nor the new directory under its temporary name
 

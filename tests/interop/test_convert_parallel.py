@@ -321,7 +321,9 @@ def test_bf16_tensor_parallel_checkpoint_checks_within_the_bf16_tolerance(tiny_c
 
 def test_to_single_reports_progress_tensor_by_tensor(tp2, tmp_path):
     lines = []
-    convert.to_single(tp2, tmp_path / "single", check=False, log=lines.append, progress_every=0)
+    convert.to_single(
+        tp2, convert.ToSingle(out=str(tmp_path / "single"), no_check=True), log=lines.append, progress_every=0
+    )
     pat = re.compile(r"\[convert\] ([\d.,]+)M of ([\d.,]+)M parameters written, (\S+)")
     got = [pat.fullmatch(ln) for ln in lines if ln.startswith("[convert]")]
     sd = load_file(str(tmp_path / "single" / "model.safetensors"))

@@ -421,3 +421,19 @@ def test_a_fault_plan_holds_for_the_start_it_names():
     assert FaultPoints(1, {**plan, "MEGAMEMO_RESTART": "2"}).kill_at == ("commit", 1, None)
     every_start = {"MEGAMEMO_FAULT_KILL_AT": "removal:3", "MEGAMEMO_RESTART": "5"}
     assert FaultPoints(0, every_start).kill_at == ("removal", 3, None)
+
+
+def test_the_replay_decision_runs_where_megamemo_is_not_importable(tmp_path):
+    """runtime/suspect.py is loaded by path beside interruptions.py on the batch host (scripts/slurm_failure.py,
+    python -I -S): it reads the replay's layout from a checkpoint marker with the standard library alone."""
+    step = tmp_path / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "COMMITTED").write_text(json.dumps({"layout": {"world_size": 4, "dp": 2, "tp": 2, "pp": 1}}))
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('s', {str(REPO / 'megamemo' / 'runtime' / 'suspect.py')!r}); "
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+        f"print(' '.join(m.layout_of({str(tmp_path)!r}, 6)))"
+    )
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["--dp", "2", "--tp", "2", "--pp", "1"], out.stderr
