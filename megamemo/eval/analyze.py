@@ -119,7 +119,7 @@ def _plt():
     import matplotlib  # heavy, and only for the plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     return plt
 

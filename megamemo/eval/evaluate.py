@@ -293,7 +293,7 @@ def plot_sweep(results: list[dict], path: Path) -> None:
     import matplotlib  # heavy, and only for the sweep's plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     metric = results[0]["metric"]
     fig, ax = plt.subplots(figsize=(6, 4))

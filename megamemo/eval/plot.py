@@ -162,7 +162,7 @@ def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
     import matplotlib  # heavy, and only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
     from matplotlib.transforms import blended_transform_factory
 
     metric = metric or runs[0].metric
