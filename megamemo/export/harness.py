@@ -186,7 +186,7 @@ def read_texts(files: list[str]) -> list[dict]:
 
 def text_task(docs: list[dict]):
     """An lm-eval rolling-loglikelihood task over the documents, held in memory (no dataset download)."""
-    # heavy: only when the harness runs (lm_eval imports this module to register the model)
+    # heavy: only when a task runs, not when this module is imported to register the model
     import datasets
     from lm_eval.api.task import ConfigurableTask
 
