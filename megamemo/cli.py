@@ -60,13 +60,16 @@ def prepare_process() -> None:
     # a value the user set is kept.
     if "TORCHDYNAMO_DISABLE" not in os.environ:
         os.environ["TORCHDYNAMO_DISABLE"] = os.environ["MEGAMEMO_SET_TORCHDYNAMO_DISABLE"] = "1"
+    # lazy: after TORCHDYNAMO_DISABLE above, and never for `megamemo --help`
     from megamemo.runtime.extensions import use_writable_extensions_dir
 
     # DeepSpeed's JIT op builds go where this user can write (containers: --user, apptainer)
     use_writable_extensions_dir()
+    # lazy: after TORCHDYNAMO_DISABLE above, and never for `megamemo --help`
     from megamemo.runtime import quiet
 
     quiet.install()  # third-party start-up warnings off the terminal; other ranks quiet (megamemo/runtime/quiet.py)
+    # lazy: after TORCHDYNAMO_DISABLE above, and never for `megamemo --help`
     from megamemo.runtime.allocator import tune_cpu_allocator
 
     tune_cpu_allocator()  # before any tensor exists; see megamemo/runtime/allocator.py
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megamemo: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     if name == "train":  # a stop signal during start-up waits for the trainer's handler (runtime/signals.py)
+        # lazy: only for train, never for `megamemo --help`
         from megamemo.runtime.signals import hold
 
         hold()

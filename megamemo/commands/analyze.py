@@ -13,6 +13,7 @@ from megamemo.commands import flags
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.eval.analyze import Request, analyze_checkpoints, write_analysis
     from megamemo.runtime.device import torch_device
 

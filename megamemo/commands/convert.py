@@ -18,6 +18,7 @@ TRAINING_CHECKPOINT = "run directory, its checkpoints/ directory, or a step_* di
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.interop.convert import Relayout, ToSingle, relayout, to_single
     from megamemo.interop.importer import ImportReference, import_reference_file
 

@@ -21,6 +21,7 @@ from megamemo.model.trams import METRICS
 def parse_args(argv):
     """The flags: --ckpt, the sweep's outputs and --json, then one per field of the library's Request (its type,
     default and help come from the field: megamemo/eval/evaluate.py)."""
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.eval.evaluate import Request
 
     p = argparse.ArgumentParser(prog="megamemo eval", description=__doc__.split("\n\n")[0])
@@ -41,6 +42,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.eval.evaluate import Request, evaluate_checkpoints, write_sweep
     from megamemo.runtime.device import torch_device
 

@@ -13,6 +13,7 @@ from megamemo.commands import flags
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.export.hf import Request, export_hf
 
     p = argparse.ArgumentParser(prog="megamemo export", description=__doc__.split("\n\n")[0])

@@ -17,6 +17,7 @@ import types
 import typing
 from typing import Any
 
+from megamemo.util.field_comments import field_comments
 from megamemo.util.precision import NAMES as PRECISIONS
 
 SHARED: dict[str, dict[str, Any]] = {
@@ -77,8 +78,6 @@ def add_fields(parser: argparse.ArgumentParser, cls, *, shared: dict | None = No
     to a shared flag of SHARED above ({field: dict of add()'s keywords}): its type and metavar are the shared ones,
     its help the field's. `specs`: argparse keywords one flag adds (choices); a field's type or meaning stays the
     field's."""
-    from megamemo.util.field_comments import field_comments
-
     helps = field_comments(cls)
     types = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):

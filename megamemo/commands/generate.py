@@ -17,6 +17,7 @@ from megamemo.commands import flags
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.eval.generate import Request, prepare
     from megamemo.kernels.apply import ATTENTIONS
     from megamemo.runtime.device import torch_device

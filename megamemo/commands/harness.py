@@ -15,6 +15,7 @@ from megamemo.commands import flags
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.export.harness_request import Request
     from megamemo.util.files import write_text_atomic
 
@@ -25,6 +26,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # before lm-eval is imported (megamemo[eval])
         os.environ.setdefault(var, "1")
+    # lazy: lm-eval only after the HF_*_OFFLINE defaults above, and only when the command runs
     from megamemo.export.harness import run_harness
 
     r = run_harness(a.ckpt, Request(**flags.field_values(a, Request)))

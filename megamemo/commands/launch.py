@@ -42,6 +42,7 @@ def parse(argv: list[str]) -> tuple[int, int, list[str]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.runtime.launcher import FORWARDED, Launcher
 
     parsed = parse(list(sys.argv[1:] if argv is None else argv))

@@ -20,6 +20,7 @@ from megamemo.runtime.gpus import PLANNED, unknown_kind
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.plan.report import Ask
 
     ap = argparse.ArgumentParser(prog="megamemo plan", description=__doc__.splitlines()[0])
@@ -53,6 +54,7 @@ def main(argv: list[str]) -> int:
     if args.device == "gpu" and args.gpu not in PLANNED:
         print(f"megamemo plan: --gpu: {unknown_kind(args.gpu, PLANNED)}", file=sys.stderr)
         return 2
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.plan.report import report
     from megamemo.train.config import load
 

@@ -22,6 +22,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.eval.plot import default_out, load_runs, save
 
     a = parse_args(argv)

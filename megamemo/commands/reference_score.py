@@ -11,6 +11,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("file", help="reference-format .pt file")
     ap.add_argument("--out", required=True, help="where to write {'nll': [...]}")
     args = ap.parse_args(argv)
+    # lazy: the library (torch) loads only when the command runs, never for --help
     import torch
 
     from megamemo.interop.score import load_reference_file, score

@@ -17,6 +17,7 @@ from megamemo.commands import flags
 
 def parse_args(argv):
     """The flags: --ckpt, then one per field of the library's Request (megamemo/train/replay.py)."""
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.train.replay import Request
 
     p = argparse.ArgumentParser(prog="megamemo replay", description=__doc__.split("\n\n")[0])
@@ -26,6 +27,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.train.replay import Request, replay
 
     a = parse_args(argv)

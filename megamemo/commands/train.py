@@ -55,6 +55,7 @@ def _yaml_str(s: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    # lazy: the library (torch) loads only when the command runs, never for --help
     from megamemo.train.run import run
 
     args = parse_args(argv)

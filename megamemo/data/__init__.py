@@ -25,7 +25,7 @@ __all__ = [
 
 def __getattr__(name):  # StreamReader imports torch; `megamemo prepare` should not pay for that
     if name == "StreamReader":
-        from .stream import StreamReader
+        from .stream import StreamReader  # torch: see the line above
 
         return StreamReader
     raise AttributeError(f"module 'megamemo.data' has no attribute {name!r}")

@@ -9,6 +9,7 @@ import time
 from . import corpora, text_files
 from .shard_reader import verify_shards
 from .shards import ManifestError, ShardError, build
+from .subword import subword_text
 
 CORPORA = ("enwik8", "text8", "wikitext-103", "text")
 MODES = {"enwik8": ("bytes", "reference"), "text8": ("chars", "reference")}
@@ -92,8 +93,6 @@ def _corpus(a) -> corpora.Corpus:
     except (ValueError, AssertionError):
         raise ValueError(f"--split must be three non-negative integers like 90,5,5, got {a.split!r}") from None
     if a.tokenizer:
-        from .subword import subword_text
-
         return subword_text(
             a.raw,
             a.valid,

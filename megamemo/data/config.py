@@ -12,6 +12,7 @@ from pydantic import model_validator
 from megamemo.config.fields import Bool, Field, Float, Int, section
 from megamemo.config.run import ConfigError
 
+from .remote import RemoteOptions
 from .shards import _parse_size
 
 
@@ -60,8 +61,6 @@ class DataConfig:
 
     def remote_options(self):
         """How s3:// gs:// https:// shard directories are read (data.cache_dir, data.cache_size, data.retries, ...)."""
-        from .remote import RemoteOptions
-
         return RemoteOptions(
             cache_dir=self.cache_dir,
             cache_size=self.cache_size,

@@ -64,7 +64,7 @@ def check_sources(sources: list[Source], field: str) -> None:
         raise ValueError("no documents: the given paths hold no files")
     for s in sources:
         if s.kind == "parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional (the parquet extra), only for .parquet sources
 
             try:
                 names = pq.ParquetFile(s.path).schema_arrow.names
@@ -127,7 +127,7 @@ def _jsonl_blocks(path: Path, field: str, block_bytes: int):
 
 
 def _parquet_blocks(path: Path, field: str, block_bytes: int):
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional (the parquet extra), only for .parquet sources
 
     pf = pq.ParquetFile(path)
     total_rows = max(pf.metadata.num_rows, 1)

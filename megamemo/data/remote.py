@@ -168,7 +168,7 @@ def _filesystem(url: str):
             f"standard environment/config"
         )
     try:
-        import fsspec
+        import fsspec  # optional (the s3 / gcs extras), only for remote shard directories
 
         opts = {}
         if scheme == "s3":  # one retry policy (ours, logged): botocore's and s3fs's own retries off

@@ -5,6 +5,7 @@ document (recorded in a document index); plain text is a flat stream (no documen
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,8 +31,6 @@ def _line_number(path: Path, offset: int) -> int:
 def _check_utf8(path: Path, chunk: int = 1 << 24) -> None:
     """A byte-level plain-text file must be UTF-8 text (docs/corpus.md): a Latin-1 file is refused naming the line
     and column of its first bad byte, not stored as bytes no UTF-8 tokenizer or prompt gives."""
-    import codecs
-
     decoder, line, line_start, pos = codecs.getincrementaldecoder("utf-8")(), 1, 0, 0
     with open(path, "rb") as f:
         while True:

@@ -105,7 +105,7 @@ class SubwordTokenizer:
     def from_bytes(cls, data: bytes, library: str, where: str, origin: str = "") -> SubwordTokenizer:
         impl: Any  # a tokenizers.Tokenizer or a SentencePieceProcessor
         if library == "tokenizers":
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # heavy: only for a tokenizers file (byte/char/word data need none)
 
             try:
                 impl = Tokenizer.from_str(data.decode("utf-8"))
@@ -114,7 +114,7 @@ class SubwordTokenizer:
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise TokenizerError(f"tokenizer {where}: not a tokenizers tokenizer.json file ({first})") from None
         elif library == "sentencepiece":
-            import sentencepiece
+            import sentencepiece  # heavy: only for a SentencePiece .model file
 
             impl = sentencepiece.SentencePieceProcessor()
             try:
@@ -227,6 +227,7 @@ def parse_spec(spec: str) -> tuple[str, int | str]:
 def train_bpe(texts: Iterable[str], vocab_size: int) -> SubwordTokenizer:
     """A byte-level BPE of `vocab_size` symbols (<|endoftext|> = id 0, then the 256 bytes, then merges) trained on
     `texts`. Deterministic: the same texts in the same order give the same tokenizer.json, byte for byte."""
+    # heavy: only when a BPE is trained (`prepare text --tokenizer bpe:N`)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

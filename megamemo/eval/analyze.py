@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from megamemo.eval.evaluate import open_batches
+from megamemo.interop.load import open_model
 from megamemo.model.scoring import score_segments
 from megamemo.model.trams import forward as inspect_forward
 from megamemo.util.errors import UsageError
@@ -114,10 +116,10 @@ def analyze(model, batches, *, tgt_len: int, mem_len: int, segments: int, device
 
 # ---- plots -----------------------------------------------------------------------------------------------------
 def _plt():
-    import matplotlib
+    import matplotlib  # heavy, and only for the plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     return plt
 
@@ -187,9 +189,6 @@ def analyze_checkpoints(ckpts: list, r: Request, log=print) -> list[dict]:
     """Each checkpoint over the first `segments` segments of the split (lengths None: the checkpoint's), a line or
     two to `log` each -> the results (write_analysis writes them). A bad checkpoint or data directory raises the
     one-line error that names it."""
-    from megamemo.eval.evaluate import open_batches
-    from megamemo.interop.load import open_model
-
     results = []
     for ckpt in ckpts:
         model, _ = open_model(ckpt, r.device, attention=None)

@@ -37,6 +37,12 @@ from pathlib import Path
 
 import torch
 
+from megamemo.data import StreamReader, load_vocab
+from megamemo.data.remote import manifest_of
+from megamemo.data.tokenizer import SubwordTokenizer, same_tokenizer
+from megamemo.data.vocab import unit_of
+from megamemo.eval.start_memory import load_start_memory
+from megamemo.interop.load import open_model
 from megamemo.model.memory import Memory
 from megamemo.model.scoring import evaluate
 from megamemo.model.trams import TramsConfig
@@ -48,8 +54,6 @@ from megamemo.util.units import metric_value
 def metric_name(manifest: dict) -> str:
     """'bpc' for byte- and character-level corpora, 'ppl' for word-level and subword ones (the manifest's
     tokenizer); subword results also carry bits_per_byte."""
-    from megamemo.data.vocab import unit_of
-
     kind = (manifest.get("tokenizer") or {}).get("kind") or (manifest.get("vocab") or {}).get("kind")
     if kind not in ("bytes", "chars", "words", "subword"):
         raise UsageError(f"manifest.json: tokenizer.kind {kind!r} is not one of bytes | chars | words | subword")
@@ -58,8 +62,6 @@ def metric_name(manifest: dict) -> str:
 
 def check_tokenizer(meta: dict, manifest: dict, ckpt, data_dir) -> None:
     """A checkpoint trained on one subword tokenizer is not scored or sampled with another: one line naming both."""
-    from megamemo.data.tokenizer import same_tokenizer
-
     mine, theirs = meta.get("tokenizer"), manifest.get("tokenizer") or {}  # a manifest without one: bytes
     if mine and not same_tokenizer(mine, theirs):
         raise UsageError(
@@ -73,9 +75,6 @@ def token_bytes_of(data_dir, manifest: dict):
     """int64 tensor [V]: UTF-8 bytes each id stands for, for a subword corpus (bits per byte); None otherwise."""
     if (manifest.get("tokenizer") or {}).get("kind") != "subword":
         return None
-    from megamemo.data import load_vocab
-    from megamemo.data.tokenizer import SubwordTokenizer
-
     vocab = load_vocab(data_dir)
     assert isinstance(vocab, SubwordTokenizer)  # the manifest records a subword tokenizer
     return torch.from_numpy(vocab.token_bytes())
@@ -83,8 +82,6 @@ def token_bytes_of(data_dir, manifest: dict):
 
 def open_batches(data_dir, split: str, batch_size: int, tgt_len: int):
     """The evaluation batches: the training reader's layout with one rank and no roll, one pass."""
-    from megamemo.data import StreamReader
-
     return StreamReader(data_dir, split, batch_size, tgt_len, world_size=1, rank=0, epochs=1)
 
 
@@ -219,10 +216,6 @@ class Request:
 def evaluate_checkpoints(ckpts: list, a: Request, log=print) -> list[dict]:
     """Every checkpoint on the split (at every ratio of a sweep), one line each to `log` -> the results. A bad
     checkpoint, data directory or memory file raises the one-line error that names it."""
-    from megamemo.data.remote import manifest_of
-    from megamemo.eval.start_memory import load_start_memory
-    from megamemo.interop.load import open_model
-
     manifest = manifest_of(a.data)  # a local directory or an s3:// gs:// https:// one
     metric = metric_name(manifest)
     if a.split not in manifest["splits"]:
@@ -297,10 +290,10 @@ def write_table(results: list[dict], path: Path) -> None:
 
 
 def plot_sweep(results: list[dict], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy, and only for the sweep's plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     metric = results[0]["metric"]
     fig, ax = plt.subplots(figsize=(6, 4))

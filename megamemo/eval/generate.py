@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megamemo.eval.start_memory import load_start_memory
+from megamemo.interop.load import open_model
+from megamemo.interop.vocabulary import encode_prompt, vocab_for
 from megamemo.model.generation import default_mem_len, generate, nucleus_probs
 from megamemo.util.errors import UsageError
 
@@ -88,9 +91,6 @@ def prepare(ckpt, r: Request) -> Continuation:
     vocabulary (which must fit the model), the prompt encoded with it, the sampling arguments and the starting
     memory. A bad one raises the one-line error that names it (a MegamemoError, or an OSError)."""
     prompt_file, mem_len = r.prompt_file, r.mem_len
-    from megamemo.interop.load import open_model
-    from megamemo.interop.vocabulary import encode_prompt, vocab_for
-
     model, meta = open_model(ckpt, r.device, attention=r.attention, generating=True)
     model.cfg.check_lengths(**{"--mem-len": mem_len})
     vocab = vocab_for(meta, r.data, ckpt)
@@ -108,8 +108,6 @@ def prepare(ckpt, r: Request) -> Continuation:
     nucleus_probs(torch.zeros(2), r.top_p, r.temperature)  # argument checks
     start = None
     if r.memory:
-        from megamemo.eval.start_memory import load_start_memory
-
         start = load_start_memory(
             r.memory,
             model,

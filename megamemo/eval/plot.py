@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from megamemo.runtime import goodput, interruptions
 from megamemo.util.errors import MegamemoError
 from megamemo.util.units import metric_value
@@ -115,8 +117,6 @@ def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
     cfg_path = run_dir / "config.yaml"
     cfg = None
     if cfg_path.is_file():
-        import yaml
-
         try:
             cfg = yaml.safe_load(cfg_path.read_text()) or {}
         except yaml.YAMLError as e:
@@ -129,7 +129,7 @@ def infer_metric(run_dir: Path, run: Run) -> tuple[str, str]:
             except (json.JSONDecodeError, AttributeError):
                 kind = None
             if kind is not None:
-                from megamemo.data.vocab import unit_of
+                from megamemo.data.vocab import unit_of  # megamemo.data brings torch: plot runs without it
 
                 return unit_of(kind), f"{manifest} (tokenizer {kind})"
         model = (cfg.get("model") or {}) if isinstance(cfg, dict) else {}
@@ -159,10 +159,10 @@ def has_bits_per_byte(runs: list[Run]) -> bool:
 def figure(runs: list[Run], x: str = "steps", metric: str | None = None):
     """The figure and its artists: {(run name, "train" | "eval" | "resume" | "skip" | "interruption"): Line2D or list
     of them}."""
-    import matplotlib
+    import matplotlib  # heavy, and only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
     from matplotlib.transforms import blended_transform_factory
 
     metric = metric or runs[0].metric
@@ -255,7 +255,7 @@ def default_out(run_dirs: list) -> Path:
 
 def save(runs: list[Run], out: Path, x: str = "steps", metric: str | None = None, log=print) -> Path:
     """The figure of `runs` written to `out` (PlotError naming the file if it cannot be), and a line per run."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, and only to draw (figure() chose the Agg backend)
 
     fig, _ = figure(runs, x, metric)
     try:

@@ -20,13 +20,16 @@ hub, no download) and reports lm-eval's `word_perplexity`, `byte_perplexity` and
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+import lm_eval
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import simple_parse_args_string
 
 from megamemo.export.harness_request import Request
 from megamemo.interop.load import open_model
@@ -52,8 +55,6 @@ def lm_eval_arguments(model_args: dict, lm_eval_config: dict | None) -> dict:
 class MegamemoLM(LM):
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        from lm_eval.utils import simple_parse_args_string
-
         return cls(**lm_eval_arguments(simple_parse_args_string(arg_string), additional_config))
 
     @classmethod
@@ -185,6 +186,7 @@ def read_texts(files: list[str]) -> list[dict]:
 
 def text_task(docs: list[dict]):
     """An lm-eval rolling-loglikelihood task over the documents, held in memory (no dataset download)."""
+    # heavy: only when a task runs, not when this module is imported to register the model
     import datasets
     from lm_eval.api.task import ConfigurableTask
 
@@ -210,10 +212,7 @@ def text_task(docs: list[dict]):
 
 def run_harness(ckpt, request: Request) -> dict:
     """The task over request.text's files, scored by lm-eval -> its metrics and what was scored."""
-    import logging
-
-    import lm_eval
-    from lm_eval.evaluator import evaluate as lm_eval_evaluate
+    from lm_eval.evaluator import evaluate as lm_eval_evaluate  # heavy: only when the harness runs
 
     docs = read_texts(request.text)
     lm = MegamemoLM(ckpt, device=request.device, mem_len=request.mem_len)

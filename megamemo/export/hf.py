@@ -27,8 +27,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from megamemo.checkpoint.single import load_single
+from megamemo.interop.convert import ToSingle, to_single
+from megamemo.interop.load import is_single
+from megamemo.interop.vocabulary import start_symbol, vocab_for
 from megamemo.util.errors import MegamemoError
-from megamemo.util.files import atomic_directory, save_tensors
+from megamemo.util.files import atomic_directory, entry_mismatch, file_sha256, save_tensors
 
 CODE = Path(__file__).with_name("hf_code")
 CODE_FILES = ("configuration_megamemo.py", "modeling_megamemo.py")
@@ -58,7 +62,7 @@ def _bytes_to_unicode() -> list[str]:
 def byte_tokenizer(vocab):
     """A `tokenizers` Tokenizer for a bytes/chars vocabulary: UTF-8 bytes of the text, each mapped to its id in
     `vocab` (a BPE without merges over the byte-level alphabet); decoding gives the bytes back."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # optional (the eval extra), heavy
 
     table = _bytes_to_unicode()
     ids = {table[vocab.symbol_byte(s)]: i for i, s in enumerate(vocab.symbols)}
@@ -70,7 +74,7 @@ def byte_tokenizer(vocab):
 
 def word_tokenizer(vocab):
     """Word vocabularies: whitespace-separated words, a newline is <eos> (as megamemo's prompts and corpora)."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers  # optional (the eval extra)
 
     unk = "<unk>" if "<unk>" in vocab.sym2idx else None
     tok = Tokenizer(models.WordLevel(vocab=dict(vocab.sym2idx), unk_token=unk))
@@ -84,8 +88,6 @@ def start_tokens(vocab) -> dict:
     """BOS = EOS = the token a stream with no context starts from (megamemo.interop.vocabulary.start_symbol: <eos>,
     else a newline, else a space), as the tokenizer spells it: lm-eval's `--model hf` prefixes every rolling window
     with the BOS, and generate() pads with the EOS. {} for a vocabulary with none of them."""
-    from megamemo.interop.vocabulary import start_symbol
-
     sym = start_symbol(vocab)
     if sym is None:
         return {}
@@ -96,10 +98,7 @@ def start_tokens(vocab) -> dict:
 def write_tokenizer(meta: dict, dirs: list[Path], out: Path, data=None) -> str:
     """The tokenizer files for the checkpoint's vocabulary into `out`; -> what was written, in words. A subword
     tokenizer's file is looked for in `dirs` (the checkpoint's directories), then in the shard directory."""
-    from transformers import PreTrainedTokenizerFast
-
-    from megamemo.interop.vocabulary import vocab_for
-    from megamemo.util.files import entry_mismatch, file_sha256
+    from transformers import PreTrainedTokenizerFast  # optional (the eval extra), heavy
 
     rec = meta.get("tokenizer") or {}
     if isinstance(rec, dict) and rec.get("file") and not data:
@@ -182,10 +181,6 @@ def export_hf(ckpt, request: Request, log=print) -> dict:
     """The checkpoint `ckpt` (single-device, or a training checkpoint of any layout) written as request.out, a
     Hugging Face directory -> a summary dict. Raises ExportError / SingleCheckpointError naming the bad file or
     directory."""
-    from megamemo.checkpoint.single import load_single
-    from megamemo.interop.convert import ToSingle, to_single
-    from megamemo.interop.load import is_single
-
     ckpt, out, overwrite, data = Path(ckpt), Path(request.out), request.overwrite, request.data
     if out.exists() and not overwrite:
         raise ExportError(f"{out}: already exists (pass --overwrite to replace it)")
@@ -210,7 +205,7 @@ def export_hf(ckpt, request: Request, log=print) -> dict:
             save_tensors(sd, tmp / "model.safetensors", metadata={"format": "pt"})
             for name in CODE_FILES:
                 shutil.copyfile(CODE / name, tmp / name)
-            import transformers
+            import transformers  # optional (the eval extra), heavy
 
             cfg = hf_config(model.cfg.to_dict(), dtype, str(ckpt))
             cfg["transformers_version"] = transformers.__version__

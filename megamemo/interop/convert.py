@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from megamemo.checkpoint.probe_replay import ProbeError
 from megamemo.checkpoint.single import SingleCheckpointError, model_from_state_dict, write_config, write_streaming
@@ -136,16 +137,12 @@ def _write_single(
         if mem is None or mem.batch_size is None:
             raise ConvertError(f"--memory {memory}: {c.dir} holds no memory (saved at the start of an epoch)")
         cols = parse_columns(memory, mem.batch_size)
-        from safetensors.torch import save_file
-
         save_file(
             {k: v.contiguous() for k, v in mem.select_batch(torch.tensor(cols)).state_dict().items()},
             str(tmp / "memory.safetensors"),
         )
         meta["memory_columns"] = cols
     if check:
-        from safetensors.torch import load_file
-
         model = model_from_state_dict(
             c.cfg, {k: v.float() for k, v in load_file(str(tmp / "model.safetensors")).items()}
         )

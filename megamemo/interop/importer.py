@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megamemo.checkpoint.single import SingleCheckpointError, save_single
+from megamemo.interop.reference import ReferenceFormatError, config_from_reference, import_reference, load_weights_only
 from megamemo.model.scoring import score_segments
 
 
@@ -28,13 +29,6 @@ def import_reference_file(path, request: ImportReference, log=print) -> Path:
     """A thu-coai/LaMemo or kimiyoung/transformer-xl checkpoint -> a single-device checkpoint. FILE is either a
     dict with `state_dict` and `config` (the constructor's keyword arguments; ../shared/reference's format, whose
     `inputs`/`targets`/`nll` are then replayed as a check) or a bare state_dict with --config JSON."""
-    from megamemo.interop.reference import (
-        ReferenceFormatError,
-        config_from_reference,
-        import_reference,
-        load_weights_only,
-    )
-
     src, out, config_path = Path(path), Path(request.out), request.config
     if out.exists():
         raise ReferenceImportError(f"{out}: already exists; refusing to overwrite")

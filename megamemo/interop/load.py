@@ -25,6 +25,7 @@ from megamemo.checkpoint.probe_replay import check_probe, read_probe
 from megamemo.checkpoint.single import FORMAT, SingleCheckpointError, load_single, model_from_state_dict, read_config
 from megamemo.checkpoint.state import rank_files
 from megamemo.checkpoint.store import MARKER, CheckpointError, newest_complete, step_of, verify
+from megamemo.kernels import apply_attention, apply_kernels, resolve_attention
 from megamemo.model import Memory, MemTransformerLM, ModelConfig
 from megamemo.util.precision import torch_dtype
 
@@ -191,8 +192,6 @@ def open_model(path, device, dtype: str = "checkpoint", attention: str | None = 
     """load_model(path) ready to run on `device` -> (model in eval mode, meta): in `dtype` ("checkpoint": as
     stored), with the CPU's attention masking on a CPU and plain PyTorch elsewhere (kernels "auto"), and the
     attention form `attention` resolved for the device (generating: one query a step; None: as built)."""
-    from megamemo.kernels import apply_attention, apply_kernels, resolve_attention
-
     model, meta = load_model(path)
     if dtype != "checkpoint":
         model = model.to(torch_dtype(dtype))

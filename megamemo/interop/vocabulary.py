@@ -9,6 +9,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
+import yaml
+
+from megamemo.data import load_manifest, load_vocab
+from megamemo.data.remote import manifest_of
+from megamemo.data.tokenizer import SubwordTokenizer, load_recorded, same_tokenizer
+from megamemo.data.vocab import Vocab
 from megamemo.util.errors import UsageError
 
 
@@ -16,9 +23,6 @@ def data_meta(data_dir) -> dict:
     """What generation needs from the shard directory: the tokenizer and the vocabulary's symbols. A subword
     tokenizer is recorded as {"kind": "subword", "vocab_size", "file", "sha256", ...}: to_single copies that file
     beside config.json (generate and exports read it from there, checked by its sha256)."""
-    from megamemo.data import load_manifest, load_vocab
-    from megamemo.data.tokenizer import SubwordTokenizer
-
     m = load_manifest(data_dir)
     v = load_vocab(data_dir)
     vocab = (
@@ -38,8 +42,6 @@ def copy_tokenizer(meta: dict, out: Path) -> None:
     tok = meta.get("tokenizer") or {}
     if tok.get("kind") != "subword":
         return
-    from megamemo.data.tokenizer import load_recorded
-
     src = Path((meta.get("data") or {}).get("dir", ""))
     load_recorded(src, tok, f"{src / 'manifest.json'}")  # raises on a changed or missing file
     shutil.copyfile(src / tok["file"], out / tok["file"])
@@ -49,8 +51,6 @@ def run_data_meta(step_dir: Path) -> dict:
     """data_meta of the run's data.dir (from <run_dir>/config.yaml), when it is there."""
     cfg = step_dir.parent.parent / "config.yaml"
     try:
-        import yaml
-
         d = (yaml.safe_load(cfg.read_text()) or {}).get("data", {}).get("dir") if cfg.is_file() else None
         return data_meta(d) if d and (Path(d) / "manifest.json").is_file() else {}
     except Exception:  # the vocabulary is a convenience for generate
@@ -61,11 +61,6 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
     """The vocabulary or subword tokenizer to encode the prompt and decode with: --data's (which must hold the
     tokenizer the checkpoint records), else the file the checkpoint carries (tokenizer.json beside config.json,
     checked by sha256), else its symbols, else its training data directory's."""
-    from megamemo.data import load_vocab
-    from megamemo.data.remote import manifest_of
-    from megamemo.data.tokenizer import load_recorded, same_tokenizer
-    from megamemo.data.vocab import Vocab
-
     tok = meta.get("tokenizer") or {}
     if data_dir:  # a local directory or an s3:// gs:// https:// one
         theirs = manifest_of(data_dir).get("tokenizer") or {}
@@ -100,8 +95,6 @@ def vocab_for(meta: dict, data_dir=None, ckpt=None):
 
 
 def encode_prompt(vocab, raw: bytes, where: str) -> list[int]:
-    import numpy as np
-
     if vocab.kind == "subword":
         try:
             return vocab.encode(raw.decode("utf-8"))

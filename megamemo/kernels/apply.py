@@ -15,7 +15,7 @@ from megamemo.model.attention import causal_attention, lookahead_attention, mask
 from megamemo.model.layers import RelAttention, ReluDropout
 from megamemo.util.errors import UsageError
 
-from .compiler import uncompiled
+from .compiler import CompilerUnavailable, enable_compiler, uncompiled
 from .dropout import CpuDropout
 from .flex import flex_causal_attention, flex_lookahead_attention
 from .fused import FusedUnavailable, check_device, fused_causal_attention, fused_lookahead_attention
@@ -101,8 +101,6 @@ def resolve_attention(choice: str, device, generating: bool = False) -> str:
         return choice
     if generating or torch.device(device).type != "cuda":
         return "eager"
-    from .compiler import CompilerUnavailable, enable_compiler
-
     try:
         enable_compiler()
     except CompilerUnavailable:

@@ -25,6 +25,7 @@ import os
 import torch
 from torch import nn
 
+from megamemo.model.layers import LaMemoLayer, RelAttention, XLLayer
 from megamemo.util.errors import MegamemoError
 
 COMPILE = ("auto", "on", "off")  # train.compile
@@ -60,8 +61,6 @@ def enable_compiler() -> None:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    from megamemo.model.layers import LaMemoLayer, XLLayer
-
     return [m for m in model.modules() if isinstance(m, (XLLayer, LaMemoLayer))]
 
 
@@ -69,7 +68,7 @@ def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
     """Compile every decoder layer of the model in place (nn.Module.compile); returns how many. The layers'
     code is one: raise the recompile limit above the graphs a run makes (training and evaluation lengths)."""
     enable_compiler()
-    import torch._dynamo
+    import torch._dynamo  # heavy (a second or more): only when something is compiled
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     layers = decoder_layers(model)
@@ -84,10 +83,8 @@ def compile_attention_regions(model: nn.Module, backend: str = "inductor") -> in
     RelAttention's causal and look-ahead functions (the scores, the position term, masking, softmax and the
     log-normaliser: the score-sized round trips, most of a layer's non-GEMM time). One compiled function per
     attention function, shared by the layers. Returns how many attention modules were given them."""
-    from megamemo.model.layers import RelAttention
-
     enable_compiler()
-    import torch._dynamo
+    import torch._dynamo  # heavy (a second or more): only when something is compiled
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     modules = [m for m in model.modules() if isinstance(m, RelAttention)]
@@ -124,7 +121,7 @@ def run_eagerly():
 def compile_stats() -> dict:
     """{"graphs": graphs TorchDynamo compiled so far in this process, "recompiles": graphs beyond the first}. With
     compiled layers (one code, shared) the recompiles are the layer's; with FlexAttention alone, its kernel's."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # heavy: only where compiles are counted
 
     graphs = int(counters["stats"].get("unique_graphs", 0))
     return {"graphs": graphs, "recompiles": max(0, graphs - 1)}

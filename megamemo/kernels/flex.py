@@ -26,6 +26,7 @@ import functools
 import warnings
 
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest
@@ -34,20 +35,16 @@ except ImportError:  # torch < 2.9
 
 from megamemo.model.attention import _drops, _rows, causal_attention, lookahead_attention, select_lse
 
+from .compiler import enable_compiler
+
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from .compiler import enable_compiler
-
     enable_compiler()
     return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex_call(device_type: str):
-    from torch.nn.attention.flex_attention import flex_attention
-
     if torch.compiler.is_compiling() or device_type == "cpu":
         return flex_attention  # compiled with the enclosing region / the CPU's reference form
     return _compiled_flex()

@@ -32,7 +32,7 @@ class FusedUnavailable(MegamemoError, RuntimeError):
 @functools.cache
 def _kernels():
     try:  # triton only when the kernels are used: the CPU wheel of torch does not bring it
-        import megamemo.kernels.relattn_triton as kernels
+        import megamemo.kernels.relattn_triton as kernels  # imports triton
     except ImportError as e:
         raise FusedUnavailable(f"model.attention: fused needs triton ({e})") from None
     return kernels

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from .config import ModelConfig
@@ -171,8 +172,6 @@ class MemTransformerLM(nn.Module):
     def _call(self, layer, *args, **kwargs):
         """layer(*args, **kwargs), its activations recomputed in the backward when recompute_layers is on."""
         if self.recompute_layers and self.training and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
             return checkpoint(layer, *args, use_reentrant=False, **kwargs)
         return layer(*args, **kwargs)
 

@@ -16,7 +16,7 @@ TP_RNG = "model-parallel-rng"  # megatron's name for the per-TP-rank stream
 
 
 def _mcore():
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel  # megatron-core: only for tp/pp > 1 (heavy)
 
     return parallel_state, tensor_parallel
 
@@ -175,6 +175,7 @@ def rng_tracker():
 
 def communication_device() -> torch.device:
     """The device this process's collectives run on (DeepSpeed's accelerator: cuda:N under NCCL, cpu under gloo)."""
+    # deepspeed picks its accelerator at import: only after runtime/device.resolve()
     from deepspeed.accelerator import get_accelerator
 
     return torch.device(get_accelerator().current_device_name())

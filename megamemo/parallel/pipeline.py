@@ -41,6 +41,9 @@ from megamemo.model.layers import LaMemoLayer, XLLayer
 from megamemo.model.memory import xl_update
 from megamemo.model.positions import causal_mask, position_sequence, sinusoid
 
+from .groups import tp_rank_size
+from .tensor import mark_tensor_parallel, parallelize_layer, shard_tensor
+
 
 class StageMemory:
     """The memory tensors of one stage's layers, per micro-batch: current[mb][name], written through pending until
@@ -145,6 +148,7 @@ class EmbedPipe(nn.Module):
     def _lookup(self, tokens):
         if self.ctx.tp == 1:
             return F.embedding(tokens, self.weight)
+        # megatron-core: only for tp/pp > 1 (heavy)
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
         lo = self.ctx.tp_rank * self.weight.size(0)
@@ -159,6 +163,7 @@ def output_logits(module: EmbedPipe, inputs):
     L = module.ctx.micro_batch(meta)[2]
     h = module.drop_out(rows[rows.size(0) - L :])
     if module.ctx.tp > 1:
+        # megatron-core: only for tp/pp > 1 (heavy)
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
         h = copy_to_tensor_model_parallel_region(h)
@@ -186,8 +191,6 @@ class LayerPipe(nn.Module):
         super().__init__()
         self.layer = LaMemoLayer(cfg, index) if cfg.lamemo else XLLayer(cfg, index)
         if ctx.tp > 1:
-            from .tensor import parallelize_layer
-
             parallelize_layer(self.layer, cfg, ctx.tp, torch.float32)
         self.index, self.ctx, self.cfg = index, ctx, cfg
         self.drop_pos = nn.Dropout(cfg.dropout)  # the position table's (the single model's drop_pos)
@@ -253,6 +256,7 @@ def token_nll(logits, labels, vocab_parallel: bool = False):
     """Per-token NLL [L, B] fp32 of the last stage's logits [L, B, V]; vocab_parallel: logits split by vocabulary
     across the TP ranks (megatron's vocab-parallel cross entropy, a collective)."""
     if vocab_parallel:
+        # megatron-core: only for tp/pp > 1 (heavy)
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(logits.float().clone(), labels)
@@ -289,6 +293,7 @@ def check_supported(cfg, pp: int) -> None:
 
 
 def layer_specs(cfg, ctx: StageContext):
+    # deepspeed picks its accelerator at import: only after runtime/device.resolve()
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     bias_names = ["r_w_bias", "r_r_bias"] + (["r_r_bias_future"] if cfg.future_bias else [])
@@ -315,9 +320,8 @@ def stage_bounds(n_layer: int, pp: int, n_specs: int) -> list[int]:
 def build_pipeline(cfg, pp: int, topology=None, activation_checkpoint_interval: int = 0):
     """-> (PipelineModule for this rank's stage, its StageContext). With megatron-core's groups initialised
     for tp > 1, every stage is also split by heads/vocabulary across its TP ranks."""
+    # deepspeed picks its accelerator at import: only after runtime/device.resolve()
     from deepspeed.pipe import PipelineModule
-
-    from .groups import tp_rank_size
 
     check_supported(cfg, pp)
     tp_rank, tp = tp_rank_size()
@@ -343,8 +347,6 @@ def build_pipeline(cfg, pp: int, topology=None, activation_checkpoint_interval: 
         **kw,
     )
     if tp > 1:
-        from .tensor import mark_tensor_parallel
-
         inv = {v: k for k, v in single_to_stage_names(cfg, module).items()}
         mark_tensor_parallel(module, lambda n: inv.get(n, n))
     return module, ctx
@@ -386,9 +388,6 @@ def single_to_stage_names(cfg, module) -> dict[str, str]:
 
 def load_single_state(cfg, module, single_sd: dict) -> None:
     """Give this stage (this TP rank's shard of it) the weights of a single-device model."""
-    from .groups import tp_rank_size
-    from .tensor import shard_tensor
-
     rank, tp = tp_rank_size()
     names = single_to_stage_names(cfg, module)
     local = {names[k]: shard_tensor(k, v, rank, tp) for k, v in single_sd.items() if k in names}

@@ -18,6 +18,11 @@ import zlib
 
 import torch
 
+from megamemo.model import MemTransformerLM
+
+from .groups import tp_rank_size
+from .tensor import _rule, mark_tensor_parallel, parallelize_tensor
+
 
 def init_value(p: torch.Tensor, name: str, cfg, gen: torch.Generator) -> None:
     std, pstd = cfg.init_std, cfg.proj_init_std
@@ -37,9 +42,6 @@ def init_value(p: torch.Tensor, name: str, cfg, gen: torch.Generator) -> None:
 
 def init_shard(module: torch.nn.Module, cfg, seed: int, single_name=lambda n: n) -> None:
     """Initialise every parameter of `module` (this rank's shard) by its single-device name."""
-    from .groups import tp_rank_size
-    from .tensor import _rule
-
     tp_rank, _ = tp_rank_size()
     for name, p in module.named_parameters():
         single = single_name(name)
@@ -58,10 +60,6 @@ def init_shard(module: torch.nn.Module, cfg, seed: int, single_name=lambda n: n)
 def shard_model(cfg, seed: int):
     """This rank's tensor-parallel shard of MemTransformerLM(cfg), initialised directly: the single-device model
     is built on the meta device (no memory), made tensor-parallel, and only then given storage."""
-    from megamemo.model import MemTransformerLM
-
-    from .tensor import mark_tensor_parallel, parallelize_tensor
-
     with torch.device("meta"):
         model = MemTransformerLM(cfg)
     model = parallelize_tensor(model, load=False).to_empty(device="cpu")

@@ -43,6 +43,7 @@ def stage_forward(ds, ctx: StageContext, device, every_tp_rank: bool = False):
     meta), out to the next stage or, on the last, the per-token NLL [L, B] -> (the NLL this rank counts, None): the
     last stage's on its first TP rank (every_tp_rank: on each of them), no elements elsewhere. The memory is the
     bank's, committed after each segment."""
+    # deepspeed picks its accelerator at import: only after runtime/device.resolve()
     from deepspeed.runtime.pipe import p2p
 
     def forward(module, inp, tgt, mem):

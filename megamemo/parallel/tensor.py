@@ -23,6 +23,7 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_gather
 
 from megamemo.model.adaptive import mask_padding
 from megamemo.model.layers import project_split
@@ -174,8 +175,8 @@ class HeadRows(nn.Linear):
 
 
 def _mcore_layers(tp, dtype):
-    from megatron.core import ModelParallelConfig
-    from megatron.core import tensor_parallel as mtp
+    from megatron.core import ModelParallelConfig  # megatron-core: only for tp/pp > 1 (heavy)
+    from megatron.core import tensor_parallel as mtp  # megatron-core: only for tp/pp > 1 (heavy)
 
     # Parameters are made on the CPU like every other parameter of the model (DeepSpeed moves the module to its
     # device): with use_cpu_initialization=False megatron would put them on torch.cuda.current_device(), a module
@@ -232,6 +233,7 @@ class VocabParallelSoftmax(nn.Module):
             self.out_weights.append(nn.Parameter(torch.zeros(local_vocab, d_model, dtype=dtype)))
 
     def _logits(self, h, emb):
+        # megatron-core: only for tp/pp > 1 (heavy)
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
         table = emb.emb_layers[0].weight if self.tie_weight else self.out_weights[0]
@@ -240,6 +242,7 @@ class VocabParallelSoftmax(nn.Module):
         )
 
     def nll(self, h, target, emb):
+        # megatron-core: only for tp/pp > 1 (heavy)
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(self._logits(h, emb).float().clone(), target)
@@ -248,8 +251,7 @@ class VocabParallelSoftmax(nn.Module):
         """Log-probabilities over the whole vocabulary: the TP ranks' logits gathered in rank order (their ids are
         consecutive), on the logits' device - megatron's gather allocates on the current CUDA device, which a CPU run
         has not; torch's gather carries the gradient back to each rank's rows."""
-        from megatron.core import parallel_state as ps
-        from torch.distributed.nn.functional import all_gather
+        from megatron.core import parallel_state as ps  # megatron-core: only for tp/pp > 1 (heavy)
 
         parts = all_gather(self._logits(h, emb).contiguous(), group=ps.get_tensor_model_parallel_group())
         return F.log_softmax(torch.cat(parts, dim=-1).float(), dim=-1)
@@ -277,6 +279,7 @@ def local_bias(cfg, tp: int, dtype) -> nn.Parameter:
 def mark_tensor_parallel(module, name_of=lambda n: n) -> None:
     """Tag the parameters split across TP ranks (by the single-device name `name_of(name)`) so gradient-norm
     computations count them once per shard; megatron's own layers tag theirs."""
+    # megatron-core: only for tp/pp > 1 (heavy)
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
     for name, p in module.named_parameters():

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from megamemo.model import MemTransformerLM, lm
+from megamemo.model import MemTransformerLM, ModelConfig, lm
 from megamemo.model.attention import causal_attention, lookahead_attention
 from megamemo.model.layers import RelAttention
 from megamemo.model.memory import Memory, xl_update
@@ -196,8 +196,6 @@ def trace(m, micro: int, tp: int = 1, dtype: str = "bf16") -> Trace:
 
 @functools.lru_cache(maxsize=64)
 def _traced(key: str, micro: int, tp: int, dtype: str) -> Trace:
-    from megamemo.model import ModelConfig
-
     return _run(local_config(ModelConfig.from_dict(json.loads(key)), tp), micro, DTYPES[dtype])
 
 
@@ -328,8 +326,6 @@ class _NoInit(TorchFunctionMode):
 
 @functools.lru_cache(maxsize=8)
 def _model(key: str, dtype):
-    from megamemo.model import ModelConfig
-
     with torch.device("meta"), _NoInit():
         model = MemTransformerLM(ModelConfig.from_dict(json.loads(key))).to(dtype).train()
     model.check_inputs = False  # token-range checks read values: none on meta

@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+from megamemo.config.run import ConfigError
+from megamemo.model.config import padded_vocab
 from megamemo.plan.devices import device
 from megamemo.plan.steptime import StepTime, step_time
 
@@ -35,8 +37,6 @@ def model_at(cfg, tp: int):
     (model/config.py padded_vocab: 32,000 symbols are 32,000 rows at tp 2, 32,256 at tp 4, 32,768 at tp 8)."""
     if not cfg.n_token_auto:
         return cfg.model
-    from megamemo.model.config import padded_vocab
-
     n_token, n_vocab = padded_vocab(cfg.model.vocab_size, tp)
     return dataclasses.replace(cfg.model, n_token=n_token, n_vocab=n_vocab)
 
@@ -175,8 +175,6 @@ def check_device(cfg, kind: str) -> None:
 
 def layout_problem(cfg, world: int, gpn: int) -> str | None:
     """Why cfg's own layout (parallel.tp / pp / zero_stage) cannot run on `world` devices, `gpn` a node, or None."""
-    from megamemo.config.run import ConfigError
-
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if world % (tp * pp):
         return f"tp x pp = {tp * pp} does not divide the {world} devices"

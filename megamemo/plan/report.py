@@ -4,6 +4,7 @@ first (recommend.py); why a layout cannot run, in one line, with the nearest tha
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from typing import Any
 
 from megamemo.config.run import ConfigError
 from megamemo.model.params import total_params
+from megamemo.plan import recommend as rec
+from megamemo.plan.steptime import explain, step_time
 from megamemo.runtime.gpus import gpu
 
 from .layouts import HEADROOM, GiB, Plan, plan, stage_plans
@@ -54,10 +57,6 @@ def _capacity(ask: Ask) -> tuple[float, str]:
 def _structural(base, ask: Ask, world: int) -> str | None:
     """Why the layout of --tp/--pp cannot run on the cluster at all (before the config's reduction settings that
     the layout leaves without effect, parallel/zero.py)."""
-    import dataclasses
-
-    from megamemo.plan import recommend as rec
-
     par = dataclasses.replace(base.parallel, tp=ask.tp or base.parallel.tp, pp=ask.pp or base.parallel.pp)
     return rec.layout_problem(dataclasses.replace(base, parallel=par), world, ask.gpus_per_node)
 
@@ -87,9 +86,6 @@ def _print_memory(plans: list[Plan], cluster: str) -> tuple[Plan, bool]:
 def report(load: Callable[[list[str]], Any], ask: Ask) -> int:
     """Prints the plan of the config `load(sets)` returns (sets: --set overrides of the layout) on the cluster ->
     the exit code: 0 it fits, 1 it does not, 2 the config or cluster cannot be planned (one line on stderr)."""
-    from megamemo.plan import recommend as rec
-    from megamemo.plan.steptime import explain, step_time
-
     world = ask.nodes * ask.gpus_per_node
     given = bool(ask.tp or ask.pp)
     layout = [f"parallel.{k}={v}" for k, v in (("tp", ask.tp), ("pp", ask.pp)) if v]

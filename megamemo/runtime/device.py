@@ -21,6 +21,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
+
 from megamemo.util.errors import MegamemoError
 
 _ACCELERATOR = {"gpu": "cuda", "cpu": "cpu"}
@@ -115,8 +117,6 @@ def why_no_cuda(torch, said: str = "") -> str:
 
 def resolve(env=None) -> str:
     """Decide 'cuda' or 'cpu' for this process and set DS_ACCELERATOR to match. Raises DeviceError."""
-    import torch
-
     env = os.environ if env is None else env
     want = requested(env)
     count, said = cuda_devices(torch) if want != "cpu" else (0, "")
@@ -138,8 +138,6 @@ def torch_device(name: str | None) -> str:
     torch sees a CUDA device, else cpu, decided when the command runs; any other name is taken as given."""
     if name not in ("auto", None):
         return name
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -154,8 +152,6 @@ DETERMINISTIC_ENV = {
 def make_deterministic(env=None) -> dict:
     """torch's deterministic kernels (an op without one raises, naming itself), no cuDNN autotuning, and the
     environment above where the user has not set it; before any CUDA or NCCL work. Returns what it set."""
-    import torch
-
     env = os.environ if env is None else env
     added = {k: v for k, v in DETERMINISTIC_ENV.items() if k not in env}
     env.update(added)
@@ -169,8 +165,6 @@ def make_deterministic(env=None) -> dict:
 def set_tf32(allow: bool) -> None:
     """TF32 tensor-core products for fp32 matmuls and convolutions on CUDA, as the user allows (and off
     otherwise: torch's matmul default is off, cuDNN's on). No effect on the CPU or on bf16/fp16 products."""
-    import torch
-
     torch.backends.cuda.matmul.allow_tf32 = allow
     torch.backends.cudnn.allow_tf32 = allow
 
@@ -178,8 +172,6 @@ def set_tf32(allow: bool) -> None:
 def tf32_state() -> str:
     """The TF32 switches as this process's torch reports them now ("TF32 on" / "TF32 off"; the cuDNN switch named
     when it differs): what the run log records, so that a run shows what it ran with, not what it asked for."""
-    import torch
-
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     state = f"TF32 {'on' if matmul else 'off'}"
     return state if cudnn == matmul else f"{state}, cuDNN TF32 {'on' if cudnn else 'off'}"

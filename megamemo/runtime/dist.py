@@ -196,7 +196,7 @@ def mpirun_inside_slurm(env) -> bool:
 
 
 def _discover_mpi(env) -> DistEnv:
-    from mpi4py import MPI
+    from mpi4py import MPI  # initialises MPI when imported: only under an MPI launcher
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -223,6 +223,7 @@ def init(timeout_s: float = 300.0) -> DistEnv:
     """Discover the ranks, export them, choose the device (device.py) and start torch.distributed through
     DeepSpeed (gloo or NCCL). timeout_s (parallel.collective_timeout_s): how long a collective of the default group
     waits for a peer before it fails (a hung or dead rank)."""
+    # torch, and device (which imports it), only here: the launcher imports this module and runs without torch
     import torch
 
     from megamemo.runtime import device
@@ -239,7 +240,7 @@ def init(timeout_s: float = 300.0) -> DistEnv:
     else:
         backend = "gloo"
         _skip_shm_comm_build()
-    import deepspeed
+    import deepspeed  # picks its accelerator when imported: only after device.resolve() above
 
     deepspeed.init_distributed(
         dist_backend=backend,
@@ -252,7 +253,7 @@ def init(timeout_s: float = 300.0) -> DistEnv:
 
 
 def barrier() -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # no torch at import: the launcher imports this module
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -260,7 +261,7 @@ def barrier() -> None:
 
 def broadcast(obj):
     """Rank 0's `obj` on every rank (any picklable value between this run's own processes)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # no torch at import: the launcher imports this module
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return obj
@@ -270,7 +271,7 @@ def broadcast(obj):
 
 
 def shutdown() -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # no torch at import: the launcher imports this module
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -28,6 +28,7 @@ job); that script loads this file by its path.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -389,8 +390,6 @@ def slurm_assignments(a) -> int:
 def _consult(run_dir: Path | None):
     """runtime/suspect.py's replay of a node-suspect stop (MEGAMEMO_REPLAY_SUSPECT=1), loaded from beside this file
     (train.sbatch runs this one by path, isolated: no package to import it from)."""
-    import importlib.util
-
     if run_dir is None:
         return None
     spec = importlib.util.spec_from_file_location("megamemo_suspect", Path(__file__).with_name("suspect.py"))

@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
+from megamemo.config.run import ConfigError
 from megamemo.runtime.gpus import by_device_name
 
 ENV = "MEGAMEMO_PEAK_TFLOPS"
@@ -47,8 +50,6 @@ def device_peak(device, precision: str, environ=None) -> Peak:
     """The peak of the device a run uses (a torch.device or its string) at the run's precision."""
     env = os.environ if environ is None else environ
     if env.get(ENV):
-        from megamemo.config.run import ConfigError
-
         try:
             tflops = float(env[ENV])
         except ValueError:
@@ -56,8 +57,6 @@ def device_peak(device, precision: str, environ=None) -> Peak:
         if not tflops > 0 or tflops == float("inf"):
             raise ConfigError(f"{ENV}: must be a positive number of TFLOP/s per device, got {env[ENV]!r}")
         return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s ({ENV})")
-    import torch
-
     dev = torch.device(device)
     if dev.type != "cuda":
         return Peak(None, f"n/a ({dev.type}: no datasheet peak; set {ENV})")

@@ -22,6 +22,8 @@ import os
 import sys
 import warnings
 
+from megamemo.runtime.dist import mpi_rank, mpirun_inside_slurm
+
 ALL_RANKS_ENV = "MEGAMEMO_LOG_ALL_RANKS"
 
 # (message regex, category, module regex): warnings.filterwarnings arguments
@@ -50,8 +52,6 @@ def user_set_warnings(environ=None) -> bool:
 
 def launcher_rank(environ=None) -> int:
     """This process's global rank as its launcher set it (0 without one), without importing torch or MPI."""
-    from megamemo.runtime.dist import mpi_rank, mpirun_inside_slurm
-
     env = os.environ if environ is None else environ
     try:
         if "RANK" in env:

@@ -5,6 +5,7 @@ train/metrics.py); the process tied to its launcher; anticipated errors reported
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -22,8 +23,6 @@ def die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        import ctypes
-
         parent = os.getppid()
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
@@ -112,7 +111,7 @@ def tear_down(trainer) -> None:
         if rundir is not None:
             rundir.close()
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # guarded: tear_down must finish even where it cannot be imported
     except ImportError:
         return
     if dist.is_available() and dist.is_initialized():

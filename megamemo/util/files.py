@@ -155,7 +155,7 @@ def _unique_beside(path: Path, suffix: str) -> Path:
 def save_tensors(tensors: dict, path, metadata: dict | None = None) -> None:
     """safetensors' save_file, but the file gets the mode any new file gets here (0666 less the umask, as the
     config.json beside it): save_file writes 0600, which colleagues on a shared file system cannot read."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # brings torch: util/files serves torch-free callers (the CLI, plan)
 
     path = Path(path)
     save_file(tensors, str(path), metadata=metadata)

@@ -15,7 +15,7 @@ def _check(name: str) -> None:
 
 
 def torch_dtype(name: str):
-    import torch
+    import torch  # lazy: the planner and the CLI flags read names and sizes without torch (module docstring)
 
     _check(name)
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

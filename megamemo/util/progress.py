@@ -65,7 +65,7 @@ class Progress:
             bar = _isatty(self.stream)
         self._bar = None
         if bar:
-            from tqdm import tqdm
+            from tqdm import tqdm  # only for a terminal; tqdm is no declared dependency (DeepSpeed brings it)
 
             cols, rows = _size(self.stream)  # a terminal that reports no size (a bare pty): 80 x 24
             self._bar = tqdm(

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import torch
+
 
 def seed_default_streams(seed: int) -> None:
-    import numpy as np
-    import torch
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
