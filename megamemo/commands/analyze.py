@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megamemo analyze", description=__doc__.split("\n\n")[0])
     flags.add(p, "ckpt", repeat=True, help="checkpoint (repeatable: LaMemo and XL)")
     p.add_argument("--out", default="analysis", help="output directory")
-    flags.add_fields(p, Request, shared={"data": {}, "mem_len": {}, "device": {"default": "auto"}})
+    flags.add_fields(p, Request, shared={"data": {}, "mem_len": {}, "device": {}})
     a = p.parse_args(argv)
     request = Request(**{**flags.field_values(a, Request), "device": torch_device(a.device)})
     say = lambda line: print(line, flush=True)  # noqa: E731

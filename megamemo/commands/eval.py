@@ -34,7 +34,7 @@ def parse_args(argv):
     flags.add_fields(
         p,
         Request,
-        shared={"data": {}, "mem_len": {}, "device": {"default": "auto"}, "dtype": {"extra_choices": ("checkpoint",)}},
+        shared={"data": {}, "mem_len": {}, "device": {}, "dtype": {"extra_choices": ("checkpoint",)}},
         trams_metric={"choices": METRICS},
         attention={"choices": ATTENTIONS},
     )

@@ -75,7 +75,8 @@ def add_fields(parser: argparse.ArgumentParser, cls, *, shared: dict | None = No
     megamemo/util/field_comments.py) make the flag. A field without a default is required; `bool | None` makes
     --name / --no-name (None: neither given); `list[float]` reads comma-separated numbers, `list[str]` one or more
     values. `shared` maps a field
-    to a shared flag of SHARED above ({field: dict of add()'s keywords}): its type and metavar are the shared ones,
+    to a shared flag of SHARED above ({field: dict of add()'s keywords}): its type, metavar and default (where SHARED
+    declares one) are the shared ones,
     its help the field's. `specs`: argparse keywords one flag adds (choices); a field's type or meaning stays the
     field's."""
     helps = field_comments(cls)
@@ -88,7 +89,10 @@ def add_fields(parser: argparse.ArgumentParser, cls, *, shared: dict | None = No
         if f.default is dataclasses.MISSING:
             kwargs["required"] = True
         if shared and f.name in shared:
-            add(parser, f.name.replace("_", "-"), **{**kwargs, **shared[f.name]})
+            name = f.name.replace("_", "-")
+            if "default" in SHARED[name]:  # the shared flag's own default (--device auto), declared once above
+                kwargs.pop("default")
+            add(parser, name, **{**kwargs, **shared[f.name]})
             continue
         kwargs.update(_argparse_type(types[f.name], f.name))
         kwargs.update(specs.get(f.name, {}))

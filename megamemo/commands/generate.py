@@ -26,9 +26,7 @@ def main(argv: list[str]) -> int:
     flags.add(p, "ckpt")
     p.add_argument("--out", help="write the continuation here instead of stdout")
     p.add_argument("--json", help="write prompt/new token ids and the text here")
-    flags.add_fields(
-        p, Request, shared={"data": {}, "mem_len": {}, "device": {"default": "auto"}}, attention={"choices": ATTENTIONS}
-    )
+    flags.add_fields(p, Request, shared={"data": {}, "mem_len": {}, "device": {}}, attention={"choices": ATTENTIONS})
     a = p.parse_args(argv)
     request = Request(**{**flags.field_values(a, Request), "device": torch_device(a.device)})
     job = prepare(a.ckpt, request)
