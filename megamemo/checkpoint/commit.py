@@ -22,6 +22,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megamemo.checkpoint.index import INDEX_FILE, coverage_problems, merge
 from megamemo.checkpoint.state import Snapshot, WriteError, save_snapshot
 from megamemo.util.files import file_sha256, write_json_atomic
@@ -36,8 +38,6 @@ class Collectives:
 
     @staticmethod
     def _dist():
-        import torch.distributed as dist
-
         return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
     def broadcast(self, obj):
@@ -75,8 +75,6 @@ class OutcomeGroup:
     """gather to rank 0 and broadcast from it, over a gloo group of its own (collective to create)."""
 
     def __init__(self, timeout_s: float):
-        import torch.distributed as dist
-
         self.dist, self.timeout_s = dist, timeout_s
         self.rank = dist.get_rank()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -106,8 +104,6 @@ class OutcomeGroup:
 
 def outcome_channel(world_size: int, timeout_s: float):
     """The group for a run of `world_size` ranks (collective when there are several)."""
-    import torch.distributed as dist
-
     if world_size == 1:
         return LocalOutcomes()
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size):

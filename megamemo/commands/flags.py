@@ -74,11 +74,9 @@ def add_fields(parser: argparse.ArgumentParser, cls, *, shared: dict | None = No
     declared once, in the library: its type, its default and its help (the comment beside the field, read by
     megamemo/util/field_comments.py) make the flag. A field without a default is required; `bool | None` makes
     --name / --no-name (None: neither given); `list[float]` reads comma-separated numbers, `list[str]` one or more
-    values. `shared` maps a field
-    to a shared flag of SHARED above ({field: dict of add()'s keywords}): its type, metavar and default (where SHARED
-    declares one) are the shared ones,
-    its help the field's. `specs`: argparse keywords one flag adds (choices); a field's type or meaning stays the
-    field's."""
+    values. `shared` maps a field to a shared flag of SHARED above ({field: dict of add()'s keywords}): its type,
+    metavar and default (where SHARED declares one) are the shared ones, its help the field's. `specs`: argparse
+    keywords one flag adds (choices); a field's type or meaning stays the field's."""
     helps = field_comments(cls)
     types = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):

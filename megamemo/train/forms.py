@@ -24,6 +24,7 @@ On the CPU `auto` is eager (flex has no CPU backward; fused runs there only in T
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megamemo.config.run import ConfigError
 from megamemo.kernels import apply_attention
@@ -88,8 +89,6 @@ def candidates(cfg: RunConfig, device, log) -> tuple[list[Form], list[str]]:
 
 def _all_ranks(values: list[float], device) -> list[float]:
     """Each value's maximum over the ranks (inf: failed somewhere); the values themselves with one process."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
     on = device if torch.device(device).type == "cuda" and torch.cuda.is_available() else "cpu"  # NCCL: CUDA

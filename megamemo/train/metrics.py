@@ -139,7 +139,7 @@ class Metrics:
             self._write({"kind": "start", **self.start, "ready": self._ready or time.time()})
         if self.tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional: log.tensorboard, and slow to import
 
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=self.start_step + 1)
             except ImportError as e:  # tensorboard missing: keep training, say so once

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from megamemo.checkpoint.index import open_reader
 from megamemo.checkpoint.layout import RunLayout
 from megamemo.checkpoint.store import tag_for
 from megamemo.train.metrics import ROLLED_BACK, rolled_back_steps
@@ -203,8 +204,6 @@ def compare_steps(run: dict[int, dict], replayed: dict[int, dict], steps: range,
 
 def compare_checkpoints(run_ckpt: Path, replay_ckpt: Path, tol: float | None):
     """(first difference or None, largest relative difference, tensors compared) over the tensors both hold."""
-    from megamemo.checkpoint.index import open_reader
-
     a, b = open_reader(run_ckpt), open_reader(replay_ckpt)
     names = [n for n in a.names() if n in b]
     worst = 0.0

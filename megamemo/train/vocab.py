@@ -17,10 +17,14 @@ first layout) is taken when it holds the same vocabulary and splits over the new
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
+from pathlib import Path
 
 from megamemo.config.run import ConfigError
+from megamemo.data import ManifestError
+from megamemo.data.remote import is_remote, manifest_of
 from megamemo.model.config import PAD_MULTIPLE, padded_vocab  # noqa: F401 (the rule lives with the model's n_vocab)
 
 
@@ -28,11 +32,6 @@ def manifest_vocab(data, fallback: int | None = None) -> int:
     """The vocabulary size recorded in the manifest of data.dir (data.blend[0].dir; a remote one read as the data
     section says); a ConfigError names model.n_token and the directory when there is none. `fallback`: the size
     taken (and said) where a local directory has no manifest.json yet."""
-    from pathlib import Path
-
-    from megamemo.data import ManifestError
-    from megamemo.data.remote import is_remote, manifest_of
-
     where, d = ("data.blend[0].dir", data.blend[0].get("dir")) if data.blend else ("data.dir", data.dir)
     if fallback is not None and not (d and (is_remote(d) or (Path(d) / "manifest.json").exists())):
         _say_assumed(where, d, fallback)
@@ -89,8 +88,6 @@ def adopt_checkpoint_vocab(cfg, saved_model: dict) -> str | None:
     vocabulary, every other model field agrees, and they split over this run's tp (a resume under another layout
     than the one that padded them). In place on cfg.model; -> a line saying so, or None (nothing to adopt: the
     usual model comparison then speaks)."""
-    import dataclasses
-
     mine = cfg.model.to_dict()
     rest = lambda d: {k: v for k, v in d.items() if k not in ("n_token", "n_vocab")}  # noqa: E731
     n = saved_model.get("n_token")
