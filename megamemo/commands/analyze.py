@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="analysis", help="output directory")
     flags.add_fields(p, Request, shared={"data": {}, "mem_len": {}, "device": {}})
     a = p.parse_args(argv)
-    request = Request(**{**flags.field_values(a, Request), "device": torch_device(a.device)})
+    request = flags.request(a, Request, device=torch_device(a.device))
     say = lambda line: print(line, flush=True)  # noqa: E731
     results = analyze_checkpoints(a.ckpt, request, log=say)
     write_analysis(results, a.out, request.split, request.batch_size, log=say)

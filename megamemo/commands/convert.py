@@ -40,10 +40,10 @@ def main(argv: list[str]) -> int:
     flags.add_fields(i, ImportReference)
     a = p.parse_args(argv)
     if a.cmd == "to-single":
-        out = to_single(a.ckpt, ToSingle(**flags.field_values(a, ToSingle)))
+        out = to_single(a.ckpt, flags.request(a, ToSingle))
     elif a.cmd == "relayout":
-        out = relayout(a.ckpt, Relayout(**flags.field_values(a, Relayout)))
+        out = relayout(a.ckpt, flags.request(a, Relayout))
     else:
-        out = import_reference_file(a.file, ImportReference(**flags.field_values(a, ImportReference)))
+        out = import_reference_file(a.file, flags.request(a, ImportReference))
     print(f"[convert] wrote {out}", flush=True)
     return 0

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     from megamemo.runtime.device import torch_device
 
     a = parse_args(argv)
-    request = Request(**{**flags.field_values(a, Request), "device": torch_device(a.device)})
+    request = flags.request(a, Request, device=torch_device(a.device))
     results = evaluate_checkpoints(a.ckpt, request, log=lambda line: print(line, flush=True))
     if request.mem_ratios is not None:
         write_sweep(results, Path(a.plot), a.table, log=lambda line: print(line, flush=True))

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     flags.add_fields(h, Request, shared={"data": {}})
     a = p.parse_args(argv)
     notes: list[str] = []  # what the conversion said: shown once it succeeded, so an error is one line
-    r = export_hf(a.ckpt, Request(**flags.field_values(a, Request)), log=notes.append)
+    r = export_hf(a.ckpt, flags.request(a, Request), log=notes.append)
     for m in notes:
         print(m, file=sys.stderr, flush=True)
     print(

@@ -102,6 +102,12 @@ def field_values(args: argparse.Namespace, cls) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
 
 
+def request(args: argparse.Namespace, cls, **resolved):
+    """The request `cls` from the parsed flags add_fields made for it, with `resolved` values (what the command
+    decides when it runs, e.g. --device auto) in place of the flags'."""
+    return cls(**{**field_values(args, cls), **resolved})
+
+
 def _argparse_type(hint, name: str) -> dict:
     """argparse keywords for a field's type: int, float, str, bool, `X | None` of those, list[float] or list[str]."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", help="write prompt/new token ids and the text here")
     flags.add_fields(p, Request, shared={"data": {}, "mem_len": {}, "device": {}}, attention={"choices": ATTENTIONS})
     a = p.parse_args(argv)
-    request = Request(**{**flags.field_values(a, Request), "device": torch_device(a.device)})
+    request = flags.request(a, Request, device=torch_device(a.device))
     job = prepare(a.ckpt, request)
     new, text = job.run(request, log=lambda m: print(m, file=sys.stderr, flush=True))
     if a.out:

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     # lazy: lm-eval only after the HF_*_OFFLINE defaults above, and only when the command runs
     from megamemo.export.harness import run_harness
 
-    r = run_harness(a.ckpt, Request(**flags.field_values(a, Request)))
+    r = run_harness(a.ckpt, flags.request(a, Request))
     print(
         f"{r['ckpt']}: {len(r['files'])} file(s), {r['bytes']:,} bytes | word_perplexity "
         f"{r['word_perplexity']:.4f} byte_perplexity {r['byte_perplexity']:.4f} bits_per_byte "

@@ -60,5 +60,5 @@ def main(argv: list[str]) -> int:
 
     return report(
         lambda sets: load(args.config, [*args.set, *sets], vocab_fallback=args.vocab),
-        Ask(**flags.field_values(args, Ask)),
+        flags.request(args, Ask),
     )

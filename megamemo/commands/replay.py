@@ -31,6 +31,6 @@ def main(argv: list[str]) -> int:
     from megamemo.train.replay import Request, replay
 
     a = parse_args(argv)
-    line = replay(a.ckpt, Request(**flags.field_values(a, Request)))
+    line = replay(a.ckpt, flags.request(a, Request))
     print(line, flush=True)
     return 1 if " differs at " in line else 0
